@@ -1,0 +1,229 @@
+"""Mixtral-family decoder math as plain torch functions (gpt-fast style).
+
+Each piece is a pure function over explicit weights so that the executors (serial and CGOPipe) can
+place every piece on the device they choose: the projections and the experts on the GPU, decode
+attention on the CPU over a CPU KV cache. The math follows Hugging Face transformers'
+``modeling_mixtral.py`` (the oracle in our tests) with one deliberate difference: router logits are
+computed in fp32 whatever the weight dtype (transformers computes them in the weight dtype), so that
+two experts whose logits differ by less than bf16 resolution are ranked as fp32 ranks them.
+
+Dimension key used in shape comments:
+    T: tokens in a packed (ragged) batch      B: sequences        S: key/value positions
+    D: hidden size    Hq: query heads    Hkv: key/value heads    G: Hq // Hkv    hd: head dim
+    E: experts        k: top-k           F: expert FFN width      V: vocabulary
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F_
+
+from .spec import MoESpec
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weights containers (host or device tensors; HF layout: [out_features, in_features])
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class LayerWeights:
+    """Non-expert weights of one decoder layer (small: they stay on the compute device)."""
+
+    attn_norm: torch.Tensor  # [D] input_layernorm
+    wq: torch.Tensor  # [Hq*hd, D]
+    wk: torch.Tensor  # [Hkv*hd, D]
+    wv: torch.Tensor  # [Hkv*hd, D]
+    wo: torch.Tensor  # [D, Hq*hd]
+    ffn_norm: torch.Tensor  # [D] post_attention_layernorm
+    router: torch.Tensor  # [E, D] block_sparse_moe.gate
+
+    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
+        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
+        return LayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
+
+
+@dataclass
+class ExpertWeights:
+    """The routed experts of one layer, stacked: expert e is ``w1[e], w3[e], w2[e]``."""
+
+    w1: torch.Tensor  # [E, F, D] gate_proj
+    w3: torch.Tensor  # [E, F, D] up_proj
+    w2: torch.Tensor  # [E, D, F] down_proj
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three stacked tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.w1, self.w3, self.w2))
+
+    def to(self, device, non_blocking: bool = False) -> "ExpertWeights":
+        """Copy to ``device`` (the serial executor's layer-by-layer host->device transfer)."""
+        return ExpertWeights(*(t.to(device, non_blocking=non_blocking) for t in (self.w1, self.w3, self.w2)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Norm and rotary embedding
+# ---------------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): ``w * x / sqrt(mean(x^2) + eps)``, statistics in fp32.
+
+    x: [..., D] any float dtype; weight: [D]. Returns x's dtype (as transformers' MixtralRMSNorm).
+    """
+    dtype = x.dtype
+    xf = x.float()  # [..., D] fp32
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_inv_freq(spec: MoESpec, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies ``theta^(-2i/hd)`` for i < hd/2 (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]."""
+    hd = spec.head_dim
+    return 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for integer positions.
+
+    positions: int64 [T]; inv_freq: fp32 [hd/2]. Returns (cos, sin), each [T, hd] in ``dtype``.
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2] fp32
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, hd] by per-token cos/sin [T, hd] (rotate-half convention, as HF Mixtral)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, hd]
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------
+def pre_attention(
+    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, q/k/v projections and RoPE for a packed batch of tokens.
+
+    x: [T, D]; positions: int64 [T] (each token's position in its own sequence).
+    Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
+    """
+    T = x.shape[0]
+    h = rms_norm(x, lw.attn_norm, spec.rms_norm_eps)  # [T, D]
+    q = F_.linear(h, lw.wq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
+    k = F_.linear(h, lw.wk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
+    v = F_.linear(h, lw.wv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
+    cos, sin = rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: Optional[int] = None
+) -> torch.Tensor:
+    """Causal GQA self-attention of ONE sequence over its own prompt (prefill).
+
+    q: [S, Hq, hd]; k, v: [S, Hkv, hd]. Token i attends to j <= i (and j > i - sliding_window when set).
+    Softmax in fp32. Returns [S, Hq*hd] in q's dtype.
+    """
+    S, Hq, hd = q.shape
+    G = Hq // k.shape[1]
+    qh = q.transpose(0, 1)  # [Hq, S, hd]
+    kh = k.transpose(0, 1).repeat_interleave(G, dim=0)  # [Hq, S, hd]
+    vh = v.transpose(0, 1).repeat_interleave(G, dim=0)  # [Hq, S, hd]
+    i = torch.arange(S, device=q.device)
+    allowed = i[None, :] <= i[:, None]  # [S, S] causal
+    if sliding_window is not None:
+        allowed &= i[None, :] > i[:, None] - sliding_window
+    scores = torch.matmul(qh, kh.transpose(1, 2)) / math.sqrt(hd)  # [Hq, S, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hq, S, S]
+    out = torch.matmul(probs, vh)  # [Hq, S, hd]
+    return out.transpose(0, 1).reshape(S, Hq * hd)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None
+) -> torch.Tensor:
+    """Ragged GQA decode attention: one new query per sequence over its cached keys/values.
+
+    q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd] (S >= max(lengths); the new token's k/v already
+    written); lengths: int64 [B], the number of valid positions of each row (pad keys beyond a row's
+    length are masked, as are keys outside the sliding window). Softmax in fp32.
+    Returns [B, Hq*hd] in q's dtype.
+    """
+    B, Hq, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    qg = q.view(B, Hkv, G, hd)  # [B, Hkv, G, hd]
+    scores = torch.matmul(qg, k_cache.transpose(2, 3)) / math.sqrt(hd)  # [B, Hkv, G, S]
+    pos = torch.arange(S, device=q.device)  # [S]
+    lengths = lengths.to(q.device)
+    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, G, S]
+    out = torch.matmul(probs, v_cache)  # [B, Hkv, G, hd]
+    return out.reshape(B, Hq * hd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Router and experts
+# ---------------------------------------------------------------------------------------------------
+def route(h: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax router (Mixtral: Jiang et al. 2024, arXiv 2401.04088, eq. 1-2).
+
+    h: [T, D] normed hidden states (any dtype); router_w: [E, D]. Logits, softmax and top-k are all
+    computed in fp32 whatever the weight dtype. With ``normalize`` the k probabilities are rescaled to
+    sum to 1 (Mixtral always; Qwen2-MoE/OLMoE per ``norm_topk_prob``).
+    Returns (weights fp32 [T, k], expert ids int64 [T, k]).
+    """
+    logits = F_.linear(h.float(), router_w.float())  # [T, E] fp32
+    probs = torch.softmax(logits, dim=-1)  # [T, E]
+    w, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if normalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids
+
+
+ExpertsFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def experts_ffn(x: torch.Tensor, ew: ExpertWeights, topk_w: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: ``y_t = sum_j w_tj * (silu(x_t W1_e^T) * (x_t W3_e^T)) W2_e^T`` with e = ids[t, j].
+
+    Grouped by expert (tokens gathered per expert; experts that receive no token are skipped), in the
+    order of transformers' MixtralExperts: routing weight applied after down_proj, products accumulated
+    with index_add_ in x's dtype. x: [T, D]; ew: [E, F, D] / [E, D, F] on x's device; topk_w fp32 [T, k];
+    topk_ids int64 [T, k]. Returns [T, D] in x's dtype.
+    """
+    from ..kernels.fused_moe import experts_ffn_reference
+
+    return experts_ffn_reference(x, ew.w1, ew.w3, ew.w2, topk_w, topk_ids)
+
+
+def post_attention(
+    lw: LayerWeights,
+    ew: ExpertWeights,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    spec: MoESpec,
+    ffn: ExpertsFn = experts_ffn,
+) -> torch.Tensor:
+    """o_proj + residual, RMSNorm, router, experts, residual.
+
+    x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output.
+    Returns the layer output [T, D].
+    """
+    x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
+    h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
+    topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]
+
+
+def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final RMSNorm and lm_head. x: [T, D] -> fp32 logits [T, V]."""
+    return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()

@@ -1,0 +1,41 @@
+"""Shared fixtures: small random Mixtral checkpoints saved in HF format by transformers itself."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_hf_mixtral(path, *, layers=2, experts=4, top_k=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=128,
+                    max_pos=256, sliding_window=None, seed=0, shard="20KB"):
+    """Save a random MixtralForCausalLM with save_pretrained (sharded safetensors); return (path, model)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
+                        num_experts_per_tok=top_k, max_position_embeddings=max_pos, sliding_window=sliding_window,
+                        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger-than-default init so routing and tokens are not degenerate
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.5 if "gate" in n and "experts" not in n else p.shape[-1] ** -0.5)
+    model.save_pretrained(str(path), max_shard_size=shard)
+    return str(path), model
+
+
+@pytest.fixture(scope="session")
+def hf_mixtral(tmp_path_factory):
+    """(checkpoint dir, transformers model) for a 2-layer, 4-expert, top-2, GQA Mixtral in fp32."""
+    return make_hf_mixtral(tmp_path_factory.mktemp("hf_mixtral") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The embedded tiny-mixtral, created in a temporary cache directory."""
+    from lightning_moe.model.tiny import ensure_tiny_mixtral
+
+    return ensure_tiny_mixtral(str(tmp_path_factory.mktemp("cache")))
