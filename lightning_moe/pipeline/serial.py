@@ -254,21 +254,16 @@ class SerialExecutor:
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Log-probabilities of every token given its prefix, by prefill alone (no KV cache, no decode).
 
         seqs: B lists of token ids (each >= 2 tokens to score anything).
-        Returns B fp32 CPU tensors of length len-1: ``out[b][t] = log p(seq[t+1] | seq[:t+1])``.
+        Returns B pairs of CPU tensors of length len-1: ``logp[t] = log p(seq[t+1] | seq[:t+1])`` (fp32)
+        and ``greedy[t]`` (bool) = seq[t+1] is the argmax of that distribution.
         """
         t0 = time.perf_counter()
         logits = self._forward_prefill(seqs, None, last_only=False)  # [T, V] fp32
-        logp = torch.log_softmax(logits, dim=-1)
-        out, start = [], 0
-        for s in seqs:
-            n = len(s)
-            tgt = torch.tensor(s[1:], dtype=torch.int64, device=logp.device)
-            out.append(logp[start : start + n - 1].gather(1, tgt[:, None])[:, 0].cpu())
-            start += n
+        out = split_token_scores(logits, seqs)
         self._sync()
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -283,3 +278,20 @@ class SerialExecutor:
             out.append(logits[start : start + len(s)].cpu())
             start += len(s)
         return out
+
+
+def split_token_scores(logits: torch.Tensor, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-sequence (log-prob of each next token, whether it is the argmax) from packed logits.
+
+    logits: fp32 [T, V] for the packed ``seqs`` (T = total tokens). Returns, per sequence of length n,
+    (fp32 [n-1], bool [n-1]) on the CPU.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    out, start = [], 0
+    for s in seqs:
+        n = len(s)
+        tgt = torch.tensor(s[1:], dtype=torch.int64, device=logp.device)  # [n-1]
+        rows = logp[start : start + n - 1]  # [n-1, V]
+        out.append((rows.gather(1, tgt[:, None])[:, 0].cpu(), (rows.argmax(-1) == tgt).cpu()))
+        start += n
+    return out

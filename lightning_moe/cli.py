@@ -1,0 +1,118 @@
+"""``moe-batch``: the command line (thin: every subcommand calls into the package).
+
+    moe-batch run JOB.yaml [--shard I/N] [--set key=value ...] [--no-progress]
+    moe-batch merge JOB.yaml --shards N           join shard outputs, check every id exactly once
+    moe-batch plan ... / moe-batch profile ...    the planner (see ``moe-batch plan -h``)
+    moe-batch quantize SRC DST --experts int4 [--up int2] [--group-size 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import sys
+
+
+def _shard_output(path: str, index: int, count: int) -> str:
+    """results.jsonl -> results.shard-I-of-N.jsonl (each shard of a job array writes its own file)."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.shard-{index}-of-{count}{ext or '.jsonl'}"
+
+
+def _load(args) -> "object":
+    from .config import load_job, parse_override
+
+    overrides = dict(parse_override(s) for s in (args.set or []))
+    if getattr(args, "shard", None):
+        overrides["shard"] = args.shard
+    job = load_job(args.job, overrides)
+    if job.shard is not None:
+        job = dataclasses.replace(job, output=dataclasses.replace(job.output, path=_shard_output(job.output.path, *job.shard)))
+    return job
+
+
+def cmd_run(args) -> int:
+    from .pipeline.runner import format_report, run_job
+
+    job = _load(args)
+    report = run_job(job, progress=not args.no_progress)
+    print(format_report(report))
+    print(f"  report: {job.output.report_path}")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from .data.shard import merge_results
+    from .data.sources import load_requests
+
+    job = _load(args)
+    if args.shards:
+        paths = [_shard_output(job.output.path, i, args.shards) for i in range(args.shards)]
+    else:
+        stem, ext = os.path.splitext(job.output.path)
+        paths = sorted(glob.glob(f"{glob.escape(stem)}.shard-*-of-*{ext}"))
+        counts = {re.search(r"shard-\d+-of-(\d+)", p).group(1) for p in paths}
+        if not paths or len(counts) != 1:
+            raise SystemExit(f"moe-batch merge: found shard files {paths or 'none'} for {job.output.path}; pass --shards N")
+    expected = [r.id for r in load_requests(job)]
+    out = args.output or job.output.path
+    info = merge_results(paths, out, expected)
+    print(f"merged {info['records']} records ({info['errors']} error records) from {len(paths)} shards into {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-batch", description="Offline batch inference for MoE LLMs on a small GPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job YAML (generate or score); resumes where a previous run stopped")
+    r.add_argument("job", help="job YAML file")
+    r.add_argument("--shard", help="I/N: run only shard I (0-based) of N, split by id hash")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job key, e.g. generation.max_new_tokens=8")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_run)
+
+    m = sub.add_parser("merge", help="join the shard outputs of a job; every input id must appear exactly once")
+    m.add_argument("job", help="job YAML file (the one the shards ran)")
+    m.add_argument("--shards", type=int, help="number of shards N (default: discovered from the files)")
+    m.add_argument("--output", help="merged results file (default: the job's output.path)")
+    m.add_argument("--set", action="append", metavar="KEY=VALUE", help="the same overrides the shards ran with")
+    m.set_defaults(func=cmd_merge)
+
+    try:
+        from .policy.commands import add_subcommands
+    except ImportError:  # planner not installed in this build
+        pass
+    else:
+        add_subcommands(sub)
+    try:
+        from .kernels.quant_cli import add_subcommand as add_quantize
+    except ImportError:
+        pass
+    else:
+        add_quantize(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``moe-batch`` console script. Input errors print one line and exit 2."""
+    from .config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("MOE_BATCH_DEBUG"):
+            raise
+        print(f"moe-batch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moe-batch: interrupted; finished records are saved, re-run the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

