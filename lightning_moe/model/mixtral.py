@@ -227,3 +227,40 @@ def post_attention(
 def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     """Final RMSNorm and lm_head. x: [T, D] -> fp32 logits [T, V]."""
     return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
+
+
+def prefill_attention_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None
+) -> torch.Tensor:
+    """Causal GQA attention of several sequences packed token-wise, in one batched call (prefill).
+
+    q: [T, Hq, hd]; k, v: [T, Hkv, hd]; spans: (start, end) of each sequence in the packed dim.
+    Sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query on its own
+    sequence's keys j <= i (and j > i - sliding_window). Softmax in fp32. Returns [T, Hq*hd] in q's dtype.
+    Equals :func:`prefill_attention` per sequence up to floating-point summation order.
+    """
+    T, Hq, hd = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    B = len(spans)
+    lens = torch.tensor([e - s for s, e in spans])
+    S = int(lens.max())
+    dev = q.device
+    # index of each (sequence, position) in the packed dim; pad slots point at token 0 and are masked
+    pos = torch.arange(S)
+    starts = torch.tensor([s for s, _ in spans])
+    src = (starts[:, None] + pos[None, :]).clamp(max=T - 1)  # [B, S]
+    valid = pos[None, :] < lens[:, None]  # [B, S]
+    src, valid = src.to(dev), valid.to(dev)
+    qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
+    kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
+    vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
+    i = torch.arange(S, device=dev)
+    allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
+    if sliding_window is not None:
+        allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
+    scores = torch.matmul(qp, kp.transpose(2, 3)) / math.sqrt(hd)  # [B, Hq, S, S]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hq, S, S]
+    out = torch.matmul(probs, vp).permute(0, 2, 1, 3).reshape(B, S, Hq * hd)  # [B, S, Hq*hd]
+    return out[valid]  # [T, Hq*hd] in packed order (spans are consecutive)

@@ -15,6 +15,34 @@ from typing import Any, Optional
 
 SUPPORTED_MODEL_TYPES = ("mixtral",)
 
+# ---- byte sizes used by MoESpec's byte properties (planner) ------------------------------------------
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}  # itemsize per float dtype name
+# Group-wise integer expert formats: name -> bits of (gate, up, down). "int2-up" follows FloE (up_proj to
+# INT2); its gate/down stay INT4 here because FloE's activation-sparsity compression of gate/down does
+# not reduce the bytes a dense page carries.
+QUANT_FORMATS = {"int4": (4, 4, 4), "int2": (2, 2, 2), "int2-up": (4, 2, 4)}
+QUANT_GROUP = 128  # elements per quantization group, along a projection's input dimension
+QUANT_GROUP_META_BYTES = 4  # fp16 scale + fp16 zero point per group
+EXPERT_PAGE_ALIGN = 4096  # bytes; each expert page is padded to a multiple of this (one page size per model)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Itemsize in bytes of a float dtype name ("bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32").
+
+    Raises ValueError for any other name.
+    """
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})") from None
+
+
+def _quant_proj_bytes(out_features: int, in_features: int, bits: int) -> int:
+    """Bytes of one [out, in] projection quantized to ``bits`` with groups of QUANT_GROUP along ``in``."""
+    packed = -(-out_features * in_features * bits // 8)
+    groups = out_features * -(-in_features // QUANT_GROUP)
+    return packed + groups * QUANT_GROUP_META_BYTES
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -71,6 +99,203 @@ class MoESpec:
     def with_layers(self, num_layers: int) -> "MoESpec":
         """The same architecture with a different number of decoder layers (for scaled benchmarks)."""
         return replace(self, num_layers=num_layers, name=f"{self.name}[{num_layers}L]")
+
+    # ---- bytes and FLOPs (planner; added by the policy helper) -----------------------------------
+    # Element counts are exact for the weights each family has; vectors smaller than one hidden row per
+    # layer (attention biases of Qwen1.5, q/k norms of Qwen3/OLMoE, the shared-expert gate, MLA's
+    # kv_a_layernorm) are left out: together they are < 0.01 % of any registered model.
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers whose FFN is routed experts: num_layers - num_dense_layers."""
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def value_head_dim(self) -> int:
+        """Per-head value width: v_head_dim when set (MLA), else head_dim."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        """True for multi-head latent attention (DeepSeek-V2): the KV cache holds the compressed latent."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Elements of one routed expert: gate [F, D] + up [F, D] + down [D, F] = 3 * D * F."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def expert_bytes(self, quant: str = "bf16") -> int:
+        """Bytes of one routed expert as stored in a page, padded to EXPERT_PAGE_ALIGN.
+
+        quant: a float dtype ("bf16", "fp16", "fp32") or a group-wise integer format (see QUANT_FORMATS):
+        per projection [out, in], ``out * in * bits / 8`` packed bytes + ``out * ceil(in / 128)`` groups x
+        (fp16 scale + fp16 zero) = 4 bytes per group; groups run along the input dimension. The sum of
+        the three projections is rounded up to a multiple of EXPERT_PAGE_ALIGN so every expert page has
+        one size (CommitMoE's padded quantization pages; DESIGN.md "kernels/quant.py").
+        Raises ValueError for an unknown format.
+        """
+        D, F = self.hidden_size, self.intermediate_size
+        if quant in DTYPE_BYTES:
+            raw = 3 * D * F * DTYPE_BYTES[quant]
+        elif quant in QUANT_FORMATS:
+            g_bits, u_bits, d_bits = QUANT_FORMATS[quant]
+            raw = (
+                _quant_proj_bytes(F, D, g_bits)  # gate [F, D]
+                + _quant_proj_bytes(F, D, u_bits)  # up [F, D]
+                + _quant_proj_bytes(D, F, d_bits)  # down [D, F]
+            )
+        else:
+            raise ValueError(f"unknown weight format {quant!r} (known: {', '.join(list(DTYPE_BYTES) + list(QUANT_FORMATS))})")
+        return -(-raw // EXPERT_PAGE_ALIGN) * EXPERT_PAGE_ALIGN
+
+    def layer_expert_bytes(self, quant: str = "bf16") -> int:
+        """Bytes of all routed experts of one MoE layer: num_experts * expert_bytes(quant)."""
+        return self.num_experts * self.expert_bytes(quant)
+
+    def total_expert_bytes(self, quant: str = "bf16") -> int:
+        """Bytes of all routed experts of the model: num_moe_layers * num_experts * expert_bytes(quant)."""
+        return self.num_moe_layers * self.layer_expert_bytes(quant)
+
+    @property
+    def attn_in_params(self) -> int:
+        """Elements of the projections before attention (per layer).
+
+        GQA: wq [Hq*hd, D] + wk, wv [Hkv*hd, D]. MLA (DeepSeek-V2-Lite, no q LoRA): q_proj [Hq*hd, D] +
+        kv_a_proj [(kv_lora + rope), D] + kv_b_proj [Hq*(hd - rope + v_hd), kv_lora].
+        """
+        D = self.hidden_size
+        if self.is_mla:
+            nope = self.head_dim - self.qk_rope_head_dim
+            return (
+                D * self.q_size
+                + D * (self.kv_lora_rank + self.qk_rope_head_dim)
+                + self.kv_lora_rank * self.num_heads * (nope + self.value_head_dim)
+            )
+        return D * (self.q_size + 2 * self.kv_size)
+
+    @property
+    def attn_out_params(self) -> int:
+        """Elements of the output projection wo [D, Hq * v_hd] (per layer)."""
+        return self.hidden_size * self.num_heads * self.value_head_dim
+
+    @property
+    def shared_expert_params(self) -> int:
+        """Elements of the always-on shared experts of one MoE layer: num_shared_experts * 3 * D * shared_intermediate_size.
+
+        shared_intermediate_size is read as the width of EACH shared expert (Qwen1.5-MoE: 1 x 5632;
+        DeepSeek-V2-Lite: 2 x 1408).
+        """
+        return self.num_shared_experts * 3 * self.hidden_size * self.shared_intermediate_size
+
+    @property
+    def dense_ffn_params(self) -> int:
+        """Elements of the dense SwiGLU FFN of a dense layer: 3 * D * dense_intermediate_size."""
+        return 3 * self.hidden_size * self.dense_intermediate_size
+
+    @property
+    def router_params(self) -> int:
+        """Elements of the router of one MoE layer: [E, D]."""
+        return self.num_experts * self.hidden_size
+
+    def layer_non_expert_params(self, layer: int) -> int:
+        """Elements of layer ``layer`` that are not routed experts (always GPU-resident).
+
+        attention projections + 2 RMSNorm vectors + (MoE layer: router + shared experts | dense layer: dense FFN).
+        """
+        base = self.attn_in_params + self.attn_out_params + 2 * self.hidden_size
+        if layer < self.num_dense_layers:
+            return base + self.dense_ffn_params
+        return base + self.router_params + self.shared_expert_params
+
+    @property
+    def non_expert_params(self) -> int:
+        """Elements of everything but routed experts: embeddings, lm_head (unless tied), final norm, all layers."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return (
+            self.vocab_size * self.hidden_size
+            + head
+            + self.hidden_size
+            + sum(self.layer_non_expert_params(i) for i in range(self.num_layers))
+        )
+
+    def non_expert_bytes(self, dtype: str = "bf16") -> int:
+        """Bytes of the non-expert weights in ``dtype`` (they stay on the GPU in the model dtype)."""
+        return self.non_expert_params * dtype_bytes(dtype)
+
+    def layer_bytes(self, layer: int, dtype: str = "bf16", quant: Optional[str] = None) -> int:
+        """Bytes of decoder layer ``layer``: non-expert part in ``dtype`` + its routed experts in ``quant`` (default dtype)."""
+        experts = 0 if layer < self.num_dense_layers else self.layer_expert_bytes(quant or dtype)
+        return self.layer_non_expert_params(layer) * dtype_bytes(dtype) + experts
+
+    def total_bytes(self, dtype: str = "bf16", quant: Optional[str] = None) -> int:
+        """Bytes of the whole model: non-expert weights in ``dtype`` + routed experts in ``quant`` (default dtype)."""
+        return self.non_expert_bytes(dtype) + self.total_expert_bytes(quant or dtype)
+
+    @property
+    def total_params(self) -> int:
+        """All weight elements (Mixtral-8x7B: 46.70e9)."""
+        return self.non_expert_params + self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """KV-cache elements per token per layer: GQA 2 * Hkv * hd (K and V); MLA kv_lora_rank + qk_rope_head_dim."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.kv_size
+
+    def kv_bytes_per_token(self, dtype: str = "bf16") -> int:
+        """KV-cache bytes per token summed over all layers: num_layers * kv_elems_per_token * itemsize."""
+        return self.num_layers * self.kv_elems_per_token * dtype_bytes(dtype)
+
+    @property
+    def attn_query_elems(self) -> int:
+        """Elements of one token's attention query as the attention kernel consumes it.
+
+        GQA: Hq * hd. MLA decode (weights absorbed): Hq * (kv_lora_rank + qk_rope_head_dim).
+        """
+        if self.is_mla:
+            return self.num_heads * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.q_size
+
+    @property
+    def attn_output_elems(self) -> int:
+        """Elements of one token's attention output before wo: GQA Hq * v_hd; MLA decode Hq * kv_lora_rank."""
+        if self.is_mla:
+            return self.num_heads * self.kv_lora_rank
+        return self.num_heads * self.value_head_dim
+
+    @property
+    def attn_flops_per_position(self) -> int:
+        """Decode attention FLOPs per query token per attended position (one layer).
+
+        GQA: QK^T 2 * Hq * hd + PV 2 * Hq * v_hd. MLA (absorbed): 2 * Hq * (kv_lora + rope) + 2 * Hq * kv_lora.
+        Softmax is not counted (O(Hq) per position).
+        """
+        if self.is_mla:
+            return 2 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        return 2 * self.num_heads * (self.head_dim + self.value_head_dim)
+
+    @property
+    def prefill_attn_flops_per_position(self) -> int:
+        """Prefill attention FLOPs per (query, key) pair (one layer, not absorbed): 2 * Hq * (hd + v_hd)."""
+        return 2 * self.num_heads * (self.head_dim + self.value_head_dim)
+
+    def flops_per_token(self, context: int) -> int:
+        """Forward FLOPs of one token attending to ``context`` positions, all layers + lm_head.
+
+        2 * (active parameters: attention + router + top_k experts + shared/dense FFN + lm_head)
+        + num_layers * context * attn_flops_per_position. (Kaplan et al. 2020's 2N rule plus attention.)
+        """
+        per_layer = 0
+        for i in range(self.num_layers):
+            p = self.attn_in_params + self.attn_out_params
+            if i < self.num_dense_layers:
+                p += self.dense_ffn_params
+            else:
+                p += self.router_params + self.shared_expert_params + self.top_k * self.expert_params
+            per_layer += 2 * p
+        return per_layer + 2 * self.vocab_size * self.hidden_size + self.num_layers * context * self.attn_flops_per_position
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod

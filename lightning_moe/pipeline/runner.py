@@ -74,6 +74,25 @@ class Prepared:
         self.eos_token_id = eos if eos is not None else self.spec.eos_token_id
 
 
+def job_workload_from_prepared(prep: "Prepared"):
+    """The planner's Workload from a prepared job's real tokenized requests (lengths fed to prefill)."""
+    from ..policy.policy import Workload
+
+    lens = []
+    for t in prep.treqs:
+        if t.error is None:
+            lens += [len(seq) for seq, _ in t.score_inputs] if prep.job.task == "score" else [t.prompt_tokens]
+    gen = prep.job.generation.max_new_tokens if prep.job.task == "generate" else 1
+    return Workload.from_lengths(lens, gen, name=prep.job.name)
+
+
+def job_workload(job_path: str):
+    """Workload of a job YAML: its requests tokenized exactly as ``moe-batch run`` would (no weights loaded)."""
+    from ..config import load_job
+
+    return job_workload_from_prepared(Prepared(load_job(job_path)))
+
+
 def make_executor(job: Job, prep: Prepared, weights):
     """The executor named by ``job.executor`` ("serial" or "cgopipe"), with its policy when it has one."""
     dtype = DTYPES[job.dtype]
@@ -124,6 +143,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     records_written = len(errors)
     score_records: list[dict] = []
     t_load = 0.0
+    executor = None
     try:
         if work:
             frac = apply_gpu_cap(job.device, job.gpu_memory)
@@ -136,6 +156,11 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             report["gpu_memory_fraction"] = frac
             if hasattr(executor, "policy_summary"):
                 report["policy"] = executor.policy_summary()
+            est = getattr(executor, "estimate", None)
+            if est is not None:
+                report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
+                                       "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
+                                       "prefill_binding": est.prefill_binding}
             bar = tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True)
             t_run = time.perf_counter()
             batch = max(1, getattr(executor, "batch_size", job.batch_size))
@@ -184,6 +209,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             report["metrics"] = scoring.summarize(score_records, job.score.mode)
         report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
         report["stages"] = stats.extra
+        if executor is not None and hasattr(executor, "close"):
+            executor.close()
         write_json_atomic(job.output.report_path, report)
     return report
 
@@ -222,6 +249,12 @@ def format_report(r: dict) -> str:
     ]
     if r.get("policy"):
         lines.append(f"  policy: {r['policy']}")
+    if r.get("predicted"):
+        p = r["predicted"]
+        lines.append(f"  predicted (HRM): decode {p['decode_tokens_per_s']:,.1f} tok/s, end-to-end "
+                     f"{p['end_to_end_tokens_per_s']:,.1f} tok/s, decode bound by {p['decode_binding']}")
+    if r.get("stages"):
+        lines.append("  stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in r["stages"].items() if isinstance(v, float)))
     if r.get("metrics"):
         lines.append("  metrics: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()))
     lines.append(f"  results: {r['results']}")

@@ -1,0 +1,315 @@
+"""GPU benchmarks of CGOPipe against the HRM prediction, the serial executor and accelerate offload.
+
+Run on a CUDA host (not a test):
+
+    python benchmarks/bench_cgopipe.py --profile lightning_moe/policy/profiles/h200-host.yaml \
+        --cases full32-24g-g32,l8-6g-g128 --out /tmp/bench
+
+Every (case, executor) runs in its own subprocess (pinned pools and GPU caps do not leak between
+them) and prints one JSON line; the driver writes ``bench.jsonl`` and a Markdown block for
+benchmarks/RESULTS.md (``results_block.md``) into ``--out``.
+
+Model: the Mixtral-8x7B config (policy/registry.py) with deterministic dummy bf16 weights. To keep set-up
+within the device budget, every layer shares ONE set of random expert tensors (the host pool still
+holds a separate copy per layer and every page crosses PCIe; routing differs per layer because the
+hidden states do). Prompts: the 80 MT-Bench first-turn questions, chat template applied, tokenized with
+the Mixtral v1 tokenizer (the tiny-mixtral tokenizer is that vocabulary), repeated to fill the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark setting."""
+
+    name: str  # case id used on the command line
+    layers: Optional[int] = None  # decoder layers (None = the full 32 of Mixtral-8x7B); scaled runs say so
+    gpu_cap: int = 24 * GiB  # GPU memory cap in bytes (set_per_process_memory_fraction + planner budget)
+    cpu_cap: int = 112 * GiB  # host memory budget in bytes for the planner (128 GiB host)
+    gen_len: int = 32  # tokens generated per sequence
+    quant: str = "bf16"  # expert page format
+    executors: tuple = ("cgopipe",)  # which executors to run: cgopipe, serial, accelerate
+    baseline_steps: int = 3  # decode steps timed for the serial / accelerate baselines
+    baseline_batches: tuple = (16, 64)  # batch sizes tried for the baselines (best is reported)
+
+
+CASES = {c.name: c for c in [
+    Case("full32-24g-g32", None, 24 * GiB, gen_len=32),
+    Case("full32-16g-g32", None, 16 * GiB, gen_len=32),
+    Case("full32-24g-g128", None, 24 * GiB, gen_len=128),
+    # scaled: 8 of 32 layers; a 10 GiB cap keeps ~88% of the experts off the GPU, as 24 GiB does for 32 layers
+    Case("l8-10g-g128", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=128, executors=("cgopipe", "serial", "accelerate")),
+    Case("l8-10g-g32", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, executors=("cgopipe", "serial", "accelerate")),
+    Case("l4-8g-g16", 4, 8 * GiB, cpu_cap=24 * GiB, gen_len=16, executors=("cgopipe", "serial", "accelerate"),
+         baseline_steps=2, baseline_batches=(16,)),
+]}
+
+
+# ---------------------------------------------------------------------------------------------------
+def spec_for(case: Case):
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec = resolve_spec("mixtral-8x7b")
+    return spec.with_layers(case.layers) if case.layers else spec
+
+
+def mtbench_prompts() -> list[list[int]]:
+    """MT-Bench first turns, chat template, Mixtral v1 tokenizer."""
+    from lightning_moe.data.sources import mtbench_question_file
+    from lightning_moe.data.tokenize import load_tokenizer
+    from lightning_moe.model.tiny import ensure_tiny_mixtral
+
+    path = os.environ.get("MTBENCH_QUESTIONS") or mtbench_question_file()
+    tok = load_tokenizer(ensure_tiny_mixtral())
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                q = json.loads(line)["turns"][0]
+                ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+                out.append(tok(ids, add_special_tokens=False).input_ids)
+    return out
+
+
+def fill(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Repeat the prompt list to exactly n prompts."""
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0):
+    """Non-expert weights random per layer; one random expert set shared by every layer (see module doc)."""
+    from lightning_moe.model.mixtral import ExpertWeights, LayerWeights
+    from lightning_moe.model.weights import ModelWeights
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, dtype=dtype) * std)
+
+    D, F, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    layers = [LayerWeights(torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
+                           rnd(D, spec.q_size), torch.ones(D, dtype=dtype), rnd(E, D, std=1.0)) for _ in range(spec.num_layers)]
+    shared = ExpertWeights(rnd(E, F, D), rnd(E, F, D), rnd(E, D, F))
+    experts = [shared for _ in range(spec.num_layers)]
+    return ModelWeights(spec, rnd(spec.vocab_size, D, std=1.0), torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)
+
+
+def cap_gpu(cap: int) -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+def run_cgopipe(case: Case, profile: str) -> dict:
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.policy.hardware import resolve_hardware
+    from lightning_moe.policy.milp import plan
+    from lightning_moe.policy.policy import Budgets, Workload
+
+    spec = spec_for(case)
+    hw = resolve_hardware(profile)
+    base = mtbench_prompts()
+    lens = [len(p) for p in base]
+    wl = Workload(prompt_len=sum(lens) / len(lens), gen_len=case.gen_len, max_prompt_len=max(lens), name="mtbench")
+    budgets = Budgets(gpu_memory=case.gpu_cap, cpu_memory=case.cpu_cap, weight_quant=case.quant, dtype="bf16")
+    t0 = time.perf_counter()
+    policy, est = plan(spec, hw, wl, budgets)
+    t_plan = time.perf_counter() - t0
+    prompts = fill(base, policy.N)
+    cap_gpu(case.gpu_cap)
+    t0 = time.perf_counter()
+    w = shared_dummy_weights(spec)
+    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16)
+    del w
+    t_setup = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    ex.generate(prompts, SamplingParams(max_new_tokens=case.gen_len, stop_at_eos=False))
+    wall = time.perf_counter() - t0
+    s = ex.stats
+    ex.close()
+    dec = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
+    st = dict(s.extra)
+    return {
+        "executor": "cgopipe", "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup,
+        "N": policy.N, "prompt_len_mean": wl.prompt_len, "prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
+        "decode_tok_s": dec, "e2e_tok_s": s.generated_tokens / wall, "wall_seconds": wall,
+        "decode_seconds": s.decode_seconds, "prefill_seconds": s.prefill_seconds,
+        "pred_prefill_tok_s": est.prefill_tok_s, "pred_decode_tok_s": est.decode_tok_s, "pred_e2e_tok_s": est.e2e_tok_s,
+        "pred_decode_binding": est.decode_binding, "pred_decode_stages": est.decode_stages,
+        "h2d_GB": s.h2d_bytes / 1e9, "d2h_GB": s.d2h_bytes / 1e9, "stages": st,
+        "h2d_busy_frac_decode": st.get("h2d_copy", 0) / s.decode_seconds if s.decode_seconds else None,
+        "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB,
+    }
+
+
+def run_serial(case: Case, profile: str) -> dict:
+    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+
+    spec = spec_for(case)
+    cap_gpu(case.gpu_cap)
+    w = shared_dummy_weights(spec)
+    ex = SerialExecutor(w, "cuda", torch.bfloat16)
+    best = None
+    for b in case.baseline_batches:
+        ex.stats.__init__()
+        ex.generate(fill(mtbench_prompts(), b), SamplingParams(max_new_tokens=case.baseline_steps + 1, stop_at_eos=False))
+        s = ex.stats
+        r = {"batch": b, "decode_tok_s": s.decode_tokens / s.decode_seconds, "step_seconds": s.decode_seconds / s.decode_steps,
+             "prefill_tok_s": s.prefill_tokens / s.prefill_seconds}
+        best = r if best is None or r["decode_tok_s"] > best["decode_tok_s"] else best
+    return {"executor": "serial", **best, "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB}
+
+
+def run_accelerate(case: Case, profile: str) -> dict:
+    """HF transformers + accelerate offload (device_map with max_memory at the same cap)."""
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    spec = spec_for(case)
+    cfg = MixtralConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                        num_key_value_heads=spec.num_kv_heads, num_local_experts=spec.num_experts,
+                        num_experts_per_tok=spec.top_k, max_position_embeddings=4096, rope_theta=spec.rope_theta)
+    with init_empty_weights():
+        model = MixtralForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.bfloat16) * 0.02)
+    model.eval()
+    # leave room for activations: the same cap for weights + everything else
+    dmap = infer_auto_device_map(model, max_memory={0: int(case.gpu_cap * 0.8), "cpu": 200 * GiB},
+                                 no_split_module_classes=["MixtralDecoderLayer"], dtype=torch.bfloat16)
+    cap_gpu(case.gpu_cap)
+    model = dispatch_model(model, device_map=dmap)
+    on_gpu = sum(1 for v in dmap.values() if v == 0)
+    base = mtbench_prompts()
+    best = None
+    for b in case.baseline_batches:
+        prompts = fill(base, b)
+        L = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts]).cuda()
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts]).cuda()
+        times = {}
+        for steps in (1, case.baseline_steps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                           do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            times[steps] = time.perf_counter() - t0
+        step = (times[case.baseline_steps + 1] - times[1]) / case.baseline_steps
+        r = {"batch": b, "step_seconds": step, "decode_tok_s": b / step, "prefill_seconds": times[1]}
+        best = r if best is None or r["decode_tok_s"] > best["decode_tok_s"] else best
+    return {"executor": "accelerate", **best, "modules_on_gpu": on_gpu, "modules": len(dmap),
+            "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB}
+
+
+RUNNERS = {"cgopipe": run_cgopipe, "serial": run_serial, "accelerate": run_accelerate}
+
+
+# ---------------------------------------------------------------------------------------------------
+def one(case_name: str, executor: str, profile: str) -> None:
+    case = CASES[case_name]
+    r = RUNNERS[executor](case, profile)
+    r.update(case=case_name, layers=case.layers or 32, gpu_cap_GiB=case.gpu_cap / GiB, gen_len=case.gen_len, quant=case.quant)
+    print("RESULT " + json.dumps(r, default=str), flush=True)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def markdown(results: list[dict], device: str, profile: str) -> str:
+    day = datetime.date.today().isoformat()
+    lines = [f"### {day} commit {commit()} -- {device}, profile {os.path.basename(profile)}", "",
+             "| case | layers | cap GiB | gen | executor | policy (mu x n = N, resident, gpu-attn) | measured decode tok/s | "
+             "predicted decode tok/s | measured/pred | e2e tok/s | pred e2e | binding (HRM) | H2D busy | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | | | | {r['executor']} | ERROR: {r['error'][:120]} | | | | | | | | |")
+            continue
+        if r["executor"] == "cgopipe":
+            p = r["policy"]
+            pol = f"{p['mu']} x {p['n']} = {p['mu'] * p['n']}, r={p['resident_experts']}, g={p['n_gpu_attn']}"
+            ratio = r["decode_tok_s"] / r["pred_decode_tok_s"] if r["pred_decode_tok_s"] else float("nan")
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe | {pol} | "
+                         f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
+                         f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
+                         f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
+        else:
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | {r['executor']} | "
+                         f"batch {r['batch']} | {r['decode_tok_s']:.2f} | | | | | | | {r['peak_gpu_GiB']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="l4-4g-g16", help=f"comma-separated: {', '.join(CASES)}")
+    ap.add_argument("--executors", default=None, help="override the executors of every case (comma-separated)")
+    ap.add_argument("--profile", default=os.path.join(REPO, "lightning_moe/policy/profiles/h200-host.yaml"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, executor) subprocess")
+    ap.add_argument("--one", nargs=2, metavar=("CASE", "EXECUTOR"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if not os.path.exists(a.profile):
+        a.profile = "h200"
+    if a.one:
+        one(a.one[0], a.one[1], a.profile)
+        return
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    for name in a.cases.split(","):
+        case = CASES[name]
+        for ex in (a.executors.split(",") if a.executors else case.executors):
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run([sys.executable, __file__, "--one", name, ex, "--profile", a.profile],
+                                   capture_output=True, text=True, timeout=a.timeout)
+                lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+                r = json.loads(lines[-1][7:]) if lines else {"case": name, "executor": ex, "error": (p.stderr or p.stdout)[-2000:]}
+            except subprocess.TimeoutExpired as e:
+                r = {"case": name, "executor": ex, "error": f"timeout after {a.timeout} s: {(e.stderr or b'')[-500:]!r}"}
+            r["bench_seconds"] = time.perf_counter() - t0
+            results.append(r)
+            print(json.dumps(r, default=str)[:3000], flush=True)
+            with open(os.path.join(a.out, "bench.jsonl"), "a") as f:
+                f.write(json.dumps(r, default=str) + "\n")
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    md = markdown(results, dev, a.profile)
+    with open(os.path.join(a.out, "results_block.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,552 @@
+"""Job configuration: frozen dataclasses loaded and validated from a job YAML.
+
+A job YAML (see ``jobs/*.yaml`` and the schema table in the README) becomes one :class:`Job`.
+Everything is checked before any heavy work (model loading, tokenization):
+
+* unknown keys are errors that name the key and list the allowed ones;
+* every value is type checked (``true`` is not an integer; ``128.0`` is not an integer);
+* paths (``model``, ``data.path``, ``policy``, ``hardware``, ``output.path``) are resolved against the
+  directory of the YAML file and the inputs must exist;
+* every error is a :class:`ConfigError` whose message starts with the file and the dotted key, e.g.
+  ``jobs/x.yaml: generation.temperature: expected a number, got 'hot' (a string)``.
+
+YAML 1.1 note (PyYAML): ``1e-4`` (no dot in the mantissa) is read as the *string* ``'1e-4'``. For
+fields that take a number this module accepts such a string *on purpose* and converts it to the
+float it spells (``'1e-4'`` -> ``0.0001``); any other string is an error. Integer fields never accept
+strings (``max_new_tokens: 1e3`` is an error that suggests writing ``1000``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import yaml
+
+TINY_MODEL = "tiny-mixtral"  # the embedded default model's name (model.tiny.ensure_tiny_mixtral builds it)
+TASKS = ("generate", "score")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+EXECUTORS = ("serial", "cgopipe")
+ON_ERROR = ("fail", "record")
+SOURCES = ("jsonl", "mtbench")
+TRUNCATE = ("error", "left")
+SCORE_MODES = ("loglikelihood", "multiple_choice", "perplexity")
+
+
+class ConfigError(ValueError):
+    """A job configuration problem; the message names the YAML file and the dotted key."""
+
+
+# ================================================================================================
+# dataclasses
+# ================================================================================================
+@dataclass(frozen=True)
+class DataSource:
+    """Where the requests come from (``data:`` section)."""
+
+    source: str = "jsonl"  # "jsonl" (data.path) or "mtbench" (80 MT-Bench first-turn questions)
+    path: Optional[str] = None  # absolute path of the JSONL file; required for jsonl, optional question.jsonl for mtbench
+    chat_template: bool = False  # wrap prompts with the tokenizer's chat template (default: True for mtbench, False for jsonl)
+    system_prompt: Optional[str] = None  # system message prepended when chat_template is on
+    limit: Optional[int] = None  # read only the first `limit` requests of the file (None = all)
+    truncate: str = "error"  # prompt longer than the context: "error" (or error record) | "left" (drop oldest tokens)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding parameters (``generation:`` section); used by task generate."""
+
+    max_new_tokens: int = 128  # tokens generated per request at most (>= 1)
+    temperature: float = 0.0  # softmax temperature; 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = no truncation
+    seed: int = 0  # RNG seed for sampling (request order independent seeding is the executor's job)
+    stop_at_eos: bool = True  # finish a sequence when it emits the tokenizer's EOS id
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Scoring parameters (``score:`` section); required by task score."""
+
+    mode: str  # "loglikelihood" | "multiple_choice" | "perplexity"
+    stride: Optional[int] = None  # perplexity only: rolling-window stride in tokens (None = one window, must fit)
+    length_normalize: bool = False  # multiple_choice: also rank choices by log-prob per byte of the choice text
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go (``output:`` section)."""
+
+    path: str  # absolute path of results.jsonl (one JSON record per request, appended, resumable)
+
+    @property
+    def report_path(self) -> str:
+        """``<dir>/<stem>.report.json`` beside the results file (run report, written atomically)."""
+        root, _ext = os.path.splitext(self.path)
+        return root + ".report.json"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated batch job (a job YAML)."""
+
+    model: str  # checkpoint directory (absolute) or "tiny-mixtral"
+    data: DataSource  # request source
+    output: OutputConfig  # results file
+    task: str = "generate"  # "generate" | "score"
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # decoding parameters
+    score: Optional[ScoreConfig] = None  # scoring parameters; set iff task == "score"
+    device: str = "cuda"  # "cpu" | "cuda"
+    dtype: str = "bfloat16"  # compute/weight dtype: "float32" | "bfloat16" | "float16"
+    executor: str = "serial"  # "serial" | "cgopipe" (YAML default: cgopipe on cuda, serial on cpu)
+    batch_size: int = 16  # sequences per batch of the serial executor (>= 1)
+    policy: Any = "auto"  # "auto" | absolute path of a policy YAML | dict of explicit policy fields | None
+    hardware: Optional[str] = None  # hardware preset name (e.g. "h200") or absolute path of a profile YAML
+    gpu_memory: Optional[int] = None  # GPU memory the planner may use, bytes (YAML accepts "24GiB")
+    cpu_memory: Optional[int] = None  # host memory the planner may use, bytes (YAML accepts "64GB")
+    on_error: str = "fail"  # bad request: "fail" (stop before heavy work) | "record" (write an error record)
+    shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
+    name: str = "job"  # job name (YAML file stem by default), used in reports
+    config_path: Optional[str] = None  # absolute path of the YAML this job came from (None for job_from_dict)
+
+    @property
+    def torch_dtype(self):
+        """The ``torch.dtype`` for :attr:`dtype` (imports torch lazily)."""
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    @property
+    def is_tiny(self) -> bool:
+        """True when the model is the embedded tiny Mixtral."""
+        return self.model == TINY_MODEL
+
+    def to_dict(self) -> dict:
+        """A JSON-serializable dict of every field (for run reports)."""
+        d = dataclasses.asdict(self)
+        if self.shard is not None:
+            d["shard"] = f"{self.shard[0]}/{self.shard[1]}"
+        return d
+
+
+# ================================================================================================
+# value parsers
+# ================================================================================================
+_TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+               dict: "a mapping", type(None): "null"}
+
+
+def _describe(v: Any) -> str:
+    return f"{v!r} ({_TYPE_NAMES.get(type(v), type(v).__name__)})"
+
+
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SHARD_RE = re.compile(r"^\s*(-?\d+)\s*/\s*(-?\d+)\s*$")
+
+
+class _Ctx:
+    """Error context: the source label (file name), the base dir for relative paths, overridden keys."""
+
+    def __init__(self, source: str, base_dir: str, overridden: frozenset = frozenset()):
+        self.source = source
+        self.base_dir = base_dir
+        self.overridden = overridden
+
+    def err(self, key: str, msg: str) -> ConfigError:
+        where = f"{key} (from override)" if key in self.overridden else key
+        return ConfigError(f"{self.source}: {where}: {msg}")
+
+    def resolve(self, p: str) -> str:
+        p = os.path.expanduser(p)
+        return os.path.normpath(p if os.path.isabs(p) else os.path.join(self.base_dir, p))
+
+
+def _p_str(v, key, ctx, *, allow_empty=False):
+    if not isinstance(v, str):
+        raise ctx.err(key, f"expected a string, got {_describe(v)}")
+    if not allow_empty and not v.strip():
+        raise ctx.err(key, "expected a non-empty string")
+    return v
+
+
+def _p_choice(options):
+    def parse(v, key, ctx):
+        if not isinstance(v, str) or v not in options:
+            raise ctx.err(key, f"expected one of {', '.join(repr(o) for o in options)}, got {_describe(v)}")
+        return v
+    return parse
+
+
+def _p_bool(v, key, ctx):
+    if not isinstance(v, bool):
+        raise ctx.err(key, f"expected true or false, got {_describe(v)}")
+    return v
+
+
+def _p_int(lo=None, hi=None):
+    def parse(v, key, ctx):
+        if isinstance(v, bool) or not isinstance(v, int):
+            hint = ""
+            if isinstance(v, str) and _FLOAT_RE.match(v.strip()):
+                hint = " (YAML read it as a string; write a plain integer such as 1000, not 1e3)"
+            elif isinstance(v, float) and v.is_integer():
+                hint = f" (write {int(v)} without the decimal point)"
+            raise ctx.err(key, f"expected an integer, got {_describe(v)}{hint}")
+        if lo is not None and v < lo:
+            raise ctx.err(key, f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ctx.err(key, f"must be <= {hi}, got {v}")
+        return v
+    return parse
+
+
+def _p_float(lo=None, hi=None, lo_open=False):
+    def parse(v, key, ctx):
+        if isinstance(v, str) and _FLOAT_RE.match(v.strip()):
+            # YAML 1.1 reads 1e-4 as the string '1e-4': accepted on purpose (module docstring).
+            v = float(v.strip())
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ctx.err(key, f"expected a number, got {_describe(v)}")
+        v = float(v)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ctx.err(key, f"expected a finite number, got {v}")
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise ctx.err(key, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ctx.err(key, f"must be <= {hi}, got {v}")
+        return v
+    return parse
+
+
+def parse_bytes(v: Any) -> int:
+    """Parse a memory size: an int (bytes) or a string such as ``"24GiB"``, ``"16GB"``, ``"512 MiB"``.
+
+    Units (case-insensitive): B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (powers of 2); no unit = bytes.
+    Returns bytes (int > 0). Raises ValueError (message without file/key) for anything else.
+    """
+    if isinstance(v, bool):
+        raise ValueError(f"expected a size in bytes or a string like '24GiB', got {_describe(v)}")
+    if isinstance(v, int):
+        n = v
+    elif isinstance(v, str):
+        m = _MEM_RE.match(v)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _MEM_UNITS:
+            raise ValueError(f"expected a size like '24GiB', '16GB' or '512MiB' (units: B, KB, MB, GB, TB, "
+                             f"KiB, MiB, GiB, TiB), got {v!r}")
+        n = int(float(m.group(1)) * _MEM_UNITS[unit])
+    else:
+        raise ValueError(f"expected a size in bytes or a string like '24GiB', got {_describe(v)}")
+    if n <= 0:
+        raise ValueError(f"must be a positive size, got {v!r}")
+    return n
+
+
+def _p_bytes(v, key, ctx):
+    try:
+        return parse_bytes(v)
+    except ValueError as e:
+        raise ctx.err(key, str(e)) from None
+
+
+def parse_shard(v: Any) -> tuple[int, int]:
+    """Parse a shard spec ``"I/N"`` (or a 2-list ``[I, N]``) into ``(index, count)``.
+
+    ``index`` is 0-based: valid shards of ``N`` are ``0/N`` .. ``(N-1)/N`` (same as the CLI's ``--shard I/N``).
+    Raises ValueError (message without file/key) on a malformed spec or an index out of range.
+    """
+    if isinstance(v, str) and (m := _SHARD_RE.match(v)):
+        i, n = int(m.group(1)), int(m.group(2))
+    elif isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        i, n = v
+    else:
+        raise ValueError(f"expected 'I/N' (e.g. '0/4', index 0-based), got {_describe(v)}")
+    if n < 1:
+        raise ValueError(f"shard count must be >= 1, got {n}")
+    if not 0 <= i < n:
+        raise ValueError(f"shard index is 0-based and must be in 0..{n - 1}, got {i} (in {i}/{n})")
+    return i, n
+
+
+def _p_shard(v, key, ctx):
+    try:
+        return parse_shard(v)
+    except ValueError as e:
+        raise ctx.err(key, str(e)) from None
+
+
+def _p_input_file(v, key, ctx):
+    p = ctx.resolve(_p_str(v, key, ctx))
+    if not os.path.exists(p):
+        raise ctx.err(key, f"file not found: {p}")
+    if not os.path.isfile(p):
+        raise ctx.err(key, f"not a regular file: {p}")
+    return p
+
+
+def _p_output_file(v, key, ctx):
+    p = ctx.resolve(_p_str(v, key, ctx))
+    if os.path.isdir(p):
+        raise ctx.err(key, f"is a directory, expected a results file path: {p}")
+    return p
+
+
+def _p_model(v, key, ctx):
+    s = _p_str(v, key, ctx)
+    if s == TINY_MODEL:
+        return s
+    p = ctx.resolve(s)
+    if not os.path.isdir(p):
+        raise ctx.err(key, f"checkpoint directory not found: {p} (use {TINY_MODEL!r} for the embedded tiny model)")
+    if not os.path.isfile(os.path.join(p, "config.json")):
+        raise ctx.err(key, f"not a Hugging Face checkpoint directory (no config.json): {p}")
+    return p
+
+
+def _p_policy(v, key, ctx):
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, dict):
+        for k in v:
+            if not isinstance(k, str):
+                raise ctx.err(key, f"policy field names must be strings, got {_describe(k)}")
+        return copy.deepcopy(v)
+    if isinstance(v, str):
+        return _p_input_file(v, key, ctx)
+    raise ctx.err(key, f"expected 'auto', a policy YAML path or a mapping of policy fields, got {_describe(v)}")
+
+
+_PRESET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def _p_hardware(v, key, ctx):
+    s = _p_str(v, key, ctx)
+    if os.sep in s or "/" in s or s.lower().endswith((".yaml", ".yml", ".json")):
+        return _p_input_file(s, key, ctx)
+    if not _PRESET_RE.match(s):
+        raise ctx.err(key, f"expected a preset name (e.g. 'h200') or a profile YAML path, got {s!r}")
+    return s.lower()
+
+
+def _opt(parse):
+    """Accept null as None, otherwise delegate."""
+    def p(v, key, ctx):
+        return None if v is None else parse(v, key, ctx)
+    return p
+
+
+# ================================================================================================
+# schema: section -> {key: (parser, required)}
+# ================================================================================================
+_Parser = Callable[[Any, str, _Ctx], Any]
+
+_DATA_KEYS: dict[str, _Parser] = {
+    "source": _p_choice(SOURCES),
+    "path": _opt(_p_input_file),
+    "chat_template": _p_bool,
+    "system_prompt": _opt(lambda v, k, c: _p_str(v, k, c, allow_empty=True)),
+    "limit": _opt(_p_int(lo=1)),
+    "truncate": _p_choice(TRUNCATE),
+}
+_GEN_KEYS: dict[str, _Parser] = {
+    "max_new_tokens": _p_int(lo=1),
+    "temperature": _p_float(lo=0.0),
+    "top_p": _p_float(lo=0.0, hi=1.0, lo_open=True),
+    "seed": _p_int(lo=0, hi=2**63 - 1),
+    "stop_at_eos": _p_bool,
+}
+_SCORE_KEYS: dict[str, _Parser] = {
+    "mode": _p_choice(SCORE_MODES),
+    "stride": _opt(_p_int(lo=1)),
+    "length_normalize": _p_bool,
+}
+_OUTPUT_KEYS: dict[str, _Parser] = {
+    "path": _p_output_file,
+}
+_SECTIONS = {"data": _DATA_KEYS, "generation": _GEN_KEYS, "score": _SCORE_KEYS, "output": _OUTPUT_KEYS}
+_TOP_KEYS: dict[str, _Parser] = {
+    "name": _p_str,
+    "model": _p_model,
+    "task": _p_choice(TASKS),
+    "device": _p_choice(DEVICES),
+    "dtype": _p_choice(DTYPES),
+    "executor": _p_choice(EXECUTORS),
+    "batch_size": _p_int(lo=1),
+    "policy": _p_policy,
+    "hardware": _opt(_p_hardware),
+    "gpu_memory": _opt(_p_bytes),
+    "cpu_memory": _opt(_p_bytes),
+    "on_error": _p_choice(ON_ERROR),
+    "shard": _opt(_p_shard),
+}
+_ALL_TOP = list(_TOP_KEYS) + list(_SECTIONS)
+
+
+def _check_keys(d: Mapping, allowed, prefix: str, ctx: _Ctx) -> None:
+    for k in d:
+        if not isinstance(k, str) or k not in allowed:
+            close = difflib.get_close_matches(str(k), list(allowed), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ctx.err(f"{prefix}{k}", f"unknown key{hint}; allowed keys: {', '.join(allowed)}")
+
+
+def _section(raw: Mapping, name: str, ctx: _Ctx) -> Optional[dict]:
+    """Parse one section mapping into a dict of parsed values (None when absent or null)."""
+    if name not in raw or raw[name] is None:
+        return None
+    sec = raw[name]
+    if not isinstance(sec, dict):
+        raise ctx.err(name, f"expected a mapping of keys, got {_describe(sec)}")
+    keys = _SECTIONS[name]
+    _check_keys(sec, keys, f"{name}.", ctx)
+    return {k: keys[k](v, f"{name}.{k}", ctx) for k, v in sec.items()}
+
+
+def _apply_overrides(raw: dict, overrides: Mapping[str, Any], ctx_source: str) -> tuple[dict, frozenset]:
+    raw = copy.deepcopy(raw)
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = raw
+        for i, p in enumerate(parts[:-1]):
+            sub = node.get(p)
+            if sub is None:
+                sub = node[p] = {}
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{ctx_source}: {'.'.join(parts[:i + 1])} (from override {dotted}): "
+                                  f"is {_describe(sub)}, not a mapping")
+            node = sub
+        if value is None:
+            node.pop(parts[-1], None)  # None = remove the key (back to the default)
+        else:
+            node[parts[-1]] = value
+    return raw, frozenset(overrides)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse a CLI override ``"dotted.key=value"``; the value is read as YAML (``"0.5"`` -> 0.5, ``"true"`` -> True).
+
+    Raises ValueError when there is no ``=`` or the key is empty.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override must look like key=value (e.g. generation.max_new_tokens=8), got {text!r}")
+    return key.strip(), yaml.safe_load(value) if value.strip() else None
+
+
+# ================================================================================================
+# entry points
+# ================================================================================================
+def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Optional[str] = None,
+                  overrides: Optional[Mapping[str, Any]] = None, name: Optional[str] = None,
+                  config_path: Optional[str] = None) -> Job:
+    """Validate a job mapping (as YAML would give it) into a :class:`Job`.
+
+    Args:
+        d: the job mapping.
+        source_name: label used in error messages in place of a file name.
+        base_dir: directory relative paths resolve against (default: the current directory).
+        overrides: ``{"dotted.key": value}`` applied over ``d`` before validation; a None value removes the key.
+        name: job name when ``d`` has no ``name`` key (default: ``"job"``).
+        config_path: recorded as :attr:`Job.config_path`.
+
+    Raises:
+        ConfigError: unknown key, wrong type or value, missing required key, missing input file or checkpoint
+            directory, or inconsistent keys; the message starts with ``source_name: dotted.key:``.
+    """
+    ctx = _Ctx(source_name, os.path.abspath(base_dir or os.getcwd()))
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source_name}: expected a mapping of job keys at the top level, got {_describe(d)}")
+    raw = dict(d)
+    if overrides:
+        raw, overridden = _apply_overrides(raw, overrides, source_name)
+        ctx.overridden = overridden
+    _check_keys(raw, _ALL_TOP, "", ctx)
+
+    for req in ("model", "data", "output"):
+        if raw.get(req) is None:
+            raise ctx.err(req, f"required key is missing (allowed top-level keys: {', '.join(_ALL_TOP)})")
+    top = {k: _TOP_KEYS[k](v, k, ctx) for k, v in raw.items() if k in _TOP_KEYS}
+
+    # ---- data ----
+    data = _section(raw, "data", ctx) or {}
+    source = data.get("source", "jsonl")
+    if source == "jsonl" and data.get("path") is None:
+        raise ctx.err("data.path", "required for source: jsonl (a JSONL file of requests)")
+    data.setdefault("chat_template", source == "mtbench")
+    data_src = DataSource(**data)
+
+    # ---- output ----
+    out = _section(raw, "output", ctx) or {}
+    if "path" not in out:
+        raise ctx.err("output.path", "required key is missing (the results .jsonl file)")
+    if data_src.path is not None and os.path.abspath(out["path"]) == os.path.abspath(data_src.path):
+        raise ctx.err("output.path", f"is the same file as data.path ({data_src.path}); it would be overwritten")
+    output = OutputConfig(**out)
+
+    # ---- generation / score ----
+    gen = GenerationConfig(**(_section(raw, "generation", ctx) or {}))
+    task = top.get("task", "generate")
+    sc = _section(raw, "score", ctx)
+    score = None
+    if task == "score":
+        if sc is None:
+            raise ctx.err("score", "required for task: score (score.mode: loglikelihood | multiple_choice | perplexity)")
+        if "mode" not in sc:
+            raise ctx.err("score.mode", f"required key is missing (one of {', '.join(SCORE_MODES)})")
+        if sc.get("stride") is not None and sc["mode"] != "perplexity":
+            raise ctx.err("score.stride", f"only applies to mode: perplexity (mode is {sc['mode']!r})")
+        if source == "mtbench":
+            raise ctx.err("data.source", "mtbench has no continuations/choices to score; use task: generate")
+        score = ScoreConfig(**sc)
+    elif sc is not None:
+        raise ctx.err("score", "only valid with task: score (task is 'generate')")
+
+    # ---- executor default and consistency ----
+    device = top.get("device", "cuda")
+    executor = top.get("executor", "cgopipe" if device == "cuda" else "serial")
+    # executor: cgopipe on device: cpu runs the same pipeline with synchronous copies (tests, debugging)
+
+    top["device"] = device
+    top["executor"] = executor
+    top.setdefault("name", name or "job")
+    return Job(data=data_src, output=output, generation=gen, score=score, config_path=config_path,
+               **{k: v for k, v in top.items()})
+
+
+def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None) -> Job:
+    """Load and validate a job YAML (``yaml.safe_load``) into a :class:`Job`.
+
+    Relative paths inside the file resolve against the file's directory. ``overrides`` maps dotted keys to
+    values (e.g. ``{"generation.max_new_tokens": 8, "shard": "0/4"}``) applied before validation.
+
+    Raises:
+        ConfigError: the file is missing or not valid YAML, or any check of :func:`job_from_dict` fails; the
+            message starts with ``<path as given>: dotted.key:``.
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: job file not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if d is None:
+        raise ConfigError(f"{path}: the file is empty (expected a mapping of job keys)")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return job_from_dict(d, source_name=path, base_dir=os.path.dirname(os.path.abspath(path)),
+                         overrides=overrides, name=stem, config_path=os.path.abspath(path))

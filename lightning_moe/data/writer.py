@@ -1,0 +1,242 @@
+"""Results file (JSONL, one record per request, appended and fsync'd) and atomic JSON writes.
+
+Record shapes (the writer checks only that ``id`` is a non-empty string; other keys are the caller's):
+
+* generate: ``{"id", "prompt_tokens", "text", "output_ids", "finish_reason"}`` (finish_reason: "eos"|"length"|...)
+* error:    ``{"id", "error": "file:line: field: problem", "finish_reason": "error"}`` (see :func:`error_record`)
+* scoring:  made by the scorer; any JSON-serializable dict with an ``id``.
+
+Crash safety: each record is one ``os.write`` of a line ending in ``\\n`` on an ``O_APPEND`` descriptor,
+followed by ``fsync``. A kill can leave at most one torn last line (no ``\\n``, or not a JSON object);
+opening the file again truncates that line away (reported on stderr), so resuming re-runs that request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, Iterator, Optional
+
+
+class WriterError(ValueError):
+    """A results file that cannot be resumed safely (corrupt line before the end, duplicate id), or a bad record."""
+
+
+def error_record(req_id: str, error: str) -> dict:
+    """The record written for a request that failed: ``{"id", "error", "finish_reason": "error"}``."""
+    return {"id": req_id, "error": error, "finish_reason": "error"}
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dumps(record: dict) -> bytes:
+    return (json.dumps(record, ensure_ascii=False, separators=(", ", ": ")) + "\n").encode("utf-8")
+
+
+def _scan(path: str) -> tuple[list[tuple[int, dict]], int, Optional[str]]:
+    """Read a results file. Returns (records as (line, dict), byte length of the good prefix, torn tail or None).
+
+    Only the last line may be bad (torn); a bad line before it raises WriterError.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    records: list[tuple[int, dict]] = []
+    pos = 0
+    lineno = 0
+    while pos < len(data):
+        lineno += 1
+        nl = data.find(b"\n", pos)
+        end = len(data) if nl < 0 else nl + 1
+        raw = data[pos:end]
+        rec = None
+        if nl >= 0:
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                rec = None
+        if not isinstance(rec, dict):
+            if end == len(data):  # the last line: torn by a kill mid-write
+                return records, pos, raw[:80].decode("utf-8", "replace")
+            if raw.strip() == b"":
+                raise WriterError(f"{path}:{lineno}: blank line inside the results file (not written by ResultsWriter)")
+            raise WriterError(f"{path}:{lineno}: not a JSON object record; the file is corrupt before its last line "
+                              f"(move it away or fix that line)")
+        records.append((lineno, rec))
+        pos = end
+    return records, pos, None
+
+
+def read_results(path: str) -> list[dict]:
+    """All complete records of a results file, in file order (a torn last line is ignored, not repaired).
+
+    Raises:
+        WriterError: a corrupt line before the last one.
+        FileNotFoundError: no such file.
+    """
+    records, _good, _torn = _scan(path)
+    return [r for _line, r in records]
+
+
+class ResultsWriter:
+    """Append-only JSONL results file, resumable by request id.
+
+    On open the file is created if missing (parent directories too). If it exists, its records are
+    indexed by id and a torn last line is truncated away (a message goes to stderr). ``write`` appends one
+    line with ``os.write`` + ``os.fsync`` under a lock (safe to call from several threads).
+
+    Raises (constructor):
+        WriterError: a corrupt line before the last, a record without a string ``id``, or a duplicate id
+            (the message names the file and both lines).
+    """
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self._lock = threading.Lock()
+        self._ids: dict[str, int] = {}  # id -> line number in the file
+        self._errors: set[str] = set()  # ids whose record is an error record
+        self.repaired_bytes = 0  # bytes of a torn last line removed on open (0 = none)
+        parent = os.path.dirname(self.path)
+        os.makedirs(parent, exist_ok=True)
+        if os.path.exists(self.path):
+            records, good, torn = _scan(self.path)
+            if torn is not None:
+                size = os.path.getsize(self.path)
+                with open(self.path, "r+b") as f:
+                    f.truncate(good)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.repaired_bytes = size - good
+                print(f"moe-batch: {self.path}: removed a torn last line ({self.repaired_bytes} bytes: {torn!r}); "
+                      f"its request will run again", file=sys.stderr)
+            for lineno, rec in records:
+                rid = rec.get("id")
+                if not isinstance(rid, str) or not rid:
+                    raise WriterError(f"{self.path}:{lineno}: id: missing or not a string in a results record")
+                if rid in self._ids:
+                    raise WriterError(f"{self.path}:{lineno}: id: duplicate id {rid!r} (first at line {self._ids[rid]})")
+                self._ids[rid] = lineno
+                if "error" in rec:
+                    self._errors.add(rid)
+            self._lines = len(records)
+        else:
+            self._lines = 0
+        created = not os.path.exists(self.path)
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if created:
+            _fsync_dir(parent)
+
+    # ---- queries --------------------------------------------------------------------------------
+    def done_ids(self) -> set:
+        """Ids that already have a record (including error records) -- skip these when resuming."""
+        with self._lock:
+            return set(self._ids)
+
+    def error_ids(self) -> set:
+        """Ids whose record is an error record."""
+        with self._lock:
+            return set(self._errors)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    # ---- writing --------------------------------------------------------------------------------
+    def write(self, record: dict) -> None:
+        """Append one record as a JSON line, then flush and fsync.
+
+        Raises:
+            WriterError: the record has no non-empty string ``id``, its id was already written, or the writer
+                is closed.
+            TypeError/ValueError: the record is not JSON-serializable.
+        """
+        rid = record.get("id") if isinstance(record, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise WriterError(f"{self.path}: record needs a non-empty string 'id', got {record!r:.120}")
+        line = _dumps(record)
+        with self._lock:
+            if self._fd is None:
+                raise WriterError(f"{self.path}: write after close")
+            if rid in self._ids:
+                raise WriterError(f"{self.path}: id {rid!r} already has a record (line {self._ids[rid]})")
+            view = memoryview(line)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            os.fsync(self._fd)
+            self._lines += 1
+            self._ids[rid] = self._lines
+            if "error" in record:
+                self._errors.add(rid)
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def write_json_atomic(path: str, obj: Any, indent: int = 2) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically: temp file in the same directory, fsync, ``os.replace``.
+
+    Readers see the old file or the new one, never a partial one; no temp file is left behind, also on error.
+
+    Raises:
+        TypeError/ValueError: ``obj`` is not JSON-serializable (``path`` is left untouched).
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=indent, ensure_ascii=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(parent)
+
+
+def iter_jsonl_records(path: str) -> Iterator[tuple[int, dict]]:
+    """``(line, record)`` for every complete record of a results file (used by shard merging).
+
+    Raises:
+        WriterError: a corrupt line anywhere, including a torn last line (the shard did not finish cleanly).
+    """
+    records, _good, torn = _scan(path)
+    if torn is not None:
+        raise WriterError(f"{path}:{len(records) + 1}: torn last line {torn!r} (the run was killed mid-write; "
+                          f"re-run that shard to complete it)")
+    yield from records

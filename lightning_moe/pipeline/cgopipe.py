@@ -1,0 +1,498 @@
+"""CGOPipe: the pipelined executor (MoE-Lightning, arXiv 2411.11217, Sec. 4.1 and Alg. 1).
+
+Per decode step, for each layer l and micro-batch k:
+
+    gpu:  pre_attention(l, k)         norm, q/k/v, RoPE                       (compute stream)
+    d2h:  q, k, v of (l, k) -> pinned staging                                  (d2h stream)
+    cpu:  attention(l, k) over the CPU KV cache, appending the new k/v         (worker thread)
+    h2d:  attention output of (l, k) -> GPU                                    (act stream)
+    h2d:  one slot of layer l+1's expert pages into the other page buffer      (weight stream)
+    gpu:  post_attention(l, k)        o_proj, residual, norm, router, experts  (compute stream)
+
+The host thread issues GPU work for micro-batch k+1 while the worker runs the CPU attention of k, and
+the weight stream copies layer l+1's pages the whole time, so per layer the time approaches
+max(T_io, T_cpu, T_gpu), which is what the HRM (policy/hrm.py) predicts. Micro-batches whose KV the
+policy puts on the GPU run attention on the GPU instead. Prefill runs per micro-batch with GPU
+attention, writing KV to the micro-batch's home (CPU or GPU), with experts paged the same way.
+
+Deviation from DESIGN.md: the small activation transfers (attention outputs) use their own stream
+instead of being enqueued between pages on one H2D stream; the copy engines interleave them with the
+page copies, and a page never waits behind a CPU-attention result (or the reverse) in one FIFO.
+
+On ``device: cpu`` the same loop runs with synchronous copies (CI checks its tokens equal the serial
+executor's).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..kernels.fused_moe import experts_ffn_reference_from
+from ..model import mixtral as M
+from ..model.weights import ModelWeights
+from ..policy.policy import Policy
+from .cpu_attention import bucket_len, cpu_decode_attention
+from .kv_cache import KVCache
+from .microbatch import partition
+from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
+from .serial import FinishCallback, RunStats, SamplingParams, sample, split_token_scores
+
+
+@dataclass
+class MicroBatch:
+    """Sequences of one micro-batch and where its KV cache lives."""
+
+    rows: list[int]  # indices into the batch's prompt list
+    kv: KVCache  # this micro-batch's cache (rows 0..len(rows)-1), on the CPU or the GPU
+    on_gpu: bool  # attention + KV on the GPU (policy.n_gpu_attn) instead of the CPU
+    x: Optional[torch.Tensor] = None  # [mu_k, D] hidden states on the GPU during a decode step
+    pos: Optional[torch.Tensor] = None  # int64 [mu_k] on the GPU: position of the next token of each row
+
+
+class _Timer:
+    """Pairs of CUDA events on the compute stream around waits; summed lazily (one sync per batch)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pairs: dict[str, list] = {}
+        self.host: dict[str, float] = {}
+
+    def around(self, name: str, stream, fn):
+        if not self.cuda:
+            return fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        out = fn()
+        b.record(stream)
+        self.pairs.setdefault(name, []).append((a, b))
+        return out
+
+    def add_host(self, name: str, seconds: float) -> None:
+        self.host[name] = self.host.get(name, 0.0) + seconds
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per name (GPU event pairs are synchronized here)."""
+        out = dict(self.host)
+        for name, pairs in self.pairs.items():
+            out[name] = out.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+        self.pairs.clear()
+        self.host = {}
+        return out
+
+
+class CGOPipeExecutor:
+    """Pipelined executor driven by a :class:`Policy`.
+
+    Args:
+        weights: host weights. Their experts are moved into one exact-size pinned page pool (and the
+            per-layer expert tensors are released from ``weights`` as they are copied, so host memory
+            holds each expert once).
+        policy: mu, n, prefill micro-batch, resident experts, GPU-attention micro-batches.
+        device: "cuda[:i]" (or "cpu": same loop, synchronous copies; for tests).
+        dtype: compute dtype (default: the weights').
+        ffn: "torch" (the reference expert loop, bit-identical to the serial executor) or "triton"
+            (kernels.fused_moe.fused_experts_triton on layers without resident experts).
+    """
+
+    def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
+                 dtype: Optional[torch.dtype] = None, ffn: str = "torch"):
+        self.spec = spec = weights.spec
+        self.policy = policy
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = dtype or weights.dtype
+        self.ffn = ffn
+        self.batch_size = policy.N
+        dev, dt = self.device, self.dtype
+        self.layers = [lw.to(dev, dt) for lw in weights.layers]
+        self.embed = weights.embed.to(dev, dt)
+        self.norm = weights.norm.to(dev, dt)
+        self.lm_head = weights.lm_head.to(dev, dt)
+        self.inv_freq = M.rope_inv_freq(spec, dev)
+        counts = policy.resident_counts(spec)
+        resident = frozenset((l, e) for l in range(spec.num_layers) for e in range(counts[l]))
+        if isinstance(policy.resident_experts, tuple) and policy.resident_experts and isinstance(policy.resident_experts[0], tuple):
+            resident = frozenset(policy.resident_experts)
+        self.paging = ExpertPaging(spec.num_layers, spec.num_experts, max(1, policy.n), resident)
+        self.pool = HostPagePool.for_experts(self.paging, ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dt), pin=self.cuda)
+        experts = weights.experts
+        self.resident = ResidentExperts(self.paging, [self._cast(e) for e in experts], dev)
+        for l in range(spec.num_layers):  # stream layer by layer into the pool, releasing host copies
+            ew = self._cast(experts[l])
+            for p in range(self.paging.layer_pages(l)):
+                ids = self.paging.page_experts(l, p)
+                self.pool.write_page(l, p, {"w1": ew.w1[list(ids)], "w3": ew.w3[list(ids)], "w2": ew.w2[list(ids)]})
+            experts[l] = None  # the pool now holds this layer's experts
+        self.buffers = GpuPageBuffers(self.pool, dev, 2)
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(dev)
+            self.h2d_w = torch.cuda.Stream(dev)  # expert pages
+            self.h2d_a = torch.cuda.Stream(dev)  # attention outputs
+            self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
+        else:
+            self.compute = self.h2d_w = self.h2d_a = self.d2h = None
+        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn")
+        self._visit = 0  # layer visits so far: buffer = visit % 2, continuing across steps
+        self._prefetched = -1  # last visit whose pages were issued
+        self.stats = RunStats()
+        self.timer = _Timer(self.cuda)
+
+    # ---- setup helpers -------------------------------------------------------------------------
+    def _cast(self, ew: M.ExpertWeights) -> M.ExpertWeights:
+        return ew if ew.w1.dtype == self.dtype else M.ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
+
+    def close(self) -> None:
+        """Release the worker thread and unregister the pinned pool."""
+        self.workers.shutdown(wait=True)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.pool.close()
+
+    def policy_summary(self) -> dict:
+        """The policy as a dict (for the run report)."""
+        p = self.policy
+        return {"mu": p.mu, "n": p.n, "N": p.N, "prefill_mu": p.prefill_mu, "resident_experts": sum(
+            len(self.paging.resident_experts(l)) for l in range(self.spec.num_layers)), "n_gpu_attn": p.n_gpu_attn,
+            "host_pool_bytes": self.pool.nbytes, "page_buffer_bytes": self.buffers.nbytes, "resident_bytes": self.resident.nbytes}
+
+    # ---- weights: page buffers ------------------------------------------------------------------
+    def _layer_of_visit(self, visit: int) -> int:
+        return visit % self.spec.num_layers
+
+    def _prefetch_slot(self, visit: int, slot: int, slots: int) -> None:
+        """Issue slot ``slot`` of ``slots`` of the pages of layer-visit ``visit`` on the weight stream."""
+        layer = self._layer_of_visit(visit)
+        pages = self.pool.pages_per_layer[layer]
+        rng = page_schedule(pages, slots)[slot]
+        if len(rng) == 0:
+            return
+        b = visit % 2
+        if self.cuda:  # wait for the buffer to be free first, so the timed span is the copies alone
+            self.h2d_w.wait_event(self.buffers._done_events[b])
+        self.stats.h2d_bytes += self.timer.around("h2d_copy", self.h2d_w,
+                                                  lambda: self.buffers.prefetch_layer(layer, b, self.h2d_w, rng))
+
+    def _begin_layer(self, visit: int) -> dict:
+        """Make sure visit's pages are issued and wait (on the GPU) until they landed; returns a getter."""
+        layer = self._layer_of_visit(visit)
+        if self._prefetched < visit:  # not prefetched during the previous layer (first layer of a run)
+            self._prefetch_slot(visit, 0, 1)
+            self._prefetched = visit
+        b = visit % 2
+        self.timer.around("wait_h2d", self.compute, lambda: self.buffers.wait_layer(layer, b, self.compute))
+        return self.buffers.layer_experts(layer, b, self.resident)
+
+    def _end_layer(self, visit: int) -> None:
+        self.buffers.compute_done(visit % 2, self.compute)
+
+    def _experts_fn(self, lx):
+        """FFN over the layer's experts (resident + paged).
+
+        "torch": the reference expert loop with the same per-expert ops as the serial executor (exact
+        equality of tokens; it synchronizes the host once per expert to gather tokens). "triton": the
+        sync-free grouped kernel, once over the paged experts and once over the resident ones, each with
+        the other group's routing weights zeroed (the same tokens' work computed twice is cheaper than a
+        host sync at decode sizes).
+        """
+        E = self.spec.num_experts
+        if self.ffn == "triton" and self.cuda:
+            from ..kernels.fused_moe import fused_experts_triton
+
+            is_paged, row = self.paging.index_tensors(lx.layer, self.device)
+            groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g["w1"].shape[0] > 0]
+
+            def triton_ffn(h, ew, w, ids):
+                out = None
+                for g, member in groups:
+                    sel = member[ids]  # [T, k] expert of this slot lives in group g
+                    y = fused_experts_triton(h, g["w1"], g["w3"], g["w2"], torch.where(sel, w, torch.zeros_like(w)),
+                                             torch.where(sel, row[ids], torch.zeros_like(ids)), validate=False)
+                    out = y if out is None else out + y
+                return out
+
+            return triton_ffn
+
+        def get(e):
+            t = lx.expert(e)
+            return t["w1"], t["w3"], t["w2"]
+
+        return lambda h, ew, w, ids: experts_ffn_reference_from(h, get, E, w, ids)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], full_logits: bool) -> list[torch.Tensor]:
+        """Prefill every micro-batch layer by layer (weights streamed once per layer for the batch).
+
+        Returns per micro-batch fp32 logits: last token of each row [mu_k, V], or all tokens [T_k, V].
+        """
+        states = []
+        for mb in mbs:
+            lens = [len(prompts[r]) for r in mb.rows]
+            ids = torch.tensor([t for r in mb.rows for t in prompts[r]], dtype=torch.int64)
+            ends = torch.tensor(lens).cumsum(0)
+            spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
+            pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+            states.append([self.embed[ids.to(self.device)], pos, spans, ends])
+        for l in range(self.spec.num_layers):
+            visit = self._visit
+            lx = self._begin_layer(visit)
+            self._prefetch_slot(visit + 1, 0, 1)
+            self._prefetched = visit + 1
+            ffn = self._experts_fn(lx)
+            for mb, st in zip(mbs, states):
+                x, pos, spans, _ = st
+                q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq)  # [T,Hq,hd] [T,Hkv,hd] x2
+                attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd]
+                if mb.kv is not None:
+                    kk, vv = (k, v) if mb.on_gpu else (k.cpu(), v.cpu())
+                    if not mb.on_gpu:
+                        self.stats.d2h_bytes += 2 * kk.numel() * kk.element_size()
+                    for row, (s, e) in enumerate(spans):
+                        mb.kv.write_prefill(l, row, kk[s:e], vv[s:e])
+                st[0] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
+            self._end_layer(visit)
+            self._visit += 1
+        out = []
+        for st in states:
+            x, _, _, ends = st
+            if not full_logits:
+                x = x[(ends - 1).to(self.device)]
+            out.append(M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
+        return out
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _pre_attention(self, l: int, mb: MicroBatch):
+        return M.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq)  # [mu,Hq,hd] [mu,Hkv,hd] x2
+
+    def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
+        rows = torch.arange(len(mb.rows))
+        mb.kv.append(l, rows, k, v)
+        new_len = mb.kv.lengths + 1
+        upto = bucket_len(int(new_len.max()), mb.kv.max_len)
+        K, V = mb.kv.view(l, None, upto)
+        return M.decode_attention(q, K, V, new_len, self.spec.sliding_window)  # [mu, Hq*hd]
+
+    def _send_qkv(self, q, k, v):
+        """D2H of q/k/v (after the compute stream produced them); returns host tensors + ready event."""
+        if not self.cuda:
+            return (q, k, v), None
+        self.d2h.wait_stream(self.compute)
+        with torch.cuda.stream(self.d2h):
+            host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in (q, k, v))
+            for t in (q, k, v):
+                t.record_stream(self.d2h)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+        self.stats.d2h_bytes += sum(t.numel() * t.element_size() for t in host)
+        return host, ev
+
+    def _cpu_attention(self, l: int, mb: MicroBatch, qkv, ready) -> torch.Tensor:
+        """Worker thread: wait for q/k/v to land, append k/v to the CPU cache, attend. Returns [mu, Hq*hd]."""
+        t0 = time.perf_counter()
+        if ready is not None:
+            ready.synchronize()
+        with torch.inference_mode():  # thread-local: the cache is an inference tensor
+            q, k, v = qkv
+            rows = torch.arange(len(mb.rows))
+            mb.kv.append(l, rows, k, v)
+            new_len = mb.kv.lengths + 1
+            K, V = mb.kv.view(l, None, mb.kv.max_len)
+            out = cpu_decode_attention(q, K, V, new_len, self.spec.sliding_window)
+            if self.cuda:
+                out = out.pin_memory()
+        self.timer.add_host("cpu_attention", time.perf_counter() - t0)
+        return out
+
+    def _recv_attention(self, fut: Future) -> torch.Tensor:
+        """Host waits for the worker, then H2D of the attention output; the compute stream waits on it."""
+        t0 = time.perf_counter()
+        attn = fut.result()
+        self.timer.add_host("host_wait_cpu_attention", time.perf_counter() - t0)
+        if not self.cuda:
+            return attn
+        with torch.cuda.stream(self.h2d_a):
+            dev = attn.to(self.device, non_blocking=True)
+        self.stats.h2d_bytes += attn.numel() * attn.element_size()
+        ev = torch.cuda.Event()
+        ev.record(self.h2d_a)
+        self.timer.around("wait_attention", self.compute, lambda: self.compute.wait_event(ev))
+        dev.record_stream(self.compute)
+        return dev
+
+    def _post_attention(self, l: int, mb: MicroBatch, attn: torch.Tensor, ffn) -> None:
+        mb.x = M.post_attention(self.layers[l], None, mb.x, attn, self.spec, ffn)  # [mu_k, D]
+
+    def _decode_layer(self, l: int, mbs: list[MicroBatch]) -> None:
+        """One layer of one decode step over all micro-batches (the CGOPipe schedule)."""
+        visit = self._visit
+        lx = self._begin_layer(visit)
+        ffn = self._experts_fn(lx)
+        pending: Optional[tuple[MicroBatch, Future]] = None
+        for k, mb in enumerate(mbs):
+            q, kk, v = self._pre_attention(l, mb)
+            if mb.on_gpu:
+                attn = self._gpu_attention(l, mb, q, kk, v)
+            else:
+                qkv, ready = self._send_qkv(q, kk, v)
+                fut = self.workers.submit(self._cpu_attention, l, mb, qkv, ready)
+            self._prefetch_slot(visit + 1, k, len(mbs))  # one slot of layer l+1's pages per micro-batch
+            if pending is not None:  # finish the previous CPU micro-batch while this one's attention runs
+                self._post_attention(l, pending[0], self._recv_attention(pending[1]), ffn)
+                pending = None
+            if mb.on_gpu:
+                self._post_attention(l, mb, attn, ffn)
+            else:
+                pending = (mb, fut)
+        if pending is not None:
+            self._post_attention(l, pending[0], self._recv_attention(pending[1]), ffn)
+        self._prefetched = visit + 1
+        self._end_layer(visit)
+        self._visit += 1
+
+    def _decode_step(self, mbs: list[MicroBatch], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Feed one token per row of every micro-batch; returns fp32 logits [mu_k, V] per micro-batch."""
+        for mb, t in zip(mbs, tokens):
+            mb.x = self.embed[t.to(self.device)]  # [mu_k, D]
+            if mb.pos is None:
+                mb.pos = mb.kv.lengths.to(self.device, copy=True)  # [mu_k]
+        for l in range(self.spec.num_layers):
+            self._decode_layer(l, mbs)
+        for mb in mbs:
+            mb.kv.lengths += 1
+            mb.pos += 1
+        return [M.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
+
+    # ---- public API ---------------------------------------------------------------------------
+    def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int) -> list[MicroBatch]:
+        lens = [len(p) for p in prompts]
+        n = -(-len(prompts) // mu)
+        groups = [g for g in partition(lens, mu, n) if g]
+        mbs = []
+        for k, rows in enumerate(groups):
+            on_gpu = self.cuda and k < self.policy.n_gpu_attn
+            kv = None
+            if with_kv:
+                kv = KVCache(self.spec, len(rows), max(lens[r] for r in rows) + extra, self.dtype,
+                             self.device if on_gpu else "cpu")
+                kv.lengths[:] = torch.tensor([lens[r] for r in rows])
+            mbs.append(MicroBatch(rows, kv, on_gpu))
+        return mbs
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finish: Optional[FinishCallback] = None,
+                 seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None) -> list[tuple[list[int], str]]:
+        """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call).
+
+        Finished rows keep their slot until the batch ends (their extra tokens are discarded), so the
+        micro-batch shapes stay fixed for the whole batch.
+        """
+        if len(prompts) > self.policy.N:
+            raise ValueError(f"{len(prompts)} prompts exceed the policy's batch N = {self.policy.N}")
+        eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
+        gens = [torch.Generator().manual_seed(s) for s in seeds] if (seeds is not None and not params.greedy) else None
+        mbs = self._micro_batches(prompts, params.max_new_tokens, True, self.policy.mu)
+        # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
+        t0 = time.perf_counter()
+        logits = self._prefill(prompts, mbs, full_logits=False)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        results: list = [None] * len(prompts)
+
+        def commit(mb: MicroBatch, lg: torch.Tensor) -> torch.Tensor:
+            toks = sample(lg, params, [gens[r] for r in mb.rows] if gens else None)
+            for r, t in zip(mb.rows, toks.tolist()):
+                if results[r] is not None:
+                    continue
+                outputs[r].append(t)
+                self.stats.generated_tokens += 1
+                reason = "stop" if (params.stop_at_eos and eos is not None and t == eos) else (
+                    "length" if len(outputs[r]) >= params.max_new_tokens else None)
+                if reason is not None:
+                    results[r] = (outputs[r], reason)
+                    if on_finish is not None:
+                        on_finish(r, outputs[r], reason)
+            return toks
+
+        tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
+        self._sync()
+        t1 = time.perf_counter()
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
+        self.stats.prefill_seconds += t1 - t0
+        self.timer.collect()  # prefill waits are not decode stage times
+        while any(r is None for r in results):
+            alive = sum(r is None for r in results)
+            logits = self._decode_step(mbs, tokens)
+            tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
+            self.stats.decode_tokens += alive
+            self.stats.decode_steps += 1
+        self._sync()
+        dt = time.perf_counter() - t1
+        self.stats.decode_seconds += dt
+        stages = self.timer.collect()
+        stages["decode_wall"] = dt
+        for k, v in stages.items():
+            self.stats.extra[k] = self.stats.extra.get(k, 0.0) + v
+        return results
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Same contract as :meth:`SerialExecutor.prompt_logprobs` (prefill only, no KV cache)."""
+        t0 = time.perf_counter()
+        mbs = self._micro_batches(seqs, 0, False, self.policy.prefill_mu)
+        logits = self._prefill(seqs, mbs, full_logits=True)
+        out: list = [None] * len(seqs)
+        for mb, lg in zip(mbs, logits):
+            for r, sc in zip(mb.rows, split_token_scores(lg, [seqs[r] for r in mb.rows])):
+                out[r] = sc
+        self._sync()
+        self.timer.collect()
+        self.stats.prefill_tokens += sum(len(s) for s in seqs)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        return out
+
+
+_DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def policy_for_job(job, prep):
+    """The job's Policy: ``policy: auto`` plans with the MILP for the job's real prompt lengths,
+    ``hardware`` (preset or profile; default: the h200 preset) and ``gpu_memory``/``cpu_memory``;
+    a path loads a policy YAML; a mapping gives explicit fields.
+
+    Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError with one clear line.
+    """
+    from ..policy.hardware import get_preset, resolve_hardware
+    from ..policy.milp import plan
+    from ..policy.policy import Budgets, Policy
+    from .runner import job_workload_from_prepared
+
+    dt = _DT[job.dtype]
+    if isinstance(job.policy, dict):
+        fields = dict(job.policy)
+        fields.setdefault("dtype", dt)
+        fields.setdefault("weight_quant", dt)
+        fields.setdefault("prefill_mu", fields.get("mu", 1))
+        return Policy(**fields), None
+    if isinstance(job.policy, str) and job.policy != "auto":
+        return Policy.load(job.policy), None
+    hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
+    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=dt,
+                                   **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
+                                   **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
+    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
+
+
+def build_cgopipe(job, prep, weights: ModelWeights) -> CGOPipeExecutor:
+    """CGOPipe for a job, with the policy from :func:`policy_for_job`."""
+    policy, est = policy_for_job(job, prep)
+    ex = CGOPipeExecutor(weights, policy, job.device, {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                                        "float16": torch.float16}[job.dtype])
+    ex.estimate = est
+    return ex
