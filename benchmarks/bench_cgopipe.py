@@ -44,12 +44,13 @@ class Case:
     name: str  # case id used on the command line
     layers: Optional[int] = None  # decoder layers (None = the full 32 of Mixtral-8x7B); scaled runs say so
     gpu_cap: int = 24 * GiB  # GPU memory cap in bytes (set_per_process_memory_fraction + planner budget)
-    cpu_cap: int = 112 * GiB  # host memory budget in bytes for the planner (128 GiB host)
+    cpu_cap: int = 104 * GiB  # host memory budget in bytes for the planner (126 GiB host: leaves room for the process)
     gen_len: int = 32  # tokens generated per sequence
     quant: str = "bf16"  # expert page format
     executors: tuple = ("cgopipe",)  # which executors to run: cgopipe, serial, accelerate
     baseline_steps: int = 3  # decode steps timed for the serial / accelerate baselines
     baseline_batches: tuple = (16, 64)  # batch sizes tried for the baselines (best is reported)
+    ffn: str = "triton"  # CGOPipe expert FFN: "triton" (fused grouped kernel, sync-free) or "torch" (reference loop)
 
 
 CASES = {c.name: c for c in [
@@ -108,9 +109,26 @@ def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0):
     D, F, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
     layers = [LayerWeights(torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
                            rnd(D, spec.q_size), torch.ones(D, dtype=dtype), rnd(E, D, std=1.0)) for _ in range(spec.num_layers)]
-    shared = ExpertWeights(rnd(E, F, D), rnd(E, F, D), rnd(E, D, F))
+    block = rnd(1 << 24)  # 16 Mi random values, tiled (randn of 1.4 G values would take tens of seconds)
+
+    def tiled(*shape):
+        n = 1
+        for d in shape:
+            n *= d
+        reps = -(-n // block.numel())
+        return block.repeat(reps)[:n].view(*shape).clone()
+
+    shared = ExpertWeights(tiled(E, F, D), tiled(E, F, D), tiled(E, D, F))
     experts = [shared for _ in range(spec.num_layers)]
     return ModelWeights(spec, rnd(spec.vocab_size, D, std=1.0), torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)
+
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress to stderr with seconds since start (shows where a timed-out case was)."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def cap_gpu(cap: int) -> None:
@@ -135,23 +153,28 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     t0 = time.perf_counter()
     policy, est = plan(spec, hw, wl, budgets)
     t_plan = time.perf_counter() - t0
+    log(f"planned in {t_plan:.1f} s: mu={policy.mu} n={policy.n} N={policy.N} prefill_mu={policy.prefill_mu} "
+        f"resident={sum(policy.resident_counts(spec))} gpu_attn={policy.n_gpu_attn}; predicted decode {est.decode_tok_s:.0f} tok/s")
     prompts = fill(base, policy.N)
     cap_gpu(case.gpu_cap)
     t0 = time.perf_counter()
     w = shared_dummy_weights(spec)
-    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16)
+    log("dummy weights ready")
+    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn)
     del w
     t_setup = time.perf_counter() - t0
+    log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB)")
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     ex.generate(prompts, SamplingParams(max_new_tokens=case.gen_len, stop_at_eos=False))
     wall = time.perf_counter() - t0
     s = ex.stats
+    log(f"generated: prefill {s.prefill_seconds:.1f} s, decode {s.decode_seconds:.1f} s ({s.decode_steps} steps)")
     ex.close()
     dec = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
     st = dict(s.extra)
     return {
-        "executor": "cgopipe", "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup,
+        "executor": "cgopipe", "ffn": case.ffn, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup,
         "N": policy.N, "prompt_len_mean": wl.prompt_len, "prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
         "decode_tok_s": dec, "e2e_tok_s": s.generated_tokens / wall, "wall_seconds": wall,
         "decode_seconds": s.decode_seconds, "prefill_seconds": s.prefill_seconds,
@@ -195,12 +218,17 @@ def run_accelerate(case: Case, profile: str) -> dict:
         model = MixtralForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
     model = model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
+    block = torch.randn(1 << 24, generator=g, dtype=torch.bfloat16) * 0.02  # tiled, as in shared_dummy_weights
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.bfloat16) * 0.02)
+                flat = p.view(-1)
+                for i in range(0, flat.numel(), block.numel()):
+                    m = min(block.numel(), flat.numel() - i)
+                    flat[i : i + m].copy_(block[:m])
+    log("accelerate model materialized on the CPU")
     model.eval()
     # leave room for activations: the same cap for weights + everything else
     dmap = infer_auto_device_map(model, max_memory={0: int(case.gpu_cap * 0.8), "cpu": 200 * GiB},
@@ -234,8 +262,10 @@ RUNNERS = {"cgopipe": run_cgopipe, "serial": run_serial, "accelerate": run_accel
 
 
 # ---------------------------------------------------------------------------------------------------
-def one(case_name: str, executor: str, profile: str) -> None:
+def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None) -> None:
     case = CASES[case_name]
+    if ffn:
+        case = dataclasses.replace(case, ffn=ffn)
     r = RUNNERS[executor](case, profile)
     r.update(case=case_name, layers=case.layers or 32, gpu_cap_GiB=case.gpu_cap / GiB, gen_len=case.gen_len, quant=case.quant)
     print("RESULT " + json.dumps(r, default=str), flush=True)
@@ -262,7 +292,7 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
             p = r["policy"]
             pol = f"{p['mu']} x {p['n']} = {p['mu'] * p['n']}, r={p['resident_experts']}, g={p['n_gpu_attn']}"
             ratio = r["decode_tok_s"] / r["pred_decode_tok_s"] if r["pred_decode_tok_s"] else float("nan")
-            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe | {pol} | "
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}) | {pol} | "
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
@@ -279,12 +309,13 @@ def main() -> None:
     ap.add_argument("--profile", default=os.path.join(REPO, "lightning_moe/policy/profiles/h200-host.yaml"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, executor) subprocess")
+    ap.add_argument("--ffn", default=None, help="override the cases' CGOPipe FFN: torch | triton")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "EXECUTOR"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not os.path.exists(a.profile):
         a.profile = "h200"
     if a.one:
-        one(a.one[0], a.one[1], a.profile)
+        one(a.one[0], a.one[1], a.profile, a.ffn)
         return
     os.makedirs(a.out, exist_ok=True)
     results = []
@@ -293,12 +324,15 @@ def main() -> None:
         for ex in (a.executors.split(",") if a.executors else case.executors):
             t0 = time.perf_counter()
             try:
-                p = subprocess.run([sys.executable, __file__, "--one", name, ex, "--profile", a.profile],
+                p = subprocess.run([sys.executable, __file__, "--one", name, ex, "--profile", a.profile]
+                                   + (["--ffn", a.ffn] if a.ffn else []),
                                    capture_output=True, text=True, timeout=a.timeout)
                 lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
                 r = json.loads(lines[-1][7:]) if lines else {"case": name, "executor": ex, "error": (p.stderr or p.stdout)[-2000:]}
+                sys.stderr.write(p.stderr[-3000:])
             except subprocess.TimeoutExpired as e:
-                r = {"case": name, "executor": ex, "error": f"timeout after {a.timeout} s: {(e.stderr or b'')[-500:]!r}"}
+                err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+                r = {"case": name, "executor": ex, "error": f"timeout after {a.timeout} s: {err[-1500:]}"}
             r["bench_seconds"] = time.perf_counter() - t0
             results.append(r)
             print(json.dumps(r, default=str)[:3000], flush=True)

@@ -21,7 +21,7 @@ def test_cgopipe_cpu_equals_serial_ragged(tiny_dir, resident):
     prompts = _prompts(11)
     sp = SamplingParams(max_new_tokens=12, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
-    pol = Policy(mu=3, n=4, prefill_mu=3, resident_experts=resident, dtype="fp32", weight_quant="fp32")
+    pol = Policy(mu=3, n=4, prefill_mu=2, resident_experts=resident, dtype="fp32", weight_quant="fp32")  # prefill in chunks of 2
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu")
     assert len(ex._micro_batches(prompts, 0, False, pol.mu)) == 4  # >= 3 micro-batches
     out = ex.generate(prompts, sp)

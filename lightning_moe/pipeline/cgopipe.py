@@ -225,44 +225,49 @@ class CGOPipeExecutor:
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], full_logits: bool) -> list[torch.Tensor]:
-        """Prefill every micro-batch layer by layer (weights streamed once per layer for the batch).
+        """Prefill every micro-batch layer by layer (weights streamed once per layer for the whole batch).
 
+        Each micro-batch is computed in chunks of ``policy.prefill_mu`` sequences (the planner sizes the
+        prefill workspace for that many), writing each chunk's KV into its micro-batch's cache rows.
         Returns per micro-batch fp32 logits: last token of each row [mu_k, V], or all tokens [T_k, V].
         """
-        states = []
-        for mb in mbs:
-            lens = [len(prompts[r]) for r in mb.rows]
-            ids = torch.tensor([t for r in mb.rows for t in prompts[r]], dtype=torch.int64)
-            ends = torch.tensor(lens).cumsum(0)
-            spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
-            pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-            states.append([self.embed[ids.to(self.device)], pos, spans, ends])
+        chunks = []  # [micro-batch index, first row in it, hidden [T, D], positions [T], spans, ends]
+        step = max(1, self.policy.prefill_mu)
+        for i, mb in enumerate(mbs):
+            for off in range(0, len(mb.rows), step):
+                rows = mb.rows[off : off + step]
+                lens = [len(prompts[r]) for r in rows]
+                ids = torch.tensor([t for r in rows for t in prompts[r]], dtype=torch.int64)
+                ends = torch.tensor(lens).cumsum(0)
+                spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
+                pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+                chunks.append([i, off, self.embed[ids.to(self.device)], pos, spans, ends])
         for l in range(self.spec.num_layers):
             visit = self._visit
             lx = self._begin_layer(visit)
             self._prefetch_slot(visit + 1, 0, 1)
             self._prefetched = visit + 1
             ffn = self._experts_fn(lx)
-            for mb, st in zip(mbs, states):
-                x, pos, spans, _ = st
+            for ch in chunks:
+                i, off, x, pos, spans, _ = ch
+                mb = mbs[i]
                 q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq)  # [T,Hq,hd] [T,Hkv,hd] x2
                 attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd]
                 if mb.kv is not None:
                     kk, vv = (k, v) if mb.on_gpu else (k.cpu(), v.cpu())
                     if not mb.on_gpu:
                         self.stats.d2h_bytes += 2 * kk.numel() * kk.element_size()
-                    for row, (s, e) in enumerate(spans):
-                        mb.kv.write_prefill(l, row, kk[s:e], vv[s:e])
-                st[0] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
+                    for j, (s, e) in enumerate(spans):
+                        mb.kv.write_prefill(l, off + j, kk[s:e], vv[s:e])
+                ch[2] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
             self._end_layer(visit)
             self._visit += 1
-        out = []
-        for st in states:
-            x, _, _, ends = st
+        per_mb: list[list[torch.Tensor]] = [[] for _ in mbs]
+        for i, _, x, _, _, ends in chunks:
             if not full_logits:
                 x = x[(ends - 1).to(self.device)]
-            out.append(M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
-        return out
+            per_mb[i].append(M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
+        return [torch.cat(parts) for parts in per_mb]
 
     # ---- decode -------------------------------------------------------------------------------
     def _pre_attention(self, l: int, mb: MicroBatch):

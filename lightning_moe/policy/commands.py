@@ -1,0 +1,188 @@
+"""``moe-batch plan`` and ``moe-batch profile``: argparse sub-commands and their handlers.
+
+The CLI (``lightning_moe/cli.py``) calls :func:`add_subcommands` on its subparsers object; each parser sets
+``func`` to its handler, which takes the parsed namespace and returns an exit status (0 ok, 2 error;
+errors are one line on stderr, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional, Sequence
+
+from ..model.spec import QUANT_FORMATS
+from .hardware import HardwareError, format_bytes, parse_bytes, resolve_hardware
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+class CommandError(Exception):
+    """A user error in a sub-command: printed as one line, exit status 2."""
+
+
+def _bytes_arg(s: str) -> int:
+    try:
+        return parse_bytes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _ints_arg(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    return out
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``plan`` and ``profile`` on an argparse subparsers object (each sets ``func``)."""
+    p = subparsers.add_parser(
+        "plan", help="choose a CGOPipe policy with the HRM + MILP and print predicted throughput",
+        description="Plan micro-batching, expert residency and the CPU/GPU attention split for a model on a host "
+                    "(MoE-Lightning's HRM + MILP). Give a job YAML, or --model/--hardware and the workload shape.")
+    p.add_argument("job", nargs="?", help="job YAML: use its model, hardware, budgets and real tokenized prompt lengths")
+    p.add_argument("--model", help="registry name (mixtral-8x7b, ...), tiny-mixtral, or a checkpoint directory")
+    p.add_argument("--hardware", help="preset (t4, l4, a100-40g, h100, h200) or a profile .yaml from `moe-batch profile`")
+    p.add_argument("--gpu-memory", type=_bytes_arg, help="GPU memory budget, e.g. 24GiB (default: the hardware's)")
+    p.add_argument("--cpu-memory", type=_bytes_arg, help="host memory budget, e.g. 192GiB (default: the hardware's)")
+    p.add_argument("--prompt-len", type=float, help="mean prompt length in tokens")
+    p.add_argument("--max-prompt-len", type=int, help="longest prompt in tokens (sizes the KV cache; default: prompt length)")
+    p.add_argument("--gen-len", type=int, help="tokens generated per sequence")
+    p.add_argument("--num-prompts", type=int, help="sequences in the job (caps N = mu * n)")
+    p.add_argument("--quant", default=None, choices=["bf16", "fp16", "fp32", *QUANT_FORMATS], help="expert page format (default: the model dtype)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPE_NAMES), help="model dtype (default bf16, or the job's)")
+    p.add_argument("--gpu-reserve", type=_bytes_arg, help="GPU bytes kept free (default 1GiB)")
+    p.add_argument("--cpu-reserve", type=_bytes_arg, help="host bytes kept free (default 2GiB)")
+    p.add_argument("--mu-candidates", type=_ints_arg, help="comma-separated micro-batch sizes to choose from")
+    p.add_argument("--time-limit", type=float, default=20.0, help="seconds per CBC solve (default 20)")
+    p.add_argument("--output", "-o", help="write the chosen policy as YAML")
+    p.set_defaults(func=cmd_plan)
+
+    q = subparsers.add_parser(
+        "profile", help="measure this host (PCIe, GEMM, HBM, host memory, CPU attention) into a hardware YAML",
+        description="Measure pinned host<->device copies, a bf16 GEMM, a device copy, host memory bandwidth and "
+                    "the CPU decode-attention routine. Without CUDA only the CPU side is measured.")
+    q.add_argument("--output", "-o", default="profile.yaml", help="YAML to write (default profile.yaml)")
+    q.add_argument("--name", default="measured", help="profile name recorded in the YAML")
+    q.add_argument("--gpu-preset", default="h200", help="preset for the GPU fields when there is no CUDA device (default h200)")
+    q.add_argument("--gpu-memory", type=_bytes_arg, help="record this GPU memory instead of the device total")
+    q.add_argument("--quick", action="store_true", help="small sizes: seconds, noisier")
+    q.set_defaults(func=cmd_profile)
+
+
+def build_parser(prog: str = "moe-batch") -> argparse.ArgumentParser:
+    """A parser with just these sub-commands (tests; the real CLI adds ``run`` too)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv`` with :func:`build_parser` and run the handler (for tests and ``python -m``)."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def _job_inputs(args: argparse.Namespace):
+    """(Workload, job or None) for ``moe-batch plan JOB.yaml`` via runner.job_workload (lazy import)."""
+    try:
+        from ..pipeline.runner import job_workload
+    except ImportError as e:
+        raise CommandError(f"{args.job}: planning from a job needs lightning_moe.pipeline.runner.job_workload, "
+                           f"which is not available yet ({e}); use --model/--hardware/--prompt-len/--gen-len") from None
+    try:
+        workload = job_workload(args.job)
+    except (OSError, ValueError) as e:
+        raise CommandError(str(e)) from None
+    job = None
+    try:
+        from ..config import load_job
+
+        job = load_job(args.job)
+    except ImportError:
+        pass
+    except (OSError, ValueError) as e:
+        raise CommandError(str(e)) from None
+    return workload, job
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Handler of ``moe-batch plan``: prints the policy table, predicted tok/s and solve time; 0 ok, 2 error."""
+    from .milp import plan
+    from .policy import DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload, format_table
+    from .registry import resolve_spec
+
+    try:
+        job = None
+        if args.job:
+            workload, job = _job_inputs(args)
+            if args.gen_len is not None or args.prompt_len is not None:
+                workload = Workload(prompt_len=args.prompt_len or workload.prompt_len, gen_len=args.gen_len or workload.gen_len,
+                                    max_prompt_len=workload.max_prompt_len if args.prompt_len is None else args.max_prompt_len,
+                                    num_requests=workload.num_requests, name=workload.name)
+        else:
+            if args.prompt_len is None or args.gen_len is None:
+                raise CommandError("give a job YAML, or --prompt-len and --gen-len")
+            workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, max_prompt_len=args.max_prompt_len,
+                                num_requests=args.num_prompts, name=f"prompt {args.prompt_len:g} / gen {args.gen_len}")
+        model = args.model or (job.model if job is not None else None)
+        hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
+        if not model:
+            raise CommandError("--model is required (or a job YAML naming the model)")
+        if not hardware:
+            raise CommandError("--hardware is required (a preset: t4, l4, a100-40g, h100, h200; or a profile .yaml)")
+        spec = resolve_spec(model)
+        hw = resolve_hardware(hardware)
+        gpu_mem = args.gpu_memory or (getattr(job, "gpu_memory", None) if job is not None else None) or hw.gpu_memory
+        cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
+        dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
+        budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or dtype, dtype=dtype,
+                          gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
+                          cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve)
+        t0 = time.perf_counter()
+        policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit)
+        elapsed = time.perf_counter() - t0
+    except PlanInfeasible as e:
+        print(f"moe-batch plan: {e}", file=sys.stderr)
+        return 2
+    except (CommandError, HardwareError, ValueError, OSError) as e:
+        print(f"moe-batch plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(policy, est, spec, hw))
+    for note in est.notes:
+        print(note)
+    print(f"solved in {elapsed:.2f} s")
+    if args.output:
+        header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}, host {format_bytes(budgets.cpu_memory)}, "
+                  f"{workload.name or 'workload'}\npredicted end-to-end {est.e2e_tok_s:.1f} tok/s (prefill {est.prefill_tok_s:.0f}, "
+                  f"decode {est.decode_tok_s:.1f}); binding: prefill {est.prefill_binding}, decode {est.decode_binding}")
+        try:
+            policy.save(args.output, header=header)
+        except OSError as e:
+            print(f"moe-batch plan: error: cannot write {args.output}: {e}", file=sys.stderr)
+            return 2
+        print(f"policy written to {args.output}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Handler of ``moe-batch profile``: measures, prints one line per measurement, writes the YAML; 0 ok, 2 error."""
+    from .profiler import profile_host
+
+    try:
+        prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick)
+        prof.save(args.output, header=f"moe-batch profile, {prof.date}\nhost: {prof.host}\n{prof.source}")
+    except (HardwareError, ValueError, OSError) as e:
+        print(f"moe-batch profile: error: {e}", file=sys.stderr)
+        return 2
+    print(f"profile written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

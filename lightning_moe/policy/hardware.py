@@ -1,0 +1,304 @@
+"""HardwareProfile: the numbers of one host that the Hierarchical Roofline Model needs.
+
+Levels (DESIGN.md "hierarchical roofline model"; MoE-Lightning, arXiv 2411.11217, Sec. 3): GPU HBM
+(``gpu_hbm_bandwidth``, ``gpu_flops_*``), host DRAM (``host_memory_bandwidth``, and the CPU attention
+routine's own throughput ``cpu_attention_*``), and the PCIe link between them (``pcie_h2d``,
+``pcie_d2h``, measured with pinned buffers). Units: bytes, bytes/s, FLOP/s.
+
+Presets: ``t4`` and ``l4`` carry the MoE-Lightning artifact's numbers (its ``HardwareConfig.init``,
+where ``GB = 2**30`` and ``T = 1e12``); ``a100-40g``, ``h100``, ``h200`` carry datasheet numbers. Every
+number not taken from a source is marked "assumption" in its comment. ``moe-batch profile`` measures a
+host and writes the same YAML (see ``profiler.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from typing import Any
+
+import yaml
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+GB = 1e9
+T = 1e12
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}
+
+
+class HardwareError(ValueError):
+    """A hardware profile YAML or preset name that cannot be used (the message names file and key)."""
+
+
+def parse_bytes(value: Any, what: str = "size") -> int:
+    """Parse a byte count: an int, or a string "24GiB", "24 GB", "512MiB", "1.5TiB", "1000000".
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    Raises ValueError naming ``what`` for anything else (bools, negative numbers, unknown units).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a byte count like 24GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: expected a non-negative byte count, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if m:
+            unit = m.group(2).lower() or "b"
+            if unit in _UNITS:
+                return int(round(float(m.group(1)) * _UNITS[unit]))
+    raise ValueError(f"{what}: expected a byte count like 24GiB or 16GB, got {value!r}")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 25769803776 -> '24.0 GiB'."""
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One host: GPU, PCIe link, host DRAM, CPU attention throughput. Units: bytes, bytes/s, FLOP/s.
+
+    Load with :meth:`load` (YAML; unknown keys and wrong types are errors), or :func:`get_preset`.
+    """
+
+    name: str  # preset name or profile name ("l4", "h200", "h200-host")
+    gpu_memory: int  # bytes of GPU memory (device total; the planner subtracts its allocator reserve)
+    gpu_hbm_bandwidth: float  # bytes/s GPU memory bandwidth (device-to-device copy: bytes read + written / time)
+    gpu_flops_bf16: float  # FLOP/s dense bf16 matmul
+    gpu_flops_fp16: float  # FLOP/s dense fp16 matmul
+    gpu_flops_fp32: float  # FLOP/s fp32 matmul (no TF32)
+    pcie_h2d: float  # bytes/s host-to-device copy from pinned memory
+    pcie_d2h: float  # bytes/s device-to-host copy into pinned memory
+    host_memory: int  # bytes of host DRAM
+    host_memory_bandwidth: float  # bytes/s host memory copy bandwidth (bytes read + written / time)
+    cpu_attention_bandwidth: float  # bytes/s of KV cache the CPU decode-attention routine streams
+    cpu_attention_flops: float  # FLOP/s the CPU decode-attention routine sustains
+    cpu_cores: int  # physical CPU cores available to the attention workers
+    microbatch_overhead: float = 0.0  # seconds of host-side issue cost per micro-batch per layer (Python + kernel launches of
+    #   pre/post-attention and the expert FFN); measured by `moe-batch profile` on CUDA, 0 for presets (the artifact has none)
+    source: str = ""  # where the numbers came from (free text)
+    gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
+    host: str = ""  # host description (CPU model, cores, memory) for measured profiles
+    date: str = ""  # ISO date of the measurement (measured profiles)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", "float") and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0):
+                raise HardwareError(f"{self.name}: {f.name}: expected a non-negative number, got {v!r}")
+        for key in ("gpu_hbm_bandwidth", "gpu_flops_bf16", "pcie_h2d", "pcie_d2h", "cpu_attention_bandwidth", "cpu_attention_flops"):
+            if getattr(self, key) <= 0:
+                raise HardwareError(f"{self.name}: {key}: must be > 0, got {getattr(self, key)!r}")
+
+    def gpu_flops(self, dtype: str) -> float:
+        """Peak dense matmul FLOP/s for a dtype name ("bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32")."""
+        key = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+        if key not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"no GPU FLOP/s for dtype {dtype!r}")
+        return getattr(self, f"gpu_flops_{key}")
+
+    # ---- YAML ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Plain dict in field order (what :meth:`save` writes)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "<dict>") -> "HardwareProfile":
+        """Build from a mapping, checking keys and types.
+
+        Byte fields (gpu_memory, host_memory) also accept "24GiB"-style strings; float fields accept
+        numeric strings (YAML 1.1 reads ``1.6e12`` without a dot as a string).
+        Raises HardwareError naming ``where`` and the key.
+        """
+        if not isinstance(d, dict):
+            raise HardwareError(f"{where}: expected a mapping of hardware fields, got {type(d).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise HardwareError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(known)})")
+        kw: dict[str, Any] = {}
+        for name, f in known.items():
+            if name not in d:
+                if f.default is not MISSING:
+                    continue
+                raise HardwareError(f"{where}: {name}: missing")
+            v = d[name]
+            if f.type == "str":
+                if not isinstance(v, str):
+                    raise HardwareError(f"{where}: {name}: expected a string, got {v!r} ({type(v).__name__})")
+            elif f.type == "int":
+                if name in ("gpu_memory", "host_memory"):
+                    try:
+                        v = parse_bytes(v, f"{where}: {name}")
+                    except ValueError as e:
+                        raise HardwareError(str(e)) from None
+                elif isinstance(v, bool) or not isinstance(v, int):
+                    raise HardwareError(f"{where}: {name}: expected an integer, got {v!r} ({type(v).__name__})")
+            elif f.type == "float":
+                if isinstance(v, str):
+                    try:
+                        v = float(v)
+                    except ValueError:
+                        raise HardwareError(f"{where}: {name}: expected a number, got {v!r} (a string)") from None
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise HardwareError(f"{where}: {name}: expected a number, got {v!r} ({type(v).__name__})")
+                v = float(v)
+            kw[name] = v
+        try:
+            return cls(**kw)
+        except HardwareError as e:
+            raise HardwareError(f"{where}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        """Read a profile YAML written by :meth:`save` or ``moe-batch profile``.
+
+        Raises FileNotFoundError, HardwareError (bad YAML, unknown key, wrong type; names the file).
+        """
+        with open(path) as f:
+            try:
+                d = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise HardwareError(f"{path}: not valid YAML: {e}") from None
+        return cls.from_dict(d, where=path)
+
+    def save(self, path: str, header: str = "") -> None:
+        """Write as YAML (field order kept); ``header`` lines are written as comments first."""
+        text = "".join(f"# {line}\n" for line in header.splitlines()) if header else ""
+        text += yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)
+        with open(path, "w") as f:
+            f.write(text)
+
+    def with_overrides(self, **kw: Any) -> "HardwareProfile":
+        """A copy with some fields replaced (e.g. ``gpu_memory``)."""
+        return replace(self, **kw)
+
+
+# ---- presets ------------------------------------------------------------------------------------
+# ART = the MoE-Lightning ASPLOS'25 artifact, fastmoe/backend/utils.py HardwareConfig.init (GB = 2**30,
+# T = 1e12) and its README's launch line (--cpu-mem-bdw 100, i.e. c_bdw = 100 GB). Datasheet numbers
+# are dense (no 2:4 sparsity).
+
+PRESETS: dict[str, HardwareProfile] = {
+    "t4": HardwareProfile(
+        name="t4",
+        gpu_memory=15 * GiB,  # ART gmem = 15 * GB
+        gpu_hbm_bandwidth=300 * GiB,  # ART g_bdw = 300 * GB (datasheet: 320 GB/s GDDR6)
+        gpu_flops_bf16=65 * T,  # ART gpu_flops = 65 T (fp16 tensor cores; Turing has no native bf16 -- assumption: same as fp16)
+        gpu_flops_fp16=65 * T,  # ART gpu_flops = 65 T (datasheet: 65 TFLOPS mixed precision)
+        gpu_flops_fp32=8.1 * T,  # datasheet: 8.1 TFLOPS fp32
+        pcie_h2d=16 * GiB,  # ART ctog_bdw = 16 * GB
+        pcie_d2h=16 * GiB,  # assumption: same as ART's ctog_bdw (the artifact models one direction only)
+        host_memory=192 * GiB,  # ART default cmem = 192 * GB (assumption: the T4 instance's usable DRAM)
+        host_memory_bandwidth=100 * GiB,  # ART c_bdw = 100 * GB (README: --cpu-mem-bdw 100)
+        cpu_attention_bandwidth=100 * GiB,  # ART: CPU attention bytes / c_bdw (same 100 * GB)
+        cpu_attention_flops=0.8 * T,  # ART cpu_flops = 0.8 T for T4
+        cpu_cores=32,  # assumption: not in the artifact (a 32-vCPU GCP n1 host)
+        source="MoE-Lightning artifact HardwareConfig 'T4' (GB = 2**30, T = 1e12); fp32 from NVIDIA T4 datasheet; cpu_cores assumed",
+        gpu_name="NVIDIA T4",
+    ),
+    "l4": HardwareProfile(
+        name="l4",
+        gpu_memory=24 * GiB,  # ART gmem = 24 * GB
+        gpu_hbm_bandwidth=285 * GiB,  # ART g_bdw = 285 * GB (datasheet: 300 GB/s GDDR6)
+        gpu_flops_bf16=104 * T,  # ART gpu_flops = 104 T (datasheet: 121 TFLOPS dense bf16)
+        gpu_flops_fp16=104 * T,  # ART gpu_flops = 104 T
+        gpu_flops_fp32=30.3 * T,  # datasheet: 30.3 TFLOPS fp32
+        pcie_h2d=16 * GiB,  # ART ctog_bdw = 16 * GB (PCIe 4 x16)
+        pcie_d2h=16 * GiB,  # assumption: same as ART's ctog_bdw
+        host_memory=192 * GiB,  # ART default cmem = 192 * GB (GCP g2-standard-48: 192 GB)
+        host_memory_bandwidth=100 * GiB,  # ART c_bdw = 100 * GB (README: --cpu-mem-bdw 100)
+        cpu_attention_bandwidth=100 * GiB,  # ART: CPU attention bytes / c_bdw
+        cpu_attention_flops=1.6 * T,  # ART cpu_flops = 1.6 T for L4
+        cpu_cores=24,  # assumption: g2-standard-48 has 48 vCPUs = 24 physical cores
+        source="MoE-Lightning artifact HardwareConfig 'L4' (GB = 2**30, T = 1e12); fp32 from NVIDIA L4 datasheet; cpu_cores assumed",
+        gpu_name="NVIDIA L4",
+    ),
+    "a100-40g": HardwareProfile(
+        name="a100-40g",
+        gpu_memory=40 * GiB,  # datasheet 40 GB HBM2 (nvidia-smi: 40960 MiB)
+        gpu_hbm_bandwidth=1555 * GB,  # datasheet: 1,555 GB/s
+        gpu_flops_bf16=312 * T,  # datasheet: 312 TFLOPS dense bf16
+        gpu_flops_fp16=312 * T,  # datasheet: 312 TFLOPS dense fp16
+        gpu_flops_fp32=19.5 * T,  # datasheet: 19.5 TFLOPS fp32 (no TF32)
+        pcie_h2d=25 * GB,  # assumption: PCIe 4 x16 (32 GB/s raw), ~25 GB/s pinned in practice
+        pcie_d2h=25 * GB,  # assumption: as h2d
+        host_memory=256 * GiB,  # assumption: typical A100 host slice
+        host_memory_bandwidth=150 * GB,  # assumption: 8-channel DDR4-3200 (204.8 GB/s peak), ~75 % achievable
+        cpu_attention_bandwidth=100 * GB,  # assumption: CPU attention streams KV at ~2/3 of copy bandwidth
+        cpu_attention_flops=2 * T,  # assumption: 32 cores x AVX-512 fp32 FMA at ~2 GHz, ~50 % achievable
+        cpu_cores=32,  # assumption
+        source="NVIDIA A100 40GB datasheet; PCIe and host side assumed (measure with moe-batch profile)",
+        gpu_name="NVIDIA A100-SXM4-40GB",
+    ),
+    "h100": HardwareProfile(
+        name="h100",
+        gpu_memory=80 * GiB,  # datasheet 80 GB HBM3 (nvidia-smi: 81559 MiB)
+        gpu_hbm_bandwidth=3.35e12,  # datasheet H100 SXM: 3.35 TB/s
+        gpu_flops_bf16=989 * T,  # datasheet H100 SXM: 989 TFLOPS dense bf16
+        gpu_flops_fp16=989 * T,  # datasheet H100 SXM: 989 TFLOPS dense fp16
+        gpu_flops_fp32=67 * T,  # datasheet H100 SXM: 67 TFLOPS fp32
+        pcie_h2d=55 * GB,  # assumption: PCIe 5 x16 (64 GB/s raw), same measured figure as our H200 host
+        pcie_d2h=50 * GB,  # assumption: slightly below h2d
+        host_memory=512 * GiB,  # assumption
+        host_memory_bandwidth=250 * GB,  # assumption: DDR5 server socket, ~70 % of peak
+        cpu_attention_bandwidth=150 * GB,  # assumption
+        cpu_attention_flops=3 * T,  # assumption
+        cpu_cores=48,  # assumption
+        source="NVIDIA H100 SXM5 datasheet; PCIe and host side assumed (measure with moe-batch profile)",
+        gpu_name="NVIDIA H100 80GB HBM3",
+    ),
+    "h200": HardwareProfile(
+        name="h200",
+        gpu_memory=143771 * MiB,  # datasheet 141 GB HBM3e; nvidia-smi reports 143771 MiB total
+        gpu_hbm_bandwidth=4.8e12,  # datasheet: 4.8 TB/s
+        gpu_flops_bf16=989 * T,  # datasheet: 989 TFLOPS dense bf16 (1,979 with sparsity)
+        gpu_flops_fp16=989 * T,  # datasheet: 989 TFLOPS dense fp16
+        gpu_flops_fp32=67 * T,  # datasheet: 67 TFLOPS fp32
+        pcie_h2d=55 * GB,  # measured on our H200 host: 55 GB/s h2d for 2.8 GB pages from a cudaHostRegister'ed pool (DESIGN.md)
+        pcie_d2h=50 * GB,  # assumption: not yet measured (PCIe 5 x16); replace with the measured profile
+        host_memory=128 * GiB,  # our H200 host: 128 GiB (DESIGN.md)
+        host_memory_bandwidth=100 * GB,  # assumption: not yet measured
+        cpu_attention_bandwidth=50 * GB,  # assumption: 16 cores streaming bf16 KV; replace with the measured profile
+        cpu_attention_flops=1 * T,  # assumption: 16 cores; replace with the measured profile
+        cpu_cores=16,  # our H200 host: 16 cores (DESIGN.md)
+        source="NVIDIA H200 datasheet; pcie_h2d, host_memory, cpu_cores from our host (DESIGN.md); CPU throughput assumed",
+        gpu_name="NVIDIA H200",
+    ),
+}
+PRESETS["a100"] = replace(PRESETS["a100-40g"], name="a100")  # alias used in DESIGN.md
+
+
+def get_preset(name: str) -> HardwareProfile:
+    """A preset by name (``t4``, ``l4``, ``a100-40g``/``a100``, ``h100``, ``h200``). Raises HardwareError."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise HardwareError(f"unknown hardware preset {name!r} (presets: {', '.join(PRESETS)}; or a profile .yaml)") from None
+
+
+def resolve_hardware(name_or_path: str) -> HardwareProfile:
+    """A preset name, or the path of a profile YAML (anything ending in .yaml/.yml or naming a file).
+
+    Raises HardwareError / FileNotFoundError.
+    """
+    import os
+
+    if name_or_path.lower() in PRESETS:
+        return get_preset(name_or_path)
+    if name_or_path.endswith((".yaml", ".yml")) or os.path.exists(name_or_path):
+        if not os.path.isfile(name_or_path):
+            raise HardwareError(f"{name_or_path}: no such hardware profile file")
+        return HardwareProfile.load(name_or_path)
+    return get_preset(name_or_path)

@@ -1,0 +1,510 @@
+"""The Hierarchical Roofline Model (HRM): bytes and FLOPs -> seconds per stage, and peak memory.
+
+Sources: MoE-Lightning (Cao et al., arXiv 2411.11217), Sec. 3 (the HRM: a roofline per memory level plus
+cross-level "memory roofs" for the links between levels) and Sec. 4 (CGOPipe's overlap of CPU attention,
+GPU compute and PCIe transfers; the policy-search cost model); DESIGN.md "The hierarchical roofline
+model". Equation numbers below are ours (H1..H9); the paper's own numbering could not be checked
+against its text here, so "Sec." citations are the reliable ones.
+
+  (H1) stage cost on level i with data from level j:  t = max(FLOPs / P_i, bytes_i / B_i, bytes_{j->i} / B_{j,i})
+  (H2) decode layer:   T_layer = max(T_h2d, T_d2h, T_cpu, T_gpu)   (CGOPipe overlaps the four streams)
+  (H3) T_h2d = (experts of the layer not resident on the GPU) * expert_bytes / B_h2d
+               + CPU-attention outputs  (n - n_g) * mu * attn_output_elems * itemsize / B_h2d
+  (H4) T_d2h = (n - n_g) * mu * (attn_query_elems + kv_elems_per_token) * itemsize / B_d2h
+  (H5) T_cpu = max(S_c * c * attn_flops_per_position / P_cpu_attn, S_c * c * kv_elems * itemsize / B_cpu_attn),
+               S_c = (n - n_g) * mu sequences on the CPU, c = attended positions
+  (H6) T_gpu = n * [qkv + o_proj + router + experts + shared] (each (H1) on the GPU for mu tokens)
+               + n_g * attention(mu, c) on the GPU;  experts read E * (1 - (1 - k/E)^T) distinct experts
+  (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
+               with c = prompt_len + j (the first token comes from prefill)
+  (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
+               sum over prefill micro-batches of (H1) kernels incl. causal attention), + head for the
+               last token of each sequence
+  (H9) throughput: prefill N * prompt_len / T_prefill; decode N * (G - 1) / T_decode;
+               end-to-end N * G / (T_prefill + T_decode)  (the planner's objective)
+
+Memory (real byte counts, DESIGN.md): GPU = non-expert weights + resident experts + 2 page buffers (each
+the largest non-resident set of one layer) + GPU KV at full length + activations/workspaces (decode: N
+hidden rows + 2 micro-batch workspaces; prefill: N * max_prompt hidden rows + one prefill micro-batch
+workspace) + allocator reserve; CPU = pinned non-resident experts + CPU KV for its sequences at full
+length + pinned staging + reserve. Quantized experts change expert_bytes, never the formulas.
+
+Modelling choices (stated so a measured run can be compared): routing is uniform (no traces yet);
+prefill attention is a fused kernel (no S^2 score matrix in memory); element-wise kernels (norms, RoPE,
+SiLU) are folded into the GEMMs' activation bytes; CPU attention threads do not slow the GPU feeder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..model.spec import MoESpec, dtype_bytes
+from .hardware import HardwareProfile, format_bytes
+from .policy import PlanInfeasible, Policy, Workload
+
+STAGES = ("h2d", "d2h", "cpu", "gpu")  # the overlapped streams of one layer (H2)
+
+
+def roofline(flops: float, nbytes: float, peak_flops: float, bandwidth: float,
+             link_bytes: float = 0.0, link_bandwidth: float = math.inf) -> float:
+    """(H1) Seconds of one stage: max(FLOPs / P_i, bytes_i / B_i, bytes_{j->i} / B_{j,i}).
+
+    MoE-Lightning Sec. 3 (HRM: compute roof, memory roof of level i, cross-level memory roof).
+    flops in FLOP, nbytes/link_bytes in bytes, peak_flops in FLOP/s, bandwidths in bytes/s.
+    """
+    t = max(flops / peak_flops, nbytes / bandwidth)
+    if link_bytes:
+        t = max(t, link_bytes / link_bandwidth)
+    return t
+
+
+def active_experts(tokens: float, num_experts: int, top_k: int) -> float:
+    """Expected distinct experts hit by ``tokens`` tokens under uniform top-k routing: E * (1 - (1 - k/E)^T)."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+# ---- GPU kernels of one micro-batch (each an (H1) roofline on the GPU) ------------------------------
+def _gpu(hw: HardwareProfile, dtype: str) -> tuple[float, float]:
+    return hw.gpu_flops(dtype), hw.gpu_hbm_bandwidth
+
+
+def gpu_qkv_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16") -> float:
+    """Pre-attention projections for ``tokens`` tokens: FLOPs 2 T P_in; bytes P_in b + T (D + q + kv) b.
+
+    P_in = spec.attn_in_params (wq, wk, wv or MLA's q/kv_a/kv_b), q = attn_query_elems, kv = kv_elems_per_token.
+    """
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    p = spec.attn_in_params
+    return roofline(2 * tokens * p, p * b + tokens * (spec.hidden_size + spec.attn_query_elems + spec.kv_elems_per_token) * b, P, B)
+
+
+def gpu_o_proj_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16") -> float:
+    """Output projection: FLOPs 2 T P_o; bytes P_o b + T (attn_output_elems + D) b."""
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    p = spec.attn_out_params
+    return roofline(2 * tokens * p, p * b + tokens * (spec.attn_output_elems + spec.hidden_size) * b, P, B)
+
+
+def gpu_router_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16") -> float:
+    """Router logits: FLOPs 2 T E D; bytes E D b + T D b + T E 4 (fp32 logits)."""
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    E, D = spec.num_experts, spec.hidden_size
+    return roofline(2 * tokens * E * D, E * D * b + tokens * D * b + tokens * E * 4, P, B)
+
+
+def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16", quant: str = "bf16") -> float:
+    """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b."""
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    k = spec.top_k
+    nbytes = active_experts(tokens, spec.num_experts, k) * spec.expert_bytes(quant) + tokens * k * 2 * spec.hidden_size * b
+    return roofline(2 * tokens * k * spec.expert_params, nbytes, P, B)
+
+
+def gpu_shared_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16") -> float:
+    """Shared experts (0 if none): FLOPs 2 T P_s; bytes P_s b + T 2 D b."""
+    p = spec.shared_expert_params
+    if not p:
+        return 0.0
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    return roofline(2 * tokens * p, p * b + tokens * 2 * spec.hidden_size * b, P, B)
+
+
+def gpu_dense_ffn_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16") -> float:
+    """Dense FFN of a dense layer: FLOPs 2 T 3 D F_d; bytes 3 D F_d b + T 2 D b."""
+    p = spec.dense_ffn_params
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    return roofline(2 * tokens * p, p * b + tokens * 2 * spec.hidden_size * b, P, B)
+
+
+def gpu_layer_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dense: bool, dtype: str = "bf16", quant: str = "bf16") -> float:
+    """GPU time of one layer for one micro-batch of ``tokens`` tokens, attention itself excluded.
+
+    MoE layer: qkv + o_proj + router + experts + shared; dense layer: qkv + o_proj + dense FFN; plus the
+    profile's fixed ``microbatch_overhead`` (host issue cost of one micro-batch's kernels): at decode sizes
+    the kernels are tiny and the GPU stream runs no faster than the host issues them, which the
+    roofline terms alone would miss (it is what makes many small micro-batches slow).
+    """
+    t = hw.microbatch_overhead + gpu_qkv_time(spec, hw, tokens, dtype) + gpu_o_proj_time(spec, hw, tokens, dtype)
+    if dense:
+        return t + gpu_dense_ffn_time(spec, hw, tokens, dtype)
+    return (t + gpu_router_time(spec, hw, tokens, dtype) + gpu_experts_time(spec, hw, tokens, dtype, quant)
+            + gpu_shared_experts_time(spec, hw, tokens, dtype))
+
+
+def gpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
+    """GPU decode attention of ``seqs`` sequences over ``context`` positions (one layer).
+
+    FLOPs S c attn_flops_per_position; bytes S (c kv + q + out + kv) b (read KV, q; write out, new kv).
+    """
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    kv = spec.kv_elems_per_token
+    return roofline(seqs * context * spec.attn_flops_per_position,
+                    seqs * (context * kv + spec.attn_query_elems + spec.attn_output_elems + kv) * b, P, B)
+
+
+def gpu_prefill_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, prompt_len: float, dtype: str = "bf16") -> float:
+    """Causal prefill attention (fused kernel) of ``seqs`` prompts of ``prompt_len`` tokens (one layer).
+
+    FLOPs S * s (s + 1) / 2 * prefill_attn_flops_per_position; bytes S s (q_size + kv + Hq v_hd) b.
+    """
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    s = prompt_len
+    flops = seqs * s * (s + 1) / 2 * spec.prefill_attn_flops_per_position
+    nbytes = seqs * s * (spec.q_size + spec.kv_elems_per_token + spec.num_heads * spec.value_head_dim) * b
+    return roofline(flops, nbytes, P, B)
+
+
+def gpu_head_time(spec: MoESpec, hw: HardwareProfile, rows: float, tokens: float, dtype: str = "bf16") -> float:
+    """Embedding of ``tokens`` tokens + final norm and lm_head for ``rows`` rows.
+
+    FLOPs 2 rows D V; bytes V D b + rows V 4 (fp32 logits) + 2 tokens D b (embedding read + write).
+    """
+    b = dtype_bytes(dtype)
+    P, B = _gpu(hw, dtype)
+    D, V = spec.hidden_size, spec.vocab_size
+    return roofline(2 * rows * D * V, V * D * b + rows * V * 4 + 2 * tokens * D * b, P, B)
+
+
+def cpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
+    """(H5) CPU decode attention of ``seqs`` sequences over ``context`` positions (one layer).
+
+    max(S c attn_flops_per_position / P_cpu_attn, S c kv_elems b / B_cpu_attn): the CPU attention routine's
+    measured FLOP/s and KV streaming bytes/s (HardwareProfile.cpu_attention_*).
+    """
+    b = dtype_bytes(dtype)
+    return max(seqs * context * spec.attn_flops_per_position / hw.cpu_attention_flops,
+               seqs * context * spec.kv_elems_per_token * b / hw.cpu_attention_bandwidth)
+
+
+def decode_d2h_time(spec: MoESpec, hw: HardwareProfile, seqs: float, dtype: str = "bf16") -> float:
+    """(H4) Device-to-host bytes of CPU-attention sequences per layer: S (q + new kv) b / B_d2h."""
+    return seqs * (spec.attn_query_elems + spec.kv_elems_per_token) * dtype_bytes(dtype) / hw.pcie_d2h
+
+
+def decode_h2d_act_time(spec: MoESpec, hw: HardwareProfile, seqs: float, dtype: str = "bf16") -> float:
+    """(H3, second term) Host-to-device attention outputs of CPU-attention sequences: S out b / B_h2d."""
+    return seqs * spec.attn_output_elems * dtype_bytes(dtype) / hw.pcie_h2d
+
+
+def expert_h2d_time(spec: MoESpec, hw: HardwareProfile, non_resident: int, quant: str = "bf16") -> float:
+    """(H3, first term) Paging ``non_resident`` experts of one layer: non_resident * expert_bytes / B_h2d."""
+    return non_resident * spec.expert_bytes(quant) / hw.pcie_h2d
+
+
+def prefill_d2h_time(spec: MoESpec, hw: HardwareProfile, seqs: float, prompt_len: float, dtype: str = "bf16") -> float:
+    """Prefill KV of CPU-KV sequences shipped to the host per layer: S s kv b / B_d2h."""
+    return seqs * prompt_len * spec.kv_elems_per_token * dtype_bytes(dtype) / hw.pcie_d2h
+
+
+# ---- per-layer stage times ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of the four overlapped streams of one layer (H2)."""
+
+    h2d: float  # PCIe host->device: expert pages + attention outputs
+    d2h: float  # PCIe device->host: q/k/v of CPU-attention sequences (prefill: their prompt KV)
+    cpu: float  # CPU decode attention
+    gpu: float  # GPU kernels of all micro-batches
+
+    @property
+    def time(self) -> float:
+        """Layer time: max of the four (CGOPipe overlaps them)."""
+        return max(self.h2d, self.d2h, self.cpu, self.gpu)
+
+    @property
+    def binding(self) -> str:
+        """Name of the slowest stream."""
+        return max(STAGES, key=lambda s: getattr(self, s))
+
+
+def prefill_micro_batches(N: int, prefill_mu: int) -> list[tuple[int, int]]:
+    """Prefill micro-batches as (count, size): N // prefill_mu of prefill_mu, plus one of the remainder."""
+    full, rem = divmod(N, prefill_mu)
+    out = [(full, prefill_mu)] if full else []
+    if rem:
+        out.append((1, rem))
+    return out
+
+
+def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, context: float) -> StageTimes:
+    """(H2)-(H6) one decode layer at ``context`` attended positions, for ``non_resident`` paged experts."""
+    dt, q = policy.dtype, policy.weight_quant
+    dense = layer < spec.num_dense_layers
+    cpu_seqs = policy.n_cpu_attn * policy.mu
+    h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
+    gpu = policy.n * gpu_layer_time(spec, hw, policy.mu, dense, dt, q) + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
+    return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt), gpu=gpu)
+
+
+def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float) -> StageTimes:
+    """(H8) one prefill layer: experts paged the same way, attention on the GPU per prefill micro-batch."""
+    dt, q = policy.dtype, policy.weight_quant
+    dense = layer < spec.num_dense_layers
+    gpu = 0.0
+    for count, size in prefill_micro_batches(policy.N, policy.prefill_mu):
+        tokens = size * prompt_len
+        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt))
+    h2d = 0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)
+    return StageTimes(h2d=h2d, d2h=prefill_d2h_time(spec, hw, policy.n_cpu_attn * policy.mu, prompt_len, dt), cpu=0.0, gpu=gpu)
+
+
+def decode_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy) -> float:
+    """Per decode step, not overlapped: n * head(mu rows, mu tokens) (embedding, final norm, lm_head)."""
+    return policy.n * gpu_head_time(spec, hw, policy.mu, policy.mu, policy.dtype)
+
+
+def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt_len: float) -> float:
+    """Prefill, not overlapped: per prefill micro-batch, embedding of its tokens and lm_head of its last tokens."""
+    return sum(count * gpu_head_time(spec, hw, size, size * prompt_len, policy.dtype)
+               for count, size in prefill_micro_batches(policy.N, policy.prefill_mu))
+
+
+# ---- memory --------------------------------------------------------------------------------------
+def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16") -> int:
+    """Bytes of GPU activations/workspace for one micro-batch of ``tokens`` tokens.
+
+    T (D + q + kv + out + D) b  (normed x, qkv, attention out, o_proj out)
+    + T k (2 D + 2 F) b          (fused MoE: gathered inputs, outputs, gate|up intermediate)
+    + T k 12 + T E 4            (routing weights fp32 + ids int64, router logits fp32)
+    + T 2 max(F_shared_total, F_dense) b   (shared/dense FFN intermediate)
+    + logit_rows V 4            (fp32 logits)
+    """
+    b = dtype_bytes(dtype)
+    D, F, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_experts
+    side = max(spec.num_shared_experts * spec.shared_intermediate_size, spec.dense_intermediate_size)
+    return (tokens * (2 * D + spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b
+            + tokens * k * (2 * D + 2 * F) * b + tokens * k * 12 + tokens * E * 4
+            + tokens * 2 * side * b + logit_rows * spec.vocab_size * 4)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes by component: GPU during prefill and during decode, and host."""
+
+    gpu_prefill: dict  # component -> bytes during prefill
+    gpu_decode: dict  # component -> bytes during decode
+    cpu: dict  # component -> bytes on the host (whole run)
+
+    @property
+    def gpu_peak(self) -> int:
+        """max(prefill total, decode total) in bytes."""
+        return max(sum(self.gpu_prefill.values()), sum(self.gpu_decode.values()))
+
+    @property
+    def gpu_peak_phase(self) -> str:
+        """'prefill' or 'decode': the phase with the larger GPU total."""
+        return "prefill" if sum(self.gpu_prefill.values()) >= sum(self.gpu_decode.values()) else "decode"
+
+    @property
+    def gpu_breakdown(self) -> dict:
+        """Components of the peak phase."""
+        return self.gpu_prefill if self.gpu_peak_phase == "prefill" else self.gpu_decode
+
+    @property
+    def cpu_peak(self) -> int:
+        """Host total in bytes."""
+        return sum(self.cpu.values())
+
+
+def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
+    """Peak GPU (prefill, decode) and host bytes of ``policy`` with real byte counts (DESIGN.md memory model).
+
+    KV at full length: kv_len = max_prompt + gen_len positions per sequence (pipeline/kv_cache.py's S_max).
+    Page buffers: 2 x (largest non-resident expert count of any MoE layer) x expert_bytes.
+    Raises PolicyError if the resident experts do not fit the spec.
+    """
+    b = dtype_bytes(policy.dtype)
+    We = spec.expert_bytes(policy.weight_quant)
+    counts = policy.resident_counts(spec)
+    R = sum(counts)
+    max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if i >= spec.num_dense_layers), default=0)
+    kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b  # bytes of one sequence's KV, all layers
+    N, mu, g = policy.N, policy.mu, policy.n_gpu_attn
+    s_max, D = workload.max_prompt, spec.hidden_size
+    pmu = min(policy.prefill_mu, N)
+    common = {
+        "non-expert weights": spec.non_expert_bytes(policy.dtype),
+        "resident experts": R * We,
+        "expert page buffers (2)": 2 * max_paged * We,
+        "GPU KV cache": g * mu * kv_seq,
+    }
+    gpu_decode = dict(common)
+    gpu_decode["hidden states (N rows)"] = N * D * b
+    gpu_decode["decode workspaces (2 micro-batches)"] = 2 * micro_batch_workspace(spec, mu, mu, policy.dtype)
+    gpu_decode["allocator reserve"] = policy.gpu_reserve
+    gpu_prefill = dict(common)
+    gpu_prefill["prefill hidden states (N x prompt)"] = N * s_max * D * b
+    gpu_prefill["prefill workspace (1 micro-batch)"] = (micro_batch_workspace(spec, pmu * s_max, pmu, policy.dtype)
+                                                        + pmu * s_max * spec.kv_elems_per_token * b)
+    gpu_prefill["allocator reserve"] = policy.gpu_reserve
+    cpu_seqs = policy.n_cpu_attn * mu
+    cpu = {
+        "pinned experts (not resident)": (spec.num_moe_layers * spec.num_experts - R) * We,
+        "CPU KV cache": cpu_seqs * kv_seq,
+        "pinned staging": (2 * cpu_seqs * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b
+                           + 2 * pmu * s_max * spec.kv_elems_per_token * b),
+        "host reserve": policy.cpu_reserve,
+    }
+    return MemoryEstimate(gpu_prefill=gpu_prefill, gpu_decode=gpu_decode, cpu=cpu)
+
+
+def memory_violations(policy: Policy, spec: MoESpec, workload: Workload) -> list[str]:
+    """One line per budget the policy exceeds (empty when it fits; a 0 budget is unchecked)."""
+    m = memory_estimate(policy, spec, workload)
+    out = []
+    if policy.gpu_budget and m.gpu_peak > policy.gpu_budget:
+        out.append(f"GPU memory {format_bytes(policy.gpu_budget)} < {format_bytes(m.gpu_peak)} needed ({m.gpu_peak_phase}: "
+                   + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.gpu_breakdown.items() if v) + ")")
+    if policy.cpu_budget and m.cpu_peak > policy.cpu_budget:
+        out.append(f"host memory {format_bytes(policy.cpu_budget)} < {format_bytes(m.cpu_peak)} needed ("
+                   + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.cpu.items() if v) + ")")
+    return out
+
+
+def check_memory(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
+    """Memory estimate of ``policy``; raises PlanInfeasible (one line) if it exceeds policy.gpu_budget/cpu_budget."""
+    bad = memory_violations(policy, spec, workload)
+    if bad:
+        raise PlanInfeasible("infeasible: " + "; ".join(bad))
+    return memory_estimate(policy, spec, workload)
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted times (s), throughputs (tokens/s) and peak memory (bytes) of one policy (H7-H9)."""
+
+    N: int  # sequences in flight
+    prompt_len: float  # mean prompt tokens
+    max_prompt_len: int  # longest prompt tokens
+    gen_len: int  # generated tokens per sequence
+    prefill_time: float  # seconds
+    decode_time: float  # seconds (decode steps 1..G-1)
+    prefill_stages: dict  # stage -> seconds summed over layers ("head": not overlapped)
+    decode_stages: dict  # stage -> seconds summed over steps and layers
+    prefill_binding: str  # stage that sets most of the prefill time
+    decode_binding: str  # stage that sets most of the decode time
+    prefill_layers: tuple  # StageTimes per layer (prefill)
+    decode_first_layers: tuple  # StageTimes per layer at the first decode step (empty if G == 1)
+    decode_last_layers: tuple  # StageTimes per layer at the last decode step
+    memory: MemoryEstimate  # peak bytes by component
+    notes: tuple = ()  # solver notes (plan adds them)
+
+    @property
+    def total_time(self) -> float:
+        """T_prefill + T_decode in seconds."""
+        return self.prefill_time + self.decode_time
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """(H9) prompt tokens / s during prefill: N * prompt_len / T_prefill."""
+        return self.N * self.prompt_len / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """(H9) generated tokens / s during decode steps: N * (G - 1) / T_decode (0 when G == 1)."""
+        return self.N * (self.gen_len - 1) / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def e2e_tok_s(self) -> float:
+        """(H9) end-to-end generated tokens / s: N * G / (T_prefill + T_decode) -- the planner's objective."""
+        return self.N * self.gen_len / self.total_time
+
+    @property
+    def gpu_peak(self) -> int:
+        """Peak GPU bytes (max over prefill and decode)."""
+        return self.memory.gpu_peak
+
+    @property
+    def gpu_peak_phase(self) -> str:
+        """Phase of the GPU peak."""
+        return self.memory.gpu_peak_phase
+
+    @property
+    def gpu_breakdown(self) -> dict:
+        """GPU components at the peak."""
+        return self.memory.gpu_breakdown
+
+    @property
+    def cpu_peak(self) -> int:
+        """Peak host bytes."""
+        return self.memory.cpu_peak
+
+    @property
+    def cpu_breakdown(self) -> dict:
+        """Host components."""
+        return self.memory.cpu
+
+
+def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload) -> Estimate:
+    """(H1)-(H9): predicted prefill/decode times, per-stage sums, binding stages, throughputs and peak memory.
+
+    Decode sums over steps j = 1..G-1 with context prompt_len + j; every layer uses its own resident count
+    (layers with the same kind and count are computed once and weighted by their number).
+    Raises PolicyError if the policy's resident experts do not fit the spec. Does not check budgets
+    (see check_memory).
+    """
+    counts = policy.resident_counts(spec)
+    E, s, G = spec.num_experts, workload.prompt_len, workload.gen_len
+    keys = [(i < spec.num_dense_layers, 0 if i < spec.num_dense_layers else E - c) for i, c in enumerate(counts)]
+    classes: dict = {}
+    for k in keys:
+        classes[k] = classes.get(k, 0) + 1
+    first_layer = {k: keys.index(k) for k in classes}
+
+    def run(fn, arg) -> tuple[float, dict, dict, dict]:
+        rows = {k: fn(spec, hw, policy, first_layer[k], k[1], arg) for k in classes}
+        sums, bound, total = dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0.0), 0.0
+        for k, st in rows.items():
+            w, t = classes[k], st.time
+            total += w * t
+            for name in STAGES:
+                sums[name] += w * getattr(st, name)
+            bound[st.binding] += w * t
+        return total, sums, bound, rows
+
+    t_prefill, pre_sums, pre_bound, pre_rows = run(prefill_layer_times, s)
+    head_p = prefill_head_time(spec, hw, policy, s)
+    t_prefill += head_p
+    pre_sums["head"] = head_p
+
+    dec_sums = dict.fromkeys(STAGES, 0.0)
+    dec_bound = dict.fromkeys(STAGES, 0.0)
+    t_decode = 0.0
+    head_d = decode_head_time(spec, hw, policy)
+    first: dict = {}
+    last: dict = {}
+    for j in range(1, G):
+        total, sums, bound, rows = run(decode_layer_times, s + j)
+        t_decode += total + head_d
+        for name in STAGES:
+            dec_sums[name] += sums[name]
+            dec_bound[name] += bound[name]
+        if j == 1:
+            first = rows
+        last = rows
+    dec_sums["head"] = head_d * (G - 1)
+    prefill_layers = [pre_rows[k] for k in keys]
+    first = [first[k] for k in keys] if first else []
+    last = [last[k] for k in keys] if last else []
+
+    return Estimate(
+        N=policy.N, prompt_len=s, max_prompt_len=workload.max_prompt, gen_len=G,
+        prefill_time=t_prefill, decode_time=t_decode,
+        prefill_stages=pre_sums, decode_stages=dec_sums,
+        prefill_binding=max(STAGES, key=pre_bound.__getitem__),
+        decode_binding=max(STAGES, key=dec_bound.__getitem__) if G > 1 else "-",
+        prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
+        memory=memory_estimate(policy, spec, workload),
+    )

@@ -1,0 +1,556 @@
+"""Policy search: a PuLP MILP over the HRM, solved exactly for end-to-end throughput.
+
+Decisions (all MILP variables; MoE-Lightning Sec. 4 policy search, DESIGN.md "The MILP"):
+  z_m   binary, one per micro-batch-size candidate m (sum z_m = 1): mu = sum m z_m
+  w_m   integer, w_m = z_m n (z_m <= w_m <= nmax_m z_m): the number of micro-batches n = sum w_m
+  v_m   integer, v_m = z_m g (v_m <= w_m): micro-batches with GPU attention + GPU KV, g = sum v_m
+  r     integer experts resident in every MoE layer; beta_i binary digits of x: x MoE layers hold one more
+        (R = L_moe r + x resident experts, spread evenly -- for a given R the even spread is optimal because
+        each layer's time max(H_l, C) is convex in its resident count and memory only sees R)
+The products mu * n and mu * g are linear through the disaggregated w_m, v_m (N = sum m w_m), no big-M on n.
+Objective: max N G / (T_prefill + T_decode), a ratio: Dinkelbach iterations solve
+max N G - lambda T exactly (CBC, zero gap) and update lambda to the ratio of the solution until the
+optimum of the parametric problem is 0 (Dinkelbach 1967, "On nonlinear fractional programming").
+
+Per decode step t the layer time is max(H_l, C_t) with H_l the host->device time of layer l (it depends
+on its resident count) and C_t = max(d2h, cpu, gpu) (the same for every MoE layer). With the even
+spread there are two layer classes, so the sum over layers is (L - x) max(H_r, C_t) + x max(H_r - wio, C_t);
+the product of x with the bounded gap between the two maxima is linearized through x's binary digits
+(see _Model._layer_sum), exactly. Every HRM term that multiplies sequences (CPU/GPU attention, small
+transfers) is linear in them, so it enters as a per-sequence constant times N_cpu or N_gpu.
+
+After solving, the policy is re-evaluated with hrm.evaluate and every memory constraint re-checked with
+hrm's integer byte counts (hrm.check_memory); the solver status is never trusted alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import pulp
+
+from ..model.spec import MoESpec, dtype_bytes
+from . import hrm
+from .hardware import HardwareProfile, format_bytes
+from .policy import Budgets, PlanInfeasible, Policy, Workload
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PREFILL_TOKENS = 4096  # a prefill micro-batch holds at most this many prompt tokens (unless one prompt is longer)
+MEMORY_MARGIN_REL = 2e-7  # fraction of each budget kept free inside the MILP (CBC's row tolerance is 1e-7 on rows scaled by the budget)
+SOLVE_TIME_LIMIT = 20.0  # seconds per CBC solve
+TIE_SLACK = 1e-9  # relative throughput a tie-broken policy may give up (HRM ties only)
+MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
+
+__all__ = ["plan", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "policy_from_decisions", "max_micro_batches"]
+
+
+def prefill_micro_batch(mu: int, max_prompt_len: int) -> int:
+    """Prefill micro-batch for decode micro-batch ``mu``: the largest divisor d of mu with d * max_prompt_len <= PREFILL_TOKENS (>= 1).
+
+    A divisor, so N = mu * n splits into whole prefill micro-batches.
+    """
+    best = 1
+    for d in range(1, mu + 1):
+        if mu % d == 0 and d * max_prompt_len <= PREFILL_TOKENS:
+            best = d
+    return best
+
+
+def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, n: int, resident_total: int, n_gpu_attn: int) -> Policy:
+    """The Policy of one point of the decision space: R resident experts spread evenly (first MoE layers get the extra)."""
+    L_moe, E, Ld = spec.num_moe_layers, spec.num_experts, spec.num_dense_layers
+    r, x = divmod(resident_total, L_moe)
+    if r > E or (r == E and x):
+        raise ValueError(f"{resident_total} resident experts exceed {L_moe} x {E}")
+    counts = tuple(0 if i < Ld else r + (1 if i - Ld < x else 0) for i in range(spec.num_layers))
+    return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.max_prompt), resident_experts=counts,
+                  n_gpu_attn=n_gpu_attn, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
+                  gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
+                  gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
+
+
+def max_micro_batches(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> int:
+    """Upper bound on n for micro-batch size ``mu`` (the big-M of the linearization), >= 1.
+
+    n mu sequences need their KV somewhere: n <= (gpu + cpu budget) / (mu kv_seq); and their prefill hidden
+    rows on the GPU: n <= gpu budget / (mu max_prompt D b); and N <= num_requests when the job is known.
+    """
+    b = dtype_bytes(budgets.dtype)
+    kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b
+    hid_seq = workload.max_prompt * spec.hidden_size * b
+    n = min((budgets.gpu_memory + budgets.cpu_memory) // (mu * kv_seq), budgets.gpu_memory // (mu * hid_seq))
+    if workload.num_requests is not None:
+        n = min(n, -(-workload.num_requests // mu))
+    return max(1, int(n))
+
+
+# ---- feasibility diagnosis (one clear line) --------------------------------------------------------
+def _cap(budget: int) -> int:
+    """Bytes the MILP may fill of ``budget``: budget minus a tolerance margin (hrm re-checks exactly)."""
+    return budget - int(budget * MEMORY_MARGIN_REL) - 1
+
+
+def _gib(x: float) -> str:
+    return format_bytes(x)
+
+
+def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> None:
+    """Raise PlanInfeasible naming what does not fit, for the smallest policy (mu, n = 1), if even that fails.
+
+    GPU first (non-expert weights + page buffers + activations + reserve, with the best residency), then
+    host memory (the experts that cannot stay on the GPU, pinned, + KV + staging + reserve).
+    """
+    L_moe, E = spec.num_moe_layers, spec.num_experts
+
+    def pol(R: int, g: int) -> Policy:
+        return policy_from_decisions(spec, workload, budgets, mu, 1, R, g)
+
+    # GPU: the smallest GPU footprint is no residency (or full residency when L_moe == 1), KV on the CPU.
+    gpu_opts = [hrm.memory_estimate(pol(R, 0), spec, workload) for R in (0, L_moe * E)]
+    best = min(gpu_opts, key=lambda m: m.gpu_peak)
+    if best.gpu_peak > _cap(budgets.gpu_memory):
+        bd = best.gpu_breakdown
+        w = bd["non-expert weights"]
+        buf = bd["expert page buffers (2)"] + bd["resident experts"]
+        act = sum(v for k, v in bd.items() if k not in ("non-expert weights", "expert page buffers (2)", "resident experts", "allocator reserve", "GPU KV cache"))
+        what = "2 expert page buffers" if bd["expert page buffers (2)"] else "all experts"
+        raise PlanInfeasible(
+            f"infeasible: GPU memory {_gib(budgets.gpu_memory)} < {_gib(best.gpu_peak)} needed for non-expert weights ({_gib(w)}) "
+            f"+ {what} ({_gib(buf)}) + activations for {mu} sequence(s) ({_gib(act)}) + reserve ({_gib(bd['allocator reserve'])})")
+    # Host: the most experts the GPU can hold at n = 1 (R even over layers: the GPU grows by We per expert
+    # and shrinks by 2 We each time every layer gains one, as both page buffers shrink), KV wherever it fits.
+    We = spec.expert_bytes(budgets.weight_quant)
+    best_cpu: Optional[hrm.MemoryEstimate] = None
+    for g in (0, 1):
+        base = hrm.memory_estimate(pol(0, g), spec, workload)
+        fits = [R for R in range(L_moe * E + 1)
+                if base.gpu_peak + R * We - 2 * (R // L_moe) * We <= _cap(budgets.gpu_memory)]
+        if fits:
+            m = hrm.memory_estimate(pol(max(fits), g), spec, workload)
+            if m.gpu_peak <= _cap(budgets.gpu_memory) and (best_cpu is None or m.cpu_peak < best_cpu.cpu_peak):
+                best_cpu = m
+    assert best_cpu is not None  # R = 0, g = 0 fits the GPU (checked above)
+    if best_cpu.cpu_peak > _cap(budgets.cpu_memory):
+        c = best_cpu.cpu
+        rest = c["CPU KV cache"] + c["pinned staging"]
+        raise PlanInfeasible(
+            f"infeasible: host memory {_gib(budgets.cpu_memory)} < {_gib(best_cpu.cpu_peak)} needed for the experts that do not fit "
+            f"on the GPU ({_gib(c['pinned experts (not resident)'])}, pinned) + KV cache and staging for {mu} sequence(s) ({_gib(rest)}) "
+            f"+ reserve ({_gib(c['host reserve'])})")
+
+
+# ---- the MILP ----------------------------------------------------------------------------------------
+@dataclass
+class _Coeffs:
+    """Constants of the MILP, computed with hrm's own functions (so the MILP is the HRM).
+
+    Per-sequence constants rely on the HRM being linear in the number of sequences for CPU attention,
+    GPU attention and the small transfers (checked in _coefficients); GPU layer kernels are not (weights
+    are read once per micro-batch, active experts grow with mu), so they are per candidate m.
+    """
+
+    cands: list  # micro-batch sizes m
+    pmu: dict  # m -> prefill micro-batch
+    nmax: dict  # m -> upper bound on n
+    mb_moe: dict  # m -> GPU seconds of one MoE layer for one micro-batch, attention excluded
+    mb_dense: dict  # m -> same for a dense layer
+    head: dict  # m -> decode head seconds of one micro-batch
+    pre_moe: dict  # m -> prefill GPU seconds per MoE layer per decode micro-batch (m / pmu prefill micro-batches)
+    pre_dense: dict  # m -> same for a dense layer
+    pre_head: dict  # m -> prefill head seconds per decode micro-batch
+    attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
+    cpu_rate: float  # CPU decode attention seconds per sequence per attended position
+    d2h_seq: float  # decode d2h seconds per layer per CPU-attention sequence
+    h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
+    pre_d2h_seq: float  # prefill d2h seconds per layer per CPU-KV sequence
+    wio: float  # seconds to page one expert
+    contexts: list  # decode contexts c_t = prompt_len + t, t = 1..G-1
+    # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
+    mem_fixed_gpu: float  # non-expert weights + reserve
+    mem_expert: float  # one expert
+    mem_kv_seq: float  # one sequence's KV at full length
+    mem_hidden_dec: float  # one sequence's decode hidden row
+    mem_hidden_pre: float  # one sequence's prefill hidden rows
+    mem_ws_dec: dict  # m -> decode workspaces
+    mem_ws_pre: dict  # m -> prefill workspace
+    mem_stage_seq: float  # pinned staging per CPU-attention sequence
+    mem_stage_pre: dict  # m -> pinned prefill KV staging
+    gpu_cap: float  # GPU bytes the MILP may fill (budget minus margin)
+    cpu_cap: float  # host bytes the MILP may fill (budget minus margin, minus reserve)
+
+
+def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int], n_cap: Optional[int]) -> _Coeffs:
+    dt, q = budgets.dtype, budgets.weight_quant
+    b = dtype_bytes(dt)
+    s, s_max, G = workload.prompt_len, workload.max_prompt, workload.gen_len
+    contexts = [s + t for t in range(1, G)]
+    kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b
+    C = _Coeffs(cands=list(cands), pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
+                attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c, dt) for c in contexts},
+                cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt),
+                d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
+                pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
+                mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
+                mem_kv_seq=kv_seq, mem_hidden_dec=spec.hidden_size * b, mem_hidden_pre=s_max * spec.hidden_size * b,
+                mem_ws_dec={}, mem_ws_pre={},
+                mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
+                gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve)
+    for m in cands:
+        p = prefill_micro_batch(m, s_max)
+        C.pmu[m] = p
+        C.nmax[m] = max_micro_batches(spec, workload, budgets, m) if n_cap is None else min(n_cap, max_micro_batches(spec, workload, budgets, m))
+        C.mb_moe[m] = hrm.gpu_layer_time(spec, hw, m, False, dt, q)
+        C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q)
+        C.head[m] = hrm.gpu_head_time(spec, hw, m, m, dt)
+        k = m // p  # prefill micro-batches per decode micro-batch
+        C.pre_moe[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, False, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
+        C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
+        C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
+        C.mem_ws_dec[m] = 2 * hrm.micro_batch_workspace(spec, m, m, dt)
+        C.mem_ws_pre[m] = hrm.micro_batch_workspace(spec, p * s_max, p, dt) + p * s_max * spec.kv_elems_per_token * b
+        C.mem_stage_pre[m] = 2 * p * s_max * spec.kv_elems_per_token * b
+        # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
+        c = contexts[-1] if contexts else s + 1
+        for got, want in ((hrm.cpu_decode_attention_time(spec, hw, m, c, dt), m * c * C.cpu_rate),
+                          (hrm.gpu_decode_attention_time(spec, hw, m, c, dt), m * hrm.gpu_decode_attention_time(spec, hw, 1, c, dt)),
+                          (hrm.decode_d2h_time(spec, hw, m, dt), m * C.d2h_seq), (hrm.prefill_d2h_time(spec, hw, m, s, dt), m * C.pre_d2h_seq)):
+            assert abs(got - want) <= 1e-9 * abs(want) + 1e-300, "HRM term not linear in sequences; the MILP would not be exact"
+    return C
+
+
+def _bits(limit: int) -> int:
+    """Binary digits needed for integers 0..limit."""
+    return max(0, int(limit).bit_length())
+
+
+class _Model:
+    """The MILP of one planning problem; the objective is re-set for each Dinkelbach lambda.
+
+    Rows per decode step are few and sparse: the step's C_t = max(gpu, cpu, d2h) (3 rows), the two layer
+    classes' max(H, C_t) (4 rows), and the exact count of layers per class via the binary digits of x
+    (2 rows per digit), so the model stays small for long generations and many layers.
+    """
+
+    def __init__(self, spec: MoESpec, workload: Workload, C: _Coeffs):
+        self.spec, self.workload, self.C = spec, workload, C
+        self.L_moe, self.L_d, self.E = spec.num_moe_layers, spec.num_dense_layers, spec.num_experts
+        self.prob = pulp.LpProblem("moe_lightning_policy", pulp.LpMaximize)
+        self._variables()
+        self._mu_choice()
+        self._products()
+        self._attention_split()
+        self._residency()
+        self._aggregates()
+        self._request_cap()
+        self._gpu_memory_decode()
+        self._gpu_memory_prefill()
+        self._cpu_memory()
+        self._prefill_time()
+        self.T_decode = pulp.LpAffineExpression()
+        for t, c in enumerate(C.contexts):
+            self._decode_step(t, c)
+
+    # -- variables --
+    def _var(self, name: str, lowBound=None, upBound=None, cat: str = "Continuous") -> pulp.LpVariable:
+        """A variable attached to the problem (prob.add_variable on PuLP >= 3.3)."""
+        if hasattr(self.prob, "add_variable"):
+            return self.prob.add_variable(name, lowBound, upBound, cat)
+        return pulp.LpVariable(name, lowBound, upBound, cat=cat)  # pragma: no cover (older PuLP)
+
+    def _variables(self) -> None:
+        C, P = self.C, self._var
+        self.z = {m: P(f"z_{m}", cat="Binary") for m in C.cands}  # z_m = 1 iff mu = m
+        # disaggregated products (no big-M on n): w_m = z_m n, v_m = z_m g, integer
+        self.w = {m: P(f"w_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
+        self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
+        self.r = P("r", lowBound=0, upBound=self.E, cat="Integer")  # experts resident in every MoE layer
+        self.nbits = _bits(self.L_moe - 1)
+        self.beta = [P(f"beta_{i}", cat="Binary") for i in range(self.nbits)]  # binary digits of x
+        self.some_extra = P("x_pos", cat="Binary")  # 1 if x > 0
+        # aggregates (continuous, fixed by equality rows in _aggregates)
+        self.N_cpu = P("N_cpu", lowBound=0)  # sequences with CPU KV and CPU attention
+        self.N_gpu = P("N_gpu", lowBound=0)  # sequences with GPU KV and GPU attention
+        self.A = P("A", lowBound=0)  # per-layer h2d seconds of attention outputs
+        self.D2H = P("D2H", lowBound=0)  # per-layer d2h seconds of q/k/v
+        self.K = P("K", lowBound=0)  # CPU attention seconds per attended position per layer
+        self.GPU = P("GPU", lowBound=0)  # per MoE layer GPU seconds of all micro-batches, attention excluded
+        self.GPU_d = P("GPU_dense", lowBound=0)  # same for a dense layer
+        self.HEAD = P("HEAD", lowBound=0)  # per decode step head seconds
+        # derived linear expressions
+        self.n = pulp.lpSum(self.w.values())  # micro-batches (only the chosen size's w_m is non-zero)
+        self.N = pulp.lpSum(m * self.w[m] for m in C.cands)  # N = mu * n
+        self.x = pulp.lpSum((1 << i) * bt for i, bt in enumerate(self.beta))  # MoE layers holding r + 1 experts
+        self.R = self.L_moe * self.r + self.x  # resident experts in total
+
+    # -- constraint groups --
+    def _mu_choice(self) -> None:
+        # sum_m z_m = 1: exactly one micro-batch size
+        self.prob += pulp.lpSum(self.z.values()) == 1, "one_mu"
+
+    def _products(self) -> None:
+        for m in self.C.cands:
+            z = self.z[m]
+            # z_m <= w_m <= nmax_m z_m: n = w_m >= 1 micro-batch of the chosen size, 0 for the others
+            self.prob += self.w[m] >= z, f"w_ge_z_{m}"
+            self.prob += self.w[m] <= self.C.nmax[m] * z, f"w_le_z_{m}"
+
+    def _attention_split(self) -> None:
+        for m in self.C.cands:
+            # v_m <= w_m: GPU-attention micro-batches are a subset of the micro-batches (g <= n)
+            self.prob += self.v[m] <= self.w[m], f"v_le_w_{m}"
+
+    def _residency(self) -> None:
+        # x <= L_moe - 1: at most L_moe - 1 layers hold the extra expert (all L_moe would be r + 1 everywhere)
+        self.prob += self.x <= self.L_moe - 1, "x_le_L"
+        # x <= (L_moe - 1) x_pos and r + x_pos <= E: a layer can hold r + 1 only if r + 1 <= E
+        self.prob += self.x <= (self.L_moe - 1) * self.some_extra, "x_pos_def"
+        self.prob += self.r + self.some_extra <= self.E, "r_plus_one_le_E"
+
+    def _aggregates(self) -> None:
+        C, cands = self.C, self.C.cands
+        # N_cpu = sum_m m (w_m - v_m);  N_gpu = sum_m m v_m
+        self.prob += self.N_cpu == pulp.lpSum(m * (self.w[m] - self.v[m]) for m in cands), "def_N_cpu"
+        self.prob += self.N_gpu == pulp.lpSum(m * self.v[m] for m in cands), "def_N_gpu"
+        # (H3) A = N_cpu out b / B_h2d;  (H4) D2H = N_cpu (q + kv) b / B_d2h;  (H5) K = N_cpu max(F/P_c, kv b/B_c)
+        self.prob += self.A == C.h2d_seq * self.N_cpu, "def_A"
+        self.prob += self.D2H == C.d2h_seq * self.N_cpu, "def_D2H"
+        self.prob += self.K == C.cpu_rate * self.N_cpu, "def_K"
+        # (H6) GPU = sum_m w_m gpu_layer(m) (n micro-batches of the chosen size), same for dense layers
+        self.prob += self.GPU == pulp.lpSum(C.mb_moe[m] * self.w[m] for m in cands), "def_GPU"
+        if self.L_d:
+            self.prob += self.GPU_d == pulp.lpSum(C.mb_dense[m] * self.w[m] for m in cands), "def_GPU_dense"
+        # (H7) HEAD = sum_m w_m head(m)
+        self.prob += self.HEAD == pulp.lpSum(C.head[m] * self.w[m] for m in cands), "def_HEAD"
+
+    def _request_cap(self) -> None:
+        if self.workload.num_requests is not None:
+            # N = sum m w_m <= num_requests: no more sequences in flight than the job has
+            self.prob += self.N <= self.workload.num_requests, "N_le_requests"
+
+    def _gpu_common(self) -> pulp.LpAffineExpression:
+        C = self.C
+        # non-expert weights + reserve + R We (resident) + 2 (E - r) We (page buffers sized for the r-layers) + N_gpu kv_seq
+        return C.mem_fixed_gpu + C.mem_expert * self.R + 2 * C.mem_expert * (self.E - self.r) + C.mem_kv_seq * self.N_gpu
+
+    def _gpu_memory_decode(self) -> None:
+        C = self.C
+        # GPU(decode) = common + N D b (hidden rows) + sum_m z_m 2 ws(m) <= budget   (row divided by the budget)
+        self.prob += ((self._gpu_common() + C.mem_hidden_dec * self.N
+                       + pulp.lpSum(C.mem_ws_dec[m] * self.z[m] for m in C.cands)) * (1 / C.gpu_cap) <= 1), "gpu_mem_decode"
+
+    def _gpu_memory_prefill(self) -> None:
+        C = self.C
+        # GPU(prefill) = common + N s_max D b (prefill hidden rows) + sum_m z_m ws_prefill(m) <= budget   (scaled)
+        self.prob += ((self._gpu_common() + C.mem_hidden_pre * self.N
+                       + pulp.lpSum(C.mem_ws_pre[m] * self.z[m] for m in C.cands)) * (1 / C.gpu_cap) <= 1), "gpu_mem_prefill"
+
+    def _cpu_memory(self) -> None:
+        C = self.C
+        # CPU = (L_moe E - R) We (pinned, not resident) + N_cpu (kv_seq + staging) + sum_m z_m stage_pre(m) <= budget - reserve
+        if C.cpu_cap <= 0:
+            self.prob += self.z[C.cands[0]] >= 2, "cpu_reserve_exceeds_budget"  # infeasible on purpose
+            return
+        self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + (C.mem_kv_seq + C.mem_stage_seq) * self.N_cpu
+                       + pulp.lpSum(C.mem_stage_pre[m] * self.z[m] for m in C.cands)) * (1 / C.cpu_cap) <= 1), "cpu_mem"
+
+    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
+        """S = sum over MoE layers of max(H_l, C): L_moe - x layers at H = (E - r) wio + A, x layers at H - wio.
+
+        V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C  (layers holding r + 1)
+        sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio; x (V - U) = sum_i 2^i beta_i (V - U)
+        is bounded above by q_i <= wio beta_i, q_i <= V - U:  S >= L V - sum_i 2^i q_i.  At the optimum V, U
+        are the true maxima (raising V costs L, gains at most x < L) so S is exact.
+        """
+        L, E, wio = self.L_moe, self.E, self.C.wio
+        P = self._var
+        V, U, S = P(f"V_{name}", lowBound=0), P(f"U_{name}", lowBound=0), P(f"S_{name}", lowBound=0)
+        self.prob += V >= (E - self.r) * wio + A, f"V_{name}_h2d"
+        self.prob += V >= Cvar, f"V_{name}_rest"
+        self.prob += U >= (E - self.r - 1) * wio + A, f"U_{name}_h2d"
+        self.prob += U >= Cvar, f"U_{name}_rest"
+        q = []
+        for i, bt in enumerate(self.beta):
+            qi = P(f"q_{name}_{i}", lowBound=0)
+            self.prob += qi <= wio * bt, f"q_{name}_{i}_bit"
+            self.prob += qi <= V - U, f"q_{name}_{i}_gap"
+            q.append((1 << i) * qi)
+        self.prob += S >= L * V - pulp.lpSum(q), f"S_{name}"
+        return S
+
+    def _dense_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
+        """Sd >= L_d max(A, Cd): dense layers page nothing."""
+        Sd = self._var(f"Sd_{name}", lowBound=0)
+        self.prob += Sd >= self.L_d * A, f"Sd_{name}_h2d"
+        self.prob += Sd >= self.L_d * Cvar, f"Sd_{name}_rest"
+        return Sd
+
+    def _prefill_time(self) -> None:
+        C, cands = self.C, self.C.cands
+        d2h = C.pre_d2h_seq * self.N_cpu  # prompt KV of CPU-KV sequences, per layer
+        Cp = self._var("C_prefill", lowBound=0)
+        # (H8) C_p >= gpu = sum_m w_m pre_moe(m);  C_p >= d2h  (no CPU stage in prefill)
+        self.prob += Cp >= pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), "Cp_gpu"
+        self.prob += Cp >= d2h, "Cp_d2h"
+        terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp)]
+        if self.L_d:
+            Cdp = self._var("Cd_prefill", lowBound=0)
+            self.prob += Cdp >= pulp.lpSum(C.pre_dense[m] * self.w[m] for m in cands), "Cdp_gpu"
+            self.prob += Cdp >= d2h, "Cdp_d2h"
+            terms.append(self._dense_sum("prefill", pulp.LpAffineExpression(), Cdp))
+        # T_prefill = sum over layers + head (not overlapped)
+        self.T_prefill = pulp.lpSum(terms) + pulp.lpSum(C.pre_head[m] * self.w[m] for m in cands)
+
+    def _decode_step(self, t: int, c: float) -> None:
+        C = self.C
+        Ct = self._var(f"C_{t}", lowBound=0)
+        # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K;  (H4) C_t >= D2H
+        self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu, f"C_{t}_gpu"
+        self.prob += Ct >= c * self.K, f"C_{t}_cpu"
+        self.prob += Ct >= self.D2H, f"C_{t}_d2h"
+        terms = [self._layer_sum(str(t), self.A, Ct)]
+        if self.L_d:
+            Cd = self._var(f"Cd_{t}", lowBound=0)
+            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu, f"Cd_{t}_gpu"
+            self.prob += Cd >= c * self.K, f"Cd_{t}_cpu"
+            self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
+            terms.append(self._dense_sum(str(t), self.A, Cd))
+        # (H7) step time = layers + head
+        self.T_decode += pulp.lpSum(terms) + self.HEAD
+
+    # -- solving --
+    @property
+    def T(self) -> pulp.LpAffineExpression:
+        return self.T_prefill + self.T_decode
+
+    def solve(self, lam: float, time_limit: float) -> tuple[dict, float, bool]:
+        """max G N - lam T. Returns (decisions, objective value, proven optimal). Raises PlanInfeasible."""
+        G = self.workload.gen_len
+        self.prob.setObjective(G * self.N - lam * self.T)
+        # CBC bundled with PuLP, silent, zero gap; cut generation dominates CBC's time on this model and
+        # branching alone proves optimality quickly, so cuts are off
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces PULP_CBC_CMD's rename in 4.0
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, gapAbs=0.0, cuts=False)
+            self.prob.solve(solver)
+        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            raise PlanInfeasible(f"infeasible: the MILP has no solution ({pulp.LpStatus[self.prob.status]})")
+        mu = max(self.C.cands, key=lambda m: self.z[m].varValue or 0.0)
+        x = sum((1 << i) * int(round(bt.varValue)) for i, bt in enumerate(self.beta))
+        d = {
+            "mu": mu,
+            "n": int(round(self.w[mu].varValue)),
+            "g": int(round(self.v[mu].varValue)),
+            "R": self.L_moe * int(round(self.r.varValue)) + x,
+        }
+        return d, float(pulp.value(self.prob.objective)), self.prob.sol_status == pulp.LpSolutionOptimal
+
+
+def _tie_break(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
+               pol: Policy, est: "hrm.Estimate") -> tuple[Policy, "hrm.Estimate"]:
+    """Among HRM ties of the optimum (within TIE_SLACK of its throughput, same memory budgets), prefer fewer
+    micro-batches, then fewer GPU-attention micro-batches, then fewer resident experts.
+
+    The HRM has no per-micro-batch overhead and a PCIe-bound layer hides any GPU/CPU split, so the optimum
+    is often one of many ties; the executor prefers the simplest. Local search with hrm.evaluate only.
+    """
+    floor = est.e2e_tok_s * (1 - TIE_SLACK)
+    R = pol.total_resident(spec)
+
+    def try_(mu: int, n: int, R_: int, g: int):
+        if not (1 <= n and 0 <= g <= n and mu in cands):
+            return None
+        p = policy_from_decisions(spec, workload, budgets, mu, n, R_, g)
+        if hrm.memory_violations(p, spec, workload):
+            return None
+        e = hrm.evaluate(p, spec, hw, workload)
+        return (p, e) if e.e2e_tok_s >= floor else None
+
+    best = (pol, est)
+    N, gseq = pol.N, pol.n_gpu_attn * pol.mu
+    for m in sorted((m for m in cands if m > pol.mu and N % m == 0), reverse=True):  # same N, fewer micro-batches
+        got = next((x for g in sorted({gseq // m, -(-gseq // m)}) if (x := try_(m, N // m, R, g))), None)
+        if got:
+            best = got
+            break
+    p0 = best[0]
+    for g in range(p0.n_gpu_attn):  # fewest GPU-attention micro-batches
+        got = try_(p0.mu, p0.n, R, g)
+        if got:
+            best = got
+            break
+    p0 = best[0]
+    lo, hi = 0, R  # fewest resident experts (throughput is monotone in R); keep hi as the known-good value
+    while lo < hi:
+        mid = (lo + hi) // 2
+        got = try_(p0.mu, p0.n, mid, p0.n_gpu_attn)
+        if got:
+            hi, best = mid, got
+        else:
+            lo = mid + 1
+    return best
+
+
+def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
+         candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
+         time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True) -> tuple[Policy, "hrm.Estimate"]:
+    """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets.
+
+    Args:
+        spec, hw, workload, budgets: the model, host, job shape and memory budgets (budgets.weight_quant
+            and budgets.dtype fix the formats).
+        candidates: micro-batch sizes mu to choose from (default DEFAULT_MU_CANDIDATES, capped at
+            workload.num_requests, which is itself added).
+        n_max: optional cap on the number of micro-batches (for small search grids).
+        time_limit: seconds per CBC solve.
+        tie_break: among HRM ties of the optimum (within TIE_SLACK), prefer fewer micro-batches, then fewer
+            GPU-attention micro-batches, then fewer resident experts (local search with hrm.evaluate).
+    Returns (Policy, Estimate): the estimate is hrm.evaluate of the policy, with solver notes.
+    Raises PlanInfeasible (one line) when nothing fits; ValueError for a model without MoE layers.
+    """
+    if spec.num_moe_layers < 1:
+        raise ValueError(f"{spec.name}: no MoE layers to plan for")
+    cands = sorted(set(candidates if candidates is not None else DEFAULT_MU_CANDIDATES))
+    if workload.num_requests is not None:
+        if candidates is None and workload.num_requests < max(cands):
+            cands.append(workload.num_requests)
+        cands = sorted({m for m in cands if m <= workload.num_requests})
+    if not cands or any(not isinstance(m, int) or m < 1 for m in cands):
+        raise PlanInfeasible(f"infeasible: no usable micro-batch size among the candidates {list(candidates or [])} "
+                             f"(must be ints >= 1 and <= {workload.num_requests} requests)")
+    diagnose(spec, workload, budgets, cands[0])
+
+    t0 = time.perf_counter()
+    C = _coefficients(spec, hw, workload, budgets, cands, n_max)
+    model = _Model(spec, workload, C)
+    t_build = time.perf_counter() - t0
+
+    lam, best, proven, iters = 0.0, None, True, 0
+    for iters in range(1, MAX_DINKELBACH + 1):
+        d, F, opt = model.solve(lam, time_limit)
+        proven &= opt
+        pol = policy_from_decisions(spec, workload, budgets, d["mu"], d["n"], d["R"], d["g"])
+        if hrm.memory_violations(pol, spec, workload):  # never trust the status: re-check with integer bytes
+            raise PlanInfeasible("infeasible: the solver's policy does not fit on re-check: " + "; ".join(hrm.memory_violations(pol, spec, workload)))
+        est = hrm.evaluate(pol, spec, hw, workload)
+        ratio = est.e2e_tok_s
+        if best is None or ratio > best[1].e2e_tok_s:
+            best = (pol, est)
+        # F(lam) = max G N - lam T >= 0; at the optimal ratio it is 0 (relative tolerance on G N)
+        if ratio <= lam * (1 + 1e-12) or F <= 1e-9 * workload.gen_len * pol.N:
+            break
+        lam = ratio
+    pol, est = best
+    if tie_break:
+        pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)
+    hrm.check_memory(pol, spec, workload)  # raises PlanInfeasible if any budget is exceeded
+    note = (f"MILP: {len(cands)} micro-batch sizes, n <= {max(C.nmax.values())}, {model.prob.numConstraints()} constraints, "
+            f"{iters} Dinkelbach solve(s), {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
+            + ("proven optimal" if proven else f"NOT proven optimal (CBC time limit {time_limit:g} s)"))
+    log.info(note)
+    return pol, replace(est, notes=est.notes + (note,))

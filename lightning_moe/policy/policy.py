@@ -1,0 +1,330 @@
+"""Policy (what the planner decides), Workload and Budgets (what it is given), and the table it prints.
+
+A policy runs a batch of N = mu * n sequences as n micro-batches of mu (CGOPipe, MoE-Lightning Sec. 4.1):
+``n_gpu_attn`` of them keep their KV cache on the GPU and run attention there, the others keep it in
+host memory and run decode attention on the CPU; ``resident_experts`` stay on the GPU, every other
+expert is paged from pinned host memory layer by layer through two GPU page buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+import yaml
+
+from ..model.spec import DTYPE_BYTES, QUANT_FORMATS, MoESpec
+from .hardware import GiB, HardwareProfile, format_bytes, parse_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .hrm import Estimate
+
+DEFAULT_GPU_RESERVE = 1 * GiB  # bytes: CUDA context, cuBLAS/Triton workspaces, caching-allocator fragmentation
+DEFAULT_CPU_RESERVE = 2 * GiB  # bytes: Python/torch process, tokenizer, load-time temporaries
+
+
+class PlanInfeasible(ValueError):
+    """No policy fits the budgets. ``str(e)`` is one line naming what does not fit and by how much."""
+
+
+class PolicyError(ValueError):
+    """A policy YAML or Policy value that is malformed (the message names the file and key)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a batch job asks for, in tokens (the planner's view of the prompts).
+
+    Build it from real tokenized prompts with :meth:`from_lengths` (``runner.job_workload`` does that).
+    """
+
+    prompt_len: float  # mean prompt length in tokens (prefill and attention cost use it)
+    gen_len: int  # tokens generated per sequence (max_new_tokens)
+    max_prompt_len: Optional[int] = None  # longest prompt in tokens (sizes the KV cache); None = ceil(prompt_len)
+    num_requests: Optional[int] = None  # sequences in the job; caps N = mu * n (None = no cap)
+    name: str = ""  # label for tables ("mtbench", "synthetic 77/128")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt_len, bool) or not isinstance(self.prompt_len, (int, float)) or not self.prompt_len >= 1:
+            raise ValueError(f"workload: prompt_len must be a number >= 1, got {self.prompt_len!r}")
+        if isinstance(self.gen_len, bool) or not isinstance(self.gen_len, int) or self.gen_len < 1:
+            raise ValueError(f"workload: gen_len must be an int >= 1, got {self.gen_len!r}")
+        if self.max_prompt_len is not None and (not isinstance(self.max_prompt_len, int) or self.max_prompt_len < self.prompt_len):
+            raise ValueError(f"workload: max_prompt_len must be an int >= prompt_len ({self.prompt_len}), got {self.max_prompt_len!r}")
+        if self.num_requests is not None and (not isinstance(self.num_requests, int) or self.num_requests < 1):
+            raise ValueError(f"workload: num_requests must be an int >= 1, got {self.num_requests!r}")
+
+    @property
+    def max_prompt(self) -> int:
+        """Longest prompt in tokens: max_prompt_len, or ceil(prompt_len)."""
+        if self.max_prompt_len is not None:
+            return self.max_prompt_len
+        return int(-(-self.prompt_len // 1))
+
+    @property
+    def kv_len(self) -> int:
+        """Positions per sequence in the KV cache: longest prompt + gen_len (how pipeline/kv_cache.py sizes S_max)."""
+        return self.max_prompt + self.gen_len
+
+    @classmethod
+    def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "") -> "Workload":
+        """From the tokenized prompt lengths of a job: mean, max and count. Raises ValueError if empty."""
+        lens = [int(x) for x in prompt_lens]
+        if not lens:
+            raise ValueError("workload: no prompts")
+        return cls(prompt_len=max(1.0, sum(lens) / len(lens)), gen_len=gen_len, max_prompt_len=max(1, max(lens)),
+                   num_requests=len(lens), name=name)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Memory the planner may use, and the formats it plans for."""
+
+    gpu_memory: int  # bytes of GPU memory for this process (the reserve below is part of it)
+    cpu_memory: int  # bytes of host memory for this process (pinned pool + KV + staging + reserve)
+    weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up
+    dtype: str = "bf16"  # model dtype: non-expert weights, activations, KV cache
+    gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes kept free on the GPU (context, workspaces, fragmentation)
+    cpu_reserve: int = DEFAULT_CPU_RESERVE  # bytes kept free on the host (process, temporaries)
+
+    def __post_init__(self) -> None:
+        _check_formats(self.weight_quant, self.dtype, "budgets")
+        for k in ("gpu_memory", "cpu_memory", "gpu_reserve", "cpu_reserve"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"budgets: {k} must be a non-negative int of bytes, got {v!r}")
+
+    @classmethod
+    def for_hardware(cls, hw: HardwareProfile, **kw: Any) -> "Budgets":
+        """The whole GPU and host memory of ``hw`` (override any field by keyword)."""
+        kw.setdefault("gpu_memory", hw.gpu_memory)
+        kw.setdefault("cpu_memory", hw.host_memory)
+        return cls(**kw)
+
+
+def _check_formats(weight_quant: str, dtype: str, where: str) -> None:
+    if weight_quant not in DTYPE_BYTES and weight_quant not in QUANT_FORMATS:
+        raise ValueError(f"{where}: weight_quant {weight_quant!r} unknown (known: bf16, fp16, fp32, {', '.join(QUANT_FORMATS)})")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"{where}: dtype {dtype!r} unknown (known: bf16, fp16, fp32)")
+
+
+Resident = Union[int, tuple]  # an int (same count in every MoE layer), per-layer counts, or (layer, expert) pairs
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A CGOPipe execution policy (MoE-Lightning Sec. 4): batch shape, expert placement, attention split.
+
+    ``resident_experts`` is one of: an int r (r experts resident in every MoE layer); a tuple of
+    per-layer counts of length num_layers (dense layers 0); a tuple of (layer, expert) pairs. With
+    counts, the executor keeps experts 0..count-1 of each layer (all experts weigh the same).
+    """
+
+    mu: int  # sequences per decode micro-batch
+    n: int  # micro-batches per batch (N = mu * n sequences in flight)
+    prefill_mu: int  # sequences per prefill micro-batch (its GEMMs see prefill_mu * prompt_len tokens)
+    resident_experts: Resident = 0  # experts kept on the GPU (see class docstring for the three forms)
+    n_gpu_attn: int = 0  # micro-batches whose KV cache and attention live on the GPU (0..n); the rest on the CPU
+    weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up
+    dtype: str = "bf16"  # model dtype: non-expert weights, activations, KV cache
+    gpu_budget: int = 0  # bytes of GPU memory this policy was planned for (0 = unchecked)
+    cpu_budget: int = 0  # bytes of host memory this policy was planned for (0 = unchecked)
+    gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of the GPU budget kept free (counted in the GPU peak)
+    cpu_reserve: int = DEFAULT_CPU_RESERVE  # bytes of the host budget kept free (counted in the CPU peak)
+
+    def __post_init__(self) -> None:
+        for k in ("mu", "n", "prefill_mu"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PolicyError(f"policy: {k} must be an int >= 1, got {v!r}")
+        if isinstance(self.n_gpu_attn, bool) or not isinstance(self.n_gpu_attn, int) or not 0 <= self.n_gpu_attn <= self.n:
+            raise PolicyError(f"policy: n_gpu_attn must be an int in 0..n={self.n}, got {self.n_gpu_attn!r}")
+        for k in ("gpu_budget", "cpu_budget", "gpu_reserve", "cpu_reserve"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise PolicyError(f"policy: {k} must be a non-negative int of bytes, got {v!r}")
+        try:
+            _check_formats(self.weight_quant, self.dtype, "policy")
+        except ValueError as e:
+            raise PolicyError(str(e)) from None
+        r = self.resident_experts
+        if isinstance(r, list):
+            object.__setattr__(self, "resident_experts", r := tuple(tuple(x) if isinstance(x, list) else x for x in r))
+        ok = (isinstance(r, int) and not isinstance(r, bool) and r >= 0) or (
+            isinstance(r, tuple)
+            and (all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
+                 or all(isinstance(x, tuple) and len(x) == 2 and all(isinstance(y, int) and y >= 0 for y in x) for x in r))
+        )
+        if not ok:
+            raise PolicyError(f"policy: resident_experts must be an int, a list of per-layer counts or a list of [layer, expert] pairs, got {r!r}")
+
+    @property
+    def N(self) -> int:
+        """Sequences in flight: mu * n."""
+        return self.mu * self.n
+
+    @property
+    def n_cpu_attn(self) -> int:
+        """Micro-batches whose KV cache and attention live on the CPU: n - n_gpu_attn."""
+        return self.n - self.n_gpu_attn
+
+    def resident_counts(self, spec: MoESpec) -> tuple[int, ...]:
+        """Resident experts per decoder layer (length num_layers; dense layers 0).
+
+        Raises PolicyError if a count exceeds num_experts, the length is wrong, a pair is out of range
+        or repeated, or a dense layer is named.
+        """
+        L, E, Ld = spec.num_layers, spec.num_experts, spec.num_dense_layers
+        r = self.resident_experts
+        if isinstance(r, int):
+            if r > E:
+                raise PolicyError(f"policy: resident_experts={r} > num_experts={E}")
+            return tuple(0 if i < Ld else r for i in range(L))
+        if not r:
+            return (0,) * L
+        if isinstance(r[0], int):
+            if len(r) != L:
+                raise PolicyError(f"policy: resident_experts has {len(r)} per-layer counts, the model has {L} layers")
+            for i, c in enumerate(r):
+                if c > E or (i < Ld and c):
+                    raise PolicyError(f"policy: resident_experts[{i}]={c} out of range (0..{0 if i < Ld else E})")
+            return tuple(r)
+        counts = [0] * L
+        seen = set()
+        for layer, e in r:
+            if layer >= L or layer < Ld or e >= E or (layer, e) in seen:
+                raise PolicyError(f"policy: resident expert ({layer}, {e}) out of range or repeated")
+            seen.add((layer, e))
+            counts[layer] += 1
+        return tuple(counts)
+
+    def resident_pairs(self, spec: MoESpec) -> tuple[tuple[int, int], ...]:
+        """Resident experts as sorted (layer, expert) pairs (counts expand to experts 0..count-1)."""
+        r = self.resident_experts
+        if isinstance(r, tuple) and r and isinstance(r[0], tuple):
+            self.resident_counts(spec)  # validates
+            return tuple(sorted(r))
+        return tuple((layer, e) for layer, c in enumerate(self.resident_counts(spec)) for e in range(c))
+
+    def total_resident(self, spec: MoESpec) -> int:
+        """Number of resident experts over all layers."""
+        return sum(self.resident_counts(spec))
+
+    # ---- YAML ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Plain dict (lists instead of tuples) in field order."""
+        d = asdict(self)
+        r = self.resident_experts
+        d["resident_experts"] = r if isinstance(r, int) else [list(x) if isinstance(x, tuple) else x for x in r]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "<policy>") -> "Policy":
+        """Build from a mapping; unknown keys, missing required keys and wrong types raise PolicyError naming ``where``."""
+        if not isinstance(d, dict):
+            raise PolicyError(f"{where}: expected a mapping of policy fields, got {type(d).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise PolicyError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(names)})")
+        for k in ("mu", "n", "prefill_mu"):
+            if k not in d:
+                raise PolicyError(f"{where}: {k}: missing")
+        kw = dict(d)
+        for k in ("gpu_budget", "cpu_budget", "gpu_reserve", "cpu_reserve"):
+            if k in kw and isinstance(kw[k], str):
+                try:
+                    kw[k] = parse_bytes(kw[k], f"{where}: {k}")
+                except ValueError as e:
+                    raise PolicyError(str(e)) from None
+        try:
+            return cls(**kw)
+        except PolicyError as e:
+            raise PolicyError(f"{where}: {str(e).removeprefix('policy: ')}") from None
+
+    @classmethod
+    def load(cls, path: str) -> "Policy":
+        """Read a policy YAML written by :meth:`save` (``moe-batch plan --output``). Raises PolicyError."""
+        with open(path) as f:
+            try:
+                d = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise PolicyError(f"{path}: not valid YAML: {e}") from None
+        return cls.from_dict(d, where=path)
+
+    def save(self, path: str, header: str = "") -> None:
+        """Write as YAML; ``header`` lines (e.g. the predicted throughput) go first as comments."""
+        text = "".join(f"# {line}\n" for line in header.splitlines()) if header else ""
+        text += yaml.safe_dump(self.to_dict(), sort_keys=False, width=120, default_flow_style=None)
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 100:
+        return f"{s:.0f} s"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.2f} ms"
+
+
+def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: HardwareProfile) -> str:
+    """The plan as a text table: batch shape, placement, memory vs budget, bytes per layer, stage times.
+
+    Lists mu, n, N, prefill micro-batch, resident experts, the attention split, GPU and CPU peak bytes
+    against the budgets (with their breakdown), bytes per layer, and for prefill and decode each stage's
+    summed time with the binding stage marked, then predicted tokens/s.
+    """
+    counts = policy.resident_counts(spec)
+    R = sum(counts)
+    moe = [c for i, c in enumerate(counts) if i >= spec.num_dense_layers]
+    We = spec.expert_bytes(policy.weight_quant)
+    lines = []
+    add = lines.append
+    add(f"model     {spec.name}: {spec.num_layers} layers, {spec.num_experts} experts (top-{spec.top_k}), "
+        f"{format_bytes(spec.total_bytes(policy.dtype, policy.weight_quant))} ({policy.dtype} + {policy.weight_quant} experts)")
+    add(f"hardware  {hw.name}: GPU {format_bytes(hw.gpu_memory)}, HBM {hw.gpu_hbm_bandwidth / 1e9:.0f} GB/s, "
+        f"{hw.gpu_flops(policy.dtype) / 1e12:.0f} TFLOP/s, PCIe h2d {hw.pcie_h2d / 1e9:.1f} GB/s d2h {hw.pcie_d2h / 1e9:.1f} GB/s, "
+        f"CPU attention {hw.cpu_attention_bandwidth / 1e9:.0f} GB/s")
+    add(f"workload  prompt {estimate.prompt_len:g} tokens (max {estimate.max_prompt_len}), generate {estimate.gen_len}")
+    add("")
+    add("policy")
+    add(f"  mu (sequences / micro-batch)     {policy.mu}")
+    add(f"  n  (micro-batches)               {policy.n}")
+    add(f"  N  (sequences in flight)         {policy.N}")
+    add(f"  prefill micro-batch              {policy.prefill_mu} sequences")
+    res = f"{R} of {spec.num_moe_layers * spec.num_experts}"
+    if moe:
+        res += f" ({min(moe)}..{max(moe)} per MoE layer)" if min(moe) != max(moe) else f" ({moe[0]} per MoE layer)"
+    add(f"  resident experts                 {res}, {format_bytes(R * We)}")
+    add(f"  attention split                  {policy.n_gpu_attn} micro-batch(es) on GPU, {policy.n_cpu_attn} on CPU")
+    add(f"  expert pages                     {policy.weight_quant}, {format_bytes(We)} per expert")
+    add("")
+    add("memory (peak)")
+    gb = f" / budget {format_bytes(policy.gpu_budget)}" if policy.gpu_budget else ""
+    cb = f" / budget {format_bytes(policy.cpu_budget)}" if policy.cpu_budget else ""
+    add(f"  GPU  {format_bytes(estimate.gpu_peak)}{gb}   ({estimate.gpu_peak_phase} peak)")
+    for k, v in estimate.gpu_breakdown.items():
+        add(f"         {k:<34} {format_bytes(v)}")
+    add(f"  CPU  {format_bytes(estimate.cpu_peak)}{cb}")
+    for k, v in estimate.cpu_breakdown.items():
+        add(f"         {k:<34} {format_bytes(v)}")
+    add("")
+    ne_layer = spec.layer_non_expert_params(spec.num_dense_layers) * DTYPE_BYTES[policy.dtype]
+    add(f"bytes per MoE layer: non-expert {format_bytes(ne_layer)}, experts {format_bytes(spec.num_experts * We)}, "
+        f"paged per layer {format_bytes((spec.num_experts - (min(moe) if moe else 0)) * We)} (max)")
+    add("")
+    add(f"stage times (summed over layers{', and decode steps' if estimate.gen_len > 1 else ''}; * = binds)")
+    add(f"  {'':8} {'h2d':>10} {'d2h':>10} {'cpu':>10} {'gpu':>10} {'head':>10} {'total':>10}")
+    for phase, st, total, bind in (
+        ("prefill", estimate.prefill_stages, estimate.prefill_time, estimate.prefill_binding),
+        ("decode", estimate.decode_stages, estimate.decode_time, estimate.decode_binding),
+    ):
+        cells = [(_fmt_time(st[k]) + ("*" if k == bind else " ")) for k in ("h2d", "d2h", "cpu", "gpu", "head")]
+        add(f"  {phase:8} " + " ".join(f"{c:>10}" for c in cells) + f" {_fmt_time(total):>10}")
+    add("")
+    add(f"predicted: prefill {estimate.prefill_tok_s:,.0f} tok/s, decode {estimate.decode_tok_s:,.1f} tok/s, "
+        f"end-to-end {estimate.e2e_tok_s:,.1f} tok/s ({estimate.N} x {estimate.gen_len} tokens in {_fmt_time(estimate.total_time)}); "
+        f"binding: prefill {estimate.prefill_binding}, decode {estimate.decode_binding}")
+    return "\n".join(lines)

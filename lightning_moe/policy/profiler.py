@@ -1,0 +1,210 @@
+"""Measure this host for the HRM: PCIe copies, GEMM, HBM and host bandwidth, CPU decode attention.
+
+``profile_host`` returns a HardwareProfile whose CPU side is measured here and whose GPU side is
+measured when CUDA is available, else taken from a preset (and said so). ``moe-batch profile`` writes it
+as YAML with the date and a host description. Conventions: a copy's bandwidth counts the bytes moved
+once (pinned h2d/d2h: bytes / time); memory-to-memory copies (HBM, host DRAM) count bytes read +
+written, like STREAM's "copy" (2 * bytes / time). CPU attention throughput is the KV bytes the project's
+own routine streams per second (K and V of every attended position) and its FLOP/s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+
+from .hardware import GiB, MiB, HardwareProfile, get_preset
+
+
+def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Minimum wall time of ``fn`` over ``repeats`` runs after one warm-up (seconds)."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_host_bandwidth(nbytes: int = 512 * MiB, repeats: int = 3) -> float:
+    """Host DRAM copy bandwidth in bytes/s: 2 * nbytes / time of ``dst.copy_(src)`` (read + write)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_time(lambda: dst.copy_(src), repeats)
+
+
+def _reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Torch stand-in for pipeline.cpu_attention.cpu_decode_attention (same shapes): q [B,Hq,hd], k/v [B,Hkv,S,hd]."""
+    B, Hq, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.view(B, Hkv, Hq // Hkv, hd).float()
+    scores = torch.einsum("bgqd,bgsd->bgqs", qg, k.float()) / hd**0.5
+    mask = torch.arange(S)[None, :] >= lengths[:, None]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bgqs,bgsd->bgqd", scores.softmax(-1), v.float())
+    return out.reshape(B, Hq * hd).to(q.dtype)
+
+
+def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8, seq: int = 1024, head_dim: int = 128,
+                          dtype: torch.dtype = torch.bfloat16, repeats: int = 3) -> tuple[float, float, str]:
+    """CPU decode attention throughput: (KV bytes/s, FLOP/s, which routine ran).
+
+    Runs ``lightning_moe.pipeline.cpu_attention.cpu_decode_attention(q, k, v, lengths)`` (imported lazily)
+    on q [B, Hq, hd], k/v [B, Hkv, S, hd] with every row at full length S; falls back to an equivalent torch
+    computation if that module is missing. Bytes = 2 B Hkv S hd itemsize (K and V);
+    FLOPs = B S 4 Hq hd (QK^T and PV).
+    """
+    try:
+        from ..pipeline.cpu_attention import cpu_decode_attention as fn
+
+        which = "lightning_moe.pipeline.cpu_attention.cpu_decode_attention"
+    except ImportError:
+        fn = _reference_decode_attention
+        which = "torch reference (lightning_moe.pipeline.cpu_attention not available)"
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
+    lengths = torch.full((batch,), seq, dtype=torch.int64)
+    t = _best_time(lambda: fn(q, k, v, lengths), repeats)
+    nbytes = 2 * batch * kv_heads * seq * head_dim * k.element_size()
+    flops = batch * seq * 4 * q_heads * head_dim
+    return nbytes / t, flops / t, which
+
+
+def measure_gpu(copy_bytes: int = 1 * GiB, gemm: int = 8192, repeats: int = 5) -> dict:
+    """GPU side (CUDA required): pinned h2d and d2h bytes/s, bf16/fp16/fp32 GEMM FLOP/s, HBM copy bytes/s, memory, name."""
+    dev = torch.device("cuda")
+    sync = torch.cuda.synchronize
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    gbuf = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    out = {
+        "pcie_h2d": copy_bytes / _best_time(lambda: gbuf.copy_(host, non_blocking=True), repeats, sync),
+        "pcie_d2h": copy_bytes / _best_time(lambda: host.copy_(gbuf, non_blocking=True), repeats, sync),
+    }
+    g2 = torch.empty_like(gbuf)
+    out["gpu_hbm_bandwidth"] = 2 * copy_bytes / _best_time(lambda: g2.copy_(gbuf), repeats, sync)
+    del host, gbuf, g2
+    for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        a = torch.randn(gemm, gemm, device=dev).to(dt)
+        b = torch.randn(gemm, gemm, device=dev).to(dt)
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            out[f"gpu_flops_{name}"] = 2 * gemm**3 / _best_time(lambda: a @ b, repeats, sync)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+        del a, b
+    props = torch.cuda.get_device_properties(dev)
+    out["gpu_memory"] = int(props.total_memory)
+    out["gpu_name"] = props.name
+    return out
+
+
+def measure_microbatch_overhead(repeats: int = 30) -> float:
+    """Seconds the host needs to issue one micro-batch's work of one layer (CUDA required).
+
+    Runs the executor's own layer pieces (model.mixtral pre_attention + post_attention with the Triton
+    grouped expert kernel when available, else the torch reference) for a tiny layer (D=256, 8 experts,
+    4 tokens), where the GPU work is negligible, and times ``repeats`` calls back to back.
+    """
+    from ..model import mixtral as M
+    from ..model.spec import MoESpec
+    from ..model.weights import dummy_weights
+
+    spec = MoESpec(name="probe", model_type="mixtral", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=1,
+                   num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,
+                   max_position_embeddings=256)
+    w = dummy_weights(spec, torch.bfloat16)
+    dev = torch.device("cuda")
+    lw, ew = w.layers[0].to(dev), w.experts[0].to(dev)
+    inv = M.rope_inv_freq(spec, dev)
+    x = torch.randn(4, spec.hidden_size, device=dev, dtype=torch.bfloat16)
+    pos = torch.arange(4, device=dev)
+    try:
+        from ..kernels.fused_moe import fused_experts_triton, triton_available
+
+        ffn = (lambda h, e, tw, ids: fused_experts_triton(h, e.w1, e.w3, e.w2, tw, ids, validate=False)) if triton_available() else M.experts_ffn
+    except ImportError:
+        ffn = M.experts_ffn
+
+    def step():
+        q, k, v = M.pre_attention(lw, x, pos, spec, inv)
+        return M.post_attention(lw, ew, x, q.reshape(4, -1), spec, ffn)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def host_description() -> tuple[str, int, int]:
+    """(description, physical cores, DRAM bytes) of this host from /proc (falls back to os/platform)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        mem = int(psutil.virtual_memory().total)
+    except ImportError:  # pragma: no cover
+        cores = os.cpu_count() or 1
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    desc = f"{platform.node()}: {model}, {cores} cores, {mem / GiB:.0f} GiB DRAM, {platform.system()} {platform.release()}, torch {torch.__version__}"
+    return desc, int(cores), mem
+
+
+def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: Optional[int] = None, quick: bool = False,
+                 log: Callable[[str], None] = print) -> HardwareProfile:
+    """Measure this host. GPU fields come from CUDA measurements, or from ``gpu_preset`` when there is no GPU.
+
+    quick: small sizes (seconds instead of tens of seconds; noisier). ``gpu_memory`` overrides the GPU
+    memory field (e.g. a share of the device). ``log`` receives one line per measurement.
+    """
+    desc, cores, mem = host_description()
+    sizes = dict(nbytes=64 * MiB, repeats=2) if quick else {}
+    host_bw = measure_host_bandwidth(**sizes)
+    log(f"host memory copy: {host_bw / 1e9:.1f} GB/s")
+    attn = dict(batch=4, seq=256, repeats=2) if quick else dict(batch=32, seq=1024)
+    cpu_bw, cpu_flops, which = measure_cpu_attention(**attn)
+    log(f"CPU decode attention ({which}): {cpu_bw / 1e9:.1f} GB/s of KV, {cpu_flops / 1e9:.1f} GFLOP/s")
+    base = get_preset(gpu_preset)
+    notes = [f"CPU side measured by moe-batch profile ({which})"]
+    fields = dict(host_memory=mem, host_memory_bandwidth=host_bw, cpu_attention_bandwidth=cpu_bw, cpu_attention_flops=cpu_flops,
+                  cpu_cores=cores, host=desc, date=datetime.date.today().isoformat(), name=name)
+    if torch.cuda.is_available():
+        g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))
+        log(f"GPU {g['gpu_name']}: h2d {g['pcie_h2d'] / 1e9:.1f} GB/s, d2h {g['pcie_d2h'] / 1e9:.1f} GB/s, "
+            f"HBM {g['gpu_hbm_bandwidth'] / 1e9:.0f} GB/s, bf16 {g['gpu_flops_bf16'] / 1e12:.0f} TFLOP/s")
+        fields.update(g)
+        fields["microbatch_overhead"] = measure_microbatch_overhead()
+        log(f"per-micro-batch issue overhead: {fields['microbatch_overhead'] * 1e3:.2f} ms per layer")
+        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead)")
+    else:
+        log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
+        notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")
+    if gpu_memory is not None:
+        fields["gpu_memory"] = int(gpu_memory)
+        notes.append(f"gpu_memory set by --gpu-memory to {gpu_memory} bytes")
+    fields["source"] = "; ".join(notes)
+    return replace(base, **fields)

@@ -1,0 +1,100 @@
+"""Registry of real MoE configurations as numbers (no downloads), and ``resolve_spec``.
+
+Each entry copies the fields of the model's Hugging Face ``config.json`` that matter for bytes and FLOPs
+(the config file named in the comment). Non-Mixtral families use MoESpec's optional fields: shared
+experts (Qwen1.5-MoE, DeepSeek-V2-Lite), MLA attention and a leading dense layer (DeepSeek-V2-Lite).
+The model code (``model/``) supports only what MoESpec.from_hf_config supports; these specs are for the
+planner.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..model.spec import MoESpec
+
+REGISTRY: dict[str, MoESpec] = {
+    # mistralai/Mixtral-8x7B-v0.1 config.json
+    "mixtral-8x7b": MoESpec(
+        name="mixtral-8x7b", model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None, bos_token_id=1, eos_token_id=2,
+    ),
+    # mistralai/Mixtral-8x22B-v0.1 config.json
+    "mixtral-8x22b": MoESpec(
+        name="mixtral-8x22b", model_type="mixtral", vocab_size=32000, hidden_size=6144, intermediate_size=16384,
+        num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=65536, sliding_window=None, bos_token_id=1, eos_token_id=2,
+    ),
+    # databricks/dbrx-base config.json: d_model 6144, n_heads 48, kv_n_heads 8, n_layers 40, ffn_hidden_size
+    # 10752, moe_num_experts 16, moe_top_k 4, vocab 100352, rope_theta 5e5 (LayerNorm without bias ~ RMSNorm bytes)
+    "dbrx": MoESpec(
+        name="dbrx", model_type="dbrx", vocab_size=100352, hidden_size=6144, intermediate_size=10752,
+        num_layers=40, num_heads=48, num_kv_heads=8, head_dim=128, num_experts=16, top_k=4, rope_theta=5e5,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, norm_topk_prob=True, bos_token_id=None, eos_token_id=100257,
+    ),
+    # Qwen/Qwen1.5-MoE-A2.7B config.json: moe_intermediate_size 1408, shared_expert_intermediate_size 5632,
+    # 60 experts top-4, norm_topk_prob false
+    "qwen1.5-moe-a2.7b": MoESpec(
+        name="qwen1.5-moe-a2.7b", model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=1408,
+        num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, num_experts=60, top_k=4, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=8192, norm_topk_prob=False, bos_token_id=151643, eos_token_id=151643,
+        num_shared_experts=1, shared_intermediate_size=5632,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json: head_dim 128 (q_size 4096 > hidden 2048), moe_intermediate_size 768,
+    # 128 experts top-8, norm_topk_prob true, no shared expert
+    "qwen3-30b-a3b": MoESpec(
+        name="qwen3-30b-a3b", model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=768,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+    # deepseek-ai/DeepSeek-V2-Lite config.json: MLA (q_lora_rank null, kv_lora_rank 512, qk_nope_head_dim 128,
+    # qk_rope_head_dim 64, v_head_dim 128), 64 routed experts top-6 of width 1408, 2 shared experts,
+    # first_k_dense_replace 1 with intermediate_size 10944, norm_topk_prob false
+    "deepseek-v2-lite": MoESpec(
+        name="deepseek-v2-lite", model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=1408,
+        num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, num_experts=64, top_k=6, rope_theta=10000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=163840, norm_topk_prob=False, bos_token_id=100000, eos_token_id=100001,
+        num_shared_experts=2, shared_intermediate_size=1408,
+        kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, num_dense_layers=1, dense_intermediate_size=10944,
+    ),
+    # allenai/OLMoE-1B-7B-0924 config.json: 64 experts top-8 of width 1024, norm_topk_prob false
+    "olmoe-1b-7b": MoESpec(
+        name="olmoe-1b-7b", model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+        num_layers=16, num_heads=16, num_kv_heads=16, head_dim=128, num_experts=64, top_k=8, rope_theta=10000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, norm_topk_prob=False, bos_token_id=None, eos_token_id=50279,
+    ),
+}
+ALIASES = {
+    "mixtral-8x7b-instruct": "mixtral-8x7b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b",
+    "dbrx-base": "dbrx", "dbrx-instruct": "dbrx", "qwen1.5-moe": "qwen1.5-moe-a2.7b", "qwen3-30b": "qwen3-30b-a3b",
+    "deepseek-v2-lite-chat": "deepseek-v2-lite", "olmoe": "olmoe-1b-7b", "olmoe-1b-7b-0924": "olmoe-1b-7b",
+}
+
+
+def registry_names() -> list[str]:
+    """Registered model names."""
+    return list(REGISTRY)
+
+
+def resolve_spec(name_or_dir: str) -> MoESpec:
+    """A MoESpec from a registry name (case-insensitive, aliases, HF repo ids like ``mistralai/Mixtral-8x7B-v0.1``),
+    ``tiny-mixtral`` (the embedded test model, built on first use), or a checkpoint directory with config.json.
+
+    Raises ValueError naming the registry when the name is unknown and no such directory exists;
+    errors of MoESpec.from_pretrained_dir pass through.
+    """
+    if os.path.isdir(name_or_dir):
+        return MoESpec.from_pretrained_dir(name_or_dir)
+    key = name_or_dir.lower().rsplit("/", 1)[-1]
+    key = ALIASES.get(key, key)
+    if key in REGISTRY:
+        return REGISTRY[key]
+    if key == "tiny-mixtral":
+        try:
+            from ..model.tiny import ensure_tiny_mixtral
+        except ImportError as e:
+            raise ValueError(f"tiny-mixtral: lightning_moe.model.tiny is not available ({e})") from None
+        return MoESpec.from_pretrained_dir(ensure_tiny_mixtral())
+    raise ValueError(f"unknown model {name_or_dir!r}: not a checkpoint directory and not in the registry "
+                     f"({', '.join(REGISTRY)}, tiny-mixtral)")

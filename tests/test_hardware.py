@@ -1,0 +1,103 @@
+"""HardwareProfile presets, YAML load/save validation, byte parsing, and the CPU side of the profiler."""
+
+import pytest
+import torch
+import yaml
+
+from lightning_moe.policy import profiler
+from lightning_moe.policy.hardware import (GiB, PRESETS, HardwareError, HardwareProfile, get_preset, parse_bytes,
+                                           resolve_hardware)
+
+
+def test_artifact_presets():
+    t4, l4 = get_preset("t4"), get_preset("l4")
+    # MoE-Lightning artifact (GB = 2**30): T4 15 GB, 16 GB/s PCIe, 300 GB/s HBM, 65 TFLOP/s; L4 24, 16, 285, 104
+    assert (t4.gpu_memory, t4.pcie_h2d, t4.gpu_hbm_bandwidth, t4.gpu_flops_fp16) == (15 * GiB, 16 * GiB, 300 * GiB, 65e12)
+    assert (l4.gpu_memory, l4.pcie_h2d, l4.gpu_hbm_bandwidth, l4.gpu_flops_bf16) == (24 * GiB, 16 * GiB, 285 * GiB, 104e12)
+    assert l4.cpu_attention_flops == 1.6e12 and t4.cpu_attention_flops == 0.8e12 and l4.host_memory == 192 * GiB
+    h200 = get_preset("H200")
+    assert h200.gpu_hbm_bandwidth == 4.8e12 and h200.gpu_flops_bf16 == 989e12 and h200.pcie_h2d == 55e9
+    assert h200.host_memory == 128 * GiB and h200.cpu_cores == 16
+    assert {"t4", "l4", "a100-40g", "h100", "h200"} <= set(PRESETS)
+    for p in PRESETS.values():
+        assert p.source and p.gpu_flops("bfloat16") == p.gpu_flops_bf16
+    with pytest.raises(HardwareError, match="unknown hardware preset"):
+        get_preset("v100")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_yaml_round_trip(tmp_path, name):
+    path = tmp_path / f"{name}.yaml"
+    PRESETS[name].save(str(path), header="a comment\nanother")
+    assert path.read_text().startswith("# a comment\n# another\n")
+    assert HardwareProfile.load(str(path)) == PRESETS[name]
+    assert resolve_hardware(str(path)) == PRESETS[name]
+
+
+def _write(tmp_path, **changes):
+    d = PRESETS["l4"].to_dict()
+    d.update(changes)
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return str(path)
+
+
+def test_yaml_validation(tmp_path):
+    with pytest.raises(HardwareError, match=r"hw.yaml: unknown key\(s\) pcie_bw"):
+        HardwareProfile.load(_write(tmp_path, pcie_bw=1))
+    with pytest.raises(HardwareError, match="hw.yaml: cpu_cores: expected an integer"):
+        HardwareProfile.load(_write(tmp_path, cpu_cores="many"))
+    with pytest.raises(HardwareError, match="hw.yaml: pcie_h2d: expected a number"):
+        HardwareProfile.load(_write(tmp_path, pcie_h2d=True))
+    with pytest.raises(HardwareError, match="hw.yaml: pcie_h2d: expected a number, got 'fast'"):
+        HardwareProfile.load(_write(tmp_path, pcie_h2d="fast"))
+    with pytest.raises(HardwareError, match="hw.yaml: name: expected a string"):
+        HardwareProfile.load(_write(tmp_path, name=3))
+    with pytest.raises(HardwareError, match="pcie_h2d: must be > 0"):
+        HardwareProfile.load(_write(tmp_path, pcie_h2d=0))
+    d = PRESETS["l4"].to_dict()
+    del d["gpu_memory"]
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(HardwareError, match="m.yaml: gpu_memory: missing"):
+        HardwareProfile.load(str(tmp_path / "m.yaml"))
+    # byte strings and YAML-1.1 exponent strings are accepted
+    p = HardwareProfile.load(_write(tmp_path, gpu_memory="22GiB", pcie_h2d="1.2e10"))
+    assert p.gpu_memory == 22 * GiB and p.pcie_h2d == 1.2e10
+    with pytest.raises(HardwareError, match="no such hardware profile"):
+        resolve_hardware(str(tmp_path / "missing.yaml"))
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * GiB
+    assert parse_bytes("16 GB") == 16 * 10**9
+    assert parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes(1000) == 1000 and parse_bytes("77") == 77
+    for bad in ("24 gigs", "-1GiB", True, -5, "GiB", None):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_reference_attention_matches_project_routine():
+    from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 8, generator=g)
+    k = torch.randn(3, 2, 10, 8, generator=g)
+    v = torch.randn(3, 2, 10, 8, generator=g)
+    lengths = torch.tensor([10, 4, 7])
+    torch.testing.assert_close(profiler._reference_decode_attention(q, k, v, lengths), cpu_decode_attention(q, k, v, lengths),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_profile_cpu_side(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lines = []
+    prof = profiler.profile_host(name="here", gpu_preset="l4", gpu_memory=20 * GiB, quick=True, log=lines.append)
+    assert any("GPU side skipped" in ln for ln in lines)
+    assert "GPU side skipped" in prof.source and "cpu_decode_attention" in prof.source
+    assert prof.cpu_attention_bandwidth > 0 and prof.cpu_attention_flops > 0 and prof.host_memory_bandwidth > 0
+    assert prof.gpu_memory == 20 * GiB and prof.pcie_h2d == get_preset("l4").pcie_h2d  # GPU side from the preset
+    assert prof.date and prof.host and prof.cpu_cores >= 1 and prof.name == "here"
+    path = tmp_path / "p.yaml"
+    prof.save(str(path))
+    assert HardwareProfile.load(str(path)) == prof

@@ -1,0 +1,219 @@
+"""HRM (policy/hrm.py), MoESpec byte/FLOP properties, Policy and Workload.
+
+The two-layer case is computed by hand below from the formulas in hrm.py's docstring (H1-H9), with every
+intermediate number written out, not by calling hrm.
+"""
+
+import math
+
+import pytest
+
+from lightning_moe.model.spec import MoESpec
+from lightning_moe.policy import hrm
+from lightning_moe.policy.hardware import HardwareProfile
+from lightning_moe.policy.policy import PlanInfeasible, Policy, PolicyError, Workload
+from lightning_moe.policy.registry import REGISTRY, resolve_spec
+
+
+def two_layer_spec(**kw) -> MoESpec:
+    # D=8, F=16, E=4 (top-2), Hq=2, Hkv=1, hd=4, V=32
+    base = dict(name="two", model_type="mixtral", vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=2,
+                num_heads=2, num_kv_heads=1, head_dim=4, num_experts=4, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,
+                max_position_embeddings=64)
+    base.update(kw)
+    return MoESpec(**base)
+
+
+def toy_hw(**kw) -> HardwareProfile:
+    base = dict(name="toy", gpu_memory=10**6, gpu_hbm_bandwidth=1e5, gpu_flops_bf16=1e6, gpu_flops_fp16=1e6, gpu_flops_fp32=1e5,
+                pcie_h2d=1e4, pcie_d2h=2e4, host_memory=10**6, host_memory_bandwidth=1e5, cpu_attention_bandwidth=700.0,
+                cpu_attention_flops=1e4, cpu_cores=1)
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def test_two_layer_hand_computed():
+    spec, hw = two_layer_spec(), toy_hw()
+    pol = Policy(mu=2, n=3, prefill_mu=2, resident_experts=(1, 3), n_gpu_attn=1, gpu_reserve=0, cpu_reserve=0)
+    wl = Workload(prompt_len=4, gen_len=3)
+    est = hrm.evaluate(pol, spec, hw, wl)
+
+    # sizes: attn_in = 8*(8+4+4) = 128, attn_out = 8*8 = 64, router 4*8 = 32, expert 3*8*16 = 384 elems = 768 B -> one 4096 B page
+    We = 4096
+    # ---- decode, one micro-batch of 2 tokens, per layer (H1 each: max(F/1e6, bytes/1e5)) ----
+    qkv = max(2 * 2 * 128 / 1e6, (128 * 2 + 2 * (8 + 8 + 8) * 2) / 1e5)  # 3.52e-3
+    o = max(2 * 2 * 64 / 1e6, (64 * 2 + 2 * (8 + 8) * 2) / 1e5)  # 1.92e-3
+    router = max(2 * 2 * 4 * 8 / 1e6, (4 * 8 * 2 + 2 * 8 * 2 + 2 * 4 * 4) / 1e5)  # 1.28e-3
+    active2 = 4 * (1 - (1 - 2 / 4) ** 2)  # 3 distinct experts for 2 tokens
+    experts = max(2 * 2 * 2 * 384 / 1e6, (active2 * We + 2 * 2 * 2 * 8 * 2) / 1e5)  # 0.12416
+    mb = qkv + o + router + experts
+    assert mb == pytest.approx(0.13088, rel=1e-12)
+
+    def attn_gpu(c):  # mu=2 sequences: F = 2 c 32, bytes = 2 (8 c + 8 + 8 + 8) 2
+        return max(2 * c * 32 / 1e6, 2 * (8 * c + 24) * 2 / 1e5)
+
+    cpu_seqs = (3 - 1) * 2
+    d2h = cpu_seqs * (8 + 8) * 2 / 2e4  # 0.0064
+    act_h2d = cpu_seqs * 8 * 2 / 1e4  # 0.0064
+    h2d = [3 * We / 1e4 + act_h2d, 1 * We / 1e4 + act_h2d]  # layer 0 pages 3 experts, layer 1 pages 1
+
+    def cpu(c):
+        return max(cpu_seqs * c * 32 / 1e4, cpu_seqs * c * 8 * 2 / 700.0)
+
+    head_dec = 3 * max(2 * 2 * 8 * 32 / 1e6, (32 * 8 * 2 + 2 * 32 * 4 + 2 * 2 * 8 * 2) / 1e5)  # n * 8.32e-3
+    t_dec = 0.0
+    for c in (5, 6):  # decode steps j = 1, 2: context 4 + j
+        gpu = 3 * mb + 1 * attn_gpu(c)
+        t_dec += sum(max(h, d2h, cpu(c), gpu) for h in h2d) + head_dec
+    assert t_dec == pytest.approx(1.2352 * 2 + 0.02496 * 2 + 4 * 5 * 16 / 700 + 4 * 6 * 16 / 700, rel=1e-12)
+
+    # ---- prefill: 3 prefill micro-batches of 2 prompts x 4 tokens (8 tokens each) ----
+    qkv8 = max(2 * 8 * 128 / 1e6, (256 + 8 * 24 * 2) / 1e5)
+    o8 = max(2 * 8 * 64 / 1e6, (128 + 8 * 16 * 2) / 1e5)
+    router8 = max(2 * 8 * 32 / 1e6, (64 + 8 * 8 * 2 + 8 * 4 * 4) / 1e5)
+    experts8 = max(2 * 8 * 2 * 384 / 1e6, (4 * (1 - 0.5 ** 8) * We + 8 * 2 * 2 * 8 * 2) / 1e5)
+    attn8 = max(2 * (4 * 5 / 2) * 32 / 1e6, 2 * 4 * (8 + 8 + 8) * 2 / 1e5)  # causal: s (s+1) / 2 pairs
+    chunk = qkv8 + o8 + router8 + experts8 + attn8
+    gpu_p = 3 * chunk
+    d2h_p = cpu_seqs * 4 * 8 * 2 / 2e4
+    head_p = 3 * max(2 * 2 * 8 * 32 / 1e6, (512 + 2 * 32 * 4 + 2 * 8 * 8 * 2) / 1e5)
+    t_pre = max(3 * We / 1e4, d2h_p, gpu_p) + max(1 * We / 1e4, d2h_p, gpu_p) + head_p
+    assert t_pre == pytest.approx(1.2288 + 0.5568 + 0.03072, rel=1e-12)
+
+    assert rel(est.prefill_time, t_pre) < 1e-9
+    assert rel(est.decode_time, t_dec) < 1e-9
+    assert rel(est.e2e_tok_s, 6 * 3 / (t_pre + t_dec)) < 1e-9
+    assert rel(est.decode_tok_s, 6 * 2 / t_dec) < 1e-9
+    assert rel(est.prefill_tok_s, 6 * 4 / t_pre) < 1e-9
+    assert est.prefill_binding == "h2d" and est.decode_binding == "h2d"
+    assert est.decode_first_layers[1].binding == "cpu"
+    assert est.prefill_layers[1].binding == "gpu"
+
+    # ---- memory (bytes) ----
+    m = est.memory
+    ne = 2 * (32 * 8 + 32 * 8 + 8 + 2 * (128 + 64 + 16 + 32))  # embed + lm_head + norm + 2 layers
+    kv = 2 * 7 * 2 * 8 * 2  # 2 GPU-KV sequences x (4 + 3) positions x 2 layers x 8 elems x 2 B
+    ws_dec = 2 * (2 * (16 + 8 + 8 + 8) * 2 + 2 * 2 * (16 + 32) * 2 + 2 * 2 * 12 + 2 * 4 * 4 + 2 * 32 * 4)
+    ws_pre = 8 * 40 * 2 + 8 * 2 * 48 * 2 + 8 * 2 * 12 + 8 * 4 * 4 + 2 * 32 * 4 + 8 * 8 * 2
+    assert sum(m.gpu_decode.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * 8 * 2 + ws_dec
+    assert sum(m.gpu_prefill.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * 4 * 8 * 2 + ws_pre
+    assert m.cpu_peak == 4 * We + 4 * 7 * 2 * 8 * 2 + 2 * 4 * 24 * 2 + 2 * 2 * 4 * 8 * 2
+    assert est.gpu_peak == max(sum(m.gpu_decode.values()), sum(m.gpu_prefill.values()))
+
+
+def test_hrm_monotone_in_residency_and_bandwidth():
+    spec, hw = two_layer_spec(), toy_hw()
+    wl = Workload(prompt_len=4, gen_len=5)
+    prev = None
+    for R in range(0, 9):
+        r, x = divmod(R, 2)
+        pol = Policy(mu=2, n=3, prefill_mu=2, resident_experts=(r + (x > 0), r), n_gpu_attn=1)
+        t = hrm.evaluate(pol, spec, hw, wl).total_time
+        assert prev is None or t <= prev + 1e-15
+        prev = t
+    pol = Policy(mu=2, n=3, prefill_mu=2, resident_experts=1, n_gpu_attn=1)
+    times = [hrm.evaluate(pol, spec, toy_hw(pcie_h2d=b), wl).total_time for b in (1e3, 1e4, 1e5, 1e6)]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+
+
+def test_roofline_and_active_experts():
+    assert hrm.roofline(10, 4, 5, 1) == 4.0
+    assert hrm.roofline(10, 4, 1, 1) == 10.0
+    assert hrm.roofline(1, 1, 1, 1, link_bytes=30, link_bandwidth=10) == 3.0
+    assert hrm.active_experts(1, 8, 2) == pytest.approx(2)
+    assert hrm.active_experts(10_000, 8, 2) == pytest.approx(8)
+    assert hrm.active_experts(0, 8, 2) == 0.0
+
+
+def test_check_memory_one_line():
+    spec = two_layer_spec()
+    pol = Policy(mu=2, n=3, prefill_mu=2, resident_experts=4, n_gpu_attn=1, gpu_budget=10_000, cpu_budget=10**6)
+    with pytest.raises(PlanInfeasible) as e:
+        hrm.check_memory(pol, spec, Workload(prompt_len=4, gen_len=3))
+    msg = str(e.value)
+    assert msg.startswith("infeasible: GPU memory") and "\n" not in msg and "resident experts" in msg
+    ok = Policy(mu=2, n=3, prefill_mu=2, gpu_budget=10**6, cpu_budget=10**6, gpu_reserve=0, cpu_reserve=0)
+    assert hrm.check_memory(ok, spec, Workload(prompt_len=4, gen_len=3)).gpu_peak < 10**6
+
+
+def test_mixtral_bytes_by_hand():
+    s = REGISTRY["mixtral-8x7b"]
+    assert s.total_params == 46_702_792_704
+    assert s.expert_bytes("bf16") == 3 * 4096 * 14336 * 2 == 352_321_536
+    assert s.expert_bytes("fp32") == 2 * 352_321_536
+    # int4, group 128 along the input dim, fp16 scale + zero per group:
+    gate = 14336 * 4096 // 2 + 14336 * (4096 // 128) * 4  # 29,360,128 packed + 1,835,008 meta
+    down = 4096 * 14336 // 2 + 4096 * (14336 // 128) * 4
+    assert s.expert_bytes("int4") == 2 * gate + down == 93_585_408  # already a multiple of 4096
+    up2 = 14336 * 4096 // 4 + 14336 * 32 * 4
+    assert s.expert_bytes("int2-up") == gate + up2 + down == 78_905_344
+    assert s.kv_bytes_per_token("bf16") == 32 * 2 * 8 * 128 * 2
+    assert s.non_expert_bytes() == 2 * (2 * 32000 * 4096 + 4096 + 32 * (4096 * (4096 + 2048) + 4096 * 4096 + 2 * 4096 + 8 * 4096))
+    assert s.flops_per_token(0) == 2 * (32 * (4096 * 6144 + 4096 * 4096 + 8 * 4096 + 2 * 3 * 4096 * 14336) + 32000 * 4096)
+    # padding: a 768-byte expert takes one 4096-byte page
+    assert two_layer_spec().expert_bytes() == 4096
+    with pytest.raises(ValueError):
+        s.expert_bytes("int3")
+
+
+@pytest.mark.parametrize("name,total_b,tol", [
+    ("mixtral-8x7b", 46.7, 0.01), ("mixtral-8x22b", 141, 0.01), ("dbrx", 132, 0.01), ("qwen1.5-moe-a2.7b", 14.3, 0.01),
+    ("qwen3-30b-a3b", 30.5, 0.01), ("deepseek-v2-lite", 15.7, 0.01), ("olmoe-1b-7b", 6.9, 0.01),
+])
+def test_registry_totals_match_published(name, total_b, tol):
+    s = resolve_spec(name)
+    assert abs(s.total_params / 1e9 - total_b) / total_b < tol
+
+
+def test_deepseek_mla_kv_and_dense_layer():
+    s = resolve_spec("deepseek-v2-lite")
+    assert s.kv_bytes_per_token("bf16") == 27 * (512 + 64) * 2
+    assert s.num_moe_layers == 26 and s.layer_bytes(0) < s.layer_bytes(1)
+    pol = Policy(mu=4, n=2, prefill_mu=4, resident_experts=1)
+    assert pol.resident_counts(s) == (0,) + (1,) * 26
+    est = hrm.evaluate(pol, s, toy_hw(gpu_memory=10**12), Workload(prompt_len=16, gen_len=3))
+    assert est.prefill_layers[0].h2d == 0.0 and est.prefill_layers[1].h2d > 0
+
+
+def test_resolve_spec_aliases_and_errors(tmp_path):
+    assert resolve_spec("mistralai/Mixtral-8x7B-v0.1").name == "mixtral-8x7b"
+    with pytest.raises(ValueError, match="registry"):
+        resolve_spec("no-such-model")
+
+
+def test_policy_yaml_round_trip_and_errors(tmp_path):
+    spec = two_layer_spec()
+    for res in (3, (1, 4), ((0, 1), (1, 2), (1, 3))):
+        p = Policy(mu=4, n=2, prefill_mu=2, resident_experts=res, n_gpu_attn=1, weight_quant="int4", gpu_budget=123, cpu_budget=456)
+        path = tmp_path / "p.yaml"
+        p.save(str(path), header="hello")
+        q = Policy.load(str(path))
+        assert q == p and q.N == 8 and q.resident_counts(spec) == p.resident_counts(spec)
+    assert Policy(mu=1, n=1, prefill_mu=1, resident_experts=((1, 3), (0, 0))).resident_pairs(spec) == ((0, 0), (1, 3))
+    (tmp_path / "bad.yaml").write_text("mu: 4\nn: 2\nprefill_mu: 2\nsurprise: 1\n")
+    with pytest.raises(PolicyError, match="bad.yaml: unknown key.*surprise"):
+        Policy.load(str(tmp_path / "bad.yaml"))
+    (tmp_path / "bad2.yaml").write_text("mu: four\nn: 2\nprefill_mu: 2\n")
+    with pytest.raises(PolicyError, match="bad2.yaml: mu"):
+        Policy.load(str(tmp_path / "bad2.yaml"))
+    with pytest.raises(PolicyError):
+        Policy(mu=2, n=2, prefill_mu=2, n_gpu_attn=3)
+    with pytest.raises(PolicyError):
+        Policy(mu=2, n=2, prefill_mu=2, resident_experts=(5, 0)).resident_counts(spec)
+    with pytest.raises(PolicyError):
+        Policy(mu=2, n=2, prefill_mu=2, resident_experts=((0, 1), (0, 1))).resident_counts(spec)
+
+
+def test_workload_from_lengths():
+    w = Workload.from_lengths([10, 20, 33], gen_len=8, name="j")
+    assert w.prompt_len == pytest.approx(21.0) and w.max_prompt == 33 and w.num_requests == 3 and w.kv_len == 41
+    assert Workload(prompt_len=76.5, gen_len=2).max_prompt == 77
+    with pytest.raises(ValueError):
+        Workload.from_lengths([], gen_len=8)
+    with pytest.raises(ValueError):
+        Workload(prompt_len=10, gen_len=0)
+    assert math.isfinite(Workload(prompt_len=1, gen_len=1).kv_len)

@@ -1,0 +1,157 @@
+"""The planner's MILP (policy/milp.py): exact against brute force over the HRM, monotone, clear refusals."""
+
+import collections
+import random
+
+import pytest
+
+from lightning_moe.model.spec import MoESpec
+from lightning_moe.policy import hrm, milp
+from lightning_moe.policy.hardware import GiB, HardwareProfile, get_preset
+from lightning_moe.policy.policy import Budgets, PlanInfeasible, Workload
+from lightning_moe.policy.registry import resolve_spec
+
+
+def tiny_spec(L=2, E=4, dense=0, shared=0) -> MoESpec:
+    return MoESpec(name="tiny", model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=L,
+                   num_heads=4, num_kv_heads=2, head_dim=16, num_experts=E, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,
+                   max_position_embeddings=512, num_dense_layers=dense, dense_intermediate_size=256 if dense else 0,
+                   num_shared_experts=shared, shared_intermediate_size=64 if shared else 0)
+
+
+def random_case(seed: int):
+    rng = random.Random(seed)
+    spec = tiny_spec(L=rng.choice([2, 3]), E=rng.choice([3, 4]), dense=rng.choice([0, 0, 1]), shared=rng.choice([0, 1]))
+    hw = HardwareProfile(
+        name="toy", gpu_memory=1 << 30, gpu_hbm_bandwidth=10 ** rng.uniform(9.5, 11.5), gpu_flops_bf16=10 ** rng.uniform(10.5, 12.5),
+        gpu_flops_fp16=1e12, gpu_flops_fp32=1e11, pcie_h2d=10 ** rng.uniform(6.5, 8.5), pcie_d2h=10 ** rng.uniform(6.5, 8.5),
+        host_memory=1 << 30, host_memory_bandwidth=1e10, cpu_attention_bandwidth=10 ** rng.uniform(6, 8),
+        cpu_attention_flops=10 ** rng.uniform(7.5, 9.5), cpu_cores=4)
+    wl = Workload(prompt_len=rng.choice([8, 16, 24]), gen_len=rng.choice([2, 4, 6]), max_prompt_len=rng.choice([None, 30]))
+    ne, We = spec.non_expert_bytes(), spec.expert_bytes()
+    budgets = Budgets(gpu_memory=int(ne + rng.uniform(4, 14) * We + rng.uniform(0, 4e5)),
+                      cpu_memory=int(rng.uniform(3, 14) * We + rng.uniform(1e5, 6e5)), gpu_reserve=0, cpu_reserve=0)
+    return spec, hw, wl, budgets
+
+
+def brute_force(spec, hw, wl, budgets, cands, n_max):
+    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm."""
+    best = None
+    for mu in cands:
+        for n in range(1, n_max + 1):
+            for R in range(spec.num_moe_layers * spec.num_experts + 1):
+                for g in range(n + 1):
+                    pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
+                    if hrm.memory_violations(pol, spec, wl):
+                        continue
+                    tps = hrm.evaluate(pol, spec, hw, wl).e2e_tok_s
+                    if best is None or tps > best[0]:
+                        best = (tps, pol)
+    return best
+
+
+def test_milp_equals_brute_force_on_small_grids():
+    cands, n_max = [2, 4, 8], 4  # 3 micro-batch sizes x 4 counts x all placements x all attention splits
+    seen = collections.Counter()
+    solved = 0
+    for seed in range(30):
+        spec, hw, wl, budgets = random_case(seed)
+        bf = brute_force(spec, hw, wl, budgets, cands, n_max)
+        if bf is None:
+            with pytest.raises(PlanInfeasible):
+                milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+            continue
+        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
+        assert not hrm.memory_violations(pol, spec, wl)
+        # the tie-break keeps the optimum
+        pol2, est2 = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max)
+        assert est2.e2e_tok_s >= bf[0] * (1 - 1e-8) and pol2.n <= pol.n
+        solved += 1
+        seen[est.decode_binding] += 1
+        R = bf[1].total_resident(spec)
+        seen["some resident"] += R > 0
+        seen["some paged"] += R < spec.num_moe_layers * spec.num_experts
+        seen["gpu-attn" if bf[1].n_gpu_attn else "cpu-attn"] += 1
+    # the grid exercises every decision: several binding stages, residency and the attention split both ways
+    assert solved >= 15
+    assert len({k for k in seen if k in hrm.STAGES}) >= 2, seen
+    assert min(seen["some resident"], seen["some paged"], seen["gpu-attn"], seen["cpu-attn"]) >= 1, seen
+
+
+def _plan_tps(spec, hw, wl, budgets, **kw):
+    try:
+        return milp.plan(spec, hw, wl, budgets, **kw)[1].e2e_tok_s
+    except PlanInfeasible:
+        return 0.0
+
+
+def test_throughput_monotone_in_gpu_memory_pcie_and_host_memory():
+    spec, hw, wl = resolve_spec("mixtral-8x7b"), get_preset("l4"), Workload(prompt_len=77, gen_len=8)
+    gpu = [_plan_tps(spec, hw, wl, Budgets(gpu_memory=g * GiB, cpu_memory=192 * GiB)) for g in (8, 12, 16, 24, 40, 80)]
+    assert gpu[0] == 0.0 and gpu[-1] > gpu[1] > 0  # 8 GiB cannot hold the weights + page buffers
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(gpu, gpu[1:])), gpu
+    pcie = [_plan_tps(spec, hw.with_overrides(pcie_h2d=bw * 1e9, pcie_d2h=bw * 1e9), wl, Budgets(gpu_memory=24 * GiB, cpu_memory=192 * GiB))
+            for bw in (4, 8, 16, 32, 64)]
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(pcie, pcie[1:])) and pcie[-1] > pcie[0], pcie
+    host = [_plan_tps(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=c * GiB)) for c in (48, 72, 96, 192, 384)]
+    assert host[0] == 0.0 and host[-1] > host[1] > 0
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(host, host[1:])), host
+
+
+def test_throughput_monotone_small_random():
+    for seed in (3, 11, 19):
+        spec, hw, wl, budgets = random_case(seed)
+        for field in ("gpu_memory", "cpu_memory"):
+            vals = []
+            for f in (0.8, 1.0, 1.3, 2.0):
+                b = Budgets(**{**budgets.__dict__, field: int(getattr(budgets, field) * f)})
+                vals.append(_plan_tps(spec, hw, wl, b, candidates=[2, 4, 8], n_max=4))
+            assert all(b >= a * (1 - 1e-9) for a, b in zip(vals, vals[1:])), (seed, field, vals)
+
+
+def test_infeasible_gpu_budget_message():
+    spec, hw, wl = resolve_spec("mixtral-8x7b"), get_preset("l4"), Workload(prompt_len=77, gen_len=32)
+    with pytest.raises(PlanInfeasible) as e:
+        milp.plan(spec, hw, wl, Budgets(gpu_memory=6 * GiB, cpu_memory=192 * GiB))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("infeasible: GPU memory 6.0 GiB < 9.3 GiB needed for non-expert weights (3.0 GiB) + 2 expert page buffers (5.2 GiB)"), msg
+
+
+def test_infeasible_host_budget_message():
+    spec, hw, wl = resolve_spec("mixtral-8x7b"), get_preset("l4"), Workload(prompt_len=77, gen_len=32)
+    with pytest.raises(PlanInfeasible) as e:
+        milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=32 * GiB))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("infeasible: host memory 32.0 GiB < ") and "experts that do not fit on the GPU" in msg, msg
+    # the named shortfall is real: with that much host memory a plan exists
+    need = float(msg.split("< ")[1].split(" GiB")[0])
+    milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=int((need + 0.2) * GiB)))
+
+
+def test_plan_respects_budgets_requests_and_quantization():
+    spec, hw = resolve_spec("mixtral-8x7b"), get_preset("l4")
+    wl = Workload(prompt_len=77, gen_len=32)
+    b = Budgets(gpu_memory=24 * GiB, cpu_memory=192 * GiB)
+    pol, est = milp.plan(spec, hw, wl, b)
+    assert est.gpu_peak <= b.gpu_memory and est.cpu_peak <= b.cpu_memory
+    assert pol.mu % pol.prefill_mu == 0 and pol.prefill_mu * 77 <= milp.PREFILL_TOKENS
+    assert est.e2e_tok_s == pytest.approx(hrm.evaluate(pol, spec, hw, wl).e2e_tok_s, rel=1e-12)
+    assert "proven optimal" in est.notes[0]
+    # 80 prompts (MT-Bench): never more sequences in flight than the job has
+    pol80, _ = milp.plan(spec, hw, Workload(prompt_len=77, gen_len=32, num_requests=80), b)
+    assert pol80.N <= 80
+    # int4 experts move 3.8x fewer bytes over PCIe: a PCIe-bound plan gets faster
+    _, est4 = milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=192 * GiB, weight_quant="int4"))
+    assert est.decode_binding == "h2d" and est4.decode_tok_s > est.decode_tok_s
+
+
+@pytest.mark.parametrize("name,preset,gpu,cpu", [("deepseek-v2-lite", "t4", 15, 64), ("qwen1.5-moe-a2.7b", "l4", 12, 64)])
+def test_plan_other_families(name, preset, gpu, cpu):
+    spec, hw = resolve_spec(name), get_preset(preset)
+    wl = Workload(prompt_len=128, gen_len=16)
+    pol, est = milp.plan(spec, hw, wl, Budgets(gpu_memory=gpu * GiB, cpu_memory=cpu * GiB))
+    assert est.e2e_tok_s > 0 and not hrm.memory_violations(pol, spec, wl)
+    assert pol.resident_counts(spec)[: spec.num_dense_layers] == (0,) * spec.num_dense_layers

@@ -1,0 +1,105 @@
+"""``moe-batch plan`` / ``moe-batch profile`` through policy.commands.add_subcommands (our own parser)."""
+
+import argparse
+import sys
+import types
+
+import pytest
+import torch
+
+from lightning_moe.policy import commands
+from lightning_moe.policy.hardware import GiB, HardwareProfile
+from lightning_moe.policy.policy import Policy, Workload
+
+
+def run(argv):
+    parser = argparse.ArgumentParser(prog="moe-batch")
+    commands.add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+L4_ARGS = ["plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--gpu-memory", "24GiB", "--cpu-memory", "192GiB",
+           "--prompt-len", "77", "--gen-len", "32"]
+
+
+def test_plan_mixtral_l4_prints_table_and_writes_policy(tmp_path, capsys):
+    out_path = tmp_path / "policy.yaml"
+    assert run(L4_ARGS + ["--output", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("mu (sequences / micro-batch)", "attention split", "resident experts", "GPU ", "/ budget 24.0 GiB",
+                   "/ budget 192.0 GiB", "bytes per MoE layer", "h2d", "d2h", "cpu", "gpu", "* = binds", "predicted:",
+                   "end-to-end", "tok/s", "binding: prefill", "proven optimal", "solved in"):
+        assert needle in out, needle
+    pol = Policy.load(str(out_path))
+    assert f"  N  (sequences in flight)         {pol.N}" in out
+    assert pol.gpu_budget == 24 * GiB and pol.cpu_budget == 192 * GiB
+    assert out_path.read_text().startswith("# moe-batch plan: mixtral-8x7b on l4")
+
+
+def test_plan_infeasible_gpu_one_line(capsys):
+    args = list(L4_ARGS)
+    args[args.index("24GiB")] = "6GiB"
+    assert run(args) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert "\n" not in err and "Traceback" not in cap.err and cap.out == ""
+    assert err.startswith("moe-batch plan: infeasible: GPU memory 6.0 GiB < ") and "non-expert weights" in err
+
+
+def test_plan_infeasible_host_one_line(capsys):
+    args = list(L4_ARGS)
+    args[args.index("192GiB")] = "40GiB"
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("moe-batch plan: infeasible: host memory 40.0 GiB < ")
+
+
+def test_plan_usage_errors(capsys):
+    assert run(["plan", "--model", "mixtral-8x7b", "--hardware", "l4"]) == 2
+    assert "--prompt-len and --gen-len" in capsys.readouterr().err
+    assert run(["plan", "--model", "nope", "--hardware", "l4", "--prompt-len", "8", "--gen-len", "2"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert run(["plan", "--model", "mixtral-8x7b", "--hardware", "v100", "--prompt-len", "8", "--gen-len", "2"]) == 2
+    assert "unknown hardware preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run(L4_ARGS[:-2] + ["--gpu-memory", "lots", "--gen-len", "2"])
+
+
+def test_plan_job_without_runner_errors_clearly(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "lightning_moe.pipeline.runner", None)  # import fails
+    assert run(["plan", str(tmp_path / "job.yaml"), "--hardware", "l4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "job_workload" in err and "not available" in err
+
+
+def test_plan_job_uses_job_workload_and_job_fields(monkeypatch, capsys, tmp_path):
+    seen = {}
+
+    def job_workload(path):
+        seen["path"] = path
+        return Workload.from_lengths([50, 60, 70, 80] * 20, gen_len=16, name="fake-job")
+
+    job = types.SimpleNamespace(model="olmoe-1b-7b", hardware="t4", gpu_memory=8 * GiB, cpu_memory=32 * GiB, dtype="bfloat16")
+    monkeypatch.setitem(sys.modules, "lightning_moe.pipeline.runner", types.SimpleNamespace(job_workload=job_workload))
+    monkeypatch.setitem(sys.modules, "lightning_moe.config", types.SimpleNamespace(load_job=lambda p: job))
+    assert run(["plan", "job.yaml", "--output", str(tmp_path / "p.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert seen["path"] == "job.yaml"
+    assert "olmoe-1b-7b" in out and "hardware  t4" in out and "prompt 65 tokens (max 80), generate 16" in out
+    pol = Policy.load(str(tmp_path / "p.yaml"))
+    assert pol.N <= 80 and pol.gpu_budget == 8 * GiB and pol.cpu_budget == 32 * GiB
+
+
+def test_profile_command_cpu_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "host.yaml"
+    assert run(["profile", "--quick", "--output", str(path), "--gpu-preset", "t4", "--gpu-memory", "12GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU side skipped" in out and "CPU decode attention" in out
+    prof = HardwareProfile.load(str(path))
+    assert prof.gpu_memory == 12 * GiB and prof.gpu_hbm_bandwidth == 300 * GiB and prof.date
+    text = path.read_text()
+    assert text.startswith("# moe-batch profile, ") and "# host: " in text
+    # the measured profile plans
+    assert run(["plan", "--model", "olmoe-1b-7b", "--hardware", str(path), "--prompt-len", "64", "--gen-len", "8"]) == 0
