@@ -102,22 +102,21 @@ def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0):
     from lightning_moe.model.weights import ModelWeights
 
     g = torch.Generator().manual_seed(seed)
+    block = torch.randn(1 << 24, generator=g, dtype=torch.float32)  # 16 Mi random values, tiled (randn of
+    # tens of G values would take minutes); each tensor starts at a different offset of the block
 
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g, dtype=dtype) * std)
-
-    D, F, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
-    layers = [LayerWeights(torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
-                           rnd(D, spec.q_size), torch.ones(D, dtype=dtype), rnd(E, D, std=1.0)) for _ in range(spec.num_layers)]
-    block = rnd(1 << 24)  # 16 Mi random values, tiled (randn of 1.4 G values would take tens of seconds)
-
-    def tiled(*shape):
+    def tiled(*shape, std=0.02):
         n = 1
         for d in shape:
             n *= d
-        reps = -(-n // block.numel())
-        return block.repeat(reps)[:n].view(*shape).clone()
+        off = int(torch.randint(0, block.numel(), (1,), generator=g))
+        reps = -(-(n + off) // block.numel())
+        return (block.repeat(reps)[off : off + n] * std).to(dtype).view(*shape)
 
+    rnd = tiled
+    D, F, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    layers = [LayerWeights(torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
+                           rnd(D, spec.q_size), torch.ones(D, dtype=dtype), rnd(E, D, std=1.0)) for _ in range(spec.num_layers)]
     shared = ExpertWeights(tiled(E, F, D), tiled(E, F, D), tiled(E, D, F))
     experts = [shared for _ in range(spec.num_layers)]
     return ModelWeights(spec, rnd(spec.vocab_size, D, std=1.0), torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)
@@ -214,8 +213,11 @@ def run_accelerate(case: Case, profile: str) -> dict:
                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                         num_key_value_heads=spec.num_kv_heads, num_local_experts=spec.num_experts,
                         num_experts_per_tok=spec.top_k, max_position_embeddings=4096, rope_theta=spec.rope_theta)
+    cfg._experts_implementation = "eager"  # transformers 5's default batched_mm gathers [T*k, 2F, D] weights: OOM at any cap
     with init_empty_weights():
         model = MixtralForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
     model = model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
     block = torch.randn(1 << 24, generator=g, dtype=torch.bfloat16) * 0.02  # tiled, as in shared_dummy_weights

@@ -38,7 +38,7 @@ from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from .cpu_attention import bucket_len, cpu_decode_attention
 from .kv_cache import KVCache
-from .microbatch import partition
+from .microbatch import group_by_length
 from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
 from .serial import FinishCallback, RunStats, SamplingParams, sample, split_token_scores
 
@@ -375,7 +375,7 @@ class CGOPipeExecutor:
     def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int) -> list[MicroBatch]:
         lens = [len(p) for p in prompts]
         n = -(-len(prompts) // mu)
-        groups = [g for g in partition(lens, mu, n) if g]
+        groups = [g for g in group_by_length(lens, mu, n) if g]
         mbs = []
         for k, rows in enumerate(groups):
             on_gpu = self.cuda and k < self.policy.n_gpu_attn

@@ -88,3 +88,32 @@ def batches(indices: Sequence[T], N: int) -> list[list[T]]:
     _check_int("N", N, 1)
     items = list(indices)
     return [items[s : s + N] for s in range(0, len(items), N)]
+
+
+def group_by_length(lengths: Sequence[int], mu: int, n: Optional[int] = None) -> list[list[int]]:
+    """Sequences grouped into micro-batches of similar length: sort by length, cut into n runs of <= mu.
+
+    CGOPipe's decode attention and KV cache pad every row of a micro-batch to the micro-batch's longest
+    sequence, so grouping similar lengths keeps the bytes read per step (and the KV memory) close to
+    the sum of the real lengths; :func:`partition` (LPT balancing) would instead put one long prompt in
+    every micro-batch. Sizes differ by at most one; deterministic (stable sort, ties by index).
+
+    Raises:
+        ValueError: ``len(lengths) > mu * n``, ``mu < 1`` or ``n < 1``.
+    """
+    N = len(lengths)
+    if isinstance(mu, bool) or not isinstance(mu, int) or mu < 1:
+        raise ValueError(f"group_by_length: mu must be an int >= 1, got {mu!r}")
+    n = -(-N // mu) if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"group_by_length: n must be an int >= 1, got {n!r}")
+    if N > mu * n:
+        raise ValueError(f"group_by_length: {N} sequences do not fit in {n} micro-batches of {mu}")
+    order = sorted(range(N), key=lambda i: (lengths[i], i))
+    base, extra = divmod(N, n)
+    out, start = [], 0
+    for k in range(n):
+        size = base + (1 if k < extra else 0)
+        out.append(sorted(order[start : start + size]))
+        start += size
+    return out
