@@ -26,7 +26,10 @@ def random_case(seed: int):
         name="toy", gpu_memory=1 << 30, gpu_hbm_bandwidth=10 ** rng.uniform(9.5, 11.5), gpu_flops_bf16=10 ** rng.uniform(10.5, 12.5),
         gpu_flops_fp16=1e12, gpu_flops_fp32=1e11, pcie_h2d=10 ** rng.uniform(6.5, 8.5), pcie_d2h=10 ** rng.uniform(6.5, 8.5),
         host_memory=1 << 30, host_memory_bandwidth=1e10, cpu_attention_bandwidth=10 ** rng.uniform(6, 8),
-        cpu_attention_flops=10 ** rng.uniform(7.5, 9.5), cpu_cores=4)
+        cpu_attention_flops=10 ** rng.uniform(7.5, 9.5), cpu_cores=4,
+        # fixed per-micro-batch costs (GPU issue, CPU attention call): absent in half the cases
+        microbatch_overhead=rng.choice([0.0, 10 ** rng.uniform(-6, -3)]),
+        cpu_attention_overhead=rng.choice([0.0, 10 ** rng.uniform(-6, -3)]))
     wl = Workload(prompt_len=rng.choice([8, 16, 24]), gen_len=rng.choice([2, 4, 6]), max_prompt_len=rng.choice([None, 30]))
     ne, We = spec.non_expert_bytes(), spec.expert_bytes()
     budgets = Budgets(gpu_memory=int(ne + rng.uniform(4, 14) * We + rng.uniform(0, 4e5)),
@@ -155,3 +158,22 @@ def test_plan_other_families(name, preset, gpu, cpu):
     pol, est = milp.plan(spec, hw, wl, Budgets(gpu_memory=gpu * GiB, cpu_memory=cpu * GiB))
     assert est.e2e_tok_s > 0 and not hrm.memory_violations(pol, spec, wl)
     assert pol.resident_counts(spec)[: spec.num_dense_layers] == (0,) * spec.num_dense_layers
+
+
+@pytest.mark.parametrize("field", ["cpu_attention_overhead", "microbatch_overhead"])
+def test_milp_equals_brute_force_with_large_fixed_costs(field):
+    """Fixed per-micro-batch costs large enough to decide the policy: the MILP still matches brute force."""
+    import dataclasses
+
+    cands, n_max = [2, 4, 8], 4
+    checked = 0
+    for seed in range(12):
+        spec, hw, wl, budgets = random_case(seed)
+        hw = dataclasses.replace(hw, **{field: 10 ** random.Random(seed).uniform(-2, 0)})
+        bf = brute_force(spec, hw, wl, budgets, cands, n_max)
+        if bf is None:
+            continue
+        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
+        checked += 1
+    assert checked >= 6

@@ -1,0 +1,61 @@
+"""GPU kernels of the expert FFN, each with a pure-torch reference beside it.
+
+This subpackage imports nothing from the rest of ``lightning_moe`` and needs only torch to import;
+Triton is imported lazily, the first time a ``*_triton`` function is called.
+
+* :mod:`.fused_moe` -- token sort by expert (:func:`moe_align`), the reference expert FFN
+  (:func:`experts_ffn_reference`, transformers' accumulation orders), a mirror of transformers' grouped
+  path (:func:`experts_ffn_hf_grouped`), and the Triton grouped SwiGLU FFN (:func:`fused_experts_triton`).
+* :mod:`.quant` -- group-wise int4 / int2 quantization, fixed-size expert pages
+  (:func:`expert_page_layout`, :func:`pack_expert_page`, :func:`unpack_expert_page`), and the FFN
+  computed from packed pages or quantized tensors (:func:`fused_experts_paged_triton`,
+  :func:`fused_experts_quant_triton`; references :func:`experts_ffn_quant_reference`,
+  :func:`experts_ffn_qt_reference`).
+"""
+
+from .fused_moe import (
+    REFERENCE_ORDERS,
+    MoEAlignment,
+    MoEKernelConfig,
+    default_kernel_config,
+    experts_ffn_hf_grouped,
+    experts_ffn_reference,
+    experts_ffn_reference_from,
+    fused_experts_triton,
+    fused_moe_workspace_bytes,
+    moe_align,
+    triton_available,
+)
+from .quant import (
+    PAGE_SCHEMES,
+    PageLayout,
+    PageScheme,
+    QuantTensor,
+    Segment,
+    analytic_error_bound,
+    dequantize,
+    expert_tensor_specs,
+    experts_ffn_qt_reference,
+    fused_experts_quant_triton,
+    quant_tensors_from_views,
+    expert_page_layout,
+    experts_ffn_quant_reference,
+    fused_experts_paged_triton,
+    pack_expert_page,
+    pack_expert_pages,
+    page_quant_tensors,
+    page_weight_views,
+    quant_error_bound,
+    quantize_groupwise,
+    unpack_expert_page,
+)
+
+__all__ = [
+    "MoEAlignment", "MoEKernelConfig", "PAGE_SCHEMES", "PageLayout", "PageScheme", "QuantTensor",
+    "REFERENCE_ORDERS", "Segment", "analytic_error_bound", "default_kernel_config", "dequantize",
+    "expert_page_layout", "experts_ffn_hf_grouped", "experts_ffn_quant_reference", "experts_ffn_reference",
+    "experts_ffn_reference_from", "fused_experts_paged_triton", "fused_experts_triton",
+    "fused_moe_workspace_bytes", "moe_align", "pack_expert_page", "pack_expert_pages", "page_quant_tensors",
+    "page_weight_views", "quant_error_bound", "quantize_groupwise", "triton_available", "unpack_expert_page",
+    "expert_tensor_specs", "experts_ffn_qt_reference", "fused_experts_quant_triton", "quant_tensors_from_views",
+]

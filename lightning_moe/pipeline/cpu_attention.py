@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
-from ..model.mixtral import decode_attention
+import torch.nn.functional as F
 
 BUCKET = 16  # pad the attended length up to a multiple of this many positions
 
@@ -24,15 +23,32 @@ def bucket_len(max_len: int, limit: int) -> int:
 def cpu_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None
 ) -> torch.Tensor:
-    """GQA decode attention for B sequences, one new query each.
+    """GQA decode attention for B sequences, one new query each, in ONE fused call.
+
+    The G query heads that share a KV head are laid out as G query positions of that head, so
+    ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused CPU kernel) runs on
+    q [B, Hkv, G, hd] against k/v [B, Hkv, S, hd] with a per-row key mask, without expanding K/V. At decode
+    shapes the cost of a call is mostly fixed dispatch/threading overhead (measured 2.9 ms per call on
+    the H200 host for 16 rows with the unfused version), so one call instead of about ten small ops matters.
+    Equals :func:`lightning_moe.model.mixtral.decode_attention` (the unfused reference) up to summation
+    order: ~1e-7 in fp32, ~1e-2 relative in bf16.
 
     q: [B, Hq, hd] (any float dtype, on CPU); k, v: [B, Hkv, S, hd] CPU cache rows (the new token's k/v
-    already written); lengths: int64 [B] valid positions per row, each <= S.
+    already written; positions past a row's length must hold finite values, as the zero-initialised caches
+    do); lengths: int64 [B] valid positions per row, each in 1..S.
     Returns [B, Hq*hd] in q's dtype. Raises ValueError on mismatched shapes.
     """
     if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or lengths.shape != (q.shape[0],):
         raise ValueError(f"cpu_decode_attention: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} lengths={tuple(lengths.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"cpu_decode_attention: {q.shape[1]} query heads not a multiple of {k.shape[1]} KV heads")
+    B, Hq, hd = q.shape
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"cpu_decode_attention: {Hq} query heads not a multiple of {Hkv} KV heads")
     S = bucket_len(int(lengths.max()), k.shape[2])
-    return decode_attention(q, k[:, :, :S], v[:, :, :S], lengths, sliding_window)
+    pos = torch.arange(S)
+    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
+    out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, hd), k[:, :, :S], v[:, :, :S],
+                                         attn_mask=valid[:, None, None, :])  # [B, Hkv, G, hd]
+    return out.reshape(B, Hq * hd)

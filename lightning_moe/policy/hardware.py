@@ -87,6 +87,8 @@ class HardwareProfile:
     cpu_cores: int  # physical CPU cores available to the attention workers
     microbatch_overhead: float = 0.0  # seconds of host-side issue cost per micro-batch per layer (Python + kernel launches of
     #   pre/post-attention and the expert FFN); measured by `moe-batch profile` on CUDA, 0 for presets (the artifact has none)
+    cpu_attention_overhead: float = 0.0  # seconds of fixed cost per CPU decode-attention call (one micro-batch, one layer):
+    #   thread wake-ups and op dispatch, which dominate at decode shapes; `moe-batch profile` fits it, 0 for presets
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles

@@ -238,13 +238,18 @@ def prefill_micro_batches(N: int, prefill_mu: int) -> list[tuple[int, int]]:
 
 
 def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, context: float) -> StageTimes:
-    """(H2)-(H6) one decode layer at ``context`` attended positions, for ``non_resident`` paged experts."""
+    """(H2)-(H6) one decode layer at ``context`` attended positions, for ``non_resident`` paged experts.
+
+    The CPU stage is one attention call per CPU micro-batch: n_cpu * cpu_attention_overhead + (H5) of all
+    CPU sequences (the overhead term is what makes many small micro-batches slow on the CPU side).
+    """
     dt, q = policy.dtype, policy.weight_quant
     dense = layer < spec.num_dense_layers
     cpu_seqs = policy.n_cpu_attn * policy.mu
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
     gpu = policy.n * gpu_layer_time(spec, hw, policy.mu, dense, dt, q) + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
-    return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt), gpu=gpu)
+    cpu = policy.n_cpu_attn * hw.cpu_attention_overhead + cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt)
+    return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu)
 
 
 def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float) -> StageTimes:

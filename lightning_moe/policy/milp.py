@@ -166,6 +166,7 @@ class _Coeffs:
     pre_head: dict  # m -> prefill head seconds per decode micro-batch
     attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
     cpu_rate: float  # CPU decode attention seconds per sequence per attended position
+    cpu_call: float  # CPU decode attention fixed seconds per call (per CPU micro-batch per layer)
     d2h_seq: float  # decode d2h seconds per layer per CPU-attention sequence
     h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
     pre_d2h_seq: float  # prefill d2h seconds per layer per CPU-KV sequence
@@ -193,7 +194,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b
     C = _Coeffs(cands=list(cands), pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c, dt) for c in contexts},
-                cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt),
+                cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt), cpu_call=hw.cpu_attention_overhead,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
@@ -284,6 +285,7 @@ class _Model:
         self.HEAD = P("HEAD", lowBound=0)  # per decode step head seconds
         # derived linear expressions
         self.n = pulp.lpSum(self.w.values())  # micro-batches (only the chosen size's w_m is non-zero)
+        self.n_cpu = pulp.lpSum(self.w[m] - self.v[m] for m in C.cands)  # CPU-attention micro-batches (n - g)
         self.N = pulp.lpSum(m * self.w[m] for m in C.cands)  # N = mu * n
         self.x = pulp.lpSum((1 << i) * bt for i, bt in enumerate(self.beta))  # MoE layers holding r + 1 experts
         self.R = self.L_moe * self.r + self.x  # resident experts in total
@@ -409,15 +411,15 @@ class _Model:
     def _decode_step(self, t: int, c: float) -> None:
         C = self.C
         Ct = self._var(f"C_{t}", lowBound=0)
-        # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K;  (H4) C_t >= D2H
+        # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K + (n - g) cpu_call;  (H4) C_t >= D2H
         self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu, f"C_{t}_gpu"
-        self.prob += Ct >= c * self.K, f"C_{t}_cpu"
+        self.prob += Ct >= c * self.K + C.cpu_call * self.n_cpu, f"C_{t}_cpu"
         self.prob += Ct >= self.D2H, f"C_{t}_d2h"
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
             self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu, f"Cd_{t}_gpu"
-            self.prob += Cd >= c * self.K, f"Cd_{t}_cpu"
+            self.prob += Cd >= c * self.K + C.cpu_call * self.n_cpu, f"Cd_{t}_cpu"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             terms.append(self._dense_sum(str(t), self.A, Cd))
         # (H7) step time = layers + head

@@ -188,9 +188,14 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     attn = dict(batch=4, seq=256, repeats=2) if quick else dict(batch=32, seq=1024)
     cpu_bw, cpu_flops, which = measure_cpu_attention(**attn)
     log(f"CPU decode attention ({which}): {cpu_bw / 1e9:.1f} GB/s of KV, {cpu_flops / 1e9:.1f} GFLOP/s")
+    small_bw, _, _ = measure_cpu_attention(batch=16, seq=128, repeats=2 if quick else 20)
+    small_bytes = 2 * 16 * 8 * 128 * 128 * 2  # K and V of 16 rows x 128 positions (bf16, 8 KV heads, hd 128)
+    cpu_ovh = max(0.0, small_bytes / small_bw - small_bytes / cpu_bw)  # fixed cost of a decode-shaped call
+    log(f"CPU decode attention fixed cost per call (16 rows x 128 positions): {cpu_ovh * 1e3:.2f} ms")
     base = get_preset(gpu_preset)
     notes = [f"CPU side measured by moe-batch profile ({which})"]
     fields = dict(host_memory=mem, host_memory_bandwidth=host_bw, cpu_attention_bandwidth=cpu_bw, cpu_attention_flops=cpu_flops,
+                  cpu_attention_overhead=cpu_ovh,
                   cpu_cores=cores, host=desc, date=datetime.date.today().isoformat(), name=name)
     if torch.cuda.is_available():
         g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))

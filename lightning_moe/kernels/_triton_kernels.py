@@ -1,0 +1,234 @@
+"""Triton kernels of the grouped expert FFN (dense stacked weights and packed expert pages).
+
+Imported only on demand by :mod:`lightning_moe.kernels.fused_moe` and :mod:`lightning_moe.kernels.quant`
+(their wrappers check, allocate and launch; read those for shapes, dtypes and references). This module
+imports triton at the top, so it must never be imported by code that runs on a host without triton.
+
+Every kernel works on blocks of ``BLOCK_M`` routed (token, slot) pairs that all belong to one expert
+(``moe_align``'s padded layout; padding rows hold ``num_pairs`` and are masked, blocks with expert -1 exit).
+Tiles: activations ``[BLOCK_M, BLOCK_K]``, weights ``[BLOCK_K, BLOCK_N]`` (loaded transposed from the HF
+``[out, in]`` layout), fp32 accumulators ``[BLOCK_M, BLOCK_N]``. ``UPCAST_DOT`` is set only under the Triton
+interpreter (TRITON_INTERPRET=1), whose ``tl.dot`` mishandles bf16 operands: the operands are converted to
+fp32 first (same values, products exact). The kernels call no ``@triton.jit`` helpers of triton's own
+standard library (``tl.cdiv``, ``tl.sigmoid``, ``tl.zeros``, ``tl.max``): those are compiled-mode objects
+if triton was imported before ``TRITON_INTERPRET`` was set, and the interpreter then refuses to call them.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, h_ptr, pair_ptr, block_expert_ptr,
+    num_pairs, D, F, top_k,
+    stride_xt, stride_xd,
+    stride_w1e, stride_w1n, stride_w1k,
+    stride_w3e, stride_w3n, stride_w3k,
+    stride_hp, stride_hf,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """h[p, n] = silu(x[t] . w1[e, n]) * (x[t] . w3[e, n]) for the BLOCK_M pairs p of this block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # trailing block past the last expert's run
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)  # [BM] (padding rows hold num_pairs)
+    row_mask = pair < num_pairs
+    token = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd  # [BM, BK]
+    w1_ptrs = w1_ptr + e64 * stride_w1e + offs_n[None, :].to(tl.int64) * stride_w1n + offs_k[:, None] * stride_w1k
+    w3_ptrs = w3_ptr + e64 * stride_w3e + offs_n[None, :].to(tl.int64) * stride_w3n + offs_k[:, None] * stride_w3k
+    acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < D - kb * BLOCK_K
+        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b1 = tl.load(w1_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+        b3 = tl.load(w3_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST_DOT:  # Triton interpreter: its tl.dot mishandles bf16, so multiply in fp32
+            a = a.to(tl.float32)
+            b1 = b1.to(tl.float32)
+            b3 = b3.to(tl.float32)
+        acc_g = tl.dot(a, b1, acc=acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, b3, acc=acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xd
+        w1_ptrs += BLOCK_K * stride_w1k
+        w3_ptrs += BLOCK_K * stride_w3k
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SwiGLU in fp32: silu(g) = g * sigmoid(g)
+    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h_ptr, w2_ptr, y_ptr, pair_ptr, block_expert_ptr, rw_ptr,
+    num_pairs, D, F,
+    stride_hp, stride_hf,
+    stride_w2e, stride_w2n, stride_w2k,
+    stride_yp, stride_yd,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """y[p, n] = topk_weight[p] * (h[p] . w2[e, n]) in fp32 for the BLOCK_M pairs p of this block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    row_mask = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pair64[:, None] * stride_hp + offs_k[None, :] * stride_hf  # [BM, BK]
+    w2_ptrs = w2_ptr + e64 * stride_w2e + offs_n[None, :].to(tl.int64) * stride_w2n + offs_k[:, None] * stride_w2k
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < F - kb * BLOCK_K
+        a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K * stride_hf
+        w2_ptrs += BLOCK_K * stride_w2k
+    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)  # [BM]
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
+    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def dequant_tile(q_ptr, s_ptr, z_ptr, e64, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr,
+                 k0, offs_k, offs_n, mask, n_mask,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, TILE_IN_GROUP: tl.constexpr):
+    """Weight tile ``[BK, BN]`` fp32 of expert ``e64``: (k, n) = code[n, k] * scale[n, k // G] + zero[n, k // G].
+
+    ``q_ptr``: uint8 codes ``[E, R, RB]`` (strides ``stride_qe``, ``stride_qr``, 1), code ``k`` of a row in
+    byte ``k // (8 // BITS)`` at bit ``(k % (8 // BITS)) * BITS``; ``s_ptr`` / ``z_ptr``: ``[E, R, NG]``
+    scales / zeros (last stride 1). ``offs_k``: input columns (the tile starts at column ``k0``),
+    ``offs_n``: output rows; ``mask`` ``[BK, BN]`` / ``n_mask`` ``[BN]``: elements / rows that exist.
+    ``TILE_IN_GROUP`` (``GROUP % BLOCK_K == 0``): the whole tile lies in group
+    ``k0 // GROUP``, so one scale and zero per row are loaded (``[BN]``) instead of a ``[BK, BN]`` gather.
+    """
+    rows = offs_n[None, :].to(tl.int64)
+    cols = offs_k[:, None]
+    byte = tl.load(q_ptr + e64 * stride_qe + rows * stride_qr + cols // (8 // BITS), mask=mask, other=0)
+    code = (byte.to(tl.int32) >> ((cols % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)
+    if TILE_IN_GROUP:
+        r1 = offs_n.to(tl.int64)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + e64 * stride_se + r1 * stride_sr + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(z_ptr + e64 * stride_ze + r1 * stride_zr + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+        grp = cols // GROUP
+        s = tl.load(s_ptr + e64 * stride_se + rows * stride_sr + grp, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + e64 * stride_ze + rows * stride_zr + grp, mask=mask, other=0.0).to(tl.float32)
+    w = code.to(tl.float32) * s + z
+    return tl.where(mask, w, 0.0)
+
+
+@triton.jit
+def gate_up_q_kernel(
+    x_ptr, q1_ptr, s1_ptr, z1_ptr, q3_ptr, s3_ptr, z3_ptr, h_ptr, pair_ptr, block_expert_ptr,
+    num_pairs, D, F, top_k,
+    stride_xt, stride_xd, stride_hp, stride_hf,
+    stride_q1e, stride_q1r, stride_s1e, stride_s1r, stride_z1e, stride_z1r,
+    stride_q3e, stride_q3r, stride_s3e, stride_s3r, stride_z3e, stride_z3r,
+    BITS_1: tl.constexpr, BITS_3: tl.constexpr, GROUP: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """h[p, n] = silu(x[t] . deq(w1_e)[n]) * (x[t] . deq(w3_e)[n]) for the pairs p of this block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    row_mask = pair < num_pairs
+    token = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < F
+    acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < D
+        a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        wmask = k_mask[:, None] & n_mask[None, :]
+        b1 = dequant_tile(q1_ptr, s1_ptr, z1_ptr, e64, stride_q1e, stride_q1r, stride_s1e, stride_s1r,
+                          stride_z1e, stride_z1r, kb * BLOCK_K, offs_k, offs_n, wmask, n_mask,
+                          BITS_1, GROUP, TILE_IN_GROUP)
+        b3 = dequant_tile(q3_ptr, s3_ptr, z3_ptr, e64, stride_q3e, stride_q3r, stride_s3e, stride_s3r,
+                          stride_z3e, stride_z3r, kb * BLOCK_K, offs_k, offs_n, wmask, n_mask,
+                          BITS_3, GROUP, TILE_IN_GROUP)
+        b1 = b1.to(x_ptr.dtype.element_ty)  # the dequantized weight in the activation dtype, as the reference
+        b3 = b3.to(x_ptr.dtype.element_ty)
+        if UPCAST_DOT:  # Triton interpreter: its tl.dot mishandles bf16; same values, fp32 products
+            a = a.to(tl.float32)
+            b1 = b1.to(tl.float32)
+            b3 = b3.to(tl.float32)
+        acc_g = tl.dot(a, b1, acc=acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, b3, acc=acc_u, input_precision=DOT_PRECISION)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SwiGLU in fp32
+    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_q_kernel(
+    h_ptr, q2_ptr, s2_ptr, z2_ptr, y_ptr, pair_ptr, block_expert_ptr, rw_ptr,
+    num_pairs, D, F,
+    stride_hp, stride_hf, stride_yp, stride_yd,
+    stride_q2e, stride_q2r, stride_s2e, stride_s2r, stride_z2e, stride_z2r,
+    BITS_2: tl.constexpr, GROUP: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """y[p, n] = topk_weight[p] * (h[p] . deq(w2_e)[n]) in fp32 for the pairs p of this block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    row_mask = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < F
+        a = tl.load(h_ptr + pair64[:, None] * stride_hp + offs_k[None, :] * stride_hf,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = dequant_tile(q2_ptr, s2_ptr, z2_ptr, e64, stride_q2e, stride_q2r, stride_s2e, stride_s2r,
+                         stride_z2e, stride_z2r, kb * BLOCK_K, offs_k, offs_n, k_mask[:, None] & n_mask[None, :],
+                         n_mask, BITS_2, GROUP, TILE_IN_GROUP)
+        b = b.to(h_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
+    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])

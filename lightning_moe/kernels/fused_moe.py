@@ -1,0 +1,606 @@
+"""Grouped expert FFN for routed tokens (Mixtral layout): torch references and a Triton kernel.
+
+Dimension key (used in every shape comment of this module):
+
+    T  tokens in the batch (rows of ``x``)           D  hidden size (d_model)
+    k  experts per token (top_k)                     F  per-expert FFN width (intermediate size)
+    E  routed experts of the layer                   P  routed (token, slot) pairs, P = T * k
+
+Weights are Hugging Face's layout (out x in):
+``w1`` gate ``[E, F, D]``, ``w3`` up ``[E, F, D]``, ``w2`` down ``[E, D, F]``, and
+
+    y[t] = sum_j topk_weights[t, j] * ( silu(x[t] w1_e^T) * (x[t] w3_e^T) ) w2_e^T,   e = topk_ids[t, j]
+
+(Mixtral, arXiv 2401.04088, eq. 1-2; SwiGLU, Shazeer 2020.)
+
+Contents, Triton-tutorial style (kernel, wrapper that checks / allocates / launches, reference beside it):
+
+* :func:`moe_align` -- group the P (token, slot) pairs by expert (vLLM / Triton fused-MoE style token
+  sort; optionally padded to blocks of ``block_m`` rows, one expert per block).
+* :func:`experts_ffn_reference` -- pure torch, loops over the experts that receive tokens. Its default
+  ``order="hf"`` reproduces the op order of Hugging Face transformers >= 5 ``MixtralExperts`` (default
+  ``grouped_mm`` implementation); ``"hf-eager"`` and ``"hf4"`` reproduce the eager loop of transformers
+  5 and 4.x.
+* :func:`fused_experts_triton` -- Triton grouped GEMMs: gate/up GEMM with SwiGLU fused, then the down
+  GEMM with the routing weight fused; the k slot outputs of a token are summed in fp32 by a
+  deterministic reduction (no atomics, so repeated runs are bit-identical).
+* :func:`fused_moe_workspace_bytes` -- the workspace the Triton path allocates (for the memory model).
+
+The ``@triton.jit`` kernels live in :mod:`lightning_moe.kernels._triton_kernels`, imported lazily by
+:func:`_triton_kernels`: importing this module needs only torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "MoEAlignment",
+    "MoEKernelConfig",
+    "REFERENCE_ORDERS",
+    "default_kernel_config",
+    "experts_ffn_reference",
+    "experts_ffn_reference_from",
+    "experts_ffn_hf_grouped",
+    "fused_experts_triton",
+    "fused_moe_workspace_bytes",
+    "moe_align",
+    "triton_available",
+]
+
+REFERENCE_ORDERS = ("hf", "hf-eager", "hf4")
+
+# --------------------------------------------------------------------------------------------------
+# helpers shared with quant.py
+# --------------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _interpret_mode() -> bool:
+    """True when ``TRITON_INTERPRET`` is set the way Triton reads it (Triton's CPU interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package is installed (found without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _check_routing(fn: str, T: int, topk_weights: Optional[torch.Tensor], topk_ids: torch.Tensor) -> int:
+    """Check ``topk_ids [T, k]`` (integer) and ``topk_weights [T, k]`` (floating); return k."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"{fn}: topk_ids must be [T={T}, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"{fn}: topk_ids must be an integer tensor (int64/int32), got {topk_ids.dtype}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"{fn}: topk_ids has k=0 columns; need at least one expert per token")
+    if topk_weights is not None:
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(
+                f"{fn}: topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}"
+            )
+        if not topk_weights.is_floating_point():
+            raise ValueError(f"{fn}: topk_weights must be floating point (fp32 from the router), "
+                             f"got {topk_weights.dtype}")
+        if topk_weights.device != topk_ids.device:
+            raise ValueError(f"{fn}: topk_weights on {topk_weights.device} but topk_ids on {topk_ids.device}")
+    return int(topk_ids.shape[1])
+
+
+def _check_id_range(fn: str, topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError if an id is outside [0, num_experts). Synchronizes a CUDA stream (reads 2 scalars)."""
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"{fn}: topk_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+
+
+def _check_experts(fn: str, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor) -> tuple[int, int, int]:
+    """Check x [T, D] and stacked weights w1/w3 [E, F, D], w2 [E, D, F]; return (E, D, F)."""
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: x must be [T, D], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{fn}: x must be floating point, got {x.dtype}")
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if w.dim() != 3:
+            raise ValueError(f"{fn}: {name} must be a stacked [E, out, in] tensor, got shape {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{fn}: {name} dtype {w.dtype} != x dtype {x.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{fn}: {name} on {w.device} but x on {x.device}")
+    E, Fd, D = w1.shape
+    if x.shape[1] != D:
+        raise ValueError(f"{fn}: x hidden size {x.shape[1]} != w1 in-features {D} "
+                         f"(w1 is [E, F, D] = {tuple(w1.shape)})")
+    if tuple(w3.shape) != (E, Fd, D):
+        raise ValueError(f"{fn}: w3 must be [E, F, D] = {(E, Fd, D)} like w1, got {tuple(w3.shape)}")
+    if tuple(w2.shape) != (E, D, Fd):
+        raise ValueError(f"{fn}: w2 must be [E, D, F] = {(E, D, Fd)}, got {tuple(w2.shape)}")
+    return E, D, Fd
+
+
+# --------------------------------------------------------------------------------------------------
+# token sort by expert
+# --------------------------------------------------------------------------------------------------
+
+
+class MoEAlignment(NamedTuple):
+    """The P = T*k routed (token, slot) pairs grouped by expert (result of :func:`moe_align`).
+
+    Pair ``p`` is ``(token p // k, slot p % k)``, i.e. the flat index into ``topk_ids.view(-1)``.
+    Pairs of expert ``e`` are ``sorted_*[expert_offsets[e]:expert_offsets[e+1]]``, in increasing p.
+    """
+
+    sorted_token_idx: torch.Tensor  # [P] int64: token of each pair, pairs sorted by expert (stable)
+    expert_offsets: torch.Tensor  # [E+1] int64: start of each expert's run; expert_offsets[E] = P
+    sorted_pair_idx: torch.Tensor  # [P] int64: pair id p = t*k + slot, sorted by expert (stable)
+    counts: torch.Tensor  # [E] int64: pairs routed to each expert
+    block_m: Optional[int]  # rows per block of the padded layout (None: not built)
+    padded_pair_idx: Optional[torch.Tensor]  # [max_blocks*block_m] int32: runs padded to block_m, pad = P
+    block_expert: Optional[torch.Tensor]  # [max_blocks] int32: expert of each block, -1 = unused block
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: Optional[int] = None) -> MoEAlignment:
+    """Group the routed (token, slot) pairs by expert.
+
+    Args:
+        topk_ids: ``[T, k]`` int64/int32 expert ids from the router, values in ``[0, num_experts)``.
+        num_experts: E.
+        block_m: if given, also build the block-padded layout of the Triton kernels (vLLM / Triton
+            fused-MoE ``moe_align_block_size``): each expert's run is padded with the sentinel ``P``
+            to a multiple of ``block_m`` rows, so that every block of ``block_m`` rows belongs to one
+            expert; ``max_blocks = cdiv(P, block_m) + min(E, P)`` blocks are allocated (an upper
+            bound, so no device->host synchronization is needed) and trailing unused blocks get
+            expert ``-1``.
+
+    Returns:
+        :class:`MoEAlignment` (a NamedTuple whose first two fields are ``sorted_token_idx [P]`` and
+        ``expert_offsets [E+1]``). Built from sort / scatter / cumsum / searchsorted only: no host sync.
+
+    Raises:
+        ValueError: bad shapes/dtypes or ``block_m < 1``. Ids are not range-checked here (that needs
+        a sync); out-of-range ids give an indexing error.
+    """
+    fn = "moe_align"
+    if topk_ids.dim() != 2:
+        raise ValueError(f"{fn}: topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
+        raise ValueError(f"{fn}: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"{fn}: num_experts must be >= 1, got {num_experts}")
+    if block_m is not None and block_m < 1:
+        raise ValueError(f"{fn}: block_m must be >= 1, got {block_m}")
+    T, k = topk_ids.shape
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
+    P = flat.numel()
+    sorted_experts, sorted_pair = torch.sort(flat, stable=True)  # [P], [P]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0)  # [E+1]
+    sorted_token = torch.div(sorted_pair, max(k, 1), rounding_mode="floor")  # [P]
+    if block_m is None:
+        return MoEAlignment(sorted_token, offsets, sorted_pair, counts, None, None, None)
+
+    padded_counts = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    padded_offsets[1:] = torch.cumsum(padded_counts, 0)  # [E+1]
+    max_blocks = _cdiv(P, block_m) + min(num_experts, P)
+    rank = torch.arange(P, device=dev) - offsets[sorted_experts]  # [P] rank within the expert's run
+    dest = padded_offsets[sorted_experts] + rank  # [P] row in the padded layout
+    padded_pair = torch.full((max_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    padded_pair[dest] = sorted_pair.to(torch.int32)
+    block_start = torch.arange(max_blocks, device=dev, dtype=torch.int64) * block_m  # [max_blocks]
+    # expert of block b: the e with padded_offsets[e] <= start < padded_offsets[e+1] (empty experts skipped)
+    block_expert = torch.searchsorted(padded_offsets[1:].contiguous(), block_start, right=True)
+    block_expert = torch.where(block_expert >= num_experts, -1, block_expert).to(torch.int32)
+    return MoEAlignment(sorted_token, offsets, sorted_pair, counts, block_m, padded_pair, block_expert)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch references
+# --------------------------------------------------------------------------------------------------
+
+
+def experts_ffn_reference_from(
+    x: torch.Tensor,
+    get_expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    num_experts: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    order: str = "hf",
+    fused_gate_up: bool = False,
+) -> torch.Tensor:
+    """:func:`experts_ffn_reference` with the weights of expert ``e`` supplied by ``get_expert(e)``.
+
+    ``get_expert(e)`` returns ``(w1_e [F, D], w3_e [F, D], w2_e [D, F])`` in ``x.dtype`` on ``x.device``;
+    it is called once per expert that receives tokens, in increasing ``e`` (the quantized reference uses
+    it to dequantize one page at a time). Arguments, result and accumulation orders as
+    :func:`experts_ffn_reference`.
+    """
+    fn = "experts_ffn_reference"
+    if order not in REFERENCE_ORDERS:
+        raise ValueError(f"{fn}: order must be one of {REFERENCE_ORDERS}, got {order!r}")
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{fn}: x must be a floating [T, D] tensor, got {x.dtype} {tuple(x.shape)}")
+    T, D = x.shape
+    k = _check_routing(fn, T, topk_weights, topk_ids)
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
+    _check_id_range(fn, topk_ids, num_experts)
+
+    def expert_out(e: int, tok: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of expert e for the rows x[tok], all in x.dtype; [n_e, D]."""
+        w1e, w3e, w2e = get_expert(e)
+        Fd = w1e.shape[0]
+        if tuple(w1e.shape) != (Fd, D) or tuple(w3e.shape) != (Fd, D) or tuple(w2e.shape) != (D, Fd):
+            raise ValueError(f"{fn}: expert {e}: need w1/w3 [F, {D}] and w2 [{D}, F], got "
+                             f"{tuple(w1e.shape)}, {tuple(w3e.shape)}, {tuple(w2e.shape)}")
+        xs = x[tok]  # [n_e, D]
+        if fused_gate_up:  # transformers >= 5: one GEMM over gate_up_proj = cat([w1, w3]), then chunk
+            gate, up = F.linear(xs, torch.cat([w1e, w3e], dim=0)).chunk(2, dim=-1)  # [n_e, F] x2
+        else:
+            gate, up = F.linear(xs, w1e), F.linear(xs, w3e)  # [n_e, F] x2
+        return F.linear(F.silu(gate) * up, w2e)  # [n_e, D]
+
+    hit = torch.unique(topk_ids).tolist()  # experts with tokens, ascending (one host sync)
+    if order == "hf":
+        # transformers >= 5 grouped_mm / batched_mm: per pair y * w (fp32), sum over the k slots in fp32
+        flat = topk_ids.reshape(-1)  # [P]
+        rw = topk_weights.reshape(-1)  # [P]
+        y = torch.zeros((T * k, D), dtype=torch.promote_types(x.dtype, rw.dtype), device=x.device)  # [P, D]
+        for e in hit:
+            pairs = torch.where(flat == e)[0]  # [n_e] pair ids p = t*k + slot, ascending
+            tok = torch.div(pairs, k, rounding_mode="floor")
+            y[pairs] = expert_out(int(e), tok) * rw[pairs, None]
+        return y.view(T, k, D).sum(dim=1).to(x.dtype)
+
+    # transformers eager loops: rows of an expert ordered by (slot, token) (torch.where over the [k, T]
+    # mask), index_add_ into a zero buffer of x.dtype, experts in increasing id
+    out = torch.zeros((T, D), dtype=x.dtype, device=x.device)  # [T, D]
+    w_route = topk_weights.to(x.dtype) if order == "hf4" else topk_weights  # [T, k]
+    for e in hit:
+        slot, tok = torch.where((topk_ids == e).T)  # [n_e], [n_e]
+        y = expert_out(int(e), tok) * w_route[tok, slot, None]  # "hf-eager": promotes to fp32; "hf4": x.dtype
+        out.index_add_(0, tok, y.to(x.dtype))
+    return out
+
+
+def experts_ffn_reference(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    order: str = "hf",
+    fused_gate_up: bool = False,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU FFN in pure torch, looping over the experts that receive tokens.
+
+    Per expert ``e`` (increasing id, only experts with tokens), on the rows routed to it:
+    ``gate = x W1_e^T``, ``up = x W3_e^T``, ``h = silu(gate) * up``, ``y = h W2_e^T``, every op in
+    ``x.dtype`` (one ``F.linear`` per projection over all rows of the expert). The weighted sum then
+    follows ``order`` -- the three orders of Hugging Face transformers (all identical in fp32 when k = 2):
+
+    * ``"hf"`` (default) -- transformers >= 5 ``MixtralExperts`` with its default
+      ``experts_implementation="grouped_mm"`` (also ``"batched_mm"``): ``y_p * topk_weights[p]`` per
+      (token, slot) pair with the fp32 weight (type promotion: fp32 product), stored as ``[T*k, D]``
+      fp32, then ``.view(T, k, D).sum(dim=1)`` (fp32) and one cast to ``x.dtype``. This is also the
+      order of :func:`fused_experts_triton`'s epilogue.
+    * ``"hf-eager"`` -- transformers >= 5 with ``experts_implementation="eager"``: rows of an expert
+      ordered by (slot, token); ``(y * fp32 weight).to(x.dtype)`` then ``index_add_`` into a zero
+      ``x.dtype`` buffer (one rounding to ``x.dtype`` per expert).
+    * ``"hf4"`` -- transformers 4.x ``MixtralSparseMoeBlock``: as ``"hf-eager"`` but the routing weights
+      are first cast to ``x.dtype`` (product formed in ``x.dtype``).
+
+    Args:
+        x: ``[T, D]`` activations, any floating dtype, any device.
+        w1: gate ``[E, F, D]``; w3: up ``[E, F, D]``; w2: down ``[E, D, F]`` (HF out x in), dtype of x.
+        topk_weights: ``[T, k]`` routing weights (fp32 from the router; renormalized for Mixtral).
+        topk_ids: ``[T, k]`` int64/int32 expert ids in ``[0, E)``.
+        order: ``"hf"`` | ``"hf-eager"`` | ``"hf4"`` (above).
+        fused_gate_up: compute gate and up with one ``F.linear`` over ``cat([w1_e, w3_e])`` then
+            ``chunk(2)``, as transformers >= 5 does with its ``gate_up_proj`` (copies the two weights per
+            expert call). On CPU the separate and fused GEMMs were observed bit-identical; a GPU BLAS may
+            pick a different algorithm for N = 2F.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``. Experts with no tokens are skipped; ``T = 0`` gives ``[0, D]``.
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, ids outside ``[0, E)`` (checked with one host
+        sync), unknown ``order``.
+    """
+    fn = "experts_ffn_reference"
+    E, _, _ = _check_experts(fn, x, w1, w3, w2)
+    return experts_ffn_reference_from(
+        x, lambda e: (w1[e], w3[e], w2[e]), E, topk_weights, topk_ids, order=order, fused_gate_up=fused_gate_up
+    )
+
+
+def _grouped_mm_like_hf(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a [S, K]`` (rows sorted by group) times ``b [G, K, N]`` per group given by cumulative ``offs [G]``.
+
+    ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) when present and it accepts the
+    operands, else the per-group ``torch.mm`` loop of transformers' ``_grouped_mm_fallback``.
+    """
+    gmm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if gmm is not None:
+        try:
+            return gmm(a, b, offs=offs)
+        except (RuntimeError, NotImplementedError):  # e.g. operand strides not multiples of 16 bytes
+            pass
+    out = torch.zeros(a.shape[0], b.shape[2], device=a.device, dtype=a.dtype)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        if start != end:
+            torch.mm(a[start:end], b[i], out=out[start:end])
+        start = end
+    return out
+
+
+def experts_ffn_hf_grouped(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    gate_up: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Mirror of transformers >= 5 ``grouped_mm_experts_forward`` (the default Mixtral experts path).
+
+    Same ops as transformers (``transformers/integrations/moe.py``): ``torch.sort`` of the flat ids,
+    ``torch.histc`` counts, one grouped GEMM over ``gate_up = cat([w1, w3], dim=1)`` ``[E, 2F, D]``, chunk,
+    ``silu(gate) * up``, grouped GEMM over ``w2``, ``* fp32 weight``, un-permute, ``view(T, k, D).sum(1)``,
+    cast to ``x.dtype``. Use it where bit-identical agreement with transformers matters (fp32 on CPU:
+    the grouped GEMM kernel rounds differently from ``F.linear`` by ~1e-7 relative); otherwise prefer
+    :func:`experts_ffn_reference` (``order="hf"`` has the same accumulation order and, in bf16 on CPU,
+    was observed bit-identical to this function).
+
+    Args: as :func:`experts_ffn_reference`; ``gate_up`` optionally supplies the concatenated
+    ``[E, 2F, D]`` weight (otherwise ``torch.cat`` copies w1 and w3 on every call).
+    Returns ``[T, D]`` in ``x.dtype``. Raises ValueError like :func:`experts_ffn_reference`.
+    """
+    fn = "experts_ffn_hf_grouped"
+    E, D, Fd = _check_experts(fn, x, w1, w3, w2)
+    T = x.shape[0]
+    k = _check_routing(fn, T, topk_weights, topk_ids)
+    _check_id_range(fn, topk_ids, E)
+    if gate_up is None:
+        gate_up = torch.cat([w1, w3], dim=1)  # [E, 2F, D]
+    elif tuple(gate_up.shape) != (E, 2 * Fd, D) or gate_up.dtype != x.dtype:
+        raise ValueError(f"{fn}: gate_up must be [E, 2F, D] = {(E, 2 * Fd, D)} of {x.dtype}, "
+                         f"got {gate_up.dtype} {tuple(gate_up.shape)}")
+    sample_weights = topk_weights.reshape(-1)  # [P]
+    expert_ids = topk_ids.reshape(-1)  # [P]
+    expert_ids_g, perm = torch.sort(expert_ids)
+    xs = x[perm // k]  # [P, D] sorted by expert
+    sample_weights_g = sample_weights[perm]
+    histc_input = expert_ids_g.float() if x.device.type in ("cpu", "mps") else expert_ids_g.int()
+    tokens_per_expert = torch.histc(histc_input, bins=E, min=0, max=E - 1)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)  # [E]
+    proj = _grouped_mm_like_hf(xs, gate_up.transpose(-2, -1), offsets)  # [P, 2F]
+    gate, up = proj.chunk(2, dim=-1)
+    proj = _grouped_mm_like_hf(F.silu(gate) * up, w2.transpose(-2, -1), offsets)  # [P, D]
+    weighted = proj * sample_weights_g.unsqueeze(-1)  # [P, D] (fp32 by promotion)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=x.device)
+    weighted = weighted[inv_perm]
+    return weighted.view(T, k, D).sum(dim=1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Launch parameters of the grouped-expert kernels (all tile sizes are constexpr)."""
+
+    block_m: int = 16  # rows (routed pairs) per program; every block belongs to one expert; >= 16
+    block_n: int = 64  # output columns per program (F for gate/up, D for down); >= 16
+    block_k: int = 64  # reduction step (D for gate/up, F for down); >= 16
+    num_warps: int = 4  # warps per program
+    num_stages: int = 3  # software-pipelining depth (shared-memory buffers per operand)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoEKernelConfig: {name} must be a power of two >= 16 (tl.dot), got {v}")
+
+
+def default_kernel_config(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoEKernelConfig:
+    """Tile sizes from the mean rows per expert ``num_pairs / num_experts`` (decode: small, prefill: large).
+
+    fp32 operands take twice the shared memory per tile, so their ``block_k`` is halved (the largest
+    config then needs ~80 KiB of shared memory, well under an H100/H200's 227 KiB).
+    """
+    per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        cfg = MoEKernelConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    elif per_expert <= 64:
+        cfg = MoEKernelConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    else:
+        cfg = MoEKernelConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    if dtype == torch.float32:
+        cfg = replace(cfg, block_k=32)
+    return cfg
+
+
+def fused_moe_workspace_bytes(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int,
+                              num_experts: int, dtype_bytes: int = 2, block_m: int = 64) -> int:
+    """Bytes of device workspace :func:`fused_experts_triton` allocates for one call (besides the output).
+
+    ``P = T*k`` pairs: intermediate ``h [P, F]`` in the activation dtype, slot outputs ``y [P, D]`` fp32,
+    the padded pair index ``int32 [max_blocks*block_m]`` and block experts ``int32 [max_blocks]``, plus
+    the sort (~5 int64 arrays of P). Use the largest ``block_m`` of :func:`default_kernel_config` (64)
+    for an upper bound.
+    """
+    P = num_tokens * top_k
+    max_blocks = _cdiv(P, block_m) + min(num_experts, P)
+    return (P * intermediate_size * dtype_bytes + P * hidden_size * 4 + max_blocks * block_m * 4
+            + max_blocks * 4 + 5 * P * 8 + 4 * (num_experts + 1) * 8)
+
+
+_KERNEL_MODULES: dict = {}  # interpret flag -> the imported lightning_moe.kernels._triton_kernels
+
+
+def _triton_kernels():
+    """Import (lazily) and return the module holding the ``@triton.jit`` kernels.
+
+    ``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted, so under
+    ``TRITON_INTERPRET=1`` a second, separately named copy of the module is loaded from the same file.
+
+    Raises:
+        RuntimeError: triton is not installed.
+    """
+    interp = _interpret_mode()
+    if interp in _KERNEL_MODULES:
+        return _KERNEL_MODULES[interp]
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the host
+        raise RuntimeError("the Triton expert kernels need the `triton` package (pip install triton)") from exc
+    import importlib
+    import importlib.util
+    import sys
+
+    name = __package__ + "._triton_kernels"
+    if not interp:
+        mod = importlib.import_module(name)
+    else:
+        iname = name + "_interpret"
+        path = os.path.join(os.path.dirname(__file__), "_triton_kernels.py")
+        spec = importlib.util.spec_from_file_location(iname, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[iname] = mod
+        spec.loader.exec_module(mod)
+    _KERNEL_MODULES[interp] = mod
+    return mod
+
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_triton_device(fn: str, t: torch.Tensor) -> None:
+    if not t.is_cuda and not _interpret_mode():
+        raise ValueError(
+            f"{fn}: tensors must be on a CUDA device (got {t.device}); "
+            "set TRITON_INTERPRET=1 to run the Triton interpreter on CPU tensors"
+        )
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (no TF32), so an fp32 run matches the fp32 reference tightly.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _sum_slots(y: torch.Tensor, T: int, k: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_j y[t*k + j] in fp32, slots in increasing j; cast to dtype. y [P, D] fp32 -> [T, D]."""
+    return y.view(T, k, D).sum(dim=1).to(dtype)
+
+
+def fused_experts_triton(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    config: Optional[MoEKernelConfig] = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU FFN with Triton grouped GEMMs (bf16/fp16/fp32 in, fp32 accumulate).
+
+    Steps: (1) :func:`moe_align` sorts the P = T*k pairs by expert into blocks of ``block_m`` rows;
+    (2) ``_gate_up_kernel`` computes ``h = silu(x W1_e^T) * (x W3_e^T)`` per block (fp32 accumulators,
+    ``h`` stored in ``x.dtype``, ``[P, F]``); (3) ``_down_kernel`` computes ``topk_weight * (h W2_e^T)``
+    into ``y [P, D]`` fp32; (4) the k slot rows of each token are summed in fp32 (slot order) and cast
+    to ``x.dtype``. No atomics: results are deterministic. (vLLM / Triton fused-MoE token sorting.)
+
+    Args:
+        x: ``[T, D]`` CUDA tensor, bf16 / fp16 / fp32 (fp32 uses IEEE fp32 dot products, not TF32).
+        w1, w3: ``[E, F, D]``; w2: ``[E, D, F]``; same dtype and device as ``x``; any strides (e.g.
+            strided views into a stacked page buffer).
+        topk_weights: ``[T, k]`` floating (fp32 from the router). topk_ids: ``[T, k]`` int64/int32.
+        config: tile sizes; default :func:`default_kernel_config` ``(T*k, E, x.dtype)``.
+        validate: check that ids lie in ``[0, E)`` (one host sync); pass False in a pipelined loop.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``. Workspace: :func:`fused_moe_workspace_bytes`.
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``),
+        out-of-range ids (when ``validate``). RuntimeError: triton not installed.
+    """
+    fn = "fused_experts_triton"
+    E, D, Fd = _check_experts(fn, x, w1, w3, w2)
+    T = x.shape[0]
+    k = _check_routing(fn, T, topk_weights, topk_ids)
+    if x.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: x dtype must be one of {_TRITON_DTYPES}, got {x.dtype}")
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
+    _check_triton_device(fn, x)
+    if validate:
+        _check_id_range(fn, topk_ids, E)
+    if T == 0:
+        return torch.empty((0, D), dtype=x.dtype, device=x.device)
+    P = T * k
+    cfg = config or default_kernel_config(P, E, x.dtype)
+    kern = _triton_kernels()
+
+    al = moe_align(topk_ids, E, block_m=cfg.block_m)
+    rw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
+    h = torch.empty((P, Fd), dtype=x.dtype, device=x.device)  # [P, F]
+    y = torch.empty((P, D), dtype=torch.float32, device=x.device)  # [P, D]
+    max_blocks = al.block_expert.numel()
+    prec = _dot_precision(x.dtype)
+
+    grid = (max_blocks, _cdiv(Fd, cfg.block_n))
+    kern.gate_up_kernel[grid](
+        x, w1, w3, h, al.padded_pair_idx, al.block_expert,
+        P, D, Fd, k,
+        x.stride(0), x.stride(1),
+        w1.stride(0), w1.stride(1), w1.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        h.stride(0), h.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=prec,
+        UPCAST_DOT=_interpret_mode(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    grid = (max_blocks, _cdiv(D, cfg.block_n))
+    kern.down_kernel[grid](
+        h, w2, y, al.padded_pair_idx, al.block_expert, rw,
+        P, D, Fd,
+        h.stride(0), h.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=prec,
+        UPCAST_DOT=_interpret_mode(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return _sum_slots(y, T, k, D, x.dtype)

@@ -1,0 +1,863 @@
+"""Expert weight quantization, fixed-size expert pages, and the expert FFN computed from packed pages.
+
+Dimension key: ``T`` tokens, ``D`` hidden size, ``F`` per-expert FFN width, ``E`` experts, ``k`` top-k,
+``G`` group size, ``R`` rows, ``C`` columns (the input / reduction dimension of an HF ``[out, in]``
+weight), ``NG = cdiv(C, G)`` groups per row, ``RB = cdiv(C * bits, 8)`` packed bytes per row.
+
+1. Group-wise asymmetric quantization along the reduction dimension (W4A16 as in CommitMoE; INT2 for
+   up_proj as in FloE): per group of G consecutive input columns of one row,
+
+       scale = (max - min) / (2^bits - 1),   zero = min,   code = clamp(round((w - zero) / scale), 0, 2^bits - 1)
+       w ~= code * scale + zero,             |w - (code * scale + zero)| <= scale / 2     (per element)
+
+   ``zero`` is a floating offset (the group minimum), not an integer zero-point as in GPTQ/AWQ, so the
+   bound above holds without clamping. Scales and zeros are stored in ``scale_dtype`` (fp16 default)
+   and rounded *outward* (zero rounded down, scale rounded up until ``zero + L*scale >= max``), so the
+   bound holds with the stored scale: see :func:`quant_error_bound` and :func:`analytic_error_bound`.
+   If C is not a multiple of G the last group of a row is shorter: its scale and zero come from its
+   real columns only (implemented by padding with copies of the row's last column, which leaves min/max
+   unchanged); no codes are stored for the padding.
+
+2. Fixed-size expert pages (CommitMoE: "quantization padding so every expert page has one size"):
+   :func:`expert_page_layout` gives byte offsets of w1/w3/w2 payloads and their scales/zeros inside one
+   ``uint8`` page, every segment starting at a multiple of ``segment_align`` (16) bytes and the page padded
+   to a multiple of ``align`` (4096) bytes, so all experts of a layer (and of a model) have the same page
+   size. Schemes: ``bf16`` / ``fp16`` / ``fp32`` (unquantized), ``int4`` (all projections 4-bit),
+   ``int2`` (all 2-bit), ``int2-up`` = ``int4-up2`` (gate/down 4-bit, up 2-bit, after FloE's INT2
+   up_proj). With the defaults, and every segment a multiple of 16 bytes (true for Mixtral, and for any
+   D, F that are multiples of 32 with G = 128), ``page_bytes`` equals ``MoESpec.expert_bytes(scheme)``:
+   ``roundup(sum over projections of out*in*bits/8 + out*cdiv(in, 128)*4, 4096)``.
+
+3. :func:`fused_experts_paged_triton` -- the routed-expert FFN read directly from a stacked page buffer
+   ``[E, page_bytes]``: codes are dequantized in registers (``code * scale + zero`` in fp32, cast to
+   the activation dtype), multiplied with ``tl.dot`` and accumulated in fp32; grouped by expert exactly
+   as :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`. Its reference is
+   :func:`experts_ffn_quant_reference` (dequantize, then the torch reference FFN).
+
+Triton is imported lazily (kernels in :mod:`lightning_moe.kernels._triton_kernels`); importing this
+module needs only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+import torch
+
+from .fused_moe import (
+    REFERENCE_ORDERS,
+    MoEKernelConfig,
+    _cdiv,
+    _check_id_range,
+    _check_routing,
+    _check_triton_device,
+    _dot_precision,
+    _interpret_mode,
+    _sum_slots,
+    _triton_kernels,
+    _TRITON_DTYPES,
+    default_kernel_config,
+    experts_ffn_reference_from,
+    fused_experts_triton,
+    moe_align,
+)
+
+__all__ = [
+    "PAGE_SCHEMES",
+    "PageLayout",
+    "PageScheme",
+    "QuantTensor",
+    "Segment",
+    "analytic_error_bound",
+    "dequantize",
+    "expert_page_layout",
+    "experts_ffn_quant_reference",
+    "fused_experts_paged_triton",
+    "fused_experts_quant_triton",
+    "experts_ffn_qt_reference",
+    "expert_tensor_specs",
+    "quant_tensors_from_views",
+    "pack_expert_page",
+    "pack_expert_pages",
+    "page_quant_tensors",
+    "page_weight_views",
+    "quant_error_bound",
+    "quantize_groupwise",
+    "unpack_expert_page",
+]
+
+_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# --------------------------------------------------------------------------------------------------
+# group-wise quantization (pure torch)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A group-wise asymmetrically quantized weight ``[..., R, C]`` (quantized along C, the input dim).
+
+    Dequantization: ``w[..., r, c] ~= code[..., r, c] * scales[..., r, c // G] + zeros[..., r, c // G]``.
+    Code ``c`` of a row sits in byte ``c * bits // 8`` at bit ``(c % (8 // bits)) * bits`` (low bits
+    first: at 4 bits the even column is the low nibble).
+    """
+
+    packed: torch.Tensor  # uint8 [..., R, RB = cdiv(C * bits, 8)]: codes, 8 // bits per byte, low bits first
+    scales: torch.Tensor  # scale_dtype [..., R, NG]: step of each group (>= (max - min) / (2^bits - 1))
+    zeros: torch.Tensor  # scale_dtype [..., R, NG]: offset of each group (<= group minimum), not an int zero-point
+    shape: tuple  # original shape (..., R, C)
+    bits: int  # 4 or 2
+    group_size: int  # G, columns per group
+    dtype: torch.dtype = torch.bfloat16  # default dtype of dequantize() (the original weight dtype)
+
+    @property
+    def cols(self) -> int:
+        """C, the unpadded column count."""
+        return int(self.shape[-1])
+
+    @property
+    def n_groups(self) -> int:
+        """NG = cdiv(C, G)."""
+        return _cdiv(self.cols, self.group_size)
+
+    @property
+    def row_bytes(self) -> int:
+        """RB = cdiv(C * bits, 8), packed bytes per row (no codes for the last group's padding)."""
+        return _cdiv(self.cols * self.bits, 8)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed codes + scales + zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
+
+    def select(self, index: int) -> "QuantTensor":
+        """The sub-tensor ``[index]`` along the first (e.g. expert) dimension, as views."""
+        if len(self.shape) < 3:
+            raise ValueError(f"QuantTensor.select: need a stacked [N, R, C] tensor, shape is {self.shape}")
+        return QuantTensor(self.packed[index], self.scales[index], self.zeros[index], tuple(self.shape[1:]),
+                           self.bits, self.group_size, self.dtype)
+
+
+def _check_bits_group(fn: str, bits: int, group_size: int) -> None:
+    if bits not in (2, 4):
+        raise ValueError(f"{fn}: bits must be 4 or 2, got {bits}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{fn}: group_size must be a positive int, got {group_size!r}")
+
+
+def quantize_groupwise(
+    w: torch.Tensor,
+    bits: int,
+    group_size: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+) -> QuantTensor:
+    """Quantize ``w [..., R, C]`` (e.g. ``[F, D]`` or stacked ``[E, F, D]``) group-wise along C.
+
+    Args:
+        w: floating weight, HF ``[out, in]`` layout (groups run along ``in``, the reduction dimension).
+        bits: 4 or 2.
+        group_size: G, columns per group (128 default; any positive int).
+            If C is not a multiple of G, the last group is shorter (scale/zero from its real columns).
+        scale_dtype: dtype of the stored scales and zeros (fp16 default; bf16 for weights beyond fp16
+            range; fp32 to make the analytic bound exact).
+
+    Returns:
+        :class:`QuantTensor`. The min/max, outward rounding of scale/zero, and the codes are computed in
+        float64, so each code is the exact round-to-nearest of ``(w - zero) / scale`` and
+        ``|w - dequantize(q)| <= scale / 2`` holds with the stored scale (plus one fp32 rounding of the
+        dequantized value, <= 2^-24 |w|).
+
+    Raises:
+        ValueError: ``w`` not floating or fewer than 2 dims, bad bits / group_size / scale_dtype,
+        non-finite weights, or scales/zeros that overflow ``scale_dtype``.
+    """
+    fn = "quantize_groupwise"
+    _check_bits_group(fn, bits, group_size)
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"{fn}: w must be a floating [..., R, C] tensor, got {w.dtype} {tuple(w.shape)}")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"{fn}: scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype}")
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{fn}: w contains inf or nan")
+    *lead, R, C = w.shape
+    G = group_size
+    NG = _cdiv(C, G)
+    Cp = NG * G
+    L = (1 << bits) - 1
+    wd = w.detach().to(torch.float64)  # [..., R, C]
+    if Cp > C:  # pad the last group by repeating the last column (min/max unchanged)
+        wd = torch.cat([wd, wd[..., -1:].expand(*lead, R, Cp - C)], dim=-1)
+    g = wd.reshape(*lead, R, NG, G)  # [..., R, NG, G]
+    mn, mx = g.amin(dim=-1), g.amax(dim=-1)  # [..., R, NG] fp64
+
+    inf = torch.tensor(float("inf"), dtype=scale_dtype, device=w.device)
+    zero = mn.to(scale_dtype)
+    zero = torch.where(zero.to(torch.float64) > mn, torch.nextafter(zero, -inf), zero)  # round down
+    zd = zero.to(torch.float64)
+    scale = ((mx - zd) / L).to(scale_dtype)
+    too_small = zd + scale.to(torch.float64) * L < mx
+    scale = torch.where(too_small, torch.nextafter(scale, inf), scale)  # round up
+    sd = scale.to(torch.float64)
+    if not (bool(torch.isfinite(sd).all()) and bool(torch.isfinite(zd).all())):
+        raise ValueError(f"{fn}: group scales/zeros overflow {scale_dtype}; use scale_dtype=torch.bfloat16 or float32")
+
+    safe = torch.where(sd > 0, sd, torch.ones_like(sd))  # constant group: scale 0, every code 0
+    codes = torch.round((g - zd[..., None]) / safe[..., None]).clamp_(0, L).to(torch.uint8)  # [..., R, NG, G]
+    packed = _pack_codes(codes.reshape(*lead, R, Cp)[..., :C], bits)  # [..., R, cdiv(C * bits, 8)]
+    return QuantTensor(packed, scale, zero, tuple(w.shape), bits, G, w.dtype)
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., C]`` (< 2^bits) -> packed uint8 ``[..., cdiv(C * bits, 8)]``, low bits first.
+
+    A partial last byte is completed with zero codes.
+    """
+    per = 8 // bits
+    if codes.shape[-1] % per:
+        pad = per - codes.shape[-1] % per
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], dim=-1)
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(dim=-1).to(torch.uint8)
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_codes`: packed uint8 ``[..., B]`` -> codes uint8 ``[..., B * 8 // bits]``."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    c = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+def dequantize(qt: QuantTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Pure-torch dequantization: ``code * scale + zero`` in fp32, cast to ``dtype``; ``[..., R, C]``.
+
+    ``dtype`` defaults to ``qt.dtype`` (the quantized weight's dtype). With fp16/bf16 scales the fp32
+    product ``code * scale`` is exact, so this equals the Triton kernel's in-register dequantization
+    bit for bit (fused multiply-add or not).
+    """
+    C = qt.cols
+    codes = _unpack_codes(qt.packed, qt.bits)[..., :C].to(torch.float32)  # [..., R, C]
+    s = qt.scales.to(torch.float32).repeat_interleave(qt.group_size, dim=-1)[..., :C]  # [..., R, C]
+    z = qt.zeros.to(torch.float32).repeat_interleave(qt.group_size, dim=-1)[..., :C]
+    return (codes * s + z).to(dtype or qt.dtype)
+
+
+def quant_error_bound(qt: QuantTensor) -> torch.Tensor:
+    """Per-element bound ``scale / 2`` (fp32, ``[..., R, C]``) with the stored scale of each group.
+
+    ``|w - dequantize(qt, torch.float32)| <= quant_error_bound(qt) + 2^-24 |w|`` (the last term is the
+    fp32 rounding of ``code * scale + zero``). A bf16/fp16 dequantized output adds half an ulp of that
+    dtype.
+    """
+    s = qt.scales.to(torch.float32).repeat_interleave(qt.group_size, dim=-1)[..., : qt.cols]
+    return s / 2
+
+
+def analytic_error_bound(w: torch.Tensor, bits: int, group_size: int = 128) -> torch.Tensor:
+    """Per-element bound ``(max - min) / (2^bits - 1) / 2`` of each group (fp32, shape of ``w``).
+
+    This is the exact-arithmetic bound of round-to-nearest asymmetric quantization. The stored scale
+    of :func:`quantize_groupwise` exceeds ``(max - min) / L`` by at most one ulp of ``scale_dtype`` plus
+    ``ulp(min) / L`` (outward rounding), i.e. by a relative 2^-10 for fp16 scales when ``|min|`` is
+    comparable to ``max - min``; with ``scale_dtype=torch.float32`` the two bounds agree to ~1e-7.
+    """
+    _check_bits_group("analytic_error_bound", bits, group_size)
+    *lead, R, C = w.shape
+    NG = _cdiv(C, group_size)
+    wd = w.detach().to(torch.float64)
+    if NG * group_size > C:
+        wd = torch.cat([wd, wd[..., -1:].expand(*lead, R, NG * group_size - C)], dim=-1)
+    g = wd.reshape(*lead, R, NG, group_size)
+    step = (g.amax(-1) - g.amin(-1)) / ((1 << bits) - 1)
+    return (step / 2).repeat_interleave(group_size, dim=-1)[..., :C].to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# fixed-size expert pages
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PageScheme:
+    """Storage of the three projections of one expert."""
+
+    name: str  # scheme key, e.g. "int2-up"
+    bits_w1: int  # gate: 4 or 2; 16 / 32 = unquantized, stored in weight_dtype
+    bits_w3: int  # up
+    bits_w2: int  # down
+    weight_dtype: Optional[torch.dtype] = None  # storage dtype of unquantized projections
+
+    def bits(self, proj: str) -> int:
+        return {"w1": self.bits_w1, "w3": self.bits_w3, "w2": self.bits_w2}[proj]
+
+
+PAGE_SCHEMES = {
+    "bf16": PageScheme("bf16", 16, 16, 16, torch.bfloat16),
+    "fp16": PageScheme("fp16", 16, 16, 16, torch.float16),
+    "fp32": PageScheme("fp32", 32, 32, 32, torch.float32),
+    "int4": PageScheme("int4", 4, 4, 4),  # CommitMoE W4A16
+    "int2": PageScheme("int2", 2, 2, 2),  # every projection INT2
+    "int2-up": PageScheme("int2-up", 4, 2, 4),  # FloE: up_proj INT2 (gate/down kept at 4 bits here)
+    "int4-up2": PageScheme("int4-up2", 4, 2, 4),  # alias of int2-up
+}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One tensor inside a page."""
+
+    name: str  # "w1", "w1.scales", "w1.zeros", "w3", ..., "w2.zeros"
+    offset: int  # bytes from the page start (a multiple of the layout's segment_align)
+    nbytes: int  # payload bytes (before alignment padding)
+    shape: tuple  # element shape of the view
+    dtype: torch.dtype  # element dtype of the view (uint8 for packed codes)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte layout of one expert page ``uint8 [page_bytes]`` (identical for every expert of a model)."""
+
+    scheme: str  # key of PAGE_SCHEMES
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    group_size: int  # G of quantized projections
+    scale_dtype: torch.dtype  # dtype of scales and zeros
+    align: int  # page_bytes is a multiple of this (bytes)
+    segment_align: int  # every segment offset is a multiple of this (bytes)
+    segments: tuple  # tuple[Segment, ...] in page order
+    page_bytes: int  # total bytes of one page, padded to a multiple of align
+
+    @property
+    def spec(self) -> PageScheme:
+        return PAGE_SCHEMES[self.scheme]
+
+    @property
+    def quantized(self) -> bool:
+        """True if the projections are stored as codes + scales + zeros."""
+        return self.spec.weight_dtype is None
+
+    def segment(self, name: str) -> Segment:
+        """The segment called ``name``; KeyError if absent."""
+        for s in self.segments:
+            if s.name == name:
+                return s
+        raise KeyError(f"page layout {self.scheme}: no segment {name!r}; have {[s.name for s in self.segments]}")
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of all segments without alignment padding."""
+        return sum(s.nbytes for s in self.segments)
+
+
+_PROJ_SHAPES = ("w1", "w3", "w2")
+
+
+def expert_page_layout(
+    hidden_size: int,
+    intermediate_size: int,
+    scheme: str,
+    group_size: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+    align: int = 4096,
+    segment_align: int = 16,
+) -> PageLayout:
+    """Byte layout of one expert page (w1 gate ``[F, D]``, w3 up ``[F, D]``, w2 down ``[D, F]``).
+
+    Segments, in order: ``w1, [w1.scales, w1.zeros], w3, [...], w2, [...]``; each starts at a multiple
+    of ``segment_align`` bytes and the page is padded to a multiple of ``align`` bytes (CommitMoE's
+    padding to one page size; 4096 = ``EXPERT_PAGE_ALIGN`` of ``model/spec.py``). A quantized projection
+    ``[R, C]`` stores ``R * cdiv(C * bits, 8)`` code bytes plus two ``[R, cdiv(C, G)]`` arrays of
+    ``scale_dtype``; an unquantized one ``R * C * itemsize`` bytes.
+
+    Raises:
+        ValueError: unknown scheme, non-positive sizes, bad group size / scale dtype, ``segment_align``
+        not a positive multiple of 16, ``align`` not a positive multiple of ``segment_align``.
+    """
+    fn = "expert_page_layout"
+    if scheme not in PAGE_SCHEMES:
+        raise ValueError(f"{fn}: unknown scheme {scheme!r}; choose one of {sorted(PAGE_SCHEMES)}")
+    if hidden_size < 1 or intermediate_size < 1:
+        raise ValueError(f"{fn}: sizes must be positive, got D={hidden_size}, F={intermediate_size}")
+    if segment_align < 16 or segment_align % 16:
+        raise ValueError(f"{fn}: segment_align must be a positive multiple of 16 bytes, got {segment_align}")
+    if align < segment_align or align % segment_align:
+        raise ValueError(f"{fn}: align must be a positive multiple of segment_align={segment_align}, got {align}")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"{fn}: scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype}")
+    sch = PAGE_SCHEMES[scheme]
+    D, Fd = hidden_size, intermediate_size
+    shapes = {"w1": (Fd, D), "w3": (Fd, D), "w2": (D, Fd)}
+    segs = []
+    off = 0
+
+    def add(name, nbytes, shape, dtype):
+        nonlocal off
+        segs.append(Segment(name, off, nbytes, shape, dtype))
+        off += _cdiv(nbytes, segment_align) * segment_align
+
+    for proj in _PROJ_SHAPES:
+        R, C = shapes[proj]
+        bits = sch.bits(proj)
+        if sch.weight_dtype is not None:
+            isz = torch.empty((), dtype=sch.weight_dtype).element_size()
+            add(proj, R * C * isz, (R, C), sch.weight_dtype)
+        else:
+            _check_bits_group(fn, bits, group_size)
+            NG = _cdiv(C, group_size)
+            row_bytes = _cdiv(C * bits, 8)
+            add(proj, R * row_bytes, (R, row_bytes), torch.uint8)
+            ssz = torch.empty((), dtype=scale_dtype).element_size()
+            add(proj + ".scales", R * NG * ssz, (R, NG), scale_dtype)
+            add(proj + ".zeros", R * NG * ssz, (R, NG), scale_dtype)
+    page_bytes = _cdiv(off, align) * align
+    return PageLayout(scheme, D, Fd, group_size, scale_dtype, align, segment_align, tuple(segs), page_bytes)
+
+
+def _as_layout(fn: str, scheme_or_layout: Union[str, PageLayout], D: int, Fd: int, group_size: int,
+               scale_dtype: torch.dtype) -> PageLayout:
+    if isinstance(scheme_or_layout, PageLayout):
+        lay = scheme_or_layout
+        if (lay.hidden_size, lay.intermediate_size) != (D, Fd):
+            raise ValueError(f"{fn}: layout is for D={lay.hidden_size}, F={lay.intermediate_size}, "
+                             f"weights have D={D}, F={Fd}")
+        return lay
+    return expert_page_layout(D, Fd, scheme_or_layout, group_size, scale_dtype)
+
+
+def _check_expert_weights(fn: str, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, stacked: bool) -> tuple:
+    nd = 3 if stacked else 2
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if w.dim() != nd or not w.is_floating_point():
+            want = "[E, out, in]" if stacked else "[out, in]"
+            raise ValueError(f"{fn}: {name} must be a floating {want} tensor, got {w.dtype} {tuple(w.shape)}")
+    Fd, D = w1.shape[-2:]
+    lead = tuple(w1.shape[:-2])
+    if tuple(w3.shape) != lead + (Fd, D):
+        raise ValueError(f"{fn}: w3 shape {tuple(w3.shape)} != w1 shape {tuple(w1.shape)}")
+    if tuple(w2.shape) != lead + (D, Fd):
+        raise ValueError(f"{fn}: w2 must be {lead + (D, Fd)} (down, [D, F]), got {tuple(w2.shape)}")
+    return D, Fd
+
+
+def _segment_view(page: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """Zero-copy view of ``seg`` in ``page [..., page_bytes]`` as ``[..., *seg.shape]`` of ``seg.dtype``."""
+    isz = torch.empty((), dtype=seg.dtype).element_size()
+    n = 1
+    for d in seg.shape:
+        n *= d
+    raw = page[..., seg.offset: seg.offset + n * isz]
+    return raw.view(seg.dtype).unflatten(-1, seg.shape)
+
+
+def _check_page(fn: str, page: torch.Tensor, layout: PageLayout) -> None:
+    if page.dtype != torch.uint8:
+        raise ValueError(f"{fn}: page must be uint8, got {page.dtype}")
+    if page.dim() not in (1, 2) or page.shape[-1] != layout.page_bytes:
+        raise ValueError(f"{fn}: page must be [page_bytes={layout.page_bytes}] or [E, page_bytes], "
+                         f"got shape {tuple(page.shape)}")
+    if page.stride(-1) != 1:
+        raise ValueError(f"{fn}: page bytes must be contiguous (stride(-1) == 1)")
+    if page.dim() == 2 and page.stride(0) % layout.segment_align:
+        raise ValueError(f"{fn}: page row stride {page.stride(0)} is not a multiple of "
+                         f"segment_align={layout.segment_align}")
+
+
+def pack_expert_page(
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    scheme: Union[str, PageLayout],
+    group_size: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Pack one expert (w1 ``[F, D]``, w3 ``[F, D]``, w2 ``[D, F]``) into a ``uint8 [page_bytes]`` page.
+
+    ``scheme`` is a key of :data:`PAGE_SCHEMES` (layout built with ``group_size`` / ``scale_dtype``) or a
+    :class:`PageLayout`. Unquantized schemes store the weights cast to the scheme's dtype; quantized ones
+    store :func:`quantize_groupwise` codes/scales/zeros. Alignment padding is zero. ``out`` (e.g. a slot
+    of a pinned host pool) receives the page if given (uint8, contiguous, ``[page_bytes]``).
+
+    Raises:
+        ValueError: shapes that do not match the layout, bad ``out``, quantization errors.
+    """
+    fn = "pack_expert_page"
+    D, Fd = _check_expert_weights(fn, w1, w3, w2, stacked=False)
+    lay = _as_layout(fn, scheme, D, Fd, group_size, scale_dtype)
+    if out is None:
+        out = torch.zeros(lay.page_bytes, dtype=torch.uint8, device=w1.device)
+    else:
+        if out.dtype != torch.uint8 or tuple(out.shape) != (lay.page_bytes,) or not out.is_contiguous():
+            raise ValueError(f"{fn}: out must be a contiguous uint8 [{lay.page_bytes}] tensor, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        out.zero_()
+    for proj, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        seg = lay.segment(proj)
+        if not lay.quantized:
+            _segment_view(out, seg).copy_(w.to(seg.dtype))
+            continue
+        qt = quantize_groupwise(w, lay.spec.bits(proj), lay.group_size, lay.scale_dtype)
+        _segment_view(out, seg).copy_(qt.packed)
+        _segment_view(out, lay.segment(proj + ".scales")).copy_(qt.scales)
+        _segment_view(out, lay.segment(proj + ".zeros")).copy_(qt.zeros)
+    return out
+
+
+def pack_expert_pages(
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    scheme: Union[str, PageLayout],
+    group_size: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+) -> tuple[torch.Tensor, PageLayout]:
+    """Pack a layer's stacked experts (w1/w3 ``[E, F, D]``, w2 ``[E, D, F]``) into ``uint8 [E, page_bytes]``.
+
+    Returns ``(pages, layout)``. Row ``e`` is :func:`pack_expert_page` of expert ``e``.
+    """
+    fn = "pack_expert_pages"
+    D, Fd = _check_expert_weights(fn, w1, w3, w2, stacked=True)
+    lay = _as_layout(fn, scheme, D, Fd, group_size, scale_dtype)
+    pages = torch.zeros((w1.shape[0], lay.page_bytes), dtype=torch.uint8, device=w1.device)
+    for e in range(w1.shape[0]):
+        pack_expert_page(w1[e], w3[e], w2[e], lay, out=pages[e])
+    return pages, lay
+
+
+def page_weight_views(page: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-copy ``(w1, w3, w2)`` views of an unquantized page ``[page_bytes]`` or pages ``[E, page_bytes]``.
+
+    Shapes ``[(E,) F, D]``, ``[(E,) F, D]``, ``[(E,) D, F]`` in the scheme's dtype (strided along E).
+
+    Raises:
+        ValueError: quantized layout (use :func:`page_quant_tensors`) or a page of the wrong size.
+    """
+    fn = "page_weight_views"
+    _check_page(fn, page, layout)
+    if layout.quantized:
+        raise ValueError(f"{fn}: scheme {layout.scheme} is quantized; use page_quant_tensors / unpack_expert_page")
+    return tuple(_segment_view(page, layout.segment(p)) for p in _PROJ_SHAPES)
+
+
+def expert_tensor_specs(layout: PageLayout) -> list[tuple[str, torch.dtype, tuple]]:
+    """Per-expert tensors of a page layout as ``(name, dtype, shape)`` (the segments, in page order).
+
+    E.g. ``int4``: ``("w1", uint8, (F, cdiv(D*4, 8))), ("w1.scales", fp16, (F, cdiv(D, G))), ...``. A pager
+    that stores several experts per page as ``[n, *shape]`` tensors can rebuild :class:`QuantTensor` views
+    with :func:`quant_tensors_from_views`.
+    """
+    return [(sg.name, sg.dtype, tuple(sg.shape)) for sg in layout.segments]
+
+
+def quant_tensors_from_views(views, layout: PageLayout,
+                             dtype: torch.dtype = torch.bfloat16) -> tuple[QuantTensor, QuantTensor, QuantTensor]:
+    """``(w1, w3, w2)`` :class:`QuantTensor` s from tensors named as the layout's segments.
+
+    ``views[name]`` is ``[..., *shape]`` (shape from :func:`expert_tensor_specs`; e.g. ``[E, F, RB]`` for
+    ``"w1"``), codes/scales/zeros with unit last stride. ``dtype``: default dequantization dtype.
+    Raises ValueError for an unquantized layout, a missing name or a wrong shape/dtype.
+    """
+    fn = "quant_tensors_from_views"
+    if not layout.quantized:
+        raise ValueError(f"{fn}: scheme {layout.scheme} is not quantized")
+    D, Fd = layout.hidden_size, layout.intermediate_size
+    out = []
+    for p, shape in (("w1", (Fd, D)), ("w3", (Fd, D)), ("w2", (D, Fd))):
+        ts = []
+        for name in (p, p + ".scales", p + ".zeros"):
+            if name not in views:
+                raise ValueError(f"{fn}: no tensor {name!r} (have {sorted(views)})")
+            t, sg = views[name], layout.segment(name)
+            if tuple(t.shape[t.dim() - len(sg.shape):]) != tuple(sg.shape) or t.dtype != sg.dtype:
+                raise ValueError(f"{fn}: {name} must be [..., {tuple(sg.shape)}] {sg.dtype}, "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+            ts.append(t)
+        lead = tuple(ts[0].shape[: ts[0].dim() - 2])
+        out.append(QuantTensor(ts[0], ts[1], ts[2], lead + shape, layout.spec.bits(p), layout.group_size, dtype))
+    return tuple(out)
+
+
+def page_quant_tensors(page: torch.Tensor, layout: PageLayout,
+                       dtype: torch.dtype = torch.bfloat16) -> tuple[QuantTensor, QuantTensor, QuantTensor]:
+    """Zero-copy :class:`QuantTensor` views ``(w1, w3, w2)`` of a quantized page ``[page_bytes]`` (or ``[E, ...]``).
+
+    ``dtype`` is recorded as the QuantTensors' default dequantization dtype.
+    """
+    fn = "page_quant_tensors"
+    _check_page(fn, page, layout)
+    if not layout.quantized:
+        raise ValueError(f"{fn}: scheme {layout.scheme} is not quantized; use page_weight_views")
+    return quant_tensors_from_views({sg.name: _segment_view(page, sg) for sg in layout.segments}, layout, dtype)
+
+
+def unpack_expert_page(page: torch.Tensor, layout: PageLayout,
+                       dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode a page (``[page_bytes]`` or ``[E, page_bytes]``) into dense ``(w1, w3, w2)`` (new tensors).
+
+    Unquantized schemes: exact copies of the stored weights (``dtype`` defaults to the scheme's dtype).
+    Quantized: :func:`dequantize` of each projection (``dtype`` defaults to bf16).
+    """
+    if not layout.quantized:
+        views = page_weight_views(page, layout)
+        return tuple(v.to(dtype or v.dtype, copy=True) for v in views)
+    return tuple(dequantize(q, dtype or torch.bfloat16) for q in page_quant_tensors(page, layout))
+
+
+# --------------------------------------------------------------------------------------------------
+# expert FFN from pages: torch reference
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_pages_call(fn: str, x: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(layout, PageLayout):
+        raise ValueError(f"{fn}: layout must be a PageLayout, got {type(layout).__name__}")
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{fn}: x must be a floating [T, D] tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] != layout.hidden_size:
+        raise ValueError(f"{fn}: x hidden size {x.shape[1]} != layout D={layout.hidden_size}")
+    if pages.dim() != 2:
+        raise ValueError(f"{fn}: pages must be a stacked [E, page_bytes] buffer, got shape {tuple(pages.shape)}")
+    _check_page(fn, pages, layout)
+    for name, t in (("pages", pages), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
+    k = _check_routing(fn, x.shape[0], topk_weights, topk_ids)
+    return int(pages.shape[0]), k
+
+
+def experts_ffn_quant_reference(
+    x: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PageLayout,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    order: str = "hf",
+) -> torch.Tensor:
+    """Torch reference of the FFN from pages: dequantize (to ``x.dtype``) then :func:`experts_ffn_reference`.
+
+    Args:
+        x: ``[T, D]``; pages: ``uint8 [E, page_bytes]`` on x's device; layout: their :class:`PageLayout`;
+        topk_weights / topk_ids: ``[T, k]``; order: see :func:`experts_ffn_reference` (``REFERENCE_ORDERS``).
+
+    Each page that receives tokens is decoded once (unquantized pages: the stored weights cast to
+    ``x.dtype``). Returns ``[T, D]`` in ``x.dtype``. Raises ValueError on shape/dtype/device mismatch.
+    """
+    fn = "experts_ffn_quant_reference"
+    E, _ = _check_pages_call(fn, x, pages, layout, topk_weights, topk_ids)
+    if order not in REFERENCE_ORDERS:
+        raise ValueError(f"{fn}: order must be one of {REFERENCE_ORDERS}, got {order!r}")
+    return experts_ffn_reference_from(
+        x, lambda e: unpack_expert_page(pages[e], layout, x.dtype), E, topk_weights, topk_ids, order=order
+    )
+
+
+def experts_ffn_qt_reference(
+    x: torch.Tensor,
+    w1: QuantTensor,
+    w3: QuantTensor,
+    w2: QuantTensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    order: str = "hf",
+) -> torch.Tensor:
+    """Torch reference of :func:`fused_experts_quant_triton`: dequantize each used expert to ``x.dtype``, then
+    :func:`~lightning_moe.kernels.fused_moe.experts_ffn_reference_from`. Stacked QuantTensors
+    ``w1/w3 [E, F, D]``, ``w2 [E, D, F]``; other arguments and result as :func:`experts_ffn_quant_reference`."""
+    fn = "experts_ffn_qt_reference"
+    E = _check_qt_experts(fn, x, w1, w3, w2)
+    return experts_ffn_reference_from(
+        x, lambda e: tuple(dequantize(q.select(e), x.dtype) for q in (w1, w3, w2)), E, topk_weights, topk_ids,
+        order=order,
+    )
+
+
+def _check_qt_experts(fn: str, x: torch.Tensor, w1: QuantTensor, w3: QuantTensor, w2: QuantTensor) -> int:
+    """Check stacked QuantTensors against x [T, D]; return E."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{fn}: x must be a floating [T, D] tensor, got {x.dtype} {tuple(x.shape)}")
+    for name, q in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not isinstance(q, QuantTensor):
+            raise ValueError(f"{fn}: {name} must be a QuantTensor, got {type(q).__name__}")
+        if len(q.shape) != 3:
+            raise ValueError(f"{fn}: {name} must be a stacked [E, out, in] QuantTensor, shape is {q.shape}")
+        E, R, C = q.shape
+        want = {"packed": (torch.uint8, (E, R, q.row_bytes)), "scales": (None, (E, R, q.n_groups)),
+                "zeros": (None, (E, R, q.n_groups))}
+        for attr, (dt, shp) in want.items():
+            t = getattr(q, attr)
+            if tuple(t.shape) != shp or (dt is not None and t.dtype != dt) or t.stride(-1) != 1:
+                raise ValueError(f"{fn}: {name}.{attr} must be {shp} with unit last stride"
+                                 f"{'' if dt is None else ' ' + str(dt)}, got {tuple(t.shape)} {t.dtype} "
+                                 f"strides {t.stride()}")
+            if t.device != x.device:
+                raise ValueError(f"{fn}: {name}.{attr} on {t.device} but x on {x.device}")
+        if q.scales.dtype not in _SCALE_DTYPES or q.zeros.dtype != q.scales.dtype:
+            raise ValueError(f"{fn}: {name} scales/zeros must share a dtype in {_SCALE_DTYPES}")
+    E, Fd, D = w1.shape
+    if x.shape[1] != D:
+        raise ValueError(f"{fn}: x hidden size {x.shape[1]} != w1 in-features {D}")
+    if tuple(w3.shape) != (E, Fd, D) or tuple(w2.shape) != (E, D, Fd):
+        raise ValueError(f"{fn}: need w1/w3 [E, F, D] = {(E, Fd, D)} and w2 [E, D, F]; "
+                         f"got w3 {w3.shape}, w2 {w2.shape}")
+    return E
+
+
+# --------------------------------------------------------------------------------------------------
+# expert FFN from pages: Triton
+# --------------------------------------------------------------------------------------------------
+
+def _quant_tiles(cfg: MoEKernelConfig, groups: tuple) -> tuple[MoEKernelConfig, bool]:
+    """Adapt tile sizes to the group sizes: returns (config, tile_in_group).
+
+    ``block_k`` is halved (down to 16) until it divides every group size; then each K tile lies inside
+    one group and the kernels load one scale/zero per row and tile (``TILE_IN_GROUP``). Group sizes
+    that are not multiples of 16 take the per-element path (a ``[BK, BN]`` gather of scales and zeros);
+    its tiles are capped at ``block_n <= 64``, ``block_k <= 32`` as a precaution: when the compiler
+    pipelines those gathers through shared memory (seen on sm_90 for G = 48 with BK = 64) a
+    ``BK=64, BN=128``, 3-stage tile needs ~300 KiB, more than the 227 KiB of a block.
+    """
+    bk = cfg.block_k
+    while bk > 16 and any(g % bk for g in groups):
+        bk //= 2
+    if not any(g % bk for g in groups):
+        return replace(cfg, block_k=bk), True
+    return replace(cfg, block_n=min(cfg.block_n, 64), block_k=min(cfg.block_k, 32)), False
+
+
+def fused_experts_quant_triton(
+    x: torch.Tensor,
+    w1: QuantTensor,
+    w3: QuantTensor,
+    w2: QuantTensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    config: Optional[MoEKernelConfig] = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU FFN from group-quantized experts (Triton, W4A16 / W2A16).
+
+    The codes of each weight tile are dequantized in registers (``code * scale + zero`` in fp32, cast to
+    ``x.dtype`` -- bit-identical to :func:`dequantize`), multiplied with ``tl.dot`` and accumulated in
+    fp32; tokens are grouped by expert as in :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`
+    (same ``h [P, F]`` in ``x.dtype``, weighted ``y [P, D]`` fp32, deterministic fp32 slot sum).
+
+    Args:
+        x: ``[T, D]`` CUDA tensor, bf16 / fp16 (fp32 also accepted).
+        w1, w3: stacked :class:`QuantTensor` ``[E, F, D]``; w2: ``[E, D, F]``. Their ``packed``
+            ``[E, R, RB]`` uint8, ``scales`` / ``zeros`` ``[E, R, NG]`` may be strided views (e.g. into a
+            page buffer) with unit last stride; bits and group size may differ per projection.
+        topk_weights: ``[T, k]`` floating (fp32); topk_ids: ``[T, k]`` int64/int32 in ``[0, E)``.
+        config: tile sizes (default :func:`~lightning_moe.kernels.fused_moe.default_kernel_config`);
+            ``block_k`` is then fitted to the group sizes (see :func:`_quant_tiles`).
+        validate: range-check ids (one host sync).
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``; reference: :func:`experts_ffn_qt_reference`.
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``),
+        out-of-range ids. RuntimeError: triton not installed.
+    """
+    fn = "fused_experts_quant_triton"
+    E = _check_qt_experts(fn, x, w1, w3, w2)
+    T, D = x.shape
+    Fd = w1.shape[1]
+    k = _check_routing(fn, T, topk_weights, topk_ids)
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
+    if x.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: x dtype must be one of {_TRITON_DTYPES}, got {x.dtype}")
+    if w1.group_size != w3.group_size:
+        raise ValueError(f"{fn}: w1 and w3 must share a group size, got {w1.group_size} and {w3.group_size}")
+    _check_triton_device(fn, x)
+    if validate:
+        _check_id_range(fn, topk_ids, E)
+    if T == 0:
+        return torch.empty((0, D), dtype=x.dtype, device=x.device)
+    P = T * k
+    cfg, tile_in_group = _quant_tiles(config or default_kernel_config(P, E, x.dtype), (w1.group_size, w2.group_size))
+    kern = _triton_kernels()
+
+    al = moe_align(topk_ids, E, block_m=cfg.block_m)
+    rw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
+    h = torch.empty((P, Fd), dtype=x.dtype, device=x.device)  # [P, F]
+    y = torch.empty((P, D), dtype=torch.float32, device=x.device)  # [P, D]
+
+    def strides(q):
+        return (q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
+                q.zeros.stride(0), q.zeros.stride(1))
+
+    max_blocks = al.block_expert.numel()
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  DOT_PRECISION=_dot_precision(x.dtype), UPCAST_DOT=_interpret_mode(),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kern.gate_up_q_kernel[(max_blocks, _cdiv(Fd, cfg.block_n))](
+        x, w1.packed, w1.scales, w1.zeros, w3.packed, w3.scales, w3.zeros, h, al.padded_pair_idx, al.block_expert,
+        P, D, Fd, k,
+        x.stride(0), x.stride(1), h.stride(0), h.stride(1),
+        *strides(w1), *strides(w3),
+        BITS_1=w1.bits, BITS_3=w3.bits, GROUP=w1.group_size, TILE_IN_GROUP=tile_in_group, **common,
+    )
+    kern.down_q_kernel[(max_blocks, _cdiv(D, cfg.block_n))](
+        h, w2.packed, w2.scales, w2.zeros, y, al.padded_pair_idx, al.block_expert, rw,
+        P, D, Fd,
+        h.stride(0), h.stride(1), y.stride(0), y.stride(1),
+        *strides(w2),
+        BITS_2=w2.bits, GROUP=w2.group_size, TILE_IN_GROUP=tile_in_group, **common,
+    )
+    return _sum_slots(y, T, k, D, x.dtype)
+
+
+def fused_experts_paged_triton(
+    x: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PageLayout,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    config: Optional[MoEKernelConfig] = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU FFN computed directly from a stacked page buffer (Triton).
+
+    Quantized schemes: zero-copy :class:`QuantTensor` views of the pages (:func:`page_quant_tensors`)
+    go to :func:`fused_experts_quant_triton` (dequantization in registers). Unquantized schemes:
+    zero-copy strided weight views (:func:`page_weight_views`) go to
+    :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`.
+
+    Args:
+        x: ``[T, D]`` CUDA tensor, bf16 / fp16 (fp32 also accepted).
+        pages: ``uint8 [E, page_bytes]`` on x's device, rows laid out by ``layout``; the row stride may
+            exceed ``page_bytes`` (a slot pool) but must be a multiple of ``layout.segment_align``.
+        layout: :class:`PageLayout` of the pages (from :func:`expert_page_layout`).
+        topk_weights: ``[T, k]`` floating (fp32); topk_ids: ``[T, k]`` int64/int32 in ``[0, E)``.
+        config: tile sizes (default :func:`~lightning_moe.kernels.fused_moe.default_kernel_config`).
+        validate: range-check ids (one host sync).
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``; reference: :func:`experts_ffn_quant_reference`.
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``),
+        out-of-range ids, an unquantized page dtype different from ``x.dtype``.
+        RuntimeError: triton not installed.
+    """
+    fn = "fused_experts_paged_triton"
+    _check_pages_call(fn, x, pages, layout, topk_weights, topk_ids)
+    if x.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: x dtype must be one of {_TRITON_DTYPES}, got {x.dtype}")
+    _check_triton_device(fn, x)
+    if not layout.quantized:
+        if layout.spec.weight_dtype != x.dtype:
+            raise ValueError(f"{fn}: pages store {layout.spec.weight_dtype} weights but x is {x.dtype}")
+        w1, w3, w2 = page_weight_views(pages, layout)
+        return fused_experts_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate)
+    w1, w3, w2 = page_quant_tensors(pages, layout, x.dtype)
+    return fused_experts_quant_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate)
