@@ -3,7 +3,6 @@
     moe-batch run JOB.yaml [--shard I/N] [--set key=value ...] [--no-progress]
     moe-batch merge JOB.yaml --shards N           join shard outputs, check every id exactly once
     moe-batch plan ... / moe-batch profile ...    the planner (see ``moe-batch plan -h``)
-    moe-batch quantize SRC DST --experts int4 [--up int2] [--group-size 128]
 """
 
 from __future__ import annotations
@@ -88,12 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_subcommands(sub)
-    try:
-        from .kernels.quant_cli import add_subcommand as add_quantize
-    except ImportError:
-        pass
-    else:
-        add_quantize(sub)
     return p
 
 

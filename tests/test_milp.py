@@ -57,7 +57,7 @@ def test_milp_equals_brute_force_on_small_grids():
     cands, n_max = [2, 4, 8], 4  # 3 micro-batch sizes x 4 counts x all placements x all attention splits
     seen = collections.Counter()
     solved = 0
-    for seed in range(30):
+    for seed in range(60):  # 60 seeds: CPU attention wins in only a few of them (seeds 45, 50, 52)
         spec, hw, wl, budgets = random_case(seed)
         bf = brute_force(spec, hw, wl, budgets, cands, n_max)
         if bf is None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from typing import Iterable, Optional, Sequence
 
-from lightning_moe.data.writer import _dumps, _fsync_dir, iter_jsonl_records
+from lightning_moe.data.writer import _dumps, atomic_write, iter_jsonl_records
 
 
 class MergeError(ValueError):
@@ -92,21 +91,9 @@ def merge_results(shard_paths: Sequence[str], out_path: str, expected_ids: Optio
             raise MergeError(f"{out_path}: {len(missing)} expected id(s) have no record in the shards: {shown}"
                              + (" ..." if len(missing) > 10 else ""))
         order = expected
-    parent = os.path.dirname(out_abs)
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(out_abs) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for rid in order:
-                f.write(_dumps(by_id[rid]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_abs)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(parent)
+    def write(f) -> None:
+        for rid in order:
+            f.write(_dumps(by_id[rid]))
+
+    atomic_write(out_abs, write)
     return {"records": len(order), "errors": sum(1 for i in order if "error" in by_id[i]), "shards": len(shard_paths)}

@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 class WriterError(ValueError):
@@ -209,14 +209,22 @@ def write_json_atomic(path: str, obj: Any, indent: int = 2) -> None:
     Raises:
         TypeError/ValueError: ``obj`` is not JSON-serializable (``path`` is left untouched).
     """
+    def write(f) -> None:
+        f.write(json.dumps(obj, indent=indent, ensure_ascii=False).encode("utf-8") + b"\n")
+
+    atomic_write(path, write)
+
+
+def atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Create or replace ``path`` atomically: ``write(binary file)`` into a temp file in the same directory,
+    fsync, ``os.replace``, fsync the directory. On any error the temp file is removed and ``path`` is untouched."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=indent, ensure_ascii=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

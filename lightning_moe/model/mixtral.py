@@ -195,9 +195,10 @@ ExpertsFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], 
 def experts_ffn(x: torch.Tensor, ew: ExpertWeights, topk_w: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts: ``y_t = sum_j w_tj * (silu(x_t W1_e^T) * (x_t W3_e^T)) W2_e^T`` with e = ids[t, j].
 
-    Grouped by expert (tokens gathered per expert; experts that receive no token are skipped), in the
-    order of transformers' MixtralExperts: routing weight applied after down_proj, products accumulated
-    with index_add_ in x's dtype. x: [T, D]; ew: [E, F, D] / [E, D, F] on x's device; topk_w fp32 [T, k];
+    Grouped by expert (tokens gathered per expert; experts that receive no token are skipped), with the
+    accumulation order of ``kernels.fused_moe.experts_ffn_reference(order="hf")`` (transformers 5's
+    default Mixtral experts path: routing weight applied after down_proj in fp32, the k slots summed in
+    fp32, one cast to x's dtype). x: [T, D]; ew: [E, F, D] / [E, D, F] on x's device; topk_w fp32 [T, k];
     topk_ids int64 [T, k]. Returns [T, D] in x's dtype.
     """
     from ..kernels.fused_moe import experts_ffn_reference

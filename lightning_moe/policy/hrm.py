@@ -242,13 +242,21 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
 
     The CPU stage is one attention call per CPU micro-batch: n_cpu * cpu_attention_overhead + (H5) of all
     CPU sequences (the overhead term is what makes many small micro-batches slow on the CPU side).
+    When some attention runs on the CPU, the GPU and CPU stages of the same micro-batch depend on each
+    other, so a two-stage pipeline over n micro-batches takes max(G + c_1, C + g_1) (g_1, c_1: one
+    micro-batch's GPU and CPU time): each stage also pays the other's first/last micro-batch. With n = 1
+    this is G + C, no overlap, which is what the executor does.
     """
     dt, q = policy.dtype, policy.weight_quant
     dense = layer < spec.num_dense_layers
     cpu_seqs = policy.n_cpu_attn * policy.mu
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
-    gpu = policy.n * gpu_layer_time(spec, hw, policy.mu, dense, dt, q) + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
+    gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
+    gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
     cpu = policy.n_cpu_attn * hw.cpu_attention_overhead + cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt)
+    if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
+        cpu_mb = hw.cpu_attention_overhead + cpu_decode_attention_time(spec, hw, policy.mu, context, dt)
+        gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu)
 
 

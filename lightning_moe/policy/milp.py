@@ -274,6 +274,9 @@ class _Model:
         self.nbits = _bits(self.L_moe - 1)
         self.beta = [P(f"beta_{i}", cat="Binary") for i in range(self.nbits)]  # binary digits of x
         self.some_extra = P("x_pos", cat="Binary")  # 1 if x > 0
+        self.y_cpu = P("y_cpu", cat="Binary")  # 1 if any micro-batch attends on the CPU (n - g >= 1)
+        # q_m = z_m AND y_cpu (continuous; pushed to its lower bound max(0, z_m + y_cpu - 1) by the objective)
+        self.q = {m: P(f"q_{m}", lowBound=0, upBound=1) for m in C.cands}
         # aggregates (continuous, fixed by equality rows in _aggregates)
         self.N_cpu = P("N_cpu", lowBound=0)  # sequences with CPU KV and CPU attention
         self.N_gpu = P("N_gpu", lowBound=0)  # sequences with GPU KV and GPU attention
@@ -306,6 +309,11 @@ class _Model:
         for m in self.C.cands:
             # v_m <= w_m: GPU-attention micro-batches are a subset of the micro-batches (g <= n)
             self.prob += self.v[m] <= self.w[m], f"v_le_w_{m}"
+            # q_m >= z_m + y_cpu - 1: the pipeline fill terms of the chosen size apply when some attention is on the CPU
+            self.prob += self.q[m] >= self.z[m] + self.y_cpu - 1, f"q_and_{m}"
+        # n - g <= nmax y_cpu: a CPU-attention micro-batch forces y_cpu = 1;  y_cpu <= n - g
+        self.prob += self.n_cpu <= max(self.C.nmax.values()) * self.y_cpu, "y_cpu_def"
+        self.prob += self.y_cpu <= self.n_cpu, "y_cpu_le"
 
     def _residency(self) -> None:
         # x <= L_moe - 1: at most L_moe - 1 layers hold the extra expert (all L_moe would be r + 1 everywhere)
@@ -412,14 +420,16 @@ class _Model:
         C = self.C
         Ct = self._var(f"C_{t}", lowBound=0)
         # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K + (n - g) cpu_call;  (H4) C_t >= D2H
-        self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu, f"C_{t}_gpu"
-        self.prob += Ct >= c * self.K + C.cpu_call * self.n_cpu, f"C_{t}_cpu"
+        # pipeline fill (hrm.decode_layer_times): + one micro-batch of the other stage when y_cpu = 1
+        #   c_1(m) = cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
+        self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"C_{t}_gpu"
+        self.prob += Ct >= c * self.K + C.cpu_call * self.n_cpu + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands), f"C_{t}_cpu"
         self.prob += Ct >= self.D2H, f"C_{t}_d2h"
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
-            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu, f"Cd_{t}_gpu"
-            self.prob += Cd >= c * self.K + C.cpu_call * self.n_cpu, f"Cd_{t}_cpu"
+            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
+            self.prob += Cd >= c * self.K + C.cpu_call * self.n_cpu + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             terms.append(self._dense_sum(str(t), self.A, Cd))
         # (H7) step time = layers + head
