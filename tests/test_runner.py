@@ -75,8 +75,19 @@ def test_interrupted_run_resumes_to_same_records(tmp_path, tiny_dir, monkeypatch
     recs = read_results(job.output.path)
     assert len(recs) == 12 and len({r["id"] for r in recs}) == 12
     assert _by_id(job.output.path) == _by_id(ref.output.path)
-    rep2 = run_job(job, progress=False)  # a third run does nothing
-    assert rep2["records_written_this_run"] == 0 and len(read_results(job.output.path)) == 12
+    rep2 = run_job(job, progress=False)  # a third run does nothing and keeps the finishing run's report
+    assert rep2 == json.load(open(job.output.report_path)) == rep and len(read_results(job.output.path)) == 12
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_job_without_cuda_is_a_clear_error(tmp_path, tiny_dir, capsys):
+    job = tmp_path / "j.yaml"
+    job.write_text(f"model: {tiny_dir}\ndata: {{source: jsonl, path: {_prompts(tmp_path / 'in.jsonl')}}}\n"
+                   f"output: {{path: {tmp_path / 'o.jsonl'}}}\n")  # device defaults to cuda
+    assert cli.main(["run", str(job), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "device: cuda" in err and "device=cpu" in err and str(job) in err
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_sigkill_midrun_then_rerun_matches_uninterrupted(tmp_path, tiny_dir):

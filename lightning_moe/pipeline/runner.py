@@ -26,6 +26,7 @@ from ..data.shard import select_shard
 from ..data.sources import load_requests
 from ..data.tokenize import encode_requests, load_tokenizer
 from ..data.writer import ResultsWriter, error_record, write_json_atomic
+from ..model.quantized import QuantExperts
 from ..model.spec import MoESpec
 from ..model.tiny import resolve_model_path
 from ..model.weights import load_checkpoint
@@ -96,6 +97,9 @@ def job_workload(job_path: str):
 def make_executor(job: Job, prep: Prepared, weights):
     """The executor named by ``job.executor`` ("serial" or "cgopipe"), with its policy when it has one."""
     dtype = DTYPES[job.dtype]
+    if job.executor == "cgopipe" and any(isinstance(e, QuantExperts) for e in weights.experts):
+        raise ValueError(f"model {job.model}: quantized expert pages ({weights.experts[0].scheme}) are not supported by "
+                         f"executor cgopipe yet; set executor: serial")
     if job.executor == "cgopipe":
         from .cgopipe import build_cgopipe  # lazy: it needs the planner
 
@@ -123,7 +127,22 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
+    if job.device.startswith("cuda") and not torch.cuda.is_available():
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
+                          f"(set device: cpu, or --set device=cpu)")
     prep = Prepared(job)
+    if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
+        with ResultsWriter(job.output.path) as w:
+            if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report
+                import json
+
+                with open(job.output.report_path) as f:
+                    old = json.load(f)
+                print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
+                      f"report of the run that finished them: {job.output.report_path}", file=log)
+                return old
     writer = ResultsWriter(job.output.path)
     done = writer.done_ids()
     todo = [t for t in prep.treqs if t.id not in done]
@@ -157,7 +176,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             if hasattr(executor, "policy_summary"):
                 report["policy"] = executor.policy_summary()
             est = getattr(executor, "estimate", None)
-            if est is not None:
+            if est is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
                 report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
                                        "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
                                        "prefill_binding": est.prefill_binding}

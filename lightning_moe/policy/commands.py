@@ -134,6 +134,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
         if not model:
             raise CommandError("--model is required (or a job YAML naming the model)")
+        if not hardware and job is not None:
+            hardware = "h200"  # the same default as `moe-batch run` with policy: auto
         if not hardware:
             raise CommandError("--hardware is required (a preset: t4, l4, a100-40g, h100, h200; or a profile .yaml)")
         spec = resolve_spec(model)
