@@ -3,6 +3,7 @@
     moe-batch run JOB.yaml [--shard I/N] [--set key=value ...] [--no-progress]
     moe-batch merge JOB.yaml --shards N           join shard outputs, check every id exactly once
     moe-batch plan ... / moe-batch profile ...    the planner (see ``moe-batch plan -h``)
+    moe-batch quantize SRC DST --experts int4 [--up int2] [--group-size 128]   int4/int2 expert pages
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_subcommands(sub)
+    from .quantize_cli import add_subcommand as add_quantize
+
+    add_quantize(sub)
     return p
 
 

@@ -5,6 +5,7 @@ bf16, fp16 or fp32 (cast to the requested dtype on load), and both expert layout
 the original per-expert tensors (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``, what Mixtral
 checkpoints on the Hub and transformers' ``save_pretrained`` write) and transformers-5's fused
 in-memory layout (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]).
+A checkpoint written by ``moe-batch quantize`` (model/quantized.py) keeps its experts as packed pages.
 
 Also builds deterministic dummy weights for a spec (speed benchmarks of real configs).
 """
@@ -32,7 +33,7 @@ class ModelWeights:
     norm: torch.Tensor  # [D] final norm
     lm_head: torch.Tensor  # [V, D] (same storage as embed when tied)
     layers: list[LayerWeights]  # non-expert weights, one per decoder layer
-    experts: list[ExpertWeights]  # stacked routed experts, one per decoder layer
+    experts: list[ExpertWeights]  # stacked routed experts per decoder layer (QuantExperts: packed pages, model/quantized.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -41,7 +42,7 @@ class ModelWeights:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of all routed-expert weights."""
+        """Bytes of all routed-expert weights (packed bytes for QuantExperts)."""
         return sum(e.nbytes for e in self.experts)
 
     @property
@@ -95,7 +96,8 @@ class _Reader:
         file = self.where[name]
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
-        return self._open[file].get_tensor(name).to(self.dtype)
+        t = self._open[file].get_tensor(name)
+        return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None) -> ModelWeights:
@@ -106,12 +108,16 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         dtype: torch.float32, torch.bfloat16 or torch.float16; tensors are cast on load.
         spec: the spec, when already read (else from ``path/config.json``).
     Returns:
-        ModelWeights with experts stacked per layer ([E, F, D] / [E, D, F]).
+        ModelWeights with experts stacked per layer ([E, F, D] / [E, D, F]), or, for a quantized
+        checkpoint (config.json has a ``quantization`` section), ``QuantExperts`` (uint8 [E, page_bytes]).
     Raises:
         FileNotFoundError / CheckpointError: missing config, shard or tensor (named in the message).
     """
+    from .quantized import checkpoint_page_layout, read_packed_experts  # lazy: quantized.py imports this module
+
     spec = spec or MoESpec.from_pretrained_dir(path)
     r = _Reader(path, dtype)
+    page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
     layers, experts = [], []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -127,7 +133,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
                 router=r.get(moe + "gate.weight"),
             )
         )
-        if r.has(moe + "experts.gate_up_proj"):  # transformers-5 fused layout
+        if page_layout is not None:  # quantized checkpoint: keep the packed pages
+            experts.append(read_packed_experts(r, moe, page_layout, spec.num_experts))
+        elif r.has(moe + "experts.gate_up_proj"):  # transformers-5 fused layout
             gate_up = r.get(moe + "experts.gate_up_proj")  # [E, 2F, D]
             F = spec.intermediate_size
             experts.append(

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F_
 
 from ..model import mixtral as M
+from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from .cpu_attention import bucket_len, cpu_decode_attention
 from .kv_cache import KVCache
@@ -125,8 +126,16 @@ class SerialExecutor:
             torch.cuda.synchronize(self.device)
 
     def _experts(self, layer: int) -> M.ExpertWeights:
-        """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU)."""
+        """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU).
+
+        Packed pages (:class:`QuantExperts`) are copied as they are and dequantized on the device.
+        """
         ew = self.w.experts[layer]
+        if isinstance(ew, QuantExperts):
+            if not self.on_host:
+                self.stats.h2d_bytes += ew.nbytes
+                ew = ew.to(self.device)
+            return ew.dequantize(self.dtype)
         if ew.w1.dtype != self.dtype:
             ew = M.ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
         if self.on_host:
