@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 
+import re
+
 import pytest
 import torch
 
@@ -178,10 +180,12 @@ def test_cli_quantize_then_run_job(tiny_dir, tmp_path, capsys):
     rep = json.load(open(tmp_path / "out.report.json"))
     assert rep["status"] == "done" and rep["executor"] == "serial"
 
-    # the pipelined executor does not read packed pages yet: one clear line, exit 2
+    # the pipelined executor pages the packed experts: the serial executor's tokens
     assert cli.main(["run", str(job), "--no-progress", "--set", "executor=cgopipe",
-                     "--set", f"output.path={tmp_path / 'cg.jsonl'}"]) == 2
-    assert "not supported by executor cgopipe yet; set executor: serial" in capsys.readouterr().err
+                     "--set", f"output.path={tmp_path / 'cg.jsonl'}"]) == 0
+    cg = {r["id"]: r["output_ids"] for r in map(json.loads, open(tmp_path / "cg.jsonl"))}
+    assert cg == {r["id"]: r["output_ids"] for r in recs}
+    assert json.load(open(tmp_path / "cg.report.json"))["executor"] == "cgopipe"
 
 
 # ---------------------------------------------------------------------------------- (d) bad inputs
@@ -254,3 +258,18 @@ def test_corrupt_quantized_checkpoint_errors(quant_dirs, tmp_path, change, msg):
     json.dump(cfg, open(bad / "config.json", "w"))
     with pytest.raises(CheckpointError, match=msg):
         load_checkpoint(str(bad), torch.float32)
+
+
+def test_plan_reads_the_checkpoint_scheme(quant_dirs, capsys):
+    """`moe-batch plan --model DIR` of a quantized checkpoint plans int4 pages (packed bytes), and a
+    contradicting --quant is an error."""
+    from lightning_moe import cli
+
+    d = quant_dirs["int4"]
+    args = ["plan", "--model", d, "--hardware", "l4", "--gpu-memory", "2GiB", "--cpu-memory", "4GiB",
+            "--prompt-len", "16", "--gen-len", "4", "--num-prompts", "8"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"expert pages\s+int4,", out), out
+    assert cli.main(args + ["--quant", "bf16"]) == 2
+    assert "holds int4" in capsys.readouterr().err

@@ -33,7 +33,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..kernels.fused_moe import experts_ffn_reference_from
+from ..kernels.quant import PageLayout as QuantPageLayout, unpack_expert_page
 from ..model import mixtral as M
+from ..model.quantized import QuantExperts, checkpoint_scheme
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from .cpu_attention import bucket_len, cpu_decode_attention
@@ -41,6 +43,8 @@ from .kv_cache import KVCache
 from .microbatch import group_by_length
 from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
 from .serial import FinishCallback, RunStats, SamplingParams, sample, split_token_scores
+
+_PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_bytes] page per expert
 
 
 @dataclass
@@ -91,12 +95,15 @@ class CGOPipeExecutor:
     Args:
         weights: host weights. Their experts are moved into one exact-size pinned page pool (and the
             per-layer expert tensors are released from ``weights`` as they are copied, so host memory
-            holds each expert once).
+            holds each expert once). Quantized checkpoints (:class:`QuantExperts`) stay packed: the pool,
+            the page buffers and the resident experts hold one ``uint8 [page_bytes]`` page per expert, so
+            pages cross PCIe as packed bytes and are dequantized on the device.
         policy: mu, n, prefill micro-batch, resident experts, GPU-attention micro-batches.
         device: "cuda[:i]" (or "cpu": same loop, synchronous copies; for tests).
         dtype: compute dtype (default: the weights').
         ffn: "torch" (the reference expert loop, bit-identical to the serial executor) or "triton"
-            (kernels.fused_moe.fused_experts_triton on layers without resident experts).
+            (kernels.fused_moe.fused_experts_triton, or kernels.quant.fused_experts_paged_triton over
+            packed pages; CUDA only).
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
@@ -119,14 +126,20 @@ class CGOPipeExecutor:
         if isinstance(policy.resident_experts, tuple) and policy.resident_experts and isinstance(policy.resident_experts[0], tuple):
             resident = frozenset(policy.resident_experts)
         self.paging = ExpertPaging(spec.num_layers, spec.num_experts, max(1, policy.n), resident)
-        self.pool = HostPagePool.for_experts(self.paging, ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dt), pin=self.cuda)
         experts = weights.experts
-        self.resident = ResidentExperts(self.paging, [self._cast(e) for e in experts], dev)
+        self.page_layout = self._packed_layout(experts)  # kernels.quant layout of packed pages, or None (dense)
+        if self.page_layout is None:
+            specs = ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dt)
+        else:  # one packed page per expert, moved as it is (dequantized on the device)
+            specs = [(_PAGE, torch.uint8, (self.page_layout.page_bytes,))]
+        names = tuple(n for n, _, _ in specs)
+        self.pool = HostPagePool.for_experts(self.paging, specs, pin=self.cuda)
+        self.resident = ResidentExperts(self.paging, [self._expert_tensors(e) for e in experts], dev, names)
         for l in range(spec.num_layers):  # stream layer by layer into the pool, releasing host copies
-            ew = self._cast(experts[l])
+            ew = self._expert_tensors(experts[l])
             for p in range(self.paging.layer_pages(l)):
-                ids = self.paging.page_experts(l, p)
-                self.pool.write_page(l, p, {"w1": ew.w1[list(ids)], "w3": ew.w3[list(ids)], "w2": ew.w2[list(ids)]})
+                ids = list(self.paging.page_experts(l, p))
+                self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
             experts[l] = None  # the pool now holds this layer's experts
         self.buffers = GpuPageBuffers(self.pool, dev, 2)
         if self.cuda:
@@ -146,6 +159,30 @@ class CGOPipeExecutor:
     def _cast(self, ew: M.ExpertWeights) -> M.ExpertWeights:
         return ew if ew.w1.dtype == self.dtype else M.ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
 
+    def _expert_tensors(self, ew) -> dict[str, torch.Tensor]:
+        """A layer's experts as the pool's named tensors: ``{"page": uint8 [E, page_bytes]}`` for packed
+        experts (no dequantization on the host), else ``{"w1", "w3", "w2"}`` in the compute dtype."""
+        if isinstance(ew, QuantExperts):
+            return {_PAGE: ew.pages}
+        ew = self._cast(ew)
+        return {"w1": ew.w1, "w3": ew.w3, "w2": ew.w2}
+
+    @staticmethod
+    def _packed_layout(experts) -> Optional[QuantPageLayout]:
+        """The page layout shared by every layer's :class:`QuantExperts`, or None for dense experts.
+
+        Raises:
+            ValueError: some layers packed and others dense, or layers with different page layouts.
+        """
+        layouts = {e.layout for e in experts if isinstance(e, QuantExperts)}
+        if not layouts:
+            return None
+        if len(layouts) > 1 or any(not isinstance(e, QuantExperts) for e in experts):
+            raise ValueError("cgopipe: every layer's experts must be packed pages of one layout "
+                             f"(got {len(layouts)} layouts, dense layers mixed in: "
+                             f"{any(not isinstance(e, QuantExperts) for e in experts)})")
+        return layouts.pop()
+
     def close(self) -> None:
         """Release the worker thread and unregister the pinned pool."""
         self.workers.shutdown(wait=True)
@@ -158,6 +195,7 @@ class CGOPipeExecutor:
         p = self.policy
         return {"mu": p.mu, "n": p.n, "N": p.N, "prefill_mu": p.prefill_mu, "resident_experts": sum(
             len(self.paging.resident_experts(l)) for l in range(self.spec.num_layers)), "n_gpu_attn": p.n_gpu_attn,
+            "expert_pages": self.page_layout.scheme if self.page_layout is not None else str(self.dtype).replace("torch.", ""),
             "host_pool_bytes": self.pool.nbytes, "page_buffer_bytes": self.buffers.nbytes, "resident_bytes": self.resident.nbytes}
 
     # ---- weights: page buffers ------------------------------------------------------------------
@@ -194,34 +232,54 @@ class CGOPipeExecutor:
         """FFN over the layer's experts (resident + paged).
 
         "torch": the reference expert loop with the same per-expert ops as the serial executor (exact
-        equality of tokens; it synchronizes the host once per expert to gather tokens). "triton": the
-        sync-free grouped kernel, once over the paged experts and once over the resident ones, each with
-        the other group's routing weights zeroed (the same tokens' work computed twice is cheaper than a
-        host sync at decode sizes).
+        equality of tokens; it synchronizes the host once per expert to gather tokens); packed pages are
+        dequantized per expert on the device, as the serial executor does. "triton": the sync-free
+        grouped kernel, once over the paged experts and once over the resident ones, each with the other
+        group's routing weights zeroed (the same tokens' work computed twice is cheaper than a host sync
+        at decode sizes); packed pages are dequantized in registers (fused_experts_paged_triton).
         """
-        E = self.spec.num_experts
         if self.ffn == "triton" and self.cuda:
-            from ..kernels.fused_moe import fused_experts_triton
-
-            is_paged, row = self.paging.index_tensors(lx.layer, self.device)
-            groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g["w1"].shape[0] > 0]
-
-            def triton_ffn(h, ew, w, ids):
-                out = None
-                for g, member in groups:
-                    sel = member[ids]  # [T, k] expert of this slot lives in group g
-                    y = fused_experts_triton(h, g["w1"], g["w3"], g["w2"], torch.where(sel, w, torch.zeros_like(w)),
-                                             torch.where(sel, row[ids], torch.zeros_like(ids)), validate=False)
-                    out = y if out is None else out + y
-                return out
-
-            return triton_ffn
-
-        def get(e):
-            t = lx.expert(e)
-            return t["w1"], t["w3"], t["w2"]
-
+            return self._triton_ffn(lx)
+        get, E = self._expert_getter(lx), self.spec.num_experts
         return lambda h, ew, w, ids: experts_ffn_reference_from(h, get, E, w, ids)
+
+    def _expert_getter(self, lx):
+        """``get(e) -> (w1 [F, D], w3 [F, D], w2 [D, F])`` of expert ``e`` in the compute dtype."""
+        if self.page_layout is None:
+            def get(e):
+                t = lx.expert(e)
+                return t["w1"], t["w3"], t["w2"]
+        else:
+            lay, dt = self.page_layout, self.dtype
+
+            def get(e):  # the same pure-torch dequantization as QuantExperts.dequantize (serial executor)
+                return unpack_expert_page(lx.expert(e)[_PAGE], lay, dt)
+        return get
+
+    def _triton_ffn(self, lx):
+        """Grouped Triton FFN over the paged and the resident experts of ``lx`` (see :meth:`_experts_fn`)."""
+        from ..kernels.fused_moe import fused_experts_triton
+        from ..kernels.quant import fused_experts_paged_triton
+
+        lay = self.page_layout
+        is_paged, row = self.paging.index_tensors(lx.layer, self.device)
+        first = _PAGE if lay is not None else "w1"
+        groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g[first].shape[0] > 0]
+
+        def group_ffn(h, g, w, ids):
+            if lay is not None:  # stacked packed pages [E_group, page_bytes]
+                return fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False)
+            return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False)
+
+        def triton_ffn(h, ew, w, ids):
+            out = None
+            for g, member in groups:
+                sel = member[ids]  # [T, k] expert of this slot lives in group g
+                y = group_ffn(h, g, torch.where(sel, w, torch.zeros_like(w)), torch.where(sel, row[ids], torch.zeros_like(ids)))
+                out = y if out is None else out + y
+            return out
+
+        return triton_ffn
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], full_logits: bool) -> list[torch.Tensor]:
@@ -479,16 +537,17 @@ def policy_for_job(job, prep):
     from .runner import job_workload_from_prepared
 
     dt = _DT[job.dtype]
+    wq = checkpoint_scheme(prep.model_path) or dt  # a quantized checkpoint's pages move packed
     if isinstance(job.policy, dict):
         fields = dict(job.policy)
         fields.setdefault("dtype", dt)
-        fields.setdefault("weight_quant", dt)
+        fields.setdefault("weight_quant", wq)
         fields.setdefault("prefill_mu", fields.get("mu", 1))
         return Policy(**fields), None
     if isinstance(job.policy, str) and job.policy != "auto":
         return Policy.load(job.policy), None
     hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
-    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=dt,
+    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
                                    **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
     return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)

@@ -8,6 +8,7 @@ errors are one line on stderr, never a traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -143,7 +144,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu_mem = args.gpu_memory or (getattr(job, "gpu_memory", None) if job is not None else None) or hw.gpu_memory
         cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
         dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
-        budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or dtype, dtype=dtype,
+        from ..model.quantized import checkpoint_scheme  # a quantized checkpoint declares its page format
+
+        ckpt_q = checkpoint_scheme(model) if os.path.isdir(model) else None
+        if args.quant and ckpt_q and args.quant != ckpt_q:
+            raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
+        budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
                           gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
                           cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve)
         t0 = time.perf_counter()
