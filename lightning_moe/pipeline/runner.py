@@ -26,7 +26,6 @@ from ..data.shard import select_shard
 from ..data.sources import load_requests
 from ..data.tokenize import encode_requests, load_tokenizer
 from ..data.writer import ResultsWriter, error_record, write_json_atomic
-from ..model.quantized import QuantExperts
 from ..model.spec import MoESpec
 from ..model.tiny import resolve_model_path
 from ..model.weights import load_checkpoint
@@ -97,9 +96,6 @@ def job_workload(job_path: str):
 def make_executor(job: Job, prep: Prepared, weights):
     """The executor named by ``job.executor`` ("serial" or "cgopipe"), with its policy when it has one."""
     dtype = DTYPES[job.dtype]
-    if job.executor == "cgopipe" and any(isinstance(e, QuantExperts) for e in weights.experts):
-        raise ValueError(f"model {job.model}: quantized expert pages ({weights.experts[0].scheme}) are not supported by "
-                         f"executor cgopipe yet; set executor: serial")
     if job.executor == "cgopipe":
         from .cgopipe import build_cgopipe  # lazy: it needs the planner
 
