@@ -219,3 +219,13 @@ def test_example_jobs_load(name):
     j = load_job(os.path.join(REPO, "jobs", name))
     assert j.device == "cpu" and j.dtype == "float32" and j.model == "tiny-mixtral"
     assert j.output.path.startswith(os.path.join(REPO, "results") + os.sep)
+
+
+def test_expert_ffn_key(jobdir):
+    from lightning_moe.pipeline.cgopipe import expert_ffn_for
+
+    j = load_job(write_job(jobdir, BASE + "device: cpu\n"))
+    assert j.expert_ffn == "auto" and expert_ffn_for(j) == "torch"  # auto on the CPU: the reference loop
+    assert expert_ffn_for(load_job(write_job(jobdir, BASE + "device: cpu\nexpert_ffn: triton\n"))) == "triton"
+    with pytest.raises(ConfigError, match=r"x\.yaml: expert_ffn: .*cuda-graph"):
+        load_job(write_job(jobdir, BASE + "expert_ffn: cuda-graph\n"))

@@ -193,7 +193,7 @@ class CGOPipeExecutor:
     def policy_summary(self) -> dict:
         """The policy as a dict (for the run report)."""
         p = self.policy
-        return {"mu": p.mu, "n": p.n, "N": p.N, "prefill_mu": p.prefill_mu, "resident_experts": sum(
+        return {"expert_ffn": self.ffn, "mu": p.mu, "n": p.n, "N": p.N, "prefill_mu": p.prefill_mu, "resident_experts": sum(
             len(self.paging.resident_experts(l)) for l in range(self.spec.num_layers)), "n_gpu_attn": p.n_gpu_attn,
             "expert_pages": self.page_layout.scheme if self.page_layout is not None else str(self.dtype).replace("torch.", ""),
             "host_pool_bytes": self.pool.nbytes, "page_buffer_bytes": self.buffers.nbytes, "resident_bytes": self.resident.nbytes}
@@ -553,10 +553,21 @@ def policy_for_job(job, prep):
     return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
 
 
+def expert_ffn_for(job) -> str:
+    """The job's ``expert_ffn``: "auto" is "triton" on CUDA when triton imports, else "torch"."""
+    if job.expert_ffn != "auto":
+        return job.expert_ffn
+    if job.device.startswith("cuda"):
+        from ..kernels.fused_moe import triton_available
+
+        return "triton" if triton_available() else "torch"
+    return "torch"
+
+
 def build_cgopipe(job, prep, weights: ModelWeights) -> CGOPipeExecutor:
-    """CGOPipe for a job, with the policy from :func:`policy_for_job`."""
+    """CGOPipe for a job, with the policy from :func:`policy_for_job` and the FFN from :func:`expert_ffn_for`."""
     policy, est = policy_for_job(job, prep)
     ex = CGOPipeExecutor(weights, policy, job.device, {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                                        "float16": torch.float16}[job.dtype])
+                                                        "float16": torch.float16}[job.dtype], ffn=expert_ffn_for(job))
     ex.estimate = est
     return ex
