@@ -42,6 +42,8 @@ def test_generate_writes_all_records_and_report(tmp_path, tiny_dir):
     rep = run_job(job, progress=False)
     recs = read_results(job.output.path)
     assert len(recs) == 12 and len({r["id"] for r in recs}) == 12
+    lens = [r["prompt_tokens"] for r in recs]
+    assert lens == sorted(lens) and len(set(lens)) > 3  # batches are formed from length-sorted requests
     r0 = recs[0]
     assert set(r0) >= {"id", "prompt_tokens", "text", "output_ids", "finish_reason"}
     assert len(r0["output_ids"]) == 6 and r0["finish_reason"] == "length"

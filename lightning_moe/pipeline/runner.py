@@ -153,7 +153,10 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     errors = [t for t in todo if t.error is not None]
     for t in errors:  # validation failures under on_error: record
         writer.write(error_record(t.id, t.error))
-    work = [t for t in todo if t.error is None]
+    # batches of similar length: decode attention and the KV cache pad each (micro-)batch to its longest row;
+    # records are keyed by id, so the order they are written in does not matter (merge restores input order)
+    work = sorted((t for t in todo if t.error is None),
+                  key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
     stats = RunStats()
     records_written = len(errors)
     score_records: list[dict] = []
