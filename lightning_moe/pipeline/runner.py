@@ -11,6 +11,7 @@ Order of work (so bad input fails fast and finished work is never lost):
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -132,8 +133,6 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         with ResultsWriter(job.output.path) as w:
             if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report
-                import json
-
                 with open(job.output.report_path) as f:
                     old = json.load(f)
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
