@@ -18,7 +18,8 @@ import re
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
-import yaml
+
+from .yaml_io import read_yaml, write_yaml
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 GB = 1e9
@@ -168,19 +169,11 @@ class HardwareProfile:
 
         Raises FileNotFoundError, HardwareError (bad YAML, unknown key, wrong type; names the file).
         """
-        with open(path) as f:
-            try:
-                d = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                raise HardwareError(f"{path}: not valid YAML: {e}") from None
-        return cls.from_dict(d, where=path)
+        return cls.from_dict(read_yaml(path, HardwareError), where=path)
 
     def save(self, path: str, header: str = "") -> None:
         """Write as YAML (field order kept); ``header`` lines are written as comments first."""
-        text = "".join(f"# {line}\n" for line in header.splitlines()) if header else ""
-        text += yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)
-        with open(path, "w") as f:
-            f.write(text)
+        write_yaml(path, self.to_dict(), header)
 
     def with_overrides(self, **kw: Any) -> "HardwareProfile":
         """A copy with some fields replaced (e.g. ``gpu_memory``)."""

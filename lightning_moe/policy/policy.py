@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-import yaml
+
+from .yaml_io import read_yaml, write_yaml
 
 from ..model.spec import DTYPE_BYTES, QUANT_FORMATS, MoESpec
 from .hardware import GiB, HardwareProfile, format_bytes, parse_bytes
@@ -246,19 +247,11 @@ class Policy:
     @classmethod
     def load(cls, path: str) -> "Policy":
         """Read a policy YAML written by :meth:`save` (``moe-batch plan --output``). Raises PolicyError."""
-        with open(path) as f:
-            try:
-                d = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                raise PolicyError(f"{path}: not valid YAML: {e}") from None
-        return cls.from_dict(d, where=path)
+        return cls.from_dict(read_yaml(path, PolicyError), where=path)
 
     def save(self, path: str, header: str = "") -> None:
         """Write as YAML; ``header`` lines (e.g. the predicted throughput) go first as comments."""
-        text = "".join(f"# {line}\n" for line in header.splitlines()) if header else ""
-        text += yaml.safe_dump(self.to_dict(), sort_keys=False, width=120, default_flow_style=None)
-        with open(path, "w") as f:
-            f.write(text)
+        write_yaml(path, self.to_dict(), header)
 
 
 def _fmt_time(s: float) -> str:
