@@ -62,6 +62,11 @@ CASES = {c.name: c for c in [
     Case("l8-10g-g32", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, executors=("cgopipe", "serial", "accelerate")),
     Case("l4-8g-g16", 4, 8 * GiB, cpu_cap=24 * GiB, gen_len=16, executors=("cgopipe", "serial", "accelerate"),
          baseline_steps=2, baseline_batches=(16,)),
+    # issue 6: the same settings with int4 expert pages (group 128), against the bf16 case of the same run
+    Case("full32-24g-g128-int4", None, 24 * GiB, gen_len=128, quant="int4"),
+    Case("full32-24g-g32-int4", None, 24 * GiB, gen_len=32, quant="int4"),
+    Case("full32-16g-g32-int4", None, 16 * GiB, gen_len=32, quant="int4"),
+    Case("l8-10g-g32-int4", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, quant="int4"),
 ]}
 
 
@@ -96,9 +101,15 @@ def fill(prompts: list[list[int]], n: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0):
-    """Non-expert weights random per layer; one random expert set shared by every layer (see module doc)."""
+def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0, quant: str = "bf16"):
+    """Non-expert weights random per layer; one random expert set shared by every layer (see module doc).
+
+    ``quant`` "int4" / "int2-up" / ...: the shared experts are packed into uniform pages
+    (kernels.quant.pack_expert_pages, group 128, fp16 scales; on the GPU when there is one, which takes
+    seconds instead of minutes) and every layer gets the same :class:`QuantExperts` (host tensors).
+    """
     from lightning_moe.model.mixtral import ExpertWeights, LayerWeights
+    from lightning_moe.model.quantized import QuantExperts
     from lightning_moe.model.weights import ModelWeights
 
     g = torch.Generator().manual_seed(seed)
@@ -118,6 +129,12 @@ def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0):
     layers = [LayerWeights(torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
                            rnd(D, spec.q_size), torch.ones(D, dtype=dtype), rnd(E, D, std=1.0)) for _ in range(spec.num_layers)]
     shared = ExpertWeights(tiled(E, F, D), tiled(E, F, D), tiled(E, D, F))
+    if quant not in ("bf16", "fp16", "fp32"):
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        shared = QuantExperts.quantize(ExpertWeights(*(t.to(dev) for t in (shared.w1, shared.w3, shared.w2))), quant)
+        shared = QuantExperts(shared.pages.cpu(), shared.layout)
+        if dev == "cuda":
+            torch.cuda.empty_cache()  # the packing temporaries must not count against the cap's budget
     experts = [shared for _ in range(spec.num_layers)]
     return ModelWeights(spec, rnd(spec.vocab_size, D, std=1.0), torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)
 
@@ -157,8 +174,8 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     prompts = fill(base, policy.N)
     cap_gpu(case.gpu_cap)
     t0 = time.perf_counter()
-    w = shared_dummy_weights(spec)
-    log("dummy weights ready")
+    w = shared_dummy_weights(spec, quant=case.quant)
+    log(f"dummy weights ready ({case.quant} expert pages)")
     ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn)
     del w
     t_setup = time.perf_counter() - t0
@@ -294,7 +311,7 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
             p = r["policy"]
             pol = f"{p['mu']} x {p['n']} = {p['mu'] * p['n']}, r={p['resident_experts']}, g={p['n_gpu_attn']}"
             ratio = r["decode_tok_s"] / r["pred_decode_tok_s"] if r["pred_decode_tok_s"] else float("nan")
-            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}) | {pol} | "
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}) | {pol} | "
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
