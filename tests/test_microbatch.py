@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 
-from lightning_moe.pipeline.microbatch import batches, partition
+from lightning_moe.pipeline.microbatch import KV_GROUPS, batches, length_groups, padded_positions, partition
 
 
 def _optimum(lengths: list[int], mu: int, n: int) -> int:
@@ -137,3 +138,78 @@ def test_batches() -> None:
     for bad in (0, -2, 1.0, None):
         with pytest.raises(ValueError):
             batches([1, 2], bad)
+
+
+# ---- length_groups: least padded positions of a grouped KV cache ---------------------------------
+def _padded_brute_force(lengths: list[int], max_groups: int) -> int:
+    """Exact min over every assignment of rows to at most max_groups groups of sum_g |g| max(g)."""
+    best = None
+    for assign in itertools.product(range(max_groups), repeat=len(lengths)):
+        groups = [[i for i, a in enumerate(assign) if a == g] for g in range(max_groups)]
+        cost = padded_positions(lengths, groups)
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+def _check_groups(groups: list[list[int]], lengths: list[int], max_groups: int) -> None:
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row exactly once
+    assert all(groups) and len(groups) <= min(max_groups, len(set(lengths)))
+    assert all(g == sorted(g, key=lambda i: (lengths[i], i)) for g in groups)  # sorted by length inside
+    assert all(lengths[a[-1]] < lengths[b[0]] for a, b in zip(groups, groups[1:]))  # increasing, equal lengths together
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_length_groups_optimal_vs_brute_force(seed: int) -> None:
+    rng = random.Random(7000 + seed)
+    count, G = rng.randint(1, 7), rng.randint(1, 4)
+    lengths = [rng.choice([rng.randint(1, 12), rng.randint(1, 400)]) for _ in range(count)]
+    groups = length_groups(lengths, G)
+    _check_groups(groups, lengths, G)
+    assert padded_positions(lengths, groups) == _padded_brute_force(lengths, G), (lengths, G, groups)
+
+
+def _padded_dp(lengths: list[int], G: int) -> int:
+    """Textbook O(G U^2) DP over the sorted distinct lengths (reference for larger inputs)."""
+    u = sorted(set(lengths))
+    C = [0]
+    for x in u:
+        C.append(C[-1] + lengths.count(x))
+    f = [0] + [float("inf")] * len(u)
+    best = float("inf")
+    for _ in range(G):
+        f = [float("inf")] + [min(f[i] + (C[j] - C[i]) * u[j - 1] for i in range(j)) for j in range(1, len(u) + 1)]
+        best = min(best, f[-1])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_length_groups_equals_quadratic_dp(seed: int) -> None:
+    rng = random.Random(9000 + seed)
+    lengths = [rng.choice([rng.randint(0, 60), rng.randint(0, 3000)]) for _ in range(rng.randint(1, 150))]
+    G = rng.randint(1, 10)
+    groups = length_groups(lengths, G)
+    _check_groups(groups, lengths, G)
+    assert padded_positions(lengths, groups) == _padded_dp(lengths, G)
+
+
+def test_length_groups_edge_cases_and_speed() -> None:
+    assert length_groups([], 8) == []
+    assert length_groups([5, 3, 9], 1) == [[1, 0, 2]]  # G = 1: one group, sorted by length
+    assert length_groups([4, 4, 4], 8) == [[0, 1, 2]]  # never more groups than distinct lengths
+    assert length_groups([3, 90, 5, 41, 40], 3) == [[0, 2], [4, 3], [1]]
+    assert length_groups([3, 90, 5, 41, 40], 8) == [[0], [2], [4], [3], [1]]
+    with pytest.raises(ValueError):
+        length_groups([1, 2], 0)
+    with pytest.raises(ValueError):
+        length_groups([1, -2], 2)
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 4096) for _ in range(2048)]
+    t0 = time.perf_counter()
+    groups = length_groups(lengths, KV_GROUPS)
+    assert time.perf_counter() - t0 < 1.0  # O(G U) with U ~ 1600 distinct lengths: milliseconds
+    _check_groups(groups, lengths, KV_GROUPS)
+    assert len(groups) == KV_GROUPS
+    # more groups never pad more; G = U pads nothing
+    costs = [padded_positions(lengths, length_groups(lengths, g)) for g in (1, 2, 4, 8, 16)]
+    assert costs == sorted(costs, reverse=True) and costs[0] == 2048 * max(lengths)
+    assert padded_positions(lengths, length_groups(lengths, len(set(lengths)))) == sum(lengths)

@@ -38,8 +38,8 @@ from ..model import mixtral as M
 from ..model.quantized import QuantExperts, checkpoint_scheme
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
-from .cpu_attention import bucket_len, cpu_decode_attention
-from .kv_cache import KVCache
+from .cpu_attention import cpu_decode_attention
+from .kv_cache import KV_GROUPS, GroupedKVCache
 from .microbatch import group_by_length
 from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
 from .serial import FinishCallback, RunStats, SamplingParams, sample, split_token_scores
@@ -52,7 +52,7 @@ class MicroBatch:
     """Sequences of one micro-batch and where its KV cache lives."""
 
     rows: list[int]  # indices into the batch's prompt list
-    kv: KVCache  # this micro-batch's cache (rows 0..len(rows)-1), on the CPU or the GPU
+    kv: Optional[GroupedKVCache]  # this micro-batch's cache (rows 0..len(rows)-1, length groups), CPU or GPU; None: no KV
     on_gpu: bool  # attention + KV on the GPU (policy.n_gpu_attn) instead of the CPU
     x: Optional[torch.Tensor] = None  # [mu_k, D] hidden states on the GPU during a decode step
     pos: Optional[torch.Tensor] = None  # int64 [mu_k] on the GPU: position of the next token of each row
@@ -104,16 +104,19 @@ class CGOPipeExecutor:
         ffn: "torch" (the reference expert loop, bit-identical to the serial executor) or "triton"
             (kernels.fused_moe.fused_experts_triton, or kernels.quant.fused_experts_paged_triton over
             packed pages; CUDA only).
+        kv_groups: length groups per micro-batch KV cache (:class:`GroupedKVCache`; default KV_GROUPS = 8,
+            the number the planner's memory model assumes).
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
-                 dtype: Optional[torch.dtype] = None, ffn: str = "torch"):
+                 dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS):
         self.spec = spec = weights.spec
         self.policy = policy
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype or weights.dtype
         self.ffn = ffn
+        self.kv_groups = kv_groups
         self.batch_size = policy.N
         dev, dt = self.device, self.dtype
         self.layers = [lw.to(dev, dt) for lw in weights.layers]
@@ -332,12 +335,12 @@ class CGOPipeExecutor:
         return M.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq)  # [mu,Hq,hd] [mu,Hkv,hd] x2
 
     def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
+        """Append k/v to the micro-batch's GPU cache and attend, one ``M.decode_attention`` per length group.
+        q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU."""
         rows = torch.arange(len(mb.rows))
         mb.kv.append(l, rows, k, v)
-        new_len = mb.kv.lengths + 1
-        upto = bucket_len(int(new_len.max()), mb.kv.max_len)
-        K, V = mb.kv.view(l, None, upto)
-        return M.decode_attention(q, K, V, new_len, self.spec.sliding_window)  # [mu, Hq*hd]
+        sw = self.spec.sliding_window
+        return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: M.decode_attention(qg, K, V, n, sw))
 
     def _send_qkv(self, q, k, v):
         """D2H of q/k/v (after the compute stream produced them); returns host tensors + ready event."""
@@ -362,9 +365,8 @@ class CGOPipeExecutor:
             q, k, v = qkv
             rows = torch.arange(len(mb.rows))
             mb.kv.append(l, rows, k, v)
-            new_len = mb.kv.lengths + 1
-            K, V = mb.kv.view(l, None, mb.kv.max_len)
-            out = cpu_decode_attention(q, K, V, new_len, self.spec.sliding_window)
+            sw = self.spec.sliding_window  # one fused call per length group, each over its own bucketed length
+            out = mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw))
             if self.cuda:
                 out = out.pin_memory()
         self.timer.add_host("cpu_attention", time.perf_counter() - t0)
@@ -430,7 +432,15 @@ class CGOPipeExecutor:
         return [M.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
 
     # ---- public API ---------------------------------------------------------------------------
-    def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int) -> list[MicroBatch]:
+    def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int,
+                       kv_groups: Optional[int] = None) -> list[MicroBatch]:
+        """Micro-batches of at most ``mu`` rows grouped by prompt length (microbatch.group_by_length); the first
+        ``policy.n_gpu_attn`` (the shortest) keep KV and attention on the GPU when on CUDA.
+
+        With ``with_kv`` each gets a :class:`GroupedKVCache` whose rows need prompt length + ``extra``
+        positions (``extra`` = max_new_tokens), split into at most ``kv_groups`` (default ``self.kv_groups``)
+        length groups.
+        """
         lens = [len(p) for p in prompts]
         n = -(-len(prompts) // mu)
         groups = [g for g in group_by_length(lens, mu, n) if g]
@@ -439,8 +449,8 @@ class CGOPipeExecutor:
             on_gpu = self.cuda and k < self.policy.n_gpu_attn
             kv = None
             if with_kv:
-                kv = KVCache(self.spec, len(rows), max(lens[r] for r in rows) + extra, self.dtype,
-                             self.device if on_gpu else "cpu")
+                kv = GroupedKVCache(self.spec, [lens[r] + extra for r in rows], self.dtype,
+                                    self.device if on_gpu else "cpu", max_groups=kv_groups or self.kv_groups)
                 kv.lengths[:] = torch.tensor([lens[r] for r in rows])
             mbs.append(MicroBatch(rows, kv, on_gpu))
         return mbs

@@ -1,15 +1,24 @@
 """KV caches: a ragged per-layer CPU cache for N sequences, and the same layout on the GPU.
 
-Each layer holds K and V as ``[B, Hkv, S_max, hd]`` with S_max = the longest prompt + max_new_tokens
-of the batch (sized exactly, allocated once), plus the per-sequence number of valid positions.
+:class:`KVCache`: each layer holds K and V as ``[B, Hkv, S_max, hd]`` with S_max = the longest prompt +
+max_new_tokens of the batch (sized exactly, allocated once), plus the per-sequence number of valid positions.
 Rows are sequences; a row's positions beyond its length are never read (decode attention masks them).
+
+:class:`GroupedKVCache` (CGOPipe's micro-batches): the rows are split into at most ``max_groups`` groups of
+similar final length (pipeline/microbatch.length_groups, which minimises the padded positions), each
+group one dense ``[B_g, Hkv, S_g, hd]`` tensor per layer sized for its own longest row; decode attention
+runs once per group over that group's rows only.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence
+
 import torch
 
 from ..model.spec import MoESpec
+from .cpu_attention import bucket_len
+from .microbatch import KV_GROUPS, length_groups
 
 
 class KVCache:
@@ -64,3 +73,151 @@ class KVCache:
             return k, v
         r = rows.to(k.device)
         return k.index_select(0, r), v.index_select(0, r)
+
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class GroupedKVCache:
+    """Per-layer K/V storage for ``B`` sequences in length groups, on one device.
+
+    The rows (the caller's sequences, numbered 0..B-1 in the caller's order) are grouped by final length
+    with :func:`~lightning_moe.pipeline.microbatch.length_groups` (at most ``max_groups`` groups, least
+    padded positions); group g stores K and V of each layer as ``[B_g, Hkv, S_g, hd]`` with S_g its longest
+    final length (a group's slots hold its rows in ascending caller order). The interface is :class:`KVCache`'s as the pipelined executor uses it (:attr:`lengths`,
+    :meth:`write_prefill`, :meth:`append`, :attr:`nbytes`), plus :meth:`attend`, which runs decode attention
+    per group and returns rows in the caller's order.
+
+    Args:
+        spec: model architecture (layers, KV heads, head dim, sliding window).
+        final_lengths: per row, the positions it will need (prompt length + max_new_tokens), ints >= 1.
+        dtype: storage dtype (the model dtype).
+        device: "cpu" (default; host memory) or a CUDA device for GPU-attention micro-batches.
+        pin: page-lock the CPU storage; ignored on GPU or without CUDA.
+        max_groups: the most groups (default KV_GROUPS = 8); 1 gives :class:`KVCache`'s single tensor.
+    Memory: ``2 * L * Hkv * hd * itemsize * sum_g B_g * S_g`` bytes, see :attr:`nbytes`.
+    Raises:
+        ValueError: no rows, a final length < 1, or ``max_groups`` not a positive int.
+    """
+
+    def __init__(self, spec: MoESpec, final_lengths: Sequence[int], dtype: torch.dtype, device="cpu",
+                 pin: bool = False, max_groups: int = KV_GROUPS):
+        lens = [int(x) for x in final_lengths]
+        if not lens or min(lens) < 1:
+            raise ValueError(f"GroupedKVCache: need >= 1 row, each with a final length >= 1 (got {len(lens)} rows, "
+                             f"min {min(lens) if lens else None})")
+        groups = length_groups(lens, max_groups)
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # compare equal to tensors' devices (cuda:i)
+            dev = torch.device("cuda", torch.cuda.current_device())
+        pin = pin and dev.type == "cpu" and torch.cuda.is_available()
+        B, L, Hkv, hd = len(lens), spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.device = dev
+        self.sizes = [max(lens[r] for r in g) for g in groups]  # S_g per group
+        # caller rows of each group (host), ascending: with one group the cache is in the caller's order
+        self.rows = [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
+        self._rows_dev = [r.to(dev) for r in self.rows]
+        self._slots_dev = [torch.arange(len(r), device=dev) for r in self.rows]
+        self._all = torch.arange(len(lens))
+        self.group_of = torch.empty(B, dtype=torch.int64)  # row -> group
+        self.slot_of = torch.empty(B, dtype=torch.int64)  # row -> index inside its group
+        for gi, r in enumerate(self.rows):
+            self.group_of[r] = gi
+            self.slot_of[r] = torch.arange(len(r))
+        self._identity = len(groups) == 1 and torch.equal(self.rows[0], torch.arange(B))  # one group, caller order
+        # k[layer][g], v[layer][g]: [B_g, Hkv, S_g, hd]
+        self.k = [[torch.zeros((len(r), Hkv, S, hd), dtype=dtype, device=dev, pin_memory=pin)
+                   for r, S in zip(self.rows, self.sizes)] for _ in range(L)]
+        self.v = [[torch.zeros((len(r), Hkv, S, hd), dtype=dtype, device=dev, pin_memory=pin)
+                   for r, S in zip(self.rows, self.sizes)] for _ in range(L)]
+        self.lengths = torch.zeros(B, dtype=torch.int64)  # valid positions per row, caller order (host tensor)
+        self.max_len = max(self.sizes)  # longest final length of any row
+        self.sliding_window = spec.sliding_window
+
+    @property
+    def num_groups(self) -> int:
+        """Number of length groups."""
+        return len(self.rows)
+
+    @property
+    def padded_positions(self) -> int:
+        """sum_g B_g * S_g: positions allocated per layer for K (and as many for V)."""
+        return sum(len(r) * S for r, S in zip(self.rows, self.sizes))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all K and V storage."""
+        return sum(t.numel() * t.element_size() for layer in self.k + self.v for t in layer)
+
+    def write_prefill(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a prompt's keys/values for caller row ``row``: k, v [S, Hkv, hd] at positions 0..S-1.
+
+        Raises ValueError if S exceeds the row's group size S_g.
+        """
+        g, slot = int(self.group_of[row]), int(self.slot_of[row])
+        S = k.shape[0]
+        if S > self.sizes[g]:
+            raise ValueError(f"prompt of {S} tokens exceeds row {row}'s cache of {self.sizes[g]} positions")
+        self.k[layer][g][slot, :, :S] = k.transpose(0, 1).to(self.device)
+        self.v[layer][g][slot, :, :S] = v.transpose(0, 1).to(self.device)
+
+    def append(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one decode token per row: k, v [B', Hkv, hd] for caller rows ``rows`` (int64 [B']), each at
+        position lengths[row] (no length update). ``rows`` = all rows in order is the common (fast) case.
+        Raises ValueError if a row's group is full."""
+        rows = rows.cpu()
+        if rows.shape[0] == self.lengths.shape[0] and torch.equal(rows, self._all):  # every row, caller order
+            on_dev = k.device == self.device
+            parts = [(g, self._rows_dev[g] if on_dev else self.rows[g], self._slots_dev[g], self.lengths[self.rows[g]])
+                     for g in range(self.num_groups)]
+        else:
+            groups = self.group_of[rows]
+            parts = []
+            for g in torch.unique(groups).tolist():
+                sel = (groups == g).nonzero().flatten()
+                parts.append((g, sel, self.slot_of[rows[sel]].to(self.device), self.lengths[rows[sel]]))
+        for g, sel, slots, pos in parts:
+            if int(pos.max()) >= self.sizes[g]:
+                raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
+            p = pos.to(self.device)
+            sel = sel.to(k.device)
+            self.k[layer][g][slots, :, p] = k.index_select(0, sel).to(self.device)
+            self.v[layer][g][slots, :, p] = v.index_select(0, sel).to(self.device)
+
+    def attend(self, layer: int, q: torch.Tensor, new_lengths: torch.Tensor, fn: AttendFn) -> torch.Tensor:
+        """Decode attention of every row, group by group, back in the caller's row order.
+
+        For each group g: ``fn(q_g, K_g[:, :, :upto_g], V_g[:, :, :upto_g], len_g)`` with q_g = q's rows of
+        the group [B_g, Hq, hd] (on q's device), K_g, V_g the group's cache [B_g, Hkv, upto_g, hd] (views),
+        len_g int64 [B_g] (host) and upto_g = bucket_len(max(len_g), S_g); ``fn`` returns [B_g, Hq*hd]
+        (e.g. ``cpu_decode_attention`` or ``model.mixtral.decode_attention`` with the sliding window bound).
+
+        Args:
+            layer: decoder layer.
+            q: [B, Hq, hd] queries in the caller's row order (any float dtype, on the cache's device).
+            new_lengths: int64 [B] host tensor, valid positions per row including the new token (the
+                new token's k/v already appended), each in 1..S_g of its row's group.
+        Returns:
+            [B, Hq*hd] in ``fn``'s output dtype, on ``fn``'s output device, rows in the caller's order.
+        Raises:
+            ValueError: q or new_lengths do not have B rows.
+        """
+        B = self.lengths.shape[0]
+        if q.shape[0] != B or new_lengths.shape != (B,):
+            raise ValueError(f"GroupedKVCache.attend: q {tuple(q.shape)} / new_lengths {tuple(new_lengths.shape)} "
+                             f"do not have the cache's {B} rows")
+        new_lengths = new_lengths.cpu()
+        if self._identity:
+            upto = bucket_len(int(new_lengths.max()), self.sizes[0])
+            return fn(q, self.k[layer][0][:, :, :upto], self.v[layer][0][:, :, :upto], new_lengths)
+        out: Optional[torch.Tensor] = None
+        for g, (rows, S) in enumerate(zip(self.rows, self.sizes)):
+            len_g = new_lengths[rows]
+            upto = bucket_len(int(len_g.max()), S)
+            idx = self._rows_dev[g] if q.device == self.device else rows.to(q.device)
+            o = fn(q.index_select(0, idx), self.k[layer][g][:, :, :upto], self.v[layer][g][:, :, :upto], len_g)
+            if out is None:
+                out = torch.empty((B,) + tuple(o.shape[1:]), dtype=o.dtype, device=o.device)
+            out[idx.to(o.device)] = o
+        assert out is not None
+        return out

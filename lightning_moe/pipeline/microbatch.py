@@ -16,6 +16,8 @@ from typing import Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
+KV_GROUPS = 8  # length groups per micro-batch KV cache (kv_cache.GroupedKVCache; the planner's memory model)
+
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -117,3 +119,91 @@ def group_by_length(lengths: Sequence[int], mu: int, n: Optional[int] = None) ->
         out.append(sorted(order[start : start + size]))
         start += size
     return out
+
+
+def length_groups(lengths: Sequence[int], max_groups: int) -> list[list[int]]:
+    """Rows (by index) grouped by similar length, minimising the padded positions of per-group dense storage.
+
+    A grouped KV cache (pipeline/kv_cache.GroupedKVCache) stores each group as one dense tensor sized for
+    the group's longest row, so it holds sum_g |g| * max(lengths[i] for i in g) positions. This returns
+    the grouping into at most ``max_groups`` groups that minimises that objective, exactly.
+
+    Method: an optimal grouping exists whose groups are runs of consecutive *distinct* lengths in sorted
+    order (moving a row to the group with the smallest maximum >= its length never costs more), and
+    splitting a run with two distinct lengths always saves, so the optimum uses exactly
+    K = min(max_groups, U) groups over the U distinct lengths. Dynamic program over the distinct lengths
+    u_1 < ... < u_U with C_j rows of length <= u_j:
+    ``f_k(j) = min_{i<j} f_{k-1}(i) + (C_j - C_i) u_j``; each layer's inner minimum is a lower envelope of
+    lines (slopes -C_i decreasing, queries u_j increasing), so the whole program runs in O(K U) integer
+    operations (the textbook form is O(K U^2)), a few ms for thousands of rows.
+
+    Args:
+        lengths: ``lengths[i]`` is the length of row ``i`` (an int >= 0, e.g. prompt + new tokens).
+        max_groups: the most groups to form (an int >= 1).
+
+    Returns:
+        Between 1 and ``min(max_groups, number of distinct lengths)`` non-empty lists of row indices (``[]``
+        for an empty ``lengths``), ordered by increasing length; inside a group rows are sorted by
+        (length, index). Every index in ``range(len(lengths))`` appears exactly once; rows of equal
+        length are always in the same group. Deterministic.
+
+    Raises:
+        ValueError: ``max_groups`` not a positive int, or a length not a non-negative int.
+    """
+    _check_int("max_groups", max_groups, 1)
+    lens = [_check_int(f"lengths[{i}]", v, 0) for i, v in enumerate(lengths)]
+    if not lens:
+        return []
+    order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
+    u: list[int] = []  # distinct lengths, ascending
+    C = [0]  # C[j]: rows with length <= u[j-1] (C[0] = 0)
+    for i in order:
+        if u and lens[i] == u[-1]:
+            C[-1] += 1
+        else:
+            u.append(lens[i])
+            C.append(C[-1] + 1)
+    U = len(u)
+    K = min(max_groups, U)
+    # f[j]: least padded positions of the first j distinct lengths in k groups (layer k); arg[k][j]: split point
+    f = [C[j] * u[j - 1] if j else 0 for j in range(U + 1)]  # k = 1
+    arg: list[list[int]] = [[0] * (U + 1)]
+    for k in range(2, K + 1):
+        g = [0] * (U + 1)
+        a = [0] * (U + 1)
+        hull: list[int] = []  # candidate split points i (lines y = f[i] - C[i] x), lower envelope
+        head = 0
+        for j in range(k, U + 1):
+            i = j - 1  # split point j - 1 becomes usable (k - 1 groups over its first j - 1 lengths)
+            while len(hull) - head >= 2:  # hull[-1] is useless if (i, hull[-2]) cross before (hull[-1], hull[-2])
+                i1, i2 = hull[-2], hull[-1]
+                # lines l1 = (C[i1], f[i1]), l2, l3 = i with slopes -C decreasing: l2 never below both if
+                # x(l1, l3) <= x(l1, l2), i.e. (f[i]-f[i1]) (C[i2]-C[i1]) <= (f[i2]-f[i1]) (C[i]-C[i1])
+                if (f[i] - f[i1]) * (C[i2] - C[i1]) <= (f[i2] - f[i1]) * (C[i] - C[i1]):
+                    hull.pop()
+                else:
+                    break
+            hull.append(i)
+            if head >= len(hull):
+                head = len(hull) - 1
+            x = u[j - 1]
+            while len(hull) - head >= 2 and f[hull[head + 1]] - C[hull[head + 1]] * x <= f[hull[head]] - C[hull[head]] * x:
+                head += 1
+            best = hull[head]
+            g[j] = f[best] + (C[j] - C[best]) * x
+            a[j] = best
+        f = g
+        arg.append(a)
+    cuts = [U]  # group boundaries over the distinct lengths, from the top
+    j = U
+    for k in range(K, 1, -1):
+        j = arg[k - 1][j]
+        cuts.append(j)
+    cuts.append(0)
+    cuts.reverse()
+    return [order[C[cuts[k]] : C[cuts[k + 1]]] for k in range(K)]
+
+
+def padded_positions(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> int:
+    """sum_g |g| * max(lengths[i] for i in g): the positions a grouped cache of ``groups`` allocates."""
+    return sum(len(g) * max(lengths[i] for i in g) for g in groups if g)

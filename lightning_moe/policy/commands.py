@@ -125,7 +125,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if args.gen_len is not None or args.prompt_len is not None:
                 workload = Workload(prompt_len=args.prompt_len or workload.prompt_len, gen_len=args.gen_len or workload.gen_len,
                                     max_prompt_len=workload.max_prompt_len if args.prompt_len is None else args.max_prompt_len,
-                                    num_requests=workload.num_requests, name=workload.name)
+                                    num_requests=workload.num_requests, name=workload.name,
+                                    prompt_lens=workload.prompt_lens if args.prompt_len is None else None)
         else:
             if args.prompt_len is None or args.gen_len is None:
                 raise CommandError("give a job YAML, or --prompt-len and --gen-len")

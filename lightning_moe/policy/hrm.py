@@ -237,11 +237,21 @@ def prefill_micro_batches(N: int, prefill_mu: int) -> list[tuple[int, int]]:
     return out
 
 
+def cpu_attention_calls(mu: int) -> int:
+    """CPU decode-attention calls per CPU micro-batch of ``mu`` rows and layer: one per KV length group of its
+    GroupedKVCache, at most min(KV_GROUPS, mu) (fewer only when the micro-batch has fewer distinct lengths)."""
+    from ..pipeline.microbatch import KV_GROUPS  # torch-free
+
+    return min(KV_GROUPS, mu)
+
+
 def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, context: float) -> StageTimes:
     """(H2)-(H6) one decode layer at ``context`` attended positions, for ``non_resident`` paged experts.
 
-    The CPU stage is one attention call per CPU micro-batch: n_cpu * cpu_attention_overhead + (H5) of all
-    CPU sequences (the overhead term is what makes many small micro-batches slow on the CPU side).
+    The CPU stage is one attention call per KV length group of each CPU micro-batch (:func:`cpu_attention_calls`):
+    n_cpu * calls(mu) * cpu_attention_overhead + (H5) of all CPU sequences (the overhead term is what makes
+    many small micro-batches slow on the CPU side). (H5) at the mean context: the grouped caches read each
+    group only up to its own longest row.
     When some attention runs on the CPU, the GPU and CPU stages of the same micro-batch depend on each
     other, so a two-stage pipeline over n micro-batches takes max(G + c_1, C + g_1) (g_1, c_1: one
     micro-batch's GPU and CPU time): each stage also pays the other's first/last micro-batch. With n = 1
@@ -253,9 +263,10 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
     gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
     gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
-    cpu = policy.n_cpu_attn * hw.cpu_attention_overhead + cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt)
+    call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
+    cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt)
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
-        cpu_mb = hw.cpu_attention_overhead + cpu_decode_attention_time(spec, hw, policy.mu, context, dt)
+        cpu_mb = call + cpu_decode_attention_time(spec, hw, policy.mu, context, dt)
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu)
 
@@ -330,10 +341,33 @@ class MemoryEstimate:
         return sum(self.cpu.values())
 
 
+def kv_bytes_per_position(spec: MoESpec, dtype: str = "bf16") -> int:
+    """Bytes of K and V of one token position over all layers: L * 2 Hkv hd * b."""
+    return spec.num_layers * spec.kv_elems_per_token * dtype_bytes(dtype)
+
+
+def kv_cache_bytes(policy: Policy, spec: MoESpec, workload: Workload) -> tuple[int, int]:
+    """(GPU, CPU) bytes of the KV caches of a batch of N = mu * n sequences, an upper bound of what
+    CGOPipe's GroupedKVCaches allocate for any batch of the job.
+
+    The executor keeps the n_gpu_attn shortest micro-batches on the GPU, so the CPU holds the N_cpu =
+    (n - n_gpu_attn) mu longest rows of the batch: CPU positions = N_cpu * kv_positions(N_cpu), GPU
+    positions = N_gpu * kv_positions(N) (the shortest rows of the batch pad to at most its mean). Without
+    prompt lengths both are sequences * (max_prompt + gen_len), the ungrouped S_max.
+    """
+    per_pos = kv_bytes_per_position(spec, policy.dtype)
+    n_cpu, n_gpu = policy.n_cpu_attn * policy.mu, policy.n_gpu_attn * policy.mu
+
+    def total(seqs: int, mean_of: int) -> int:
+        return math.ceil(seqs * workload.kv_positions(mean_of) * per_pos) if seqs else 0
+
+    return total(n_gpu, policy.N), total(n_cpu, n_cpu)
+
+
 def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
     """Peak GPU (prefill, decode) and host bytes of ``policy`` with real byte counts (DESIGN.md memory model).
 
-    KV at full length: kv_len = max_prompt + gen_len positions per sequence (pipeline/kv_cache.py's S_max).
+    KV cache: :func:`kv_cache_bytes` (the grouped caches' padded positions, Workload.kv_positions).
     Page buffers: 2 x (largest non-resident expert count of any MoE layer) x expert_bytes.
     Raises PolicyError if the resident experts do not fit the spec.
     """
@@ -342,15 +376,15 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     counts = policy.resident_counts(spec)
     R = sum(counts)
     max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if i >= spec.num_dense_layers), default=0)
-    kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b  # bytes of one sequence's KV, all layers
     N, mu, g = policy.N, policy.mu, policy.n_gpu_attn
+    kv_gpu, kv_cpu = kv_cache_bytes(policy, spec, workload)
     s_max, D = workload.max_prompt, spec.hidden_size
     pmu = min(policy.prefill_mu, N)
     common = {
         "non-expert weights": spec.non_expert_bytes(policy.dtype),
         "resident experts": R * We,
         "expert page buffers (2)": 2 * max_paged * We,
-        "GPU KV cache": g * mu * kv_seq,
+        "GPU KV cache": kv_gpu,
     }
     gpu_decode = dict(common)
     gpu_decode["hidden states (N rows)"] = N * D * b
@@ -364,7 +398,7 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     cpu_seqs = policy.n_cpu_attn * mu
     cpu = {
         "pinned experts (not resident)": (spec.num_moe_layers * spec.num_experts - R) * We,
-        "CPU KV cache": cpu_seqs * kv_seq,
+        "CPU KV cache": kv_cpu,
         "pinned staging": (2 * cpu_seqs * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b
                            + 2 * pmu * s_max * spec.kv_elems_per_token * b),
         "host reserve": policy.cpu_reserve,

@@ -21,6 +21,10 @@ transfers) is linear in them, so it enters as a per-sequence constant times N_cp
 
 After solving, the policy is re-evaluated with hrm.evaluate and every memory constraint re-checked with
 hrm's integer byte counts (hrm.check_memory); the solver status is never trusted alone.
+
+KV per sequence: with the job's prompt lengths the KV cache of a batch depends on its size N
+(Workload.kv_positions, grouped caches), which is not linear in N; plan() solves with one KV length per
+sequence and re-solves with the length of the batch it chose (a short fixed point, see plan).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ MEMORY_MARGIN_REL = 2e-7  # fraction of each budget kept free inside the MILP (C
 SOLVE_TIME_LIMIT = 20.0  # seconds per CBC solve
 TIE_SLACK = 1e-9  # relative throughput a tie-broken policy may give up (HRM ties only)
 MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
+MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then the chosen batch's grouped mean)
 
 __all__ = ["plan", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "policy_from_decisions", "max_micro_batches"]
 
@@ -75,14 +80,17 @@ def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, m
                   gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
 
 
-def max_micro_batches(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> int:
+def max_micro_batches(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, kv_len: Optional[float] = None) -> int:
     """Upper bound on n for micro-batch size ``mu`` (the big-M of the linearization), >= 1.
 
     n mu sequences need their KV somewhere: n <= (gpu + cpu budget) / (mu kv_seq); and their prefill hidden
     rows on the GPU: n <= gpu budget / (mu max_prompt D b); and N <= num_requests when the job is known.
+    ``kv_len``: KV positions per sequence the MILP uses (default ``workload.kv_positions(1)``, the longest
+    prompt + gen_len).
     """
     b = dtype_bytes(budgets.dtype)
-    kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b
+    kv_len = workload.kv_positions(1) if kv_len is None else kv_len
+    kv_seq = kv_len * spec.num_layers * spec.kv_elems_per_token * b
     hid_seq = workload.max_prompt * spec.hidden_size * b
     n = min((budgets.gpu_memory + budgets.cpu_memory) // (mu * kv_seq), budgets.gpu_memory // (mu * hid_seq))
     if workload.num_requests is not None:
@@ -166,7 +174,8 @@ class _Coeffs:
     pre_head: dict  # m -> prefill head seconds per decode micro-batch
     attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
     cpu_rate: float  # CPU decode attention seconds per sequence per attended position
-    cpu_call: float  # CPU decode attention fixed seconds per call (per CPU micro-batch per layer)
+    cpu_call: float  # CPU decode attention fixed seconds per call (hrm.cpu_attention_calls(m) calls per CPU micro-batch per layer)
+    calls: dict  # m -> CPU attention calls per CPU micro-batch of m rows and layer (one per KV length group)
     d2h_seq: float  # decode d2h seconds per layer per CPU-attention sequence
     h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
     pre_d2h_seq: float  # prefill d2h seconds per layer per CPU-KV sequence
@@ -175,7 +184,7 @@ class _Coeffs:
     # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
     mem_fixed_gpu: float  # non-expert weights + reserve
     mem_expert: float  # one expert
-    mem_kv_seq: float  # one sequence's KV at full length
+    mem_kv_seq: float  # one sequence's KV (kv_len positions, all layers)
     mem_hidden_dec: float  # one sequence's decode hidden row
     mem_hidden_pre: float  # one sequence's prefill hidden rows
     mem_ws_dec: dict  # m -> decode workspaces
@@ -186,13 +195,15 @@ class _Coeffs:
     cpu_cap: float  # host bytes the MILP may fill (budget minus margin, minus reserve)
 
 
-def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int], n_cap: Optional[int]) -> _Coeffs:
+def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
+                  n_cap: Optional[int], kv_len: float) -> _Coeffs:
+    """MILP coefficients; ``kv_len`` is the KV positions per sequence (every sequence, CPU or GPU KV)."""
     dt, q = budgets.dtype, budgets.weight_quant
     b = dtype_bytes(dt)
     s, s_max, G = workload.prompt_len, workload.max_prompt, workload.gen_len
     contexts = [s + t for t in range(1, G)]
-    kv_seq = workload.kv_len * spec.num_layers * spec.kv_elems_per_token * b
-    C = _Coeffs(cands=list(cands), pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
+    kv_seq = kv_len * hrm.kv_bytes_per_position(spec, dt)
+    C = _Coeffs(cands=list(cands), calls={m: hrm.cpu_attention_calls(m) for m in cands}, pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c, dt) for c in contexts},
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt), cpu_call=hw.cpu_attention_overhead,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
@@ -205,7 +216,8 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     for m in cands:
         p = prefill_micro_batch(m, s_max)
         C.pmu[m] = p
-        C.nmax[m] = max_micro_batches(spec, workload, budgets, m) if n_cap is None else min(n_cap, max_micro_batches(spec, workload, budgets, m))
+        nmax = max_micro_batches(spec, workload, budgets, m, kv_len)
+        C.nmax[m] = nmax if n_cap is None else min(n_cap, nmax)
         C.mb_moe[m] = hrm.gpu_layer_time(spec, hw, m, False, dt, q)
         C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q)
         C.head[m] = hrm.gpu_head_time(spec, hw, m, m, dt)
@@ -238,8 +250,11 @@ class _Model:
     (2 rows per digit), so the model stays small for long generations and many layers.
     """
 
-    def __init__(self, spec: MoESpec, workload: Workload, C: _Coeffs):
+    def __init__(self, spec: MoESpec, workload: Workload, C: _Coeffs, min_kv_count: int = 0):
+        """``min_kv_count`` > 0: only policies whose KV sizing count (N_cpu, or N without CPU attention) is at
+        least that many sequences (the KV fixed point's safety rows, see :func:`plan`)."""
         self.spec, self.workload, self.C = spec, workload, C
+        self.min_kv_count = min_kv_count
         self.L_moe, self.L_d, self.E = spec.num_moe_layers, spec.num_dense_layers, spec.num_experts
         self.prob = pulp.LpProblem("moe_lightning_policy", pulp.LpMaximize)
         self._variables()
@@ -249,6 +264,7 @@ class _Model:
         self._residency()
         self._aggregates()
         self._request_cap()
+        self._kv_count()
         self._gpu_memory_decode()
         self._gpu_memory_prefill()
         self._cpu_memory()
@@ -289,6 +305,7 @@ class _Model:
         # derived linear expressions
         self.n = pulp.lpSum(self.w.values())  # micro-batches (only the chosen size's w_m is non-zero)
         self.n_cpu = pulp.lpSum(self.w[m] - self.v[m] for m in C.cands)  # CPU-attention micro-batches (n - g)
+        self.cpu_calls = pulp.lpSum(C.calls[m] * (self.w[m] - self.v[m]) for m in C.cands)  # CPU attention calls per layer
         self.N = pulp.lpSum(m * self.w[m] for m in C.cands)  # N = mu * n
         self.x = pulp.lpSum((1 << i) * bt for i, bt in enumerate(self.beta))  # MoE layers holding r + 1 experts
         self.R = self.L_moe * self.r + self.x  # resident experts in total
@@ -342,6 +359,14 @@ class _Model:
         if self.workload.num_requests is not None:
             # N = sum m w_m <= num_requests: no more sequences in flight than the job has
             self.prob += self.N <= self.workload.num_requests, "N_le_requests"
+
+    def _kv_count(self) -> None:
+        K = self.min_kv_count
+        if K > 0:
+            # N >= K and N_cpu >= K y_cpu: every sequence's KV length is at most workload.kv_positions(K), the
+            # per-sequence length this model was built with (kv_positions is non-increasing in N)
+            self.prob += self.N >= K, "kv_count_N"
+            self.prob += self.N_cpu >= K * self.y_cpu, "kv_count_N_cpu"
 
     def _gpu_common(self) -> pulp.LpAffineExpression:
         C = self.C
@@ -419,17 +444,17 @@ class _Model:
     def _decode_step(self, t: int, c: float) -> None:
         C = self.C
         Ct = self._var(f"C_{t}", lowBound=0)
-        # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K + (n - g) cpu_call;  (H4) C_t >= D2H
+        # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K + (n - g) calls(mu) cpu_call;  (H4) C_t >= D2H
         # pipeline fill (hrm.decode_layer_times): + one micro-batch of the other stage when y_cpu = 1
-        #   c_1(m) = cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
-        self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"C_{t}_gpu"
-        self.prob += Ct >= c * self.K + C.cpu_call * self.n_cpu + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands), f"C_{t}_cpu"
+        #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
+        self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"C_{t}_gpu"
+        self.prob += Ct >= c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands), f"C_{t}_cpu"
         self.prob += Ct >= self.D2H, f"C_{t}_d2h"
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
-            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
-            self.prob += Cd >= c * self.K + C.cpu_call * self.n_cpu + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
+            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
+            self.prob += Cd >= c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             terms.append(self._dense_sum(str(t), self.A, Cd))
         # (H7) step time = layers + head
@@ -508,6 +533,45 @@ def _tie_break(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: 
     return best
 
 
+def _kv_sizing_count(pol: Policy) -> int:
+    """The sequence count whose workload.kv_positions sizes every sequence of ``pol`` safely: N_cpu (the CPU
+    holds the batch's longest rows, hrm.kv_cache_bytes), or N when no micro-batch attends on the CPU."""
+    return pol.n_cpu_attn * pol.mu or pol.N
+
+
+def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
+                      n_max: Optional[int], time_limit: float, kv_len: float, min_kv_count: int, strict: bool):
+    """Dinkelbach iterations of the MILP with ``kv_len`` KV positions per sequence, over policies whose KV sizing
+    count (:func:`_kv_sizing_count`) is at least ``min_kv_count`` (0: all).
+
+    Returns (best (Policy, Estimate) among the iterates that fit hrm's exact memory model, or None; whether
+    the last iterate (the optimum) fits; proven optimal; iterations; coefficients; model; build seconds).
+    ``strict``: an iterate that does not fit raises PlanInfeasible (``kv_len`` is then the longest prompt's,
+    an upper bound, so a misfit is a solver fault).
+    """
+    t0 = time.perf_counter()
+    C = _coefficients(spec, hw, workload, budgets, cands, n_max, kv_len)
+    model = _Model(spec, workload, C, min_kv_count)
+    t_build = time.perf_counter() - t0
+    lam, best, proven, iters, bad = 0.0, None, True, 0, []
+    for iters in range(1, MAX_DINKELBACH + 1):
+        d, F, opt = model.solve(lam, time_limit)
+        proven &= opt
+        pol = policy_from_decisions(spec, workload, budgets, d["mu"], d["n"], d["R"], d["g"])
+        bad = hrm.memory_violations(pol, spec, workload)  # never trust the status: re-check with integer bytes
+        if bad and strict:
+            raise PlanInfeasible("infeasible: the solver's policy does not fit on re-check: " + "; ".join(bad))
+        est = hrm.evaluate(pol, spec, hw, workload)
+        ratio = est.e2e_tok_s
+        if not bad and (best is None or ratio > best[1].e2e_tok_s):
+            best = (pol, est)
+        # F(lam) = max G N - lam T >= 0; at the optimal ratio it is 0 (relative tolerance on G N)
+        if ratio <= lam * (1 + 1e-12) or F <= 1e-9 * workload.gen_len * pol.N:
+            break
+        lam = ratio
+    return best, not bad, proven, iters, C, model, t_build
+
+
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
          candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
          time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True) -> tuple[Policy, "hrm.Estimate"]:
@@ -538,31 +602,38 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     diagnose(spec, workload, budgets, cands[0])
 
     t0 = time.perf_counter()
-    C = _coefficients(spec, hw, workload, budgets, cands, n_max)
-    model = _Model(spec, workload, C)
-    t_build = time.perf_counter() - t0
-
-    lam, best, proven, iters = 0.0, None, True, 0
-    for iters in range(1, MAX_DINKELBACH + 1):
-        d, F, opt = model.solve(lam, time_limit)
-        proven &= opt
-        pol = policy_from_decisions(spec, workload, budgets, d["mu"], d["n"], d["R"], d["g"])
-        if hrm.memory_violations(pol, spec, workload):  # never trust the status: re-check with integer bytes
-            raise PlanInfeasible("infeasible: the solver's policy does not fit on re-check: " + "; ".join(hrm.memory_violations(pol, spec, workload)))
-        est = hrm.evaluate(pol, spec, hw, workload)
-        ratio = est.e2e_tok_s
-        if best is None or ratio > best[1].e2e_tok_s:
-            best = (pol, est)
-        # F(lam) = max G N - lam T >= 0; at the optimal ratio it is 0 (relative tolerance on G N)
-        if ratio <= lam * (1 + 1e-12) or F <= 1e-9 * workload.gen_len * pol.N:
+    # KV fixed point: the MILP is linear in N, so it takes one KV length per sequence. Pass 1 uses the longest
+    # prompt's (safe for every N); each next pass uses workload.kv_positions(K) of the batch the previous pass
+    # chose (K = its N_cpu, or N without CPU attention). kv_positions is non-increasing in N, so that model is
+    # exact or conservative for policies of >= K sequences and a relaxation for smaller ones; when its optimum
+    # is one of those and does not fit hrm's exact bytes, the pass is solved again with rows N >= K,
+    # N_cpu >= K y_cpu, where every solution fits and the previous answer is still feasible.
+    kv_len, count = workload.kv_positions(1), 0
+    best, proven, iters, passes, t_build = None, True, 0, [], 0.0
+    for k in range(MAX_KV_SOLVES):
+        for min_count in ((0, count) if k else (0,)):
+            got, fits, opt, it, C, model, tb = _solve_for_kv_len(spec, hw, workload, budgets, cands, n_max, time_limit,
+                                                                  kv_len, min_count, strict=k == 0)
+            proven, iters, t_build = proven and opt, iters + it, t_build + tb
+            passes.append(f"{kv_len:.1f}" + (f" (N >= {min_count})" if min_count else ""))
+            if got is not None and (best is None or got[1].e2e_tok_s > best[1].e2e_tok_s):
+                best = got
+            if fits:
+                break
+        assert best is not None  # the first pass raises rather than return nothing
+        count = _kv_sizing_count(best[0])
+        nxt = workload.kv_positions(count)
+        if nxt >= kv_len * (1 - 1e-12):  # fixed point: done
             break
-        lam = ratio
+        kv_len = nxt
     pol, est = best
     if tie_break:
         pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)
     hrm.check_memory(pol, spec, workload)  # raises PlanInfeasible if any budget is exceeded
+    kv_note = (f", KV {workload.kv_positions(_kv_sizing_count(pol)):.1f} positions/sequence "
+               f"(MILP pass(es) at {', '.join(passes)})" if workload.prompt_lens is not None else "")
     note = (f"MILP: {len(cands)} micro-batch sizes, n <= {max(C.nmax.values())}, {model.prob.numConstraints()} constraints, "
-            f"{iters} Dinkelbach solve(s), {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
+            f"{iters} Dinkelbach solve(s){kv_note}, {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
             + ("proven optimal" if proven else f"NOT proven optimal (CBC time limit {time_limit:g} s)"))
     log.info(note)
     return pol, replace(est, notes=est.notes + (note,))

@@ -9,6 +9,7 @@ expert is paged from pinned host memory layer by layer through two GPU page buff
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 
@@ -36,7 +37,9 @@ class PolicyError(ValueError):
 class Workload:
     """What a batch job asks for, in tokens (the planner's view of the prompts).
 
-    Build it from real tokenized prompts with :meth:`from_lengths` (``runner.job_workload`` does that).
+    Build it from real tokenized prompts with :meth:`from_lengths` (``runner.job_workload`` does that); then
+    ``prompt_lens`` holds every prompt length and the KV cache is sized as the executor's grouped caches
+    allocate it (:meth:`kv_positions`), not for the longest prompt.
     """
 
     prompt_len: float  # mean prompt length in tokens (prefill and attention cost use it)
@@ -44,6 +47,7 @@ class Workload:
     max_prompt_len: Optional[int] = None  # longest prompt in tokens (sizes the KV cache); None = ceil(prompt_len)
     num_requests: Optional[int] = None  # sequences in the job; caps N = mu * n (None = no cap)
     name: str = ""  # label for tables ("mtbench", "synthetic 77/128")
+    prompt_lens: Optional[tuple[int, ...]] = None  # every tokenized prompt length of the job (None: unknown)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_len, bool) or not isinstance(self.prompt_len, (int, float)) or not self.prompt_len >= 1:
@@ -54,6 +58,16 @@ class Workload:
             raise ValueError(f"workload: max_prompt_len must be an int >= prompt_len ({self.prompt_len}), got {self.max_prompt_len!r}")
         if self.num_requests is not None and (not isinstance(self.num_requests, int) or self.num_requests < 1):
             raise ValueError(f"workload: num_requests must be an int >= 1, got {self.num_requests!r}")
+        if self.prompt_lens is not None:
+            lens = self.prompt_lens
+            if isinstance(lens, list):
+                object.__setattr__(self, "prompt_lens", lens := tuple(lens))
+            if (not isinstance(lens, tuple) or not lens
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in lens)):
+                raise ValueError(f"workload: prompt_lens must be a non-empty tuple of ints >= 0, got {_short(lens)}")
+            if max(lens) > self.max_prompt:
+                raise ValueError(f"workload: prompt_lens has a prompt of {max(lens)} tokens, longer than "
+                                 f"max_prompt_len ({self.max_prompt})")
 
     @property
     def max_prompt(self) -> int:
@@ -64,17 +78,64 @@ class Workload:
 
     @property
     def kv_len(self) -> int:
-        """Positions per sequence in the KV cache: longest prompt + gen_len (how pipeline/kv_cache.py sizes S_max)."""
+        """Positions per sequence of an ungrouped KV cache: longest prompt + gen_len (pipeline/kv_cache.KVCache's
+        S_max). The planner sizes the KV cache with :meth:`kv_positions`, which is at most this."""
         return self.max_prompt + self.gen_len
+
+    def kv_positions(self, N: int) -> float:
+        """KV positions per sequence (a mean, prompt + generated) of a batch of ``N`` sequences, worst case.
+
+        Without ``prompt_lens``: :attr:`kv_len` (every sequence sized for the longest prompt). With them:
+        the padded mean of the optimal KV_GROUPS-grouping (pipeline/microbatch.length_groups, the grouped
+        KV cache's own partition, default 8 groups) of the N longest prompt lengths (all of them if
+        N >= their count), + gen_len. Why this bounds what the executor allocates for any batch of N:
+        the runner forms batches from length-sorted requests, so the batch holding the N longest prompts
+        dominates every other batch rank by rank; and each micro-batch's GroupedKVCache pads no more than
+        the batch-wide grouping restricted to its rows (a restriction of a partition into G groups is a
+        partition of the subset into at most G groups, each group's longest row no longer), so the sum
+        over micro-batches is at most the batch-wide padded total. Non-increasing in N (each added,
+        shorter row pads to at most the smallest padded length so far), which keeps the planner's
+        fixed point safe.
+
+        Args:
+            N: sequences in the batch (>= 1).
+        Returns:
+            Positions per sequence (float; an int value without ``prompt_lens``).
+        Raises:
+            ValueError: N not an int >= 1.
+        """
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+            raise ValueError(f"workload: kv_positions needs N an int >= 1, got {N!r}")
+        if self.prompt_lens is None:
+            return float(self.kv_len)
+        from ..pipeline.microbatch import KV_GROUPS  # torch-free
+
+        return _grouped_prompt_mean(self.prompt_lens, N, KV_GROUPS) + self.gen_len
 
     @classmethod
     def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "") -> "Workload":
-        """From the tokenized prompt lengths of a job: mean, max and count. Raises ValueError if empty."""
+        """From the tokenized prompt lengths of a job: mean, max, count and the lengths themselves.
+
+        Raises ValueError if empty."""
         lens = [int(x) for x in prompt_lens]
         if not lens:
             raise ValueError("workload: no prompts")
         return cls(prompt_len=max(1.0, sum(lens) / len(lens)), gen_len=gen_len, max_prompt_len=max(1, max(lens)),
-                   num_requests=len(lens), name=name)
+                   num_requests=len(lens), name=name, prompt_lens=tuple(lens))
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+@lru_cache(maxsize=256)
+def _grouped_prompt_mean(prompt_lens: tuple, N: int, groups: int) -> float:
+    """Padded mean prompt length of the optimal ``groups``-grouping of the N longest of ``prompt_lens``."""
+    from ..pipeline.microbatch import length_groups, padded_positions  # torch-free
+
+    top = sorted(prompt_lens, reverse=True)[:N]
+    return padded_positions(top, length_groups(top, groups)) / len(top)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""pipeline/kv_cache.GroupedKVCache: storage per length group, caller row order, attention equal to one padded cache."""
+
+import pytest
+import torch
+
+from lightning_moe.model import mixtral as M
+from lightning_moe.model.spec import MoESpec
+from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
+from lightning_moe.pipeline.kv_cache import GroupedKVCache, KVCache
+from lightning_moe.pipeline.microbatch import length_groups, padded_positions
+
+
+def _spec(sliding_window=None, L=2) -> MoESpec:
+    return MoESpec(name="t", model_type="mixtral", vocab_size=64, hidden_size=64, intermediate_size=32, num_layers=L,
+                   num_heads=8, num_kv_heads=2, head_dim=16, num_experts=2, top_k=1, rope_theta=1e4, rms_norm_eps=1e-5,
+                   max_position_embeddings=4096, sliding_window=sliding_window)
+
+
+def _filled(spec, prompts, gen, groups, seed=0):
+    """A GroupedKVCache and one big padded KVCache holding the same random prompt KV; rows in caller order."""
+    g = torch.Generator().manual_seed(seed)
+    final = [p + gen for p in prompts]
+    grouped = GroupedKVCache(spec, final, torch.float32, max_groups=groups)
+    big = KVCache(spec, len(prompts), max(final), torch.float32)
+    for layer in range(spec.num_layers):
+        for r, S in enumerate(prompts):
+            k = torch.randn(S, spec.num_kv_heads, spec.head_dim, generator=g)
+            v = torch.randn(S, spec.num_kv_heads, spec.head_dim, generator=g)
+            grouped.write_prefill(layer, r, k, v)
+            big.write_prefill(layer, r, k, v)
+    grouped.lengths[:] = torch.tensor(prompts)
+    big.lengths[:] = torch.tensor(prompts)
+    return grouped, big
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_attend_equals_one_padded_cache(sliding_window):
+    """Ragged rows (one group of a single row), several decode steps: attend == decode_attention on the padded cache."""
+    spec = _spec(sliding_window)
+    prompts = [40, 3, 91, 5, 41, 4, 200, 39]  # caller order is not length order
+    gen = 4
+    grouped, big = _filled(spec, prompts, gen, groups=4)
+    sizes = sorted(len(r) for r in grouped.rows)
+    assert grouped.num_groups == 4 and sizes[0] == 1  # 200 alone
+    assert grouped.padded_positions == padded_positions([p + gen for p in prompts], length_groups([p + gen for p in prompts], 4))
+    assert grouped.nbytes == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * grouped.padded_positions
+    assert grouped.nbytes < big.nbytes
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, hd = len(prompts), spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = torch.arange(B)
+    seen_fns = []
+    for _ in range(gen - 1):
+        for layer in range(spec.num_layers):
+            q = torch.randn(B, Hq, hd, generator=g)
+            k, v = torch.randn(B, Hkv, hd, generator=g), torch.randn(B, Hkv, hd, generator=g)
+            grouped.append(layer, rows, k, v)
+            big.append(layer, rows, k, v)
+            new = big.lengths + 1
+            K, V = big.view(layer, None, big.max_len)
+            ref = M.decode_attention(q, K, V, new, sliding_window)
+
+            def fn(qg, Kg, Vg, n):
+                seen_fns.append((qg.shape[0], Kg.shape[2], int(n.max())))
+                return M.decode_attention(qg, Kg, Vg, n, sliding_window)
+
+            out = grouped.attend(layer, q, grouped.lengths + 1, fn)
+            assert out.shape == (B, Hq * hd)
+            assert (out - ref).abs().max().item() < 1e-6
+            fused = grouped.attend(layer, q, grouped.lengths + 1, lambda a, b, c, n: cpu_decode_attention(a, b, c, n, sliding_window))
+            assert (fused - ref).abs().max().item() < 1e-5
+        grouped.lengths += 1
+        big.lengths += 1
+    # each group attends over its own bucketed length only, never the batch's longest
+    assert all(S <= -(-n // 16) * 16 for _, S, n in seen_fns) and min(S for _, S, _ in seen_fns) < 32
+
+
+def test_rows_subset_append_and_errors():
+    spec = _spec(L=1)
+    prompts = [3, 30, 4, 31]
+    grouped, big = _filled(spec, prompts, 2, groups=2)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.tensor([3, 0])  # a subset, out of order
+    k, v = torch.randn(2, 2, 16, generator=g), torch.randn(2, 2, 16, generator=g)
+    grouped.append(0, rows, k, v)
+    big.append(0, rows, k, v)
+    for r in range(4):
+        gi, slot = int(grouped.group_of[r]), int(grouped.slot_of[r])
+        n = prompts[r] + 1
+        assert torch.equal(grouped.k[0][gi][slot, :, :n], big.k[0][r, :, :n])
+        assert torch.equal(grouped.v[0][gi][slot, :, :n], big.v[0][r, :, :n])
+    with pytest.raises(ValueError, match="exceeds"):
+        grouped.write_prefill(0, 0, torch.zeros(7, 2, 16), torch.zeros(7, 2, 16))  # row 0's group holds 4 + 2 positions
+    grouped.lengths[:] = torch.tensor([5, 32, 6, 33])  # every group full
+    with pytest.raises(ValueError, match="full"):
+        grouped.append(0, torch.arange(4), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16))
+    with pytest.raises(ValueError, match="rows"):
+        grouped.attend(0, torch.zeros(3, 8, 16), torch.ones(3, dtype=torch.int64), M.decode_attention)
+    with pytest.raises(ValueError):
+        GroupedKVCache(spec, [], torch.float32)
+    with pytest.raises(ValueError):
+        GroupedKVCache(spec, [4, 0], torch.float32)
+
+
+def test_one_group_is_the_plain_cache():
+    """max_groups=1: one [B, Hkv, S_max, hd] tensor per layer in caller order, as KVCache."""
+    spec = _spec(L=1)
+    grouped, big = _filled(spec, [9, 2, 17], 3, groups=1)
+    assert grouped.num_groups == 1 and grouped.nbytes == big.nbytes
+    assert torch.equal(grouped.k[0][0], big.k[0]) and torch.equal(grouped.v[0][0], big.v[0])
