@@ -285,24 +285,82 @@ class CGOPipeExecutor:
         return triton_ffn
 
     # ---- prefill ------------------------------------------------------------------------------
+    def _prefill_chunks(self, prompts: Sequence[Sequence[int]], mb: MicroBatch) -> list[tuple[int, list[int]]]:
+        """Split a micro-batch's rows (in order) into prefill micro-batches: (first row, rows).
+
+        A chunk takes rows while it has at most ``policy.prefill_mu`` rows and at most
+        ``policy.prefill_tokens`` padded tokens (rows x longest row), so its workspace stays within what
+        the planner counted for any mix of lengths; a single longer prompt forms a chunk alone.
+        """
+        cap_rows, cap_tok = max(1, self.policy.prefill_mu), self.policy.prefill_tokens
+        out, start, longest = [], 0, 0
+        for j, r in enumerate(mb.rows):
+            n = len(prompts[r])
+            if j > start and (j - start + 1 > cap_rows or (j - start + 1) * max(longest, n) > cap_tok):
+                out.append((start, mb.rows[start:j]))
+                start, longest = j, 0
+            longest = max(longest, n)
+        if mb.rows:
+            out.append((start, mb.rows[start:]))
+        return out
+
+    def _store_prefill_kv(self, l: int, mb: MicroBatch, off: int, spans, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
+        """Write a prefill chunk's k, v [T, Hkv, hd] into rows off.. of the micro-batch's cache.
+
+        GPU caches are written in place. For CPU caches on CUDA the copy is asynchronous: k/v go to pinned
+        host buffers on the D2H stream and the worker thread writes them into the cache once they landed,
+        so the host keeps issuing GPU work (a pageable ``.cpu()`` blocked it on every chunk and layer).
+        At most two chunks are in flight (bounded pinned staging, as the planner counts).
+        """
+        if mb.on_gpu or not self.cuda:
+            for j, (s, e) in enumerate(spans):
+                mb.kv.write_prefill(l, off + j, k[s:e], v[s:e])
+            return
+        (kh, vh), ready = self._to_host(k, v)
+
+        def write():
+            ready.synchronize()
+            with torch.inference_mode():  # thread-local: the caches are inference tensors
+                for j, (s, e) in enumerate(spans):
+                    mb.kv.write_prefill(l, off + j, kh[s:e], vh[s:e])
+
+        while len(pending) >= 2:
+            pending.pop(0).result()
+        pending.append(self.workers.submit(write))
+
+    def _to_host(self, *tensors: torch.Tensor):
+        """Asynchronous D2H of ``tensors`` into pinned host tensors (after the compute stream produced them).
+
+        Returns (host tensors, CUDA event recorded after the copies). Counts the bytes in stats.d2h_bytes.
+        """
+        self.d2h.wait_stream(self.compute)
+        with torch.cuda.stream(self.d2h):
+            host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
+            for t in tensors:
+                t.record_stream(self.d2h)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+        self.stats.d2h_bytes += sum(t.numel() * t.element_size() for t in host)
+        return host, ev
+
     def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], full_logits: bool) -> list[torch.Tensor]:
         """Prefill every micro-batch layer by layer (weights streamed once per layer for the whole batch).
 
-        Each micro-batch is computed in chunks of ``policy.prefill_mu`` sequences (the planner sizes the
-        prefill workspace for that many), writing each chunk's KV into its micro-batch's cache rows.
+        Each micro-batch is computed in prefill micro-batches (:meth:`_prefill_chunks`: at most
+        ``policy.prefill_mu`` rows and ``policy.prefill_tokens`` padded tokens), writing each chunk's KV
+        into its micro-batch's cache rows (:meth:`_store_prefill_kv`).
         Returns per micro-batch fp32 logits: last token of each row [mu_k, V], or all tokens [T_k, V].
         """
         chunks = []  # [micro-batch index, first row in it, hidden [T, D], positions [T], spans, ends]
-        step = max(1, self.policy.prefill_mu)
         for i, mb in enumerate(mbs):
-            for off in range(0, len(mb.rows), step):
-                rows = mb.rows[off : off + step]
+            for off, rows in self._prefill_chunks(prompts, mb):
                 lens = [len(prompts[r]) for r in rows]
                 ids = torch.tensor([t for r in rows for t in prompts[r]], dtype=torch.int64)
                 ends = torch.tensor(lens).cumsum(0)
                 spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
                 pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
                 chunks.append([i, off, self.embed[ids.to(self.device)], pos, spans, ends])
+        pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         for l in range(self.spec.num_layers):
             visit = self._visit
             lx = self._begin_layer(visit)
@@ -315,14 +373,12 @@ class CGOPipeExecutor:
                 q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq)  # [T,Hq,hd] [T,Hkv,hd] x2
                 attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd]
                 if mb.kv is not None:
-                    kk, vv = (k, v) if mb.on_gpu else (k.cpu(), v.cpu())
-                    if not mb.on_gpu:
-                        self.stats.d2h_bytes += 2 * kk.numel() * kk.element_size()
-                    for j, (s, e) in enumerate(spans):
-                        mb.kv.write_prefill(l, off + j, kk[s:e], vv[s:e])
+                    self._store_prefill_kv(l, mb, off, spans, k, v, pending)
                 ch[2] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
             self._end_layer(visit)
             self._visit += 1
+        for f in pending:  # every KV row is in its cache before decode reads it
+            f.result()
         per_mb: list[list[torch.Tensor]] = [[] for _ in mbs]
         for i, _, x, _, _, ends in chunks:
             if not full_logits:
@@ -346,15 +402,7 @@ class CGOPipeExecutor:
         """D2H of q/k/v (after the compute stream produced them); returns host tensors + ready event."""
         if not self.cuda:
             return (q, k, v), None
-        self.d2h.wait_stream(self.compute)
-        with torch.cuda.stream(self.d2h):
-            host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in (q, k, v))
-            for t in (q, k, v):
-                t.record_stream(self.d2h)
-            ev = torch.cuda.Event()
-            ev.record(self.d2h)
-        self.stats.d2h_bytes += sum(t.numel() * t.element_size() for t in host)
-        return host, ev
+        return self._to_host(q, k, v)
 
     def _cpu_attention(self, l: int, mb: MicroBatch, qkv, ready) -> torch.Tensor:
         """Worker thread: wait for q/k/v to land, append k/v to the CPU cache, attend. Returns [mu, Hq*hd]."""

@@ -147,10 +147,9 @@ class SerialExecutor:
         """One decoder layer over a packed ragged batch. x: [T, D]; spans: (start, end) per sequence."""
         lw = self.layers[layer]
         q, k, v = M.pre_attention(lw, x, positions, self.spec, self.inv_freq)  # [T,Hq,hd], [T,Hkv,hd] x2
-        attn = torch.empty(x.shape[0], self.spec.q_size, dtype=x.dtype, device=x.device)  # [T, Hq*hd]
-        for row, (s, e) in enumerate(spans):
-            attn[s:e] = M.prefill_attention(q[s:e], k[s:e], v[s:e], self.spec.sliding_window)
-            if kv is not None:
+        attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd], one fused call
+        if kv is not None:
+            for row, (s, e) in enumerate(spans):
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
         return M.post_attention(lw, self._experts(layer), x, attn, self.spec)
 

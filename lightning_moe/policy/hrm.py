@@ -392,15 +392,16 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     gpu_decode["allocator reserve"] = policy.gpu_reserve
     gpu_prefill = dict(common)
     gpu_prefill["prefill hidden states (N x prompt)"] = N * s_max * D * b
-    gpu_prefill["prefill workspace (1 micro-batch)"] = (micro_batch_workspace(spec, pmu * s_max, pmu, policy.dtype)
-                                                        + pmu * s_max * spec.kv_elems_per_token * b)
+    tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))  # padded tokens of the largest prefill micro-batch
+    gpu_prefill["prefill workspace (1 micro-batch)"] = (micro_batch_workspace(spec, tp, pmu, policy.dtype)
+                                                        + tp * spec.kv_elems_per_token * b)
     gpu_prefill["allocator reserve"] = policy.gpu_reserve
     cpu_seqs = policy.n_cpu_attn * mu
     cpu = {
         "pinned experts (not resident)": (spec.num_moe_layers * spec.num_experts - R) * We,
         "CPU KV cache": kv_cpu,
         "pinned staging": (2 * cpu_seqs * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b
-                           + 2 * pmu * s_max * spec.kv_elems_per_token * b),
+                           + 2 * tp * spec.kv_elems_per_token * b),
         "host reserve": policy.cpu_reserve,
     }
     return MemoryEstimate(gpu_prefill=gpu_prefill, gpu_decode=gpu_decode, cpu=cpu)

@@ -40,12 +40,12 @@ import pulp
 from ..model.spec import MoESpec, dtype_bytes
 from . import hrm
 from .hardware import HardwareProfile, format_bytes
-from .policy import Budgets, PlanInfeasible, Policy, Workload
+from .policy import DEFAULT_PREFILL_TOKENS, Budgets, PlanInfeasible, Policy, Workload
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-PREFILL_TOKENS = 4096  # a prefill micro-batch holds at most this many prompt tokens (unless one prompt is longer)
+PREFILL_TOKENS = DEFAULT_PREFILL_TOKENS  # padded prompt tokens per prefill micro-batch (Policy.prefill_tokens)
 MEMORY_MARGIN_REL = 2e-7  # fraction of each budget kept free inside the MILP (CBC's row tolerance is 1e-7 on rows scaled by the budget)
 SOLVE_TIME_LIMIT = 20.0  # seconds per CBC solve
 TIE_SLACK = 1e-9  # relative throughput a tie-broken policy may give up (HRM ties only)
@@ -55,16 +55,27 @@ MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then t
 __all__ = ["plan", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "policy_from_decisions", "max_micro_batches"]
 
 
-def prefill_micro_batch(mu: int, max_prompt_len: int) -> int:
-    """Prefill micro-batch for decode micro-batch ``mu``: the largest divisor d of mu with d * max_prompt_len <= PREFILL_TOKENS (>= 1).
+def prefill_micro_batch(mu: int, prompt_len: float) -> int:
+    """Prefill micro-batch (rows) for decode micro-batch ``mu``: the largest divisor d of mu with
+    d * ceil(prompt_len) <= PREFILL_TOKENS (>= 1), ``prompt_len`` the MEAN prompt length.
 
-    A divisor, so N = mu * n splits into whole prefill micro-batches.
+    A divisor, so N = mu * n splits into whole prefill micro-batches. The executor also caps each prefill
+    micro-batch at ``Policy.prefill_tokens`` padded tokens (rows x longest row, length-sorted rows), so a
+    micro-batch of the longest prompts is split further and the workspace bound holds for any length mix;
+    sizing the row count by the mean keeps the typical micro-batch near PREFILL_TOKENS tokens (with the
+    max, one 425-token outlier of MT-Bench made every prefill micro-batch 8 rows, ~900 tokens).
     """
+    s = max(1, int(-(-prompt_len // 1)))
     best = 1
     for d in range(1, mu + 1):
-        if mu % d == 0 and d * max_prompt_len <= PREFILL_TOKENS:
+        if mu % d == 0 and d * s <= PREFILL_TOKENS:
             best = d
     return best
+
+
+def prefill_chunk_tokens(prefill_mu: int, max_prompt_len: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
+    """Largest padded token count of one prefill micro-batch: min(prefill_mu * s_max, max(prefill_tokens, s_max))."""
+    return min(prefill_mu * max_prompt_len, max(prefill_tokens, max_prompt_len))
 
 
 def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, n: int, resident_total: int, n_gpu_attn: int) -> Policy:
@@ -74,7 +85,7 @@ def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, m
     if r > E or (r == E and x):
         raise ValueError(f"{resident_total} resident experts exceed {L_moe} x {E}")
     counts = tuple(0 if i < Ld else r + (1 if i - Ld < x else 0) for i in range(spec.num_layers))
-    return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.max_prompt), resident_experts=counts,
+    return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.prompt_len), resident_experts=counts,
                   n_gpu_attn=n_gpu_attn, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
                   gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
                   gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
@@ -214,8 +225,9 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
                 gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve)
     for m in cands:
-        p = prefill_micro_batch(m, s_max)
+        p = prefill_micro_batch(m, s)
         C.pmu[m] = p
+        tp = prefill_chunk_tokens(p, s_max)  # padded tokens of the largest prefill micro-batch
         nmax = max_micro_batches(spec, workload, budgets, m, kv_len)
         C.nmax[m] = nmax if n_cap is None else min(n_cap, nmax)
         C.mb_moe[m] = hrm.gpu_layer_time(spec, hw, m, False, dt, q)
@@ -226,8 +238,8 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
         C.mem_ws_dec[m] = 2 * hrm.micro_batch_workspace(spec, m, m, dt)
-        C.mem_ws_pre[m] = hrm.micro_batch_workspace(spec, p * s_max, p, dt) + p * s_max * spec.kv_elems_per_token * b
-        C.mem_stage_pre[m] = 2 * p * s_max * spec.kv_elems_per_token * b
+        C.mem_ws_pre[m] = hrm.micro_batch_workspace(spec, tp, p, dt) + tp * spec.kv_elems_per_token * b
+        C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
         c = contexts[-1] if contexts else s + 1
         for got, want in ((hrm.cpu_decode_attention_time(spec, hw, m, c, dt), m * c * C.cpu_rate),

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .hrm import Estimate
 
 DEFAULT_GPU_RESERVE = 1 * GiB  # bytes: CUDA context, cuBLAS/Triton workspaces, caching-allocator fragmentation
+DEFAULT_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill micro-batch (bounds its GPU workspace)
 DEFAULT_CPU_RESERVE = 2 * GiB  # bytes: Python/torch process, tokenizer, load-time temporaries
 
 
@@ -185,7 +186,7 @@ class Policy:
 
     mu: int  # sequences per decode micro-batch
     n: int  # micro-batches per batch (N = mu * n sequences in flight)
-    prefill_mu: int  # sequences per prefill micro-batch (its GEMMs see prefill_mu * prompt_len tokens)
+    prefill_mu: int  # at most this many sequences per prefill micro-batch (its GEMMs see ~prefill_mu * prompt_len tokens)
     resident_experts: Resident = 0  # experts kept on the GPU (see class docstring for the three forms)
     n_gpu_attn: int = 0  # micro-batches whose KV cache and attention live on the GPU (0..n); the rest on the CPU
     weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up
@@ -194,9 +195,11 @@ class Policy:
     cpu_budget: int = 0  # bytes of host memory this policy was planned for (0 = unchecked)
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of the GPU budget kept free (counted in the GPU peak)
     cpu_reserve: int = DEFAULT_CPU_RESERVE  # bytes of the host budget kept free (counted in the CPU peak)
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # at most this many padded tokens (rows x longest row) per prefill
+    # micro-batch; a single longer prompt runs alone. Bounds the prefill workspace whatever the length mix.
 
     def __post_init__(self) -> None:
-        for k in ("mu", "n", "prefill_mu"):
+        for k in ("mu", "n", "prefill_mu", "prefill_tokens"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PolicyError(f"policy: {k} must be an int >= 1, got {v!r}")
@@ -347,7 +350,7 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add(f"  mu (sequences / micro-batch)     {policy.mu}")
     add(f"  n  (micro-batches)               {policy.n}")
     add(f"  N  (sequences in flight)         {policy.N}")
-    add(f"  prefill micro-batch              {policy.prefill_mu} sequences")
+    add(f"  prefill micro-batch              {policy.prefill_mu} sequences, <= {policy.prefill_tokens} padded tokens")
     res = f"{R} of {spec.num_moe_layers * spec.num_experts}"
     if moe:
         res += f" ({min(moe)}..{max(moe)} per MoE layer)" if min(moe) != max(moe) else f" ({moe[0]} per MoE layer)"

@@ -1,0 +1,49 @@
+"""Prefill micro-batches: row and padded-token caps (pipeline/cgopipe.py), and the planner's choice of rows."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_moe.pipeline.cgopipe import CGOPipeExecutor, MicroBatch
+from lightning_moe.policy.milp import prefill_chunk_tokens, prefill_micro_batch
+from lightning_moe.policy.policy import Policy
+
+
+def _chunks(lens, prefill_mu, prefill_tokens):
+    pol = Policy(mu=len(lens), n=1, prefill_mu=prefill_mu, prefill_tokens=prefill_tokens)
+    prompts = [[1] * n for n in lens]
+    mb = MicroBatch(rows=list(range(len(lens))), kv=None, on_gpu=False)
+    return CGOPipeExecutor._prefill_chunks(SimpleNamespace(policy=pol), prompts, mb)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunks_respect_caps_and_cover_rows_in_order(seed):
+    rng = random.Random(seed)
+    lens = sorted(rng.randint(1, 300) for _ in range(rng.randint(1, 60)))
+    pmu, ptok = rng.randint(1, 20), rng.choice([64, 256, 1024])
+    chunks = _chunks(lens, pmu, ptok)
+    assert [r for _, rows in chunks for r in rows] == list(range(len(lens)))
+    for off, rows in chunks:
+        assert rows[0] == off and len(rows) <= pmu
+        padded = len(rows) * max(lens[r] for r in rows)
+        assert padded <= ptok or len(rows) == 1  # a single longer prompt runs alone
+        assert padded <= prefill_chunk_tokens(pmu, max(lens), ptok)
+    # greedy: the next row would have broken a cap
+    for (off, rows), (nxt, _) in zip(chunks, chunks[1:]):
+        more = rows + [nxt]
+        assert len(more) > pmu or len(more) * max(lens[r] for r in more) > ptok
+
+
+def test_outlier_gets_its_own_chunk_and_short_rows_pack():
+    chunks = _chunks([10] * 12 + [425], prefill_mu=64, prefill_tokens=400)
+    assert [len(r) for _, r in chunks] == [12, 1]
+
+
+def test_prefill_rows_sized_by_mean_prompt():
+    assert prefill_micro_batch(512, 112.4) == 32  # 32 * 113 <= 4096 < 64 * 113, and 32 divides 512
+    assert prefill_micro_batch(512, 425) == 8
+    assert prefill_micro_batch(7, 5000) == 1
+    assert prefill_chunk_tokens(32, 425) == 4096 and prefill_chunk_tokens(4, 425) == 1700 and prefill_chunk_tokens(4, 5000) == 5000
