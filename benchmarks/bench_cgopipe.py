@@ -184,6 +184,14 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     del w
     t_setup = time.perf_counter() - t0
     log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB)")
+    # warm-up: Triton compiles one kernel per tile config (chosen by tokens per expert) on first use; two short
+    # runs hit the prefill (large) and decode (small, medium) configs, so the timed run measures steady state
+    t0 = time.perf_counter()
+    for rows in (8, min(128, policy.mu)):
+        ex.generate(prompts[:rows], SamplingParams(max_new_tokens=2, stop_at_eos=False))
+    ex.stats.__init__()
+    t_warm = time.perf_counter() - t0
+    log(f"warm-up (kernel compilation) {t_warm:.1f} s")
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     ex.generate(prompts, SamplingParams(max_new_tokens=case.gen_len, stop_at_eos=False))
@@ -194,7 +202,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     dec = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
     st = dict(s.extra)
     return {
-        "executor": "cgopipe", "ffn": case.ffn, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup,
+        "executor": "cgopipe", "ffn": case.ffn, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup, "warmup_seconds": t_warm,
         "N": policy.N, "prompt_len_mean": wl.prompt_len, "prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
         "decode_tok_s": dec, "e2e_tok_s": s.generated_tokens / wall, "wall_seconds": wall,
         "decode_seconds": s.decode_seconds, "prefill_seconds": s.prefill_seconds,
@@ -295,6 +303,9 @@ def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None) 
 
 
 def commit() -> str:
+    """The commit to print: ``--commit`` (the device copy's .git can be stale), else ``git rev-parse``."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     except OSError:
@@ -333,10 +344,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, executor) subprocess")
     ap.add_argument("--ffn", default=None, help="override the cases' CGOPipe FFN: torch | triton")
+    ap.add_argument("--commit", default=None, help="commit id for the results table (pass it: on the GPU host's copy "
+                                                   "of the tree, .git may be stale)")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "EXECUTOR"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not os.path.exists(a.profile):
         a.profile = "h200"
+    if a.commit:
+        os.environ["BENCH_COMMIT"] = a.commit
     if a.one:
         one(a.one[0], a.one[1], a.profile, a.ffn)
         return
