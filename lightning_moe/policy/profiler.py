@@ -185,9 +185,15 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     sizes = dict(nbytes=64 * MiB, repeats=2) if quick else {}
     host_bw = measure_host_bandwidth(**sizes)
     log(f"host memory copy: {host_bw / 1e9:.1f} GB/s")
-    attn = dict(batch=4, seq=256, repeats=2) if quick else dict(batch=32, seq=1024)
+    # decode-shaped calls (many rows, MT-Bench-like contexts), the shapes the executor runs: bandwidth from a
+    # large call, fixed cost per call from a small one (a line t = overhead + bytes / bandwidth through both)
+    attn = dict(batch=16, seq=128, repeats=2) if quick else dict(batch=512, seq=128)
     cpu_bw, cpu_flops, which = measure_cpu_attention(**attn)
-    log(f"CPU decode attention ({which}): {cpu_bw / 1e9:.1f} GB/s of KV, {cpu_flops / 1e9:.1f} GFLOP/s")
+    log(f"CPU decode attention ({which}), {attn['batch']} rows x {attn['seq']} positions: "
+        f"{cpu_bw / 1e9:.1f} GB/s of KV, {cpu_flops / 1e9:.1f} GFLOP/s")
+    if not quick:
+        long_bw, _, _ = measure_cpu_attention(batch=32, seq=1024)
+        log(f"  (32 rows x 1024 positions: {long_bw / 1e9:.1f} GB/s, for reference)")
     small_bw, _, _ = measure_cpu_attention(batch=16, seq=128, repeats=2 if quick else 20)
     small_bytes = 2 * 16 * 8 * 128 * 128 * 2  # K and V of 16 rows x 128 positions (bf16, 8 KV heads, hd 128)
     cpu_ovh = max(0.0, small_bytes / small_bw - small_bytes / cpu_bw)  # fixed cost of a decode-shaped call
