@@ -177,3 +177,80 @@ def test_milp_equals_brute_force_with_large_fixed_costs(field):
         assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
         checked += 1
     assert checked >= 6
+
+
+@pytest.mark.parametrize("threshold", [16, 3])
+def test_milp_equals_brute_force_with_quantized_pages(monkeypatch, threshold):
+    """int4 pages: the dequantization scratch (memory) and time (GPU stage, per layer visit, only for micro-batch
+    sizes whose FFN calls reach hrm.DEQUANT_MIN_PAIRS_PER_EXPERT) make the layer classes differ in their GPU
+    stage; the MILP still matches brute force over hrm. The GPU bandwidth is lowered to 1-10x PCIe so the
+    dequantization time matters. threshold 16: only prefill micro-batches dequantize (mu <= 8, E = 3-4);
+    threshold 3: decode micro-batches of mu = 8 too (mu * 2 / E >= 3), mu = 2 and 4 stay fused."""
+    import dataclasses
+
+    monkeypatch.setattr(hrm, "DEQUANT_MIN_PAIRS_PER_EXPERT", threshold)
+    cands, n_max = [2, 4, 8], 4
+    checked, deq_binding = 0, 0
+    for seed in range(24):
+        spec, hw, wl, budgets = random_case(seed)
+        rng = random.Random(1000 + seed)
+        hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
+        budgets = dataclasses.replace(budgets, weight_quant="int4")
+        bf = brute_force(spec, hw, wl, budgets, cands, n_max)
+        if bf is None:
+            with pytest.raises(PlanInfeasible):
+                milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+            continue
+        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
+        assert not hrm.memory_violations(pol, spec, wl)
+        assert est.memory.gpu_decode["dequantized expert scratch"] == (
+            max(spec.num_experts - c for c in pol.resident_counts(spec)[spec.num_dense_layers:]) * spec.expert_bytes("bf16"))
+        checked += 1
+        # the optimum has a GPU-bound layer that dequantizes (so the new term shaped it)
+        layers = list(est.prefill_layers) + list(est.decode_first_layers)
+        deq = (hrm.dequant_path(spec, pol.mu, "int4") and any(st.binding == "gpu" for st in est.decode_first_layers)) or (
+            hrm.dequant_path(spec, pol.prefill_mu * wl.prompt_len, "int4") and any(st.binding == "gpu" for st in est.prefill_layers))
+        deq_binding += bool(deq and layers)
+    assert checked >= 10
+    assert deq_binding >= 3, deq_binding
+
+
+@pytest.mark.parametrize("quant", ["int4", "bf16"])
+def test_milp_time_equals_hrm_for_fixed_decisions(monkeypatch, quant):
+    """With every decision pinned (mu, n, R -- uneven spreads included, so both layer classes exist -- and g), the
+    MILP's minimal T equals hrm.evaluate's total time: the per-class dequantization terms (u - wdq Z for the
+    layers holding r + 1 experts) are exact, not just good enough to pick the same optimum."""
+    import dataclasses
+
+    import pulp
+
+    monkeypatch.setattr(hrm, "DEQUANT_MIN_PAIRS_PER_EXPERT", 3)  # decode: mu = 8 dequantizes, 2 and 4 stay fused
+    rng = random.Random(7)
+    checked = 0
+    for seed in range(10):
+        spec, hw, wl, budgets = random_case(seed)
+        hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
+        budgets = dataclasses.replace(budgets, weight_quant=quant, gpu_memory=1 << 40, cpu_memory=1 << 40)
+        cands = [2, 4, 8]
+        C = milp._coefficients(spec, hw, wl, budgets, cands, 4, wl.kv_positions(1))
+        for _ in range(3):
+            mu, n = rng.choice(cands), rng.randint(1, 4)
+            g, R = rng.randint(0, n), rng.randint(0, spec.num_moe_layers * spec.num_experts)
+            r, x = divmod(R, spec.num_moe_layers)
+            if r == spec.num_experts and x:
+                continue
+            model = milp._Model(spec, wl, C)
+            for m in cands:
+                model.prob += model.z[m] == int(m == mu)
+                model.prob += model.w[m] == (n if m == mu else 0)
+                model.prob += model.v[m] == (g if m == mu else 0)
+            model.prob += model.r == r
+            for i, bt in enumerate(model.beta):
+                model.prob += bt == (x >> i) & 1
+            model.solve(1.0, 20.0)
+            pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
+            want = hrm.evaluate(pol, spec, hw, wl).total_time
+            assert float(pulp.value(model.T)) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
+            checked += 1
+    assert checked >= 20

@@ -10,7 +10,9 @@ Triton is imported lazily, the first time a ``*_triton`` function is called.
   (:func:`expert_page_layout`, :func:`pack_expert_page`, :func:`unpack_expert_page`), and the FFN
   computed from packed pages or quantized tensors (:func:`fused_experts_paged_triton`,
   :func:`fused_experts_quant_triton`; references :func:`experts_ffn_quant_reference`,
-  :func:`experts_ffn_qt_reference`).
+  :func:`experts_ffn_qt_reference`), and the Triton dequantization of packed experts into dense weights
+  (:func:`dequantize_triton`, :func:`dequantize_pages_triton`; references :func:`dequantize`,
+  :func:`unpack_expert_page`) that their large-M path uses.
 """
 
 from .fused_moe import (
@@ -33,7 +35,10 @@ from .quant import (
     QuantTensor,
     Segment,
     analytic_error_bound,
+    dense_expert_scratch,
     dequantize,
+    dequantize_pages_triton,
+    dequantize_triton,
     expert_tensor_specs,
     experts_ffn_qt_reference,
     fused_experts_quant_triton,
@@ -48,6 +53,7 @@ from .quant import (
     quant_error_bound,
     quantize_groupwise,
     unpack_expert_page,
+    use_dequant_path,
 )
 
 __all__ = [
@@ -58,4 +64,5 @@ __all__ = [
     "fused_moe_workspace_bytes", "moe_align", "pack_expert_page", "pack_expert_pages", "page_quant_tensors",
     "page_weight_views", "quant_error_bound", "quantize_groupwise", "triton_available", "unpack_expert_page",
     "expert_tensor_specs", "experts_ffn_qt_reference", "fused_experts_quant_triton", "quant_tensors_from_views",
+    "dense_expert_scratch", "dequantize_pages_triton", "dequantize_triton", "use_dequant_path",
 ]

@@ -1,10 +1,11 @@
-"""Triton kernels of the grouped expert FFN (dense stacked weights and packed expert pages).
+"""Triton kernels of the grouped expert FFN (dense stacked weights and packed expert pages) and the
+dequantization of packed experts into dense weights (``dequant_kernel``).
 
 Imported only on demand by :mod:`lightning_moe.kernels.fused_moe` and :mod:`lightning_moe.kernels.quant`
 (their wrappers check, allocate and launch; read those for shapes, dtypes and references). This module
 imports triton at the top, so it must never be imported by code that runs on a host without triton.
 
-Every kernel works on blocks of ``BLOCK_M`` routed (token, slot) pairs that all belong to one expert
+Every FFN kernel works on blocks of ``BLOCK_M`` routed (token, slot) pairs that all belong to one expert
 (``moe_align``'s padded layout; padding rows hold ``num_pairs`` and are masked, blocks with expert -1 exit).
 Tiles: activations ``[BLOCK_M, BLOCK_K]``, weights ``[BLOCK_K, BLOCK_N]`` (loaded transposed from the HF
 ``[out, in]`` layout), fp32 accumulators ``[BLOCK_M, BLOCK_N]``. ``UPCAST_DOT`` is set only under the Triton
@@ -232,3 +233,55 @@ def down_q_kernel(
     acc = acc * rw[:, None]
     y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
     tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def dequant_kernel(
+    q_ptr, s_ptr, z_ptr, out_ptr,
+    R, C, RB,
+    stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_oe, stride_or,
+    BITS: tl.constexpr, GROUP: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Dense weights out[e, r, c] = code[e, r, c] * scale[e, r, c // G] + zero[e, r, c // G] (fp32, then cast).
+
+    Program (pid_r, pid_b, e) handles rows ``[pid_r * BLOCK_R, +BLOCK_R)`` and packed bytes
+    ``[pid_b * BLOCK_B, +BLOCK_B)`` of expert ``e``: one coalesced ``[BLOCK_R, BLOCK_B]`` uint8 load along the
+    row, then for each of the ``8 // BITS`` code planes ``j`` a shift/mask and a strided store to columns
+    ``byte * (8 // BITS) + j``. ``q_ptr``: uint8 ``[E, R, RB]`` (strides ``stride_qe``, ``stride_qr``, 1);
+    ``s_ptr`` / ``z_ptr``: ``[E, R, NG]`` (last stride 1); ``out_ptr``: ``[E, R, C]`` (last stride 1).
+    Columns ``>= C`` (the zero codes completing a last byte) are not stored.
+    ``TILE_IN_GROUP`` (``GROUP % (BLOCK_B * 8 // BITS) == 0``): the tile's columns lie in one group, so one
+    scale and one zero per row are loaded (``[BLOCK_R]``); otherwise a per-element gather (cache hits).
+    The launch sets ``enable_fp_fusion=False`` so ``code * scale + zero`` rounds twice, as torch does.
+    """
+    PER: tl.constexpr = 8 // BITS
+    pid_r = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    e64 = tl.program_id(2).to(tl.int64)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = rows < R
+    rows64 = rows.to(tl.int64)
+    byte_idx = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = byte_idx < RB
+    packed = tl.load(q_ptr + e64 * stride_qe + rows64[:, None] * stride_qr + byte_idx[None, :],
+                     mask=r_mask[:, None] & b_mask[None, :], other=0).to(tl.int32)  # [BLOCK_R, BLOCK_B]
+    s_row = s_ptr + e64 * stride_se + rows64 * stride_sr  # [BLOCK_R] pointers to each row's groups
+    z_row = z_ptr + e64 * stride_ze + rows64 * stride_zr
+    o_row = out_ptr + e64 * stride_oe + rows64 * stride_or
+    if TILE_IN_GROUP:
+        g = (pid_b * BLOCK_B * PER) // GROUP
+        s_t = tl.load(s_row + g, mask=r_mask, other=0.0).to(tl.float32)[:, None]  # [BLOCK_R, 1]
+        z_t = tl.load(z_row + g, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+    for j in tl.static_range(PER):
+        cols = byte_idx * PER + j  # [BLOCK_B] columns of code plane j
+        m = r_mask[:, None] & (cols < C)[None, :]
+        code = ((packed >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        if TILE_IN_GROUP:
+            w = code * s_t + z_t
+        else:
+            grp = cols // GROUP
+            s = tl.load(s_row[:, None] + grp[None, :], mask=m, other=0.0).to(tl.float32)
+            z = tl.load(z_row[:, None] + grp[None, :], mask=m, other=0.0).to(tl.float32)
+            w = code * s + z
+        tl.store(o_row[:, None] + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=m)

@@ -34,6 +34,16 @@ weight), ``NG = cdiv(C, G)`` groups per row, ``RB = cdiv(C * bits, 8)`` packed b
    as :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`. Its reference is
    :func:`experts_ffn_quant_reference` (dequantize, then the torch reference FFN).
 
+4. :func:`dequantize_triton` / :func:`dequantize_pages_triton` -- a memory-bound Triton kernel that decodes
+   packed experts into dense ``[E, R, C]`` weights in the activation dtype, bit-identical to
+   :func:`dequantize` / :func:`unpack_expert_page`. :func:`fused_experts_quant_triton` (and so
+   :func:`fused_experts_paged_triton`) takes ``mode="auto" | "fused" | "dequant"``: at large M
+   (``T * k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT`` mean pairs per expert) "auto" dequantizes the experts of the
+   call into a dense scratch and runs the bf16 grouped kernel
+   :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton` on it, because the fused kernel repeats the
+   dequantization for every M-block (measured on an H200: 56 ms vs 1.56 ms per gate/up call at ~2600 tokens,
+   Mixtral experts, E = 8); below the threshold the fused kernel reads only the packed bytes.
+
 Triton is imported lazily (kernels in :mod:`lightning_moe.kernels._triton_kernels`); importing this
 module needs only torch.
 """
@@ -64,7 +74,13 @@ from .fused_moe import (
 )
 
 __all__ = [
+    "DEQUANT_MIN_PAIRS_PER_EXPERT",
+    "DEQUANT_MODES",
     "PAGE_SCHEMES",
+    "dense_expert_scratch",
+    "dequantize_pages_triton",
+    "dequantize_triton",
+    "use_dequant_path",
     "PageLayout",
     "PageScheme",
     "QuantTensor",
@@ -88,6 +104,15 @@ __all__ = [
 ]
 
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Large-M switch of fused_experts_quant_triton(mode="auto"): dequantize the call's experts into a dense scratch
+# and run the dense grouped kernel when the mean routed pairs per expert, T * k / E, is at least this.
+# A GUESS, not measured: the only measurement (H200, Mixtral experts, E = 8) is the fused kernel at ~2600
+# tokens x top-2 (650 pairs per expert) being ~36x slower than the bf16 kernel. Tune it on the GPU (time
+# both modes over T). policy/hrm.py keeps a torch-free copy (hrm.DEQUANT_MIN_PAIRS_PER_EXPERT; a test checks
+# they agree), and CGOPipe reads this one.
+DEQUANT_MIN_PAIRS_PER_EXPERT = 16
+DEQUANT_MODES = ("auto", "fused", "dequant")
 
 # --------------------------------------------------------------------------------------------------
 # group-wise quantization (pure torch)
@@ -708,6 +733,198 @@ def _check_qt_experts(fn: str, x: torch.Tensor, w1: QuantTensor, w3: QuantTensor
 
 
 # --------------------------------------------------------------------------------------------------
+# dequantization: Triton
+# --------------------------------------------------------------------------------------------------
+
+_DEQUANT_TILE_BYTES = 4096  # packed bytes per program (BLOCK_R x BLOCK_B); a guess, to be tuned on the GPU
+_DEQUANT_NUM_WARPS = 4  # likewise a guess
+
+
+def _dequant_tiles(bits: int, group_size: int) -> tuple[int, int, bool]:
+    """``(BLOCK_R, BLOCK_B, TILE_IN_GROUP)`` of ``dequant_kernel`` for ``bits`` and group size G.
+
+    ``BLOCK_B`` (packed bytes per tile row) is the largest power of two <= 64 dividing ``G / (8 // bits)``;
+    when that is >= 16 every tile lies inside one group (one scale and zero per row and tile: G = 128 gives
+    64 bytes = 128 columns at 4 bits, 32 bytes = 128 columns at 2 bits). Otherwise (e.g. G = 40, 48)
+    ``BLOCK_B = 64`` with a per-element gather of scales/zeros. ``BLOCK_R = 4096 // BLOCK_B`` rows.
+    """
+    per = 8 // bits
+    bb = 0
+    if group_size % per == 0:
+        q = group_size // per
+        bb = min(64, q & -q)
+    if bb >= 16:
+        return _DEQUANT_TILE_BYTES // bb, bb, True
+    return _DEQUANT_TILE_BYTES // 64, 64, False
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and (v & (v - 1)) == 0
+
+
+def dense_expert_scratch(num_experts: int, hidden_size: int, intermediate_size: int,
+                         dtype: torch.dtype = torch.bfloat16,
+                         device: Union[str, torch.device] = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialized dense expert buffers ``(w1 [E, F, D], w3 [E, F, D], w2 [E, D, F])`` of ``dtype``.
+
+    For ``out=`` of :func:`dequantize_pages_triton` / ``scratch=`` of :func:`fused_experts_quant_triton`;
+    ``3 * E * D * F * itemsize`` bytes (<= ``E * MoESpec.expert_bytes(dtype)``, which also rounds each expert up
+    to 4096 bytes). Any call with at most ``E`` experts can use it (the first rows are written).
+    """
+    if num_experts < 0 or hidden_size < 1 or intermediate_size < 1:
+        raise ValueError(f"dense_expert_scratch: bad sizes E={num_experts}, D={hidden_size}, F={intermediate_size}")
+    E, D, Fd = num_experts, hidden_size, intermediate_size
+    mk = lambda r, c: torch.empty((E, r, c), dtype=dtype, device=device)  # noqa: E731
+    return mk(Fd, D), mk(Fd, D), mk(D, Fd)
+
+
+def dequantize_triton(
+    qt: QuantTensor,
+    dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
+    *,
+    block_rows: Optional[int] = None,
+    block_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """Triton dequantization of a (stacked) :class:`QuantTensor`: ``code * scale + zero`` in fp32, cast to ``dtype``.
+
+    Bit-identical to :func:`dequantize` (the kernel is launched with ``enable_fp_fusion=False``, so even fp32
+    scales round the product and the sum separately, as torch does; with fp16/bf16 scales the fp32 product is
+    exact anyway). Memory-bound: each program reads a ``[BLOCK_R, BLOCK_B]`` tile of packed bytes once (along
+    the row) and writes its ``8 // bits`` code planes; see ``dequant_kernel`` and :func:`_dequant_tiles`.
+
+    Args:
+        qt: ``[E, R, C]`` (e.g. one projection of a layer's experts, strided views into a page buffer from
+            :func:`page_quant_tensors`) or ``[R, C]``; ``packed`` uint8 ``[.., R, RB]``, ``scales`` / ``zeros``
+            ``[.., R, NG]`` of one dtype in fp16 / bf16 / fp32, all with unit last stride, on one CUDA device
+            (CPU under ``TRITON_INTERPRET=1``); bits 4 or 2; any group size G >= 1.
+        dtype: output dtype, bf16 / fp16 / fp32 (default ``qt.dtype``).
+        out: optional destination, ``[E', R, C]`` with ``E' >= E`` (rows ``[:E]`` are written; a reusable
+            scratch) or ``[R, C]`` for a 2-D ``qt``; ``dtype``, same device, unit last stride.
+        block_rows, block_bytes: tile override (powers of two; tests use them to force partial tiles and
+            the per-element scale path); default :func:`_dequant_tiles`.
+
+    Returns:
+        ``[E, R, C]`` (``out[:E]`` when given) or ``[R, C]`` in ``dtype``.
+
+    Raises:
+        ValueError: not a QuantTensor, bad bits / shapes / dtypes / strides, device mismatch, CPU tensors
+        without ``TRITON_INTERPRET=1``, bad ``out`` or tile sizes. RuntimeError: triton not installed.
+    """
+    fn = "dequantize_triton"
+    if not isinstance(qt, QuantTensor):
+        raise ValueError(f"{fn}: qt must be a QuantTensor, got {type(qt).__name__}")
+    _check_bits_group(fn, qt.bits, qt.group_size)
+    dtype = dtype or qt.dtype
+    if dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: dtype must be one of {_TRITON_DTYPES}, got {dtype}")
+    if len(qt.shape) not in (2, 3):
+        raise ValueError(f"{fn}: qt must be [E, R, C] or [R, C], shape is {qt.shape}")
+    stacked = len(qt.shape) == 3
+    q = qt if stacked else QuantTensor(qt.packed[None], qt.scales[None], qt.zeros[None], (1,) + tuple(qt.shape),
+                                       qt.bits, qt.group_size, qt.dtype)
+    E, R, C = q.shape
+    dev = q.packed.device
+    want = {"packed": (E, R, q.row_bytes), "scales": (E, R, q.n_groups), "zeros": (E, R, q.n_groups)}
+    for attr, shp in want.items():
+        t = getattr(q, attr)
+        if tuple(t.shape) != shp or t.stride(-1) != 1:
+            raise ValueError(f"{fn}: qt.{attr} must be {shp[1:] if not stacked else shp} with unit last stride, "
+                             f"got {tuple(t.shape)} strides {t.stride()}")
+        if t.device != dev:
+            raise ValueError(f"{fn}: qt.{attr} on {t.device} but qt.packed on {dev}")
+    if q.packed.dtype != torch.uint8:
+        raise ValueError(f"{fn}: qt.packed must be uint8, got {q.packed.dtype}")
+    if q.scales.dtype not in _SCALE_DTYPES or q.zeros.dtype != q.scales.dtype:
+        raise ValueError(f"{fn}: scales/zeros must share a dtype in {_SCALE_DTYPES}, "
+                         f"got {q.scales.dtype} / {q.zeros.dtype}")
+    if E > 65535:
+        raise ValueError(f"{fn}: at most 65535 stacked tensors per call (grid z), got {E}")
+    _check_triton_device(fn, q.packed)
+    if out is None:
+        o = torch.empty((E, R, C), dtype=dtype, device=dev)
+    else:
+        ok = (isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == dev
+              and out.dim() == (3 if stacked else 2) and tuple(out.shape[-2:]) == (R, C)
+              and (not stacked or out.shape[0] >= E) and (out.numel() == 0 or out.stride(-1) == 1))
+        if not ok:
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"{fn}: out must be {'[>= ' + str(E) + ', ' if stacked else '['}{R}, {C}] {dtype} on {dev} "
+                             f"with unit last stride, got {got}")
+        o = out[:E] if stacked else out[None]
+    br, bb, in_group = _dequant_tiles(q.bits, q.group_size)
+    if block_rows is not None or block_bytes is not None:
+        br, bb = block_rows or br, block_bytes or bb
+        if not (_is_pow2(br) and _is_pow2(bb)):
+            raise ValueError(f"{fn}: block_rows / block_bytes must be powers of two, got {br}, {bb}")
+        in_group = q.group_size % (bb * (8 // q.bits)) == 0
+    if o.numel():
+        kern = _triton_kernels()
+        grid = (_cdiv(R, br), _cdiv(q.row_bytes, bb), E)
+        kern.dequant_kernel[grid](
+            q.packed, q.scales, q.zeros, o,
+            R, C, q.row_bytes,
+            q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
+            q.zeros.stride(0), q.zeros.stride(1), o.stride(0), o.stride(1),
+            BITS=q.bits, GROUP=q.group_size, TILE_IN_GROUP=in_group, BLOCK_R=br, BLOCK_B=bb,
+            num_warps=_DEQUANT_NUM_WARPS, enable_fp_fusion=False,
+        )
+    return o if stacked else o[0]
+
+
+def dequantize_pages_triton(
+    pages: torch.Tensor,
+    layout: PageLayout,
+    dtype: torch.dtype = torch.bfloat16,
+    out: Optional[tuple] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode quantized expert pages into dense ``(w1, w3, w2)`` with :func:`dequantize_triton` (3 launches).
+
+    Bit-identical to :func:`unpack_expert_page` ``(pages, layout, dtype)``.
+
+    Args:
+        pages: ``uint8 [E, page_bytes]`` (row stride a multiple of ``layout.segment_align``, e.g. a slot
+            pool) or one page ``[page_bytes]``; on a CUDA device (CPU under ``TRITON_INTERPRET=1``).
+        layout: a quantized :class:`PageLayout` (int4 / int2 / int2-up / int4-up2).
+        dtype: output dtype (bf16 default; fp16 / fp32).
+        out: optional ``(w1, w3, w2)`` destinations ``[E' >= E, F, D]``, ``[E', F, D]``, ``[E', D, F]`` (e.g.
+            :func:`dense_expert_scratch`), written in rows ``[:E]``; ``[F, D], [F, D], [D, F]`` for one page.
+
+    Returns:
+        ``(w1 [E, F, D], w3 [E, F, D], w2 [E, D, F])`` in ``dtype`` (views of ``out`` when given).
+
+    Raises:
+        ValueError: unquantized layout (use :func:`page_weight_views`), bad pages / out (see
+        :func:`dequantize_triton`). RuntimeError: triton not installed.
+    """
+    fn = "dequantize_pages_triton"
+    if not isinstance(layout, PageLayout):
+        raise ValueError(f"{fn}: layout must be a PageLayout, got {type(layout).__name__}")
+    _check_page(fn, pages, layout)
+    if not layout.quantized:
+        raise ValueError(f"{fn}: scheme {layout.scheme} is not quantized; use page_weight_views")
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
+        raise ValueError(f"{fn}: out must be a (w1, w3, w2) tuple of tensors, got {type(out).__name__}")
+    outs = tuple(out) if out is not None else (None, None, None)
+    return tuple(dequantize_triton(q, dtype, o) for q, o in zip(page_quant_tensors(pages, layout, dtype), outs))
+
+
+def _check_mode(fn: str, mode: str) -> None:
+    if mode not in DEQUANT_MODES:
+        raise ValueError(f"{fn}: mode must be one of {DEQUANT_MODES}, got {mode!r}")
+
+
+def use_dequant_path(mode: str, num_pairs: int, num_experts: int) -> bool:
+    """Whether ``mode`` takes the dequantize-then-dense path for ``num_pairs = T * k`` routed pairs over
+    ``num_experts`` experts: "dequant" always, "fused" never, "auto" iff
+    ``num_pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts`` (mean pairs per expert at least the threshold)."""
+    _check_mode("use_dequant_path", mode)
+    if mode != "auto":
+        return mode == "dequant"
+    return num_pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts
+
+
+# --------------------------------------------------------------------------------------------------
 # expert FFN from pages: Triton
 # --------------------------------------------------------------------------------------------------
 
@@ -739,13 +956,22 @@ def fused_experts_quant_triton(
     *,
     config: Optional[MoEKernelConfig] = None,
     validate: bool = True,
+    mode: str = "auto",
+    scratch: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN from group-quantized experts (Triton, W4A16 / W2A16).
 
-    The codes of each weight tile are dequantized in registers (``code * scale + zero`` in fp32, cast to
-    ``x.dtype`` -- bit-identical to :func:`dequantize`), multiplied with ``tl.dot`` and accumulated in
-    fp32; tokens are grouped by expert as in :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`
-    (same ``h [P, F]`` in ``x.dtype``, weighted ``y [P, D]`` fp32, deterministic fp32 slot sum).
+    Two paths, both grouped by expert as in :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`
+    (same ``h [P, F]`` in ``x.dtype``, weighted ``y [P, D]`` fp32, deterministic fp32 slot sum) and both using
+    the same dequantized weights, bit for bit (``code * scale + zero`` in fp32, cast to ``x.dtype``, as
+    :func:`dequantize`):
+
+    * "fused": the codes of each weight tile are dequantized in registers inside the GEMM K-loop and
+      multiplied with ``tl.dot`` (reads only packed bytes; but repeats the dequantization per M-block).
+    * "dequant": all E experts are decoded once by :func:`dequantize_triton` into ``scratch`` (or a new
+      buffer of ``3 * E * D * F`` elements), then the dense kernel runs on them.
+    * "auto" (default): "dequant" when ``T * k >= DEQUANT_MIN_PAIRS_PER_EXPERT * E`` (see
+      :func:`use_dequant_path`; the threshold is a guess to be tuned on the GPU), else "fused".
 
     Args:
         x: ``[T, D]`` CUDA tensor, bf16 / fp16 (fp32 also accepted).
@@ -756,15 +982,19 @@ def fused_experts_quant_triton(
         config: tile sizes (default :func:`~lightning_moe.kernels.fused_moe.default_kernel_config`);
             ``block_k`` is then fitted to the group sizes (see :func:`_quant_tiles`).
         validate: range-check ids (one host sync).
+        mode: "auto" | "fused" | "dequant" (above).
+        scratch: optional ``(w1 [E' >= E, F, D], w3 [E', F, D], w2 [E', D, F])`` in ``x.dtype`` on x's device
+            (:func:`dense_expert_scratch`) that the "dequant" path writes instead of allocating.
 
     Returns:
         ``[T, D]`` in ``x.dtype``; reference: :func:`experts_ffn_qt_reference`.
 
     Raises:
         ValueError: shape / dtype / device mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``),
-        out-of-range ids. RuntimeError: triton not installed.
+        out-of-range ids, unknown mode, bad scratch. RuntimeError: triton not installed.
     """
     fn = "fused_experts_quant_triton"
+    _check_mode(fn, mode)
     E = _check_qt_experts(fn, x, w1, w3, w2)
     T, D = x.shape
     Fd = w1.shape[1]
@@ -779,9 +1009,15 @@ def fused_experts_quant_triton(
     _check_triton_device(fn, x)
     if validate:
         _check_id_range(fn, topk_ids, E)
+    if scratch is not None and (not isinstance(scratch, (tuple, list)) or len(scratch) != 3):
+        raise ValueError(f"{fn}: scratch must be a (w1, w3, w2) tuple of tensors, got {type(scratch).__name__}")
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
     P = T * k
+    if use_dequant_path(mode, P, E):
+        outs = tuple(scratch) if scratch is not None else (None, None, None)
+        d1, d3, d2 = (dequantize_triton(q, x.dtype, o) for q, o in zip((w1, w3, w2), outs))
+        return fused_experts_triton(x, d1, d3, d2, topk_weights, topk_ids, config=config, validate=False)
     cfg, tile_in_group = _quant_tiles(config or default_kernel_config(P, E, x.dtype), (w1.group_size, w2.group_size))
     kern = _triton_kernels()
 
@@ -824,11 +1060,14 @@ def fused_experts_paged_triton(
     *,
     config: Optional[MoEKernelConfig] = None,
     validate: bool = True,
+    mode: str = "auto",
+    scratch: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN computed directly from a stacked page buffer (Triton).
 
     Quantized schemes: zero-copy :class:`QuantTensor` views of the pages (:func:`page_quant_tensors`)
-    go to :func:`fused_experts_quant_triton` (dequantization in registers). Unquantized schemes:
+    go to :func:`fused_experts_quant_triton` with ``mode`` and ``scratch`` (dequantization in registers, or
+    at large M of all ``E`` pages into a dense scratch followed by the dense kernel). Unquantized schemes:
     zero-copy strided weight views (:func:`page_weight_views`) go to
     :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`.
 
@@ -840,16 +1079,20 @@ def fused_experts_paged_triton(
         topk_weights: ``[T, k]`` floating (fp32); topk_ids: ``[T, k]`` int64/int32 in ``[0, E)``.
         config: tile sizes (default :func:`~lightning_moe.kernels.fused_moe.default_kernel_config`).
         validate: range-check ids (one host sync).
+        mode: "auto" | "fused" | "dequant", see :func:`fused_experts_quant_triton` (ignored, but checked,
+            for unquantized pages, which are already dense).
+        scratch: dense ``(w1, w3, w2)`` buffers for the "dequant" path (:func:`dense_expert_scratch`).
 
     Returns:
         ``[T, D]`` in ``x.dtype``; reference: :func:`experts_ffn_quant_reference`.
 
     Raises:
         ValueError: shape / dtype / device mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``),
-        out-of-range ids, an unquantized page dtype different from ``x.dtype``.
+        out-of-range ids, an unquantized page dtype different from ``x.dtype``, unknown mode, bad scratch.
         RuntimeError: triton not installed.
     """
     fn = "fused_experts_paged_triton"
+    _check_mode(fn, mode)
     _check_pages_call(fn, x, pages, layout, topk_weights, topk_ids)
     if x.dtype not in _TRITON_DTYPES:
         raise ValueError(f"{fn}: x dtype must be one of {_TRITON_DTYPES}, got {x.dtype}")
@@ -860,4 +1103,5 @@ def fused_experts_paged_triton(
         w1, w3, w2 = page_weight_views(pages, layout)
         return fused_experts_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate)
     w1, w3, w2 = page_quant_tensors(pages, layout, x.dtype)
-    return fused_experts_quant_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate)
+    return fused_experts_quant_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate,
+                                      mode=mode, scratch=scratch)

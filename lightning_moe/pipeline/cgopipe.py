@@ -145,6 +145,15 @@ class CGOPipeExecutor:
                 self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
             experts[l] = None  # the pool now holds this layer's experts
         self.buffers = GpuPageBuffers(self.pool, dev, 2)
+        # dense (w1, w3, w2) [max paged experts of a layer, ...] in the compute dtype: the Triton FFN dequantizes a
+        # layer visit's packed paged experts into it at large M (_triton_ffn); the planner counts it (hrm
+        # "dequantized expert scratch"). Allocated here on CUDA, lazily by _triton_ffn otherwise (interpreter tests).
+        self._dq_scratch = None
+        if self.cuda and ffn == "triton" and self.page_layout is not None and self.paging.max_nonresident:
+            from ..kernels.quant import dense_expert_scratch
+
+            self._dq_scratch = dense_expert_scratch(self.paging.max_nonresident, self.page_layout.hidden_size,
+                                                    self.page_layout.intermediate_size, dt, dev)
         if self.cuda:
             self.compute = torch.cuda.current_stream(dev)
             self.h2d_w = torch.cuda.Stream(dev)  # expert pages
@@ -260,25 +269,43 @@ class CGOPipeExecutor:
         return get
 
     def _triton_ffn(self, lx):
-        """Grouped Triton FFN over the paged and the resident experts of ``lx`` (see :meth:`_experts_fn`)."""
+        """Grouped Triton FFN over the paged and the resident experts of ``lx`` (see :meth:`_experts_fn`).
+
+        The returned closure serves one layer visit (all its micro-batches). Quantized pages: a call of T tokens
+        with ``T * k / E >= kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT`` (E the layer's experts) dequantizes the
+        visit's paged experts ONCE into ``self._dq_scratch`` (dequantize_pages_triton) and runs the dense kernel
+        on them; every later call of the visit, of any size, reuses them; calls before that (small M) run the
+        fused kernel on the packed pages. Resident quantized experts always take the fused kernel (a dense copy
+        of them would need memory the planner does not count).
+        """
+        from ..kernels import quant as Q
         from ..kernels.fused_moe import fused_experts_triton
-        from ..kernels.quant import fused_experts_paged_triton
 
         lay = self.page_layout
         is_paged, row = self.paging.index_tensors(lx.layer, self.device)
         first = _PAGE if lay is not None else "w1"
-        groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g[first].shape[0] > 0]
+        groups = [(g, m, paged) for g, m, paged in ((lx.paged, is_paged, True), (lx.resident, ~is_paged, False))
+                  if g[first].shape[0] > 0]
+        dense: list = []  # this visit's dequantized paged experts (w1, w3, w2), views of self._dq_scratch
 
-        def group_ffn(h, g, w, ids):
-            if lay is not None:  # stacked packed pages [E_group, page_bytes]
-                return fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False)
-            return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False)
+        def group_ffn(h, g, w, ids, paged):
+            if lay is None:
+                return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False)
+            if paged and (dense or Q.use_dequant_path("auto", ids.numel(), self.spec.num_experts)):
+                if not dense:  # first large call of the visit: dequantize every paged expert once
+                    if self._dq_scratch is None:
+                        self._dq_scratch = Q.dense_expert_scratch(self.paging.max_nonresident, lay.hidden_size,
+                                                                  lay.intermediate_size, self.dtype, self.device)
+                    dense.extend(Q.dequantize_pages_triton(g[_PAGE], lay, h.dtype, out=self._dq_scratch))
+                return fused_experts_triton(h, *dense, w, ids, validate=False)
+            return Q.fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False, mode="fused")
 
         def triton_ffn(h, ew, w, ids):
             out = None
-            for g, member in groups:
+            for g, member, paged in groups:
                 sel = member[ids]  # [T, k] expert of this slot lives in group g
-                y = group_ffn(h, g, torch.where(sel, w, torch.zeros_like(w)), torch.where(sel, row[ids], torch.zeros_like(ids)))
+                y = group_ffn(h, g, torch.where(sel, w, torch.zeros_like(w)), torch.where(sel, row[ids], torch.zeros_like(ids)),
+                              paged)
                 out = y if out is None else out + y
             return out
 

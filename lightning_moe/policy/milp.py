@@ -22,6 +22,13 @@ transfers) is linear in them, so it enters as a per-sequence constant times N_cp
 After solving, the policy is re-evaluated with hrm.evaluate and every memory constraint re-checked with
 hrm's integer byte counts (hrm.check_memory); the solver status is never trusted alone.
 
+Quantized pages: a layer holding r resident experts also dequantizes its E - r paged experts once per visit
+when the phase's FFN calls reach hrm.DEQUANT_MIN_PAIRS_PER_EXPERT (a property of the micro-batch size m, so a
+constant per candidate): u >= wdq (E Z - r) with Z = sum of z_m over the sizes that dequantize is that time
+for the r-layers (pushed to its lower bound by the objective), u - wdq Z for the (r + 1)-layers; the two layer
+classes then get their own C (C_r = max(C_{r+1}, gpu_r)), and the scratch adds (E - r) dense expert bytes
+to the GPU memory rows, like the page buffers.
+
 KV per sequence: with the job's prompt lengths the KV cache of a batch depends on its size N
 (Workload.kv_positions, grouped caches), which is not linear in N; plan() solves with one KV length per
 sequence and re-solves with the length of the batch it chose (a short fixed point, see plan).
@@ -136,20 +143,26 @@ def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> No
     if best.gpu_peak > _cap(budgets.gpu_memory):
         bd = best.gpu_breakdown
         w = bd["non-expert weights"]
-        buf = bd["expert page buffers (2)"] + bd["resident experts"]
-        act = sum(v for k, v in bd.items() if k not in ("non-expert weights", "expert page buffers (2)", "resident experts", "allocator reserve", "GPU KV cache"))
+        scratch = bd.get("dequantized expert scratch", 0)
+        buf = bd["expert page buffers (2)"] + bd["resident experts"] + scratch
+        act = sum(v for k, v in bd.items() if k not in ("non-expert weights", "expert page buffers (2)", "resident experts",
+                                                        "dequantized expert scratch", "allocator reserve", "GPU KV cache"))
         what = "2 expert page buffers" if bd["expert page buffers (2)"] else "all experts"
+        if scratch:
+            what += " + dequantization scratch"
         raise PlanInfeasible(
             f"infeasible: GPU memory {_gib(budgets.gpu_memory)} < {_gib(best.gpu_peak)} needed for non-expert weights ({_gib(w)}) "
             f"+ {what} ({_gib(buf)}) + activations for {mu} sequence(s) ({_gib(act)}) + reserve ({_gib(bd['allocator reserve'])})")
     # Host: the most experts the GPU can hold at n = 1 (R even over layers: the GPU grows by We per expert
-    # and shrinks by 2 We each time every layer gains one, as both page buffers shrink), KV wherever it fits.
+    # and shrinks by 2 We (+ the dense scratch of one expert, quantized pages) each time every layer gains
+    # one, as both page buffers shrink), KV wherever it fits.
     We = spec.expert_bytes(budgets.weight_quant)
+    Wshrink = 2 * We + hrm.dequant_scratch_bytes(spec, 1, budgets.weight_quant, budgets.dtype)
     best_cpu: Optional[hrm.MemoryEstimate] = None
     for g in (0, 1):
         base = hrm.memory_estimate(pol(0, g), spec, workload)
         fits = [R for R in range(L_moe * E + 1)
-                if base.gpu_peak + R * We - 2 * (R // L_moe) * We <= _cap(budgets.gpu_memory)]
+                if base.gpu_peak + R * We - (R // L_moe) * Wshrink <= _cap(budgets.gpu_memory)]
         if fits:
             m = hrm.memory_estimate(pol(max(fits), g), spec, workload)
             if m.gpu_peak <= _cap(budgets.gpu_memory) and (best_cpu is None or m.cpu_peak < best_cpu.cpu_peak):
@@ -191,10 +204,14 @@ class _Coeffs:
     h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
     pre_d2h_seq: float  # prefill d2h seconds per layer per CPU-KV sequence
     wio: float  # seconds to page one expert
+    wdq: float  # GPU seconds to dequantize one paged expert (hrm.gpu_dequant_time; 0 for unquantized pages)
+    dq_dec: dict  # m -> 1 if a decode micro-batch of m tokens dequantizes the paged experts (hrm.dequant_path), else 0
+    dq_pre: dict  # m -> same for its prefill micro-batches (pmu(m) * prompt_len tokens)
     contexts: list  # decode contexts c_t = prompt_len + t, t = 1..G-1
     # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
     mem_fixed_gpu: float  # non-expert weights + reserve
     mem_expert: float  # one expert
+    mem_scratch: float  # dense scratch per expert of the largest paged set (hrm.dequant_scratch_bytes; 0 unquantized)
     mem_kv_seq: float  # one sequence's KV (kv_len positions, all layers)
     mem_hidden_dec: float  # one sequence's decode hidden row
     mem_hidden_pre: float  # one sequence's prefill hidden rows
@@ -219,7 +236,9 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt), cpu_call=hw.cpu_attention_overhead,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
+                wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt), dq_dec={}, dq_pre={},
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
+                mem_scratch=hrm.dequant_scratch_bytes(spec, 1, q, dt),
                 mem_kv_seq=kv_seq, mem_hidden_dec=spec.hidden_size * b, mem_hidden_pre=s_max * spec.hidden_size * b,
                 mem_ws_dec={}, mem_ws_pre={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
@@ -227,6 +246,8 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p
+        C.dq_dec[m] = int(hrm.dequant_path(spec, m, q))
+        C.dq_pre[m] = int(hrm.dequant_path(spec, p * s, q))  # N = m n: every prefill micro-batch has p rows
         tp = prefill_chunk_tokens(p, s_max)  # padded tokens of the largest prefill micro-batch
         nmax = max_micro_batches(spec, workload, budgets, m, kv_len)
         C.nmax[m] = nmax if n_cap is None else min(n_cap, nmax)
@@ -244,7 +265,8 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         c = contexts[-1] if contexts else s + 1
         for got, want in ((hrm.cpu_decode_attention_time(spec, hw, m, c, dt), m * c * C.cpu_rate),
                           (hrm.gpu_decode_attention_time(spec, hw, m, c, dt), m * hrm.gpu_decode_attention_time(spec, hw, 1, c, dt)),
-                          (hrm.decode_d2h_time(spec, hw, m, dt), m * C.d2h_seq), (hrm.prefill_d2h_time(spec, hw, m, s, dt), m * C.pre_d2h_seq)):
+                          (hrm.decode_d2h_time(spec, hw, m, dt), m * C.d2h_seq), (hrm.prefill_d2h_time(spec, hw, m, s, dt), m * C.pre_d2h_seq),
+                          (hrm.gpu_dequant_time(spec, hw, m, q, dt), m * C.wdq)):
             assert abs(got - want) <= 1e-9 * abs(want) + 1e-300, "HRM term not linear in sequences; the MILP would not be exact"
     return C
 
@@ -280,6 +302,7 @@ class _Model:
         self._gpu_memory_decode()
         self._gpu_memory_prefill()
         self._cpu_memory()
+        self._dequant()
         self._prefill_time()
         self.T_decode = pulp.LpAffineExpression()
         for t, c in enumerate(C.contexts):
@@ -382,8 +405,10 @@ class _Model:
 
     def _gpu_common(self) -> pulp.LpAffineExpression:
         C = self.C
-        # non-expert weights + reserve + R We (resident) + 2 (E - r) We (page buffers sized for the r-layers) + N_gpu kv_seq
-        return C.mem_fixed_gpu + C.mem_expert * self.R + 2 * C.mem_expert * (self.E - self.r) + C.mem_kv_seq * self.N_gpu
+        # non-expert weights + reserve + R We (resident) + 2 (E - r) We (page buffers sized for the r-layers)
+        # + (E - r) Ws (dense dequantization scratch, quantized pages) + N_gpu kv_seq
+        return (C.mem_fixed_gpu + C.mem_expert * self.R + (2 * C.mem_expert + C.mem_scratch) * (self.E - self.r)
+                + C.mem_kv_seq * self.N_gpu)
 
     def _gpu_memory_decode(self) -> None:
         C = self.C
@@ -406,25 +431,29 @@ class _Model:
         self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + (C.mem_kv_seq + C.mem_stage_seq) * self.N_cpu
                        + pulp.lpSum(C.mem_stage_pre[m] * self.z[m] for m in C.cands)) * (1 / C.cpu_cap) <= 1), "cpu_mem"
 
-    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
-        """S = sum over MoE layers of max(H_l, C): L_moe - x layers at H = (E - r) wio + A, x layers at H - wio.
+    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable,
+                   Cvar1: Optional[pulp.LpVariable] = None) -> pulp.LpVariable:
+        """S = sum over MoE layers of max(H_l, C_l): L_moe - x layers at H = (E - r) wio + A and C = ``Cvar``,
+        x layers at H - wio and C = ``Cvar1`` (default ``Cvar``; smaller when they dequantize one expert less).
 
-        V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C  (layers holding r + 1)
-        sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio; x (V - U) = sum_i 2^i beta_i (V - U)
-        is bounded above by q_i <= wio beta_i, q_i <= V - U:  S >= L V - sum_i 2^i q_i.  At the optimum V, U
-        are the true maxima (raising V costs L, gains at most x < L) so S is exact.
+        V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C1  (layers holding r + 1)
+        sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio + wdq (C - C1 <= wdq); x (V - U) =
+        sum_i 2^i beta_i (V - U) is bounded above by q_i <= (wio + wdq) beta_i, q_i <= V - U:
+        S >= L V - sum_i 2^i q_i.  At the optimum V, U are the true maxima (raising V costs L, gains at most
+        x < L) so S is exact.
         """
         L, E, wio = self.L_moe, self.E, self.C.wio
+        gap = wio + self.C.wdq  # bound of V - U
         P = self._var
         V, U, S = P(f"V_{name}", lowBound=0), P(f"U_{name}", lowBound=0), P(f"S_{name}", lowBound=0)
         self.prob += V >= (E - self.r) * wio + A, f"V_{name}_h2d"
         self.prob += V >= Cvar, f"V_{name}_rest"
         self.prob += U >= (E - self.r - 1) * wio + A, f"U_{name}_h2d"
-        self.prob += U >= Cvar, f"U_{name}_rest"
+        self.prob += U >= (Cvar if Cvar1 is None else Cvar1), f"U_{name}_rest"
         q = []
         for i, bt in enumerate(self.beta):
             qi = P(f"q_{name}_{i}", lowBound=0)
-            self.prob += qi <= wio * bt, f"q_{name}_{i}_bit"
+            self.prob += qi <= gap * bt, f"q_{name}_{i}_bit"
             self.prob += qi <= V - U, f"q_{name}_{i}_gap"
             q.append((1 << i) * qi)
         self.prob += S >= L * V - pulp.lpSum(q), f"S_{name}"
@@ -437,14 +466,51 @@ class _Model:
         self.prob += Sd >= self.L_d * Cvar, f"Sd_{name}_rest"
         return Sd
 
+    def _dequant(self) -> None:
+        """Per-layer dequantization seconds of quantized pages, per phase (see the module docstring).
+
+        u_ph >= wdq (E Z_ph - r), u_ph >= 0 with Z_ph = sum of z_m over sizes m whose FFN calls dequantize in
+        that phase: the r-layers' time wdq (E - r) Z_ph; the (r + 1)-layers' is u_ph - wdq Z_ph. u_ph only
+        bounds times from below, so at the optimum it is at its bound. None when the phase never dequantizes.
+        """
+        C = self.C
+        self.deq = {}
+        for ph, dq in (("decode", C.dq_dec), ("prefill", C.dq_pre)):
+            ms = [m for m in C.cands if dq[m]]
+            if C.wdq <= 0 or not ms:
+                self.deq[ph] = None
+                continue
+            Z = pulp.lpSum(self.z[m] for m in ms)
+            u = self._var(f"u_deq_{ph}", lowBound=0)
+            self.prob += u >= C.wdq * (self.E * Z - self.r), f"u_deq_{ph}"
+            self.deq[ph] = (u, C.wdq * Z)
+
+    def _classes(self, name: str, gpu: pulp.LpAffineExpression, rest: list, ph: str):
+        """(C_r, C_{r+1}): stage maxima of the layers holding r and r + 1 experts, from the GPU row ``gpu``
+        (without dequantization) and the other rows ``rest`` (identical for both classes). Without
+        dequantization in phase ``ph`` both are one variable."""
+        Cr = self._var(f"C_{name}", lowBound=0)
+        deq = self.deq[ph]
+        if deq is None:
+            self.prob += Cr >= gpu, f"C_{name}_gpu"
+            for i, row in enumerate(rest):
+                self.prob += Cr >= row, f"C_{name}_rest{i}"
+            return Cr, Cr
+        u, dq1 = deq
+        C1 = self._var(f"C1_{name}", lowBound=0)
+        self.prob += C1 >= gpu + u - dq1, f"C1_{name}_gpu"
+        for i, row in enumerate(rest):
+            self.prob += C1 >= row, f"C1_{name}_rest{i}"
+        self.prob += Cr >= C1, f"C_{name}_ge_C1"
+        self.prob += Cr >= gpu + u, f"C_{name}_gpu"
+        return Cr, C1
+
     def _prefill_time(self) -> None:
         C, cands = self.C, self.C.cands
         d2h = C.pre_d2h_seq * self.N_cpu  # prompt KV of CPU-KV sequences, per layer
-        Cp = self._var("C_prefill", lowBound=0)
-        # (H8) C_p >= gpu = sum_m w_m pre_moe(m);  C_p >= d2h  (no CPU stage in prefill)
-        self.prob += Cp >= pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), "Cp_gpu"
-        self.prob += Cp >= d2h, "Cp_d2h"
-        terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp)]
+        # (H8) C_p >= gpu = sum_m w_m pre_moe(m) (+ dequantization);  C_p >= d2h  (no CPU stage in prefill)
+        Cp, Cp1 = self._classes("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h], "prefill")
+        terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp, Cp1)]
         if self.L_d:
             Cdp = self._var("Cd_prefill", lowBound=0)
             self.prob += Cdp >= pulp.lpSum(C.pre_dense[m] * self.w[m] for m in cands), "Cdp_gpu"
@@ -455,14 +521,13 @@ class _Model:
 
     def _decode_step(self, t: int, c: float) -> None:
         C = self.C
-        Ct = self._var(f"C_{t}", lowBound=0)
-        # (H6) C_t >= GPU + N_gpu attn_g(c);  (H5) C_t >= c K + (n - g) calls(mu) cpu_call;  (H4) C_t >= D2H
+        # (H6) C_t >= GPU + N_gpu attn_g(c) (+ dequantization);  (H5) C_t >= c K + (n - g) calls(mu) cpu_call;  (H4) C_t >= D2H
         # pipeline fill (hrm.decode_layer_times): + one micro-batch of the other stage when y_cpu = 1
         #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
-        self.prob += Ct >= self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"C_{t}_gpu"
-        self.prob += Ct >= c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands), f"C_{t}_cpu"
-        self.prob += Ct >= self.D2H, f"C_{t}_d2h"
-        terms = [self._layer_sum(str(t), self.A, Ct)]
+        gpu = self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands)
+        cpu = c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
+        Ct, Ct1 = self._classes(str(t), gpu, [cpu, self.D2H], "decode")
+        terms = [self._layer_sum(str(t), self.A, Ct, Ct1)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
             self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"

@@ -184,3 +184,48 @@ def test_cgopipe_memory_cap_holds(ffn):
     assert h2d > expert_bytes  # pages streamed
     assert peak <= cap, f"peak {peak / 2**20:.0f} MiB > cap {cap / 2**20:.0f} MiB (policy {pol})"
     assert peak <= est.gpu_peak, f"peak {peak / 2**20:.0f} MiB > planner's estimate {est.gpu_peak / 2**20:.0f} MiB (policy {pol})"
+
+
+def test_cgopipe_int4_triton_memory_cap_holds_with_dequant_scratch():
+    """int4 pages with the Triton FFN: 12 layers whose int4 experts (536 MiB) exceed a 576 MiB cap; the planner's
+    policy pages some experts (CPU planning gave mu = 4, prefill micro-batches of 4 rows, 7 paged experts in the
+    fullest layer), so prefill calls (~120 tokens, T k / E >= 16) take the dequantize-then-dense path into the
+    executor's dense scratch (147 MiB, counted by the planner as "dequantized expert scratch"). The measured peak
+    stays under the cap and under the planner's estimate."""
+    from lightning_moe.model.quantized import QuantExperts
+    from lightning_moe.policy.hardware import get_preset
+    from lightning_moe.policy.milp import plan
+    from lightning_moe.policy.policy import Budgets, Workload
+
+    spec = MoESpec(name="mid", model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
+                   num_layers=12, num_heads=8, num_kv_heads=2, head_dim=128, num_experts=8, top_k=2,
+                   rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=4096)
+    w = dummy_weights(spec, torch.bfloat16, seed=0)
+    w.experts = [QuantExperts.quantize(e, "int4") for e in w.experts]
+    cap = 576 * 2**20
+    prompts = _prompts(96, seed=1, maxlen=60)
+    wl = Workload.from_lengths([len(p) for p in prompts], 8)
+    pol, est = plan(spec, get_preset("h200"), wl, Budgets(gpu_memory=cap, cpu_memory=8 * 2**30, gpu_reserve=2**26,
+                                                            weight_quant="int4"))
+    assert sum(pol.resident_counts(spec)) < spec.num_layers * spec.num_experts  # some experts are paged
+    assert est.memory.gpu_prefill["dequantized expert scratch"] > 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + cap) / total))
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        ex = CGOPipeExecutor(w, pol, "cuda", ffn="triton")
+        scratch = sum(t.numel() * t.element_size() for t in ex._dq_scratch)
+        out = []
+        for i in range(0, len(prompts), pol.N):
+            out += ex.generate(prompts[i : i + pol.N], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+        ex.close()
+        peak = torch.cuda.max_memory_allocated() - base
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert all(len(o) == 8 for o, _ in out)
+    assert scratch <= est.memory.gpu_prefill["dequantized expert scratch"]
+    assert peak <= cap, f"peak {peak / 2**20:.0f} MiB > cap {cap / 2**20:.0f} MiB (policy {pol})"
+    assert peak <= est.gpu_peak, f"peak {peak / 2**20:.0f} MiB > planner's estimate {est.gpu_peak / 2**20:.0f} MiB (policy {pol})"

@@ -144,3 +144,131 @@ def test_paged_kernel_errors():
         fused_experts_paged_triton(x, qpages.cpu(), qlay, wts, ids)
     with pytest.raises(ValueError, match="layout D"):
         fused_experts_paged_triton(x, qpages, expert_page_layout(256, 256, "int4"), wts, ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton dequantization (dequantize_triton / dequantize_pages_triton) and the large-M "dequant" path
+# ---------------------------------------------------------------------------------------------------
+
+from lightning_moe.kernels.quant import (  # noqa: E402
+    dense_expert_scratch,
+    dequantize_pages_triton,
+    dequantize_triton,
+    unpack_expert_page,
+)
+
+# (bits, group size, columns, scale dtype): short last groups, partial last bytes, both scale paths
+DQ_CASES = [(4, 128, 256, torch.float16), (4, 64, 101, torch.bfloat16), (4, 48, 100, torch.float32),
+            (2, 32, 101, torch.float16), (2, 128, 200, torch.float32), (2, 40, 100, torch.bfloat16),
+            (4, 128, 4096, torch.float16), (2, 128, 14336, torch.float16)]
+
+
+@pytest.mark.parametrize("case", DQ_CASES, ids=lambda c: f"b{c[0]}-G{c[1]}-C{c[2]}-{str(c[3])[6:]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("tiles", [{}, {"block_rows": 16, "block_bytes": 16}], ids=["default-tiles", "small-tiles"])
+def test_dequantize_triton_bit_exact_gpu(case, dtype, tiles):
+    """dequantize_triton on CUDA == dequantize (CUDA and CPU) BIT FOR BIT, 37 rows (partial row tiles), E = 3."""
+    bits, G, C, sd = case
+    w = torch.randn(3, 37, C, generator=torch.Generator().manual_seed(bits * 1000 + G + C)) * 0.05
+    w[1, 5, 3] = 0.7
+    qc = quantize_groupwise(w, bits, G, scale_dtype=sd)
+    qg = quantize_groupwise(w.to(DEV), bits, G, scale_dtype=sd)
+    got = dequantize_triton(qg, dtype, **tiles)
+    assert got.is_cuda and got.dtype == dtype and got.shape == (3, 37, C)
+    assert torch.equal(got, dequantize(qg, dtype))
+    assert torch.equal(got.cpu(), dequantize(qc, dtype))
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int2", "int2-up"])
+@pytest.mark.parametrize("group_size", [128, 64])
+def test_dequantize_pages_bit_exact_gpu(scheme, group_size):
+    """Pages in a pool with a longer row stride, into a larger reusable scratch: == unpack_expert_page bit for bit
+    (bf16 and fp16); rows of the scratch past E stay untouched."""
+    x, w1, w3, w2, wts, ids = make_inputs(4, 200, 344, 6, 2, None, torch.bfloat16, seed=210)
+    pages, lay = pack_expert_pages(w1, w3, w2, scheme, group_size=group_size)
+    pool = torch.zeros(6, lay.page_bytes + 512, dtype=torch.uint8, device=DEV)
+    pool[:, : lay.page_bytes] = pages
+    for dt in (torch.bfloat16, torch.float16):
+        scratch = dense_expert_scratch(8, 200, 344, dt, DEV)
+        for t in scratch:
+            t.fill_(3.0)
+        got = dequantize_pages_triton(pool[:, : lay.page_bytes], lay, dt, out=scratch)
+        want = unpack_expert_page(pages, lay, dt)
+        for a, s, b in zip(got, scratch, want):
+            assert a.data_ptr() == s.data_ptr() and torch.equal(a, b)
+            assert bool((s[6:] == 3).all())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("scheme", ["int4", "int2-up", "int2"])
+@pytest.mark.parametrize("mode", ["fused", "dequant", "auto"])
+def test_paged_kernel_modes_match_quant_reference_bf16(shape, scheme, mode):
+    """Every mode of fused_experts_paged_triton vs experts_ffn_quant_reference, bf16: rel. L2 <= 1e-2 (the
+    tolerance of the fused kernel above); with the same bf16 weights the two paths differ only in rounding."""
+    x, w1, w3, w2, wts, ids = make_inputs(*shape, dtype=torch.bfloat16, seed=211)
+    pages, lay = pack_expert_pages(w1, w3, w2, scheme)
+    want = experts_ffn_quant_reference(x, pages, lay, wts, ids)
+    got = fused_experts_paged_triton(x, pages, lay, wts, ids, mode=mode)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape and bool(torch.isfinite(got).all())
+    err = rel_err(got, want)
+    assert err <= 1e-2, f"{mode}: relative error {err:.2e} > 1e-2"
+
+
+def test_dequant_mode_scratch_reuse_and_determinism():
+    """The dequant path writes a caller's scratch (no new weights), is deterministic, and a second layer's pages
+    through the same scratch give that layer's result (no stale weights)."""
+    x, w1, w3, w2, wts, ids = make_inputs(257, 512, 704, 8, 2, None, torch.bfloat16, seed=212)
+    pa, lay = pack_expert_pages(w1, w3, w2, "int4")
+    pb, _ = pack_expert_pages(w1.flip(0), w3.flip(0), w2.flip(0), lay)  # another layer: experts in reverse order
+    scratch = dense_expert_scratch(8, 512, 704, torch.bfloat16, DEV)
+    a1 = fused_experts_paged_triton(x, pa, lay, wts, ids, mode="dequant", scratch=scratch)
+    b1 = fused_experts_paged_triton(x, pb, lay, wts, ids, mode="dequant", scratch=scratch)
+    a2 = fused_experts_paged_triton(x, pa, lay, wts, ids, mode="dequant", scratch=scratch)
+    assert torch.equal(a1, a2) and not torch.equal(a1, b1)
+    assert torch.equal(b1, fused_experts_paged_triton(x, pb, lay, wts, ids, mode="dequant"))
+    assert rel_err(b1, experts_ffn_quant_reference(x, pb, lay, wts, ids)) <= 1e-2
+
+
+def _cuda_ms(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def test_large_m_dequant_path_faster_than_fused_mixtral_layer(capsys):
+    """One Mixtral-8x7B MoE layer (D = 4096, F = 14336, E = 8, top-2, int4 G = 128) at 2048 tokens: the dequant
+    path (dequantize 8 experts + bf16 grouped kernel) must beat the fused kernel (measured ~36x slower than bf16
+    at ~2600 tokens). Prints the sweep over T (fused vs dequant ms per call, the dequant path paying its
+    dequantization every call; CGOPipe pays it once per layer visit) and the dequant kernel's GB/s, the numbers
+    that tune DEQUANT_MIN_PAIRS_PER_EXPERT (crossover T * 2 / 8) and the HRM's T_deq (it assumes HBM bandwidth)."""
+    E, D, Fd, k = 8, 4096, 14336, 2
+    g = torch.Generator(device=DEV).manual_seed(213)
+    w1 = torch.randn(E, Fd, D, device=DEV, generator=g, dtype=torch.bfloat16) / D**0.5
+    w3 = torch.randn(E, Fd, D, device=DEV, generator=g, dtype=torch.bfloat16) / D**0.5
+    w2 = torch.randn(E, D, Fd, device=DEV, generator=g, dtype=torch.bfloat16) / Fd**0.5
+    pages, lay = pack_expert_pages(w1, w3, w2, "int4")
+    del w1, w3, w2
+    scratch = dense_expert_scratch(E, D, Fd, torch.bfloat16, DEV)
+    t_deq = _cuda_ms(lambda: dequantize_pages_triton(pages, lay, torch.bfloat16, out=scratch))
+    moved = E * lay.page_bytes + sum(t.numel() * 2 for t in scratch)
+    rows = [f"dequantize 8 experts: {t_deq:.3f} ms, {moved / t_deq / 1e6:.0f} GB/s (packed read + bf16 written)"]
+    res = {}
+    for T in (8, 32, 64, 128, 256, 512, 2048):
+        x = torch.randn(T, D, device=DEV, generator=g, dtype=torch.bfloat16)
+        gc = torch.Generator().manual_seed(T)
+        ids = torch.stack([torch.randperm(E, generator=gc)[:k] for _ in range(T)]).to(DEV)
+        wts = torch.rand(T, k, generator=gc).softmax(-1).to(DEV)
+        tf = _cuda_ms(lambda: fused_experts_paged_triton(x, pages, lay, wts, ids, mode="fused", validate=False), reps=3)
+        td = _cuda_ms(lambda: fused_experts_paged_triton(x, pages, lay, wts, ids, mode="dequant", scratch=scratch,
+                                                          validate=False), reps=3)
+        res[T] = (tf, td)
+        rows.append(f"T={T:5d} pairs/expert={T * k / E:6.1f}: fused {tf:8.3f} ms, dequant {td:8.3f} ms")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+    assert res[2048][1] < res[2048][0], res[2048]
