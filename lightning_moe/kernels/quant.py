@@ -108,8 +108,8 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Large-M switch of fused_experts_quant_triton(mode="auto"): dequantize the call's experts into a dense scratch
 # and run the dense grouped kernel when the mean routed pairs per expert, T * k / E, is at least this.
 # A GUESS, not measured: the only measurement (H200, Mixtral experts, E = 8) is the fused kernel at ~2600
-# tokens x top-2 (650 pairs per expert) being ~36x slower than the bf16 kernel. Tune it on the GPU (time
-# both modes over T). policy/hrm.py keeps a torch-free copy (hrm.DEQUANT_MIN_PAIRS_PER_EXPERT; a test checks
+# tokens x top-2 (650 pairs per expert) being ~36x slower than the bf16 kernel. Tune it on the GPU with
+# benchmarks/bench_quant_ffn.py (both modes over T). policy/hrm.py keeps a torch-free copy (hrm.DEQUANT_MIN_PAIRS_PER_EXPERT; a test checks
 # they agree), and CGOPipe reads this one.
 DEQUANT_MIN_PAIRS_PER_EXPERT = 16
 DEQUANT_MODES = ("auto", "fused", "dequant")
