@@ -142,7 +142,10 @@ class CGOPipeExecutor:
             ew = self._expert_tensors(experts[l])
             for p in range(self.paging.layer_pages(l)):
                 ids = list(self.paging.page_experts(l, p))
-                self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
+                if ids and ids == list(range(ids[0], ids[0] + len(ids))):  # contiguous experts: a view, no gather copy
+                    self.pool.write_page(l, p, {n: ew[n][ids[0] : ids[0] + len(ids)] for n in names})
+                else:
+                    self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
             experts[l] = None  # the pool now holds this layer's experts
         self.buffers = GpuPageBuffers(self.pool, dev, 2)
         # dense (w1, w3, w2) [max paged experts of a layer, ...] in the compute dtype: the Triton FFN dequantizes a
