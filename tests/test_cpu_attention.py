@@ -33,3 +33,17 @@ def test_bad_shapes():
         cpu_decode_attention(torch.zeros(2, 4, 8), torch.zeros(3, 2, 5, 8), torch.zeros(3, 2, 5, 8), torch.ones(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="multiple"):
         cpu_decode_attention(torch.zeros(2, 5, 8), torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8), torch.ones(2, dtype=torch.int64))
+
+
+def test_profiler_matmul_routine_equals_fused_fp32():
+    """The unfused routine `moe-batch profile` times beside the fused one computes the same attention."""
+    from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
+    from lightning_moe.policy.profiler import _matmul_decode_attention
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 8, 16, generator=g)  # [B, Hq, hd], GQA 8 / 2
+    k = torch.randn(5, 2, 33, 16, generator=g)  # [B, Hkv, S, hd], S odd
+    v = torch.randn(5, 2, 33, 16, generator=g)
+    lengths = torch.tensor([1, 7, 33, 12, 20])
+    torch.testing.assert_close(_matmul_decode_attention(q, k, v, lengths), cpu_decode_attention(q, k, v, lengths),
+                               rtol=1e-5, atol=1e-6)

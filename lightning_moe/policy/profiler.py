@@ -54,6 +54,18 @@ def _reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.reshape(B, Hq * hd).to(q.dtype)
 
 
+def _matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Unfused decode attention in the cache dtype (two batched matmuls, fp32 softmax): the alternative to the
+    fused SDPA call that ``moe-batch profile`` times beside it. q [B,Hq,hd], k/v [B,Hkv,S,hd] -> [B, Hq*hd]."""
+    B, Hq, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.view(B, Hkv, Hq // Hkv, hd)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * hd**-0.5  # [B, Hkv, G, S]
+    mask = torch.arange(S)[None, :] >= lengths[:, None]
+    probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(B, Hq * hd)
+
+
 def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8, seq: int = 1024, head_dim: int = 128,
                           dtype: torch.dtype = torch.bfloat16, repeats: int = 3) -> tuple[float, float, str]:
     """CPU decode attention throughput: (KV bytes/s, FLOP/s, which routine ran).
@@ -79,6 +91,17 @@ def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8,
     nbytes = 2 * batch * kv_heads * seq * head_dim * k.element_size()
     flops = batch * seq * 4 * q_heads * head_dim
     return nbytes / t, flops / t, which
+
+
+def _time_attention(fn: Callable, batch: int, seq: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                    dtype: torch.dtype = torch.bfloat16, repeats: int = 3) -> float:
+    """KV bytes/s of a decode attention routine ``fn(q, k, v, lengths)`` at full-length rows (bf16)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
+    lengths = torch.full((batch,), seq, dtype=torch.int64)
+    return 2 * batch * kv_heads * seq * head_dim * k.element_size() / _best_time(lambda: fn(q, k, v, lengths), repeats)
 
 
 def measure_gpu(copy_bytes: int = 1 * GiB, gemm: int = 8192, repeats: int = 5) -> dict:
@@ -194,6 +217,9 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     if not quick:
         long_bw, _, _ = measure_cpu_attention(batch=32, seq=1024)
         log(f"  (32 rows x 1024 positions: {long_bw / 1e9:.1f} GB/s, for reference)")
+        mm_bw = _time_attention(_matmul_decode_attention, batch=attn["batch"], seq=attn["seq"])
+        log(f"  (unfused matmul routine at {attn['batch']} x {attn['seq']}: {mm_bw / 1e9:.1f} GB/s, for reference; "
+            f"the executors use the fused one)")
     small_bw, _, _ = measure_cpu_attention(batch=16, seq=128, repeats=2 if quick else 20)
     small_bytes = 2 * 16 * 8 * 128 * 128 * 2  # K and V of 16 rows x 128 positions (bf16, 8 KV heads, hd 128)
     cpu_ovh = max(0.0, small_bytes / small_bw - small_bytes / cpu_bw)  # fixed cost of a decode-shaped call
