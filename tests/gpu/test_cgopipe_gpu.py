@@ -143,6 +143,28 @@ def test_cgopipe_cuda_matches_serial_bf16(tiny_dir, mu, n, resident, gpu_attn):
     assert rel[i] <= rel16[i], f"p{BF16_PCTL * 100:.0f} relative error {rel[i]:.3e} exceeds bf16's own {rel16[i]:.3e}"
 
 
+def _run_under_cap(w, pol, prompts, cap, ffn):
+    """Run ``prompts`` in batches of pol.N with torch's per-process fraction set to ``cap`` bytes above what is
+    already allocated (an overrun is an OOM). Returns (outputs, executor stats, scratch bytes, peak bytes)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + cap) / total))
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        ex = CGOPipeExecutor(w, pol, "cuda", ffn=ffn)
+        scratch = sum(t.numel() * t.element_size() for t in (getattr(ex, "_dq_scratch", None) or ()))
+        out = []
+        for i in range(0, len(prompts), pol.N):
+            out += ex.generate(prompts[i : i + pol.N], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+        ex.close()
+        peak = torch.cuda.max_memory_allocated() - base
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return out, ex.stats, scratch, peak
+
+
 @pytest.mark.parametrize("ffn", ["torch", "triton"])
 def test_cgopipe_memory_cap_holds(ffn):
     """A model whose experts (0.70 GB bf16) exceed a 0.75 GiB cap runs under the cap with the policy the
@@ -164,22 +186,8 @@ def test_cgopipe_memory_cap_holds(ffn):
     wl = Workload.from_lengths(lens, 8)
     pol, est = plan(spec, get_preset("h200"), wl, Budgets(gpu_memory=cap, cpu_memory=8 * 2**30, gpu_reserve=2**26))
     assert sum(pol.resident_counts(spec)) < spec.num_layers * spec.num_experts  # some experts are paged
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + cap) / total))
-    try:
-        torch.cuda.reset_peak_memory_stats()
-        ex = CGOPipeExecutor(w, pol, "cuda", ffn=ffn)
-        out = []
-        for i in range(0, len(prompts), pol.N):
-            out += ex.generate(prompts[i : i + pol.N], SamplingParams(max_new_tokens=8, stop_at_eos=False))
-        h2d = ex.stats.h2d_bytes
-        ex.close()
-        peak = torch.cuda.max_memory_allocated() - base
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+    out, stats, _, peak = _run_under_cap(w, pol, prompts, cap, ffn)
+    h2d = stats.h2d_bytes
     assert all(len(o) == 8 for o, _ in out)
     assert h2d > expert_bytes  # pages streamed
     assert peak <= cap, f"peak {peak / 2**20:.0f} MiB > cap {cap / 2**20:.0f} MiB (policy {pol})"
@@ -209,22 +217,7 @@ def test_cgopipe_int4_triton_memory_cap_holds_with_dequant_scratch():
                                                             weight_quant="int4"))
     assert sum(pol.resident_counts(spec)) < spec.num_layers * spec.num_experts  # some experts are paged
     assert est.memory.gpu_prefill["dequantized expert scratch"] > 0
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + cap) / total))
-    try:
-        torch.cuda.reset_peak_memory_stats()
-        ex = CGOPipeExecutor(w, pol, "cuda", ffn="triton")
-        scratch = sum(t.numel() * t.element_size() for t in ex._dq_scratch)
-        out = []
-        for i in range(0, len(prompts), pol.N):
-            out += ex.generate(prompts[i : i + pol.N], SamplingParams(max_new_tokens=8, stop_at_eos=False))
-        ex.close()
-        peak = torch.cuda.max_memory_allocated() - base
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+    out, _, scratch, peak = _run_under_cap(w, pol, prompts, cap, "triton")
     assert all(len(o) == 8 for o, _ in out)
     assert scratch <= est.memory.gpu_prefill["dequantized expert scratch"]
     assert peak <= cap, f"peak {peak / 2**20:.0f} MiB > cap {cap / 2**20:.0f} MiB (policy {pol})"
