@@ -53,20 +53,30 @@ def brute_force(spec, hw, wl, budgets, cands, n_max):
     return best
 
 
+def _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed):
+    """Plan without tie-break and check it against brute force over hrm.py: both infeasible, or the same
+    throughput (1e-7) with a policy that fits. Returns (policy, estimate, brute-force result) or None."""
+    bf = brute_force(spec, hw, wl, budgets, cands, n_max)
+    if bf is None:
+        with pytest.raises(PlanInfeasible):
+            milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        return None
+    pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+    assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
+    assert not hrm.memory_violations(pol, spec, wl)
+    return pol, est, bf
+
+
 def test_milp_equals_brute_force_on_small_grids():
     cands, n_max = [2, 4, 8], 4  # 3 micro-batch sizes x 4 counts x all placements x all attention splits
     seen = collections.Counter()
     solved = 0
     for seed in range(60):  # 60 seeds: CPU attention wins in only a few of them (seeds 45, 50, 52)
         spec, hw, wl, budgets = random_case(seed)
-        bf = brute_force(spec, hw, wl, budgets, cands, n_max)
-        if bf is None:
-            with pytest.raises(PlanInfeasible):
-                milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        got = _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed)
+        if got is None:
             continue
-        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
-        assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
-        assert not hrm.memory_violations(pol, spec, wl)
+        pol, est, bf = got
         # the tie-break keeps the optimum
         pol2, est2 = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max)
         assert est2.e2e_tok_s >= bf[0] * (1 - 1e-8) and pol2.n <= pol.n
@@ -196,14 +206,10 @@ def test_milp_equals_brute_force_with_quantized_pages(monkeypatch, threshold):
         rng = random.Random(1000 + seed)
         hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
         budgets = dataclasses.replace(budgets, weight_quant="int4")
-        bf = brute_force(spec, hw, wl, budgets, cands, n_max)
-        if bf is None:
-            with pytest.raises(PlanInfeasible):
-                milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        got = _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed)
+        if got is None:
             continue
-        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
-        assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
-        assert not hrm.memory_violations(pol, spec, wl)
+        pol, est, bf = got
         assert est.memory.gpu_decode["dequantized expert scratch"] == (
             max(spec.num_experts - c for c in pol.resident_counts(spec)[spec.num_dense_layers:]) * spec.expert_bytes("bf16"))
         checked += 1
