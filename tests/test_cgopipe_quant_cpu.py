@@ -117,8 +117,8 @@ def interpret(monkeypatch):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_triton_ffn_over_paged_and_resident_pages_interpreted(qdirs, interpret, scheme):
     """The "triton" expert FFN (CUDA-only in the executor; here its helper under the interpreter):
-    fused_experts_paged_triton over the stacked paged pages + the resident pages, each with the other
-    group's routing weights zeroed, equals the per-expert dequantizing reference (fp32, 1e-5)."""
+    fused_experts_paged_triton over the stacked paged pages + the resident pages, each skipping the other
+    group's (token, slot) pairs, equals the per-expert dequantizing reference (fp32, 1e-5)."""
     ex = CGOPipeExecutor(load_checkpoint(qdirs[scheme], torch.float32),
                          Policy(mu=2, n=3, prefill_mu=2, resident_experts=3, dtype="fp32", weight_quant=scheme), "cpu")
     lx = ex._begin_layer(0)

@@ -376,3 +376,23 @@ def test_kernels_compile_for_sm90_without_gpu(monkeypatch):
                 compile_(K.down_q_kernel, dict(h_ptr=w, q2_ptr="*u8", s2_ptr="*fp16", z2_ptr="*fp16", y_ptr="*fp32",
                                                pair_ptr="*i32", block_expert_ptr="*i32", rw_ptr="*fp32"),
                          dict(qbase, BITS_2=4), qcfg)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecation inside the interpreter
+@pytest.mark.parametrize("T", [1, 33])
+def test_triton_interpreter_skip_pairs(interpret, T):
+    """skip=True: pairs whose id is E are not computed and add 0; the rest equals the reference over only
+    those pairs (fp32, 1e-5). Includes an expert with no tokens and a call where every pair is skipped."""
+    E, D, Fd, k = 4, 48, 80, 2
+    x, w1, w3, w2, wts, ids = make_inputs(T, D, Fd, E, k, 1, dtype=torch.float32, seed=31)  # expert 1: no tokens
+    g = torch.Generator().manual_seed(32)
+    drop = torch.rand(ids.shape, generator=g) < 0.4  # [T, k] pairs owned by "another group"
+    drop[0, 0] = True
+    got = fused_experts_triton(x, w1, w3, w2, wts, torch.where(drop, torch.full_like(ids, E), ids), skip=True)
+    want = experts_ffn_reference(x, w1, w3, w2, torch.where(drop, torch.zeros_like(wts), wts), ids)
+    assert rel_err(got, want) <= 1e-5
+    none = fused_experts_triton(x, w1, w3, w2, wts, torch.full_like(ids, E), skip=True)
+    assert torch.equal(none, torch.zeros_like(none))
+    with pytest.raises(ValueError):
+        fused_experts_triton(x, w1, w3, w2, wts, torch.full_like(ids, E))  # E without skip is out of range

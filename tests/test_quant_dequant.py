@@ -264,3 +264,22 @@ def test_dense_pages_ignore_mode(interpret):
     for mode in ("fused", "dequant", "auto"):
         assert rel_err(fused_experts_paged_triton(x, pages, lay, wts, ids, mode=mode), want) <= 1e-5
     assert expert_page_layout(D, Fd, "fp32").page_bytes == lay.page_bytes
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["fused", "dequant"])
+def test_paged_kernel_skip_pairs_interpreted(interpret, mode):
+    """skip=True on packed int4 pages, both paths: pairs with id E add 0, the rest equals the quantized
+    reference over only those pairs (fp32, 1e-5)."""
+    E, D, Fd, k, T = 4, 64, 96, 2, 9
+    g = torch.Generator().manual_seed(41)
+    w1, w3 = torch.randn(E, Fd, D, generator=g) / D**0.5, torch.randn(E, Fd, D, generator=g) / D**0.5
+    w2 = torch.randn(E, D, Fd, generator=g) / Fd**0.5
+    pages, lay = pack_expert_pages(w1, w3, w2, "int4", group_size=32)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g).softmax(-1)
+    drop = torch.rand(T, k, generator=g) < 0.4
+    got = fused_experts_paged_triton(x, pages, lay, wts, torch.where(drop, torch.full_like(ids, E), ids), mode=mode, skip=True)
+    want = experts_ffn_quant_reference(x, pages, lay, torch.where(drop, torch.zeros_like(wts), wts), ids)
+    assert (got - want).norm() / want.norm() <= 1e-5

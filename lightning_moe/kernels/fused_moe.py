@@ -521,6 +521,20 @@ def _sum_slots(y: torch.Tensor, T: int, k: int, D: int, dtype: torch.dtype) -> t
     return y.view(T, k, D).sum(dim=1).to(dtype)
 
 
+def kernel_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, skip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(padded_pair_idx, block_expert)`` of :func:`moe_align` for the grouped kernels.
+
+    ``skip``: ids equal to ``num_experts`` mark pairs this call does not compute (e.g. their expert is held by
+    another group of the layer); they are aligned into an extra bucket whose blocks get expert -1, so the
+    kernels never touch them (their rows of the slot output stay as the caller initialised them: zeros).
+    """
+    if not skip:
+        al = moe_align(topk_ids, num_experts, block_m=block_m)
+        return al.padded_pair_idx, al.block_expert
+    al = moe_align(topk_ids, num_experts + 1, block_m=block_m)
+    return al.padded_pair_idx, torch.where(al.block_expert >= num_experts, -1, al.block_expert)
+
+
 def fused_experts_triton(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -531,6 +545,7 @@ def fused_experts_triton(
     *,
     config: Optional[MoEKernelConfig] = None,
     validate: bool = True,
+    skip: bool = False,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN with Triton grouped GEMMs (bf16/fp16/fp32 in, fp32 accumulate).
 
@@ -546,7 +561,11 @@ def fused_experts_triton(
             strided views into a stacked page buffer).
         topk_weights: ``[T, k]`` floating (fp32 from the router). topk_ids: ``[T, k]`` int64/int32.
         config: tile sizes; default :func:`default_kernel_config` ``(T*k, E, x.dtype)``.
-        validate: check that ids lie in ``[0, E)`` (one host sync); pass False in a pipelined loop.
+        validate: check that ids lie in ``[0, E)`` (``[0, E]`` with ``skip``; one host sync); pass False in a
+            pipelined loop.
+        skip: ids equal to ``E`` mark (token, slot) pairs this call does not compute: their slot adds 0 to the
+            output (used by CGOPipe to run a layer's paged and resident experts as two calls without
+            computing every pair twice). Cost: the slot output is zero-initialised.
 
     Returns:
         ``[T, D]`` in ``x.dtype``. Workspace: :func:`fused_moe_workspace_bytes`.
@@ -566,23 +585,23 @@ def fused_experts_triton(
             raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
     _check_triton_device(fn, x)
     if validate:
-        _check_id_range(fn, topk_ids, E)
+        _check_id_range(fn, topk_ids, E + 1 if skip else E)
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
     P = T * k
     cfg = config or default_kernel_config(P, E, x.dtype)
     kern = _triton_kernels()
 
-    al = moe_align(topk_ids, E, block_m=cfg.block_m)
+    padded_pair_idx, block_expert = kernel_alignment(topk_ids, E, cfg.block_m, skip)
     rw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
     h = torch.empty((P, Fd), dtype=x.dtype, device=x.device)  # [P, F]
-    y = torch.empty((P, D), dtype=torch.float32, device=x.device)  # [P, D]
-    max_blocks = al.block_expert.numel()
+    y = (torch.zeros if skip else torch.empty)((P, D), dtype=torch.float32, device=x.device)  # [P, D]; skipped rows 0
+    max_blocks = block_expert.numel()
     prec = _dot_precision(x.dtype)
 
     grid = (max_blocks, _cdiv(Fd, cfg.block_n))
     kern.gate_up_kernel[grid](
-        x, w1, w3, h, al.padded_pair_idx, al.block_expert,
+        x, w1, w3, h, padded_pair_idx, block_expert,
         P, D, Fd, k,
         x.stride(0), x.stride(1),
         w1.stride(0), w1.stride(1), w1.stride(2),
@@ -594,7 +613,7 @@ def fused_experts_triton(
     )
     grid = (max_blocks, _cdiv(D, cfg.block_n))
     kern.down_kernel[grid](
-        h, w2, y, al.padded_pair_idx, al.block_expert, rw,
+        h, w2, y, padded_pair_idx, block_expert, rw,
         P, D, Fd,
         h.stride(0), h.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),

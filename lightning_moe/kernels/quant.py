@@ -70,7 +70,7 @@ from .fused_moe import (
     default_kernel_config,
     experts_ffn_reference_from,
     fused_experts_triton,
-    moe_align,
+    kernel_alignment,
 )
 
 __all__ = [
@@ -958,6 +958,7 @@ def fused_experts_quant_triton(
     validate: bool = True,
     mode: str = "auto",
     scratch: Optional[tuple] = None,
+    skip: bool = False,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN from group-quantized experts (Triton, W4A16 / W2A16).
 
@@ -985,6 +986,8 @@ def fused_experts_quant_triton(
         mode: "auto" | "fused" | "dequant" (above).
         scratch: optional ``(w1 [E' >= E, F, D], w3 [E', F, D], w2 [E', D, F])`` in ``x.dtype`` on x's device
             (:func:`dense_expert_scratch`) that the "dequant" path writes instead of allocating.
+        skip: ids equal to ``E`` mark pairs this call does not compute (they add 0), as in
+            :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`.
 
     Returns:
         ``[T, D]`` in ``x.dtype``; reference: :func:`experts_ffn_qt_reference`.
@@ -1008,7 +1011,7 @@ def fused_experts_quant_triton(
         raise ValueError(f"{fn}: w1 and w3 must share a group size, got {w1.group_size} and {w3.group_size}")
     _check_triton_device(fn, x)
     if validate:
-        _check_id_range(fn, topk_ids, E)
+        _check_id_range(fn, topk_ids, E + 1 if skip else E)
     if scratch is not None and (not isinstance(scratch, (tuple, list)) or len(scratch) != 3):
         raise ValueError(f"{fn}: scratch must be a (w1, w3, w2) tuple of tensors, got {type(scratch).__name__}")
     if T == 0:
@@ -1017,32 +1020,32 @@ def fused_experts_quant_triton(
     if use_dequant_path(mode, P, E):
         outs = tuple(scratch) if scratch is not None else (None, None, None)
         d1, d3, d2 = (dequantize_triton(q, x.dtype, o) for q, o in zip((w1, w3, w2), outs))
-        return fused_experts_triton(x, d1, d3, d2, topk_weights, topk_ids, config=config, validate=False)
+        return fused_experts_triton(x, d1, d3, d2, topk_weights, topk_ids, config=config, validate=False, skip=skip)
     cfg, tile_in_group = _quant_tiles(config or default_kernel_config(P, E, x.dtype), (w1.group_size, w2.group_size))
     kern = _triton_kernels()
 
-    al = moe_align(topk_ids, E, block_m=cfg.block_m)
+    padded_pair_idx, block_expert = kernel_alignment(topk_ids, E, cfg.block_m, skip)
     rw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
     h = torch.empty((P, Fd), dtype=x.dtype, device=x.device)  # [P, F]
-    y = torch.empty((P, D), dtype=torch.float32, device=x.device)  # [P, D]
+    y = (torch.zeros if skip else torch.empty)((P, D), dtype=torch.float32, device=x.device)  # [P, D]; skipped rows 0
 
     def strides(q):
         return (q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
                 q.zeros.stride(0), q.zeros.stride(1))
 
-    max_blocks = al.block_expert.numel()
+    max_blocks = block_expert.numel()
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION=_dot_precision(x.dtype), UPCAST_DOT=_interpret_mode(),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kern.gate_up_q_kernel[(max_blocks, _cdiv(Fd, cfg.block_n))](
-        x, w1.packed, w1.scales, w1.zeros, w3.packed, w3.scales, w3.zeros, h, al.padded_pair_idx, al.block_expert,
+        x, w1.packed, w1.scales, w1.zeros, w3.packed, w3.scales, w3.zeros, h, padded_pair_idx, block_expert,
         P, D, Fd, k,
         x.stride(0), x.stride(1), h.stride(0), h.stride(1),
         *strides(w1), *strides(w3),
         BITS_1=w1.bits, BITS_3=w3.bits, GROUP=w1.group_size, TILE_IN_GROUP=tile_in_group, **common,
     )
     kern.down_q_kernel[(max_blocks, _cdiv(D, cfg.block_n))](
-        h, w2.packed, w2.scales, w2.zeros, y, al.padded_pair_idx, al.block_expert, rw,
+        h, w2.packed, w2.scales, w2.zeros, y, padded_pair_idx, block_expert, rw,
         P, D, Fd,
         h.stride(0), h.stride(1), y.stride(0), y.stride(1),
         *strides(w2),
@@ -1062,6 +1065,7 @@ def fused_experts_paged_triton(
     validate: bool = True,
     mode: str = "auto",
     scratch: Optional[tuple] = None,
+    skip: bool = False,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN computed directly from a stacked page buffer (Triton).
 
@@ -1082,6 +1086,7 @@ def fused_experts_paged_triton(
         mode: "auto" | "fused" | "dequant", see :func:`fused_experts_quant_triton` (ignored, but checked,
             for unquantized pages, which are already dense).
         scratch: dense ``(w1, w3, w2)`` buffers for the "dequant" path (:func:`dense_expert_scratch`).
+        skip: ids equal to ``E`` (the pages' rows) mark pairs this call does not compute (they add 0).
 
     Returns:
         ``[T, D]`` in ``x.dtype``; reference: :func:`experts_ffn_quant_reference`.
@@ -1101,7 +1106,7 @@ def fused_experts_paged_triton(
         if layout.spec.weight_dtype != x.dtype:
             raise ValueError(f"{fn}: pages store {layout.spec.weight_dtype} weights but x is {x.dtype}")
         w1, w3, w2 = page_weight_views(pages, layout)
-        return fused_experts_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate)
+        return fused_experts_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate, skip=skip)
     w1, w3, w2 = page_quant_tensors(pages, layout, x.dtype)
     return fused_experts_quant_triton(x, w1, w3, w2, topk_weights, topk_ids, config=config, validate=validate,
-                                      mode=mode, scratch=scratch)
+                                      mode=mode, scratch=scratch, skip=skip)

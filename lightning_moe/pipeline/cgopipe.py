@@ -249,9 +249,9 @@ class CGOPipeExecutor:
         "torch": the reference expert loop with the same per-expert ops as the serial executor (exact
         equality of tokens; it synchronizes the host once per expert to gather tokens); packed pages are
         dequantized per expert on the device, as the serial executor does. "triton": the sync-free
-        grouped kernel, once over the paged experts and once over the resident ones, each with the other
-        group's routing weights zeroed (the same tokens' work computed twice is cheaper than a host sync
-        at decode sizes); packed pages are dequantized in registers (fused_experts_paged_triton).
+        grouped kernel, once over the paged experts and once over the resident ones; each call marks the
+        other group's (token, slot) pairs with the skip id, so the kernels align them into a bucket they never
+        compute (no host sync, no pair computed twice); packed pages go through fused_experts_paged_triton.
         """
         if self.ffn == "triton" and self.cuda:
             return self._triton_ffn(lx)
@@ -292,23 +292,24 @@ class CGOPipeExecutor:
         dense: list = []  # this visit's dequantized paged experts (w1, w3, w2), views of self._dq_scratch
 
         def group_ffn(h, g, w, ids, paged):
+            # ids == the group's expert count: the slot's expert is in the other group (skip=True: not computed)
             if lay is None:
-                return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False)
+                return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False, skip=True)
             if paged and (dense or Q.use_dequant_path("auto", ids.numel(), self.spec.num_experts)):
                 if not dense:  # first large call of the visit: dequantize every paged expert once
                     if self._dq_scratch is None:
                         self._dq_scratch = Q.dense_expert_scratch(self.paging.max_nonresident, lay.hidden_size,
                                                                   lay.intermediate_size, self.dtype, self.device)
                     dense.extend(Q.dequantize_pages_triton(g[_PAGE], lay, h.dtype, out=self._dq_scratch))
-                return fused_experts_triton(h, *dense, w, ids, validate=False)
-            return Q.fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False, mode="fused")
+                return fused_experts_triton(h, *dense, w, ids, validate=False, skip=True)
+            return Q.fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False, mode="fused", skip=True)
 
         def triton_ffn(h, ew, w, ids):
             out = None
             for g, member, paged in groups:
                 sel = member[ids]  # [T, k] expert of this slot lives in group g
-                y = group_ffn(h, g, torch.where(sel, w, torch.zeros_like(w)), torch.where(sel, row[ids], torch.zeros_like(ids)),
-                              paged)
+                local = torch.where(sel, row[ids], torch.full_like(ids, g[first].shape[0]))  # [T, k] row in g, or skip
+                y = group_ffn(h, g, w, local, paged)
                 out = y if out is None else out + y
             return out
 

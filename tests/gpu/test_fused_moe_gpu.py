@@ -141,3 +141,20 @@ def test_default_config_choice():
     assert default_kernel_config(16, 8).block_m == 16
     assert default_kernel_config(8 * 1000, 8).block_m == 64
     assert default_kernel_config(8 * 1000, 8, torch.float32).block_k == 32
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_experts_skip_pairs(shape, dtype):
+    """skip=True: pairs with id E are not computed and add 0; the rest equals the reference over only those
+    pairs (rel. L2 as above); a call where every pair is skipped returns zeros."""
+    x, w1, w3, w2, wts, ids = make_inputs(*shape, dtype=dtype, seed=101)
+    E = w1.shape[0]
+    g = torch.Generator().manual_seed(102)
+    drop = (torch.rand(ids.shape, generator=g) < 0.4).to(DEV)
+    drop[0, 0] = True
+    got = fused_experts_triton(x, w1, w3, w2, wts, torch.where(drop, torch.full_like(ids, E), ids), skip=True)
+    want = experts_ffn_reference(x, w1, w3, w2, torch.where(drop, torch.zeros_like(wts), wts), ids)
+    assert rel_err(got, want) <= TOL[dtype]
+    none = fused_experts_triton(x, w1, w3, w2, wts, torch.full_like(ids, E), skip=True)
+    assert torch.equal(none, torch.zeros_like(none))
