@@ -20,7 +20,7 @@ case "${1:-1}" in
     timeout 120 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | tail -12
     ;;
   2)
-    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128,full32-24g-g128-int4 --timeout 270 \
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128,full32-24g-g128-int4 --timeout 400 \
       --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -8
     ;;
   3)
