@@ -153,10 +153,7 @@ class CGOPipeExecutor:
         # "dequantized expert scratch"). Allocated here on CUDA, lazily by _triton_ffn otherwise (interpreter tests).
         self._dq_scratch = None
         if self.cuda and ffn == "triton" and self.page_layout is not None and self.paging.max_nonresident:
-            from ..kernels.quant import dense_expert_scratch
-
-            self._dq_scratch = dense_expert_scratch(self.paging.max_nonresident, self.page_layout.hidden_size,
-                                                    self.page_layout.intermediate_size, dt, dev)
+            self._dequant_scratch()
         if self.cuda:
             self.compute = torch.cuda.current_stream(dev)
             self.h2d_w = torch.cuda.Stream(dev)  # expert pages
@@ -271,6 +268,17 @@ class CGOPipeExecutor:
                 return unpack_expert_page(lx.expert(e)[_PAGE], lay, dt)
         return get
 
+    def _dequant_scratch(self) -> tuple:
+        """The dense (w1, w3, w2) scratch for the most paged experts of any layer, in the compute dtype
+        (kernels.quant.dense_expert_scratch), allocated on first use."""
+        if self._dq_scratch is None:
+            from ..kernels.quant import dense_expert_scratch
+
+            lay = self.page_layout
+            self._dq_scratch = dense_expert_scratch(self.paging.max_nonresident, lay.hidden_size, lay.intermediate_size,
+                                                    self.dtype, self.device)
+        return self._dq_scratch
+
     def _triton_ffn(self, lx):
         """Grouped Triton FFN over the paged and the resident experts of ``lx`` (see :meth:`_experts_fn`).
 
@@ -297,10 +305,7 @@ class CGOPipeExecutor:
                 return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False, skip=True)
             if paged and (dense or Q.use_dequant_path("auto", ids.numel(), self.spec.num_experts)):
                 if not dense:  # first large call of the visit: dequantize every paged expert once
-                    if self._dq_scratch is None:
-                        self._dq_scratch = Q.dense_expert_scratch(self.paging.max_nonresident, lay.hidden_size,
-                                                                  lay.intermediate_size, self.dtype, self.device)
-                    dense.extend(Q.dequantize_pages_triton(g[_PAGE], lay, h.dtype, out=self._dq_scratch))
+                    dense.extend(Q.dequantize_pages_triton(g[_PAGE], lay, h.dtype, out=self._dequant_scratch()))
                 return fused_experts_triton(h, *dense, w, ids, validate=False, skip=True)
             return Q.fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False, mode="fused", skip=True)
 
