@@ -103,3 +103,19 @@ def test_write_json_atomic(tmp_path):
         write_json_atomic(str(p), {"bad": object()})
     assert json.loads(p.read_text()) == {"tok_s": 13.0}  # untouched by the failed write
     assert os.listdir(p.parent) == ["run.report.json"]  # no temp files left
+
+
+def test_atomic_write_gives_the_mode_open_would(tmp_path):
+    """The report written atomically is readable like the results file (mkstemp alone makes it 0600)."""
+    import os
+
+    from lightning_moe.data.writer import atomic_write
+
+    mask = os.umask(0o022)
+    try:
+        atomic_write(str(tmp_path / "r.json"), lambda f: f.write(b"{}"))
+        with open(tmp_path / "plain.json", "w") as f:
+            f.write("{}")
+    finally:
+        os.umask(mask)
+    assert os.stat(tmp_path / "r.json").st_mode & 0o777 == os.stat(tmp_path / "plain.json").st_mode & 0o777 == 0o644

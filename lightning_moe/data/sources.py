@@ -137,7 +137,7 @@ def _iter_jsonl(path: str) -> Iterator[tuple[int, str]]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
-                yield lineno, line
+                yield lineno, line.rstrip("\r\n")  # without the newline, so a JSON error's column is on this line
 
 
 def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:

@@ -215,6 +215,13 @@ def write_json_atomic(path: str, obj: Any, indent: int = 2) -> None:
     atomic_write(path, write)
 
 
+def _umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str, write: Callable[[Any], None]) -> None:
     """Create or replace ``path`` atomically: ``write(binary file)`` into a temp file in the same directory,
     fsync, ``os.replace``, fsync the directory. On any error the temp file is removed and ``path`` is untouched."""
@@ -223,6 +230,7 @@ def atomic_write(path: str, write: Callable[[Any], None]) -> None:
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
