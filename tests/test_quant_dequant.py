@@ -67,14 +67,17 @@ def bf16_rne_or_trunc(got: torch.Tensor, exact_fp32: torch.Tensor) -> bool:
 
 
 def test_dequant_tiles():
-    """G = 128: one group per tile (64 bytes = 128 columns at 4 bits, 32 bytes at 2 bits); groups whose
-    per-byte width has no power-of-two divisor >= 16 take the gather path with 64-byte tiles."""
-    assert Q._dequant_tiles(4, 128) == (64, 64, True)
-    assert Q._dequant_tiles(2, 128) == (128, 32, True)
-    assert Q._dequant_tiles(4, 64) == (128, 32, True)
-    assert Q._dequant_tiles(4, 48) == (64, 64, False)  # 24 bytes per group -> 8 -> gather
-    assert Q._dequant_tiles(2, 40) == (64, 64, False)
-    assert Q._dequant_tiles(2, 3) == (64, 64, False)  # G not a multiple of 4 codes per byte
+    """8192 output elements per program. G = 128: one group per tile of 128 columns (4 and 2 bits); G = 64, 32:
+    narrower one-group tiles; groups without a power-of-two divisor >= 32 take the gather path with 128 columns."""
+    assert Q._dequant_tiles(4, 128) == (64, 128, True)
+    assert Q._dequant_tiles(2, 128) == (64, 128, True)
+    assert Q._dequant_tiles(4, 256) == (64, 128, True)
+    assert Q._dequant_tiles(4, 64) == (128, 64, True)
+    assert Q._dequant_tiles(2, 32) == (256, 32, True)
+    assert Q._dequant_tiles(4, 48) == (64, 128, False)  # largest power-of-two divisor 16 -> gather
+    assert Q._dequant_tiles(2, 40) == (64, 128, False)
+    assert Q._dequant_tiles(2, 3) == (64, 128, False)
+    assert Q._dequant_tiles(4, 1) == (64, 128, False)
 
 
 def test_use_dequant_path(monkeypatch):
@@ -99,7 +102,7 @@ DQ_CASES = [(4, 128, 256, torch.float16), (4, 64, 101, torch.bfloat16), (4, 48, 
 
 @needs_triton
 @pytest.mark.parametrize("case", DQ_CASES, ids=lambda c: f"b{c[0]}-G{c[1]}-C{c[2]}-{str(c[3])[6:]}")
-@pytest.mark.parametrize("tiles", [{}, {"block_rows": 16, "block_bytes": 16}], ids=["default-tiles", "small-tiles"])
+@pytest.mark.parametrize("tiles", [{}, {"block_rows": 16, "block_cols": 32}], ids=["default-tiles", "small-tiles"])
 def test_dequantize_triton_bit_exact(interpret, case, tiles):
     """E = 3 stacked [37, C] weights (37 rows: partial row tiles): fp32 and fp16 outputs equal dequantize
     bit for bit; bf16 is the RNE or the truncation (interpreter) of the exact fp32 value."""
@@ -112,6 +115,33 @@ def test_dequantize_triton_bit_exact(interpret, case, tiles):
         assert got.dtype == dt and got.shape == (3, 37, C)
         assert torch.equal(got, dequantize(q, dt)), dt
     assert bf16_rne_or_trunc(dequantize_triton(q, torch.bfloat16, **tiles), dequantize(q, torch.float32))
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("G", [128, 40], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("tiles", [{}, {"block_rows": 16, "block_cols": 32}], ids=["default-tiles", "small-tiles"])
+def test_dequantize_triton_random_codes_into_strided_out(interpret, bits, G, tiles):
+    """Fresh random codes (every bit of every byte, including the unused codes of the last byte), scales and
+    zeros; E = 3 stacked [70, 301] (R and C not multiples of any tile, C odd: the last byte is partial at 4 and
+    2 bits; G = 128: one scale per tile row, G = 40: gather) into out = a [5, 70, 301] view with row stride 311
+    of a buffer filled with a sentinel: out[:3] == dequantize bit for bit (fp32 and fp16 from fp16 scales,
+    fp32 from fp32 scales), and nothing else of the buffer (columns >= C, experts >= E) is written."""
+    E, R, C = 3, 70, 301
+    g = gen(7000 + bits * 100 + G + len(tiles))
+    RB, NG = -(-C * bits // 8), -(-C // G)
+    packed = torch.randint(0, 256, (E, R, RB), generator=g, dtype=torch.uint8)
+    for sd, dts in ((torch.float16, (torch.float32, torch.float16)), (torch.float32, (torch.float32,))):
+        scales = (torch.rand(E, R, NG, generator=g) * 0.1 + 1e-3).to(sd)
+        zeros = (torch.randn(E, R, NG, generator=g) * 0.2).to(sd)
+        q = Q.QuantTensor(packed, scales, zeros, (E, R, C), bits, G, torch.float32)
+        for dt in dts:
+            buf = torch.full((E + 2, R, C + 10), -123.0, dtype=dt)
+            out = buf[..., :C]
+            got = dequantize_triton(q, dt, out, **tiles)
+            assert got.data_ptr() == buf.data_ptr() and got.shape == (E, R, C)
+            assert torch.equal(got, dequantize(q, dt)), (sd, dt)
+            assert bool((buf[..., C:] == -123).all()) and bool((buf[E:] == -123).all()), (sd, dt)
 
 
 @needs_triton
@@ -133,6 +163,10 @@ def test_dequantize_triton_2d_and_out_buffer(interpret):
             dequantize_triton(q, torch.float32, bad)
     with pytest.raises(ValueError, match="powers of two"):
         dequantize_triton(q, torch.float32, block_rows=24)
+    with pytest.raises(ValueError, match="powers of two"):
+        dequantize_triton(q, torch.float32, block_cols=48)
+    with pytest.raises(ValueError, match="codes per byte"):
+        dequantize_triton(quantize_groupwise(w, 2, 32), torch.float32, block_cols=2)  # < 4 codes of a byte
 
 
 @needs_triton

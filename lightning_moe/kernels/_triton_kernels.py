@@ -236,52 +236,71 @@ def down_q_kernel(
 
 
 @triton.jit
+def _interleave_cols(a, b, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``[ROWS, 2 * COLS]`` with columns ``a[:, 0], b[:, 0], a[:, 1], b[:, 1], ...`` of two ``[ROWS, COLS]`` tensors.
+
+    ``tl.join`` (new minor dimension of size 2) then a reshape that merges it into the columns: what
+    ``tl.interleave`` does, written with the two builtins because ``tl.interleave`` is a ``@triton.jit``
+    function of triton's standard library (see the module docstring on the interpreter).
+    """
+    return tl.reshape(tl.join(a, b), (ROWS, 2 * COLS))
+
+
+@triton.jit
 def dequant_kernel(
     q_ptr, s_ptr, z_ptr, out_ptr,
     R, C, RB,
     stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_oe, stride_or,
     BITS: tl.constexpr, GROUP: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Dense weights out[e, r, c] = code[e, r, c] * scale[e, r, c // G] + zero[e, r, c // G] (fp32, then cast).
 
-    Program (pid_r, pid_b, e) handles rows ``[pid_r * BLOCK_R, +BLOCK_R)`` and packed bytes
-    ``[pid_b * BLOCK_B, +BLOCK_B)`` of expert ``e``: one coalesced ``[BLOCK_R, BLOCK_B]`` uint8 load along the
-    row, then for each of the ``8 // BITS`` code planes ``j`` a shift/mask and a strided store to columns
-    ``byte * (8 // BITS) + j``. ``q_ptr``: uint8 ``[E, R, RB]`` (strides ``stride_qe``, ``stride_qr``, 1);
-    ``s_ptr`` / ``z_ptr``: ``[E, R, NG]`` (last stride 1); ``out_ptr``: ``[E, R, C]`` (last stride 1).
-    Columns ``>= C`` (the zero codes completing a last byte) are not stored.
-    ``TILE_IN_GROUP`` (``GROUP % (BLOCK_B * 8 // BITS) == 0``): the tile's columns lie in one group, so one
-    scale and one zero per row are loaded (``[BLOCK_R]``); otherwise a per-element gather (cache hits).
+    Program (pid_r, pid_c, e) writes the contiguous output tile of rows ``[pid_r * BLOCK_R, +BLOCK_R)`` and
+    columns ``[pid_c * BLOCK_C, +BLOCK_C)`` of expert ``e`` (vectorized stores along the row). It loads the
+    ``BLOCK_C // (8 // BITS)`` packed bytes of those columns per row in one coalesced ``[BLOCK_R, BLOCK_B]``
+    uint8 load, splits them into the ``8 // BITS`` code planes (plane ``j``: bits ``[j * BITS, +BITS)`` of
+    each byte, column ``byte * (8 // BITS) + j``) and interleaves the planes back into column order with
+    ``tl.join`` + ``tl.reshape`` (2 bits: ``(c0, c2)`` and ``(c1, c3)`` first, then those two).
+    ``q_ptr``: uint8 ``[E, R, RB]`` (strides ``stride_qe``, ``stride_qr``, 1); ``s_ptr`` / ``z_ptr``:
+    ``[E, R, NG]`` (last stride 1); ``out_ptr``: ``[E, R, C]`` (last stride 1). ``BLOCK_C`` is a power of two
+    and a multiple of ``8 // BITS``. Columns ``>= C`` (the zero codes completing a last byte, the tail of the
+    last column tile) and rows ``>= R`` are not stored.
+    ``TILE_IN_GROUP`` (``GROUP % BLOCK_C == 0``): the tile's columns lie in one group, so one scale and one zero
+    per row are loaded (``[BLOCK_R]``); otherwise a per-element ``[BLOCK_R, BLOCK_C]`` gather (cache hits).
     The launch sets ``enable_fp_fusion=False`` so ``code * scale + zero`` rounds twice, as torch does.
     """
     PER: tl.constexpr = 8 // BITS
+    BLOCK_B: tl.constexpr = BLOCK_C // PER
+    MASK: tl.constexpr = (1 << BITS) - 1
     pid_r = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_c = tl.program_id(1)
     e64 = tl.program_id(2).to(tl.int64)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = rows < R
     rows64 = rows.to(tl.int64)
-    byte_idx = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    b_mask = byte_idx < RB
+    byte_idx = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
     packed = tl.load(q_ptr + e64 * stride_qe + rows64[:, None] * stride_qr + byte_idx[None, :],
-                     mask=r_mask[:, None] & b_mask[None, :], other=0).to(tl.int32)  # [BLOCK_R, BLOCK_B]
+                     mask=r_mask[:, None] & (byte_idx < RB)[None, :], other=0)  # [BLOCK_R, BLOCK_B] uint8
+    if BITS == 4:
+        code = _interleave_cols(packed & MASK, packed >> 4, BLOCK_R, BLOCK_B)
+    else:  # BITS == 2: c0 c2 -> [c0 c2 ..], c1 c3 -> [c1 c3 ..], then -> [c0 c1 c2 c3 ..]
+        c02 = _interleave_cols(packed & MASK, (packed >> 4) & MASK, BLOCK_R, BLOCK_B)
+        c13 = _interleave_cols((packed >> 2) & MASK, packed >> 6, BLOCK_R, BLOCK_B)
+        code = _interleave_cols(c02, c13, BLOCK_R, 2 * BLOCK_B)
+    code = code.to(tl.float32)  # [BLOCK_R, BLOCK_C], column c of the tile = code of column pid_c * BLOCK_C + c
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = r_mask[:, None] & (cols < C)[None, :]
     s_row = s_ptr + e64 * stride_se + rows64 * stride_sr  # [BLOCK_R] pointers to each row's groups
     z_row = z_ptr + e64 * stride_ze + rows64 * stride_zr
-    o_row = out_ptr + e64 * stride_oe + rows64 * stride_or
     if TILE_IN_GROUP:
-        g = (pid_b * BLOCK_B * PER) // GROUP
-        s_t = tl.load(s_row + g, mask=r_mask, other=0.0).to(tl.float32)[:, None]  # [BLOCK_R, 1]
-        z_t = tl.load(z_row + g, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-    for j in tl.static_range(PER):
-        cols = byte_idx * PER + j  # [BLOCK_B] columns of code plane j
-        m = r_mask[:, None] & (cols < C)[None, :]
-        code = ((packed >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        if TILE_IN_GROUP:
-            w = code * s_t + z_t
-        else:
-            grp = cols // GROUP
-            s = tl.load(s_row[:, None] + grp[None, :], mask=m, other=0.0).to(tl.float32)
-            z = tl.load(z_row[:, None] + grp[None, :], mask=m, other=0.0).to(tl.float32)
-            w = code * s + z
-        tl.store(o_row[:, None] + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=m)
+        g = (pid_c * BLOCK_C) // GROUP
+        s = tl.load(s_row + g, mask=r_mask, other=0.0).to(tl.float32)[:, None]  # [BLOCK_R, 1]
+        z = tl.load(z_row + g, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+    else:
+        grp = (cols // GROUP)[None, :]
+        s = tl.load(s_row[:, None] + grp, mask=m, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_C]
+        z = tl.load(z_row[:, None] + grp, mask=m, other=0.0).to(tl.float32)
+    w = code * s + z
+    o_ptrs = out_ptr + e64 * stride_oe + rows64[:, None] * stride_or + cols[None, :]
+    tl.store(o_ptrs, w.to(out_ptr.dtype.element_ty), mask=m)

@@ -736,26 +736,27 @@ def _check_qt_experts(fn: str, x: torch.Tensor, w1: QuantTensor, w3: QuantTensor
 # dequantization: Triton
 # --------------------------------------------------------------------------------------------------
 
-_DEQUANT_TILE_BYTES = 4096  # packed bytes per program (BLOCK_R x BLOCK_B); a guess, to be tuned on the GPU
-_DEQUANT_NUM_WARPS = 4  # likewise a guess
+_DEQUANT_TILE_ELEMS = 8192  # output elements per program (BLOCK_R x BLOCK_C): 16 KB of bf16; to be tuned on the GPU
+_DEQUANT_MAX_COLS = 128  # widest column tile (one group of G = 128 per tile)
+_DEQUANT_MIN_GROUP_COLS = 32  # narrowest column tile of the one-group-per-tile path
+_DEQUANT_NUM_WARPS = 8  # 32 output elements per thread with 8192-element tiles; likewise to be tuned
 
 
 def _dequant_tiles(bits: int, group_size: int) -> tuple[int, int, bool]:
-    """``(BLOCK_R, BLOCK_B, TILE_IN_GROUP)`` of ``dequant_kernel`` for ``bits`` and group size G.
+    """``(BLOCK_R, BLOCK_C, TILE_IN_GROUP)`` of ``dequant_kernel`` for ``bits`` and group size G.
 
-    ``BLOCK_B`` (packed bytes per tile row) is the largest power of two <= 64 dividing ``G / (8 // bits)``;
-    when that is >= 16 every tile lies inside one group (one scale and zero per row and tile: G = 128 gives
-    64 bytes = 128 columns at 4 bits, 32 bytes = 128 columns at 2 bits). Otherwise (e.g. G = 40, 48)
-    ``BLOCK_B = 64`` with a per-element gather of scales/zeros. ``BLOCK_R = 4096 // BLOCK_B`` rows.
+    ``BLOCK_C`` (output columns per tile row) is the largest power of two <= 128 dividing G; when that is
+    >= 32 every tile lies inside one group (one scale and zero per row and tile: G = 128 gives 128 columns,
+    G = 64 gives 64, at 4 and at 2 bits). Otherwise (e.g. G = 40, 48) ``BLOCK_C = 128`` with a per-element
+    gather of scales/zeros. ``BLOCK_R = 8192 // BLOCK_C`` rows, so each program writes 8192 elements (16 KB
+    in bf16). ``bits`` is accepted for the signature's sake: every ``BLOCK_C`` here is a multiple of
+    ``8 // bits``.
     """
-    per = 8 // bits
-    bb = 0
-    if group_size % per == 0:
-        q = group_size // per
-        bb = min(64, q & -q)
-    if bb >= 16:
-        return _DEQUANT_TILE_BYTES // bb, bb, True
-    return _DEQUANT_TILE_BYTES // 64, 64, False
+    del bits
+    bc = min(_DEQUANT_MAX_COLS, group_size & -group_size)
+    if bc >= _DEQUANT_MIN_GROUP_COLS:
+        return _DEQUANT_TILE_ELEMS // bc, bc, True
+    return _DEQUANT_TILE_ELEMS // _DEQUANT_MAX_COLS, _DEQUANT_MAX_COLS, False
 
 
 def _is_pow2(v) -> bool:
@@ -784,14 +785,15 @@ def dequantize_triton(
     out: Optional[torch.Tensor] = None,
     *,
     block_rows: Optional[int] = None,
-    block_bytes: Optional[int] = None,
+    block_cols: Optional[int] = None,
 ) -> torch.Tensor:
     """Triton dequantization of a (stacked) :class:`QuantTensor`: ``code * scale + zero`` in fp32, cast to ``dtype``.
 
     Bit-identical to :func:`dequantize` (the kernel is launched with ``enable_fp_fusion=False``, so even fp32
     scales round the product and the sum separately, as torch does; with fp16/bf16 scales the fp32 product is
-    exact anyway). Memory-bound: each program reads a ``[BLOCK_R, BLOCK_B]`` tile of packed bytes once (along
-    the row) and writes its ``8 // bits`` code planes; see ``dequant_kernel`` and :func:`_dequant_tiles`.
+    exact anyway). Memory-bound: each program writes one contiguous ``[BLOCK_R, BLOCK_C]`` output tile (vectorized
+    stores along the row) from one coalesced load of its ``BLOCK_C // (8 // bits)`` packed bytes per row; see
+    ``dequant_kernel`` and :func:`_dequant_tiles`.
 
     Args:
         qt: ``[E, R, C]`` (e.g. one projection of a layer's experts, strided views into a page buffer from
@@ -801,8 +803,9 @@ def dequantize_triton(
         dtype: output dtype, bf16 / fp16 / fp32 (default ``qt.dtype``).
         out: optional destination, ``[E', R, C]`` with ``E' >= E`` (rows ``[:E]`` are written; a reusable
             scratch) or ``[R, C]`` for a 2-D ``qt``; ``dtype``, same device, unit last stride.
-        block_rows, block_bytes: tile override (powers of two; tests use them to force partial tiles and
-            the per-element scale path); default :func:`_dequant_tiles`.
+        block_rows, block_cols: tile override, rows and output columns per program (powers of two,
+            ``block_cols >= 8 // bits``; tests use them to force partial tiles and the per-element scale path,
+            taken when G is not a multiple of ``block_cols``); default :func:`_dequant_tiles`.
 
     Returns:
         ``[E, R, C]`` (``out[:E]`` when given) or ``[R, C]`` in ``dtype``.
@@ -852,21 +855,22 @@ def dequantize_triton(
             raise ValueError(f"{fn}: out must be {'[>= ' + str(E) + ', ' if stacked else '['}{R}, {C}] {dtype} on {dev} "
                              f"with unit last stride, got {got}")
         o = out[:E] if stacked else out[None]
-    br, bb, in_group = _dequant_tiles(q.bits, q.group_size)
-    if block_rows is not None or block_bytes is not None:
-        br, bb = block_rows or br, block_bytes or bb
-        if not (_is_pow2(br) and _is_pow2(bb)):
-            raise ValueError(f"{fn}: block_rows / block_bytes must be powers of two, got {br}, {bb}")
-        in_group = q.group_size % (bb * (8 // q.bits)) == 0
+    br, bc, in_group = _dequant_tiles(q.bits, q.group_size)
+    if block_rows is not None or block_cols is not None:
+        br, bc = block_rows or br, block_cols or bc
+        if not (_is_pow2(br) and _is_pow2(bc) and bc >= 8 // q.bits):
+            raise ValueError(f"{fn}: block_rows / block_cols must be powers of two (block_cols >= "
+                             f"{8 // q.bits} codes per byte), got {br}, {bc}")
+        in_group = q.group_size % bc == 0
     if o.numel():
         kern = _triton_kernels()
-        grid = (_cdiv(R, br), _cdiv(q.row_bytes, bb), E)
+        grid = (_cdiv(R, br), _cdiv(C, bc), E)
         kern.dequant_kernel[grid](
             q.packed, q.scales, q.zeros, o,
             R, C, q.row_bytes,
             q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
             q.zeros.stride(0), q.zeros.stride(1), o.stride(0), o.stride(1),
-            BITS=q.bits, GROUP=q.group_size, TILE_IN_GROUP=in_group, BLOCK_R=br, BLOCK_B=bb,
+            BITS=q.bits, GROUP=q.group_size, TILE_IN_GROUP=in_group, BLOCK_R=br, BLOCK_C=bc,
             num_warps=_DEQUANT_NUM_WARPS, enable_fp_fusion=False,
         )
     return o if stacked else o[0]

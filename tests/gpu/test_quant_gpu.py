@@ -138,7 +138,7 @@ DQ_CASES = [(4, 128, 256, torch.float16), (4, 64, 101, torch.bfloat16), (4, 48, 
 
 @pytest.mark.parametrize("case", DQ_CASES, ids=lambda c: f"b{c[0]}-G{c[1]}-C{c[2]}-{str(c[3])[6:]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("tiles", [{}, {"block_rows": 16, "block_bytes": 16}], ids=["default-tiles", "small-tiles"])
+@pytest.mark.parametrize("tiles", [{}, {"block_rows": 16, "block_cols": 32}], ids=["default-tiles", "small-tiles"])
 def test_dequantize_triton_bit_exact_gpu(case, dtype, tiles):
     """dequantize_triton on CUDA == dequantize (CUDA and CPU) BIT FOR BIT, 37 rows (partial row tiles), E = 3."""
     bits, G, C, sd = case
