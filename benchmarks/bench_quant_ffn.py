@@ -26,7 +26,8 @@ def cuda_ms(fn, reps: int = 5) -> float:
     return a.elapsed_time(b) / reps
 
 
-def main() -> None:
+def main(dequant_only: bool = False) -> None:
+    """Print the dequantization rate, then (unless ``dequant_only``) the FFN table."""
     from lightning_moe.kernels.fused_moe import fused_experts_triton
     from lightning_moe.kernels.quant import (dense_expert_scratch, dequantize_pages_triton, fused_experts_paged_triton,
                                              pack_expert_pages)
@@ -41,6 +42,8 @@ def main() -> None:
     t_deq = cuda_ms(lambda: dequantize_pages_triton(pages, lay, torch.bfloat16, out=scratch))
     moved = E * lay.page_bytes + sum(t.numel() * t.element_size() for t in scratch)
     print(f"{torch.cuda.get_device_name(0)}: dequantize {E} experts: {t_deq:.3f} ms, {moved / t_deq / 1e6:.0f} GB/s")
+    if dequant_only:
+        return
     print("| T | pairs/expert | fused int4 ms | dequant + bf16 ms | bf16 dense ms |")
     print("|---|---|---|---|---|")
     for T in (8, 32, 64, 128, 256, 512, 1024, 2048, 4096):
@@ -56,4 +59,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(dequant_only="--dequant-only" in sys.argv[1:])

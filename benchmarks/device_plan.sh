@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The next GPU session's measurements, one step per call of the `device` tool (each call <= 10 min):
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
-#   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, bf16 vs int4      (~9 min)
-#   bash benchmarks/device_plan.sh 3   # full32 16 GiB, full-size accelerate, l8 same-run   (~9 min)
+#   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16      (~10 min)
+#   bash benchmarks/device_plan.sh 3   # GPU tests of the executor/kernels, full32 16 GiB, full-size accelerate
 # Call it with carry [".carry"] (wheels + tiny-mixtral cache, see the closing note) and BENCH_COMMIT set to
 # the commit hash (the GPU host's .git is stale). Results land in $OUT; append them to benchmarks/RESULTS.md.
 set -uo pipefail
@@ -20,11 +20,17 @@ case "${1:-1}" in
     timeout 120 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | tail -12
     ;;
   2)
-    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128,full32-24g-g128-int4 --timeout 400 \
-      --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -8
+    timeout 40 python3 benchmarks/bench_quant_ffn.py --dequant-only 2>&1 | tail -2
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-int4 --timeout 245 \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128 --timeout 300 \
+      --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
     ;;
   3)
-    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32,full32-24g-accel,l8-10g-g32 --timeout 200 \
-      --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -10
+    timeout 150 python3 -m pytest tests/gpu/test_cgopipe_gpu.py tests/gpu/test_cgopipe_triton_gpu.py \
+      tests/gpu/test_quant_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -6 "$OUT/gpu_tests.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32,full32-24g-accel --timeout 200 \
+      --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -6
     ;;
 esac

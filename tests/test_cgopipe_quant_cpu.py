@@ -121,7 +121,8 @@ def test_triton_ffn_over_paged_and_resident_pages_interpreted(qdirs, interpret, 
     group's (token, slot) pairs, equals the per-expert dequantizing reference (fp32, 1e-5)."""
     ex = CGOPipeExecutor(load_checkpoint(qdirs[scheme], torch.float32),
                          Policy(mu=2, n=3, prefill_mu=2, resident_experts=3, dtype="fp32", weight_quant=scheme), "cpu")
-    lx = ex._begin_layer(0)
+    ex._begin_layer(0)
+    lx = ex._wait_pages(0)
     assert lx.paged["page"].shape == (5, PAGE_BYTES[scheme]) and lx.resident["page"].shape == (3, PAGE_BYTES[scheme])
     g = torch.Generator().manual_seed(3)
     T, D, E = 9, ex.spec.hidden_size, ex.spec.num_experts
@@ -137,14 +138,16 @@ def test_triton_ffn_over_paged_and_resident_pages_interpreted(qdirs, interpret, 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_triton_ffn_dequantizes_paged_experts_once_per_visit_interpreted(qdirs, interpret, monkeypatch, scheme):
-    """Large-M path of the "triton" FFN (interpreted): within one layer visit the paged experts are dequantized
-    once, by the first call with T k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT (16; E = 8, k = 2: T >= 64), into the
-    executor's scratch [5 paged experts, ...]; later calls of any size reuse it; a new visit dequantizes again into
-    the same scratch. Every call (1 token, 70, 5 with an expert given no tokens, 64) equals the per-expert
-    dequantizing reference (fp32, 1e-5)."""
+def test_triton_ffn_dequantizes_experts_once_per_visit_interpreted(qdirs, interpret, monkeypatch, scheme):
+    """Large-M path of the "triton" FFN (interpreted): within one layer visit all the layer's experts are
+    dequantized once, by the first call with T k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT (set to 16 here; E = 8,
+    k = 2: T >= 64): the 5 paged ones to rows 0-4 and the 3 resident ones to rows 5-7 of the executor's scratch
+    [8, ...] (two dequantize calls); later calls of any size reuse it; a new visit dequantizes again into the
+    same scratch. Every call (1 token: fused kernel; 70, 5 with an expert given no tokens, 64: dense kernel)
+    equals the per-expert dequantizing reference (fp32, 1e-5)."""
     from lightning_moe.kernels import quant as Q
 
+    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
     ex = CGOPipeExecutor(load_checkpoint(qdirs[scheme], torch.float32),
                          Policy(mu=2, n=3, prefill_mu=2, resident_experts=3, dtype="fp32", weight_quant=scheme), "cpu",
                          ffn="triton")
@@ -152,12 +155,13 @@ def test_triton_ffn_dequantizes_paged_experts_once_per_visit_interpreted(qdirs, 
     calls = []
     real = Q.dequantize_pages_triton
     monkeypatch.setattr(Q, "dequantize_pages_triton", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    lx = ex._begin_layer(0)
+    ex._begin_layer(0)
+    lx = ex._wait_pages(0)
     D, F, E = ex.spec.hidden_size, ex.spec.intermediate_size, ex.spec.num_experts
     ffn, ref = ex._triton_ffn(lx), ex._experts_fn(lx)
     g = torch.Generator().manual_seed(4)
     scratch_ptr = None
-    for T, want_calls in ((1, 0), (70, 1), (5, 1), (64, 1)):
+    for T, want_calls in ((1, 0), (70, 2), (5, 2), (64, 2)):
         h = torch.randn(T, D, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
         if T == 5:
@@ -167,7 +171,7 @@ def test_triton_ffn_dequantizes_paged_experts_once_per_visit_interpreted(qdirs, 
         assert (got - want).norm() / want.norm() <= 1e-5, T
         assert len(calls) == want_calls, (T, calls)
         if want_calls:
-            assert [tuple(t.shape) for t in ex._dq_scratch] == [(5, F, D), (5, F, D), (5, D, F)]
+            assert [tuple(t.shape) for t in ex._dq_scratch] == [(8, F, D), (8, F, D), (8, D, F)]
             scratch_ptr = scratch_ptr or ex._dq_scratch[0].data_ptr()
     # the next visit of the layer: a new closure, dequantized again into the same scratch
     ffn2 = ex._triton_ffn(lx)
@@ -176,6 +180,6 @@ def test_triton_ffn_dequantizes_paged_experts_once_per_visit_interpreted(qdirs, 
     w = torch.softmax(torch.randn(80, 2, generator=g), -1)
     got, want = ffn2(h, None, w, ids), ref(h, None, w, ids)
     assert (got - want).norm() / want.norm() <= 1e-5
-    assert len(calls) == 2 and calls[0] == (5, PAGE_BYTES[scheme]) and ex._dq_scratch[0].data_ptr() == scratch_ptr
+    assert calls == [(5, PAGE_BYTES[scheme]), (3, PAGE_BYTES[scheme])] * 2 and ex._dq_scratch[0].data_ptr() == scratch_ptr
     ex._end_layer(0)
     ex.close()

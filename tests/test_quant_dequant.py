@@ -81,8 +81,10 @@ def test_dequant_tiles():
 
 
 def test_use_dequant_path(monkeypatch):
-    assert Q.DEQUANT_MIN_PAIRS_PER_EXPERT == 16  # the documented (unmeasured) default
+    assert Q.DEQUANT_MIN_PAIRS_PER_EXPERT == 0  # the default: always dequantize (H200 measurement, RESULTS.md 6)
     assert use_dequant_path("dequant", 1, 8) and not use_dequant_path("fused", 10**6, 8)
+    assert use_dequant_path("auto", 1, 8)
+    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
     assert not use_dequant_path("auto", 127, 8) and use_dequant_path("auto", 128, 8)
     monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 2)  # read at call time
     assert use_dequant_path("auto", 16, 8)
@@ -245,7 +247,8 @@ def _routing(T, E, k, skip, seed):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
 def test_paged_modes_match_reference(interpret, monkeypatch, case, scheme, dtype, tol):
     """fused_experts_paged_triton with mode fused / dequant / auto (with and without a scratch) vs
-    experts_ffn_quant_reference: ||a-b||/||b|| <= tol. "auto" dequantizes iff T k / E >= 16."""
+    experts_ffn_quant_reference: ||a-b||/||b|| <= tol. "auto" dequantizes iff T k / E >= the threshold: run with the
+    default (0: always) and with 16 (the cases with T k / E < 16 take the fused kernel)."""
     T, D, Fd, E, k, skip, G = case
     g = gen(60)
     w1, w3, w2 = (torch.randn(E, *s, generator=g) / s[1] ** 0.5 for s in ((Fd, D), (Fd, D), (D, Fd)))
@@ -262,8 +265,12 @@ def test_paged_modes_match_reference(interpret, monkeypatch, case, scheme, dtype
         got = fused_experts_paged_triton(x, pages, lay, wts, ids, mode=mode, scratch=sc)
         assert got.dtype == dtype and got.shape == x.shape
         assert rel_err(got, want) <= tol, (mode, rel_err(got, want))
-        dq = mode == "dequant" or (mode == "auto" and T * k >= 16 * E)
+        dq = mode == "dequant" or (mode == "auto" and T * k >= Q.DEQUANT_MIN_PAIRS_PER_EXPERT * E)
         assert len(launches) == (3 if dq else 0), mode  # one launch per projection, all E experts
+    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
+    launches.clear()
+    assert rel_err(fused_experts_paged_triton(x, pages, lay, wts, ids, mode="auto", scratch=scratch), want) <= tol
+    assert len(launches) == (3 if T * k >= 16 * E else 0)
 
 
 @needs_triton

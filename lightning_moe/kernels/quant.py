@@ -38,7 +38,7 @@ weight), ``NG = cdiv(C, G)`` groups per row, ``RB = cdiv(C * bits, 8)`` packed b
    packed experts into dense ``[E, R, C]`` weights in the activation dtype, bit-identical to
    :func:`dequantize` / :func:`unpack_expert_page`. :func:`fused_experts_quant_triton` (and so
    :func:`fused_experts_paged_triton`) takes ``mode="auto" | "fused" | "dequant"``: at large M
-   (``T * k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT`` mean pairs per expert) "auto" dequantizes the experts of the
+   (``T * k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT`` mean pairs per expert, 0 by default: always) "auto" dequantizes the experts of the
    call into a dense scratch and runs the bf16 grouped kernel
    :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton` on it, because the fused kernel repeats the
    dequantization for every M-block (measured on an H200: 56 ms vs 1.56 ms per gate/up call at ~2600 tokens,
@@ -107,11 +107,13 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Large-M switch of fused_experts_quant_triton(mode="auto"): dequantize the call's experts into a dense scratch
 # and run the dense grouped kernel when the mean routed pairs per expert, T * k / E, is at least this.
-# A GUESS, not measured: the only measurement (H200, Mixtral experts, E = 8) is the fused kernel at ~2600
-# tokens x top-2 (650 pairs per expert) being ~36x slower than the bf16 kernel. Tune it on the GPU with
-# benchmarks/bench_quant_ffn.py (both modes over T). policy/hrm.py keeps a torch-free copy (hrm.DEQUANT_MIN_PAIRS_PER_EXPERT; a test checks
+# 0 = always. Measured on the H200 (RESULTS.md 6, benchmarks/bench_quant_ffn.py, Mixtral experts, E = 8): the
+# fused in-register kernel took 9.4 ms at T = 8 and 188 ms at T = 4096 while the bf16 kernel on dense weights took
+# 0.8-7.5 ms, so dequantize + dense wins at every T once the dequantization itself runs near HBM bandwidth
+# (the first dequant kernel reached only 176 GB/s, 20 ms for 8 experts; the rewrite of d0f951a stores
+# contiguous tiles). policy/hrm.py keeps a torch-free copy (hrm.DEQUANT_MIN_PAIRS_PER_EXPERT; a test checks
 # they agree), and CGOPipe reads this one.
-DEQUANT_MIN_PAIRS_PER_EXPERT = 16
+DEQUANT_MIN_PAIRS_PER_EXPERT = 0
 DEQUANT_MODES = ("auto", "fused", "dequant")
 
 # --------------------------------------------------------------------------------------------------

@@ -148,11 +148,11 @@ class CGOPipeExecutor:
                     self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
             experts[l] = None  # the pool now holds this layer's experts
         self.buffers = GpuPageBuffers(self.pool, dev, 2)
-        # dense (w1, w3, w2) [max paged experts of a layer, ...] in the compute dtype: the Triton FFN dequantizes a
-        # layer visit's packed paged experts into it at large M (_triton_ffn); the planner counts it (hrm
-        # "dequantized expert scratch"). Allocated here on CUDA, lazily by _triton_ffn otherwise (interpreter tests).
+        # dense (w1, w3, w2) [E, ...] in the compute dtype: the Triton FFN dequantizes a layer visit's packed
+        # experts (paged and resident) into it (_triton_ffn); the planner counts it (hrm "dequantized expert
+        # scratch"). Allocated here on CUDA, lazily by _triton_ffn otherwise (interpreter tests).
         self._dq_scratch = None
-        if self.cuda and ffn == "triton" and self.page_layout is not None and self.paging.max_nonresident:
+        if self.cuda and ffn == "triton" and self.page_layout is not None:
             self._dequant_scratch()
         if self.cuda:
             self.compute = torch.cuda.current_stream(dev)
@@ -227,15 +227,35 @@ class CGOPipeExecutor:
         self.stats.h2d_bytes += self.timer.around("h2d_copy", self.h2d_w,
                                                   lambda: self.buffers.prefetch_layer(layer, b, self.h2d_w, rng))
 
-    def _begin_layer(self, visit: int) -> dict:
-        """Make sure visit's pages are issued and wait (on the GPU) until they landed; returns a getter."""
-        layer = self._layer_of_visit(visit)
+    def _begin_layer(self, visit: int):
+        """Start a layer visit: make sure its pages are issued; returns its FFN (:meth:`_visit_ffn`).
+
+        The compute stream does NOT wait for the pages here: pre-attention and attention need no expert
+        weights, so they run while the pages are still crossing PCIe; the wait is enqueued just before the
+        visit's first expert FFN.
+        """
         if self._prefetched < visit:  # not prefetched during the previous layer (first layer of a run)
             self._prefetch_slot(visit, 0, 1)
             self._prefetched = visit
-        b = visit % 2
+        return self._visit_ffn(visit)
+
+    def _wait_pages(self, visit: int):
+        """Compute stream waits (on the GPU) until the visit's pages landed; returns its LayerExperts."""
+        layer, b = self._layer_of_visit(visit), visit % 2
         self.timer.around("wait_h2d", self.compute, lambda: self.buffers.wait_layer(layer, b, self.compute))
         return self.buffers.layer_experts(layer, b, self.resident)
+
+    def _visit_ffn(self, visit: int):
+        """The expert FFN ``ffn(h, ew, w, ids)`` of one layer visit (all its micro-batches): its first call
+        enqueues the wait for the visit's pages (:meth:`_wait_pages`) and builds :meth:`_experts_fn`."""
+        built: list = []
+
+        def ffn(h, ew, w, ids):
+            if not built:
+                built.append(self._experts_fn(self._wait_pages(visit)))
+            return built[0](h, ew, w, ids)
+
+        return ffn
 
     def _end_layer(self, visit: int) -> None:
         self.buffers.compute_done(visit % 2, self.compute)
@@ -269,25 +289,37 @@ class CGOPipeExecutor:
         return get
 
     def _dequant_scratch(self) -> tuple:
-        """The dense (w1, w3, w2) scratch for the most paged experts of any layer, in the compute dtype
-        (kernels.quant.dense_expert_scratch), allocated on first use."""
+        """The dense (w1, w3, w2) scratch ``[E, F, D], [E, F, D], [E, D, F]`` for one layer's experts, in the
+        compute dtype (kernels.quant.dense_expert_scratch), allocated on first use."""
         if self._dq_scratch is None:
             from ..kernels.quant import dense_expert_scratch
 
             lay = self.page_layout
-            self._dq_scratch = dense_expert_scratch(self.paging.max_nonresident, lay.hidden_size, lay.intermediate_size,
+            self._dq_scratch = dense_expert_scratch(self.spec.num_experts, lay.hidden_size, lay.intermediate_size,
                                                     self.dtype, self.device)
         return self._dq_scratch
+
+    def _dequantize_visit(self, lx, dtype: torch.dtype) -> tuple:
+        """Dequantize every packed expert of layer visit ``lx`` into the scratch: the P paged experts to rows
+        ``[0, P)``, the R resident ones to rows ``[P, P + R)``. Returns ``(w1, w3, w2)`` views ``[P + R, ...]``."""
+        from ..kernels.quant import dequantize_pages_triton
+
+        scratch, P, R = self._dequant_scratch(), lx.paged[_PAGE].shape[0], lx.resident[_PAGE].shape[0]
+        for pages, first, count in ((lx.paged[_PAGE], 0, P), (lx.resident[_PAGE], P, R)):
+            if count:
+                dequantize_pages_triton(pages, self.page_layout, dtype, out=tuple(w[first:] for w in scratch))
+        return tuple(w[: P + R] for w in scratch)
 
     def _triton_ffn(self, lx):
         """Grouped Triton FFN over the paged and the resident experts of ``lx`` (see :meth:`_experts_fn`).
 
-        The returned closure serves one layer visit (all its micro-batches). Quantized pages: a call of T tokens
-        with ``T * k / E >= kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT`` (E the layer's experts) dequantizes the
-        visit's paged experts ONCE into ``self._dq_scratch`` (dequantize_pages_triton) and runs the dense kernel
-        on them; every later call of the visit, of any size, reuses them; calls before that (small M) run the
-        fused kernel on the packed pages. Resident quantized experts always take the fused kernel (a dense copy
-        of them would need memory the planner does not count).
+        The returned closure serves one layer visit (all its micro-batches). Dense pages: one grouped call over
+        the paged stack and one over the resident stack, each skipping the other's (token, slot) pairs.
+        Quantized pages: the first call with ``T * k / E >= kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT`` (0
+        since the H200 measurement of RESULTS.md 6: always) dequantizes ALL the visit's experts, paged and
+        resident, once into ``self._dq_scratch`` (:meth:`_dequantize_visit`), and this and every later call of
+        the visit run ONE dense grouped kernel over them; calls before that run the fused in-register kernel
+        on each group's packed pages.
         """
         from ..kernels import quant as Q
         from ..kernels.fused_moe import fused_experts_triton
@@ -295,26 +327,27 @@ class CGOPipeExecutor:
         lay = self.page_layout
         is_paged, row = self.paging.index_tensors(lx.layer, self.device)
         first = _PAGE if lay is not None else "w1"
-        groups = [(g, m, paged) for g, m, paged in ((lx.paged, is_paged, True), (lx.resident, ~is_paged, False))
-                  if g[first].shape[0] > 0]
-        dense: list = []  # this visit's dequantized paged experts (w1, w3, w2), views of self._dq_scratch
+        groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g[first].shape[0] > 0]
+        dense: list = []  # this visit's dequantized experts (w1, w3, w2), views of self._dq_scratch
+        n_paged = lx.paged[first].shape[0]
+        dense_row = torch.where(is_paged, row, row + n_paged)  # [E] expert -> its row in the dense scratch
 
-        def group_ffn(h, g, w, ids, paged):
+        def group_ffn(h, g, w, ids):
             # ids == the group's expert count: the slot's expert is in the other group (skip=True: not computed)
             if lay is None:
                 return fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, ids, validate=False, skip=True)
-            if paged and (dense or Q.use_dequant_path("auto", ids.numel(), self.spec.num_experts)):
-                if not dense:  # first large call of the visit: dequantize every paged expert once
-                    dense.extend(Q.dequantize_pages_triton(g[_PAGE], lay, h.dtype, out=self._dequant_scratch()))
-                return fused_experts_triton(h, *dense, w, ids, validate=False, skip=True)
             return Q.fused_experts_paged_triton(h, g[_PAGE], lay, w, ids, validate=False, mode="fused", skip=True)
 
         def triton_ffn(h, ew, w, ids):
+            if lay is not None and (dense or Q.use_dequant_path("auto", ids.numel(), self.spec.num_experts)):
+                if not dense:  # first large call of the visit: dequantize the layer's experts once
+                    dense.extend(self._dequantize_visit(lx, h.dtype))
+                return fused_experts_triton(h, *dense, w, dense_row[ids], validate=False)
             out = None
-            for g, member, paged in groups:
+            for g, member in groups:
                 sel = member[ids]  # [T, k] expert of this slot lives in group g
                 local = torch.where(sel, row[ids], torch.full_like(ids, g[first].shape[0]))  # [T, k] row in g, or skip
-                y = group_ffn(h, g, w, local, paged)
+                y = group_ffn(h, g, w, local)
                 out = y if out is None else out + y
             return out
 
@@ -399,10 +432,9 @@ class CGOPipeExecutor:
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         for l in range(self.spec.num_layers):
             visit = self._visit
-            lx = self._begin_layer(visit)
+            ffn = self._begin_layer(visit)
             self._prefetch_slot(visit + 1, 0, 1)
             self._prefetched = visit + 1
-            ffn = self._experts_fn(lx)
             for ch in chunks:
                 i, off, x, pos, spans, _ = ch
                 mb = mbs[i]
@@ -476,11 +508,16 @@ class CGOPipeExecutor:
         mb.x = M.post_attention(self.layers[l], None, mb.x, attn, self.spec, ffn)  # [mu_k, D]
 
     def _decode_layer(self, l: int, mbs: list[MicroBatch]) -> None:
-        """One layer of one decode step over all micro-batches (the CGOPipe schedule)."""
+        """One layer of one decode step over all micro-batches (the CGOPipe schedule).
+
+        Micro-batch k's slot of layer l+1's pages is issued right after k's attention result is on its way
+        to the GPU (CPU attention) or computed (GPU attention), never before: copies of one direction queue on
+        the copy engine in issue order, so a slot issued earlier would hold the attention output behind
+        megabytes of pages while the GPU waits for it (RESULTS.md 5b: ~22-37 ms per layer).
+        """
         visit = self._visit
-        lx = self._begin_layer(visit)
-        ffn = self._experts_fn(lx)
-        pending: Optional[tuple[MicroBatch, Future]] = None
+        ffn = self._begin_layer(visit)
+        pending: Optional[tuple[int, MicroBatch, Future]] = None  # the CPU attention in flight
         for k, mb in enumerate(mbs):
             q, kk, v = self._pre_attention(l, mb)
             if mb.on_gpu:
@@ -488,19 +525,26 @@ class CGOPipeExecutor:
             else:
                 qkv, ready = self._send_qkv(q, kk, v)
                 fut = self.workers.submit(self._cpu_attention, l, mb, qkv, ready)
-            self._prefetch_slot(visit + 1, k, len(mbs))  # one slot of layer l+1's pages per micro-batch
             if pending is not None:  # finish the previous CPU micro-batch while this one's attention runs
-                self._post_attention(l, pending[0], self._recv_attention(pending[1]), ffn)
+                self._finish_cpu_micro_batch(l, visit, len(mbs), *pending, ffn)
                 pending = None
             if mb.on_gpu:
+                self._prefetch_slot(visit + 1, k, len(mbs))
                 self._post_attention(l, mb, attn, ffn)
             else:
-                pending = (mb, fut)
+                pending = (k, mb, fut)
         if pending is not None:
-            self._post_attention(l, pending[0], self._recv_attention(pending[1]), ffn)
+            self._finish_cpu_micro_batch(l, visit, len(mbs), *pending, ffn)
         self._prefetched = visit + 1
         self._end_layer(visit)
         self._visit += 1
+
+    def _finish_cpu_micro_batch(self, l: int, visit: int, slots: int, k: int, mb: MicroBatch, fut: Future, ffn) -> None:
+        """Micro-batch k after its CPU attention: its output goes to the GPU, then slot k of the next visit's
+        pages is issued behind it, then k's post-attention (o_proj, router, expert FFN) is enqueued."""
+        attn = self._recv_attention(fut)
+        self._prefetch_slot(visit + 1, k, slots)
+        self._post_attention(l, mb, attn, ffn)
 
     def _decode_step(self, mbs: list[MicroBatch], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Feed one token per row of every micro-batch; returns fp32 logits [mu_k, V] per micro-batch."""

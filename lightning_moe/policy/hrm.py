@@ -15,8 +15,9 @@ against its text here, so "Sec." citations are the reliable ones.
                S_c = (n - n_g) * mu sequences on the CPU, c = attended positions
   (H6) T_gpu = n * [qkv + o_proj + router + experts + shared] (each (H1) on the GPU for mu tokens)
                + n_g * attention(mu, c) on the GPU;  experts read E * (1 - (1 - k/E)^T) distinct experts
-               + T_deq: quantized pages at large M (mu k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized
-               once per layer visit, memory-bound: (E - resident) (packed + dense expert bytes) / B_gpu
+               + T_deq: quantized experts at M >= the dequantization threshold (mu k / E >=
+               DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per layer visit, all E of the layer (paged and
+               resident), memory-bound: E (packed + dense expert bytes) / B_gpu
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
@@ -26,8 +27,8 @@ against its text here, so "Sec." citations are the reliable ones.
                end-to-end N * G / (T_prefill + T_decode)  (the planner's objective)
 
 Memory (real byte counts, DESIGN.md): GPU = non-expert weights + resident experts + 2 page buffers (each
-the largest non-resident set of one layer) + for quantized pages a dense scratch of the largest non-resident
-set (CGOPipe's dequantized experts, in the compute dtype) + GPU KV at full length + activations/workspaces
+the largest non-resident set of one layer) + for quantized pages a dense scratch of one layer's E experts
+(CGOPipe's dequantized experts, in the compute dtype) + GPU KV at full length + activations/workspaces
 (decode: N hidden rows + 2 micro-batch workspaces; prefill: N * max_prompt hidden rows + one prefill
 micro-batch workspace) + allocator reserve; CPU = pinned non-resident experts + CPU KV for its sequences at full
 length + pinned staging + reserve. Quantized experts change expert_bytes and add the dequantization
@@ -50,10 +51,9 @@ from .policy import PlanInfeasible, Policy, Workload
 STAGES = ("h2d", "d2h", "cpu", "gpu")  # the overlapped streams of one layer (H2)
 
 # Mean routed pairs per expert (tokens * k / E of one FFN call) from which CGOPipe's Triton FFN dequantizes a
-# layer's paged quantized experts (once per layer visit) and runs the dense kernel instead of the fused one.
-# A torch-free copy of kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT (tests/test_hrm.py checks they agree);
-# a GUESS, not measured, to be tuned on the GPU.
-DEQUANT_MIN_PAIRS_PER_EXPERT = 16
+# layer's quantized experts (once per layer visit) and runs the dense kernel instead of the fused one.
+# A torch-free copy of kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT (tests/test_hrm.py checks they agree).
+DEQUANT_MIN_PAIRS_PER_EXPERT = 0
 
 
 def roofline(flops: float, nbytes: float, peak_flops: float, bandwidth: float,
@@ -118,7 +118,7 @@ def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: s
 
 
 def dequant_path(spec: MoESpec, tokens: float, quant: str) -> bool:
-    """Whether CGOPipe's Triton FFN dequantizes the paged experts for an FFN call of ``tokens`` tokens: pages
+    """Whether CGOPipe's Triton FFN dequantizes the layer's experts for an FFN call of ``tokens`` tokens: pages
     in a quantized format (``quant`` in QUANT_FORMATS) and ``tokens * k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT``
     (kernels.quant.use_dequant_path with E the layer's experts)."""
     return quant in QUANT_FORMATS and tokens * spec.top_k >= DEQUANT_MIN_PAIRS_PER_EXPERT * spec.num_experts
@@ -290,8 +290,8 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
     gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
     gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
-    if not dense and dequant_path(spec, policy.mu, q):  # paged experts dequantized once per layer visit
-        gpu += gpu_dequant_time(spec, hw, non_resident, q, dt)
+    if not dense and dequant_path(spec, policy.mu, q):  # all E experts dequantized once per layer visit
+        gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
     cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt)
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
@@ -312,7 +312,7 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
         tokens = size * prompt_len
         gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt))
     if not dense and mbs and dequant_path(spec, max(size for _, size in mbs) * prompt_len, q):
-        gpu += gpu_dequant_time(spec, hw, non_resident, q, dt)
+        gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
     h2d = 0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)
     return StageTimes(h2d=h2d, d2h=prefill_d2h_time(spec, hw, policy.n_cpu_attn * policy.mu, prompt_len, dt), cpu=0.0, gpu=gpu)
 
@@ -398,10 +398,10 @@ def kv_cache_bytes(policy: Policy, spec: MoESpec, workload: Workload) -> tuple[i
     return total(n_gpu, policy.N), total(n_cpu, n_cpu)
 
 
-def dequant_scratch_bytes(spec: MoESpec, max_paged: int, quant: str, dtype: str = "bf16") -> int:
-    """Bytes of CGOPipe's dense scratch for dequantized paged experts: ``max_paged * expert_bytes(dtype)`` when
-    ``quant`` is a quantized format, else 0."""
-    return max_paged * spec.expert_bytes(dtype) if quant in QUANT_FORMATS else 0
+def dequant_scratch_bytes(spec: MoESpec, quant: str, dtype: str = "bf16") -> int:
+    """Bytes of CGOPipe's dense scratch for one layer's dequantized experts (paged and resident):
+    ``E * expert_bytes(dtype)`` when ``quant`` is a quantized format, else 0."""
+    return spec.num_experts * spec.expert_bytes(dtype) if quant in QUANT_FORMATS else 0
 
 
 def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
@@ -409,8 +409,8 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
 
     KV cache: :func:`kv_cache_bytes` (the grouped caches' padded positions, Workload.kv_positions).
     Page buffers: 2 x (largest non-resident expert count of any MoE layer) x expert_bytes. Quantized pages
-    (weight_quant in QUANT_FORMATS) add "dequantized expert scratch" = that count x expert_bytes(dtype) (the
-    dense experts CGOPipe's Triton FFN dequantizes into at large M; 0 for unquantized pages), both phases.
+    (weight_quant in QUANT_FORMATS) add "dequantized expert scratch" = E x expert_bytes(dtype) (the dense
+    experts CGOPipe's Triton FFN dequantizes a layer into; 0 for unquantized pages), both phases.
     Raises PolicyError if the resident experts do not fit the spec.
     """
     b = dtype_bytes(policy.dtype)
@@ -426,7 +426,7 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
         "non-expert weights": spec.non_expert_bytes(policy.dtype),
         "resident experts": R * We,
         "expert page buffers (2)": 2 * max_paged * We,
-        "dequantized expert scratch": dequant_scratch_bytes(spec, max_paged, policy.weight_quant, policy.dtype),
+        "dequantized expert scratch": dequant_scratch_bytes(spec, policy.weight_quant, policy.dtype),
         "GPU KV cache": kv_gpu,
     }
     gpu_decode = dict(common)

@@ -22,12 +22,10 @@ transfers) is linear in them, so it enters as a per-sequence constant times N_cp
 After solving, the policy is re-evaluated with hrm.evaluate and every memory constraint re-checked with
 hrm's integer byte counts (hrm.check_memory); the solver status is never trusted alone.
 
-Quantized pages: a layer holding r resident experts also dequantizes its E - r paged experts once per visit
-when the phase's FFN calls reach hrm.DEQUANT_MIN_PAIRS_PER_EXPERT (a property of the micro-batch size m, so a
-constant per candidate): u >= wdq (E Z - r) with Z = sum of z_m over the sizes that dequantize is that time
-for the r-layers (pushed to its lower bound by the objective), u - wdq Z for the (r + 1)-layers; the two layer
-classes then get their own C (C_r = max(C_{r+1}, gpu_r)), and the scratch adds (E - r) dense expert bytes
-to the GPU memory rows, like the page buffers.
+Quantized pages: every MoE layer dequantizes all its E experts (paged and resident) once per visit when the
+phase's FFN calls reach hrm.DEQUANT_MIN_PAIRS_PER_EXPERT (a property of the micro-batch size m, so a
+constant per candidate): wdq E Z with Z = sum of z_m over the sizes that dequantize, the same for every layer;
+the scratch adds E dense expert bytes (a constant) to the GPU memory rows.
 
 KV per sequence: with the job's prompt lengths the KV cache of a batch depends on its size N
 (Workload.kv_positions, grouped caches), which is not linear in N; plan() solves with one KV length per
@@ -154,10 +152,9 @@ def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> No
             f"infeasible: GPU memory {_gib(budgets.gpu_memory)} < {_gib(best.gpu_peak)} needed for non-expert weights ({_gib(w)}) "
             f"+ {what} ({_gib(buf)}) + activations for {mu} sequence(s) ({_gib(act)}) + reserve ({_gib(bd['allocator reserve'])})")
     # Host: the most experts the GPU can hold at n = 1 (R even over layers: the GPU grows by We per expert
-    # and shrinks by 2 We (+ the dense scratch of one expert, quantized pages) each time every layer gains
-    # one, as both page buffers shrink), KV wherever it fits.
+    # and shrinks by 2 We each time every layer gains one, as both page buffers shrink), KV wherever it fits.
     We = spec.expert_bytes(budgets.weight_quant)
-    Wshrink = 2 * We + hrm.dequant_scratch_bytes(spec, 1, budgets.weight_quant, budgets.dtype)
+    Wshrink = 2 * We
     best_cpu: Optional[hrm.MemoryEstimate] = None
     for g in (0, 1):
         base = hrm.memory_estimate(pol(0, g), spec, workload)
@@ -204,14 +201,14 @@ class _Coeffs:
     h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
     pre_d2h_seq: float  # prefill d2h seconds per layer per CPU-KV sequence
     wio: float  # seconds to page one expert
-    wdq: float  # GPU seconds to dequantize one paged expert (hrm.gpu_dequant_time; 0 for unquantized pages)
-    dq_dec: dict  # m -> 1 if a decode micro-batch of m tokens dequantizes the paged experts (hrm.dequant_path), else 0
+    wdq: float  # GPU seconds to dequantize one expert (hrm.gpu_dequant_time; 0 for unquantized pages)
+    dq_dec: dict  # m -> 1 if a decode micro-batch of m tokens dequantizes the layer's experts (hrm.dequant_path), else 0
     dq_pre: dict  # m -> same for its prefill micro-batches (pmu(m) * prompt_len tokens)
     contexts: list  # decode contexts c_t = prompt_len + t, t = 1..G-1
     # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
     mem_fixed_gpu: float  # non-expert weights + reserve
     mem_expert: float  # one expert
-    mem_scratch: float  # dense scratch per expert of the largest paged set (hrm.dequant_scratch_bytes; 0 unquantized)
+    mem_scratch: float  # dense scratch of one layer's E experts (hrm.dequant_scratch_bytes; 0 unquantized)
     mem_kv_seq: float  # one sequence's KV (kv_len positions, all layers)
     mem_hidden_dec: float  # one sequence's decode hidden row
     mem_hidden_pre: float  # one sequence's prefill hidden rows
@@ -238,7 +235,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt), dq_dec={}, dq_pre={},
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
-                mem_scratch=hrm.dequant_scratch_bytes(spec, 1, q, dt),
+                mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
                 mem_kv_seq=kv_seq, mem_hidden_dec=spec.hidden_size * b, mem_hidden_pre=s_max * spec.hidden_size * b,
                 mem_ws_dec={}, mem_ws_pre={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
@@ -405,9 +402,9 @@ class _Model:
 
     def _gpu_common(self) -> pulp.LpAffineExpression:
         C = self.C
-        # non-expert weights + reserve + R We (resident) + 2 (E - r) We (page buffers sized for the r-layers)
-        # + (E - r) Ws (dense dequantization scratch, quantized pages) + N_gpu kv_seq
-        return (C.mem_fixed_gpu + C.mem_expert * self.R + (2 * C.mem_expert + C.mem_scratch) * (self.E - self.r)
+        # non-expert weights + reserve + E Ws (dense dequantization scratch, quantized pages) + R We (resident)
+        # + 2 (E - r) We (page buffers sized for the r-layers) + N_gpu kv_seq
+        return (C.mem_fixed_gpu + C.mem_scratch + C.mem_expert * self.R + 2 * C.mem_expert * (self.E - self.r)
                 + C.mem_kv_seq * self.N_gpu)
 
     def _gpu_memory_decode(self) -> None:
@@ -469,9 +466,9 @@ class _Model:
     def _dequant(self) -> None:
         """Per-layer dequantization seconds of quantized pages, per phase (see the module docstring).
 
-        u_ph >= wdq (E Z_ph - r), u_ph >= 0 with Z_ph = sum of z_m over sizes m whose FFN calls dequantize in
-        that phase: the r-layers' time wdq (E - r) Z_ph; the (r + 1)-layers' is u_ph - wdq Z_ph. u_ph only
-        bounds times from below, so at the optimum it is at its bound. None when the phase never dequantizes.
+        (wdq E Z_ph, 0): every MoE layer dequantizes its E experts, Z_ph = sum of z_m over sizes m whose FFN
+        calls dequantize in that phase; the second entry (what a layer holding r + 1 experts saves) is 0.
+        None when the phase never dequantizes.
         """
         C = self.C
         self.deq = {}
@@ -480,10 +477,7 @@ class _Model:
             if C.wdq <= 0 or not ms:
                 self.deq[ph] = None
                 continue
-            Z = pulp.lpSum(self.z[m] for m in ms)
-            u = self._var(f"u_deq_{ph}", lowBound=0)
-            self.prob += u >= C.wdq * (self.E * Z - self.r), f"u_deq_{ph}"
-            self.deq[ph] = (u, C.wdq * Z)
+            self.deq[ph] = (C.wdq * self.E * pulp.lpSum(self.z[m] for m in ms), 0.0)
 
     def _classes(self, name: str, gpu: pulp.LpAffineExpression, rest: list, ph: str):
         """(C_r, C_{r+1}): stage maxima of the layers holding r and r + 1 experts, from the GPU row ``gpu``
