@@ -51,6 +51,7 @@ class Case:
     baseline_steps: int = 3  # decode steps timed for the serial / accelerate baselines
     baseline_batches: tuple = (16, 64)  # batch sizes tried for the baselines (best is reported)
     ffn: str = "triton"  # CGOPipe expert FFN: "triton" (fused grouped kernel, sync-free) or "torch" (reference loop)
+    requests: Optional[int] = None  # prompts in the job (caps the planner's N; None = as many as the plan wants)
 
 
 CASES = {c.name: c for c in [
@@ -67,6 +68,9 @@ CASES = {c.name: c for c in [
     Case("full32-24g-accel", None, 24 * GiB, gen_len=32, executors=("accelerate",), baseline_steps=2, baseline_batches=(64,)),
     # issue 6: the same settings with int4 expert pages (group 128), against the bf16 case of the same run
     Case("full32-24g-g128-int4", None, 24 * GiB, gen_len=128, quant="int4"),
+    # the same with a job of 512 prompts (N <= 512): gen 128 at full size fits one 10-minute device call
+    Case("full32-24g-g128-r512", None, 24 * GiB, gen_len=128, requests=512),
+    Case("full32-24g-g128-r512-int4", None, 24 * GiB, gen_len=128, quant="int4", requests=512),
     Case("full32-24g-g32-int4", None, 24 * GiB, gen_len=32, quant="int4"),
     Case("full32-16g-g32-int4", None, 16 * GiB, gen_len=32, quant="int4"),
     Case("l8-10g-g32-int4", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, quant="int4"),
@@ -156,6 +160,25 @@ def cap_gpu(cap: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+def _log_decode_progress(ex, every: int) -> None:
+    """Log the decode rate every ``every`` steps (wraps the executor's step), so a run cut by its time limit
+    still shows how fast it was going (the log is in the timeout's error message)."""
+    step, inner = [0, time.perf_counter()], ex._decode_step
+
+    def logged(mbs, tokens):
+        out = inner(mbs, tokens)
+        step[0] += 1
+        if step[0] % every == 0:
+            torch.cuda.synchronize()
+            rows = sum(len(mb.rows) for mb in mbs)
+            now = time.perf_counter()
+            log(f"decode step {step[0]}: {every * rows / (now - step[1]):.0f} tok/s over the last {every} steps")
+            step[1] = now
+        return out
+
+    ex._decode_step = logged
+
+
 def run_cgopipe(case: Case, profile: str) -> dict:
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
     from lightning_moe.pipeline.serial import SamplingParams
@@ -167,8 +190,8 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     hw = resolve_hardware(profile)
     base = mtbench_prompts()
     lens = [len(p) for p in base]
-    # the 80 lengths (the batch repeats them, so its grouped-KV padding is theirs); no request cap on N
-    wl = dataclasses.replace(Workload.from_lengths(lens, case.gen_len, name="mtbench"), num_requests=None)
+    # the 80 lengths (the batch repeats them, so its grouped-KV padding is theirs); N capped by case.requests
+    wl = dataclasses.replace(Workload.from_lengths(lens, case.gen_len, name="mtbench"), num_requests=case.requests)
     budgets = Budgets(gpu_memory=case.gpu_cap, cpu_memory=case.cpu_cap, weight_quant=case.quant, dtype="bf16")
     t0 = time.perf_counter()
     policy, est = plan(spec, hw, wl, budgets)
@@ -193,6 +216,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     t_warm = time.perf_counter() - t0
     log(f"warm-up (kernel compilation) {t_warm:.1f} s")
     torch.cuda.reset_peak_memory_stats()
+    _log_decode_progress(ex, every=16)
     t0 = time.perf_counter()
     ex.generate(prompts, SamplingParams(max_new_tokens=case.gen_len, stop_at_eos=False))
     wall = time.perf_counter() - t0

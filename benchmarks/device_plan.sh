@@ -20,10 +20,9 @@ case "${1:-1}" in
     timeout 120 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | tail -12
     ;;
   2)
-    timeout 40 python3 benchmarks/bench_quant_ffn.py --dequant-only 2>&1 | tail -2
-    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-int4 --timeout 245 \
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 \
       --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
-    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128 --timeout 300 \
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 345 \
       --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
     ;;
   3)
