@@ -1,0 +1,135 @@
+"""CPU decode attention under the executor's conditions vs the profile's probe (a diagnostic, not a test).
+
+Why: on the H200 host the CPU attention stage of CGOPipe ran at ~13 GB/s of valid KV (RESULTS.md 6: 94.9 s for
+512 rows x 127 steps x 32 layers of Mixtral-8x7B at gen 128) while `moe-batch profile`'s probe measured 54.9 GB/s
+(one call, 512 rows x 128 positions, contiguous cache, main thread, idle machine). This script times the same
+work step by step adding one executor condition at a time, so one run on the GPU host says which condition
+costs the factor of ~4:
+
+1. ``probe``: the profiler's measurement (policy/profiler.measure_cpu_attention) at the same rows and the
+   mean attended context;
+2. ``grouped``: the executor's path -- GroupedKVCache (MT-Bench prompt lengths + gen positions, at most 8 length
+   groups, strided views of caches sized for prompt + gen) with append + attend per layer, several layers
+   so the KV is not in the CPU caches, on the main thread;
+3. ``grouped-worker``: the same on a one-thread ThreadPoolExecutor, as CGOPipe runs it, with the output
+   copied into pinned memory (``.pin_memory()``, CUDA only) as the executor does;
+4. ``grouped-worker+h2d`` (CUDA only): the same while another thread streams pinned host memory to the GPU
+   at full rate (the expert pages of a bf16 run: ~55 GB/s of DMA reads of host DRAM).
+
+Run: ``python benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8``. Prints one markdown table
+(GB/s of valid KV = 2 Hkv hd itemsize bytes per attended position; ms per layer). Runs without CUDA
+(conditions 1-3, no pinning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _h2d_load(stop: threading.Event, nbytes: int) -> None:
+    """Copy ``nbytes`` of pinned host memory to the GPU in a loop until ``stop`` is set (DMA reads of DRAM)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        while not stop.is_set():
+            dev.copy_(host, non_blocking=True)
+            s.synchronize()
+
+
+def run(rows: int, layers: int, step: int, gen: int, repeats: int) -> list[tuple[str, float, float]]:
+    """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` sequences at decode step ``step``."""
+    import bench_cgopipe as B
+    from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
+    from lightning_moe.pipeline.kv_cache import GroupedKVCache
+    from lightning_moe.policy.profiler import measure_cpu_attention
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec = resolve_spec("mixtral-8x7b").with_layers(layers)
+    base = [len(p) for p in B.mtbench_prompts()]
+    lens = [base[i % len(base)] for i in range(rows)]
+    kv = GroupedKVCache(spec, [n + gen for n in lens], torch.bfloat16)
+    kv.lengths = torch.tensor([n + step for n in lens])  # positions already cached (garbage zeros: timing only)
+    Hq, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, Hq, hd, generator=g).to(torch.bfloat16)  # [B, Hq, hd]
+    k = torch.randn(rows, Hkv, hd, generator=g).to(torch.bfloat16)  # [B, Hkv, hd]
+    everyone = torch.arange(rows)
+    cuda = torch.cuda.is_available()
+    valid = int((kv.lengths + 1).sum())  # attended positions per layer
+    kv_bytes = valid * 2 * Hkv * hd * 2  # K and V, bf16
+
+    def layer(l: int) -> torch.Tensor:
+        with torch.inference_mode():
+            kv.append(l, everyone, k, k)
+            out = kv.attend(l, q, kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n))
+            return out.pin_memory() if cuda else out
+
+    def timed(fn) -> float:
+        fn()  # warm-up (thread pools, allocator)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / (repeats * layers)
+
+    def all_layers() -> None:
+        for l in range(layers):
+            layer(l)
+
+    out = []
+    bw, _, _ = measure_cpu_attention(batch=rows, seq=max(1, valid // rows))
+    out.append(("probe (profiler, contiguous, one call)", bw / 1e9, kv_bytes / bw * 1e3))
+    t = timed(all_layers)
+    out.append((f"grouped ({kv.num_groups} groups), main thread", kv_bytes / t / 1e9, t * 1e3))
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def on_worker() -> None:
+        for l in range(layers):
+            pool.submit(layer, l).result()
+
+    t = timed(on_worker)
+    out.append(("grouped, worker thread" + (" + pin_memory" if cuda else ""), kv_bytes / t / 1e9, t * 1e3))
+    if cuda:
+        stop = threading.Event()
+        th = threading.Thread(target=_h2d_load, args=(stop, 1 << 30), daemon=True)
+        th.start()
+        time.sleep(0.5)
+        try:
+            t = timed(on_worker)
+        finally:
+            stop.set()
+            th.join()
+        out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D", kv_bytes / t / 1e9, t * 1e3))
+    pool.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--layers", type=int, default=8, help="layers of KV cycled through (more: colder caches)")
+    ap.add_argument("--step", type=int, default=64, help="decode step (positions generated so far)")
+    ap.add_argument("--gen", type=int, default=128, help="generation length the caches are sized for")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'}")
+    print("| rows | condition | GB/s of valid KV | ms per layer |")
+    print("|---|---|---|---|")
+    for rows in a.rows:
+        for name, gbs, ms in run(rows, a.layers, a.step, a.gen, a.repeats):
+            print(f"| {rows} | {name} | {gbs:.1f} | {ms:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
