@@ -52,6 +52,7 @@ class Case:
     baseline_batches: tuple = (16, 64)  # batch sizes tried for the baselines (best is reported)
     ffn: str = "triton"  # CGOPipe expert FFN: "triton" (fused grouped kernel, sync-free) or "torch" (reference loop)
     requests: Optional[int] = None  # prompts in the job (caps the planner's N; None = as many as the plan wants)
+    page_queue_depth: Optional[int] = None  # CGOPipe's page_queue_depth (None: slots issued whole)
 
 
 CASES = {c.name: c for c in [
@@ -71,6 +72,8 @@ CASES = {c.name: c for c in [
     # the same with a job of 512 prompts (N <= 512): gen 128 at full size fits one 10-minute device call
     Case("full32-24g-g128-r512", None, 24 * GiB, gen_len=128, requests=512),
     Case("full32-24g-g128-r512-int4", None, 24 * GiB, gen_len=128, quant="int4", requests=512),
+    # a ~2-minute full-size bf16 case for A/B runs (e.g. --page-queue-depth) inside one device call
+    Case("full32-24g-g32-r512", None, 24 * GiB, gen_len=32, requests=512),
     Case("full32-24g-g32-int4", None, 24 * GiB, gen_len=32, quant="int4"),
     Case("full32-16g-g32-int4", None, 16 * GiB, gen_len=32, quant="int4"),
     Case("l8-10g-g32-int4", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, quant="int4"),
@@ -203,7 +206,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     t0 = time.perf_counter()
     w = shared_dummy_weights(spec, quant=case.quant)
     log(f"dummy weights ready ({case.quant} expert pages)")
-    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn)
+    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn, page_queue_depth=case.page_queue_depth)
     del w
     t_setup = time.perf_counter() - t0
     log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB)")
@@ -226,7 +229,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     dec = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
     st = dict(s.extra)
     return {
-        "executor": "cgopipe", "ffn": case.ffn, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup, "warmup_seconds": t_warm,
+        "executor": "cgopipe", "ffn": case.ffn, "page_queue_depth": case.page_queue_depth, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup, "warmup_seconds": t_warm,
         "N": policy.N, "prompt_len_mean": wl.prompt_len, "prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
         "decode_tok_s": dec, "e2e_tok_s": s.generated_tokens / wall, "wall_seconds": wall,
         "decode_seconds": s.decode_seconds, "prefill_seconds": s.prefill_seconds,
@@ -317,10 +320,12 @@ RUNNERS = {"cgopipe": run_cgopipe, "serial": run_serial, "accelerate": run_accel
 
 
 # ---------------------------------------------------------------------------------------------------
-def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None) -> None:
+def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None, page_queue_depth: Optional[int] = None) -> None:
     case = CASES[case_name]
     if ffn:
         case = dataclasses.replace(case, ffn=ffn)
+    if page_queue_depth:
+        case = dataclasses.replace(case, page_queue_depth=page_queue_depth)
     r = RUNNERS[executor](case, profile)
     r.update(case=case_name, layers=case.layers or 32, gpu_cap_GiB=case.gpu_cap / GiB, gen_len=case.gen_len, quant=case.quant)
     print("RESULT " + json.dumps(r, default=str), flush=True)
@@ -350,7 +355,7 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
             p = r["policy"]
             pol = f"{p['mu']} x {p['n']} = {p['mu'] * p['n']}, r={p['resident_experts']}, g={p['n_gpu_attn']}"
             ratio = r["decode_tok_s"] / r["pred_decode_tok_s"] if r["pred_decode_tok_s"] else float("nan")
-            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}) | {pol} | "
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}{', queue ' + str(r['page_queue_depth']) if r.get('page_queue_depth') else ''}) | {pol} | "
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
@@ -368,6 +373,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, executor) subprocess")
     ap.add_argument("--ffn", default=None, help="override the cases' CGOPipe FFN: torch | triton")
+    ap.add_argument("--page-queue-depth", type=int, default=None,
+                    help="CGOPipe page_queue_depth for every case (default: the case's, None = slots issued whole)")
     ap.add_argument("--commit", default=None, help="commit id for the results table (pass it: on the GPU host's copy "
                                                    "of the tree, .git may be stale)")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "EXECUTOR"), help=argparse.SUPPRESS)
@@ -377,7 +384,7 @@ def main() -> None:
     if a.commit:
         os.environ["BENCH_COMMIT"] = a.commit
     if a.one:
-        one(a.one[0], a.one[1], a.profile, a.ffn)
+        one(a.one[0], a.one[1], a.profile, a.ffn, a.page_queue_depth)
         return
     os.makedirs(a.out, exist_ok=True)
     results = []
@@ -388,7 +395,8 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 p = subprocess.run([sys.executable, __file__, "--one", name, ex, "--profile", a.profile]
-                                   + (["--ffn", a.ffn] if a.ffn else []),
+                                   + (["--ffn", a.ffn] if a.ffn else [])
+                                   + (["--page-queue-depth", str(a.page_queue_depth)] if a.page_queue_depth else []),
                                    capture_output=True, text=True, timeout=a.timeout)
                 lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
                 r = json.loads(lines[-1][7:]) if lines else {"case": name, "executor": ex, "error": (p.stderr or p.stdout)[-2000:]}

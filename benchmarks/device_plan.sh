@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The next GPU session's measurements, one step per call of the `device` tool (each call <= 10 min):
+# GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
+# (RESULTS.md 6); the plan for the next session is steps 3-5:
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
-#   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16      (~10 min)
-#   bash benchmarks/device_plan.sh 3   # GPU tests of the executor/kernels, full32 16 GiB, full-size accelerate
+#   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
+#   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
+#   bash benchmarks/device_plan.sh 4   # full32 16 GiB cap + full-size accelerate baseline (~8 min)
+#   bash benchmarks/device_plan.sh 5   # all of tests/gpu (~4 min)
 # Call it with carry [".carry"] (wheels + tiny-mixtral cache, see the closing note) and BENCH_COMMIT set to
 # the commit hash (the GPU host's .git is stale). Results land in $OUT; append them to benchmarks/RESULTS.md.
 set -uo pipefail
@@ -26,10 +29,19 @@ case "${1:-1}" in
       --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
     ;;
   3)
-    timeout 150 python3 -m pytest tests/gpu/test_cgopipe_gpu.py tests/gpu/test_cgopipe_triton_gpu.py \
-      tests/gpu/test_quant_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
-    tail -6 "$OUT/gpu_tests.txt"
-    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32,full32-24g-accel --timeout 200 \
+    timeout 60 python3 -m pytest tests/gpu/test_cgopipe_gpu.py -k page_queue -m gpu -q -rf -p no:cacheprovider 2>&1 | tail -3
+    timeout 120 python3 benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 170 \
+      --commit "$C" --out "$OUT/q0" 2> "$OUT/bench_stderr_q0.txt" | tail -3
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 170 --page-queue-depth 2 \
+      --commit "$C" --out "$OUT/q2" 2> "$OUT/bench_stderr_q2.txt" | tail -3
+    ;;
+  4)
+    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32,full32-24g-accel --timeout 240 \
       --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -6
+    ;;
+  5)
+    timeout 280 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -15 "$OUT/gpu_tests.txt"
     ;;
 esac

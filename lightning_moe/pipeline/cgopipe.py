@@ -26,7 +26,8 @@ executor's).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -106,10 +107,20 @@ class CGOPipeExecutor:
             packed pages; CUDA only).
         kv_groups: length groups per micro-batch KV cache (:class:`GroupedKVCache`; default KV_GROUPS = 8,
             the number the planner's memory model assumes).
+        page_queue_depth: None (default): each slot of the next layer's pages is issued on the weight stream at
+            once. An int d >= 1: pages are issued one at a time, at most d of them in flight on the copy engine,
+            topped up whenever the host would issue a slot, while it waits for CPU attention and between
+            prefill chunks; a visit's remaining pages are issued before its first expert FFN. Copies of one
+            direction may run in issue order on the copy engine; a short queue bounds how long an attention
+            output waits behind expert pages (RESULTS.md 6c: ~33 ms per layer at full size, bf16). UNMEASURED:
+            an A/B switch for the GPU benchmark (`bench_cgopipe.py --page-queue-depth`).
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
-                 dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS):
+                 dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
+                 page_queue_depth: Optional[int] = None):
+        if page_queue_depth is not None and (not isinstance(page_queue_depth, int) or page_queue_depth < 1):
+            raise ValueError(f"CGOPipeExecutor: page_queue_depth must be None or an int >= 1, got {page_queue_depth!r}")
         self.spec = spec = weights.spec
         self.policy = policy
         self.device = torch.device(device)
@@ -163,7 +174,10 @@ class CGOPipeExecutor:
             self.compute = self.h2d_w = self.h2d_a = self.d2h = None
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn")
         self._visit = 0  # layer visits so far: buffer = visit % 2, continuing across steps
-        self._prefetched = -1  # last visit whose pages were issued
+        self._prefetched = -1  # last visit whose pages were issued (or queued, with page_queue_depth)
+        self.page_queue_depth = page_queue_depth
+        self._backlog: deque[tuple[int, int]] = deque()  # (visit, page) queued, not yet issued (page_queue_depth)
+        self._inflight: deque = deque()  # CUDA events of issued pages not yet known complete (None on CPU)
         self.stats = RunStats()
         self.timer = _Timer(self.cuda)
 
@@ -215,17 +229,41 @@ class CGOPipeExecutor:
         return visit % self.spec.num_layers
 
     def _prefetch_slot(self, visit: int, slot: int, slots: int) -> None:
-        """Issue slot ``slot`` of ``slots`` of the pages of layer-visit ``visit`` on the weight stream."""
+        """Issue slot ``slot`` of ``slots`` of the pages of layer-visit ``visit`` on the weight stream (or queue
+        them, with ``page_queue_depth``: :meth:`_pump`)."""
         layer = self._layer_of_visit(visit)
-        pages = self.pool.pages_per_layer[layer]
-        rng = page_schedule(pages, slots)[slot]
+        rng = page_schedule(self.pool.pages_per_layer[layer], slots)[slot]
         if len(rng) == 0:
             return
-        b = visit % 2
+        if self.page_queue_depth is None:
+            self._issue_pages(visit, rng)
+            return
+        self._backlog.extend((visit, p) for p in rng)
+        self._pump()
+
+    def _issue_pages(self, visit: int, pages: range) -> None:
+        """Copy ``pages`` of visit's layer into its buffer on the weight stream (after the buffer is free)."""
+        layer, b = self._layer_of_visit(visit), visit % 2
         if self.cuda:  # wait for the buffer to be free first, so the timed span is the copies alone
             self.h2d_w.wait_event(self.buffers._done_events[b])
         self.stats.h2d_bytes += self.timer.around("h2d_copy", self.h2d_w,
-                                                  lambda: self.buffers.prefetch_layer(layer, b, self.h2d_w, rng))
+                                                  lambda: self.buffers.prefetch_layer(layer, b, self.h2d_w, pages))
+
+    def _pump(self, upto_visit: int = -1) -> None:
+        """``page_queue_depth``: forget completed pages, then issue queued pages while fewer than the depth are
+        in flight; every queued page of a visit <= ``upto_visit`` is issued regardless (its FFN is next)."""
+        if self.page_queue_depth is None:
+            return
+        while self._inflight and (self._inflight[0] is None or self._inflight[0].query()):
+            self._inflight.popleft()
+        while self._backlog and (len(self._inflight) < self.page_queue_depth or self._backlog[0][0] <= upto_visit):
+            visit, p = self._backlog.popleft()
+            self._issue_pages(visit, range(p, p + 1))
+            ev = None
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.h2d_w)
+            self._inflight.append(ev)
 
     def _begin_layer(self, visit: int):
         """Start a layer visit: make sure its pages are issued; returns its FFN (:meth:`_visit_ffn`).
@@ -241,6 +279,7 @@ class CGOPipeExecutor:
 
     def _wait_pages(self, visit: int):
         """Compute stream waits (on the GPU) until the visit's pages landed; returns its LayerExperts."""
+        self._pump(upto_visit=visit)  # page_queue_depth: the visit's queued pages are issued now
         layer, b = self._layer_of_visit(visit), visit % 2
         self.timer.around("wait_h2d", self.compute, lambda: self.buffers.wait_layer(layer, b, self.compute))
         return self.buffers.layer_experts(layer, b, self.resident)
@@ -443,6 +482,7 @@ class CGOPipeExecutor:
                 if mb.kv is not None:
                     self._store_prefill_kv(l, mb, off, spans, k, v, pending)
                 ch[2] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
+                self._pump()
             self._end_layer(visit)
             self._visit += 1
         for f in pending:  # every KV row is in its cache before decode reads it
@@ -491,6 +531,9 @@ class CGOPipeExecutor:
     def _recv_attention(self, fut: Future) -> torch.Tensor:
         """Host waits for the worker, then H2D of the attention output; the compute stream waits on it."""
         t0 = time.perf_counter()
+        while self._backlog and not fut.done():  # page_queue_depth: keep the copy engine fed meanwhile
+            self._pump()
+            wait_futures([fut], timeout=2e-4)
         attn = fut.result()
         self.timer.add_host("host_wait_cpu_attention", time.perf_counter() - t0)
         if not self.cuda:
