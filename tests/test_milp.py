@@ -129,7 +129,7 @@ def test_infeasible_gpu_budget_message():
         milp.plan(spec, hw, wl, Budgets(gpu_memory=6 * GiB, cpu_memory=192 * GiB))
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("infeasible: GPU memory 6.0 GiB < 9.3 GiB needed for non-expert weights (3.0 GiB) + 2 expert page buffers (5.2 GiB)"), msg
+    assert msg.startswith("infeasible: GPU memory 6.00 GiB < 9.25 GiB needed for non-expert weights (2.99 GiB) + 2 expert page buffers (5.25 GiB)"), msg
 
 
 def test_infeasible_host_budget_message():
@@ -138,7 +138,7 @@ def test_infeasible_host_budget_message():
         milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=32 * GiB))
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("infeasible: host memory 32.0 GiB < ") and "experts that do not fit on the GPU" in msg, msg
+    assert msg.startswith("infeasible: host memory 32.00 GiB < ") and "experts that do not fit on the GPU" in msg, msg
     # the named shortfall is real: with that much host memory a plan exists
     need = float(msg.split("< ")[1].split(" GiB")[0])
     milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=int((need + 0.2) * GiB)))

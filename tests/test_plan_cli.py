@@ -44,7 +44,7 @@ def test_plan_infeasible_gpu_one_line(capsys):
     cap = capsys.readouterr()
     err = cap.err.strip()
     assert "\n" not in err and "Traceback" not in cap.err and cap.out == ""
-    assert err.startswith("moe-batch plan: infeasible: GPU memory 6.0 GiB < ") and "non-expert weights" in err
+    assert err.startswith("moe-batch plan: infeasible: GPU memory 6.00 GiB < ") and "non-expert weights" in err
 
 
 def test_plan_infeasible_host_one_line(capsys):
@@ -52,7 +52,7 @@ def test_plan_infeasible_host_one_line(capsys):
     args[args.index("192GiB")] = "40GiB"
     assert run(args) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("moe-batch plan: infeasible: host memory 40.0 GiB < ")
+    assert "\n" not in err and err.startswith("moe-batch plan: infeasible: host memory 40.00 GiB < ")
 
 
 def test_plan_usage_errors(capsys):

@@ -155,7 +155,7 @@ def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {_tname(rec)}")
             if "id" not in rec or rec["id"] is None:
@@ -167,7 +167,7 @@ def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
             if not rid.strip():
                 raise DataError(f"{where}: id: empty string")
             if rid in seen:
-                raise DataError(f"{where}: id: duplicate id {rid!r} (first at {label}:{seen[rid]}, again at line {lineno})")
+                raise DataError(f"{where}: id: duplicate id {rid!r} (first at line {seen[rid]})")
             seen[rid] = lineno
             problem = _check_record(rec, where, task, mode, job.data.chat_template)
             if problem is not None and not record_errors:
@@ -227,7 +227,7 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(rec, dict) or "question_id" not in rec:
             raise DataError(f"{where}: question_id: missing (not an MT-Bench question record)")
         turns = rec.get("turns")
@@ -235,7 +235,7 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
             raise DataError(f"{where}: turns: expected a non-empty list of strings")
         rid = str(rec["question_id"])
         if rid in seen:
-            raise DataError(f"{where}: question_id: duplicate id {rid!r} (first at {label}:{seen[rid]}, again at line {lineno})")
+            raise DataError(f"{where}: question_id: duplicate id {rid!r} (first at line {seen[rid]})")
         seen[rid] = lineno
         meta = {k: v for k, v in rec.items() if k not in ("question_id", "turns")}
         meta["turns"] = len(turns)

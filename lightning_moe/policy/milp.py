@@ -121,7 +121,7 @@ def _cap(budget: int) -> int:
 
 
 def _gib(x: float) -> str:
-    return format_bytes(x)
+    return f"{x / 2**30:.2f} GiB"
 
 
 def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> None:
