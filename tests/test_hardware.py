@@ -101,3 +101,18 @@ def test_profile_cpu_side(tmp_path, monkeypatch):
     path = tmp_path / "p.yaml"
     prof.save(str(path))
     assert HardwareProfile.load(str(path)) == prof
+
+
+def test_cpu_attention_executor_probe_counts_valid_kv(monkeypatch):
+    """measure_cpu_attention_executor: bytes/s of valid KV = sum(len + 1) * 2 Hkv hd * 2 bytes / seconds per
+    layer; checked against a clock that makes every layer take exactly 0.5 s (fake perf_counter)."""
+    from lightning_moe.policy import profiler as P
+
+    calls = iter(range(10**6))
+    monkeypatch.setattr(P.time, "perf_counter", lambda: 0.25 * next(calls))  # each pass: 2 reads, 0.25 s apart
+    rows, mean, layers = 12, 20, 2
+    bw = P.measure_cpu_attention_executor(rows=rows, mean_len=mean, gen=4, layers=layers, repeats=1)
+    ramp = torch.exp(torch.linspace(-1.2, 1.2, rows))
+    lens = (ramp / ramp.mean() * mean).round().clamp(min=1).long()
+    valid = int((lens + 1).sum())
+    assert bw == pytest.approx(valid * 2 * 8 * 128 * 2 / (0.25 / layers))
