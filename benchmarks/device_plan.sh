@@ -4,8 +4,8 @@
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
-#   bash benchmarks/device_plan.sh 4   # full32 16 GiB cap + full-size accelerate baseline (~8 min)
-#   bash benchmarks/device_plan.sh 5   # all of tests/gpu (~4 min)
+#   bash benchmarks/device_plan.sh 4   # host profile (CPU attention now measured as the executor runs it) + 16 GiB cap (~6 min)
+#   bash benchmarks/device_plan.sh 5   # full-size accelerate baseline + all of tests/gpu (~9 min)
 # Step 3 decides two things: (a) which executor condition makes CPU attention ~4x slower than the profile's probe
 # (bench_cpu_attention.py table: probe vs grouped vs worker vs worker + H2D load); (b) whether page_queue_depth 2
 # helps bf16 at full size: keep it (make it the default) if decode tok/s rises >= 5% and the GPU's wait for
@@ -44,11 +44,14 @@ case "${1:?usage: device_plan.sh STEP (1-5; the next session starts at 3)}" in
       --commit "$C" --out "$OUT/q2" 2> "$OUT/bench_stderr_q2.txt" | tail -3
     ;;
   4)
-    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32,full32-24g-accel --timeout 240 \
-      --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -6
+    timeout 120 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | tail -12
+    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout 240 \
+      --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -4
     ;;
   5)
-    timeout 280 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-accel --timeout 300 \
+      --commit "$C" --out "$OUT" 2> "$OUT/bench_stderr.txt" | tail -4
+    timeout 250 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
     tail -15 "$OUT/gpu_tests.txt"
     ;;
 esac
