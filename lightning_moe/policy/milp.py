@@ -428,29 +428,26 @@ class _Model:
         self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + (C.mem_kv_seq + C.mem_stage_seq) * self.N_cpu
                        + pulp.lpSum(C.mem_stage_pre[m] * self.z[m] for m in C.cands)) * (1 / C.cpu_cap) <= 1), "cpu_mem"
 
-    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable,
-                   Cvar1: Optional[pulp.LpVariable] = None) -> pulp.LpVariable:
-        """S = sum over MoE layers of max(H_l, C_l): L_moe - x layers at H = (E - r) wio + A and C = ``Cvar``,
-        x layers at H - wio and C = ``Cvar1`` (default ``Cvar``; smaller when they dequantize one expert less).
+    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
+        """S = sum over MoE layers of max(H_l, C): L_moe - x layers at H = (E - r) wio + A, x layers at H - wio,
+        all with the same non-H2D stage maximum C = ``Cvar``.
 
-        V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C1  (layers holding r + 1)
-        sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio + wdq (C - C1 <= wdq); x (V - U) =
-        sum_i 2^i beta_i (V - U) is bounded above by q_i <= (wio + wdq) beta_i, q_i <= V - U:
-        S >= L V - sum_i 2^i q_i.  At the optimum V, U are the true maxima (raising V costs L, gains at most
-        x < L) so S is exact.
+        V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C  (layers holding r + 1)
+        sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio; x (V - U) = sum_i 2^i beta_i (V - U) is
+        bounded above by q_i <= wio beta_i, q_i <= V - U:  S >= L V - sum_i 2^i q_i.  At the optimum V, U are the
+        true maxima (raising V costs L, gains at most x < L) so S is exact.
         """
         L, E, wio = self.L_moe, self.E, self.C.wio
-        gap = wio + self.C.wdq  # bound of V - U
         P = self._var
         V, U, S = P(f"V_{name}", lowBound=0), P(f"U_{name}", lowBound=0), P(f"S_{name}", lowBound=0)
         self.prob += V >= (E - self.r) * wio + A, f"V_{name}_h2d"
         self.prob += V >= Cvar, f"V_{name}_rest"
         self.prob += U >= (E - self.r - 1) * wio + A, f"U_{name}_h2d"
-        self.prob += U >= (Cvar if Cvar1 is None else Cvar1), f"U_{name}_rest"
+        self.prob += U >= Cvar, f"U_{name}_rest"
         q = []
         for i, bt in enumerate(self.beta):
             qi = P(f"q_{name}_{i}", lowBound=0)
-            self.prob += qi <= gap * bt, f"q_{name}_{i}_bit"
+            self.prob += qi <= wio * bt, f"q_{name}_{i}_bit"
             self.prob += qi <= V - U, f"q_{name}_{i}_gap"
             q.append((1 << i) * qi)
         self.prob += S >= L * V - pulp.lpSum(q), f"S_{name}"
@@ -464,47 +461,31 @@ class _Model:
         return Sd
 
     def _dequant(self) -> None:
-        """Per-layer dequantization seconds of quantized pages, per phase (see the module docstring).
-
-        (wdq E Z_ph, 0): every MoE layer dequantizes its E experts, Z_ph = sum of z_m over sizes m whose FFN
-        calls dequantize in that phase; the second entry (what a layer holding r + 1 experts saves) is 0.
-        None when the phase never dequantizes.
-        """
+        """Per-layer dequantization seconds of quantized pages, per phase (see the module docstring):
+        wdq E Z_ph, Z_ph = sum of z_m over sizes m whose FFN calls dequantize in that phase (every MoE layer
+        dequantizes all its E experts, whatever it holds resident). None when the phase never dequantizes."""
         C = self.C
         self.deq = {}
         for ph, dq in (("decode", C.dq_dec), ("prefill", C.dq_pre)):
             ms = [m for m in C.cands if dq[m]]
-            if C.wdq <= 0 or not ms:
-                self.deq[ph] = None
-                continue
-            self.deq[ph] = (C.wdq * self.E * pulp.lpSum(self.z[m] for m in ms), 0.0)
+            self.deq[ph] = C.wdq * self.E * pulp.lpSum(self.z[m] for m in ms) if C.wdq > 0 and ms else None
 
-    def _classes(self, name: str, gpu: pulp.LpAffineExpression, rest: list, ph: str):
-        """(C_r, C_{r+1}): stage maxima of the layers holding r and r + 1 experts, from the GPU row ``gpu``
-        (without dequantization) and the other rows ``rest`` (identical for both classes). Without
-        dequantization in phase ``ph`` both are one variable."""
+    def _stage_max(self, name: str, gpu: pulp.LpAffineExpression, rest: list, ph: str) -> pulp.LpVariable:
+        """C >= the GPU row ``gpu`` (+ the phase's dequantization time) and >= every row of ``rest``: the
+        non-H2D stage maximum of a MoE layer in phase ``ph``."""
         Cr = self._var(f"C_{name}", lowBound=0)
         deq = self.deq[ph]
-        if deq is None:
-            self.prob += Cr >= gpu, f"C_{name}_gpu"
-            for i, row in enumerate(rest):
-                self.prob += Cr >= row, f"C_{name}_rest{i}"
-            return Cr, Cr
-        u, dq1 = deq
-        C1 = self._var(f"C1_{name}", lowBound=0)
-        self.prob += C1 >= gpu + u - dq1, f"C1_{name}_gpu"
+        self.prob += Cr >= (gpu if deq is None else gpu + deq), f"C_{name}_gpu"
         for i, row in enumerate(rest):
-            self.prob += C1 >= row, f"C1_{name}_rest{i}"
-        self.prob += Cr >= C1, f"C_{name}_ge_C1"
-        self.prob += Cr >= gpu + u, f"C_{name}_gpu"
-        return Cr, C1
+            self.prob += Cr >= row, f"C_{name}_rest{i}"
+        return Cr
 
     def _prefill_time(self) -> None:
         C, cands = self.C, self.C.cands
         d2h = C.pre_d2h_seq * self.N_cpu  # prompt KV of CPU-KV sequences, per layer
         # (H8) C_p >= gpu = sum_m w_m pre_moe(m) (+ dequantization);  C_p >= d2h  (no CPU stage in prefill)
-        Cp, Cp1 = self._classes("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h], "prefill")
-        terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp, Cp1)]
+        Cp = self._stage_max("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h], "prefill")
+        terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp)]
         if self.L_d:
             Cdp = self._var("Cd_prefill", lowBound=0)
             self.prob += Cdp >= pulp.lpSum(C.pre_dense[m] * self.w[m] for m in cands), "Cdp_gpu"
@@ -520,8 +501,8 @@ class _Model:
         #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
         gpu = self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands)
         cpu = c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
-        Ct, Ct1 = self._classes(str(t), gpu, [cpu, self.D2H], "decode")
-        terms = [self._layer_sum(str(t), self.A, Ct, Ct1)]
+        Ct = self._stage_max(str(t), gpu, [cpu, self.D2H], "decode")
+        terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
             self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
