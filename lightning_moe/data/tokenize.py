@@ -84,9 +84,13 @@ def load_tokenizer(model_dir: str):
 
         model_dir = ensure_tiny_mixtral()
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        tok = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # transformers raises OSError/ValueError/... depending on what is missing
         raise DataError(f"model: could not load a tokenizer from {model_dir}: {e}") from None
+    # prompt lengths are checked against the job's budget by our own code (with file:line errors); without this
+    # transformers prints its own "sequence length is longer than ..." warning first. Nothing here truncates.
+    tok.model_max_length = 10**30
+    return tok
 
 
 def llama_tokenizer_from_spm(model_file: str, chat_template: Optional[str] = None):
