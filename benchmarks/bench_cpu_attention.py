@@ -17,8 +17,8 @@ costs the factor of ~4:
    at full rate (the expert pages of a bf16 run: ~55 GB/s of DMA reads of host DRAM).
 
 Run: ``python benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8``. Prints one markdown table
-(GB/s of valid KV = 2 Hkv hd itemsize bytes per attended position; ms per layer). Runs without CUDA
-(conditions 1-3, no pinning).
+(GB/s of valid KV = 2 Hkv hd itemsize bytes per attended position; ms per layer; best of --repeats). Runs
+without CUDA (conditions 1-3, no pinning).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,70 +46,37 @@ def _h2d_load(stop: threading.Event, nbytes: int) -> None:
 
 
 def run(rows: int, layers: int, step: int, gen: int, repeats: int) -> list[tuple[str, float, float]]:
-    """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` sequences at decode step ``step``."""
+    """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` MT-Bench-length sequences at decode step
+    ``step`` (conditions 2-4 are policy/profiler.measure_cpu_attention_executor with these lengths)."""
     import bench_cgopipe as B
-    from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
-    from lightning_moe.pipeline.kv_cache import GroupedKVCache
-    from lightning_moe.policy.profiler import measure_cpu_attention
-    from lightning_moe.policy.registry import resolve_spec
+    from lightning_moe.policy.profiler import measure_cpu_attention, measure_cpu_attention_executor
 
-    spec = resolve_spec("mixtral-8x7b").with_layers(layers)
     base = [len(p) for p in B.mtbench_prompts()]
-    lens = [base[i % len(base)] for i in range(rows)]
-    kv = GroupedKVCache(spec, [n + gen for n in lens], torch.bfloat16)
-    kv.lengths = torch.tensor([n + step for n in lens])  # positions already cached (garbage zeros: timing only)
-    Hq, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(rows, Hq, hd, generator=g).to(torch.bfloat16)  # [B, Hq, hd]
-    k = torch.randn(rows, Hkv, hd, generator=g).to(torch.bfloat16)  # [B, Hkv, hd]
-    everyone = torch.arange(rows)
+    lens = [base[i % len(base)] + step for i in range(rows)]  # positions already cached
+    per_layer = (sum(lens) + rows) * 2 * 8 * 128 * 2  # valid K and V bytes of one layer (Mixtral: 8 KV heads, hd 128, bf16)
     cuda = torch.cuda.is_available()
-    valid = int((kv.lengths + 1).sum())  # attended positions per layer
-    kv_bytes = valid * 2 * Hkv * hd * 2  # K and V, bf16
 
-    def layer(l: int) -> torch.Tensor:
-        with torch.inference_mode():
-            kv.append(l, everyone, k, k)
-            out = kv.attend(l, q, kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n))
-            return out.pin_memory() if cuda else out
-
-    def timed(fn) -> float:
-        fn()  # warm-up (thread pools, allocator)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - t0) / (repeats * layers)
-
-    def all_layers() -> None:
-        for l in range(layers):
-            layer(l)
+    def grouped(worker: bool) -> float:
+        return measure_cpu_attention_executor(lengths=lens, gen=gen - step, layers=layers, repeats=repeats, worker=worker)
 
     out = []
-    bw, _, _ = measure_cpu_attention(batch=rows, seq=max(1, valid // rows))
-    out.append(("probe (profiler, contiguous, one call)", bw / 1e9, kv_bytes / bw * 1e3))
-    t = timed(all_layers)
-    out.append((f"grouped ({kv.num_groups} groups), main thread", kv_bytes / t / 1e9, t * 1e3))
-    pool = ThreadPoolExecutor(max_workers=1)
-
-    def on_worker() -> None:
-        for l in range(layers):
-            pool.submit(layer, l).result()
-
-    t = timed(on_worker)
-    out.append(("grouped, worker thread" + (" + pin_memory" if cuda else ""), kv_bytes / t / 1e9, t * 1e3))
+    bw, _, _ = measure_cpu_attention(batch=rows, seq=max(1, per_layer // (rows * 4096)))
+    out.append(("probe (profiler, contiguous, one call)", bw))
+    pin = " + pin_memory" if cuda else ""
+    out.append(("grouped (<= 8 groups), main thread" + pin, grouped(False)))
+    out.append(("grouped, worker thread" + pin, grouped(True)))
     if cuda:
         stop = threading.Event()
         th = threading.Thread(target=_h2d_load, args=(stop, 1 << 30), daemon=True)
         th.start()
         time.sleep(0.5)
         try:
-            t = timed(on_worker)
+            bw = grouped(True)
         finally:
             stop.set()
             th.join()
-        out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D", kv_bytes / t / 1e9, t * 1e3))
-    pool.shutdown()
-    return out
+        out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D", bw))
+    return [(name, b / 1e9, per_layer / b * 1e3) for name, b in out]
 
 
 def main() -> None:

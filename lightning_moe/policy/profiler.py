@@ -16,7 +16,7 @@ import os
 import platform
 import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -95,17 +95,19 @@ def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8,
 
 
 def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: int = 64, layers: int = 4,
-                                   repeats: int = 3) -> float:
+                                   repeats: int = 3, lengths: Optional[Sequence[int]] = None,
+                                   worker: bool = True) -> float:
     """CPU decode attention as CGOPipe runs it, in bytes/s of VALID KV (K and V of every attended position).
 
     Executor conditions the plain probe (:func:`measure_cpu_attention`: one call, equal full-length rows,
     contiguous cache, main thread) lacks: ``rows`` sequences of spread lengths (a deterministic geometric ramp
-    from ~0.3x to ~3.3x ``mean_len``, like real prompts), a ``pipeline.kv_cache.GroupedKVCache`` sized for
-    length + ``gen`` (at most 8 length groups, strided views, each group's padding read too), the new token's
-    k/v appended, one ``cpu_decode_attention`` per group, on a one-thread ``ThreadPoolExecutor`` like CGOPipe's
-    worker, the output copied to pinned memory when CUDA is present (as the executor does), over ``layers``
-    layers' caches (Mixtral-8x7B attention shape: 32 query / 8 KV heads, head dim 128, bf16). The HRM divides
-    valid KV bytes by this rate ((H5) in policy/hrm.py), so grouping padding and these overheads are in it.
+    from ~0.3x to ~3.3x ``mean_len``, like real prompts; or the given ``lengths``, positions already cached), a
+    ``pipeline.kv_cache.GroupedKVCache`` sized for length + ``gen`` (at most 8 length groups, strided views,
+    each group's padding read too), the new token's k/v appended, one ``cpu_decode_attention`` per group, on a
+    one-thread ``ThreadPoolExecutor`` like CGOPipe's worker (``worker=False``: on the calling thread), the
+    output copied to pinned memory when CUDA is present (as the executor does), over ``layers`` layers' caches
+    (Mixtral-8x7B attention shape: 32 query / 8 KV heads, head dim 128, bf16). The HRM divides valid KV bytes
+    by this rate ((H5) in policy/hrm.py), so grouping padding and these overheads are in it.
     Seconds per layer = best of ``repeats`` passes over the layers / layers.
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -116,8 +118,12 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
 
     spec = resolve_spec("mixtral-8x7b").with_layers(layers)
     Hq, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    ramp = torch.exp(torch.linspace(-1.2, 1.2, rows))  # spread of lengths, ratio ~11 between extremes
-    lens = (ramp / ramp.mean() * mean_len).round().clamp(min=1).long()  # [rows] positions already cached
+    if lengths is None:
+        ramp = torch.exp(torch.linspace(-1.2, 1.2, rows))  # spread of lengths, ratio ~11 between extremes
+        lens = (ramp / ramp.mean() * mean_len).round().clamp(min=1).long()  # [rows] positions already cached
+    else:
+        lens = torch.tensor(list(lengths), dtype=torch.int64)
+        rows = len(lens)
     kv = GroupedKVCache(spec, (lens + gen).tolist(), torch.bfloat16)
     kv.lengths = lens.clone()
     g = torch.Generator().manual_seed(0)
@@ -132,8 +138,9 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
             out = kv.attend(l, q, kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n))
             return out.pin_memory() if pin else out
 
-    with ThreadPoolExecutor(max_workers=1) as worker:
-        t = _best_time(lambda: [worker.submit(layer, l).result() for l in range(layers)], repeats) / layers
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        run = (lambda l: pool.submit(layer, l).result()) if worker else layer
+        t = _best_time(lambda: [run(l) for l in range(layers)], repeats) / layers
     valid = int((lens + 1).sum())
     return valid * 2 * Hkv * hd * 2 / t
 
