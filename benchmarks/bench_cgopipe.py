@@ -53,6 +53,8 @@ class Case:
     ffn: str = "triton"  # CGOPipe expert FFN: "triton" (fused grouped kernel, sync-free) or "torch" (reference loop)
     requests: Optional[int] = None  # prompts in the job (caps the planner's N; None = as many as the plan wants)
     page_queue_depth: Optional[int] = None  # CGOPipe's page_queue_depth (None: slots issued whole)
+    cpu_threads: Optional[int] = None  # CGOPipe's cpu_threads (None: torch's default intra-op threads)
+    variants: tuple = ()  # A/B settings re-run on the same executor after the main run (parse_variants)
 
 
 CASES = {c.name: c for c in [
@@ -75,6 +77,8 @@ CASES = {c.name: c for c in [
     # a ~2-minute full-size bf16 case for A/B runs (e.g. --page-queue-depth) inside one device call
     Case("full32-24g-g32-r512", None, 24 * GiB, gen_len=32, requests=512),
     Case("full32-24g-g32-int4", None, 24 * GiB, gen_len=32, quant="int4"),
+    # ~1-minute int4 run (CPU attention binds): A/B of --variants on one executor
+    Case("full32-24g-g32-r512-int4", None, 24 * GiB, gen_len=32, quant="int4", requests=512),
     Case("full32-16g-g32-int4", None, 16 * GiB, gen_len=32, quant="int4"),
     Case("l8-10g-g32-int4", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, quant="int4"),
 ]}
@@ -182,6 +186,63 @@ def _log_decode_progress(ex, every: int) -> None:
     ex._decode_step = logged
 
 
+def parse_variants(text: str) -> tuple:
+    """``"threads=12;queue=2,gen=16;default"`` -> ({"threads": 12}, {"queue": 2, "gen": 16}, {}).
+
+    Keys: ``threads`` (CGOPipe cpu_threads), ``queue`` (page_queue_depth, 0 = none), ``gen`` (tokens per
+    sequence; default the case's). ``default`` (an empty variant) re-runs the case's own settings, which
+    shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
+    """
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        v = {}
+        if part != "default":
+            for kv in part.split(","):
+                key, _, val = kv.partition("=")
+                if key.strip() not in ("threads", "queue", "gen"):
+                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen)")
+                v[key.strip()] = int(val)
+        out.append(v)
+    return tuple(out)
+
+
+def _apply_variant(ex, case: Case, v: dict) -> None:
+    """Set a variant's knobs on a built executor (anything not named goes back to the case's setting)."""
+    q = v.get("queue", case.page_queue_depth or 0)
+    ex.page_queue_depth = q or None
+    n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
+    ex.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
+
+
+_DEFAULT_THREADS = torch.get_num_threads()
+
+
+def _timed_generate(ex, prompts, gen_len: int) -> dict:
+    """One timed generation on a warm executor: rates, stage times (s), CPU attention rate (valid KV bytes/s)."""
+    from lightning_moe.pipeline.serial import SamplingParams
+
+    ex.stats.__init__()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    ex.generate(prompts, SamplingParams(max_new_tokens=gen_len, stop_at_eos=False))
+    wall = time.perf_counter() - t0
+    s = ex.stats
+    st = dict(s.extra)
+    kv = st.get("cpu_attention_valid_kv_bytes", 0)
+    return {
+        "gen_len": gen_len, "prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
+        "decode_tok_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+        "e2e_tok_s": s.generated_tokens / wall, "wall_seconds": wall,
+        "decode_seconds": s.decode_seconds, "prefill_seconds": s.prefill_seconds,
+        "h2d_GB": s.h2d_bytes / 1e9, "d2h_GB": s.d2h_bytes / 1e9, "stages": st,
+        "h2d_busy_frac_decode": st.get("h2d_copy", 0) / s.decode_seconds if s.decode_seconds else None,
+        "cpu_attention_GBps": kv / st["cpu_attention_compute"] / 1e9 if st.get("cpu_attention_compute") else None,
+        "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0,
+    }
+
+
 def run_cgopipe(case: Case, profile: str) -> dict:
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
     from lightning_moe.pipeline.serial import SamplingParams
@@ -206,7 +267,8 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     t0 = time.perf_counter()
     w = shared_dummy_weights(spec, quant=case.quant)
     log(f"dummy weights ready ({case.quant} expert pages)")
-    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn, page_queue_depth=case.page_queue_depth)
+    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn, page_queue_depth=case.page_queue_depth,
+                         cpu_threads=case.cpu_threads)
     del w
     t_setup = time.perf_counter() - t0
     log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB)")
@@ -215,29 +277,27 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     t0 = time.perf_counter()
     for rows in (8, min(128, policy.mu)):
         ex.generate(prompts[:rows], SamplingParams(max_new_tokens=2, stop_at_eos=False))
-    ex.stats.__init__()
     t_warm = time.perf_counter() - t0
     log(f"warm-up (kernel compilation) {t_warm:.1f} s")
-    torch.cuda.reset_peak_memory_stats()
     _log_decode_progress(ex, every=16)
-    t0 = time.perf_counter()
-    ex.generate(prompts, SamplingParams(max_new_tokens=case.gen_len, stop_at_eos=False))
-    wall = time.perf_counter() - t0
-    s = ex.stats
-    log(f"generated: prefill {s.prefill_seconds:.1f} s, decode {s.decode_seconds:.1f} s ({s.decode_steps} steps)")
+    main = _timed_generate(ex, prompts, case.gen_len)
+    log(f"generated: prefill {main['prefill_seconds']:.1f} s, decode {main['decode_seconds']:.1f} s, CPU attention "
+        f"{main['cpu_attention_GBps'] or 0:.1f} GB/s of valid KV")
+    variants = []
+    for v in case.variants:  # A/B on the same executor: no second set-up
+        _apply_variant(ex, case, v)
+        r = _timed_generate(ex, prompts, v.get("gen", case.gen_len))
+        r["variant"] = v
+        variants.append(r)
+        log(f"variant {v}: decode {r['decode_tok_s']:.1f} tok/s, CPU attention {r['cpu_attention_GBps'] or 0:.1f} GB/s")
     ex.close()
-    dec = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
-    st = dict(s.extra)
     return {
-        "executor": "cgopipe", "ffn": case.ffn, "page_queue_depth": case.page_queue_depth, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan, "setup_seconds": t_setup, "warmup_seconds": t_warm,
-        "N": policy.N, "prompt_len_mean": wl.prompt_len, "prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
-        "decode_tok_s": dec, "e2e_tok_s": s.generated_tokens / wall, "wall_seconds": wall,
-        "decode_seconds": s.decode_seconds, "prefill_seconds": s.prefill_seconds,
+        "executor": "cgopipe", "ffn": case.ffn, "page_queue_depth": case.page_queue_depth, "cpu_threads": case.cpu_threads,
+        "torch_threads": _DEFAULT_THREADS, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan,
+        "setup_seconds": t_setup, "warmup_seconds": t_warm, "N": policy.N, "prompt_len_mean": wl.prompt_len,
+        **main,
         "pred_prefill_tok_s": est.prefill_tok_s, "pred_decode_tok_s": est.decode_tok_s, "pred_e2e_tok_s": est.e2e_tok_s,
-        "pred_decode_binding": est.decode_binding, "pred_decode_stages": est.decode_stages,
-        "h2d_GB": s.h2d_bytes / 1e9, "d2h_GB": s.d2h_bytes / 1e9, "stages": st,
-        "h2d_busy_frac_decode": st.get("h2d_copy", 0) / s.decode_seconds if s.decode_seconds else None,
-        "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB,
+        "pred_decode_binding": est.decode_binding, "pred_decode_stages": est.decode_stages, "variants": variants,
     }
 
 
@@ -320,12 +380,17 @@ RUNNERS = {"cgopipe": run_cgopipe, "serial": run_serial, "accelerate": run_accel
 
 
 # ---------------------------------------------------------------------------------------------------
-def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None, page_queue_depth: Optional[int] = None) -> None:
+def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None, page_queue_depth: Optional[int] = None,
+        cpu_threads: Optional[int] = None, variants: str = "") -> None:
     case = CASES[case_name]
     if ffn:
         case = dataclasses.replace(case, ffn=ffn)
     if page_queue_depth:
         case = dataclasses.replace(case, page_queue_depth=page_queue_depth)
+    if cpu_threads:
+        case = dataclasses.replace(case, cpu_threads=cpu_threads)
+    if variants:
+        case = dataclasses.replace(case, variants=parse_variants(variants))
     r = RUNNERS[executor](case, profile)
     r.update(case=case_name, layers=case.layers or 32, gpu_cap_GiB=case.gpu_cap / GiB, gen_len=case.gen_len, quant=case.quant)
     print("RESULT " + json.dumps(r, default=str), flush=True)
@@ -359,6 +424,10 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
+            for v in r.get("variants", ()):
+                lines.append(f"| {r['case']} | | | {v['gen_len']} | same executor, variant {v['variant'] or 'default'} | | "
+                             f"{v['decode_tok_s']:.1f} | | {v['decode_tok_s'] / r['pred_decode_tok_s']:.2f} | "
+                             f"{v['e2e_tok_s']:.1f} | | | {(v['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {v['peak_gpu_GiB']:.1f} |")
         else:
             lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | {r['executor']} | "
                          f"batch {r['batch']} | {r['decode_tok_s']:.2f} | | | | | | | {r['peak_gpu_GiB']:.1f} |")
@@ -375,6 +444,10 @@ def main() -> None:
     ap.add_argument("--ffn", default=None, help="override the cases' CGOPipe FFN: torch | triton")
     ap.add_argument("--page-queue-depth", type=int, default=None,
                     help="CGOPipe page_queue_depth for every case (default: the case's, None = slots issued whole)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="CGOPipe cpu_threads for every case (torch intra-op threads of CPU attention; default torch's)")
+    ap.add_argument("--variants", default="", help="A/B settings re-run on the same CGOPipe executor after the main run, "
+                                                   "e.g. 'threads=12;threads=8;queue=2;default' (keys threads, queue, gen)")
     ap.add_argument("--commit", default=None, help="commit id for the results table (pass it: on the GPU host's copy "
                                                    "of the tree, .git may be stale)")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "EXECUTOR"), help=argparse.SUPPRESS)
@@ -383,8 +456,9 @@ def main() -> None:
         a.profile = "h200"
     if a.commit:
         os.environ["BENCH_COMMIT"] = a.commit
+    parse_variants(a.variants)  # fail before any subprocess on a bad --variants
     if a.one:
-        one(a.one[0], a.one[1], a.profile, a.ffn, a.page_queue_depth)
+        one(a.one[0], a.one[1], a.profile, a.ffn, a.page_queue_depth, a.cpu_threads, a.variants)
         return
     os.makedirs(a.out, exist_ok=True)
     results = []
@@ -396,7 +470,9 @@ def main() -> None:
             try:
                 p = subprocess.run([sys.executable, __file__, "--one", name, ex, "--profile", a.profile]
                                    + (["--ffn", a.ffn] if a.ffn else [])
-                                   + (["--page-queue-depth", str(a.page_queue_depth)] if a.page_queue_depth else []),
+                                   + (["--page-queue-depth", str(a.page_queue_depth)] if a.page_queue_depth else [])
+                                   + (["--cpu-threads", str(a.cpu_threads)] if a.cpu_threads else [])
+                                   + (["--variants", a.variants] if a.variants else []),
                                    capture_output=True, text=True, timeout=a.timeout)
                 lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
                 r = json.loads(lines[-1][7:]) if lines else {"case": name, "executor": ex, "error": (p.stderr or p.stdout)[-2000:]}

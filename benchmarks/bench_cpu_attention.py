@@ -14,7 +14,11 @@ costs the factor of ~4:
 3. ``grouped-worker``: the same on a one-thread ThreadPoolExecutor, as CGOPipe runs it, with the output
    copied into pinned memory (``.pin_memory()``, CUDA only) as the executor does;
 4. ``grouped-worker+h2d`` (CUDA only): the same while another thread streams pinned host memory to the GPU
-   at full rate (the expert pages of a bf16 run: ~55 GB/s of DMA reads of host DRAM).
+   at full rate (the expert pages of a bf16 run: ~55 GB/s of DMA reads of host DRAM);
+5. ``grouped-worker+host`` (CUDA only): the same while a Python thread plays CGOPipe's host thread: it
+   launches small CUDA kernels in a loop and synchronizes every 64 launches (one core busy, GIL traffic);
+6. with ``--threads 12 8``: conditions 3 and 5 again at each intra-op thread count (``torch.set_num_threads``),
+   to see whether leaving cores free for the host thread pays.
 
 Run: ``python benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8``. Prints one markdown table
 (GB/s of valid KV = 2 Hkv hd itemsize bytes per attended position; ms per layer; best of --repeats). Runs
@@ -45,7 +49,31 @@ def _h2d_load(stop: threading.Event, nbytes: int) -> None:
             s.synchronize()
 
 
-def run(rows: int, layers: int, step: int, gen: int, repeats: int) -> list[tuple[str, float, float]]:
+def _busy_host(stop: threading.Event) -> None:
+    """CGOPipe's host thread, roughly: small CUDA kernels launched from Python, a sync every 64 launches."""
+    x = torch.ones(1 << 16, device="cuda")
+    i = 0
+    while not stop.is_set():
+        x.mul_(1.0)
+        i += 1
+        if i % 64 == 0:
+            torch.cuda.synchronize()
+
+
+def _with_thread(target, args, fn):
+    """fn() while ``target(stop, *args)`` runs on a daemon thread."""
+    stop = threading.Event()
+    th = threading.Thread(target=target, args=(stop,) + args, daemon=True)
+    th.start()
+    time.sleep(0.5)
+    try:
+        return fn()
+    finally:
+        stop.set()
+        th.join()
+
+
+def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -> list[tuple[str, float, float]]:
     """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` MT-Bench-length sequences at decode step
     ``step`` (conditions 2-4 are policy/profiler.measure_cpu_attention_executor with these lengths)."""
     import bench_cgopipe as B
@@ -66,16 +94,20 @@ def run(rows: int, layers: int, step: int, gen: int, repeats: int) -> list[tuple
     out.append(("grouped (<= 8 groups), main thread" + pin, grouped(False)))
     out.append(("grouped, worker thread" + pin, grouped(True)))
     if cuda:
-        stop = threading.Event()
-        th = threading.Thread(target=_h2d_load, args=(stop, 1 << 30), daemon=True)
-        th.start()
-        time.sleep(0.5)
+        out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D",
+                    _with_thread(_h2d_load, (1 << 30,), lambda: grouped(True))))
+        out.append(("grouped, worker thread + pin_memory + busy host thread (CUDA launches)",
+                    _with_thread(_busy_host, (), lambda: grouped(True))))
+    default = torch.get_num_threads()
+    for n in threads:
+        torch.set_num_threads(n)
         try:
-            bw = grouped(True)
+            out.append((f"{n} threads: grouped, worker thread" + pin, grouped(True)))
+            if cuda:
+                out.append((f"{n} threads: grouped, worker thread + pin_memory + busy host thread",
+                            _with_thread(_busy_host, (), lambda: grouped(True))))
         finally:
-            stop.set()
-            th.join()
-        out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D", bw))
+            torch.set_num_threads(default)
     return [(name, b / 1e9, per_layer / b * 1e3) for name, b in out]
 
 
@@ -86,13 +118,14 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=64, help="decode step (positions generated so far)")
     ap.add_argument("--gen", type=int, default=128, help="generation length the caches are sized for")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, nargs="*", default=[], help="also run at these intra-op thread counts")
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'}")
     print("| rows | condition | GB/s of valid KV | ms per layer |")
     print("|---|---|---|---|")
     for rows in a.rows:
-        for name, gbs, ms in run(rows, a.layers, a.step, a.gen, a.repeats):
+        for name, gbs, ms in run(rows, a.layers, a.step, a.gen, a.repeats, a.threads):
             print(f"| {rows} | {name} | {gbs:.1f} | {ms:.1f} |", flush=True)
 
 

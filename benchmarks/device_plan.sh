@@ -22,7 +22,19 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-5; the next session starts at 3)}" in
+case "${1:?usage: device_plan.sh STEP (1-6)}" in
+  6)
+    # session 5: why CPU attention runs 3-4x below the profile inside CGOPipe (RESULTS.md 6c), in one call:
+    # standalone conditions incl. thread counts; timelines of the per-layer shape of both full-size policies on
+    # 4 layers; the full-size int4 case with the worker's thread count varied on one executor
+    timeout 150 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 --threads 14 12 8 2>&1 | tee "$OUT/cpu_attention.md"
+    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 20 --gen 4 \
+      --trace "$OUT/trace_int4.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4.txt"
+    timeout 100 python3 benchmarks/profile_ops.py --quant bf16 --layers 4 --mu 512 --n 1 --resident 5 --gen 4 \
+      --trace "$OUT/trace_bf16.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_bf16.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512-int4 --timeout 270 \
+      --variants "threads=14;threads=12;threads=8;default" --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -12
+    ;;
   1)
     timeout 240 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
     tail -15 "$OUT/gpu_tests.txt"

@@ -117,3 +117,43 @@ def test_cgopipe_page_queue_depth_validated(tiny_dir):
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(ValueError, match="page_queue_depth"):
             CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", page_queue_depth=bad)
+
+
+def test_cgopipe_cpu_attention_bytes_and_stage_parts(tiny_dir):
+    """The decode report counts the valid K/V bytes CPU attention read (every row, every layer, the new token
+    included) and splits the CPU attention stage into its parts (waiting for q/k/v, compute, pinning)."""
+    prompts = _prompts(5, seed=3)
+    gen = 4
+    w = load_checkpoint(tiny_dir, torch.float32)
+    spec = w.spec
+    ex = CGOPipeExecutor(w, Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
+    ex.generate(prompts, SamplingParams(max_new_tokens=gen, stop_at_eos=False))
+    ex.close()
+    st = ex.stats.extra
+    per_pos = 2 * spec.num_kv_heads * spec.head_dim * 4  # K and V, fp32
+    # decode step j (0-based) attends prompt + j + 1 positions per row; gen - 1 decode steps
+    want = spec.num_layers * per_pos * sum(len(p) + j + 1 for p in prompts for j in range(gen - 1))
+    assert st["cpu_attention_valid_kv_bytes"] == want
+    parts = st["cpu_attention_wait_qkv"] + st["cpu_attention_compute"] + st["cpu_attention_pin"]
+    assert st["cpu_attention_compute"] > 0 and abs(parts - st["cpu_attention"]) < 1e-6 + 1e-3 * st["cpu_attention"]
+
+
+def test_cgopipe_cpu_threads(tiny_dir):
+    """cpu_threads sets the worker's intra-op thread count; tokens are unchanged; bad values are errors."""
+    prompts = _prompts(6, seed=4)
+    sp = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    pol = Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32")
+    before = torch.get_num_threads()
+    try:
+        ref = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu")
+        want = ref.generate(prompts, sp)
+        ref.close()
+        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", cpu_threads=1)
+        assert ex.workers.submit(torch.get_num_threads).result() == 1
+        assert ex.generate(prompts, sp) == want
+        ex.close()
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, -2, 1.5, "4"):
+        with pytest.raises(ValueError, match="cpu_threads"):
+            CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", cpu_threads=bad)

@@ -114,11 +114,17 @@ class CGOPipeExecutor:
             direction may run in issue order on the copy engine; a short queue bounds how long an attention
             output waits behind expert pages (RESULTS.md 6c: ~33 ms per layer at full size, bf16). UNMEASURED:
             an A/B switch for the GPU benchmark (`bench_cgopipe.py --page-queue-depth`).
+        cpu_threads: None (default): CPU attention uses torch's intra-op thread count. An int n >= 1: the
+            worker thread calls ``torch.set_num_threads(n)`` when it starts (process-wide: torch has one
+            intra-op setting), e.g. to leave cores to the host thread and the CUDA driver. An A/B switch for
+            the GPU benchmark (`bench_cgopipe.py --cpu-threads`).
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
-                 page_queue_depth: Optional[int] = None):
+                 page_queue_depth: Optional[int] = None, cpu_threads: Optional[int] = None):
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"CGOPipeExecutor: cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         if page_queue_depth is not None and (not isinstance(page_queue_depth, int) or page_queue_depth < 1):
             raise ValueError(f"CGOPipeExecutor: page_queue_depth must be None or an int >= 1, got {page_queue_depth!r}")
         self.spec = spec = weights.spec
@@ -172,7 +178,9 @@ class CGOPipeExecutor:
             self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
         else:
             self.compute = self.h2d_w = self.h2d_a = self.d2h = None
-        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn")
+        init = (torch.set_num_threads, (cpu_threads,)) if cpu_threads else (None, ())
+        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn", initializer=init[0], initargs=init[1])
+        self.cpu_threads = cpu_threads
         self._visit = 0  # layer visits so far: buffer = visit % 2, continuing across steps
         self._prefetched = -1  # last visit whose pages were issued (or queued, with page_queue_depth)
         self.page_queue_depth = page_queue_depth
@@ -180,6 +188,8 @@ class CGOPipeExecutor:
         self._inflight: deque = deque()  # CUDA events of issued pages not yet known complete (None on CPU)
         self.stats = RunStats()
         self.timer = _Timer(self.cuda)
+        self._kv_bytes_per_position = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        self._attn_kv_bytes = 0  # valid K and V bytes read by CPU attention in this decode (worker thread)
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _cast(self, ew: M.ExpertWeights) -> M.ExpertWeights:
@@ -517,15 +527,24 @@ class CGOPipeExecutor:
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
+        t1 = time.perf_counter()
         with torch.inference_mode():  # thread-local: the cache is an inference tensor
             q, k, v = qkv
             rows = torch.arange(len(mb.rows))
             mb.kv.append(l, rows, k, v)
             sw = self.spec.sliding_window  # one fused call per length group, each over its own bucketed length
             out = mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw))
+            t2 = time.perf_counter()
             if self.cuda:
                 out = out.pin_memory()
-        self.timer.add_host("cpu_attention", time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        # the stage and its parts: waiting for q/k/v to land, KV append + attention, copy into pinned memory
+        self.timer.add_host("cpu_attention", t3 - t0)
+        self.timer.add_host("cpu_attention_wait_qkv", t1 - t0)
+        self.timer.add_host("cpu_attention_compute", t2 - t1)
+        self.timer.add_host("cpu_attention_pin", t3 - t2)
+        n = mb.kv.lengths + 1 if self.spec.sliding_window is None else (mb.kv.lengths + 1).clamp(max=self.spec.sliding_window)
+        self._attn_kv_bytes += int(n.sum()) * self._kv_bytes_per_position  # worker thread only
         return out
 
     def _recv_attention(self, fut: Future) -> torch.Tensor:
@@ -670,6 +689,7 @@ class CGOPipeExecutor:
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += t1 - t0
         self.timer.collect()  # prefill waits are not decode stage times
+        self._attn_kv_bytes = 0
         while any(r is None for r in results):
             alive = sum(r is None for r in results)
             logits = self._decode_step(mbs, tokens)
@@ -683,6 +703,8 @@ class CGOPipeExecutor:
         stages["decode_wall"] = dt
         for k, v in stages.items():
             self.stats.extra[k] = self.stats.extra.get(k, 0.0) + v
+        # bytes, not seconds: with cpu_attention_compute it gives the CPU attention rate the HRM's (H5) assumes
+        self.stats.extra["cpu_attention_valid_kv_bytes"] = self.stats.extra.get("cpu_attention_valid_kv_bytes", 0) + self._attn_kv_bytes
         return results
 
     @torch.inference_mode()
