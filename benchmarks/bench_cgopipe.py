@@ -190,7 +190,8 @@ def parse_variants(text: str) -> tuple:
     """``"threads=12;queue=2,gen=16;default"`` -> ({"threads": 12}, {"queue": 2, "gen": 16}, {}).
 
     Keys: ``threads`` (CGOPipe cpu_threads), ``queue`` (page_queue_depth, 0 = none), ``gen`` (tokens per
-    sequence; default the case's). ``default`` (an empty variant) re-runs the case's own settings, which
+    sequence; default the case's), ``attn`` (CPU attention routine: ``native`` kernel, default, or ``sdpa``:
+    PyTorch's, through LIGHTNING_MOE_CPU_ATTENTION). ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
     out = []
@@ -199,9 +200,12 @@ def parse_variants(text: str) -> tuple:
         if part != "default":
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
-                if key.strip() not in ("threads", "queue", "gen"):
-                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen)")
-                v[key.strip()] = int(val)
+                key, val = key.strip(), val.strip()
+                if key not in ("threads", "queue", "gen", "attn"):
+                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn)")
+                if key == "attn" and val not in ("native", "sdpa"):
+                    raise ValueError(f"--variants: attn must be native or sdpa, got {val!r}")
+                v[key] = val if key == "attn" else int(val)
         out.append(v)
     return tuple(out)
 
@@ -212,6 +216,7 @@ def _apply_variant(ex, case: Case, v: dict) -> None:
     ex.page_queue_depth = q or None
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
     ex.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
+    os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
 
 
 _DEFAULT_THREADS = torch.get_num_threads()

@@ -22,7 +22,19 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-6)}" in
+case "${1:?usage: device_plan.sh STEP (1-7)}" in
+  7)
+    # session 5, after the native CPU attention kernel: executor-conditions profile (commit it), the full-size int4
+    # and bf16 cases with the PyTorch SDPA routine as a same-executor variant, then the CGOPipe GPU tests
+    timeout 150 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | grep -v USDT | tail -14
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512-int4 --timeout 200 --variants "attn=sdpa" \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -6
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 230 --variants "attn=sdpa" \
+      --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -6
+    timeout 100 python3 -m pytest tests/gpu/test_cgopipe_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -5 "$OUT/gpu_tests.txt"
+    timeout 60 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
+    ;;
   6)
     # session 5: why CPU attention runs 3-4x below the profile inside CGOPipe (RESULTS.md 6c), in one call:
     # standalone conditions incl. thread counts; timelines of the per-layer shape of both full-size policies on

@@ -39,7 +39,6 @@ from ..model import mixtral as M
 from ..model.quantized import QuantExperts, checkpoint_scheme
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
-from .cpu_attention import cpu_decode_attention
 from .kv_cache import KV_GROUPS, GroupedKVCache
 from .microbatch import group_by_length
 from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
@@ -178,6 +177,10 @@ class CGOPipeExecutor:
             self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
         else:
             self.compute = self.h2d_w = self.h2d_a = self.d2h = None
+        if not self.cuda or policy.n_gpu_attn < max(1, policy.n):  # some micro-batch attends on the CPU
+            from ..kernels.cpu_attention import native_available
+
+            native_available()  # builds the native CPU attention kernel now (once; cached), not in the first decode step
         init = (torch.set_num_threads, (cpu_threads,)) if cpu_threads else (None, ())
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn", initializer=init[0], initargs=init[1])
         self.cpu_threads = cpu_threads
@@ -530,19 +533,15 @@ class CGOPipeExecutor:
         t1 = time.perf_counter()
         with torch.inference_mode():  # thread-local: the cache is an inference tensor
             q, k, v = qkv
-            rows = torch.arange(len(mb.rows))
-            mb.kv.append(l, rows, k, v)
-            sw = self.spec.sliding_window  # one fused call per length group, each over its own bucketed length
-            out = mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw))
+            out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype, pin_memory=self.cuda)
             t2 = time.perf_counter()
-            if self.cuda:
-                out = out.pin_memory()
+            mb.kv.append_attend(l, q, k, v, out)  # one native call per length group (or append + SDPA per group)
         t3 = time.perf_counter()
-        # the stage and its parts: waiting for q/k/v to land, KV append + attention, copy into pinned memory
+        # the stage and its parts: waiting for q/k/v to land, the pinned output buffer, KV append + attention
         self.timer.add_host("cpu_attention", t3 - t0)
         self.timer.add_host("cpu_attention_wait_qkv", t1 - t0)
-        self.timer.add_host("cpu_attention_compute", t2 - t1)
-        self.timer.add_host("cpu_attention_pin", t3 - t2)
+        self.timer.add_host("cpu_attention_pin", t2 - t1)
+        self.timer.add_host("cpu_attention_compute", t3 - t2)
         n = mb.kv.lengths + 1 if self.spec.sliding_window is None else (mb.kv.lengths + 1).clamp(max=self.spec.sliding_window)
         self._attn_kv_bytes += int(n.sum()) * self._kv_bytes_per_position  # worker thread only
         return out

@@ -20,12 +20,24 @@ def bucket_len(max_len: int, limit: int) -> int:
     return min(limit, -(-max_len // BUCKET) * BUCKET)
 
 
+def _native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native kernel (kernels.cpu_attention) can run these operands (built, dtype, layout)."""
+    from ..kernels.cpu_attention import native_available
+
+    hd = k.shape[-1]
+    return (k.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.dtype == k.dtype == v.dtype
+            and k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == hd
+            and (q.shape[0] == 0 or q[0].is_contiguous()) and native_available())
+
+
 def cpu_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None
 ) -> torch.Tensor:
-    """GQA decode attention for B sequences, one new query each, in ONE fused call.
+    """GQA decode attention for B sequences, one new query each, in ONE call.
 
-    The G query heads that share a KV head are laid out as G query positions of that head, so
+    Runs the native kernel (kernels.cpu_attention.decode_attention_append without an append: one pass over
+    each valid K and V row) when it is built and the operands fit it (bf16/fp16/fp32, each head's positions
+    contiguous); otherwise PyTorch's fused routine, as follows. The G query heads that share a KV head are laid out as G query positions of that head, so
     ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused CPU kernel) runs on
     q [B, Hkv, G, hd] against k/v [B, Hkv, S, hd] with a per-row key mask, without expanding K/V. At decode
     shapes the cost of a call is mostly fixed dispatch/threading overhead (measured 2.9 ms per call on
@@ -44,6 +56,11 @@ def cpu_decode_attention(
     Hkv = k.shape[1]
     if Hq % Hkv:
         raise ValueError(f"cpu_decode_attention: {Hq} query heads not a multiple of {Hkv} KV heads")
+    if _native_ok(q, k, v):
+        from ..kernels.cpu_attention import decode_attention_append
+
+        out = torch.empty((B, Hq * hd), dtype=q.dtype)
+        return decode_attention_append(q, None, None, torch.arange(B), k, v, lengths.to(torch.int64), out, sliding_window)
     S = bucket_len(int(lengths.max()), k.shape[2])
     pos = torch.arange(S)
     valid = pos[None, :] < lengths[:, None]  # [B, S]

@@ -184,6 +184,37 @@ class GroupedKVCache:
             self.k[layer][g][slots, :, p] = k.index_select(0, sel).to(self.device)
             self.v[layer][g][slots, :, p] = v.index_select(0, sel).to(self.device)
 
+    def append_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """CPU decode step of one layer for every row: append k/v at position lengths[row], attend over lengths + 1
+        positions (no length update), output rows in the caller's order.
+
+        One native call per group (kernels.cpu_attention.decode_attention_append: append and attention in one
+        pass, output rows written straight into ``out``) when the kernel is available for these operands; else
+        :meth:`append` + :meth:`attend` with ``pipeline.cpu_attention.cpu_decode_attention``.
+        q [B, Hq, hd], k / v [B, Hkv, hd] in the cache dtype on the CPU; ``out`` [B, Hq*hd] (e.g. pinned) or None
+        (allocated). Returns ``out``. Raises ValueError on a full row or mismatched shapes.
+        """
+        from .cpu_attention import _native_ok, cpu_decode_attention
+
+        B = self.lengths.shape[0]
+        if q.shape[0] != B or k.shape[0] != B or v.shape[0] != B:
+            raise ValueError(f"GroupedKVCache.append_attend: q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} "
+                             f"do not have the cache's {B} rows")
+        if out is None:
+            out = torch.empty((B, q.shape[1] * q.shape[2]), dtype=q.dtype)
+        if self.device.type == "cpu" and _native_ok(q, self.k[layer][0], self.v[layer][0]) and k.dtype == q.dtype:
+            from ..kernels.cpu_attention import decode_attention_append
+
+            for g, rows in enumerate(self.rows):
+                decode_attention_append(q, k, v, rows, self.k[layer][g], self.v[layer][g], self.lengths[rows], out,
+                                        self.sliding_window)
+            return out
+        self.append(layer, torch.arange(B), k, v)
+        sw = self.sliding_window
+        out.copy_(self.attend(layer, q, self.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)))
+        return out
+
     def attend(self, layer: int, q: torch.Tensor, new_lengths: torch.Tensor, fn: AttendFn) -> torch.Tensor:
         """Decode attention of every row, group by group, back in the caller's row order.
 

@@ -79,7 +79,10 @@ def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8,
     try:
         from ..pipeline.cpu_attention import cpu_decode_attention as fn
 
-        which = "lightning_moe.pipeline.cpu_attention.cpu_decode_attention"
+        from ..kernels.cpu_attention import native_available
+
+        which = "lightning_moe.pipeline.cpu_attention.cpu_decode_attention (" + (
+            "native kernel" if native_available() else "torch scaled_dot_product_attention") + ")"
     except ImportError:
         fn = _reference_decode_attention
         which = "torch reference (lightning_moe.pipeline.cpu_attention not available)"
@@ -103,16 +106,16 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
     contiguous cache, main thread) lacks: ``rows`` sequences of spread lengths (a deterministic geometric ramp
     from ~0.3x to ~3.3x ``mean_len``, like real prompts; or the given ``lengths``, positions already cached), a
     ``pipeline.kv_cache.GroupedKVCache`` sized for length + ``gen`` (at most 8 length groups, strided views,
-    each group's padding read too), the new token's k/v appended, one ``cpu_decode_attention`` per group, on a
+    each group's padding read by the torch fallback only), the new token's k/v appended, one call per group
+    (``GroupedKVCache.append_attend``: the native kernel, else append + ``cpu_decode_attention``), on a
     one-thread ``ThreadPoolExecutor`` like CGOPipe's worker (``worker=False``: on the calling thread), the
-    output copied to pinned memory when CUDA is present (as the executor does), over ``layers`` layers' caches
+    output written into pinned memory when CUDA is present (as the executor does), over ``layers`` layers' caches
     (Mixtral-8x7B attention shape: 32 query / 8 KV heads, head dim 128, bf16). The HRM divides valid KV bytes
     by this rate ((H5) in policy/hrm.py), so grouping padding and these overheads are in it.
     Seconds per layer = best of ``repeats`` passes over the layers / layers.
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..pipeline.cpu_attention import cpu_decode_attention
     from ..pipeline.kv_cache import GroupedKVCache
     from .registry import resolve_spec
 
@@ -129,14 +132,12 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
     g = torch.Generator().manual_seed(0)
     q = torch.randn(rows, Hq, hd, generator=g).to(torch.bfloat16)  # [rows, Hq, hd]
     k = torch.randn(rows, Hkv, hd, generator=g).to(torch.bfloat16)  # [rows, Hkv, hd]
-    everyone = torch.arange(rows)
     pin = torch.cuda.is_available()
 
     def layer(l: int) -> torch.Tensor:
-        with torch.inference_mode():
-            kv.append(l, everyone, k, k)
-            out = kv.attend(l, q, kv.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n))
-            return out.pin_memory() if pin else out
+        with torch.inference_mode():  # as CGOPipe._cpu_attention: pinned output, append + attend per group
+            out = torch.empty((rows, Hq * hd), dtype=torch.bfloat16, pin_memory=pin)
+            return kv.append_attend(l, q, k, k, out)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         run = (lambda l: pool.submit(layer, l).result()) if worker else layer
@@ -275,7 +276,7 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
         log(f"  (32 rows x 1024 positions: {long_bw / 1e9:.1f} GB/s, for reference)")
         mm_bw = _time_attention(_matmul_decode_attention, batch=attn["batch"], seq=attn["seq"])
         log(f"  (unfused matmul routine at {attn['batch']} x {attn['seq']}: {mm_bw / 1e9:.1f} GB/s, for reference; "
-            f"the executors use the fused one)")
+            f"the executors use cpu_decode_attention)")
     small_bw, _, _ = measure_cpu_attention(batch=16, seq=128, repeats=2 if quick else 20)
     small_bytes = 2 * 16 * 8 * 128 * 128 * 2  # K and V of 16 rows x 128 positions (bf16, 8 KV heads, hd 128)
     cpu_ovh = max(0.0, small_bytes / small_bw - small_bytes / probe_bw)  # fixed cost of a decode-shaped call

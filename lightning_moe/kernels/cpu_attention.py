@@ -1,0 +1,370 @@
+"""Native CPU decode attention over a ragged KV cache, with the new token's K/V appended in the same pass.
+
+Why a kernel of our own: PyTorch's fused CPU attention (``scaled_dot_product_attention``) pays a large fixed cost
+per (row, KV head) at decode shapes (one query of G = Hq / Hkv heads against a few hundred positions): on the
+H200 host it read 15-25 GB/s of K/V inside CGOPipe at MT-Bench lengths (RESULTS.md 7a), and the gather / index_put /
+pin copies around it cost as much again, against ~55 GB/s for one long contiguous call. Decode attention is a
+memory-bound stream (arithmetic intensity ~G FLOP per byte, MoE-Lightning Sec. 4.1 / Fig. 3), so the kernel here
+reads each valid K and V row of the cache exactly once and does everything else in registers / L1:
+
+    for each (row b, KV head h)                                    [parallel over B_g * Hkv, at::parallel_for]
+        K[b, h, L_b] = k_new[rows[b], h];  V[b, h, L_b] = v_new[rows[b], h]        (append; L_b = lengths[b])
+        s[g, j]  = (q[rows[b], h*G + g] / sqrt(hd)) . K[b, h, j]        j in [max(0, L_b + 1 - W), L_b + 1)
+        p[g, :]  = softmax(s[g, :])                                                     (fp32)
+        out[rows[b], h*G + g] = sum_j p[g, j] V[b, h, j]                               (fp32 accumulate)
+
+in fp32 arithmetic for bf16 / fp16 / fp32 storage (scores and softmax in fp32; the result rounded once to the
+storage dtype). The output rows go straight to ``out`` (e.g. a pinned buffer the executor copies to the GPU), so
+no gather of q, no scatter of the output and no separate pinning copy remain.
+
+The C++ source is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler is
+needed: g++ / clang; ~30-60 s once, cached in torch's extensions directory). Where it cannot be built, or with
+``LIGHTNING_MOE_CPU_ATTENTION=sdpa``, :func:`native_available` is False and callers use the PyTorch routine
+(pipeline.cpu_attention.cpu_decode_attention). The pure-torch reference :func:`decode_attention_append_reference`
+sits beside the kernel (append by indexing + model.mixtral.decode_attention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// storage types: raw element + conversions to / from fp32 (bf16: a 16-bit shift, which vectorizes)
+struct F32 {
+  using raw = float;
+  static inline float f(float x) { return x; }
+  static inline float to(float x) { return x; }
+};
+struct BF16 {
+  using raw = uint16_t;
+  static inline float f(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float y;
+    std::memcpy(&y, &u, 4);
+    return y;
+  }
+  static inline uint16_t to(float x) { return c10::BFloat16(x).x; }
+};
+struct F16 {
+  using raw = c10::Half;
+  static inline float f(c10::Half x) { return static_cast<float>(x); }
+  static inline c10::Half to(float x) { return c10::Half(x); }
+};
+
+#ifdef __AVX512F__
+constexpr int CH = 64;  // output columns per query head kept in registers in the V pass (4 heads x 64 = 16 zmm)
+#else
+constexpr int CH = 16;  // (4 heads x 16 = 8 ymm)
+#endif
+
+// scores s[g*n + j] = q_g . K_j for GB query heads (q pre-scaled, fp32); each K row read once per head block.
+// HD > 0: the head dim as a compile-time constant (fully unrolled, no loop tails); HD == 0: runtime hd.
+template <typename Tr, int GB, int HD>
+inline void qk(const float* __restrict qf, int64_t hd_rt, const typename Tr::raw* __restrict Kj0, int64_t n,
+               float* __restrict s) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {  // two positions at a time: 2 * GB independent sums
+    const typename Tr::raw* __restrict k0 = Kj0 + j * hd;
+    const typename Tr::raw* __restrict k1 = k0 + hd;
+    float a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = 0.f;
+    for (int64_t d = 0; d < hd; ++d) {
+      const float x0 = Tr::f(k0[d]), x1 = Tr::f(k1[d]);
+      for (int g = 0; g < GB; ++g) {
+        a[g] += qf[g * hd + d] * x0;
+        b[g] += qf[g * hd + d] * x1;
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      s[g * n + j] = a[g];
+      s[g * n + j + 1] = b[g];
+    }
+  }
+  for (; j < n; ++j) {
+    const typename Tr::raw* __restrict k0 = Kj0 + j * hd;
+    float a[GB];
+    for (int g = 0; g < GB; ++g) a[g] = 0.f;
+    for (int64_t d = 0; d < hd; ++d) {
+      const float x0 = Tr::f(k0[d]);
+      for (int g = 0; g < GB; ++g) a[g] += qf[g * hd + d] * x0;
+    }
+    for (int g = 0; g < GB; ++g) s[g * n + j] = a[g];
+  }
+}
+
+// acc[g*hd + d] = sum_j p[g*n + j] V_j[d] for GB heads: CH columns at a time stay in registers over all j
+template <typename Tr, int GB, int HD>
+inline void pv(const float* __restrict p, int64_t n, const typename Tr::raw* __restrict Vj0, int64_t hd_rt,
+               float* __restrict acc) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  int64_t d0 = 0;
+  for (; d0 + CH <= hd; d0 += CH) {
+    float a[GB][CH];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < CH; ++c) a[g][c] = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const typename Tr::raw* __restrict vr = Vj0 + j * hd + d0;
+      float v[CH];
+      for (int c = 0; c < CH; ++c) v[c] = Tr::f(vr[c]);
+      for (int g = 0; g < GB; ++g) {
+        const float w = p[g * n + j];
+        for (int c = 0; c < CH; ++c) a[g][c] += w * v[c];
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < CH; ++c) acc[g * hd + d0 + c] = a[g][c];
+  }
+  for (; d0 < hd; ++d0) {  // tail columns (hd not a multiple of CH)
+    for (int g = 0; g < GB; ++g) {
+      float a = 0.f;
+      for (int64_t j = 0; j < n; ++j) a += p[g * n + j] * Tr::f(Vj0[j * hd + d0]);
+      acc[g * hd + d0] = a;
+    }
+  }
+}
+
+template <typename Tr, int GB, int HD>
+inline void head_block(const typename Tr::raw* q, const typename Tr::raw* Kb, const typename Tr::raw* Vb,
+                       typename Tr::raw* o, int64_t n, int64_t hd, float scale, float* qf, float* scores,
+                       float* acc) {
+  for (int g = 0; g < GB; ++g)
+    for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = Tr::f(q[g * hd + d]) * scale;
+  qk<Tr, GB, HD>(qf, hd, Kb, n, scores);
+  for (int g = 0; g < GB; ++g) {  // softmax in fp32
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = std::exp(sg[j] - m);
+      sum += sg[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  pv<Tr, GB, HD>(scores, n, Vb, hd, acc);
+  for (int g = 0; g < GB; ++g)
+    for (int64_t d = 0; d < hd; ++d) o[g * hd + d] = Tr::to(acc[g * hd + d]);
+}
+
+// the query heads of one KV head in blocks of 4, 2, 1
+template <typename Tr, int HD>
+inline void heads(const typename Tr::raw* q, const typename Tr::raw* Ks, const typename Tr::raw* Vs,
+                  typename Tr::raw* o, int64_t G, int64_t n, int64_t hd, float scale, float* qf, float* scores,
+                  float* acc) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) head_block<Tr, 4, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
+  for (; g + 2 <= G; g += 2) head_block<Tr, 2, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
+  for (; g < G; ++g) head_block<Tr, 1, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
+}
+
+template <typename Tr>
+void attend(const typename Tr::raw* q, const typename Tr::raw* k_new, const typename Tr::raw* v_new,
+            const int64_t* rows, typename Tr::raw* K, typename Tr::raw* V, const int64_t* lens,
+            typename Tr::raw* out, int64_t Bg, int64_t Hkv, int64_t G, int64_t hd, int64_t window, bool append,
+            int64_t q_row, int64_t kn_row, int64_t out_row, int64_t c_row, int64_t c_head) {
+  using raw = typename Tr::raw;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, Bg * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(4 * hd), acc(4 * hd), scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv, r = rows[b], L = lens[b];
+      raw* Kb = K + b * c_row + h * c_head;  // positions of one head are contiguous rows of hd elements
+      raw* Vb = V + b * c_row + h * c_head;
+      if (append) {
+        std::memcpy(Kb + L * hd, k_new + r * kn_row + h * hd, hd * sizeof(raw));
+        std::memcpy(Vb + L * hd, v_new + r * kn_row + h * hd, hd * sizeof(raw));
+      }
+      const int64_t stop = append ? L + 1 : L;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, stop - window) : 0;
+      const int64_t n = stop - start;
+      scores.resize(4 * n);
+      const raw* Ks = Kb + start * hd;
+      const raw* Vs = Vb + start * hd;
+      const raw* qh = q + r * q_row + h * G * hd;
+      raw* oh = out + r * out_row + h * G * hd;
+      if (hd == 128)
+        heads<Tr, 128>(qh, Ks, Vs, oh, G, n, hd, scale, qf.data(), scores.data(), acc.data());
+      else
+        heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, qf.data(), scores.data(), acc.data());
+    }
+  });
+}
+
+void decode_attention_append(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor rows, at::Tensor K,
+                             at::Tensor V, at::Tensor lens, at::Tensor out, int64_t window, bool append) {
+  // shapes / dtypes / contiguity are checked by the Python wrapper
+  const int64_t Bg = K.size(0), Hkv = K.size(1), hd = K.size(3);
+  const int64_t G = q.size(1) / Hkv;
+  const int64_t q_row = q.stride(0), kn_row = k_new.stride(0), out_row = out.stride(0);
+  const int64_t c_row = K.stride(0), c_head = K.stride(1);  // V has the same strides (checked by the wrapper)
+  auto run = [&](auto tr) {
+    using Tr = decltype(tr);
+    using raw = typename Tr::raw;
+    attend<Tr>(static_cast<const raw*>(q.data_ptr()), static_cast<const raw*>(k_new.data_ptr()),
+               static_cast<const raw*>(v_new.data_ptr()), rows.data_ptr<int64_t>(), static_cast<raw*>(K.data_ptr()),
+               static_cast<raw*>(V.data_ptr()), lens.data_ptr<int64_t>(), static_cast<raw*>(out.data_ptr()), Bg, Hkv,
+               G, hd, window, append, q_row, kn_row, out_row, c_row, c_head);
+  };
+  switch (K.scalar_type()) {
+    case at::kFloat: run(F32()); break;
+    case at::kBFloat16: run(BF16()); break;
+    case at::kHalf: run(F16()); break;
+    default: TORCH_CHECK(false, "decode_attention_append: unsupported dtype ", K.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention_append", &decode_attention_append, py::call_guard<py::gil_scoped_release>());
+}
+"""
+
+_lock = threading.Lock()
+_module = None  # the built extension, False when it cannot be built
+
+
+def _build():
+    from torch.utils.cpp_extension import load_inline
+
+    tag = hashlib.sha1((_CPP + torch.__version__).encode()).hexdigest()[:12]
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-fassociative-math", "-fno-signed-zeros",
+             "-fno-trapping-math"]  # the last three let the compiler vectorize the fp32 dot-product sums
+    return load_inline(name=f"lightning_moe_cpu_attention_{tag}", cpp_sources=[_CPP], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def native_available() -> bool:
+    """Whether the native kernel can be used: built (on first call; ~30-60 s once) and not disabled with
+    ``LIGHTNING_MOE_CPU_ATTENTION=sdpa``. A build failure is logged once as a warning and gives False."""
+    global _module
+    if os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "auto").lower() == "sdpa":
+        return False
+    with _lock:
+        if _module is None:
+            try:
+                _module = _build()
+            except Exception as e:  # no compiler, no OpenMP, ...: fall back to PyTorch's routine
+                log.warning("native CPU decode attention could not be built (%s: %s); using PyTorch's "
+                            "scaled_dot_product_attention instead", type(e).__name__, str(e).splitlines()[0][:300])
+                _module = False
+    return _module is not False
+
+
+def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
+                            rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                            out: torch.Tensor, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Append one decode token's K/V per cache row and attend, writing the output rows in place (native kernel).
+
+    Args:
+        q: [B, Hq, hd] queries of the caller's B rows (CPU; rows contiguous).
+        k_new, v_new: [B, Hkv, hd] the new token's keys / values of the caller's rows, or both None: nothing is
+            appended and each row attends over its ``lengths`` positions.
+        rows: int64 [B_g]: caller row of each cache row (0 <= rows < B, distinct).
+        k_cache, v_cache: [B_g, Hkv, S, hd] CPU cache of B_g rows (one length group), each head's positions
+            contiguous (a cache tensor or a slice ``[:, :, :n]`` of one).
+        lengths: int64 [B_g] positions already cached per cache row; the new token goes to position lengths[i]
+            (needs lengths < S), and the row attends over lengths + 1 positions (the last ``sliding_window``).
+        out: [B, Hq * hd] written at the ``rows`` (other rows untouched), same dtype as q.
+    Returns ``out``. Dtypes: bf16, fp16 or fp32, the same for q, k_new, v_new, the caches and out; arithmetic
+    in fp32. Equals :func:`decode_attention_append_reference` up to summation order (fp32 ~1e-6, bf16 ~1e-2
+    relative, one rounding of the output).
+    Raises:
+        ValueError: shape, dtype, device or contiguity mismatch, a row index out of range, a length out of
+        [0, S) (with append) / [1, S] (without).
+        RuntimeError: the native kernel is not available (:func:`native_available` is False).
+    """
+    fn = "decode_attention_append"
+    if not native_available():
+        raise RuntimeError(f"{fn}: the native CPU attention kernel is not available (see native_available())")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or q.dim() != 3:
+        raise ValueError(f"{fn}: need q [B, Hq, hd] and caches [B_g, Hkv, S, hd] of one shape, got q {tuple(q.shape)}, "
+                         f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    Bg, Hkv, S, hd = k_cache.shape
+    B, Hq = q.shape[0], q.shape[1]
+    if q.shape[2] != hd or Hq % Hkv:
+        raise ValueError(f"{fn}: q {tuple(q.shape)} does not fit caches with {Hkv} KV heads of dim {hd}")
+    append = k_new is not None
+    if append != (v_new is not None):
+        raise ValueError(f"{fn}: give both k_new and v_new or neither")
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)]
+    if append:
+        if k_new.shape != (B, Hkv, hd) or v_new.shape != (B, Hkv, hd):
+            raise ValueError(f"{fn}: k_new / v_new must be [B, Hkv, hd] = {(B, Hkv, hd)}, got {tuple(k_new.shape)} / "
+                             f"{tuple(v_new.shape)}")
+        tensors += [("k_new", k_new), ("v_new", v_new)]
+    if out.shape != (B, Hq * hd):
+        raise ValueError(f"{fn}: out must be [B, Hq*hd] = {(B, Hq * hd)}, got {tuple(out.shape)}")
+    for name, t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"{fn}: {name} must be on the CPU, got {t.device}")
+        if t.dtype != k_cache.dtype or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{fn}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share one of "
+                             f"bf16 / fp16 / fp32 (cache: {k_cache.dtype})")
+        if name.endswith("_cache"):  # checked below: each head's positions contiguous
+            continue
+        if t.shape[0] and not t[0].is_contiguous():  # each row contiguous (rows may be strided)
+            raise ValueError(f"{fn}: {name} rows must be contiguous, got strides {t.stride()}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.stride(2) != hd:
+        raise ValueError(f"{fn}: each head's positions must be contiguous rows of hd elements, with the same strides "
+                         f"for K and V (e.g. the caches or slices [:, :, :n] of them), got {k_cache.stride()} / "
+                         f"{v_cache.stride()}")
+    if rows.dtype != torch.int64 or lengths.dtype != torch.int64 or rows.shape != (Bg,) or lengths.shape != (Bg,):
+        raise ValueError(f"{fn}: rows and lengths must be int64 [B_g] = [{Bg}], got {rows.dtype} {tuple(rows.shape)}, "
+                         f"{lengths.dtype} {tuple(lengths.shape)}")
+    rows, lengths = rows.contiguous(), lengths.contiguous()
+    if Bg:
+        if int(rows.min()) < 0 or int(rows.max()) >= B:
+            raise ValueError(f"{fn}: rows must lie in [0, {B}), got [{int(rows.min())}, {int(rows.max())}]")
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if (append and (lo < 0 or hi >= S)) or (not append and (lo < 1 or hi > S)):
+            raise ValueError(f"{fn}: lengths in [{lo}, {hi}] do not fit a cache of {S} positions "
+                             f"({'append needs 0 <= length < S' if append else 'need 1 <= length <= S'})")
+    window = int(sliding_window) if sliding_window else -1
+    kn = k_new if append else q.new_empty((0, Hkv, hd))
+    vn = v_new if append else q.new_empty((0, Hkv, hd))
+    _module.decode_attention_append(q, kn, vn, rows, k_cache, v_cache, lengths, out, window, append)
+    return out
+
+
+def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
+                                      rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                      lengths: torch.Tensor, out: torch.Tensor,
+                                      sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Pure-torch reference of :func:`decode_attention_append` (same arguments and effects): the K/V rows are
+    written by indexing and the attention is ``model.mixtral.decode_attention`` (scores in the storage dtype,
+    softmax in fp32), on the group's rows gathered from q."""
+    from ..model.mixtral import decode_attention
+
+    n = lengths.clone()
+    if k_new is not None:
+        slots = torch.arange(rows.shape[0])
+        k_cache[slots, :, lengths] = k_new[rows]
+        v_cache[slots, :, lengths] = v_new[rows]
+        n += 1
+    S = int(n.max()) if n.numel() else 0
+    if rows.numel():
+        out[rows] = decode_attention(q[rows], k_cache[:, :, :S], v_cache[:, :, :S], n, sliding_window).to(out.dtype)
+    return out

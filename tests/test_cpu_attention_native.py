@@ -1,0 +1,145 @@
+"""The native CPU decode attention kernel (kernels/cpu_attention.py) against its pure-torch reference.
+
+Tolerances (relative Frobenius error of the output rows): fp32 1e-5, fp16 2e-3, bf16 1e-2 (the kernel keeps scores
+in fp32 where the reference rounds them to the storage dtype, as transformers' eager attention does). The
+appended K/V rows must be bit-identical, and output rows outside ``rows`` must stay untouched.
+"""
+
+import os
+
+import pytest
+import torch
+
+from lightning_moe.kernels import cpu_attention as C
+from lightning_moe.model.mixtral import decode_attention
+from lightning_moe.model.spec import MoESpec
+from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
+from lightning_moe.pipeline.kv_cache import GroupedKVCache
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _need_kernel():
+    if os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "").lower() == "sdpa":
+        pytest.skip("native CPU attention disabled by LIGHTNING_MOE_CPU_ATTENTION=sdpa")
+    if not C.native_available():
+        pytest.fail("the native CPU attention kernel did not build (a C++ compiler with OpenMP is needed)")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _case(dtype, B, Hq, Hkv, hd, S, lens, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    Bg = len(rows)
+    return dict(q=r(B, Hq, hd), k_new=r(B, Hkv, hd), v_new=r(B, Hkv, hd), rows=torch.tensor(rows, dtype=torch.int64),
+                k_cache=r(Bg, Hkv, S, hd), v_cache=r(Bg, Hkv, S, hd), lengths=torch.tensor(lens, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,hd", [(32, 8, 128), (8, 2, 16), (7, 1, 20), (6, 2, 33), (1, 1, 128), (12, 4, 100)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_append_attend_matches_reference(dtype, Hq, Hkv, hd, window):
+    """Awkward shapes: one position (length 0 + the new token), the last slot (S-1), G = 1, 3, 4, 6, 7 query heads per
+    KV head (head blocks of 4, 2, 1), hd = 128 (the compile-time path) and odd head dims; a permuted subset of rows."""
+    B, S = 9, 21
+    rows, lens = [6, 0, 3, 8, 1], [0, 7, 20, 13, 1]
+    a = _case(dtype, B, Hq, Hkv, hd, S, lens, rows, seed=hash((Hq, hd, str(dtype), window)) % 1000)
+    b = {k: v.clone() for k, v in a.items()}
+    out_k = torch.full((B, Hq * hd), float("nan"), dtype=dtype)
+    out_r = out_k.clone()
+    C.decode_attention_append(**a, out=out_k, sliding_window=window)
+    C.decode_attention_append_reference(**b, out=out_r, sliding_window=window)
+    assert torch.equal(a["k_cache"], b["k_cache"]) and torch.equal(a["v_cache"], b["v_cache"])  # append: exact
+    r = a["rows"]
+    others = [i for i in range(B) if i not in rows]
+    assert torch.isnan(out_k[others]).all()  # rows of other groups untouched
+    assert torch.isfinite(out_k[r]).all()
+    assert _rel(out_k[r], out_r[r]) < TOL[dtype]
+
+
+def test_attend_without_append_and_sliced_cache():
+    """k_new = v_new = None: attend over ``lengths`` positions of a slice [:, :, :n] of a larger cache."""
+    a = _case(torch.float32, 4, 8, 2, 16, 30, [3, 10, 1, 7], [0, 1, 2, 3], seed=5)
+    K, V = a["k_cache"][:, :, :12], a["v_cache"][:, :, :12]  # strided views, positions contiguous per head
+    out = torch.empty(4, 8 * 16)
+    C.decode_attention_append(a["q"], None, None, a["rows"], K, V, a["lengths"], out)
+    ref = decode_attention(a["q"], K, V, a["lengths"])
+    assert _rel(out, ref) < 1e-5
+
+
+def test_empty_group_is_a_no_op():
+    a = _case(torch.bfloat16, 3, 4, 2, 8, 6, [], [], seed=1)
+    out = torch.full((3, 32), 7.0, dtype=torch.bfloat16)
+    C.decode_attention_append(**a, out=out)
+    assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("what", ["len_full", "len_neg", "row_range", "dtype", "heads", "strides", "half_append"])
+def test_bad_inputs_raise(what):
+    a = _case(torch.float32, 4, 8, 2, 16, 10, [1, 2], [0, 3], seed=2)
+    out = torch.empty(4, 128)
+    if what == "len_full":
+        a["lengths"] = torch.tensor([1, 10])  # position 10 does not exist
+    elif what == "len_neg":
+        a["lengths"] = torch.tensor([-1, 2])
+    elif what == "row_range":
+        a["rows"] = torch.tensor([0, 4])
+    elif what == "dtype":
+        a["q"] = a["q"].to(torch.bfloat16)
+    elif what == "heads":
+        a["q"] = torch.randn(4, 7, 16)  # 7 query heads over 2 KV heads
+        out = torch.empty(4, 7 * 16)
+    elif what == "strides":
+        a["k_cache"] = a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)  # positions not contiguous
+    elif what == "half_append":
+        a["v_new"] = None
+    with pytest.raises(ValueError):
+        C.decode_attention_append(**a, out=out)
+
+
+def _spec():
+    return MoESpec(name="t", model_type="mixtral", vocab_size=64, hidden_size=64, intermediate_size=32, num_layers=2,
+                   num_heads=8, num_kv_heads=2, head_dim=16, num_experts=2, top_k=1, rope_theta=1e4, rms_norm_eps=1e-5,
+                   max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_grouped_cache_append_attend(native, monkeypatch):
+    """GroupedKVCache.append_attend (one native call per group, or the torch fallback) equals append + attend with
+    the reference attention, rows back in the caller's order, for ragged lengths in several groups."""
+    if not native:
+        monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "sdpa")
+    spec = _spec()
+    g = torch.Generator().manual_seed(11 + native)
+    lens = torch.randint(1, 40, (13,), generator=g)
+    caches = [GroupedKVCache(spec, (lens + 3).tolist(), torch.float32, max_groups=4) for _ in range(2)]
+    for c in caches:
+        c.lengths[:] = lens
+        for l in range(spec.num_layers):
+            for t in c.k[l] + c.v[l]:
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())))
+    assert caches[0].num_groups > 1
+    q, k, v = (torch.randn(13, h, 16, generator=g) for h in (8, 2, 2))
+    out = torch.full((13, 128), float("nan"))
+    caches[0].append_attend(1, q, k, v, out)
+    caches[1].append(1, torch.arange(13), k, v)
+    ref = caches[1].attend(1, q, lens + 1, lambda qg, K, V, n: decode_attention(qg, K, V, n))
+    assert _rel(out, ref) < 1e-5
+    for a, b in zip(caches[0].k[1] + caches[0].v[1], caches[1].k[1] + caches[1].v[1]):
+        assert torch.equal(a, b)
+
+
+def test_cpu_decode_attention_native_equals_sdpa(monkeypatch):
+    """The public routine gives the same result through the native kernel and through PyTorch's SDPA (bf16)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 32, 128, generator=g).bfloat16()
+    k, v = (torch.randn(6, 8, 50, 128, generator=g).bfloat16() for _ in range(2))
+    n = torch.tensor([1, 50, 17, 33, 2, 49])
+    native = cpu_decode_attention(q, k, v, n)
+    monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "sdpa")
+    sdpa = cpu_decode_attention(q, k, v, n)
+    assert _rel(native, sdpa) < 1e-2 and not torch.equal(native, sdpa)  # two different routines, one result
