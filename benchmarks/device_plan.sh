@@ -22,7 +22,18 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-7)}" in
+case "${1:?usage: device_plan.sh STEP (1-8)}" in
+  8)
+    # session 5, final: issue-6 benchmark (int4 vs bf16, gen 128, 512 prompts) with the profile of step 7, after GPU
+    # greedy sampling and the kernel's dynamic schedule; the CGOPipe GPU tests; the CPU attention conditions table
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 330 \
+      --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
+    timeout 100 python3 -m pytest tests/gpu/test_cgopipe_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -5 "$OUT/gpu_tests.txt"
+    timeout 50 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
+    ;;
   7)
     # session 5, after the native CPU attention kernel: executor-conditions profile (commit it), the full-size int4
     # and bf16 cases with the PyTorch SDPA routine as a same-executor variant, then the CGOPipe GPU tests

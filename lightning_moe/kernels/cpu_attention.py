@@ -7,7 +7,7 @@ pin copies around it cost as much again, against ~55 GB/s for one long contiguou
 memory-bound stream (arithmetic intensity ~G FLOP per byte, MoE-Lightning Sec. 4.1 / Fig. 3), so the kernel here
 reads each valid K and V row of the cache exactly once and does everything else in registers / L1:
 
-    for each (row b, KV head h)                                    [parallel over B_g * Hkv, at::parallel_for]
+    for each (row b, KV head h)                   [parallel over B_g * Hkv: OpenMP, dynamic schedule, chunks of 4]
         K[b, h, L_b] = k_new[rows[b], h];  V[b, h, L_b] = v_new[rows[b], h]        (append; L_b = lengths[b])
         s[g, j]  = (q[rows[b], h*G + g] / sqrt(hd)) . K[b, h, j]        j in [max(0, L_b + 1 - W), L_b + 1)
         p[g, :]  = softmax(s[g, :])                                                     (fp32)
@@ -186,9 +186,16 @@ void attend(const typename Tr::raw* q, const typename Tr::raw* k_new, const type
             int64_t q_row, int64_t kn_row, int64_t out_row, int64_t c_row, int64_t c_head) {
   using raw = typename Tr::raw;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, Bg * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // (row, KV head) items handed out dynamically: a thread that shares its core with the host thread or a
+  // spinning CUDA sync takes fewer items instead of holding up the call (static chunks made every call wait
+  // for the slowest thread: RESULTS.md 7b). Team size: torch's intra-op thread count.
+  const int64_t items = Bg * Hkv;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel num_threads(nt)
+  {
     std::vector<float> qf(4 * hd), acc(4 * hd), scores;
-    for (int64_t i = begin; i < end; ++i) {
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t i = 0; i < items; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv, r = rows[b], L = lens[b];
       raw* Kb = K + b * c_row + h * c_head;  // positions of one head are contiguous rows of hd elements
       raw* Vb = V + b * c_row + h * c_head;
@@ -209,7 +216,7 @@ void attend(const typename Tr::raw* q, const typename Tr::raw* k_new, const type
       else
         heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, qf.data(), scores.data(), acc.data());
     }
-  });
+  }
 }
 
 void decode_attention_append(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor rows, at::Tensor K,
