@@ -22,7 +22,16 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-8)}" in
+case "${1:?usage: device_plan.sh STEP (1-9)}" in
+  9)
+    # session 5, last call: the int4 issue-6 case after the decode schedule change (CPU micro-batches' attention
+    # submitted before the GPU micro-batches' work), and the GPU tests of mixed CPU/GPU-attention micro-batches
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 175 \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
+    timeout 80 python3 -m pytest tests/gpu/test_cgopipe_gpu.py tests/gpu/test_kv_cache_grouped_gpu.py -m gpu -q -rf \
+      -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -5 "$OUT/gpu_tests.txt"
+    ;;
   8)
     # session 5, final: issue-6 benchmark (int4 vs bf16, gen 128, 512 prompts) with the profile of step 7, after GPU
     # greedy sampling and the kernel's dynamic schedule; the CGOPipe GPU tests; the CPU attention conditions table
