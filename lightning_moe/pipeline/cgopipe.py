@@ -571,32 +571,33 @@ class CGOPipeExecutor:
     def _decode_layer(self, l: int, mbs: list[MicroBatch]) -> None:
         """One layer of one decode step over all micro-batches (the CGOPipe schedule).
 
-        1. CPU-attention micro-batches first: pre-attention, q/k/v to the host, attention submitted to the
-           worker (it runs them back to back);
-        2. GPU-attention micro-batches meanwhile: pre-attention, attention and expert FFN on the GPU, so the
-           GPU works while the host attends (enqueued after the CPU micro-batches' FFN instead, the GPU waited
-           for every CPU attention: RESULTS.md 7c);
-        3. each CPU micro-batch's output to the GPU, then its FFN, in order.
         Micro-batch k's slot of layer l+1's pages is issued right after k's attention result is on its way
         to the GPU (CPU attention) or computed (GPU attention), never before: copies of one direction queue on
         the copy engine in issue order, so a slot issued earlier would hold the attention output behind
         megabytes of pages while the GPU waits for it (RESULTS.md 5b: ~22-37 ms per layer).
+        Submitting every CPU micro-batch's attention before the GPU micro-batches' work was measured in run 18
+        (RESULTS.md 7d): no gain (969 vs 1002 tok/s), the GPU then waited for the CPU micro-batch instead.
         """
         visit = self._visit
         ffn = self._begin_layer(visit)
-        n = len(mbs)
-        submitted: list[tuple[int, MicroBatch, Future]] = []  # CPU attention in flight, in submission order
+        pending: Optional[tuple[int, MicroBatch, Future]] = None  # the CPU attention in flight
         for k, mb in enumerate(mbs):
-            if not mb.on_gpu:
-                qkv, ready = self._send_qkv(*self._pre_attention(l, mb))
-                submitted.append((k, mb, self.workers.submit(self._cpu_attention, l, mb, qkv, ready)))
-        for k, mb in enumerate(mbs):
+            q, kk, v = self._pre_attention(l, mb)
             if mb.on_gpu:
-                attn = self._gpu_attention(l, mb, *self._pre_attention(l, mb))
-                self._prefetch_slot(visit + 1, k, n)
+                attn = self._gpu_attention(l, mb, q, kk, v)
+            else:
+                qkv, ready = self._send_qkv(q, kk, v)
+                fut = self.workers.submit(self._cpu_attention, l, mb, qkv, ready)
+            if pending is not None:  # finish the previous CPU micro-batch while this one's attention runs
+                self._finish_cpu_micro_batch(l, visit, len(mbs), *pending, ffn)
+                pending = None
+            if mb.on_gpu:
+                self._prefetch_slot(visit + 1, k, len(mbs))
                 self._post_attention(l, mb, attn, ffn)
-        for k, mb, fut in submitted:
-            self._finish_cpu_micro_batch(l, visit, n, k, mb, fut, ffn)
+            else:
+                pending = (k, mb, fut)
+        if pending is not None:
+            self._finish_cpu_micro_batch(l, visit, len(mbs), *pending, ffn)
         self._prefetched = visit + 1
         self._end_layer(visit)
         self._visit += 1
