@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
-# (RESULTS.md 6); the plan for the next session is steps 3-5:
+# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7); the next session starts with 10 and 11 (steps 3-5 are
+# superseded: their diagnosis was done by 6-9, except the accelerate baseline and the 16 GiB cap, now in 10):
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
@@ -22,7 +23,22 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-9)}" in
+case "${1:?usage: device_plan.sh STEP (1-11)}" in
+  10)
+    # next session (not run yet): timeline of the int4 issue-6 policy (256 x 2, 3 resident per layer, one GPU-attention
+    # micro-batch; RESULTS.md 7c: 16 ms per layer measured vs ~10.5 ms of known chain), the full-size accelerate
+    # baseline and the 16 GiB cap (issue 5), all of tests/gpu
+    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 1 \
+      --gen 4 --trace "$OUT/trace_int4.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-accel --timeout 300 \
+      --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout 150 \
+      --commit "$C" --out "$OUT/16g" 2> "$OUT/bench_stderr_16g.txt" | tail -4
+    ;;
+  11)
+    timeout 300 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -15 "$OUT/gpu_tests.txt"
+    ;;
   9)
     # session 5, last call: the int4 issue-6 case after the decode schedule change (CPU micro-batches' attention
     # submitted before the GPU micro-batches' work), and the GPU tests of mixed CPU/GPU-attention micro-batches
@@ -60,7 +76,7 @@ case "${1:?usage: device_plan.sh STEP (1-9)}" in
     # standalone conditions incl. thread counts; timelines of the per-layer shape of both full-size policies on
     # 4 layers; the full-size int4 case with the worker's thread count varied on one executor
     timeout 150 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 --threads 14 12 8 2>&1 | tee "$OUT/cpu_attention.md"
-    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 20 --gen 4 \
+    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 5 --gen 4 \
       --trace "$OUT/trace_int4.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4.txt"
     timeout 100 python3 benchmarks/profile_ops.py --quant bf16 --layers 4 --mu 512 --n 1 --resident 5 --gen 4 \
       --trace "$OUT/trace_bf16.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_bf16.txt"

@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mu", type=int, default=256, help="rows per micro-batch")
     ap.add_argument("--n", type=int, default=1, help="micro-batches")
-    ap.add_argument("--resident", type=int, default=0, help="resident experts in all (spread over the layers)")
+    ap.add_argument("--resident", type=int, default=0, help="resident experts per layer")
     ap.add_argument("--gpu-attn", type=int, default=0)
     ap.add_argument("--gen", type=int, default=4, help="tokens generated in the profiled run")
     ap.add_argument("--cpu-threads", type=int, default=None)

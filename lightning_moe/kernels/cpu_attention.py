@@ -18,7 +18,7 @@ storage dtype). The output rows go straight to ``out`` (e.g. a pinned buffer the
 no gather of q, no scatter of the output and no separate pinning copy remain.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler is
-needed: g++ / clang; ~30-60 s once, cached in torch's extensions directory). Where it cannot be built, or with
+needed, g++ / clang with OpenMP, and ninja; ~30-60 s once, cached in torch's extensions directory). Where it cannot be built, or with
 ``LIGHTNING_MOE_CPU_ATTENTION=sdpa``, :func:`native_available` is False and callers use the PyTorch routine
 (pipeline.cpu_attention.cpu_decode_attention). The pure-torch reference :func:`decode_attention_append_reference`
 sits beside the kernel (append by indexing + model.mixtral.decode_attention).
