@@ -253,10 +253,22 @@ _lock = threading.Lock()
 _module = None  # the built extension, False when it cannot be built
 
 
+def _cpu_tag() -> str:
+    """The CPU's model and instruction-set flags: the build uses -march=native, so a cached build must not be
+    reused on another kind of CPU (e.g. a home directory shared by different machines)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(sorted({l for l in f if l.startswith(("model name", "flags"))}))
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
 def _build():
     from torch.utils.cpp_extension import load_inline
 
-    tag = hashlib.sha1((_CPP + torch.__version__).encode()).hexdigest()[:12]
+    tag = hashlib.sha1((_CPP + torch.__version__ + _cpu_tag()).encode()).hexdigest()[:12]
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-fassociative-math", "-fno-signed-zeros",
              "-fno-trapping-math"]  # the last three let the compiler vectorize the fp32 dot-product sums
     return load_inline(name=f"lightning_moe_cpu_attention_{tag}", cpp_sources=[_CPP], extra_cflags=flags,
