@@ -12,7 +12,9 @@ against its text here, so "Sec." citations are the reliable ones.
                + CPU-attention outputs  (n - n_g) * mu * attn_output_elems * itemsize / B_h2d
   (H4) T_d2h = (n - n_g) * mu * (attn_query_elems + kv_elems_per_token) * itemsize / B_d2h
   (H5) T_cpu = max(S_c * c * attn_flops_per_position / P_cpu_attn, S_c * c * kv_elems * itemsize / B_cpu_attn),
-               S_c = (n - n_g) * mu sequences on the CPU, c = attended positions
+               S_c = (n - n_g) * mu sequences on the CPU, c = attended positions of the CPU rows: the mean
+               context + Workload.attention_context_offsets (the executor puts the shortest micro-batches on
+               the GPU, so with 0 < n_g < n the CPU rows are the longest; GPU attention likewise at its offset)
   (H6) T_gpu = n * [qkv + o_proj + router + experts + shared] (each (H1) on the GPU for mu tokens)
                + n_g * attention(mu, c) on the GPU;  experts read E * (1 - (1 - k/E)^T) distinct experts
                + T_deq: quantized experts at M >= the dequantization threshold (mu k / E >=
@@ -271,8 +273,13 @@ def cpu_attention_calls(mu: int) -> int:
     return min(KV_GROUPS, mu)
 
 
-def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, context: float) -> StageTimes:
+def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, context: float,
+                       cpu_offset: float = 0.0, gpu_offset: float = 0.0) -> StageTimes:
     """(H2)-(H6) one decode layer at ``context`` attended positions, for ``non_resident`` paged experts.
+
+    ``cpu_offset`` / ``gpu_offset``: positions added to ``context`` for the CPU / GPU attention rows
+    (Workload.attention_context_offsets: the executor gives the shortest micro-batches GPU attention, so the
+    CPU rows are longer than the mean when 0 < n_gpu_attn < n).
 
     The CPU stage is one attention call per KV length group of each CPU micro-batch (:func:`cpu_attention_calls`):
     n_cpu * calls(mu) * cpu_attention_overhead + (H5) of all CPU sequences (the overhead term is what makes
@@ -289,13 +296,13 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     cpu_seqs = policy.n_cpu_attn * policy.mu
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
     gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
-    gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context, dt)
+    gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context + gpu_offset, dt)
     if not dense and dequant_path(spec, policy.mu, q):  # all E experts dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
-    cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context, dt)
+    cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
-        cpu_mb = call + cpu_decode_attention_time(spec, hw, policy.mu, context, dt)
+        cpu_mb = call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu)
 
@@ -541,7 +548,8 @@ class Estimate:
 def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload) -> Estimate:
     """(H1)-(H9): predicted prefill/decode times, per-stage sums, binding stages, throughputs and peak memory.
 
-    Decode sums over steps j = 1..G-1 with context prompt_len + j; every layer uses its own resident count
+    Decode sums over steps j = 1..G-1 with context prompt_len + j (CPU and GPU attention rows shifted by
+    Workload.attention_context_offsets); every layer uses its own resident count
     (layers with the same kind and count are computed once and weighted by their number).
     Raises PolicyError if the policy's resident experts do not fit the spec. Does not check budgets
     (see check_memory).
@@ -576,8 +584,13 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
     head_d = decode_head_time(spec, hw, policy)
     first: dict = {}
     last: dict = {}
+    dc, dg = workload.attention_context_offsets(policy.N, policy.mu, policy.n, policy.n_gpu_attn)
+
+    def decode_times(spec_, hw_, pol_, layer, nr, context):
+        return decode_layer_times(spec_, hw_, pol_, layer, nr, context, dc, dg)
+
     for j in range(1, G):
-        total, sums, bound, rows = run(decode_layer_times, s + j)
+        total, sums, bound, rows = run(decode_times, s + j)
         t_decode += total + head_d
         for name in STAGES:
             dec_sums[name] += sums[name]

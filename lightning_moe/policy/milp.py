@@ -30,6 +30,12 @@ the scratch adds E dense expert bytes (a constant) to the GPU memory rows.
 KV per sequence: with the job's prompt lengths the KV cache of a batch depends on its size N
 (Workload.kv_positions, grouped caches), which is not linear in N; plan() solves with one KV length per
 sequence and re-solves with the length of the batch it chose (a short fixed point, see plan).
+
+Attention contexts: the executor gives the shortest micro-batches GPU attention, so CPU rows attend over longer
+contexts than the mean (Workload.attention_context_offsets, which depends on mu, n, g and N). The model takes
+the two offsets as constants; plan() starts at 0 and re-solves with the offsets of the previous round's optimum
+(at most MAX_OFFSET_SOLVES rounds). Every candidate is compared by hrm.evaluate with its exact offsets, so the
+answer is the best policy the rounds visited, exact on workloads without prompt lengths (offsets 0).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ SOLVE_TIME_LIMIT = 20.0  # seconds per CBC solve
 TIE_SLACK = 1e-9  # relative throughput a tie-broken policy may give up (HRM ties only)
 MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
 MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then the chosen batch's grouped mean)
+MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
 
 __all__ = ["plan", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "policy_from_decisions", "max_micro_batches"]
 
@@ -205,6 +212,7 @@ class _Coeffs:
     dq_dec: dict  # m -> 1 if a decode micro-batch of m tokens dequantizes the layer's experts (hrm.dequant_path), else 0
     dq_pre: dict  # m -> same for its prefill micro-batches (pmu(m) * prompt_len tokens)
     contexts: list  # decode contexts c_t = prompt_len + t, t = 1..G-1
+    cpu_off: float  # positions added to c_t for CPU-attention rows (Workload.attention_context_offsets)
     # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
     mem_fixed_gpu: float  # non-expert weights + reserve
     mem_expert: float  # one expert
@@ -221,15 +229,18 @@ class _Coeffs:
 
 
 def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
-                  n_cap: Optional[int], kv_len: float) -> _Coeffs:
-    """MILP coefficients; ``kv_len`` is the KV positions per sequence (every sequence, CPU or GPU KV)."""
+                  n_cap: Optional[int], kv_len: float, offsets: tuple[float, float] = (0.0, 0.0)) -> _Coeffs:
+    """MILP coefficients; ``kv_len`` is the KV positions per sequence (every sequence, CPU or GPU KV);
+    ``offsets`` (cpu, gpu) shift the decode context of the CPU / GPU attention rows (constants per solve: plan()
+    iterates them to a fixed point, since the true offsets depend on the policy)."""
     dt, q = budgets.dtype, budgets.weight_quant
     b = dtype_bytes(dt)
     s, s_max, G = workload.prompt_len, workload.max_prompt, workload.gen_len
     contexts = [s + t for t in range(1, G)]
     kv_seq = kv_len * hrm.kv_bytes_per_position(spec, dt)
     C = _Coeffs(cands=list(cands), calls={m: hrm.cpu_attention_calls(m) for m in cands}, pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
-                attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c, dt) for c in contexts},
+                attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c + offsets[1], dt) for c in contexts},
+                cpu_off=offsets[0],
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt), cpu_call=hw.cpu_attention_overhead,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
@@ -499,14 +510,15 @@ class _Model:
         # (H6) C_t >= GPU + N_gpu attn_g(c) (+ dequantization);  (H5) C_t >= c K + (n - g) calls(mu) cpu_call;  (H4) C_t >= D2H
         # pipeline fill (hrm.decode_layer_times): + one micro-batch of the other stage when y_cpu = 1
         #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
-        gpu = self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands)
-        cpu = c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
+        cc = c + C.cpu_off  # context of the CPU-attention rows (the longest micro-batches)
+        gpu = self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
+        cpu = cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
         Ct = self._stage_max(str(t), gpu, [cpu, self.D2H], "decode")
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
-            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * c * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
-            self.prob += Cd >= c * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
+            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
+            self.prob += Cd >= cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             terms.append(self._dense_sum(str(t), self.A, Cd))
         # (H7) step time = layers + head
@@ -592,17 +604,19 @@ def _kv_sizing_count(pol: Policy) -> int:
 
 
 def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
-                      n_max: Optional[int], time_limit: float, kv_len: float, min_kv_count: int, strict: bool):
+                      n_max: Optional[int], time_limit: float, kv_len: float, min_kv_count: int, strict: bool,
+                      offsets: tuple[float, float] = (0.0, 0.0)):
     """Dinkelbach iterations of the MILP with ``kv_len`` KV positions per sequence, over policies whose KV sizing
     count (:func:`_kv_sizing_count`) is at least ``min_kv_count`` (0: all).
 
     Returns (best (Policy, Estimate) among the iterates that fit hrm's exact memory model, or None; whether
-    the last iterate (the optimum) fits; proven optimal; iterations; coefficients; model; build seconds).
+    the last iterate (the optimum) fits; proven optimal; iterations; coefficients; model; build seconds; the
+    last iterate's Policy, i.e. the optimum of this model).
     ``strict``: an iterate that does not fit raises PlanInfeasible (``kv_len`` is then the longest prompt's,
     an upper bound, so a misfit is a solver fault).
     """
     t0 = time.perf_counter()
-    C = _coefficients(spec, hw, workload, budgets, cands, n_max, kv_len)
+    C = _coefficients(spec, hw, workload, budgets, cands, n_max, kv_len, offsets)
     model = _Model(spec, workload, C, min_kv_count)
     t_build = time.perf_counter() - t0
     lam, best, proven, iters, bad = 0.0, None, True, 0, []
@@ -621,7 +635,7 @@ def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, bu
         if ratio <= lam * (1 + 1e-12) or F <= 1e-9 * workload.gen_len * pol.N:
             break
         lam = ratio
-    return best, not bad, proven, iters, C, model, t_build
+    return best, not bad, proven, iters, C, model, t_build, pol
 
 
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
@@ -660,24 +674,33 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     # exact or conservative for policies of >= K sequences and a relaxation for smaller ones; when its optimum
     # is one of those and does not fit hrm's exact bytes, the pass is solved again with rows N >= K,
     # N_cpu >= K y_cpu, where every solution fits and the previous answer is still feasible.
-    kv_len, count = workload.kv_positions(1), 0
     best, proven, iters, passes, t_build = None, True, 0, [], 0.0
-    for k in range(MAX_KV_SOLVES):
-        for min_count in ((0, count) if k else (0,)):
-            got, fits, opt, it, C, model, tb = _solve_for_kv_len(spec, hw, workload, budgets, cands, n_max, time_limit,
-                                                                  kv_len, min_count, strict=k == 0)
-            proven, iters, t_build = proven and opt, iters + it, t_build + tb
-            passes.append(f"{kv_len:.1f}" + (f" (N >= {min_count})" if min_count else ""))
-            if got is not None and (best is None or got[1].e2e_tok_s > best[1].e2e_tok_s):
-                best = got
-            if fits:
+    offsets = (0.0, 0.0)
+    for _ in range(MAX_OFFSET_SOLVES):
+        kv_len, count = workload.kv_positions(1), 0
+        for k in range(MAX_KV_SOLVES):
+            for min_count in ((0, count) if k else (0,)):
+                got, fits, opt, it, C, model, tb, optimum = _solve_for_kv_len(
+                    spec, hw, workload, budgets, cands, n_max, time_limit, kv_len, min_count, strict=k == 0, offsets=offsets)
+                proven, iters, t_build = proven and opt, iters + it, t_build + tb
+                passes.append(f"{kv_len:.1f}" + (f" (N >= {min_count})" if min_count else "")
+                              + (f" [CPU rows +{offsets[0]:.1f}]" if offsets[0] else ""))
+                if got is not None and (best is None or got[1].e2e_tok_s > best[1].e2e_tok_s):
+                    best = got  # compared with hrm.evaluate, i.e. with the policy's own exact offsets
+                if fits:
+                    break
+            assert best is not None  # the first pass raises rather than return nothing
+            count = _kv_sizing_count(best[0])
+            nxt = workload.kv_positions(count)
+            if nxt >= kv_len * (1 - 1e-12):  # fixed point: done
                 break
-        assert best is not None  # the first pass raises rather than return nothing
-        count = _kv_sizing_count(best[0])
-        nxt = workload.kv_positions(count)
-        if nxt >= kv_len * (1 - 1e-12):  # fixed point: done
+            kv_len = nxt
+        # attention-context offsets: the MILP takes them as constants; solve again with the offsets of this round's
+        # optimum until they repeat (the best policy is always chosen by hrm.evaluate, with its exact offsets)
+        nxt_off = workload.attention_context_offsets(optimum.N, optimum.mu, optimum.n, optimum.n_gpu_attn)
+        if all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for x, y in zip(nxt_off, offsets)):
             break
-        kv_len = nxt
+        offsets = nxt_off
     pol, est = best
     if tie_break:
         pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)

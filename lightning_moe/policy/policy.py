@@ -113,6 +113,39 @@ class Workload:
 
         return _grouped_prompt_mean(self.prompt_lens, N, KV_GROUPS) + self.gen_len
 
+    def attention_context_offsets(self, N: int, mu: int, n: int, g: int) -> tuple[float, float]:
+        """(cpu, gpu): how much longer (tokens; negative: shorter) the prompts of the rows that attend on the CPU /
+        on the GPU are than the mean prompt, for a policy of ``n`` micro-batches of ``mu`` rows, ``g`` of them with
+        GPU attention, in batches of ``N``.
+
+        CGOPipe puts the ``g`` SHORTEST micro-batches of a batch on the GPU (its micro-batches are grouped by
+        length), so with 0 < g < n the CPU rows attend over longer contexts than the mean (MT-Bench, 512 rows,
+        g = 1 of 2: CPU rows' prompts 129.5 tokens vs 82 for all; RESULTS.md 7c). The runner's batches are
+        consecutive runs of the length-sorted prompts; with N >= the number of prompts one batch holds the
+        whole distribution (repeated), and its shortest fraction g mu / N goes to the GPU. Offsets are means
+        over all CPU (GPU) rows of the job of (prompt length - its batch's mean prompt length).
+        (0.0, 0.0) without ``prompt_lens``, or when every micro-batch attends on one side (g = 0 or g >= n).
+        Raises ValueError for N, mu, n not ints >= 1 or g < 0.
+        """
+        for name, v, lo in (("N", N, 1), ("mu", mu, 1), ("n", n, 1), ("g", g, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"workload: attention_context_offsets needs {name} an int >= {lo}, got {v!r}")
+        if self.prompt_lens is None or g == 0 or g >= n:
+            return 0.0, 0.0
+        lens = sorted(self.prompt_lens)
+        if N >= len(lens):  # one batch: the distribution repeated to N rows
+            batches = [(lens, round(len(lens) * min(1.0, g * mu / N)))]
+        else:  # the executor's first g micro-batches of mu rows (the shortest) attend on the GPU
+            batches = [(b, min(len(b), g * mu)) for b in (lens[i : i + N] for i in range(0, len(lens), N))]
+        dc = dg = 0.0
+        nc = ng = 0
+        for b, k in batches:
+            mean = sum(b) / len(b)
+            dg += sum(b[:k]) - k * mean
+            dc += sum(b[k:]) - (len(b) - k) * mean
+            ng, nc = ng + k, nc + len(b) - k
+        return (dc / nc if nc else 0.0), (dg / ng if ng else 0.0)
+
     @classmethod
     def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "") -> "Workload":
         """From the tokenized prompt lengths of a job: mean, max, count and the lengths themselves.
