@@ -253,7 +253,8 @@ def prefill_attention_packed(
     starts = torch.tensor([s for s, _ in spans])
     src = (starts[:, None] + pos[None, :]).clamp(max=T - 1)  # [B, S]
     valid = pos[None, :] < lens[:, None]  # [B, S]
-    src, valid = src.to(dev), valid.to(dev)
+    keep = valid.flatten().nonzero().squeeze(1)  # [T] rows of [B*S] that hold real tokens (on the host: no GPU sync)
+    src, valid, keep = src.to(dev), valid.to(dev), keep.to(dev)
     qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
     kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
     vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
@@ -264,5 +265,7 @@ def prefill_attention_packed(
     # fused SDPA (flash / memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
     # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
     o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None])  # [B, Hq, S, hd]
-    out = o.permute(0, 2, 1, 3).reshape(B, S, Hq * hd)  # [B, S, Hq*hd]
-    return out[valid]  # [T, Hq*hd] in packed order (spans are consecutive)
+    out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * hd)  # [B*S, Hq*hd]
+    # packed order (spans are consecutive); an index computed on the host, not out[valid], whose boolean indexing
+    # synchronized the host with the GPU once per prefill chunk and layer
+    return out.index_select(0, keep)  # [T, Hq*hd]
