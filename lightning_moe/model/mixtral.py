@@ -160,7 +160,7 @@ def decode_attention(
     qg = q.view(B, Hkv, G, hd)  # [B, Hkv, G, hd]
     scores = torch.matmul(qg, k_cache.transpose(2, 3)) / math.sqrt(hd)  # [B, Hkv, G, S]
     pos = torch.arange(S, device=q.device)  # [S]
-    lengths = lengths.to(q.device)
+    lengths = lengths.to(q.device, non_blocking=True)  # host lengths: no stream sync (pageable H2D is staged)
     valid = pos[None, :] < lengths[:, None]  # [B, S]
     if sliding_window is not None:
         valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
@@ -254,7 +254,9 @@ def prefill_attention_packed(
     src = (starts[:, None] + pos[None, :]).clamp(max=T - 1)  # [B, S]
     valid = pos[None, :] < lens[:, None]  # [B, S]
     keep = valid.flatten().nonzero().squeeze(1)  # [T] rows of [B*S] that hold real tokens (on the host: no GPU sync)
-    src, valid, keep = src.to(dev), valid.to(dev), keep.to(dev)
+    # non_blocking: a blocking H2D copy of a pageable tensor synchronizes the stream (the host would wait for the
+    # GPU once per chunk and layer); a pageable source is staged by CUDA before the call returns, so this is safe
+    src, valid, keep = (t.to(dev, non_blocking=True) for t in (src, valid, keep))
     qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
     kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
     vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]

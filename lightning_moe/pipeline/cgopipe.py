@@ -479,8 +479,8 @@ class CGOPipeExecutor:
                 ids = torch.tensor([t for r in rows for t in prompts[r]], dtype=torch.int64)
                 ends = torch.tensor(lens).cumsum(0)
                 spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
-                pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-                chunks.append([i, off, self.embed[ids.to(self.device)], pos, spans, ends])
+                pos = torch.cat([torch.arange(n) for n in lens]).to(self.device, non_blocking=True)
+                chunks.append([i, off, self.embed[ids.to(self.device, non_blocking=True)], pos, spans, ends])
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         for l in range(self.spec.num_layers):
             visit = self._visit
@@ -612,7 +612,7 @@ class CGOPipeExecutor:
     def _decode_step(self, mbs: list[MicroBatch], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Feed one token per row of every micro-batch; returns fp32 logits [mu_k, V] per micro-batch."""
         for mb, t in zip(mbs, tokens):
-            mb.x = self.embed[t.to(self.device)]  # [mu_k, D]
+            mb.x = self.embed[t.to(self.device, non_blocking=True)]  # [mu_k, D]
             if mb.pos is None:
                 mb.pos = mb.kv.lengths.to(self.device, copy=True)  # [mu_k]
         for l in range(self.spec.num_layers):

@@ -62,7 +62,7 @@ class KVCache:
         if int(pos.max()) >= self.max_len:
             raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
         dev = self.k[layer].device
-        r, p = rows.to(dev), pos.to(dev)
+        r, p = rows.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)  # no stream sync (see append)
         self.k[layer][r, :, p] = k.to(dev)
         self.v[layer][r, :, p] = v.to(dev)
 
@@ -71,7 +71,7 @@ class KVCache:
         k, v = self.k[layer][:, :, :upto], self.v[layer][:, :, :upto]
         if rows is None:
             return k, v
-        r = rows.to(k.device)
+        r = rows.to(k.device, non_blocking=True)
         return k.index_select(0, r), v.index_select(0, r)
 
 
@@ -175,12 +175,14 @@ class GroupedKVCache:
             parts = []
             for g in torch.unique(groups).tolist():
                 sel = (groups == g).nonzero().flatten()
-                parts.append((g, sel, self.slot_of[rows[sel]].to(self.device), self.lengths[rows[sel]]))
+                parts.append((g, sel, self.slot_of[rows[sel]].to(self.device, non_blocking=True), self.lengths[rows[sel]]))
         for g, sel, slots, pos in parts:
             if int(pos.max()) >= self.sizes[g]:
                 raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
-            p = pos.to(self.device)
-            sel = sel.to(k.device)
+            # host index tensors to the device without a stream sync (a blocking copy of a pageable tensor waits for
+            # the GPU; CUDA stages a pageable source before the call returns, so non_blocking is safe)
+            p = pos.to(self.device, non_blocking=True)
+            sel = sel.to(k.device, non_blocking=True)
             self.k[layer][g][slots, :, p] = k.index_select(0, sel).to(self.device)
             self.v[layer][g][slots, :, p] = v.index_select(0, sel).to(self.device)
 
