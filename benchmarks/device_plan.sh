@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
-# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7); the next session starts with 10 and 11 (steps 3-5 are
-# superseded: their diagnosis was done by 6-9, except the accelerate baseline and the 16 GiB cap, now in 10):
+# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7); the next session runs 11, then 10, then 12 (steps 3-5
+# are superseded by 6-12; the 16 GiB cap is `--cases full32-16g-g32`, not scheduled: ~4 min if time is left):
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
@@ -23,21 +23,30 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-11)}" in
+case "${1:?usage: device_plan.sh STEP (1-12)}" in
   10)
-    # next session (not run yet): timeline of the int4 issue-6 policy (256 x 2, 3 resident per layer, one GPU-attention
-    # micro-batch; RESULTS.md 7c: 16 ms per layer measured vs ~10.5 ms of known chain), the full-size accelerate
-    # baseline and the 16 GiB cap (issue 5), all of tests/gpu
-    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 1 \
-      --gen 4 --trace "$OUT/trace_int4.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4.txt"
+    # next session, after 11: issue 5's same-run baseline: the full-size accelerate offload and CGOPipe bf16 at the
+    # planner's full N (gen 32), same cap, same call (the >= 100x end-to-end target)
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-accel --timeout 300 \
       --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -4
-    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout 150 \
-      --commit "$C" --out "$OUT/16g" 2> "$OUT/bench_stderr_16g.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 240 \
+      --commit "$C" --out "$OUT/full" 2> "$OUT/bench_stderr_full.txt" | tail -4
     ;;
   11)
+    # next session, FIRST: all of tests/gpu (session 5's no-sync changes and offsets never ran on a GPU), then a
+    # timeline of the int4 issue-6 policy of run 17 (256 x 2, 3 resident per layer, one GPU-attention micro-batch)
     timeout 300 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
     tail -15 "$OUT/gpu_tests.txt"
+    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 1 \
+      --gen 4 --trace "$OUT/trace_int4.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4.txt"
+    ;;
+  12)
+    # next session, last: issue 6 with the planner's new policy (offsets fixed point: g 0 expected) vs bf16, same
+    # call, then the 16 GiB cap (issue 5)
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 300 \
+      --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
     ;;
   9)
     # session 5, last call: the int4 issue-6 case after the decode schedule change (CPU micro-batches' attention
