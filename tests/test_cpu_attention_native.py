@@ -143,3 +143,11 @@ def test_cpu_decode_attention_native_equals_sdpa(monkeypatch):
     monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "sdpa")
     sdpa = cpu_decode_attention(q, k, v, n)
     assert _rel(native, sdpa) < 1e-2 and not torch.equal(native, sdpa)  # two different routines, one result
+
+
+def test_bad_mode_variable_is_an_error(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "spda")
+    with pytest.raises(ValueError, match="LIGHTNING_MOE_CPU_ATTENTION='spda'"):
+        C.native_available()
+    monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "Native")
+    assert C.native_available()

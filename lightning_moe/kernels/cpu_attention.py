@@ -277,9 +277,13 @@ def _build():
 
 def native_available() -> bool:
     """Whether the native kernel can be used: built (on first call; ~30-60 s once) and not disabled with
-    ``LIGHTNING_MOE_CPU_ATTENTION=sdpa``. A build failure is logged once as a warning and gives False."""
+    ``LIGHTNING_MOE_CPU_ATTENTION=sdpa`` (``auto``/``native``/unset: use it when it builds). A build failure is
+    logged once as a warning and gives False. Raises ValueError for any other value of that variable."""
     global _module
-    if os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "auto").lower() == "sdpa":
+    mode = os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "native", "sdpa"):
+        raise ValueError(f"environment variable LIGHTNING_MOE_CPU_ATTENTION={mode!r}: expected auto, native or sdpa")
+    if mode == "sdpa":
         return False
     with _lock:
         if _module is None:
