@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -50,6 +51,7 @@ class Case:
     executors: tuple = ("cgopipe",)  # which executors to run: cgopipe, serial, accelerate
     baseline_steps: int = 3  # decode steps timed for the serial / accelerate baselines
     baseline_batches: tuple = (16, 64)  # batch sizes tried for the baselines (best is reported)
+    accel_gpu_fracs: tuple = (0.65, 0.45)  # accelerate: share of the cap for weights (max_memory), tried until one fits
     ffn: str = "triton"  # CGOPipe expert FFN: "triton" (fused grouped kernel, sync-free) or "torch" (reference loop)
     requests: Optional[int] = None  # prompts in the job (caps the planner's N; None = as many as the plan wants)
     page_queue_depth: Optional[int] = None  # CGOPipe's page_queue_depth (None: slots issued whole)
@@ -66,9 +68,10 @@ CASES = {c.name: c for c in [
     Case("l8-10g-g32", 8, 10 * GiB, cpu_cap=40 * GiB, gen_len=32, executors=("cgopipe", "serial", "accelerate")),
     Case("l4-8g-g16", 4, 8 * GiB, cpu_cap=24 * GiB, gen_len=16, executors=("cgopipe", "serial", "accelerate"),
          baseline_steps=2, baseline_batches=(16,)),
-    # the baseline users would pick at full size: accelerate offload, 24 GiB cap, one batch size (each step
-    # streams ~74 GB of offloaded weights; two sizes would double a multi-minute run)
-    Case("full32-24g-accel", None, 24 * GiB, gen_len=32, executors=("accelerate",), baseline_steps=2, baseline_batches=(64,)),
+    # the baseline users would pick at full size: accelerate offload, 24 GiB cap (each step streams ~70 GB of offloaded
+    # weights through pageable memory). Run 19: 0.8 of the cap for weights ran out of memory in batch 64's prefill.
+    Case("full32-24g-accel", None, 24 * GiB, gen_len=32, executors=("accelerate",), baseline_steps=2,
+         baseline_batches=(64, 128)),
     # issue 6: the same settings with int4 expert pages (group 128), against the bf16 case of the same run
     Case("full32-24g-g128-int4", None, 24 * GiB, gen_len=128, quant="int4"),
     # the same with a job of 512 prompts (N <= 512): gen 128 at full size fits one 10-minute device call
@@ -191,7 +194,8 @@ def parse_variants(text: str) -> tuple:
 
     Keys: ``threads`` (CGOPipe cpu_threads), ``queue`` (page_queue_depth, 0 = none), ``gen`` (tokens per
     sequence; default the case's), ``attn`` (CPU attention routine: ``native`` kernel, default, or ``sdpa``:
-    PyTorch's, through LIGHTNING_MOE_CPU_ATTENTION). ``default`` (an empty variant) re-runs the case's own settings, which
+    PyTorch's, through LIGHTNING_MOE_CPU_ATTENTION), ``prefill`` (``ROWSxTOKENS``: the prefill micro-batch's rows
+    and padded tokens, Policy.prefill_mu / prefill_tokens; default the plan's). ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
     out = []
@@ -201,17 +205,25 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "queue", "gen", "attn"):
-                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn)")
+                if key not in ("threads", "queue", "gen", "attn", "prefill"):
+                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn, prefill)")
                 if key == "attn" and val not in ("native", "sdpa"):
                     raise ValueError(f"--variants: attn must be native or sdpa, got {val!r}")
-                v[key] = val if key == "attn" else int(val)
+                if key == "prefill":
+                    rows, _, tok = val.partition("x")
+                    if not (rows.isdigit() and tok.isdigit() and int(rows) > 0 and int(tok) > 0):
+                        raise ValueError(f"--variants: prefill must be ROWSxTOKENS (e.g. 128x16384), got {val!r}")
+                    v[key] = (int(rows), int(tok))
+                else:
+                    v[key] = val if key == "attn" else int(val)
         out.append(v)
     return tuple(out)
 
 
-def _apply_variant(ex, case: Case, v: dict) -> None:
-    """Set a variant's knobs on a built executor (anything not named goes back to the case's setting)."""
+def _apply_variant(ex, case: Case, v: dict, policy) -> None:
+    """Set a variant's knobs on a built executor (anything not named goes back to the case's / the plan's setting)."""
+    rows, tok = v.get("prefill", (policy.prefill_mu, policy.prefill_tokens))
+    ex.policy = dataclasses.replace(policy, prefill_mu=rows, prefill_tokens=tok)
     q = v.get("queue", case.page_queue_depth or 0)
     ex.page_queue_depth = q or None
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
@@ -290,11 +302,19 @@ def run_cgopipe(case: Case, profile: str) -> dict:
         f"{main['cpu_attention_GBps'] or 0:.1f} GB/s of valid KV")
     variants = []
     for v in case.variants:  # A/B on the same executor: no second set-up
-        _apply_variant(ex, case, v)
-        r = _timed_generate(ex, prompts, v.get("gen", case.gen_len))
+        _apply_variant(ex, case, v, policy)
+        try:
+            r = _timed_generate(ex, prompts, v.get("gen", case.gen_len))
+        except torch.OutOfMemoryError as e:  # e.g. a larger prefill micro-batch: keep the main result
+            log(f"variant {v}: out of memory: {e}")
+            variants.append({"variant": v, "error": "CUDA out of memory"})
+            torch.cuda.empty_cache()
+            continue
         r["variant"] = v
         variants.append(r)
-        log(f"variant {v}: decode {r['decode_tok_s']:.1f} tok/s, CPU attention {r['cpu_attention_GBps'] or 0:.1f} GB/s")
+        log(f"variant {v}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
+            f"CPU attention {r['cpu_attention_GBps'] or 0:.1f} GB/s")
+    _apply_variant(ex, case, {}, policy)
     ex.close()
     return {
         "executor": "cgopipe", "ffn": case.ffn, "page_queue_depth": case.page_queue_depth, "cpu_threads": case.cpu_threads,
@@ -324,12 +344,12 @@ def run_serial(case: Case, profile: str) -> dict:
     return {"executor": "serial", **best, "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB}
 
 
-def run_accelerate(case: Case, profile: str) -> dict:
-    """HF transformers + accelerate offload (device_map with max_memory at the same cap)."""
+def _accelerate_model(spec, gpu_weight_bytes: int):
+    """Mixtral ``spec`` in transformers (eager experts) with deterministic dummy bf16 weights, dispatched by accelerate
+    with at most ``gpu_weight_bytes`` of weights on GPU 0 and the rest offloaded to CPU. Returns (model, device map)."""
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    spec = spec_for(case)
     cfg = MixtralConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                         num_key_value_heads=spec.num_kv_heads, num_local_experts=spec.num_experts,
@@ -353,32 +373,61 @@ def run_accelerate(case: Case, profile: str) -> dict:
                     flat[i : i + m].copy_(block[:m])
     log("accelerate model materialized on the CPU")
     model.eval()
-    # leave room for activations: the same cap for weights + everything else
-    dmap = infer_auto_device_map(model, max_memory={0: int(case.gpu_cap * 0.8), "cpu": 200 * GiB},
+    dmap = infer_auto_device_map(model, max_memory={0: gpu_weight_bytes, "cpu": 200 * GiB},
                                  no_split_module_classes=["MixtralDecoderLayer"], dtype=torch.bfloat16)
+    return dispatch_model(model, device_map=dmap), dmap
+
+
+def _accelerate_batch(model, base, b: int, steps: int, gen_len: int) -> dict:
+    """Time ``model.generate`` (greedy) on ``b`` MT-Bench prompts, left-padded: 1 new token, then ``steps + 1``.
+    Decode step = the difference / steps; e2e for ``gen_len`` tokens = b * gen_len / (t(1) + (gen_len - 1) * step)."""
+    prompts = fill(base, b)
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts]).cuda()
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts]).cuda()
+    times = {}
+    for n in (1, steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        times[n] = time.perf_counter() - t0
+    step = (times[steps + 1] - times[1]) / steps
+    return {"batch": b, "step_seconds": step, "decode_tok_s": b / step, "prefill_seconds": times[1],
+            "e2e_tok_s": b * gen_len / (times[1] + (gen_len - 1) * step)}
+
+
+def run_accelerate(case: Case, profile: str) -> dict:
+    """HF transformers + accelerate offload (device_map with max_memory at the same cap), as a user would run it:
+    the largest weight share on the GPU (``case.accel_gpu_fracs`` of the cap, tried in order) that leaves room for
+    the batch's activations, the best of ``case.baseline_batches``; a batch that runs out of memory is recorded."""
+    spec = spec_for(case)
     cap_gpu(case.gpu_cap)
-    model = dispatch_model(model, device_map=dmap)
-    on_gpu = sum(1 for v in dmap.values() if v == 0)
     base = mtbench_prompts()
-    best = None
-    for b in case.baseline_batches:
-        prompts = fill(base, b)
-        L = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts]).cuda()
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts]).cuda()
-        times = {}
-        for steps in (1, case.baseline_steps + 1):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                           do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
-            times[steps] = time.perf_counter() - t0
-        step = (times[case.baseline_steps + 1] - times[1]) / case.baseline_steps
-        r = {"batch": b, "step_seconds": step, "decode_tok_s": b / step, "prefill_seconds": times[1]}
-        best = r if best is None or r["decode_tok_s"] > best["decode_tok_s"] else best
-    return {"executor": "accelerate", **best, "modules_on_gpu": on_gpu, "modules": len(dmap),
-            "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB}
+    tried = []
+    for frac in case.accel_gpu_fracs:
+        model, dmap = _accelerate_model(spec, int(case.gpu_cap * frac))
+        on_gpu = sum(1 for v in dmap.values() if v == 0)
+        results = []
+        for b in case.baseline_batches:
+            try:
+                results.append(_accelerate_batch(model, base, b, case.baseline_steps, case.gen_len))
+                log(f"accelerate gpu share {frac}: batch {b}: {results[-1]['step_seconds']:.2f} s per decode step")
+            except torch.OutOfMemoryError:
+                tried.append({"gpu_frac": frac, "batch": b, "error": "CUDA out of memory"})
+                log(f"accelerate gpu share {frac}: batch {b}: out of memory")
+                torch.cuda.empty_cache()
+                break  # larger batches need more
+        peak = torch.cuda.max_memory_allocated() / GiB
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        if results:
+            best = max(results, key=lambda r: r["decode_tok_s"])
+            return {"executor": "accelerate", **best, "gpu_frac": frac, "batches": results, "out_of_memory": tried,
+                    "modules_on_gpu": on_gpu, "modules": len(dmap), "peak_gpu_GiB": peak}
+    raise RuntimeError(f"accelerate ran out of memory at every GPU share and batch: {tried}")
 
 
 RUNNERS = {"cgopipe": run_cgopipe, "serial": run_serial, "accelerate": run_accelerate}
@@ -429,13 +478,22 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
+            lines.append(f"| {r['case']} | | | | prefill | {r['prefill_tok_s']:.0f} tok/s measured, "
+                         f"{r['pred_prefill_tok_s']:.0f} predicted (prefill micro-batch {p['prefill_mu']} rows, "
+                         f"<= {p['prefill_tokens']} tokens) | | | | | | | | |")
             for v in r.get("variants", ()):
-                lines.append(f"| {r['case']} | | | {v['gen_len']} | same executor, variant {v['variant'] or 'default'} | | "
+                if "error" in v:
+                    lines.append(f"| {r['case']} | | | | same executor, variant {v['variant']} | {v['error']} | | | | | | | | |")
+                    continue
+                lines.append(f"| {r['case']} | | | {v['gen_len']} | same executor, variant {v['variant'] or 'default'} | "
+                             f"prefill {v['prefill_tok_s']:.0f} tok/s | "
                              f"{v['decode_tok_s']:.1f} | | {v['decode_tok_s'] / r['pred_decode_tok_s']:.2f} | "
                              f"{v['e2e_tok_s']:.1f} | | | {(v['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {v['peak_gpu_GiB']:.1f} |")
-        else:
+        else:  # a baseline: decode tok/s of its best batch; e2e where it was measured (accelerate)
+            share = f", weights <= {r['gpu_frac']:.2f} of the cap" if "gpu_frac" in r else ""
+            e2e = f"{r['e2e_tok_s']:.2f}" if "e2e_tok_s" in r else ""
             lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | {r['executor']} | "
-                         f"batch {r['batch']} | {r['decode_tok_s']:.2f} | | | | | | | {r['peak_gpu_GiB']:.1f} |")
+                         f"batch {r['batch']}{share} | {r['decode_tok_s']:.2f} | | | {e2e} | | | | {r['peak_gpu_GiB']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

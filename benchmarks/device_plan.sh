@@ -23,7 +23,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-12)}" in
+case "${1:?usage: device_plan.sh STEP (1-14)}" in
   10)
     # next session, after 11: issue 5's same-run baseline: the full-size accelerate offload and CGOPipe bf16 at the
     # planner's full N (gen 32), same cap, same call (the >= 100x end-to-end target)
@@ -31,6 +31,34 @@ case "${1:?usage: device_plan.sh STEP (1-12)}" in
       --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -4
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 240 \
       --commit "$C" --out "$OUT/full" 2> "$OUT/bench_stderr_full.txt" | tail -4
+    ;;
+  13)
+    # session 6, first benchmark call: the GPU tests of the chunk-wise prefill KV scatter; the full-size accelerate
+    # baseline (now with room for activations: run 19's 0.8 share ran out of memory); CGOPipe bf16 at the planner's
+    # full N with a same-executor prefill micro-batch A/B (128 rows x 16384 tokens, gen 2)
+    timeout 100 python3 -m pytest tests/gpu/test_cgopipe_gpu.py tests/gpu/test_kv_cache_grouped_gpu.py \
+      tests/gpu/test_no_host_sync_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -3 "$OUT/gpu_tests.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-accel --timeout 230 \
+      --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -3
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 240 --variants "prefill=128x16384,gen=2" \
+      --commit "$C" --out "$OUT/full" 2> "$OUT/bench_stderr_full.txt" | tail -5
+    ;;
+  14)
+    # session 6, second call: issue 6 (int4 vs bf16, gen 128, 512 prompts, same call), then the 16 GiB cap with
+    # whatever time is left of the 10-minute call
+    S=$SECONDS
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 300 \
+      --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
+    left=$((580 - (SECONDS - S)))
+    if [ "$left" -gt 150 ]; then
+      python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout "$left" \
+        --commit "$C" --out "$OUT/cap16" 2> "$OUT/bench_stderr_cap16.txt" | tail -4
+    else
+      echo "16 GiB cap skipped: $left s left"
+    fi
     ;;
   11)
     # next session, FIRST: all of tests/gpu (session 5's no-sync changes and offsets never ran on a GPU), then a

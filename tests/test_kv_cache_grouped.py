@@ -107,3 +107,41 @@ def test_one_group_is_the_plain_cache():
     grouped, big = _filled(spec, [9, 2, 17], 3, groups=1)
     assert grouped.num_groups == 1 and grouped.nbytes == big.nbytes
     assert torch.equal(grouped.k[0][0], big.k[0]) and torch.equal(grouped.v[0][0], big.v[0])
+
+
+@pytest.mark.parametrize("groups", [1, 3, 8])
+def test_write_prefill_index_equals_per_row_writes(groups):
+    """A packed chunk scattered by prefill_index / write_prefill_index == write_prefill row by row: every stored value
+    (and the untouched rows and positions stay zero), for a chunk of rows off.. in several length groups, bf16."""
+    spec = _spec(L=2)
+    final = [5, 40, 9, 41, 1, 77, 12, 30, 2, 60]
+    g = torch.Generator().manual_seed(3)
+    a = GroupedKVCache(spec, final, torch.bfloat16, max_groups=groups)
+    b = GroupedKVCache(spec, final, torch.bfloat16, max_groups=groups)
+    off, prompt = 2, [9, 41, 1, 70, 3]  # rows 2..6, prompt lengths (row 4 a single token); rows 0, 1, 7.. untouched
+    ends = torch.tensor(prompt).cumsum(0).tolist()
+    spans = [(e - n, e) for e, n in zip(ends, prompt)]
+    index = a.prefill_index(range(off, off + len(prompt)), spans)
+    assert sorted(i.group for i in index) == sorted(set(int(a.group_of[r]) for r in range(off, off + len(prompt))))
+    for layer in range(spec.num_layers):
+        k = torch.randn(ends[-1], spec.num_kv_heads, spec.head_dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(ends[-1], spec.num_kv_heads, spec.head_dim, generator=g).to(torch.bfloat16)
+        a.write_prefill_index(layer, index, k, v)
+        for j, (s, e) in enumerate(spans):
+            b.write_prefill(layer, off + j, k[s:e], v[s:e])
+    for layer in range(spec.num_layers):
+        for gi in range(a.num_groups):
+            assert torch.equal(a.k[layer][gi], b.k[layer][gi]) and torch.equal(a.v[layer][gi], b.v[layer][gi])
+            assert a.k[layer][gi].abs().sum() > 0 or not any(int(a.group_of[r]) == gi for r in range(off, off + 5))
+
+
+def test_prefill_index_errors():
+    """Mismatched rows / spans, an empty span and a prompt longer than its row's group are errors naming the row."""
+    spec = _spec(L=1)
+    c = GroupedKVCache(spec, [4, 30], torch.float32, max_groups=2)
+    with pytest.raises(ValueError, match="2 rows but 1 spans"):
+        c.prefill_index([0, 1], [(0, 3)])
+    with pytest.raises(ValueError, match="empty span"):
+        c.prefill_index([0, 1], [(0, 3), (3, 3)])
+    with pytest.raises(ValueError, match="prompt of 5 tokens exceeds row 0's cache of 4 positions"):
+        c.prefill_index([0, 1], [(0, 5), (5, 9)])

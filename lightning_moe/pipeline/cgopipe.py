@@ -425,8 +425,17 @@ class CGOPipeExecutor:
             out.append((start, mb.rows[start:]))
         return out
 
-    def _store_prefill_kv(self, l: int, mb: MicroBatch, off: int, spans, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
-        """Write a prefill chunk's k, v [T, Hkv, hd] into rows off.. of the micro-batch's cache.
+    def _prefill_kv_index(self, mb: MicroBatch, off: int, spans) -> Optional[list]:
+        """The chunk's scatter index into its micro-batch's cache rows off.. (GroupedKVCache.prefill_index), on
+        the device its k / v are written from (the GPU for GPU caches, the host for CPU caches); None without KV."""
+        if mb.kv is None:
+            return None
+        src = self.device if (mb.on_gpu or not self.cuda) else torch.device("cpu")
+        return mb.kv.prefill_index(range(off, off + len(spans)), spans, src)
+
+    def _store_prefill_kv(self, l: int, mb: MicroBatch, index: list, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
+        """Write a prefill chunk's k, v [T, Hkv, hd] into its micro-batch's cache (one scatter per length group, by
+        ``index`` from :meth:`_prefill_kv_index`; a copy per sequence cost ~0.1 ms each, RESULTS.md 8).
 
         GPU caches are written in place. For CPU caches on CUDA the copy is asynchronous: k/v go to pinned
         host buffers on the D2H stream and the worker thread writes them into the cache once they landed,
@@ -434,16 +443,14 @@ class CGOPipeExecutor:
         At most two chunks are in flight (bounded pinned staging, as the planner counts).
         """
         if mb.on_gpu or not self.cuda:
-            for j, (s, e) in enumerate(spans):
-                mb.kv.write_prefill(l, off + j, k[s:e], v[s:e])
+            mb.kv.write_prefill_index(l, index, k, v)
             return
         (kh, vh), ready = self._to_host(k, v)
 
         def write():
             ready.synchronize()
             with torch.inference_mode():  # thread-local: the caches are inference tensors
-                for j, (s, e) in enumerate(spans):
-                    mb.kv.write_prefill(l, off + j, kh[s:e], vh[s:e])
+                mb.kv.write_prefill_index(l, index, kh, vh)
 
         while len(pending) >= 2:
             pending.pop(0).result()
@@ -472,7 +479,7 @@ class CGOPipeExecutor:
         into its micro-batch's cache rows (:meth:`_store_prefill_kv`).
         Returns per micro-batch fp32 logits: last token of each row [mu_k, V], or all tokens [T_k, V].
         """
-        chunks = []  # [micro-batch index, first row in it, hidden [T, D], positions [T], spans, ends]
+        chunks = []  # [micro-batch index, KV scatter index (or None), hidden [T, D], positions [T], spans, ends]
         for i, mb in enumerate(mbs):
             for off, rows in self._prefill_chunks(prompts, mb):
                 lens = [len(prompts[r]) for r in rows]
@@ -480,7 +487,8 @@ class CGOPipeExecutor:
                 ends = torch.tensor(lens).cumsum(0)
                 spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
                 pos = torch.cat([torch.arange(n) for n in lens]).to(self.device, non_blocking=True)
-                chunks.append([i, off, self.embed[ids.to(self.device, non_blocking=True)], pos, spans, ends])
+                chunks.append([i, self._prefill_kv_index(mb, off, spans), self.embed[ids.to(self.device, non_blocking=True)],
+                               pos, spans, ends])
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         for l in range(self.spec.num_layers):
             visit = self._visit
@@ -488,12 +496,12 @@ class CGOPipeExecutor:
             self._prefetch_slot(visit + 1, 0, 1)
             self._prefetched = visit + 1
             for ch in chunks:
-                i, off, x, pos, spans, _ = ch
+                i, kv_index, x, pos, spans, _ = ch
                 mb = mbs[i]
                 q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq)  # [T,Hq,hd] [T,Hkv,hd] x2
                 attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd]
                 if mb.kv is not None:
-                    self._store_prefill_kv(l, mb, off, spans, k, v, pending)
+                    self._store_prefill_kv(l, mb, kv_index, k, v, pending)
                 ch[2] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
                 self._pump()
             self._end_layer(visit)

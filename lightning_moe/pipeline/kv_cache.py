@@ -12,7 +12,7 @@ runs once per group over that group's rows only.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -76,6 +76,15 @@ class KVCache:
 
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PrefillIndex(NamedTuple):
+    """Where the tokens of a packed prefill chunk go in one group of a :class:`GroupedKVCache`."""
+
+    group: int  # group g
+    tok: torch.Tensor  # int64 [n_g]: rows of the packed chunk (its k / v) that belong to group g
+    slot: torch.Tensor  # int64 [n_g]: each token's slot in group g
+    pos: torch.Tensor  # int64 [n_g]: each token's position in its own prompt
 
 
 class GroupedKVCache:
@@ -160,6 +169,51 @@ class GroupedKVCache:
             raise ValueError(f"prompt of {S} tokens exceeds row {row}'s cache of {self.sizes[g]} positions")
         self.k[layer][g][slot, :, :S] = k.transpose(0, 1).to(self.device)
         self.v[layer][g][slot, :, :S] = v.transpose(0, 1).to(self.device)
+
+    def prefill_index(self, rows: Sequence[int], spans: Sequence[tuple[int, int]], device=None) -> list[PrefillIndex]:
+        """Scatter index of one packed prefill chunk, for :meth:`write_prefill_index` (built once, used by every layer).
+
+        Args:
+            rows: caller rows of the chunk, one per sequence; ``rows[j]``'s prompt tokens are ``spans[j]``.
+            spans: (start, end) of each sequence in the chunk's packed token dim T (its positions 0..end-start-1).
+            device: where the chunk's k / v will be (the token index goes there); default the cache's device.
+        Returns:
+            per group g holding one of the rows: ``(g, tok, slot, pos)``, int64 ``[n_g]`` each: packed token
+            ``tok[i]`` goes to slot ``slot[i]``, position ``pos[i]`` of group g (tok on ``device``, slot and pos
+            on the cache's device).
+        Raises:
+            ValueError: ``rows`` and ``spans`` differ in length, a span is empty, or a prompt is longer than its
+            row's group (S_g).
+        """
+        if len(rows) != len(spans):
+            raise ValueError(f"GroupedKVCache.prefill_index: {len(rows)} rows but {len(spans)} spans")
+        lens = torch.tensor([e - s for s, e in spans], dtype=torch.int64)  # [J]
+        if len(spans) and int(lens.min()) < 1:
+            raise ValueError(f"GroupedKVCache.prefill_index: empty span in {list(spans)}")
+        r = torch.as_tensor(list(rows), dtype=torch.int64)  # [J]
+        g_of, slot_of = self.group_of[r], self.slot_of[r]  # [J] each
+        too_long = lens > torch.tensor(self.sizes, dtype=torch.int64)[g_of]
+        if bool(too_long.any()):
+            j = int(too_long.nonzero()[0])
+            raise ValueError(f"prompt of {int(lens[j])} tokens exceeds row {int(r[j])}'s cache of "
+                             f"{self.sizes[int(g_of[j])]} positions")
+        seq = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [T'] sequence j of each packed token
+        tok = torch.cat([torch.arange(s, e) for s, e in spans]) if len(spans) else torch.zeros(0, dtype=torch.int64)
+        pos = tok - torch.tensor([s for s, _ in spans], dtype=torch.int64)[seq]  # [T'] position in its own prompt
+        tok_dev = torch.device(device) if device is not None else self.device
+        out = []
+        for g in torch.unique(g_of[seq]).tolist():
+            m = (g_of[seq] == g).nonzero().flatten()  # tokens of group g
+            out.append(PrefillIndex(g, tok[m].to(tok_dev), slot_of[seq[m]].to(self.device), pos[m].to(self.device)))
+        return out
+
+    def write_prefill_index(self, layer: int, index: Sequence["PrefillIndex"], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a packed prefill chunk's keys/values: k, v [T, Hkv, hd], scattered by :meth:`prefill_index`
+        (one index_put per group instead of one copy per sequence). Equal to :meth:`write_prefill` per sequence."""
+        for g, tok, slot, pos in index:
+            K, V = self.k[layer][g], self.v[layer][g]  # [B_g, Hkv, S_g, hd]
+            K[slot, :, pos] = k.index_select(0, tok).to(K.device, K.dtype)  # [n_g, Hkv, hd]
+            V[slot, :, pos] = v.index_select(0, tok).to(V.device, V.dtype)
 
     def append(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one decode token per row: k, v [B', Hkv, hd] for caller rows ``rows`` (int64 [B']), each at
