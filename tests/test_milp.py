@@ -59,9 +59,9 @@ def _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed):
     bf = brute_force(spec, hw, wl, budgets, cands, n_max)
     if bf is None:
         with pytest.raises(PlanInfeasible):
-            milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+            milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False, prefill_growth=False)
         return None
-    pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+    pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False, prefill_growth=False)
     assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
     assert not hrm.memory_violations(pol, spec, wl)
     return pol, est, bf
@@ -183,7 +183,7 @@ def test_milp_equals_brute_force_with_large_fixed_costs(field):
         bf = brute_force(spec, hw, wl, budgets, cands, n_max)
         if bf is None:
             continue
-        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False)
+        pol, est = milp.plan(spec, hw, wl, budgets, candidates=cands, n_max=n_max, tie_break=False, prefill_growth=False)
         assert est.e2e_tok_s == pytest.approx(bf[0], rel=1e-7), (seed, pol, bf[1])
         checked += 1
     assert checked >= 6

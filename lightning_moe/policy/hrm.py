@@ -441,7 +441,7 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     gpu_decode["decode workspaces (2 micro-batches)"] = 2 * micro_batch_workspace(spec, mu, mu, policy.dtype)
     gpu_decode["allocator reserve"] = policy.gpu_reserve
     gpu_prefill = dict(common)
-    gpu_prefill["prefill hidden states (N x prompt)"] = N * s_max * D * b
+    gpu_prefill["prefill hidden states (N prompts)"] = workload.prompt_tokens(N) * D * b  # packed, all N
     tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))  # padded tokens of the largest prefill micro-batch
     gpu_prefill["prefill workspace (1 micro-batch)"] = (micro_batch_workspace(spec, tp, pmu, policy.dtype)
                                                         + tp * spec.kv_elems_per_token * b)

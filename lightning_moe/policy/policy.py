@@ -113,6 +113,22 @@ class Workload:
 
         return _grouped_prompt_mean(self.prompt_lens, N, KV_GROUPS) + self.gen_len
 
+    def prompt_tokens(self, N: int) -> int:
+        """Prompt tokens of a batch of ``N`` sequences, worst case, by :meth:`kv_positions`' convention: the sum of
+        the N longest prompt lengths, or, when N reaches the number of prompts, N x their mean (the batch then holds
+        the whole distribution); N x max_prompt without ``prompt_lens``. CGOPipe's prefill keeps the batch's packed
+        prompt hidden rows on the GPU, this many. Per sequence it is non-increasing in N and at most
+        ``kv_positions(N) - gen_len`` (a padded mean of the same prompts), which the MILP charges.
+        Raises ValueError for N not an int >= 1."""
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+            raise ValueError(f"workload: prompt_tokens needs N an int >= 1, got {N!r}")
+        if self.prompt_lens is None:
+            return N * self.max_prompt
+        lens = self.prompt_lens
+        if N >= len(lens):
+            return N * sum(lens) // len(lens)  # floor: within one token of the mean
+        return sum(sorted(lens, reverse=True)[:N])
+
     def attention_context_offsets(self, N: int, mu: int, n: int, g: int) -> tuple[float, float]:
         """(cpu, gpu): how much longer (tokens; negative: shorter) the prompts of the rows that attend on the CPU /
         on the GPU are than the mean prompt, for a policy of ``n`` micro-batches of ``mu`` rows, ``g`` of them with

@@ -1,0 +1,83 @@
+"""The prefill phase's GPU memory: packed prompt hidden rows (Workload.prompt_tokens), the MILP's per-sequence
+coefficient, and grow_prefill (a larger prefill micro-batch into the memory the decode policy leaves).
+
+Run 21 (RESULTS.md 8): the old model charged every sequence the longest prompt (N x 425 tokens x D x 2 B = 5.4 GiB
+for 1664 MT-Bench rows) where the executor holds the packed prompts (1.1 GiB); the measured GPU peak was 18.4 GiB
+against 23.9 GiB planned.
+"""
+
+import dataclasses
+
+import pytest
+
+from lightning_moe.policy import hrm, milp
+from lightning_moe.policy.hardware import get_preset
+from lightning_moe.policy.policy import Budgets, Policy, Workload
+from lightning_moe.policy.registry import resolve_spec
+
+GiB = 1 << 30
+
+
+def test_prompt_tokens_by_hand():
+    w = Workload.from_lengths([40, 10, 30, 20], gen_len=4)
+    assert w.prompt_tokens(1) == 40  # the longest
+    assert w.prompt_tokens(3) == 40 + 30 + 20
+    assert w.prompt_tokens(4) == 100
+    assert w.prompt_tokens(9) == 225  # the distribution: 9 x its mean 25
+    assert Workload(prompt_len=30, gen_len=4, max_prompt_len=50).prompt_tokens(3) == 150  # no lengths: N x max
+    with pytest.raises(ValueError, match="N an int"):
+        w.prompt_tokens(0)
+
+
+def test_memory_estimate_counts_packed_prompts():
+    spec = resolve_spec("mixtral-8x7b")
+    w = Workload.from_lengths([425] + [60] * 79, gen_len=32)  # one long outlier
+    pol = Policy(mu=64, n=2, prefill_mu=16, resident_experts=0, gpu_reserve=0, cpu_reserve=0)
+    m = hrm.memory_estimate(pol, spec, w)
+    mean = (425 + 60 * 79) / 80
+    assert m.gpu_prefill["prefill hidden states (N prompts)"] == (128 * (425 + 60 * 79) // 80) * spec.hidden_size * 2
+    pol40 = dataclasses.replace(pol, mu=20, n=2)  # 40 of the 80: the 40 longest
+    assert hrm.memory_estimate(pol40, spec, w).gpu_prefill["prefill hidden states (N prompts)"] == (425 + 60 * 39) * spec.hidden_size * 2
+    # the MILP's coefficient per sequence: the prompt part of its KV length, >= the exact mean of the N longest
+    for kv_len in (w.kv_positions(1), w.kv_positions(128)):
+        C = milp._coefficients(spec, get_preset("l4"), w, Budgets(gpu_memory=24 * GiB, cpu_memory=96 * GiB), [64], None, kv_len)
+        assert C.mem_hidden_pre == pytest.approx((kv_len - 32) * spec.hidden_size * 2)
+    for N in (1, 2, 40, 79, 80, 81, 128, 1000):  # the MILP's charge bounds hrm's, per sequence
+        assert w.kv_positions(N) - 32 >= w.prompt_tokens(N) / N - 1e-9
+    assert mean > 60
+
+
+def _mtbench_like():
+    return Workload.from_lengths([425, 300] + [70 + (i * 37) % 90 for i in range(78)], gen_len=32)
+
+
+def test_plan_fits_exact_memory_and_uses_the_freed_memory():
+    """The plan fits hrm's exact bytes, and charging packed prompts (not N x the longest) lets the same budget hold
+    more: at least as many resident experts or sequences as under the old N x s_max charge."""
+    spec, hw = resolve_spec("mixtral-8x7b"), get_preset("l4")
+    w = _mtbench_like()
+    b = Budgets(gpu_memory=24 * GiB, cpu_memory=160 * GiB)
+    pol, est = milp.plan(spec, hw, w, b)
+    assert not hrm.memory_violations(pol, spec, w) and est.gpu_peak <= b.gpu_memory
+    m = hrm.memory_estimate(pol, spec, w)
+    old = m.gpu_peak - m.gpu_prefill["prefill hidden states (N prompts)"] + pol.N * w.max_prompt * spec.hidden_size * 2
+    assert m.gpu_prefill["prefill hidden states (N prompts)"] < pol.N * w.max_prompt * spec.hidden_size * 2
+    assert old > b.gpu_memory or pol.N * w.max_prompt * spec.hidden_size * 2 < GiB  # the old charge would not fit
+
+
+def test_grow_prefill_only_touches_the_prefill_micro_batch():
+    spec, hw = resolve_spec("mixtral-8x7b"), get_preset("l4")
+    w = Workload.from_lengths([80] * 64, gen_len=32)  # a small job
+    base = Policy(mu=64, n=1, prefill_mu=milp.prefill_micro_batch(64, 80), resident_experts=1, gpu_budget=40 * GiB,
+                  cpu_budget=160 * GiB)  # memory left over on the GPU
+    assert base.prefill_mu == 32 and base.prefill_tokens == milp.PREFILL_TOKENS
+    est0 = hrm.evaluate(base, spec, hw, w)
+    grown, est = milp.grow_prefill(base, spec, hw, w)
+    assert grown.prefill_tokens == max(milp.PREFILL_GROW_TOKENS) and grown.prefill_mu > base.prefill_mu
+    assert grown.mu % grown.prefill_mu == 0 and grown.prefill_mu * 80 <= grown.prefill_tokens
+    assert dataclasses.replace(grown, prefill_mu=base.prefill_mu, prefill_tokens=base.prefill_tokens) == base
+    assert not hrm.memory_violations(grown, spec, w) and est.e2e_tok_s >= est0.e2e_tok_s
+    assert grown.prefill_mu == 64
+    # no room: the policy comes back unchanged
+    tight = dataclasses.replace(base, gpu_budget=hrm.memory_estimate(base, spec, w).gpu_peak)
+    assert milp.grow_prefill(tight, spec, hw, w)[0] == tight
