@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
-# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7); the next session runs 11, then 10, then 12 (steps 3-5
-# are superseded by 6-12; the 16 GiB cap is `--cases full32-16g-g32`, not scheduled: ~4 min if time is left):
+# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7), steps 10-14 in session 6 (RESULTS.md 8). The next session
+# runs 15, 16, 17 in that order (~8 + ~9.5 + ~9 min of the 30-minute budget; fire each as soon as the last returns,
+# while the machine is warm). Steps 3-5 are superseded.
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
@@ -23,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
-case "${1:?usage: device_plan.sh STEP (1-14)}" in
+case "${1:?usage: device_plan.sh STEP (1-17)}" in
   10)
     # next session, after 11: issue 5's same-run baseline: the full-size accelerate offload and CGOPipe bf16 at the
     # planner's full N (gen 32), same cap, same call (the >= 100x end-to-end target)
@@ -31,6 +32,43 @@ case "${1:?usage: device_plan.sh STEP (1-14)}" in
       --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -4
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 240 \
       --commit "$C" --out "$OUT/full" 2> "$OUT/bench_stderr_full.txt" | tail -4
+    ;;
+  15)
+    # next session, FIRST: the GPU tests of session 6's chunk-wise prefill KV scatter (run 21 cut them at 100 s after
+    # 11 passed); then why two CPU micro-batches per layer halve the in-executor CPU attention rate (RESULTS.md 8d):
+    # the same int4 layer shape with g 0 and with g 1, timelines side by side; the machine's CPU attention table
+    timeout 240 python3 -m pytest tests/gpu/test_cgopipe_gpu.py tests/gpu/test_kv_cache_grouped_gpu.py \
+      tests/gpu/test_no_host_sync_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -3 "$OUT/gpu_tests.txt"
+    for g in 0 1; do
+      timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn $g \
+        --gen 8 --trace "$OUT/trace_int4_g$g.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4_g$g.txt" | head -4
+    done
+    timeout 60 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
+    ;;
+  16)
+    # next session, second: issue 6 with the planner after session 6's prefill-memory fix (expected 256 x 2, 97
+    # resident, g 1) against bf16 (expected 512 x 1, 43 resident), same call; bf16 needs ~330 s on a slow host
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 190 \
+      --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 370 \
+      --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
+    ;;
+  17)
+    # next session, third: issue 5 at the planner's full N with the new memory model (expected 384 x 5 = 1920, 40
+    # resident: check the peak stays under the cap), the same-run accelerate baseline, then the 16 GiB cap
+    S=$SECONDS
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-accel --timeout 200 \
+      --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -3
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 230 \
+      --commit "$C" --out "$OUT/full" 2> "$OUT/bench_stderr_full.txt" | tail -4
+    left=$((585 - (SECONDS - S)))
+    if [ "$left" -gt 150 ]; then
+      python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout "$left" \
+        --commit "$C" --out "$OUT/cap16" 2> "$OUT/bench_stderr_cap16.txt" | tail -4
+    else
+      echo "16 GiB cap skipped: $left s left"
+    fi
     ;;
   13)
     # session 6, first benchmark call: the GPU tests of the chunk-wise prefill KV scatter; the full-size accelerate
