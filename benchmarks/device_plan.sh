@@ -24,6 +24,16 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=${BENCH_COMMIT:-unknown}
+# the 16 GiB cap case with the time left before second DEADLINE of this shell (skipped under 150 s)
+cap16_with_time_left() {
+  local left=$(($1 - SECONDS))
+  if [ "$left" -gt 150 ]; then
+    python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout "$left" \
+      --commit "$C" --out "$OUT/cap16" 2> "$OUT/bench_stderr_cap16.txt" | tail -4
+  else
+    echo "16 GiB cap skipped: $left s left"
+  fi
+}
 case "${1:?usage: device_plan.sh STEP (1-17)}" in
   10)
     # next session, after 11: issue 5's same-run baseline: the full-size accelerate offload and CGOPipe bf16 at the
@@ -62,13 +72,7 @@ case "${1:?usage: device_plan.sh STEP (1-17)}" in
       --commit "$C" --out "$OUT/accel" 2> "$OUT/bench_stderr_accel.txt" | tail -3
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 230 \
       --commit "$C" --out "$OUT/full" 2> "$OUT/bench_stderr_full.txt" | tail -4
-    left=$((585 - (SECONDS - S)))
-    if [ "$left" -gt 150 ]; then
-      python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout "$left" \
-        --commit "$C" --out "$OUT/cap16" 2> "$OUT/bench_stderr_cap16.txt" | tail -4
-    else
-      echo "16 GiB cap skipped: $left s left"
-    fi
+    cap16_with_time_left $((S + 585))
     ;;
   13)
     # session 6, first benchmark call: the GPU tests of the chunk-wise prefill KV scatter; the full-size accelerate
@@ -90,13 +94,7 @@ case "${1:?usage: device_plan.sh STEP (1-17)}" in
       --commit "$C" --out "$OUT/int4" 2> "$OUT/bench_stderr_int4.txt" | tail -4
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 300 \
       --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
-    left=$((580 - (SECONDS - S)))
-    if [ "$left" -gt 150 ]; then
-      python3 benchmarks/bench_cgopipe.py --cases full32-16g-g32 --timeout "$left" \
-        --commit "$C" --out "$OUT/cap16" 2> "$OUT/bench_stderr_cap16.txt" | tail -4
-    else
-      echo "16 GiB cap skipped: $left s left"
-    fi
+    cap16_with_time_left $((S + 580))
     ;;
   11)
     # next session, FIRST: all of tests/gpu (session 5's no-sync changes and offsets never ran on a GPU), then a
