@@ -13,6 +13,8 @@ costs the factor of ~4:
    so the KV is not in the CPU caches, on the main thread;
 3. ``grouped-worker``: the same on a one-thread ThreadPoolExecutor, as CGOPipe runs it, with the output
    copied into pinned memory (``.pin_memory()``, CUDA only) as the executor does;
+3b. the same with one native call per length group (session 5's executor) instead of one call over all groups
+   (``decode_attention_append_groups``, session 6): the same-run A/B of that change;
 4. ``grouped-worker+h2d`` (CUDA only): the same while another thread streams pinned host memory to the GPU
    at full rate (the expert pages of a bf16 run: ~55 GB/s of DMA reads of host DRAM);
 5. ``grouped-worker+host`` (CUDA only): the same while a Python thread plays CGOPipe's host thread: it
@@ -22,7 +24,7 @@ costs the factor of ~4:
 
 Run: ``python benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8``. Prints one markdown table
 (GB/s of valid KV = 2 Hkv hd itemsize bytes per attended position; ms per layer; best of --repeats). Runs
-without CUDA (conditions 1-3, no pinning).
+without CUDA (conditions 1-3b, no pinning).
 """
 
 from __future__ import annotations
@@ -73,6 +75,25 @@ def _with_thread(target, args, fn):
         th.join()
 
 
+def _per_group_calls(fn):
+    """``fn()`` with GroupedKVCache.append_attend making one native call per length group (session 5's way) instead of
+    one call over all groups: the same-run A/B of decode_attention_append_groups."""
+    from lightning_moe.kernels import cpu_attention as CA
+
+    one_call = CA.decode_attention_append_groups
+
+    def per_group(q, k_new, v_new, rows, k_caches, v_caches, lengths, out, sliding_window=None, **kw):
+        for r, kc, vc, n in zip(rows, k_caches, v_caches, lengths):
+            one_call(q, k_new, v_new, [r], [kc], [vc], [n], out, sliding_window)
+        return out
+
+    CA.decode_attention_append_groups = per_group
+    try:
+        return fn()
+    finally:
+        CA.decode_attention_append_groups = one_call
+
+
 def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -> list[tuple[str, float, float]]:
     """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` MT-Bench-length sequences at decode step
     ``step`` (conditions 2-4 are policy/profiler.measure_cpu_attention_executor with these lengths)."""
@@ -93,6 +114,7 @@ def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -
     pin = " + pin_memory" if cuda else ""
     out.append(("grouped (<= 8 groups), main thread" + pin, grouped(False)))
     out.append(("grouped, worker thread" + pin, grouped(True)))
+    out.append(("grouped, worker thread, one native call per group (session 5)" + pin, _per_group_calls(lambda: grouped(True))))
     if cuda:
         out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D",
                     _with_thread(_h2d_load, (1 << 30,), lambda: grouped(True))))

@@ -151,3 +151,56 @@ def test_bad_mode_variable_is_an_error(monkeypatch):
         C.native_available()
     monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "Native")
     assert C.native_available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("append", [True, False])
+def test_groups_in_one_call_equal_one_call_per_group(dtype, window, append):
+    """decode_attention_append_groups (one parallel region, longest rows first) == decode_attention_append once per
+    group, bit for bit: outputs, appended K/V; groups of different S, an empty group, rows interleaved across groups,
+    and rows in no group left untouched. Each call is also checked against the pure-torch reference."""
+    B, Hq, Hkv, hd = 11, 8, 2, 128
+    groups = [([9, 2, 5], [0, 30, 17], 31), ([], [], 4), ([0, 7], [3, 1], 8), ([4, 1, 6, 10], [12, 12, 2, 40], 41)]
+    if not append:  # attend over ``lengths`` positions: lengths >= 1
+        groups = [(r, [max(1, n) for n in lens], S) for r, lens, S in groups]
+    g = torch.Generator().manual_seed(11 + append + 2 * (window is not None))
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    q, kn, vn = rnd(B, Hq, hd), rnd(B, Hkv, hd), rnd(B, Hkv, hd)
+    caches = [(rnd(len(r), Hkv, S, hd), rnd(len(r), Hkv, S, hd)) for r, _, S in groups]
+    rows = [torch.tensor(r, dtype=torch.int64) for r, _, _ in groups]
+    lens = [torch.tensor(n, dtype=torch.int64) for _, n, _ in groups]
+    one = [(k.clone(), v.clone()) for k, v in caches]
+    ref = [(k.clone(), v.clone()) for k, v in caches]
+    out_g = torch.full((B, Hq * hd), float("nan"), dtype=dtype)
+    out_1, out_r = out_g.clone(), out_g.clone()
+    nk, nv = (kn, vn) if append else (None, None)
+    C.decode_attention_append_groups(q, nk, nv, rows, [k for k, _ in caches], [v for _, v in caches], lens, out_g, window)
+    for i in range(len(groups)):
+        C.decode_attention_append(q, nk, nv, rows[i], one[i][0], one[i][1], lens[i], out_1, window)
+        C.decode_attention_append_reference(q, nk, nv, rows[i], ref[i][0], ref[i][1], lens[i], out_r, window)
+    assert torch.equal(torch.nan_to_num(out_g, 9.0), torch.nan_to_num(out_1, 9.0))  # bit for bit (NaN: untouched rows)
+    for (k, v), (k1, v1), (kr, vr) in zip(caches, one, ref):
+        assert torch.equal(k, k1) and torch.equal(v, v1) and torch.equal(k, kr) and torch.equal(v, vr)
+    covered = sorted(int(x) for r in rows for x in r)
+    assert covered == [0, 1, 2, 4, 5, 6, 7, 9, 10] and torch.isnan(out_g[[3, 8]]).all()
+    assert torch.isfinite(out_g[covered]).all() and _rel(out_g[covered], out_r[covered]) < TOL[dtype]
+
+
+def test_groups_errors_name_the_group():
+    B, Hq, Hkv, hd = 4, 4, 2, 16
+    q, kn, vn = torch.randn(B, Hq, hd), torch.randn(B, Hkv, hd), torch.randn(B, Hkv, hd)
+    out = torch.empty(B, Hq * hd)
+    k0, v0 = torch.zeros(2, Hkv, 8, hd), torch.zeros(2, Hkv, 8, hd)
+    r0, n0 = torch.tensor([0, 1]), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="one rows / k_cache / v_cache / lengths per group"):
+        C.decode_attention_append_groups(q, kn, vn, [r0], [k0, k0], [v0], [n0], out)
+    with pytest.raises(ValueError, match="appears twice"):
+        C.decode_attention_append_groups(q, kn, vn, [r0, torch.tensor([1])], [k0, k0[:1].clone()], [v0, v0[:1].clone()],
+                                         [n0, torch.tensor([0])], out)
+    with pytest.raises(ValueError, match=r"\(group 1\).*Hkv, hd as in group 0"):
+        C.decode_attention_append_groups(q, kn, vn, [r0, torch.tensor([2])], [k0, torch.zeros(1, 1, 8, hd)],
+                                         [v0, torch.zeros(1, 1, 8, hd)], [n0, torch.tensor([0])], out)
+    with pytest.raises(ValueError, match=r"\(group 1\): lengths in \[8, 8\]"):
+        C.decode_attention_append_groups(q, kn, vn, [r0, torch.tensor([2])], [k0, torch.zeros(1, Hkv, 8, hd)],
+                                         [v0, torch.zeros(1, Hkv, 8, hd)], [n0, torch.tensor([8])], out)

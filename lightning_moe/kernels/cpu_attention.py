@@ -30,7 +30,7 @@ import hashlib
 import logging
 import os
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ _CPP = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -179,73 +180,109 @@ inline void heads(const typename Tr::raw* q, const typename Tr::raw* Ks, const t
   for (; g < G; ++g) head_block<Tr, 1, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
 }
 
+// one cache group's pointers and strides (a length group of the grouped KV cache)
+template <typename raw>
+struct Group {
+  raw* K;
+  raw* V;
+  const int64_t* rows;  // caller row of each cache row
+  const int64_t* lens;  // positions cached per cache row
+  int64_t Bg;  // cache rows
+  int64_t c_row, c_head;  // cache strides: row, head (positions of one head are contiguous rows of hd)
+};
+
+// one (cache row b, KV head h) item: append the new K/V (optional), attend over the valid positions
 template <typename Tr>
-void attend(const typename Tr::raw* q, const typename Tr::raw* k_new, const typename Tr::raw* v_new,
-            const int64_t* rows, typename Tr::raw* K, typename Tr::raw* V, const int64_t* lens,
-            typename Tr::raw* out, int64_t Bg, int64_t Hkv, int64_t G, int64_t hd, int64_t window, bool append,
-            int64_t q_row, int64_t kn_row, int64_t out_row, int64_t c_row, int64_t c_head) {
+inline void attend_item(const Group<typename Tr::raw>& gr, int64_t b, int64_t h, const typename Tr::raw* q,
+                        const typename Tr::raw* k_new, const typename Tr::raw* v_new, typename Tr::raw* out,
+                        int64_t G, int64_t hd, int64_t window, bool append, int64_t q_row, int64_t kn_row,
+                        int64_t out_row, float scale, float* qf, std::vector<float>& scores, float* acc) {
   using raw = typename Tr::raw;
+  const int64_t r = gr.rows[b], L = gr.lens[b];
+  raw* Kb = gr.K + b * gr.c_row + h * gr.c_head;
+  raw* Vb = gr.V + b * gr.c_row + h * gr.c_head;
+  if (append) {
+    std::memcpy(Kb + L * hd, k_new + r * kn_row + h * hd, hd * sizeof(raw));
+    std::memcpy(Vb + L * hd, v_new + r * kn_row + h * hd, hd * sizeof(raw));
+  }
+  const int64_t stop = append ? L + 1 : L;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, stop - window) : 0;
+  const int64_t n = stop - start;
+  scores.resize(4 * n);
+  const raw* Ks = Kb + start * hd;
+  const raw* Vs = Vb + start * hd;
+  const raw* qh = q + r * q_row + h * G * hd;
+  raw* oh = out + r * out_row + h * G * hd;
+  if (hd == 128)
+    heads<Tr, 128>(qh, Ks, Vs, oh, G, n, hd, scale, qf, scores.data(), acc);
+  else
+    heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, qf, scores.data(), acc);
+}
+
+// every (group, cache row, KV head) item of ALL groups in one parallel region, longest rows first: one fork/join
+// per CPU micro-batch and layer instead of one per group, and the longest items start first so the last ones to
+// finish are short (longest-processing-time order). Items are handed out dynamically: a thread that shares its
+// core with the host thread or a spinning CUDA sync takes fewer items instead of holding up the call (static
+// chunks made every call wait for the slowest thread: RESULTS.md 7b). Team size: torch's intra-op thread count.
+template <typename Tr>
+void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typename Tr::raw* q,
+                   const typename Tr::raw* k_new, const typename Tr::raw* v_new, typename Tr::raw* out, int64_t Hkv,
+                   int64_t G, int64_t hd, int64_t window, bool append, int64_t q_row, int64_t kn_row,
+                   int64_t out_row) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // (row, KV head) items handed out dynamically: a thread that shares its core with the host thread or a
-  // spinning CUDA sync takes fewer items instead of holding up the call (static chunks made every call wait
-  // for the slowest thread: RESULTS.md 7b). Team size: torch's intra-op thread count.
-  const int64_t items = Bg * Hkv;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (-attended length, group << 32 | cache row)
+  for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
+    for (int64_t b = 0; b < groups[g].Bg; ++b) order.emplace_back(-groups[g].lens[b], (g << 32) | b);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  const int64_t items = static_cast<int64_t>(order.size()) * Hkv;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> qf(4 * hd), acc(4 * hd), scores;
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 2)
     for (int64_t i = 0; i < items; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv, r = rows[b], L = lens[b];
-      raw* Kb = K + b * c_row + h * c_head;  // positions of one head are contiguous rows of hd elements
-      raw* Vb = V + b * c_row + h * c_head;
-      if (append) {
-        std::memcpy(Kb + L * hd, k_new + r * kn_row + h * hd, hd * sizeof(raw));
-        std::memcpy(Vb + L * hd, v_new + r * kn_row + h * hd, hd * sizeof(raw));
-      }
-      const int64_t stop = append ? L + 1 : L;
-      const int64_t start = window > 0 ? std::max<int64_t>(0, stop - window) : 0;
-      const int64_t n = stop - start;
-      scores.resize(4 * n);
-      const raw* Ks = Kb + start * hd;
-      const raw* Vs = Vb + start * hd;
-      const raw* qh = q + r * q_row + h * G * hd;
-      raw* oh = out + r * out_row + h * G * hd;
-      if (hd == 128)
-        heads<Tr, 128>(qh, Ks, Vs, oh, G, n, hd, scale, qf.data(), scores.data(), acc.data());
-      else
-        heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, qf.data(), scores.data(), acc.data());
+      const int64_t key = order[i / Hkv].second, h = i % Hkv;
+      attend_item<Tr>(groups[key >> 32], key & 0xffffffffLL, h, q, k_new, v_new, out, G, hd, window, append, q_row,
+                      kn_row, out_row, scale, qf.data(), scores, acc.data());
     }
   }
 }
 
-void decode_attention_append(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor rows, at::Tensor K,
-                             at::Tensor V, at::Tensor lens, at::Tensor out, int64_t window, bool append) {
-  // shapes / dtypes / contiguity are checked by the Python wrapper
-  const int64_t Bg = K.size(0), Hkv = K.size(1), hd = K.size(3);
+// groups: K, V [B_g, Hkv, S_g, hd], rows and lens int64 [B_g] per group; shapes / dtypes / contiguity are checked
+// by the Python wrapper
+void decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::Tensor v_new, std::vector<at::Tensor> rows,
+                                    std::vector<at::Tensor> K, std::vector<at::Tensor> V, std::vector<at::Tensor> lens,
+                                    at::Tensor out, int64_t window, bool append) {
+  TORCH_CHECK(!K.empty() && K.size() == V.size() && K.size() == rows.size() && K.size() == lens.size(),
+              "decode_attention_append_groups: one K, V, rows and lengths tensor per group");
+  const int64_t Hkv = K[0].size(1), hd = K[0].size(3);
   const int64_t G = q.size(1) / Hkv;
   const int64_t q_row = q.stride(0), kn_row = k_new.stride(0), out_row = out.stride(0);
-  const int64_t c_row = K.stride(0), c_head = K.stride(1);  // V has the same strides (checked by the wrapper)
   auto run = [&](auto tr) {
     using Tr = decltype(tr);
     using raw = typename Tr::raw;
-    attend<Tr>(static_cast<const raw*>(q.data_ptr()), static_cast<const raw*>(k_new.data_ptr()),
-               static_cast<const raw*>(v_new.data_ptr()), rows.data_ptr<int64_t>(), static_cast<raw*>(K.data_ptr()),
-               static_cast<raw*>(V.data_ptr()), lens.data_ptr<int64_t>(), static_cast<raw*>(out.data_ptr()), Bg, Hkv,
-               G, hd, window, append, q_row, kn_row, out_row, c_row, c_head);
+    std::vector<Group<raw>> groups;
+    for (size_t g = 0; g < K.size(); ++g)  // V has K's strides (checked by the wrapper)
+      groups.push_back({static_cast<raw*>(K[g].data_ptr()), static_cast<raw*>(V[g].data_ptr()),
+                        rows[g].data_ptr<int64_t>(), lens[g].data_ptr<int64_t>(), K[g].size(0), K[g].stride(0),
+                        K[g].stride(1)});
+    attend_groups<Tr>(groups, static_cast<const raw*>(q.data_ptr()), static_cast<const raw*>(k_new.data_ptr()),
+                      static_cast<const raw*>(v_new.data_ptr()), static_cast<raw*>(out.data_ptr()), Hkv, G, hd,
+                      window, append, q_row, kn_row, out_row);
   };
-  switch (K.scalar_type()) {
+  switch (K[0].scalar_type()) {
     case at::kFloat: run(F32()); break;
     case at::kBFloat16: run(BF16()); break;
     case at::kHalf: run(F16()); break;
-    default: TORCH_CHECK(false, "decode_attention_append: unsupported dtype ", K.scalar_type());
+    default: TORCH_CHECK(false, "decode_attention_append_groups: unsupported dtype ", K[0].scalar_type());
   }
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention_append", &decode_attention_append, py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention_append_groups", &decode_attention_append_groups, py::call_guard<py::gil_scoped_release>());
 }
 """
 
@@ -315,60 +352,91 @@ def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_ne
     in fp32. Equals :func:`decode_attention_append_reference` up to summation order (fp32 ~1e-6, bf16 ~1e-2
     relative, one rounding of the output).
     Raises:
-        ValueError: shape, dtype, device or contiguity mismatch, a row index out of range, a length out of
-        [0, S) (with append) / [1, S] (without).
+        ValueError: shape, dtype, device or contiguity mismatch, a row index out of range or repeated, a length out
+        of [0, S) (with append) / [1, S] (without).
         RuntimeError: the native kernel is not available (:func:`native_available` is False).
     """
-    fn = "decode_attention_append"
+    return decode_attention_append_groups(q, k_new, v_new, [rows], [k_cache], [v_cache], [lengths], out, sliding_window,
+                                          fn="decode_attention_append")
+
+
+def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
+                                   rows: Sequence[torch.Tensor], k_caches: Sequence[torch.Tensor],
+                                   v_caches: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor], out: torch.Tensor,
+                                   sliding_window: Optional[int] = None, fn: str = "decode_attention_append_groups"
+                                   ) -> torch.Tensor:
+    """:func:`decode_attention_append` over several cache groups (the length groups of a grouped KV cache) in ONE
+    native call: one parallel region over every (group, cache row, KV head) item, longest rows first, instead of
+    one call per group. ``rows[g]``, ``k_caches[g]``, ``v_caches[g]``, ``lengths[g]`` are group g's arguments of
+    :func:`decode_attention_append` (caches ``[B_g, Hkv, S_g, hd]``: the same Hkv, hd and dtype in every group);
+    the rows of all groups are distinct. Returns ``out``; the same results as one call per group, bit for bit.
+    Raises ValueError (as :func:`decode_attention_append`, naming the group) or RuntimeError without the kernel.
+    """
     if not native_available():
         raise RuntimeError(f"{fn}: the native CPU attention kernel is not available (see native_available())")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or q.dim() != 3:
-        raise ValueError(f"{fn}: need q [B, Hq, hd] and caches [B_g, Hkv, S, hd] of one shape, got q {tuple(q.shape)}, "
-                         f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
-    Bg, Hkv, S, hd = k_cache.shape
+    if not (len(rows) == len(k_caches) == len(v_caches) == len(lengths)) or not k_caches:
+        raise ValueError(f"{fn}: need one rows / k_cache / v_cache / lengths per group, got {len(rows)} / "
+                         f"{len(k_caches)} / {len(v_caches)} / {len(lengths)}")
+    if q.dim() != 3:
+        raise ValueError(f"{fn}: need q [B, Hq, hd], got q {tuple(q.shape)}")
     B, Hq = q.shape[0], q.shape[1]
-    if q.shape[2] != hd or Hq % Hkv:
-        raise ValueError(f"{fn}: q {tuple(q.shape)} does not fit caches with {Hkv} KV heads of dim {hd}")
     append = k_new is not None
     if append != (v_new is not None):
         raise ValueError(f"{fn}: give both k_new and v_new or neither")
-    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)]
+    Hkv, hd = (k_caches[0].shape[1], k_caches[0].shape[3]) if k_caches[0].dim() == 4 else (0, 0)
+    tensors = [("q", q), ("out", out)]
     if append:
-        if k_new.shape != (B, Hkv, hd) or v_new.shape != (B, Hkv, hd):
-            raise ValueError(f"{fn}: k_new / v_new must be [B, Hkv, hd] = {(B, Hkv, hd)}, got {tuple(k_new.shape)} / "
-                             f"{tuple(v_new.shape)}")
         tensors += [("k_new", k_new), ("v_new", v_new)]
-    if out.shape != (B, Hq * hd):
-        raise ValueError(f"{fn}: out must be [B, Hq*hd] = {(B, Hq * hd)}, got {tuple(out.shape)}")
     for name, t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"{fn}: {name} must be on the CPU, got {t.device}")
-        if t.dtype != k_cache.dtype or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"{fn}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share one of "
-                             f"bf16 / fp16 / fp32 (cache: {k_cache.dtype})")
-        if name.endswith("_cache"):  # checked below: each head's positions contiguous
-            continue
         if t.shape[0] and not t[0].is_contiguous():  # each row contiguous (rows may be strided)
             raise ValueError(f"{fn}: {name} rows must be contiguous, got strides {t.stride()}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.stride(2) != hd:
-        raise ValueError(f"{fn}: each head's positions must be contiguous rows of hd elements, with the same strides "
-                         f"for K and V (e.g. the caches or slices [:, :, :n] of them), got {k_cache.stride()} / "
-                         f"{v_cache.stride()}")
-    if rows.dtype != torch.int64 or lengths.dtype != torch.int64 or rows.shape != (Bg,) or lengths.shape != (Bg,):
-        raise ValueError(f"{fn}: rows and lengths must be int64 [B_g] = [{Bg}], got {rows.dtype} {tuple(rows.shape)}, "
-                         f"{lengths.dtype} {tuple(lengths.shape)}")
-    rows, lengths = rows.contiguous(), lengths.contiguous()
-    if Bg:
-        if int(rows.min()) < 0 or int(rows.max()) >= B:
-            raise ValueError(f"{fn}: rows must lie in [0, {B}), got [{int(rows.min())}, {int(rows.max())}]")
-        lo, hi = int(lengths.min()), int(lengths.max())
-        if (append and (lo < 0 or hi >= S)) or (not append and (lo < 1 or hi > S)):
-            raise ValueError(f"{fn}: lengths in [{lo}, {hi}] do not fit a cache of {S} positions "
-                             f"({'append needs 0 <= length < S' if append else 'need 1 <= length <= S'})")
+    cleaned = []
+    for g, (r, kc, vc, n) in enumerate(zip(rows, k_caches, v_caches, lengths)):
+        where = f" (group {g})" if len(k_caches) > 1 else ""
+        if kc.dim() != 4 or vc.shape != kc.shape or kc.shape[1] != Hkv or kc.shape[3] != hd:
+            raise ValueError(f"{fn}{where}: need q [B, Hq, hd] and caches [B_g, Hkv, S, hd] of one shape (Hkv, hd as in "
+                             f"group 0), got q {tuple(q.shape)}, k {tuple(kc.shape)}, v {tuple(vc.shape)}")
+        Bg, S = kc.shape[0], kc.shape[2]
+        if q.shape[2] != hd or Hq % Hkv:
+            raise ValueError(f"{fn}: q {tuple(q.shape)} does not fit caches with {Hkv} KV heads of dim {hd}")
+        if append and (k_new.shape != (B, Hkv, hd) or v_new.shape != (B, Hkv, hd)):
+            raise ValueError(f"{fn}: k_new / v_new must be [B, Hkv, hd] = {(B, Hkv, hd)}, got {tuple(k_new.shape)} / "
+                             f"{tuple(v_new.shape)}")
+        if out.shape != (B, Hq * hd):
+            raise ValueError(f"{fn}: out must be [B, Hq*hd] = {(B, Hq * hd)}, got {tuple(out.shape)}")
+        for name, t in tensors + [("k_cache", kc), ("v_cache", vc)]:
+            if t.dtype != kc.dtype or t.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+                    or t.dtype != k_caches[0].dtype:
+                raise ValueError(f"{fn}{where}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share "
+                                 f"one of bf16 / fp16 / fp32 (cache: {kc.dtype})")
+            if t.device.type != "cpu":
+                raise ValueError(f"{fn}{where}: {name} must be on the CPU, got {t.device}")
+        if kc.stride() != vc.stride() or kc.stride(3) != 1 or kc.stride(2) != hd:
+            raise ValueError(f"{fn}{where}: each head's positions must be contiguous rows of hd elements, with the same "
+                             f"strides for K and V (e.g. the caches or slices [:, :, :n] of them), got {kc.stride()} / "
+                             f"{vc.stride()}")
+        if r.dtype != torch.int64 or n.dtype != torch.int64 or r.shape != (Bg,) or n.shape != (Bg,):
+            raise ValueError(f"{fn}{where}: rows and lengths must be int64 [B_g] = [{Bg}], got {r.dtype} "
+                             f"{tuple(r.shape)}, {n.dtype} {tuple(n.shape)}")
+        r, n = r.contiguous(), n.contiguous()
+        if Bg:
+            if int(r.min()) < 0 or int(r.max()) >= B:
+                raise ValueError(f"{fn}{where}: rows must lie in [0, {B}), got [{int(r.min())}, {int(r.max())}]")
+            lo, hi = int(n.min()), int(n.max())
+            if (append and (lo < 0 or hi >= S)) or (not append and (lo < 1 or hi > S)):
+                raise ValueError(f"{fn}{where}: lengths in [{lo}, {hi}] do not fit a cache of {S} positions "
+                                 f"({'append needs 0 <= length < S' if append else 'need 1 <= length <= S'})")
+        cleaned.append((r, kc, vc, n))
+    all_rows = torch.cat([c[0] for c in cleaned])
+    if all_rows.numel() != torch.unique(all_rows).numel():
+        raise ValueError(f"{fn}: a caller row appears twice in rows (each output row has one writer)")
     window = int(sliding_window) if sliding_window else -1
     kn = k_new if append else q.new_empty((0, Hkv, hd))
     vn = v_new if append else q.new_empty((0, Hkv, hd))
-    _module.decode_attention_append(q, kn, vn, rows, k_cache, v_cache, lengths, out, window, append)
+    _module.decode_attention_append_groups(q, kn, vn, [c[0] for c in cleaned], [c[1] for c in cleaned],
+                                           [c[2] for c in cleaned], [c[3] for c in cleaned], out, window, append)
     return out
 
 

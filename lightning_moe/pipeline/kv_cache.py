@@ -245,8 +245,8 @@ class GroupedKVCache:
         """CPU decode step of one layer for every row: append k/v at position lengths[row], attend over lengths + 1
         positions (no length update), output rows in the caller's order.
 
-        One native call per group (kernels.cpu_attention.decode_attention_append: append and attention in one
-        pass, output rows written straight into ``out``) when the kernel is available for these operands; else
+        One native call over all groups (kernels.cpu_attention.decode_attention_append_groups: append and attention
+        in one pass, output rows written straight into ``out``) when the kernel is available for these operands; else
         :meth:`append` + :meth:`attend` with ``pipeline.cpu_attention.cpu_decode_attention``.
         q [B, Hq, hd], k / v [B, Hkv, hd] in the cache dtype on the CPU; ``out`` [B, Hq*hd] (e.g. pinned) or None
         (allocated). Returns ``out``. Raises ValueError on a full row or mismatched shapes.
@@ -260,12 +260,11 @@ class GroupedKVCache:
         if out is None:
             out = torch.empty((B, q.shape[1] * q.shape[2]), dtype=q.dtype)
         if self.device.type == "cpu" and _native_ok(q, self.k[layer][0], self.v[layer][0]) and k.dtype == q.dtype:
-            from ..kernels.cpu_attention import decode_attention_append
+            from ..kernels.cpu_attention import decode_attention_append_groups
 
-            for g, rows in enumerate(self.rows):
-                decode_attention_append(q, k, v, rows, self.k[layer][g], self.v[layer][g], self.lengths[rows], out,
-                                        self.sliding_window)
-            return out
+            # one native call for all groups (one parallel region, longest rows first)
+            return decode_attention_append_groups(q, k, v, self.rows, self.k[layer], self.v[layer],
+                                                  [self.lengths[r] for r in self.rows], out, self.sliding_window)
         self.append(layer, torch.arange(B), k, v)
         sw = self.sliding_window
         out.copy_(self.attend(layer, q, self.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)))
