@@ -110,8 +110,9 @@ def test_two_layer_hand_computed():
     kv = 2 * 7 * 2 * 8 * 2  # 2 GPU-KV sequences x (4 + 3) positions x 2 layers x 8 elems x 2 B
     ws_dec = 2 * (2 * (16 + 8 + 8 + 8) * 2 + 2 * 2 * (16 + 32) * 2 + 2 * 2 * 12 + 2 * 4 * 4 + 2 * 32 * 4)
     ws_pre = 8 * 40 * 2 + 8 * 2 * 48 * 2 + 8 * 2 * 12 + 8 * 4 * 4 + 2 * 32 * 4 + 8 * 8 * 2
-    assert sum(m.gpu_decode.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * 8 * 2 + ws_dec
-    assert sum(m.gpu_prefill.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * 4 * 8 * 2 + ws_pre
+    # hidden rows: 6 rows x (D 8 + RoPE cos/sin 2 x hd 4) x 2 B; prefill: 6 x 4 prompt tokens x (that + 34 B of indexes)
+    assert sum(m.gpu_decode.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * (8 + 8) * 2 + ws_dec
+    assert sum(m.gpu_prefill.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * 4 * ((8 + 8) * 2 + 34) + ws_pre
     assert m.cpu_peak == 4 * We + 4 * 7 * 2 * 8 * 2 + 2 * 4 * 24 * 2 + 2 * 2 * 4 * 8 * 2
     assert est.gpu_peak == max(sum(m.gpu_decode.values()), sum(m.gpu_prefill.values()))
 

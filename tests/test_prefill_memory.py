@@ -35,13 +35,15 @@ def test_memory_estimate_counts_packed_prompts():
     pol = Policy(mu=64, n=2, prefill_mu=16, resident_experts=0, gpu_reserve=0, cpu_reserve=0)
     m = hrm.memory_estimate(pol, spec, w)
     mean = (425 + 60 * 79) / 80
-    assert m.gpu_prefill["prefill hidden states (N prompts)"] == (128 * (425 + 60 * 79) // 80) * spec.hidden_size * 2
+    per_token = (spec.hidden_size + 2 * spec.head_dim) * 2 + hrm.PREFILL_INDEX_BYTES  # hidden row, RoPE tables, indexes
+    assert hrm.prefill_token_bytes(spec, "bf16") == per_token == 8738  # (4096 + 2 x 128) x 2 B + 34
+    assert m.gpu_prefill["prefill hidden states (N prompts)"] == (128 * (425 + 60 * 79) // 80) * per_token
     pol40 = dataclasses.replace(pol, mu=20, n=2)  # 40 of the 80: the 40 longest
-    assert hrm.memory_estimate(pol40, spec, w).gpu_prefill["prefill hidden states (N prompts)"] == (425 + 60 * 39) * spec.hidden_size * 2
+    assert hrm.memory_estimate(pol40, spec, w).gpu_prefill["prefill hidden states (N prompts)"] == (425 + 60 * 39) * per_token
     # the MILP's coefficient per sequence: the prompt part of its KV length, >= the exact mean of the N longest
     for kv_len in (w.kv_positions(1), w.kv_positions(128)):
         C = milp._coefficients(spec, get_preset("l4"), w, Budgets(gpu_memory=24 * GiB, cpu_memory=96 * GiB), [64], None, kv_len)
-        assert C.mem_hidden_pre == pytest.approx((kv_len - 32) * spec.hidden_size * 2)
+        assert C.mem_hidden_pre == pytest.approx((kv_len - 32) * per_token)
     for N in (1, 2, 40, 79, 80, 81, 128, 1000):  # the MILP's charge bounds hrm's, per sequence
         assert w.kv_positions(N) - 32 >= w.prompt_tokens(N) / N - 1e-9
     assert mean > 60

@@ -104,11 +104,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Attention
 # ---------------------------------------------------------------------------------------------------
 def pre_attention(
-    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor
+    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, q/k/v projections and RoPE for a packed batch of tokens.
 
-    x: [T, D]; positions: int64 [T] (each token's position in its own sequence).
+    x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
+    ``rope_cos_sin(positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
     Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
     """
     T = x.shape[0]
@@ -116,7 +118,7 @@ def pre_attention(
     q = F_.linear(h, lw.wq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
     k = F_.linear(h, lw.wk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
     v = F_.linear(h, lw.wv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    cos, sin = rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd]
+    cos, sin = rope if rope is not None else rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -230,12 +232,32 @@ def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, e
     return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
 
 
+def prefill_packed_layout(spans: list[tuple[int, int]], T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index tensors of :func:`prefill_attention_packed` for one packed chunk (the same for every layer, so callers
+    may build them once): ``src`` int64 [B, S] (packed token of each (sequence, position); pad slots point at token
+    0), ``keep`` int64 [T] (rows of [B*S] that hold real tokens, in packed order), ``valid`` bool [B, S] (real
+    tokens). Built on the host and copied to ``device`` without a stream sync: 17 bytes per padded token."""
+    lens = torch.tensor([e - s for s, e in spans])
+    S = int(lens.max())
+    # index of each (sequence, position) in the packed dim; pad slots point at token 0 and are masked
+    pos = torch.arange(S)
+    starts = torch.tensor([s for s, _ in spans])
+    src = (starts[:, None] + pos[None, :]).clamp(max=T - 1)  # [B, S]
+    valid = pos[None, :] < lens[:, None]  # [B, S]
+    keep = valid.flatten().nonzero().squeeze(1)  # [T] rows of [B*S] that hold real tokens (on the host: no GPU sync)
+    # non_blocking: a blocking H2D copy of a pageable tensor synchronizes the stream (the host would wait for the
+    # GPU once per chunk and layer); a pageable source is staged by CUDA before the call returns, so this is safe
+    return tuple(t.to(device, non_blocking=True) for t in (src, keep, valid))
+
+
 def prefill_attention_packed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None,
+    layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Causal GQA attention of several sequences packed token-wise, in one batched call (prefill).
 
-    q: [T, Hq, hd]; k, v: [T, Hkv, hd]; spans: (start, end) of each sequence in the packed dim.
+    q: [T, Hq, hd]; k, v: [T, Hkv, hd]; spans: (start, end) of each sequence in the packed dim; ``layout``:
+    :func:`prefill_packed_layout` of these spans (built here when None).
     Sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query on its own
     sequence's keys j <= i (and j > i - sliding_window); one fused
     ``scaled_dot_product_attention`` call (fp32 softmax inside the kernel). Returns [T, Hq*hd] in q's dtype.
@@ -245,25 +267,15 @@ def prefill_attention_packed(
     Hkv = k.shape[1]
     G = Hq // Hkv
     B = len(spans)
-    lens = torch.tensor([e - s for s, e in spans])
-    S = int(lens.max())
-    dev = q.device
-    # index of each (sequence, position) in the packed dim; pad slots point at token 0 and are masked
-    pos = torch.arange(S)
-    starts = torch.tensor([s for s, _ in spans])
-    src = (starts[:, None] + pos[None, :]).clamp(max=T - 1)  # [B, S]
-    valid = pos[None, :] < lens[:, None]  # [B, S]
-    keep = valid.flatten().nonzero().squeeze(1)  # [T] rows of [B*S] that hold real tokens (on the host: no GPU sync)
-    # non_blocking: a blocking H2D copy of a pageable tensor synchronizes the stream (the host would wait for the
-    # GPU once per chunk and layer); a pageable source is staged by CUDA before the call returns, so this is safe
-    src, valid, keep = (t.to(dev, non_blocking=True) for t in (src, valid, keep))
-    qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
-    kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
-    vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
-    i = torch.arange(S, device=dev)
+    src, keep, valid = layout if layout is not None else prefill_packed_layout(spans, T, q.device)
+    S = src.shape[1]
+    i = torch.arange(S, device=q.device)
     allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
     if sliding_window is not None:
         allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
+    qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
+    kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
+    vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
     # fused SDPA (flash / memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
     # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
     o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None])  # [B, Hq, S, hd]

@@ -56,6 +56,7 @@ class MicroBatch:
     on_gpu: bool  # attention + KV on the GPU (policy.n_gpu_attn) instead of the CPU
     x: Optional[torch.Tensor] = None  # [mu_k, D] hidden states on the GPU during a decode step
     pos: Optional[torch.Tensor] = None  # int64 [mu_k] on the GPU: position of the next token of each row
+    rope: Optional[tuple] = None  # RoPE (cos, sin) [mu_k, hd] of ``pos``, computed once per decode step for every layer
 
 
 class _Timer:
@@ -479,7 +480,8 @@ class CGOPipeExecutor:
         into its micro-batch's cache rows (:meth:`_store_prefill_kv`).
         Returns per micro-batch fp32 logits: last token of each row [mu_k, V], or all tokens [T_k, V].
         """
-        chunks = []  # [micro-batch index, KV scatter index (or None), hidden [T, D], positions [T], spans, ends]
+        chunks = []  # [micro-batch index, KV scatter index (or None), hidden [T, D], positions [T], spans, ends, RoPE,
+        #            attention layout]
         for i, mb in enumerate(mbs):
             for off, rows in self._prefill_chunks(prompts, mb):
                 lens = [len(prompts[r]) for r in rows]
@@ -487,8 +489,10 @@ class CGOPipeExecutor:
                 ends = torch.tensor(lens).cumsum(0)
                 spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
                 pos = torch.cat([torch.arange(n) for n in lens]).to(self.device, non_blocking=True)
-                chunks.append([i, self._prefill_kv_index(mb, off, spans), self.embed[ids.to(self.device, non_blocking=True)],
-                               pos, spans, ends])
+                x = self.embed[ids.to(self.device, non_blocking=True)]  # [T, D]
+                rope = M.rope_cos_sin(pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2, for every layer
+                layout = M.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
+                chunks.append([i, self._prefill_kv_index(mb, off, spans), x, pos, spans, ends, rope, layout])
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         for l in range(self.spec.num_layers):
             visit = self._visit
@@ -496,10 +500,10 @@ class CGOPipeExecutor:
             self._prefetch_slot(visit + 1, 0, 1)
             self._prefetched = visit + 1
             for ch in chunks:
-                i, kv_index, x, pos, spans, _ = ch
+                i, kv_index, x, pos, spans, _, rope, layout = ch
                 mb = mbs[i]
-                q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq)  # [T,Hq,hd] [T,Hkv,hd] x2
-                attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd]
+                q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq, rope)  # [T,Hq,hd] [T,Hkv,hd] x2
+                attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window, layout)  # [T, Hq*hd]
                 if mb.kv is not None:
                     self._store_prefill_kv(l, mb, kv_index, k, v, pending)
                 ch[2] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
@@ -509,7 +513,7 @@ class CGOPipeExecutor:
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
         per_mb: list[list[torch.Tensor]] = [[] for _ in mbs]
-        for i, _, x, _, _, ends in chunks:
+        for i, _, x, _, _, ends, _, _ in chunks:
             if not full_logits:
                 x = x[(ends - 1).to(self.device)]
             per_mb[i].append(M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
@@ -517,7 +521,9 @@ class CGOPipeExecutor:
 
     # ---- decode -------------------------------------------------------------------------------
     def _pre_attention(self, l: int, mb: MicroBatch):
-        return M.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq)  # [mu,Hq,hd] [mu,Hkv,hd] x2
+        if mb.rope is None:  # once per decode step: the same positions in every layer
+            mb.rope = M.rope_cos_sin(mb.pos, self.inv_freq.to(self.device), mb.x.dtype)  # [mu, hd] x2
+        return M.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq, mb.rope)  # [mu,Hq,hd] [mu,Hkv,hd] x2
 
     def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
         """Append k/v to the micro-batch's GPU cache and attend, one ``M.decode_attention`` per length group.
@@ -628,6 +634,7 @@ class CGOPipeExecutor:
         for mb in mbs:
             mb.kv.lengths += 1
             mb.pos += 1
+            mb.rope = None  # positions moved: the next step recomputes its RoPE tables
         return [M.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
 
     # ---- public API ---------------------------------------------------------------------------

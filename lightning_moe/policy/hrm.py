@@ -411,6 +411,21 @@ def dequant_scratch_bytes(spec: MoESpec, quant: str, dtype: str = "bf16") -> int
     return spec.num_experts * spec.expert_bytes(dtype) if quant in QUANT_FORMATS else 0
 
 
+PREFILL_INDEX_BYTES = 34  # per prompt token: prefill attention's src / keep / valid indexes (17 B per padded token, <= 2x)
+
+
+def hidden_row_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
+    """GPU bytes per decode row CGOPipe keeps for a whole step: its hidden state (D) and RoPE cos / sin tables (2 hd),
+    in ``dtype``."""
+    return (spec.hidden_size + 2 * spec.head_dim) * dtype_bytes(dtype)
+
+
+def prefill_token_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
+    """GPU bytes per prompt token CGOPipe keeps for the whole prefill: the packed hidden row (D), the RoPE cos / sin
+    tables (2 hd) and the attention indexes of its chunk (PREFILL_INDEX_BYTES)."""
+    return hidden_row_bytes(spec, dtype) + PREFILL_INDEX_BYTES
+
+
 def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
     """Peak GPU (prefill, decode) and host bytes of ``policy`` with real byte counts (DESIGN.md memory model).
 
@@ -437,11 +452,11 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
         "GPU KV cache": kv_gpu,
     }
     gpu_decode = dict(common)
-    gpu_decode["hidden states (N rows)"] = N * D * b
+    gpu_decode["hidden states (N rows)"] = N * hidden_row_bytes(spec, policy.dtype)  # + each row's RoPE tables
     gpu_decode["decode workspaces (2 micro-batches)"] = 2 * micro_batch_workspace(spec, mu, mu, policy.dtype)
     gpu_decode["allocator reserve"] = policy.gpu_reserve
     gpu_prefill = dict(common)
-    gpu_prefill["prefill hidden states (N prompts)"] = workload.prompt_tokens(N) * D * b  # packed, all N
+    gpu_prefill["prefill hidden states (N prompts)"] = workload.prompt_tokens(N) * prefill_token_bytes(spec, policy.dtype)
     tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))  # padded tokens of the largest prefill micro-batch
     gpu_prefill["prefill workspace (1 micro-batch)"] = (micro_batch_workspace(spec, tp, pmu, policy.dtype)
                                                         + tp * spec.kv_elems_per_token * b)

@@ -138,7 +138,7 @@ def max_micro_batches(spec: MoESpec, workload: Workload, budgets: Budgets, mu: i
     b = dtype_bytes(budgets.dtype)
     kv_len = workload.kv_positions(1) if kv_len is None else kv_len
     kv_seq = kv_len * spec.num_layers * spec.kv_elems_per_token * b
-    hid_seq = max(1.0, kv_len - workload.gen_len) * spec.hidden_size * b
+    hid_seq = max(1.0, kv_len - workload.gen_len) * hrm.prefill_token_bytes(spec, budgets.dtype)
     n = min((budgets.gpu_memory + budgets.cpu_memory) // (mu * kv_seq), budgets.gpu_memory // (mu * hid_seq))
     if workload.num_requests is not None:
         n = min(n, -(-workload.num_requests // mu))
@@ -273,7 +273,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt), dq_dec={}, dq_pre={},
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
                 mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
-                mem_kv_seq=kv_seq, mem_hidden_dec=spec.hidden_size * b, mem_hidden_pre=max(1.0, kv_len - G) * spec.hidden_size * b,
+                mem_kv_seq=kv_seq, mem_hidden_dec=hrm.hidden_row_bytes(spec, dt), mem_hidden_pre=max(1.0, kv_len - G) * hrm.prefill_token_bytes(spec, dt),
                 mem_ws_dec={}, mem_ws_pre={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
                 gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve)
