@@ -96,6 +96,13 @@ class OutputConfig:
         root, _ext = os.path.splitext(self.path)
         return root + ".report.json"
 
+    @property
+    def meta_path(self) -> str:
+        """``<dir>/<stem>.meta.json`` beside the results file: what its records depend on (model, dtype, decoding or
+        scoring settings, prompt formatting), written with the first record and checked on every resume."""
+        root, _ext = os.path.splitext(self.path)
+        return root + ".meta.json"
+
 
 @dataclass(frozen=True)
 class Job:

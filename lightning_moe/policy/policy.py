@@ -393,7 +393,7 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add(f"hardware  {hw.name}: GPU {format_bytes(hw.gpu_memory)}, HBM {hw.gpu_hbm_bandwidth / 1e9:.0f} GB/s, "
         f"{hw.gpu_flops(policy.dtype) / 1e12:.0f} TFLOP/s, PCIe h2d {hw.pcie_h2d / 1e9:.1f} GB/s d2h {hw.pcie_d2h / 1e9:.1f} GB/s, "
         f"CPU attention {hw.cpu_attention_bandwidth / 1e9:.0f} GB/s")
-    add(f"workload  prompt {estimate.prompt_len:g} tokens (max {estimate.max_prompt_len}), generate {estimate.gen_len}")
+    add(f"workload  prompt {estimate.prompt_len:.1f} tokens mean (max {estimate.max_prompt_len}), generate {estimate.gen_len}")
     add("")
     add("policy")
     add(f"  mu (sequences / micro-batch)     {policy.mu}")
