@@ -209,3 +209,17 @@ def test_resume_with_other_settings_is_refused(tmp_path, tiny_dir):
     os.remove(job.output.meta_path)  # an older version's results: accepted, the record is saved now
     run_job(other, progress=False)
     assert json.load(open(job.output.meta_path))["generation"]["max_new_tokens"] == 9
+
+
+def test_unreadable_meta_file_is_a_clear_error(tmp_path, tiny_dir):
+    from lightning_moe.config import ConfigError
+
+    data = _prompts(tmp_path / "in.jsonl", n=2)
+    job = _job(tmp_path, tiny_dir, data)
+    run_job(job, progress=False)
+    before = open(job.output.path, "rb").read()
+    with open(job.output.meta_path, "w") as f:
+        f.write('{"model": ')  # torn
+    with pytest.raises(ConfigError, match=r"out\.meta\.json: unreadable record of what .*out\.jsonl depends on"):
+        run_job(job, progress=False)
+    assert open(job.output.path, "rb").read() == before

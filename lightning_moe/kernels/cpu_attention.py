@@ -383,13 +383,26 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
     append = k_new is not None
     if append != (v_new is not None):
         raise ValueError(f"{fn}: give both k_new and v_new or neither")
-    Hkv, hd = (k_caches[0].shape[1], k_caches[0].shape[3]) if k_caches[0].dim() == 4 else (0, 0)
-    tensors = [("q", q), ("out", out)]
-    if append:
-        tensors += [("k_new", k_new), ("v_new", v_new)]
+    if k_caches[0].dim() != 4:
+        raise ValueError(f"{fn}: caches must be [B_g, Hkv, S, hd], got k {tuple(k_caches[0].shape)}")
+    Hkv, hd, dtype = k_caches[0].shape[1], k_caches[0].shape[3], k_caches[0].dtype
+    # the tensors every group shares: checked once per call (this runs once per CPU micro-batch and layer)
+    if q.shape[2] != hd or Hq % Hkv:
+        raise ValueError(f"{fn}: q {tuple(q.shape)} does not fit caches with {Hkv} KV heads of dim {hd}")
+    if append and (k_new.shape != (B, Hkv, hd) or v_new.shape != (B, Hkv, hd)):
+        raise ValueError(f"{fn}: k_new / v_new must be [B, Hkv, hd] = {(B, Hkv, hd)}, got {tuple(k_new.shape)} / "
+                         f"{tuple(v_new.shape)}")
+    if out.shape != (B, Hq * hd):
+        raise ValueError(f"{fn}: out must be [B, Hq*hd] = {(B, Hq * hd)}, got {tuple(out.shape)}")
+    tensors = [("q", q), ("out", out)] + ([("k_new", k_new), ("v_new", v_new)] if append else [])
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{fn}: cache dtype {dtype}; one of bf16 / fp16 / fp32 is needed")
     for name, t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"{fn}: {name} must be on the CPU, got {t.device}")
+        if t.dtype != dtype:
+            raise ValueError(f"{fn}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share one of "
+                             f"bf16 / fp16 / fp32 (cache: {dtype})")
         if t.shape[0] and not t[0].is_contiguous():  # each row contiguous (rows may be strided)
             raise ValueError(f"{fn}: {name} rows must be contiguous, got strides {t.stride()}")
     cleaned = []
@@ -399,18 +412,10 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
             raise ValueError(f"{fn}{where}: need q [B, Hq, hd] and caches [B_g, Hkv, S, hd] of one shape (Hkv, hd as in "
                              f"group 0), got q {tuple(q.shape)}, k {tuple(kc.shape)}, v {tuple(vc.shape)}")
         Bg, S = kc.shape[0], kc.shape[2]
-        if q.shape[2] != hd or Hq % Hkv:
-            raise ValueError(f"{fn}: q {tuple(q.shape)} does not fit caches with {Hkv} KV heads of dim {hd}")
-        if append and (k_new.shape != (B, Hkv, hd) or v_new.shape != (B, Hkv, hd)):
-            raise ValueError(f"{fn}: k_new / v_new must be [B, Hkv, hd] = {(B, Hkv, hd)}, got {tuple(k_new.shape)} / "
-                             f"{tuple(v_new.shape)}")
-        if out.shape != (B, Hq * hd):
-            raise ValueError(f"{fn}: out must be [B, Hq*hd] = {(B, Hq * hd)}, got {tuple(out.shape)}")
-        for name, t in tensors + [("k_cache", kc), ("v_cache", vc)]:
-            if t.dtype != kc.dtype or t.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
-                    or t.dtype != k_caches[0].dtype:
+        for name, t in (("k_cache", kc), ("v_cache", vc)):
+            if t.dtype != dtype:
                 raise ValueError(f"{fn}{where}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share "
-                                 f"one of bf16 / fp16 / fp32 (cache: {kc.dtype})")
+                                 f"one of bf16 / fp16 / fp32 (cache: {dtype})")
             if t.device.type != "cpu":
                 raise ValueError(f"{fn}{where}: {name} must be on the CPU, got {t.device}")
         if kc.stride() != vc.stride() or kc.stride(3) != 1 or kc.stride(2) != hd:

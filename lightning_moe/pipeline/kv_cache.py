@@ -202,8 +202,9 @@ class GroupedKVCache:
         pos = tok - torch.tensor([s for s, _ in spans], dtype=torch.int64)[seq]  # [T'] position in its own prompt
         tok_dev = torch.device(device) if device is not None else self.device
         out = []
-        for g in torch.unique(g_of[seq]).tolist():
-            m = (g_of[seq] == g).nonzero().flatten()  # tokens of group g
+        tok_group = g_of[seq]  # [T'] group of each packed token
+        for g in torch.unique(tok_group).tolist():
+            m = (tok_group == g).nonzero().flatten()  # tokens of group g
             out.append(PrefillIndex(g, tok[m].to(tok_dev), slot_of[seq[m]].to(self.device), pos[m].to(self.device)))
         return out
 

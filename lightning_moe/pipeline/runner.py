@@ -133,8 +133,14 @@ def check_results_provenance(job: Job) -> None:
     meta, now = job.output.meta_path, results_provenance(job)
     has_results = os.path.exists(job.output.path) and os.path.getsize(job.output.path) > 0
     if has_results and os.path.exists(meta):
-        with open(meta) as f:
-            then = json.load(f)
+        try:
+            with open(meta) as f:
+                then = json.load(f)
+            if not isinstance(then, dict):
+                raise ValueError(f"expected a JSON object, got {type(then).__name__}")
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"{meta}: unreadable record of what {job.output.path} depends on ({e}); delete it to "
+                              f"accept the results as they are, or set output.path to a new file") from None
         diff = [k for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
         if diff:
             lines = "; ".join(f"{k}: {then.get(k)!r} then, {now.get(k)!r} now" for k in diff)

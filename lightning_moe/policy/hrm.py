@@ -440,9 +440,9 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     counts = policy.resident_counts(spec)
     R = sum(counts)
     max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if i >= spec.num_dense_layers), default=0)
-    N, mu, g = policy.N, policy.mu, policy.n_gpu_attn
+    N, mu = policy.N, policy.mu
     kv_gpu, kv_cpu = kv_cache_bytes(policy, spec, workload)
-    s_max, D = workload.max_prompt, spec.hidden_size
+    s_max = workload.max_prompt
     pmu = min(policy.prefill_mu, N)
     common = {
         "non-expert weights": spec.non_expert_bytes(policy.dtype),
