@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -195,7 +195,9 @@ def parse_variants(text: str) -> tuple:
     Keys: ``threads`` (CGOPipe cpu_threads), ``queue`` (page_queue_depth, 0 = none), ``gen`` (tokens per
     sequence; default the case's), ``attn`` (CPU attention routine: ``native`` kernel, default, or ``sdpa``:
     PyTorch's, through LIGHTNING_MOE_CPU_ATTENTION), ``prefill`` (``ROWSxTOKENS``: the prefill micro-batch's rows
-    and padded tokens, Policy.prefill_mu / prefill_tokens; default the plan's). ``default`` (an empty variant) re-runs the case's own settings, which
+    and padded tokens, Policy.prefill_mu / prefill_tokens; default the plan's), ``switch`` (seconds: Python's thread
+    switch interval, ``sys.setswitchinterval``, during the run; default 0.005, Python's own: a shorter one hands the
+    GIL to the CPU-attention worker sooner while the host thread issues GPU work). ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
     out = []
@@ -205,8 +207,9 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "queue", "gen", "attn", "prefill"):
-                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn, prefill)")
+                if key not in ("threads", "queue", "gen", "attn", "prefill", "switch"):
+                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn, prefill, "
+                                     f"switch)")
                 if key == "attn" and val not in ("native", "sdpa"):
                     raise ValueError(f"--variants: attn must be native or sdpa, got {val!r}")
                 if key == "prefill":
@@ -214,6 +217,13 @@ def parse_variants(text: str) -> tuple:
                     if not (rows.isdigit() and tok.isdigit() and int(rows) > 0 and int(tok) > 0):
                         raise ValueError(f"--variants: prefill must be ROWSxTOKENS (e.g. 128x16384), got {val!r}")
                     v[key] = (int(rows), int(tok))
+                elif key == "switch":
+                    try:
+                        v[key] = float(val)
+                    except ValueError:
+                        v[key] = -1.0
+                    if not 0 < v[key] <= 1:
+                        raise ValueError(f"--variants: switch must be seconds in (0, 1], got {val!r}")
                 else:
                     v[key] = val if key == "attn" else int(val)
         out.append(v)
@@ -229,9 +239,37 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
     ex.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
     os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
+    sys.setswitchinterval(v.get("switch", _DEFAULT_SWITCH))
 
 
 _DEFAULT_THREADS = torch.get_num_threads()
+_DEFAULT_SWITCH = sys.getswitchinterval()
+
+
+def native_split(st: dict) -> Optional[dict]:
+    """The native CPU attention kernel's time split over a decode (executor stats ``cpu_attention_native_*``,
+    kernels.cpu_attention.native_stats): region wall seconds against the worker's ``cpu_attention_compute`` (the
+    rest is the Python wrapper and GIL hand-offs), the team's efficiency (busy / team thread-seconds), the mean
+    wake-up lag and tail per call (ms), the mean team size, and GB/s of valid KV over the region time alone."""
+    calls = st.get("cpu_attention_native_calls", 0)
+    if not calls:
+        return None
+    region = st["cpu_attention_native_region_s"]
+    kv = st.get("cpu_attention_valid_kv_bytes", 0)
+    return {"calls": int(calls), "region_s": region, "compute_s": st.get("cpu_attention_compute", 0.0),
+            "efficiency": st["cpu_attention_native_busy_thread_s"] / max(st["cpu_attention_native_team_thread_s"], 1e-12),
+            "lag_ms": st["cpu_attention_native_lag_s"] / calls * 1e3,
+            "tail_ms": st["cpu_attention_native_tail_s"] / calls * 1e3,
+            "team": st["cpu_attention_native_threads"] / calls, "region_GBps": kv / max(region, 1e-12) / 1e9}
+
+
+def native_line(n: Optional[dict]) -> str:
+    """One log line of :func:`native_split`."""
+    if not n:
+        return "native kernel: no calls"
+    return (f"native kernel: {n['calls']} calls, region {n['region_s']:.1f} s of {n['compute_s']:.1f} s compute "
+            f"({n['region_GBps']:.1f} GB/s over the regions), team {n['team']:.1f} threads at {n['efficiency']:.0%} "
+            f"busy, lag {n['lag_ms']:.2f} ms, tail {n['tail_ms']:.2f} ms per call")
 
 
 def _timed_generate(ex, prompts, gen_len: int) -> dict:
@@ -256,6 +294,7 @@ def _timed_generate(ex, prompts, gen_len: int) -> dict:
         "h2d_GB": s.h2d_bytes / 1e9, "d2h_GB": s.d2h_bytes / 1e9, "stages": st,
         "h2d_busy_frac_decode": st.get("h2d_copy", 0) / s.decode_seconds if s.decode_seconds else None,
         "cpu_attention_GBps": kv / st["cpu_attention_compute"] / 1e9 if st.get("cpu_attention_compute") else None,
+        "cpu_attention_native": native_split(st),
         "peak_gpu_GiB": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0,
     }
 
@@ -300,6 +339,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     main = _timed_generate(ex, prompts, case.gen_len)
     log(f"generated: prefill {main['prefill_seconds']:.1f} s, decode {main['decode_seconds']:.1f} s, CPU attention "
         f"{main['cpu_attention_GBps'] or 0:.1f} GB/s of valid KV")
+    log(native_line(main["cpu_attention_native"]))
     variants = []
     for v in case.variants:  # A/B on the same executor: no second set-up
         _apply_variant(ex, case, v, policy)
@@ -314,6 +354,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
         variants.append(r)
         log(f"variant {v}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
             f"CPU attention {r['cpu_attention_GBps'] or 0:.1f} GB/s")
+        log(native_line(r["cpu_attention_native"]))
     _apply_variant(ex, case, {}, policy)
     ex.close()
     return {
@@ -481,12 +522,17 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
             lines.append(f"| {r['case']} | | | | prefill | {r['prefill_tok_s']:.0f} tok/s measured, "
                          f"{r['pred_prefill_tok_s']:.0f} predicted (prefill micro-batch {p['prefill_mu']} rows, "
                          f"<= {p['prefill_tokens']} tokens) | | | | | | | | |")
+            n = r.get("cpu_attention_native")
+            if r.get("cpu_attention_GBps"):
+                lines.append(f"| {r['case']} | | | | CPU attention | {r['cpu_attention_GBps']:.1f} GB/s of valid KV in the "
+                             f"worker{'; ' + native_line(n) if n else ''} | | | | | | | | |")
             for v in r.get("variants", ()):
                 if "error" in v:
                     lines.append(f"| {r['case']} | | | | same executor, variant {v['variant']} | {v['error']} | | | | | | | | |")
                     continue
                 lines.append(f"| {r['case']} | | | {v['gen_len']} | same executor, variant {v['variant'] or 'default'} | "
-                             f"prefill {v['prefill_tok_s']:.0f} tok/s | "
+                             f"prefill {v['prefill_tok_s']:.0f} tok/s, CPU attention {v.get('cpu_attention_GBps') or 0:.1f} GB/s "
+                             f"(regions {(v.get('cpu_attention_native') or {}).get('region_GBps', 0):.1f}) | "
                              f"{v['decode_tok_s']:.1f} | | {v['decode_tok_s'] / r['pred_decode_tok_s']:.2f} | "
                              f"{v['e2e_tok_s']:.1f} | | | {(v['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {v['peak_gpu_GiB']:.1f} |")
         else:  # a baseline: decode tok/s of its best batch; e2e where it was measured (accelerate)

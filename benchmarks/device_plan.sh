@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
 # (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7), steps 10-14 in session 6 (RESULTS.md 8). The next session
-# runs 15, 16, 17 in that order (~8 + ~9.5 + ~9 min of the 30-minute budget; fire each as soon as the last returns,
-# while the machine is warm). Steps 3-5 are superseded.
+# was to run 15, 16, 17; session 7 replaced them with 18 and 19 (RESULTS.md 9). Fire each as soon as the last
+# returns, while the machine is warm. Steps 3-5 are superseded.
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
@@ -34,7 +34,28 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-17)}" in
+case "${1:?usage: device_plan.sh STEP (1-20)}" in
+  18)
+    # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
+    # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
+    # (region time vs the worker's compute time, team efficiency, wake-up lag, tail) in every run, and two
+    # mitigations as same-executor variants (Python's GIL switch interval; one core left to the host thread);
+    # the machine's CPU attention table; then the 16 GiB cap with the time left
+    S=$SECONDS
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 340 \
+      --variants "gen=8;switch=0.0002,gen=8;threads=15,gen=8" \
+      --commit "$C" --out "$OUT/full" 2>> "$OUT/bench_stderr.txt" | tail -8
+    timeout 50 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
+    case_with_time_left full32-16g-g32 cap16 $((S + 585)) 150
+    ;;
+  19)
+    # session 7, second: issue 6 with the planner's policy after the prefill-memory fix (256 x 2, 97 resident, g 1)
+    # against bf16 (512 x 1, 43 resident), same call
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 \
+      --commit "$C" --out "$OUT/int4" 2>> "$OUT/bench_stderr.txt" | tail -5
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 375 \
+      --commit "$C" --out "$OUT/bf16" 2>> "$OUT/bench_stderr.txt" | tail -5
+    ;;
   10)
     # next session, after 11: issue 5's same-run baseline: the full-size accelerate offload and CGOPipe bf16 at the
     # planner's full N (gen 32), same cap, same call (the >= 100x end-to-end target)

@@ -136,6 +136,12 @@ def test_cgopipe_cpu_attention_bytes_and_stage_parts(tiny_dir):
     assert st["cpu_attention_valid_kv_bytes"] == want
     parts = st["cpu_attention_wait_qkv"] + st["cpu_attention_compute"] + st["cpu_attention_pin"]
     assert st["cpu_attention_compute"] > 0 and abs(parts - st["cpu_attention"]) < 1e-6 + 1e-3 * st["cpu_attention"]
+    from lightning_moe.kernels.cpu_attention import native_available
+
+    if native_available():  # the kernel's own split: one parallel region per (layer, CPU micro-batch, decode step)
+        assert st["cpu_attention_native_calls"] == spec.num_layers * 3 * (gen - 1)
+        assert 0 < st["cpu_attention_native_region_s"] <= st["cpu_attention_compute"]
+        assert 0 < st["cpu_attention_native_busy_thread_s"] <= st["cpu_attention_native_team_thread_s"] * (1 + 1e-9)
 
 
 def test_cgopipe_cpu_threads(tiny_dir):

@@ -204,3 +204,29 @@ def test_groups_errors_name_the_group():
     with pytest.raises(ValueError, match=r"\(group 1\): lengths in \[8, 8\]"):
         C.decode_attention_append_groups(q, kn, vn, [r0, torch.tensor([2])], [k0, torch.zeros(1, Hkv, 8, hd)],
                                          [v0, torch.zeros(1, Hkv, 8, hd)], [n0, torch.tensor([8])], out)
+
+
+def test_native_stats_account_for_each_region():
+    """native_stats: one region per call; the team's busy thread-seconds within its team thread-seconds; the region
+    inside the caller's wall time; reset zeroes every sum. A 2-row call with 64 KV heads uses the whole team."""
+    B, Hq, Hkv, hd, S = 2, 64, 64, 128, 600
+    d = _case(torch.float32, B, Hq, Hkv, hd, S, [500, 599], [0, 1], seed=5)
+    C.native_stats(reset=True)
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(3):
+        C.decode_attention_append(d["q"], None, None, d["rows"], d["k_cache"], d["v_cache"], d["lengths"],
+                                  torch.empty(B, Hq * hd))
+    wall = time.perf_counter() - t0
+    st = C.native_stats()
+    assert set(st) == set(C.NATIVE_STATS_KEYS)
+    assert st["calls"] == 3
+    team = st["threads"] / 3
+    assert 1 <= team <= max(1, torch.get_num_threads())
+    assert 0 < st["region_s"] <= wall
+    assert st["team_thread_s"] == pytest.approx(st["region_s"] * team, rel=1e-6)
+    assert 0 < st["busy_thread_s"] <= st["team_thread_s"] * (1 + 1e-9)
+    assert 0 <= st["lag_s"] <= st["region_s"] and 0 <= st["tail_s"] <= st["region_s"]
+    C.native_stats(reset=True)
+    assert all(v == 0 for v in C.native_stats().values())

@@ -41,7 +41,10 @@ _CPP = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <omp.h>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -219,6 +222,48 @@ inline void attend_item(const Group<typename Tr::raw>& gr, int64_t b, int64_t h,
     heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, qf, scores.data(), acc);
 }
 
+// Where the wall time of a call goes (native_stats): one parallel region per call; per team thread the time from
+// the region's start to its first item (wake-up lag: a thread not on a core yet), and from its last item to the
+// region's end (the tail: waiting for the slowest thread). Accumulated over calls in nanoseconds.
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+struct RegionStats {
+  std::atomic<int64_t> calls{0}, region_ns{0}, team_ns{0}, busy_ns{0}, lag_max_ns{0}, tail_ns{0}, threads{0};
+};
+RegionStats g_stats;
+
+void record_region(int64_t t0, int64_t t1, int team, const std::vector<int64_t>& t_start,
+                   const std::vector<int64_t>& t_end) {
+  int64_t busy = 0, lag = 0, first_done = t1;
+  for (int i = 0; i < team && i < static_cast<int>(t_start.size()); ++i) {
+    if (t_start[i] < 0 || t_end[i] < 0) continue;
+    busy += t_end[i] - t_start[i];
+    lag = std::max(lag, t_start[i] - t0);
+    first_done = std::min(first_done, t_end[i]);
+  }
+  g_stats.calls += 1;
+  g_stats.region_ns += t1 - t0;
+  g_stats.team_ns += (t1 - t0) * team;
+  g_stats.busy_ns += busy;
+  g_stats.lag_max_ns += lag;
+  g_stats.tail_ns += t1 - first_done;
+  g_stats.threads += team;
+}
+
+std::vector<double> native_stats(bool reset) {
+  std::vector<double> v{static_cast<double>(g_stats.calls.load()), g_stats.region_ns.load() * 1e-9,
+                        g_stats.team_ns.load() * 1e-9, g_stats.busy_ns.load() * 1e-9,
+                        g_stats.lag_max_ns.load() * 1e-9, g_stats.tail_ns.load() * 1e-9,
+                        static_cast<double>(g_stats.threads.load())};
+  if (reset) {
+    g_stats.calls = 0; g_stats.region_ns = 0; g_stats.team_ns = 0; g_stats.busy_ns = 0;
+    g_stats.lag_max_ns = 0; g_stats.tail_ns = 0; g_stats.threads = 0;
+  }
+  return v;
+}
+
 // every (group, cache row, KV head) item of ALL groups in one parallel region, longest rows first: one fork/join
 // per CPU micro-batch and layer instead of one per group, and the longest items start first so the last ones to
 // finish are short (longest-processing-time order). Items are handed out dynamically: a thread that shares its
@@ -237,16 +282,25 @@ void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typ
                    [](const auto& x, const auto& y) { return x.first < y.first; });
   const int64_t items = static_cast<int64_t>(order.size()) * Hkv;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  std::vector<int64_t> t_start(nt, -1), t_end(nt, -1);  // per team thread: first item taken, own items done (ns)
+  int team = 1;
+  const int64_t t0 = now_ns();
 #pragma omp parallel num_threads(nt)
   {
+    const int tid = omp_get_thread_num();
+    t_start[tid] = now_ns();
+    if (tid == 0) team = omp_get_num_threads();
     std::vector<float> qf(4 * hd), acc(4 * hd), scores;
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, 2) nowait
     for (int64_t i = 0; i < items; ++i) {
       const int64_t key = order[i / Hkv].second, h = i % Hkv;
       attend_item<Tr>(groups[key >> 32], key & 0xffffffffLL, h, q, k_new, v_new, out, G, hd, window, append, q_row,
                       kn_row, out_row, scale, qf.data(), scores, acc.data());
     }
+    t_end[tid] = now_ns();
   }
+  const int64_t t1 = now_ns();
+  record_region(t0, t1, team, t_start, t_end);
 }
 
 // groups: K, V [B_g, Hkv, S_g, hd], rows and lens int64 [B_g] per group; shapes / dtypes / contiguity are checked
@@ -283,6 +337,7 @@ void decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::Tensor v
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_append_groups", &decode_attention_append_groups, py::call_guard<py::gil_scoped_release>());
+  m.def("native_stats", &native_stats);
 }
 """
 
@@ -331,6 +386,27 @@ def native_available() -> bool:
                             "scaled_dot_product_attention instead", type(e).__name__, str(e).splitlines()[0][:300])
                 _module = False
     return _module is not False
+
+
+NATIVE_STATS_KEYS = ("calls", "region_s", "team_thread_s", "busy_thread_s", "lag_s", "tail_s", "threads")
+
+
+def native_stats(reset: bool = False) -> dict[str, float]:
+    """Where the native kernel's time went, summed over its calls since the last reset (process-wide).
+
+    Keys (seconds are wall seconds; thread-seconds are summed over the team's threads):
+      calls: parallel regions run (one per call); threads: team threads summed over calls (/ calls = team size);
+      region_s: wall time inside the parallel regions; team_thread_s: region time x team size;
+      busy_thread_s: each thread's time from its first item to the end of its own items (compute, memory stalls
+      and time the OS took the core away while it held an item);
+      lag_s: per call, the latest thread's start after the region began (wake-up of threads not on a core);
+      tail_s: per call, the time from the first thread running out of items to the region's end.
+    ``busy_thread_s / team_thread_s`` is the team's efficiency: near 1 when every thread worked the whole region.
+    All zeros while the kernel is not built (this never builds it). ``reset``: zero the sums after reading them.
+    """
+    if not _module:
+        return {k: 0.0 for k in NATIVE_STATS_KEYS}
+    return dict(zip(NATIVE_STATS_KEYS, _module.native_stats(reset)))
 
 
 def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],

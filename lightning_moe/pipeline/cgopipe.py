@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..kernels.cpu_attention import native_stats
 from ..kernels.fused_moe import experts_ffn_reference_from
 from ..kernels.quant import PageLayout as QuantPageLayout, unpack_expert_page
 from ..model import mixtral as M
@@ -706,6 +707,7 @@ class CGOPipeExecutor:
         self.stats.prefill_seconds += t1 - t0
         self.timer.collect()  # prefill waits are not decode stage times
         self._attn_kv_bytes = 0
+        native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
         while any(r is None for r in results):
             alive = sum(r is None for r in results)
             logits = self._decode_step(mbs, tokens)
@@ -721,6 +723,11 @@ class CGOPipeExecutor:
             self.stats.extra[k] = self.stats.extra.get(k, 0.0) + v
         # bytes, not seconds: with cpu_attention_compute it gives the CPU attention rate the HRM's (H5) assumes
         self.stats.extra["cpu_attention_valid_kv_bytes"] = self.stats.extra.get("cpu_attention_valid_kv_bytes", 0) + self._attn_kv_bytes
+        # inside the kernel's parallel regions (kernels.cpu_attention.native_stats): region wall time vs the worker's
+        # cpu_attention_compute says how much of the stage is the wrapper / thread hand-off; busy vs team
+        # thread-seconds says whether the team worked the whole region (memory-bound) or waited for cores
+        for k, v in native_stats().items():
+            self.stats.extra[f"cpu_attention_native_{k}"] = self.stats.extra.get(f"cpu_attention_native_{k}", 0) + v
         return results
 
     @torch.inference_mode()
