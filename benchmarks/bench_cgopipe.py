@@ -197,7 +197,8 @@ def parse_variants(text: str) -> tuple:
     PyTorch's, through LIGHTNING_MOE_CPU_ATTENTION), ``prefill`` (``ROWSxTOKENS``: the prefill micro-batch's rows
     and padded tokens, Policy.prefill_mu / prefill_tokens; default the plan's), ``switch`` (seconds: Python's thread
     switch interval, ``sys.setswitchinterval``, during the run; default 0.005, Python's own: a shorter one hands the
-    GIL to the CPU-attention worker sooner while the host thread issues GPU work). ``default`` (an empty variant) re-runs the case's own settings, which
+    GIL to the CPU-attention worker sooner while the host thread issues GPU work), ``h2d`` (``kernel`` or ``dma``:
+    CGOPipe's attention_h2d, how CPU attention outputs reach the GPU; default the executor's). ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
     out = []
@@ -207,9 +208,11 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "queue", "gen", "attn", "prefill", "switch"):
+                if key not in ("threads", "queue", "gen", "attn", "prefill", "switch", "h2d"):
                     raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn, prefill, "
-                                     f"switch)")
+                                     f"switch, h2d)")
+                if key == "h2d" and val not in ("kernel", "dma"):
+                    raise ValueError(f"--variants: h2d must be kernel or dma, got {val!r}")
                 if key == "attn" and val not in ("native", "sdpa"):
                     raise ValueError(f"--variants: attn must be native or sdpa, got {val!r}")
                 if key == "prefill":
@@ -225,7 +228,7 @@ def parse_variants(text: str) -> tuple:
                     if not 0 < v[key] <= 1:
                         raise ValueError(f"--variants: switch must be seconds in (0, 1], got {val!r}")
                 else:
-                    v[key] = val if key == "attn" else int(val)
+                    v[key] = val if key in ("attn", "h2d") else int(val)
         out.append(v)
     return tuple(out)
 
@@ -240,6 +243,9 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     ex.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
     os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
     sys.setswitchinterval(v.get("switch", _DEFAULT_SWITCH))
+    if not hasattr(ex, "_bench_h2d"):
+        ex._bench_h2d = ex.attention_h2d  # the executor's own choice ("auto" resolved)
+    ex.attention_h2d = v.get("h2d", ex._bench_h2d)
 
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -327,7 +333,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
                          cpu_threads=case.cpu_threads)
     del w
     t_setup = time.perf_counter() - t0
-    log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB)")
+    log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB, attention outputs by {ex.attention_h2d})")
     # warm-up: Triton compiles one kernel per tile config (chosen by tokens per expert) on first use; two short
     # runs hit the prefill (large) and decode (small, medium) configs, so the timed run measures steady state
     t0 = time.perf_counter()
@@ -358,7 +364,8 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     _apply_variant(ex, case, {}, policy)
     ex.close()
     return {
-        "executor": "cgopipe", "ffn": case.ffn, "page_queue_depth": case.page_queue_depth, "cpu_threads": case.cpu_threads,
+        "executor": "cgopipe", "ffn": case.ffn, "attention_h2d": getattr(ex, "_bench_h2d", ex.attention_h2d),
+        "page_queue_depth": case.page_queue_depth, "cpu_threads": case.cpu_threads,
         "torch_threads": _DEFAULT_THREADS, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan,
         "setup_seconds": t_setup, "warmup_seconds": t_warm, "N": policy.N, "prompt_len_mean": wl.prompt_len,
         **main,
@@ -515,7 +522,7 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
             p = r["policy"]
             pol = f"{p['mu']} x {p['n']} = {p['mu'] * p['n']}, r={p['resident_experts']}, g={p['n_gpu_attn']}"
             ratio = r["decode_tok_s"] / r["pred_decode_tok_s"] if r["pred_decode_tok_s"] else float("nan")
-            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}{', queue ' + str(r['page_queue_depth']) if r.get('page_queue_depth') else ''}) | {pol} | "
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}, attention H2D by {r.get('attention_h2d', 'dma')}{', queue ' + str(r['page_queue_depth']) if r.get('page_queue_depth') else ''}) | {pol} | "
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
 # (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7), steps 10-14 in session 6 (RESULTS.md 8). The next session
-# was to run 15, 16, 17; session 7 replaced them with 18 and 19 (RESULTS.md 9). Fire each as soon as the last
+# was to run 15, 16, 17; session 7 replaced them with 18, 19, 20 (RESULTS.md 9). Fire each as soon as the last
 # returns, while the machine is warm. Steps 3-5 are superseded.
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
@@ -47,6 +47,19 @@ case "${1:?usage: device_plan.sh STEP (1-20)}" in
       --commit "$C" --out "$OUT/full" 2>> "$OUT/bench_stderr.txt" | tail -8
     timeout 50 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
     case_with_time_left full32-16g-g32 cap16 $((S + 585)) 150
+    ;;
+  20)
+    # session 7, last: the GPU tests of this session's code (zero-copy attention outputs, the native kernel's
+    # index checks in C++), then issue 5 at the planner's full N with attention outputs read by a zero-copy kernel
+    # (RESULTS.md 9b: DMA copies of them queued behind page copies), same-executor A/B against DMA; the 16 GiB
+    # cap with the time left
+    S=$SECONDS
+    timeout 130 python3 -m pytest tests/gpu/test_host_read_gpu.py tests/gpu/test_no_host_sync_gpu.py \
+      tests/gpu/test_cgopipe_gpu.py -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -4 "$OUT/gpu_tests.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32 --timeout 300 --variants "h2d=dma,gen=8;gen=8" \
+      --commit "$C" --out "$OUT/full" 2>> "$OUT/bench_stderr.txt" | tail -8
+    case_with_time_left full32-16g-g32 cap16 $((S + 580)) 140
     ;;
   19)
     # session 7, second: issue 6 with the planner's policy after the prefill-memory fix (256 x 2, 97 resident, g 1)

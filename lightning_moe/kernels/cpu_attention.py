@@ -48,6 +48,7 @@ _CPP = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -303,13 +304,49 @@ void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typ
   record_region(t0, t1, team, t_start, t_end);
 }
 
+// the checks of the index values (rows in [0, B) and distinct, lengths within the cache), in one pass over them before
+// anything is written: "" when they hold, else the message (the Python wrapper raises ValueError with it). Here
+// rather than as tensor ops in Python: the wrapper runs once per CPU micro-batch and layer, and ~40 small tensor ops
+// cost ~1 ms per call there (RESULTS.md 9a).
+std::string check_indices(const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& K,
+                          const std::vector<at::Tensor>& lens, int64_t B, bool append) {
+  std::vector<char> seen(static_cast<size_t>(std::max<int64_t>(B, 0)), 0);
+  for (size_t g = 0; g < K.size(); ++g) {
+    const std::string where = K.size() > 1 ? " (group " + std::to_string(g) + ")" : "";
+    const int64_t Bg = K[g].size(0), S = K[g].size(2);
+    if (Bg == 0) continue;
+    const int64_t* r = rows[g].data_ptr<int64_t>();
+    const int64_t* n = lens[g].data_ptr<int64_t>();
+    int64_t rlo = r[0], rhi = r[0], lo = n[0], hi = n[0];
+    for (int64_t b = 1; b < Bg; ++b) {
+      rlo = std::min(rlo, r[b]); rhi = std::max(rhi, r[b]);
+      lo = std::min(lo, n[b]); hi = std::max(hi, n[b]);
+    }
+    if (rlo < 0 || rhi >= B)
+      return where + ": rows must lie in [0, " + std::to_string(B) + "), got [" + std::to_string(rlo) + ", " +
+             std::to_string(rhi) + "]";
+    if ((append && (lo < 0 || hi >= S)) || (!append && (lo < 1 || hi > S)))
+      return where + ": lengths in [" + std::to_string(lo) + ", " + std::to_string(hi) + "] do not fit a cache of " +
+             std::to_string(S) + " positions (" +
+             (append ? "append needs 0 <= length < S" : "need 1 <= length <= S") + ")";
+    for (int64_t b = 0; b < Bg; ++b) {
+      if (seen[r[b]]) return ": a caller row appears twice in rows (each output row has one writer)";
+      seen[r[b]] = 1;
+    }
+  }
+  return "";
+}
+
 // groups: K, V [B_g, Hkv, S_g, hd], rows and lens int64 [B_g] per group; shapes / dtypes / contiguity are checked
-// by the Python wrapper
-void decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::Tensor v_new, std::vector<at::Tensor> rows,
-                                    std::vector<at::Tensor> K, std::vector<at::Tensor> V, std::vector<at::Tensor> lens,
-                                    at::Tensor out, int64_t window, bool append) {
+// by the Python wrapper, index values here (check_indices). Returns "" or the message of a failed index check.
+std::string decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                                           std::vector<at::Tensor> rows, std::vector<at::Tensor> K,
+                                           std::vector<at::Tensor> V, std::vector<at::Tensor> lens, at::Tensor out,
+                                           int64_t window, bool append) {
   TORCH_CHECK(!K.empty() && K.size() == V.size() && K.size() == rows.size() && K.size() == lens.size(),
               "decode_attention_append_groups: one K, V, rows and lengths tensor per group");
+  const std::string bad = check_indices(rows, K, lens, q.size(0), append);
+  if (!bad.empty()) return bad;
   const int64_t Hkv = K[0].size(1), hd = K[0].size(3);
   const int64_t G = q.size(1) / Hkv;
   const int64_t q_row = q.stride(0), kn_row = k_new.stride(0), out_row = out.stride(0);
@@ -331,6 +368,7 @@ void decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::Tensor v
     case at::kHalf: run(F16()); break;
     default: TORCH_CHECK(false, "decode_attention_append_groups: unsupported dtype ", K[0].scalar_type());
   }
+  return "";
 }
 
 }  // namespace
@@ -501,23 +539,18 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
         if r.dtype != torch.int64 or n.dtype != torch.int64 or r.shape != (Bg,) or n.shape != (Bg,):
             raise ValueError(f"{fn}{where}: rows and lengths must be int64 [B_g] = [{Bg}], got {r.dtype} "
                              f"{tuple(r.shape)}, {n.dtype} {tuple(n.shape)}")
-        r, n = r.contiguous(), n.contiguous()
-        if Bg:
-            if int(r.min()) < 0 or int(r.max()) >= B:
-                raise ValueError(f"{fn}{where}: rows must lie in [0, {B}), got [{int(r.min())}, {int(r.max())}]")
-            lo, hi = int(n.min()), int(n.max())
-            if (append and (lo < 0 or hi >= S)) or (not append and (lo < 1 or hi > S)):
-                raise ValueError(f"{fn}{where}: lengths in [{lo}, {hi}] do not fit a cache of {S} positions "
-                                 f"({'append needs 0 <= length < S' if append else 'need 1 <= length <= S'})")
-        cleaned.append((r, kc, vc, n))
-    all_rows = torch.cat([c[0] for c in cleaned])
-    if all_rows.numel() != torch.unique(all_rows).numel():
-        raise ValueError(f"{fn}: a caller row appears twice in rows (each output row has one writer)")
+        if r.device.type != "cpu" or n.device.type != "cpu":
+            raise ValueError(f"{fn}{where}: rows and lengths must be on the CPU, got {r.device} / {n.device}")
+        cleaned.append((r.contiguous(), kc, vc, n.contiguous()))
     window = int(sliding_window) if sliding_window else -1
     kn = k_new if append else q.new_empty((0, Hkv, hd))
     vn = v_new if append else q.new_empty((0, Hkv, hd))
-    _module.decode_attention_append_groups(q, kn, vn, [c[0] for c in cleaned], [c[1] for c in cleaned],
-                                           [c[2] for c in cleaned], [c[3] for c in cleaned], out, window, append)
+    # the index values (rows in range and distinct, lengths within each cache) are checked by the native call
+    # before it writes anything; it returns the message of a failed check
+    bad = _module.decode_attention_append_groups(q, kn, vn, [c[0] for c in cleaned], [c[1] for c in cleaned],
+                                                 [c[2] for c in cleaned], [c[3] for c in cleaned], out, window, append)
+    if bad:
+        raise ValueError(f"{fn}{bad}")
     return out
 
 

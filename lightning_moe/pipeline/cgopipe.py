@@ -35,6 +35,7 @@ import torch
 
 from ..kernels.cpu_attention import native_stats
 from ..kernels.fused_moe import experts_ffn_reference_from
+from ..kernels.host_read import copy_from_host_triton
 from ..kernels.quant import PageLayout as QuantPageLayout, unpack_expert_page
 from ..model import mixtral as M
 from ..model.quantized import QuantExperts, checkpoint_scheme
@@ -58,6 +59,7 @@ class MicroBatch:
     x: Optional[torch.Tensor] = None  # [mu_k, D] hidden states on the GPU during a decode step
     pos: Optional[torch.Tensor] = None  # int64 [mu_k] on the GPU: position of the next token of each row
     rope: Optional[tuple] = None  # RoPE (cos, sin) [mu_k, hd] of ``pos``, computed once per decode step for every layer
+    attn_out: Optional[torch.Tensor] = None  # [mu_k, Hq*hd] host buffer CPU attention writes every layer (pinned on CUDA)
 
 
 class _Timer:
@@ -119,11 +121,20 @@ class CGOPipeExecutor:
             worker thread calls ``torch.set_num_threads(n)`` when it starts (process-wide: torch has one
             intra-op setting), e.g. to leave cores to the host thread and the CUDA driver. An A/B switch for
             the GPU benchmark (`bench_cgopipe.py --cpu-threads`).
+        attention_h2d: how a CPU micro-batch's attention output [mu_k, Hq*hd] reaches the GPU. "kernel": a
+            zero-copy kernel on the compute stream reads the pinned buffer over PCIe
+            (kernels.host_read.copy_from_host_triton), beside the page copies instead of queued behind them on
+            the copy engine; "dma": a copy on the attention H2D stream (the copy engine, in issue order with
+            the pages); "auto" (default): "kernel" where kernels.host_read.host_read_available() says a kernel
+            can read pinned memory here, else "dma". Ignored on the CPU. Raises ValueError on another value.
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
-                 page_queue_depth: Optional[int] = None, cpu_threads: Optional[int] = None):
+                 page_queue_depth: Optional[int] = None, cpu_threads: Optional[int] = None,
+                 attention_h2d: str = "auto"):
+        if attention_h2d not in ("auto", "kernel", "dma"):
+            raise ValueError(f"CGOPipeExecutor: attention_h2d must be auto, kernel or dma, got {attention_h2d!r}")
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"CGOPipeExecutor: cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         if page_queue_depth is not None and (not isinstance(page_queue_depth, int) or page_queue_depth < 1):
@@ -191,6 +202,11 @@ class CGOPipeExecutor:
         self.page_queue_depth = page_queue_depth
         self._backlog: deque[tuple[int, int]] = deque()  # (visit, page) queued, not yet issued (page_queue_depth)
         self._inflight: deque = deque()  # CUDA events of issued pages not yet known complete (None on CPU)
+        if self.cuda and attention_h2d == "auto":
+            from ..kernels.host_read import host_read_available
+
+            attention_h2d = "kernel" if host_read_available(self.device) else "dma"
+        self.attention_h2d = attention_h2d if self.cuda else "dma"
         self.stats = RunStats()
         self.timer = _Timer(self.cuda)
         self._kv_bytes_per_position = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=self.dtype).element_size()
@@ -548,9 +564,15 @@ class CGOPipeExecutor:
         t1 = time.perf_counter()
         with torch.inference_mode():  # thread-local: the cache is an inference tensor
             q, k, v = qkv
-            out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype, pin_memory=self.cuda)
+            shape = (q.shape[0], q.shape[1] * q.shape[2])
+            if mb.attn_out is None or mb.attn_out.shape != shape or mb.attn_out.dtype != q.dtype:
+                # one buffer per micro-batch, rewritten every layer. Safe: this layer's q/k/v copy (``ready``) was
+                # ordered after the previous layer's read of the buffer on the GPU (kernel or DMA, before that
+                # layer's post-attention on the compute stream, which the q/k/v copy waits for)
+                mb.attn_out = torch.empty(shape, dtype=q.dtype, pin_memory=self.cuda)
+            out = mb.attn_out
             t2 = time.perf_counter()
-            mb.kv.append_attend(l, q, k, v, out)  # one native call per length group (or append + SDPA per group)
+            mb.kv.append_attend(l, q, k, v, out)  # one native call over the length groups (or append + SDPA per group)
         t3 = time.perf_counter()
         # the stage and its parts: waiting for q/k/v to land, the pinned output buffer, KV append + attention
         self.timer.add_host("cpu_attention", t3 - t0)
@@ -570,7 +592,14 @@ class CGOPipeExecutor:
         attn = fut.result()
         self.timer.add_host("host_wait_cpu_attention", time.perf_counter() - t0)
         if not self.cuda:
-            return attn
+            return attn  # used by this layer's post-attention before the worker rewrites it (next layer)
+        if self.attention_h2d == "kernel":  # zero-copy: SM reads over PCIe, not queued behind the page copies
+            dev = torch.empty(attn.shape, dtype=attn.dtype, device=self.device)
+            copy_from_host_triton(attn, dev)  # on the compute stream, after everything issued before it
+            self.stats.h2d_bytes += attn.numel() * attn.element_size()
+            self.stats.extra["attention_zero_copy_bytes"] = (self.stats.extra.get("attention_zero_copy_bytes", 0)
+                                                             + attn.numel() * attn.element_size())
+            return dev
         with torch.cuda.stream(self.h2d_a):
             dev = attn.to(self.device, non_blocking=True)
         self.stats.h2d_bytes += attn.numel() * attn.element_size()
