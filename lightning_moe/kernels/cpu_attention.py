@@ -525,7 +525,7 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
         if kc.dim() != 4 or vc.shape != kc.shape or kc.shape[1] != Hkv or kc.shape[3] != hd:
             raise ValueError(f"{fn}{where}: need q [B, Hq, hd] and caches [B_g, Hkv, S, hd] of one shape (Hkv, hd as in "
                              f"group 0), got q {tuple(q.shape)}, k {tuple(kc.shape)}, v {tuple(vc.shape)}")
-        Bg, S = kc.shape[0], kc.shape[2]
+        Bg = kc.shape[0]
         for name, t in (("k_cache", kc), ("v_cache", vc)):
             if t.dtype != dtype:
                 raise ValueError(f"{fn}{where}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share "

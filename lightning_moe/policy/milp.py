@@ -50,7 +50,7 @@ import pulp
 
 from ..model.spec import MoESpec, dtype_bytes
 from . import hrm
-from .hardware import HardwareProfile, format_bytes
+from .hardware import HardwareProfile
 from .policy import DEFAULT_PREFILL_TOKENS, Budgets, PlanInfeasible, Policy, Workload
 
 log = logging.getLogger(__name__)
