@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
 # (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7), steps 10-14 in session 6 (RESULTS.md 8). The next session
-# was to run 15, 16, 17; session 7 replaced them with 18, 19, 20 (RESULTS.md 9). Fire each as soon as the last
+# was to run 15, 16, 17; session 7 replaced them with 18, 19, 20 (RESULTS.md 9). The next session runs 21 (timelines
+# of the host thread + all GPU tests), 22 (profile with the host-issue probe + int4), 23 (int4 vs bf16, same call,
+# with 22's profile copied into .carry/), ~9.5 min each. Fire each as soon as the last
 # returns, while the machine is warm. Steps 3-5 are superseded.
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
@@ -34,7 +36,7 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-20)}" in
+case "${1:?usage: device_plan.sh STEP (1-23)}" in
   18)
     # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
     # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
@@ -47,6 +49,33 @@ case "${1:?usage: device_plan.sh STEP (1-20)}" in
       --commit "$C" --out "$OUT/full" 2>> "$OUT/bench_stderr.txt" | tail -8
     timeout 50 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
     case_with_time_left full32-16g-g32 cap16 $((S + 585)) 150
+    ;;
+  21)
+    # next session, FIRST (issue 6): where the host thread's 13.2 ms per layer go in the int4 g 1 policy (RESULTS.md
+    # 9b: host issue binds, not PCIe / CPU / GPU): timelines of its layer shape and of a bf16 CPU-attention
+    # micro-batch (384 rows, as 9d), top host ops per thread; then ALL of tests/gpu (run 26 cut them after 36 passed)
+    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 1 \
+      --gen 8 --trace "$OUT/trace_int4_g1.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_int4_g1.txt" | head -4
+    timeout 100 python3 benchmarks/profile_ops.py --quant bf16 --layers 4 --mu 384 --n 5 --resident 1 --gpu-attn 0 \
+      --gen 4 --trace "$OUT/trace_bf16_n5.json.gz" 2>&1 | grep -v USDT | tee "$OUT/timeline_bf16_n5.txt" | head -4
+    timeout 330 python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -15 "$OUT/gpu_tests.txt"
+    ;;
+  22)
+    # next session, second (issue 6): measure this machine's profile, now with CGOPipe's host issue per micro-batch
+    # (profiler.measure_host_issue -> host_issue_cpu_attn / _gpu_attn, the HRM's host stage (H6')); then the int4
+    # case planned and predicted with it. Commit the profile if the HRM's int4 prediction then matches (>= 0.85).
+    timeout 170 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | grep -v USDT | tail -14
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 220 --profile "$OUT/h200-host.yaml" \
+      --commit "$C" --out "$OUT/int4" 2>> "$OUT/bench_stderr.txt" | tail -5
+    ;;
+  23)
+    # next session, third: bf16 at gen 128 (issue 6's same-run ratio needs it in the same call as int4: run 22's int4
+    # case again first if time allows) and the full-N bf16 case, both with step 22's profile (carried in .carry/)
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 --profile .carry/h200-host.yaml \
+      --commit "$C" --out "$OUT/int4" 2>> "$OUT/bench_stderr.txt" | tail -5
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout 375 --profile .carry/h200-host.yaml \
+      --commit "$C" --out "$OUT/bf16" 2>> "$OUT/bench_stderr.txt" | tail -5
     ;;
   20)
     # session 7, last: the GPU tests of this session's code (zero-copy attention outputs, the native kernel's

@@ -39,6 +39,8 @@ def cmd_run(args) -> int:
 
     job = _load(args)
     report = run_job(job, progress=not args.no_progress)
+    if report.get("nothing_to_do"):
+        print("nothing to do; the earlier run that finished this job reported:")
     print(format_report(report))
     print(f"  report: {job.output.report_path}")
     return 0

@@ -342,5 +342,5 @@ def test_malformed_json_column_is_on_the_line(tmp_path):
     """A line cut off at its end: the error gives the column on that line (21), not 'column 1' of a phantom
     second line (the newline used to be parsed with it)."""
     job = make_job(tmp_path, [J(id="a", prompt="ok"), '{"id":3,"prompt":"c"'])
-    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON: Expecting ',' delimiter at column 21"):
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 21\)"):
         load_requests(job)

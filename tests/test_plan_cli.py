@@ -66,6 +66,21 @@ def test_plan_usage_errors(capsys):
         run(L4_ARGS[:-2] + ["--gpu-memory", "lots", "--gen-len", "2"])
 
 
+def test_plan_refuses_more_gpu_memory_than_the_card(capsys):
+    """A budget over the hardware's GPU memory (t4: 15 GiB) is an error naming both, not a plan that cannot run."""
+    args = ["plan", "--model", "mixtral-8x7b", "--hardware", "t4", "--gpu-memory", "16GiB", "--prompt-len", "77",
+            "--gen-len", "8"]
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "gpu_memory 16.0 GiB exceeds the 15.0 GiB of GPU memory of hardware 't4'" in err and "Traceback" not in err
+    from lightning_moe.policy.hardware import get_preset
+    from lightning_moe.policy.policy import Budgets
+
+    with pytest.raises(ValueError, match="exceeds"):
+        Budgets.for_hardware(get_preset("t4"), gpu_memory=16 << 30)
+    assert Budgets.for_hardware(get_preset("t4"), gpu_memory=12 << 30).gpu_memory == 12 << 30
+
+
 def test_plan_job_without_runner_errors_clearly(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "lightning_moe.pipeline.runner", None)  # import fails
     assert run(["plan", str(tmp_path / "job.yaml"), "--hardware", "l4"]) == 2

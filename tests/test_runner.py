@@ -78,6 +78,7 @@ def test_interrupted_run_resumes_to_same_records(tmp_path, tiny_dir, monkeypatch
     assert len(recs) == 12 and len({r["id"] for r in recs}) == 12
     assert _by_id(job.output.path) == _by_id(ref.output.path)
     rep2 = run_job(job, progress=False)  # a third run does nothing and keeps the finishing run's report
+    assert rep2.pop("nothing_to_do") is True and "nothing_to_do" not in rep
     assert rep2 == json.load(open(job.output.report_path)) == rep and len(read_results(job.output.path)) == 12
 
 

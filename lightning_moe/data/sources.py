@@ -156,7 +156,7 @@ def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}") from None
+                raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {_tname(rec)}")
             if "id" not in rec or rec["id"] is None:
@@ -228,7 +228,7 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}") from None
+            raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(rec, dict) or "question_id" not in rec:
             raise DataError(f"{where}: question_id: missing (not an MT-Bench question record)")
         turns = rec.get("turns")

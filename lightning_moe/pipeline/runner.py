@@ -177,7 +177,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
                     old = json.load(f)
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
                       f"report of the run that finished them: {job.output.report_path}", file=log)
-                return old
+                return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
     writer = ResultsWriter(job.output.path)
     done = writer.done_ids()
     todo = [t for t in prep.treqs if t.id not in done]

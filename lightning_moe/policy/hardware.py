@@ -90,6 +90,11 @@ class HardwareProfile:
     #   pre/post-attention and the expert FFN); measured by `moe-batch profile` on CUDA, 0 for presets (the artifact has none)
     cpu_attention_overhead: float = 0.0  # seconds of fixed cost per CPU decode-attention call (one micro-batch, one layer):
     #   thread wake-ups and op dispatch, which dominate at decode shapes; `moe-batch profile` fits it, 0 for presets
+    host_issue_cpu_attn: float = 0.0  # seconds of host-thread time per CPU-attention micro-batch per decode layer as
+    #   CGOPipe runs it (pre-attention, q/k/v copy, hand-offs with the CPU-attention worker, the output's transfer, a
+    #   page slot, post-attention with the expert FFN); `moe-batch profile` measures it on CUDA
+    #   (profiler.measure_host_issue); 0 = unmeasured: the HRM has no host stage
+    host_issue_gpu_attn: float = 0.0  # the same for a GPU-attention micro-batch (KV append + attention per length group)
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles

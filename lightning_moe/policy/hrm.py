@@ -7,7 +7,7 @@ model". Equation numbers below are ours (H1..H9); the paper's own numbering coul
 against its text here, so "Sec." citations are the reliable ones.
 
   (H1) stage cost on level i with data from level j:  t = max(FLOPs / P_i, bytes_i / B_i, bytes_{j->i} / B_{j,i})
-  (H2) decode layer:   T_layer = max(T_h2d, T_d2h, T_cpu, T_gpu)   (CGOPipe overlaps the four streams)
+  (H2) decode layer:   T_layer = max(T_h2d, T_d2h, T_cpu, T_gpu, T_host)   (CGOPipe overlaps the five streams)
   (H3) T_h2d = (experts of the layer not resident on the GPU) * expert_bytes / B_h2d
                + CPU-attention outputs  (n - n_g) * mu * attn_output_elems * itemsize / B_h2d
   (H4) T_d2h = (n - n_g) * mu * (attn_query_elems + kv_elems_per_token) * itemsize / B_d2h
@@ -20,6 +20,11 @@ against its text here, so "Sec." citations are the reliable ones.
                + T_deq: quantized experts at M >= the dequantization threshold (mu k / E >=
                DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per layer visit, all E of the layer (paged and
                resident), memory-bound: E (packed + dense expert bytes) / B_gpu
+  (H6') T_host = (n - n_g) h_c + n_g h_g [+ one CPU micro-batch's attention when n - n_g >= 1]: the host thread
+               issues every micro-batch's work (h_c, h_g: the profile's host_issue_cpu_attn / _gpu_attn, measured by
+               running CGOPipe's own decode on a tiny model) and, having nothing left to issue, waits for the
+               layer's last CPU attention; 0 when the profile has no host measurement (RESULTS.md 9b: int4's g = 1
+               policy spent 13.2 of 19.1 ms per layer issuing work, which no other stage accounts for)
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
@@ -50,7 +55,7 @@ from ..model.spec import QUANT_FORMATS, MoESpec, dtype_bytes
 from .hardware import HardwareProfile, format_bytes
 from .policy import PlanInfeasible, Policy, Workload
 
-STAGES = ("h2d", "d2h", "cpu", "gpu")  # the overlapped streams of one layer (H2)
+STAGES = ("h2d", "d2h", "cpu", "gpu", "host")  # the overlapped streams of one layer (H2)
 
 # Mean routed pairs per expert (tokens * k / E of one FFN call) from which CGOPipe's Triton FFN dequantizes a
 # layer's quantized experts (once per layer visit) and runs the dense kernel instead of the fused one.
@@ -238,17 +243,18 @@ def prefill_d2h_time(spec: MoESpec, hw: HardwareProfile, seqs: float, prompt_len
 # ---- per-layer stage times ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StageTimes:
-    """Seconds of the four overlapped streams of one layer (H2)."""
+    """Seconds of the five overlapped streams of one layer (H2)."""
 
     h2d: float  # PCIe host->device: expert pages + attention outputs
     d2h: float  # PCIe device->host: q/k/v of CPU-attention sequences (prefill: their prompt KV)
     cpu: float  # CPU decode attention
     gpu: float  # GPU kernels of all micro-batches
+    host: float = 0.0  # the host thread issuing the micro-batches' work (H6'); 0 without a host measurement
 
     @property
     def time(self) -> float:
-        """Layer time: max of the four (CGOPipe overlaps them)."""
-        return max(self.h2d, self.d2h, self.cpu, self.gpu)
+        """Layer time: max of the five (CGOPipe overlaps them)."""
+        return max(self.h2d, self.d2h, self.cpu, self.gpu, self.host)
 
     @property
     def binding(self) -> str:
@@ -301,10 +307,20 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
         gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
     cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)
+    host = decode_host_issue_time(hw, policy)
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
         cpu_mb = call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
-    return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu)
+        if hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0:  # the host waits for the layer's last CPU
+            host += cpu_mb  # attention with nothing left to issue (the MILP's host row has the same term)
+    return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu, host=host)
+
+
+def decode_host_issue_time(hw: HardwareProfile, policy: Policy) -> float:
+    """(H6') without the wait: seconds the host thread spends issuing one decode layer's work,
+    (n - n_g) host_issue_cpu_attn + n_g host_issue_gpu_attn (profile fields, measured by running CGOPipe's decode
+    on a tiny model: profiler.measure_host_issue); 0 when the profile has neither."""
+    return policy.n_cpu_attn * hw.host_issue_cpu_attn + policy.n_gpu_attn * hw.host_issue_gpu_attn
 
 
 def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float) -> StageTimes:

@@ -227,6 +227,8 @@ class _Coeffs:
     attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
     cpu_rate: float  # CPU decode attention seconds per sequence per attended position
     cpu_call: float  # CPU decode attention fixed seconds per call (hrm.cpu_attention_calls(m) calls per CPU micro-batch per layer)
+    host_c: float  # host-thread seconds per CPU-attention micro-batch per decode layer (profile host_issue_cpu_attn; 0: none)
+    host_g: float  # the same per GPU-attention micro-batch (host_issue_gpu_attn)
     calls: dict  # m -> CPU attention calls per CPU micro-batch of m rows and layer (one per KV length group)
     d2h_seq: float  # decode d2h seconds per layer per CPU-attention sequence
     h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
@@ -268,6 +270,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c + offsets[1], dt) for c in contexts},
                 cpu_off=offsets[0],
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt), cpu_call=hw.cpu_attention_overhead,
+                host_c=hw.host_issue_cpu_attn, host_g=hw.host_issue_gpu_attn,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt), dq_dec={}, dq_pre={},
@@ -539,16 +542,30 @@ class _Model:
         cc = c + C.cpu_off  # context of the CPU-attention rows (the longest micro-batches)
         gpu = self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
         cpu = cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
-        Ct = self._stage_max(str(t), gpu, [cpu, self.D2H], "decode")
+        host = self._host_row(cc)
+        Ct = self._stage_max(str(t), gpu, [cpu, self.D2H] + host, "decode")
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
             self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
             self.prob += Cd >= cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
+            for i, row in enumerate(host):
+                self.prob += Cd >= row, f"Cd_{t}_host{i}"
             terms.append(self._dense_sum(str(t), self.A, Cd))
         # (H7) step time = layers + head
         self.T_decode += pulp.lpSum(terms) + self.HEAD
+
+    def _host_row(self, cc: float) -> list:
+        """(H6') the host stage of a decode layer at CPU-row context ``cc``, as a list of 0 or 1 rows:
+        h_c (n - g) + h_g g + one CPU micro-batch's attention when some attention is on the CPU (q_m); none when
+        the profile has no host measurement (hrm.decode_layer_times then has none either)."""
+        C = self.C
+        if C.host_c <= 0 and C.host_g <= 0:
+            return []
+        g = pulp.lpSum(self.v.values())
+        wait = pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
+        return [C.host_c * self.n_cpu + C.host_g * g + wait]
 
     # -- solving --
     @property

@@ -208,10 +208,20 @@ class Budgets:
 
     @classmethod
     def for_hardware(cls, hw: HardwareProfile, **kw: Any) -> "Budgets":
-        """The whole GPU and host memory of ``hw`` (override any field by keyword)."""
+        """The whole GPU and host memory of ``hw`` (override any field by keyword). Raises ValueError when a given
+        ``gpu_memory`` exceeds the GPU memory ``hw`` says the card has (:func:`check_gpu_budget`)."""
         kw.setdefault("gpu_memory", hw.gpu_memory)
         kw.setdefault("cpu_memory", hw.host_memory)
+        check_gpu_budget(kw["gpu_memory"], hw)
         return cls(**kw)
+
+
+def check_gpu_budget(gpu_memory: int, hw: HardwareProfile) -> None:
+    """Raises ValueError when a GPU memory budget (bytes) is larger than the card of the hardware profile ``hw``:
+    a plan for memory the GPU does not have would run out of memory at run time."""
+    if gpu_memory > hw.gpu_memory:
+        raise ValueError(f"gpu_memory {format_bytes(gpu_memory)} exceeds the {format_bytes(hw.gpu_memory)} of GPU memory of "
+                         f"hardware {hw.name!r}: give a gpu_memory that fits the card, or the hardware it is for")
 
 
 def _check_formats(weight_quant: str, dtype: str, where: str) -> None:
@@ -422,12 +432,12 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
         f"paged per layer {format_bytes((spec.num_experts - (min(moe) if moe else 0)) * We)} (max)")
     add("")
     add(f"stage times (summed over layers{', and decode steps' if estimate.gen_len > 1 else ''}; * = binds)")
-    add(f"  {'':8} {'h2d':>10} {'d2h':>10} {'cpu':>10} {'gpu':>10} {'head':>10} {'total':>10}")
+    add(f"  {'':8} {'h2d':>10} {'d2h':>10} {'cpu':>10} {'gpu':>10} {'host':>10} {'head':>10} {'total':>10}")
     for phase, st, total, bind in (
         ("prefill", estimate.prefill_stages, estimate.prefill_time, estimate.prefill_binding),
         ("decode", estimate.decode_stages, estimate.decode_time, estimate.decode_binding),
     ):
-        cells = [(_fmt_time(st[k]) + ("*" if k == bind else " ")) for k in ("h2d", "d2h", "cpu", "gpu", "head")]
+        cells = [(_fmt_time(st.get(k, 0.0)) + ("*" if k == bind else " ")) for k in ("h2d", "d2h", "cpu", "gpu", "host", "head")]
         add(f"  {phase:8} " + " ".join(f"{c:>10}" for c in cells) + f" {_fmt_time(total):>10}")
     add("")
     add(f"predicted: prefill {estimate.prefill_tok_s:,.0f} tok/s, decode {estimate.decode_tok_s:,.1f} tok/s, "

@@ -227,6 +227,49 @@ def measure_microbatch_overhead(repeats: int = 30) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, steps: int = 8) -> tuple[float, float]:
+    """Host-thread seconds per micro-batch per decode layer as CGOPipe runs it: (CPU-attention micro-batch,
+    GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py).
+
+    Runs the executor's own decode (pre-attention, q/k/v copies, hand-offs with the CPU-attention worker, the
+    attention output's transfer, page slots, post-attention with the Triton expert FFN; for GPU attention the KV
+    append and attention of every length group) on a tiny Mixtral-shaped model (D = 256, 8 experts, ``layers``
+    layers, 2 resident per layer) with 2 micro-batches of ``mu`` prompts of spread lengths (8 KV length groups), so
+    the GPU, PCIe and CPU-attention work are negligible and the decode time is the host's: decode seconds /
+    (``steps`` x layers x 2), once with both micro-batches attending on the CPU and once with both on the GPU. A
+    short warm-up run compiles the kernels first. On ``device="cpu"`` (tests) the same loop runs synchronously and
+    both numbers are CPU-attention micro-batches.
+    Source of the need: RESULTS.md 9b (int4's g = 1 policy spent 13.2 of 19.1 ms per layer issuing work, against
+    the 1.45 ms per micro-batch of :func:`measure_microbatch_overhead`, which times only a bare pre + post attention).
+    """
+    from ..model.spec import MoESpec
+    from ..model.weights import dummy_weights
+    from ..pipeline.cgopipe import CGOPipeExecutor
+    from ..pipeline.serial import SamplingParams
+    from .policy import Policy
+
+    cuda = torch.device(device).type == "cuda"
+    spec = MoESpec(name="probe", model_type="mixtral", vocab_size=256, hidden_size=256, intermediate_size=512,
+                   num_layers=layers, num_heads=8, num_kv_heads=2, head_dim=32, num_experts=8, top_k=2, rope_theta=1e4,
+                   rms_norm_eps=1e-5, max_position_embeddings=1024)
+    dt, name = (torch.bfloat16, "bf16") if cuda else (torch.float32, "fp32")
+    g = torch.Generator().manual_seed(0)
+    lens = torch.linspace(8, 200, 2 * mu).round().long().tolist()  # spread lengths: 8 KV groups per micro-batch
+    prompts = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
+    out = []
+    for n_gpu in (0, 2):
+        pol = Policy(mu=mu, n=2, prefill_mu=mu, resident_experts=2, n_gpu_attn=n_gpu, dtype=name, weight_quant=name)
+        ex = CGOPipeExecutor(dummy_weights(spec, dt), pol, device, ffn="triton" if cuda else "torch")
+        try:
+            ex.generate(prompts, SamplingParams(max_new_tokens=3, stop_at_eos=False))  # warm-up: kernel compilation
+            before = ex.stats.decode_seconds
+            ex.generate(prompts, SamplingParams(max_new_tokens=steps + 1, stop_at_eos=False))
+            out.append((ex.stats.decode_seconds - before) / (steps * layers * 2))
+        finally:
+            ex.close()
+    return out[0], out[1]
+
+
 def host_description() -> tuple[str, int, int]:
     """(description, physical cores, DRAM bytes) of this host from /proc (falls back to os/platform)."""
     model = platform.processor() or platform.machine()
@@ -294,7 +337,16 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
         fields.update(g)
         fields["microbatch_overhead"] = measure_microbatch_overhead()
         log(f"per-micro-batch issue overhead: {fields['microbatch_overhead'] * 1e3:.2f} ms per layer")
-        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead)")
+        try:
+            h_c, h_g = measure_host_issue()
+        except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then has no host stage
+            log(f"CGOPipe host issue probe failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
+                " host_issue_* left at 0 (no host stage in the HRM)")
+        else:
+            fields.update(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g)
+            log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
+                f"{h_g * 1e3:.2f} ms (GPU attention)")
+        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, CGOPipe host issue)")
     else:
         log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
         notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")

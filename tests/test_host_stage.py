@@ -1,0 +1,67 @@
+"""The HRM's host stage (H6'): host_issue_cpu_attn / host_issue_gpu_attn per micro-batch and decode layer, plus the
+wait for the layer's last CPU attention; the MILP's host row agrees with hrm (brute force); absent without a host
+measurement; the profiler's probe runs CGOPipe's own decode."""
+
+import dataclasses
+import random
+
+import pytest
+
+from lightning_moe.policy import hrm, milp
+from lightning_moe.policy.hardware import get_preset
+from lightning_moe.policy.policy import Policy
+from lightning_moe.policy.registry import resolve_spec
+
+from test_milp import _milp_matches_brute_force, random_case
+
+
+def test_host_stage_formula():
+    spec = resolve_spec("mixtral-8x7b")
+    hw = dataclasses.replace(get_preset("h200"), host_issue_cpu_attn=0.004, host_issue_gpu_attn=0.006)
+    pol = Policy(mu=64, n=3, prefill_mu=16, n_gpu_attn=1)
+    st = hrm.decode_layer_times(spec, hw, pol, 0, 6, 200.0)
+    cpu_mb = hrm.cpu_attention_calls(64) * hw.cpu_attention_overhead + hrm.cpu_decode_attention_time(spec, hw, 64, 200.0)
+    assert st.host == pytest.approx(2 * 0.004 + 1 * 0.006 + cpu_mb, rel=1e-12)
+    assert st.time == max(st.h2d, st.d2h, st.cpu, st.gpu, st.host)
+    # every micro-batch on the GPU: issue only, no wait for CPU attention
+    allg = hrm.decode_layer_times(spec, hw, dataclasses.replace(pol, n_gpu_attn=3), 0, 6, 200.0)
+    assert allg.host == pytest.approx(3 * 0.006, rel=1e-12)
+    # a profile without the measurement: no host stage, the other four unchanged
+    base = hrm.decode_layer_times(spec, get_preset("h200"), pol, 0, 6, 200.0)
+    assert base.host == 0.0 and (base.h2d, base.d2h, base.cpu, base.gpu) == (st.h2d, st.d2h, st.cpu, st.gpu)
+
+
+def test_host_stage_binds_and_slows_the_estimate():
+    spec = resolve_spec("mixtral-8x7b")
+    from lightning_moe.policy.policy import Workload
+
+    wl = Workload(prompt_len=150, gen_len=16)
+    pol = Policy(mu=128, n=4, prefill_mu=16, resident_experts=1)
+    base = hrm.evaluate(pol, spec, get_preset("h200"), wl)
+    slow = hrm.evaluate(pol, spec, dataclasses.replace(get_preset("h200"), host_issue_cpu_attn=0.05), wl)
+    assert slow.decode_binding == "host" and slow.decode_stages["host"] > 0 and base.decode_stages["host"] == 0
+    assert slow.decode_tok_s < base.decode_tok_s
+
+
+def test_milp_with_host_stage_equals_brute_force():
+    """Random small cases with host issue costs: the MILP's optimum equals brute force over hrm.evaluate, and the
+    host stage binds in some of them."""
+    cands, n_max = [2, 4, 8], 4
+    bound, solved = set(), 0
+    for seed in range(24):
+        spec, hw, wl, budgets = random_case(seed)
+        rng = random.Random(1000 + seed)
+        hw = dataclasses.replace(hw, host_issue_cpu_attn=10 ** rng.uniform(-6, -2), host_issue_gpu_attn=10 ** rng.uniform(-6, -2))
+        got = _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed)
+        if got is None:
+            continue
+        solved += 1
+        bound.add(got[1].decode_binding)
+    assert solved >= 6 and "host" in bound, (solved, bound)
+
+
+def test_host_issue_probe_runs_the_executor():
+    from lightning_moe.policy.profiler import measure_host_issue
+
+    h_c, h_g = measure_host_issue("cpu", layers=2, mu=3, steps=2)
+    assert 0 < h_c < 1 and 0 < h_g < 1
