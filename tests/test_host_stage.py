@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_moe.policy import hrm, milp
+from lightning_moe.policy import hrm
 from lightning_moe.policy.hardware import get_preset
 from lightning_moe.policy.policy import Policy
 from lightning_moe.policy.registry import resolve_spec
