@@ -183,3 +183,14 @@ def test_triton_ffn_dequantizes_experts_once_per_visit_interpreted(qdirs, interp
     assert calls == [(5, PAGE_BYTES[scheme]), (3, PAGE_BYTES[scheme])] * 2 and ex._dq_scratch[0].data_ptr() == scratch_ptr
     ex._end_layer(0)
     ex.close()
+
+
+def test_policy_auto_refuses_a_cap_larger_than_the_card(tiny_dir):
+    """policy: auto with gpu_memory above the named hardware's GPU memory is an error before any planning."""
+    from types import SimpleNamespace
+
+    from lightning_moe.pipeline.cgopipe import policy_for_job
+
+    job = SimpleNamespace(dtype="float32", policy="auto", hardware="t4", gpu_memory=16 << 30, cpu_memory=None)
+    with pytest.raises(ValueError, match="gpu_memory 16.0 GiB exceeds the 15.0 GiB of GPU memory of hardware 't4'"):
+        policy_for_job(job, SimpleNamespace(model_path=tiny_dir))

@@ -74,11 +74,11 @@ def test_plan_refuses_more_gpu_memory_than_the_card(capsys):
     err = capsys.readouterr().err
     assert "gpu_memory 16.0 GiB exceeds the 15.0 GiB of GPU memory of hardware 't4'" in err and "Traceback" not in err
     from lightning_moe.policy.hardware import get_preset
-    from lightning_moe.policy.policy import Budgets
+    from lightning_moe.policy.policy import check_gpu_budget
 
-    with pytest.raises(ValueError, match="exceeds"):
-        Budgets.for_hardware(get_preset("t4"), gpu_memory=16 << 30)
-    assert Budgets.for_hardware(get_preset("t4"), gpu_memory=12 << 30).gpu_memory == 12 << 30
+    with pytest.raises(ValueError, match="exceeds"):  # the check policy: auto jobs run too (cgopipe.policy_for_job)
+        check_gpu_budget(16 << 30, get_preset("t4"))
+    check_gpu_budget(15 << 30, get_preset("t4"))  # the whole card is allowed
 
 
 def test_plan_job_without_runner_errors_clearly(monkeypatch, capsys, tmp_path):

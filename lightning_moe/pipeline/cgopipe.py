@@ -35,7 +35,7 @@ import torch
 
 from ..kernels.cpu_attention import native_stats
 from ..kernels.fused_moe import experts_ffn_reference_from
-from ..kernels.host_read import copy_from_host_triton
+from ..kernels.host_read import copy_from_host_triton, host_read_available
 from ..kernels.quant import PageLayout as QuantPageLayout, unpack_expert_page
 from ..model import mixtral as M
 from ..model.quantized import QuantExperts, checkpoint_scheme
@@ -203,8 +203,6 @@ class CGOPipeExecutor:
         self._backlog: deque[tuple[int, int]] = deque()  # (visit, page) queued, not yet issued (page_queue_depth)
         self._inflight: deque = deque()  # CUDA events of issued pages not yet known complete (None on CPU)
         if self.cuda and attention_h2d == "auto":
-            from ..kernels.host_read import host_read_available
-
             attention_h2d = "kernel" if host_read_available(self.device) else "dma"
         self.attention_h2d = attention_h2d if self.cuda else "dma"
         self.stats = RunStats()
@@ -788,7 +786,7 @@ def policy_for_job(job, prep):
     """
     from ..policy.hardware import get_preset, resolve_hardware
     from ..policy.milp import plan
-    from ..policy.policy import Budgets, Policy
+    from ..policy.policy import Budgets, Policy, check_gpu_budget
     from .runner import job_workload_from_prepared
 
     dt = _DT[job.dtype]
@@ -802,6 +800,8 @@ def policy_for_job(job, prep):
     if isinstance(job.policy, str) and job.policy != "auto":
         return Policy.load(job.policy), None
     hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
+    if job.gpu_memory:
+        check_gpu_budget(job.gpu_memory, hw)  # the job's cap must fit the card it plans for
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
                                    **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))

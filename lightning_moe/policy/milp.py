@@ -540,14 +540,15 @@ class _Model:
         # pipeline fill (hrm.decode_layer_times): + one micro-batch of the other stage when y_cpu = 1
         #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
         cc = c + C.cpu_off  # context of the CPU-attention rows (the longest micro-batches)
-        gpu = self.GPU + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
+        fill = self._cpu_micro_batch(cc)
+        gpu = self.GPU + C.attn_g[c] * self.N_gpu + fill
         cpu = cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
-        host = self._host_row(cc)
+        host = self._host_row(fill)
         Ct = self._stage_max(str(t), gpu, [cpu, self.D2H] + host, "decode")
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
-            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands), f"Cd_{t}_gpu"
+            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + fill, f"Cd_{t}_gpu"
             self.prob += Cd >= cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             for i, row in enumerate(host):
@@ -556,16 +557,21 @@ class _Model:
         # (H7) step time = layers + head
         self.T_decode += pulp.lpSum(terms) + self.HEAD
 
-    def _host_row(self, cc: float) -> list:
-        """(H6') the host stage of a decode layer at CPU-row context ``cc``, as a list of 0 or 1 rows:
-        h_c (n - g) + h_g g + one CPU micro-batch's attention when some attention is on the CPU (q_m); none when
-        the profile has no host measurement (hrm.decode_layer_times then has none either)."""
+    def _cpu_micro_batch(self, cc: float) -> pulp.LpAffineExpression:
+        """One CPU micro-batch's attention seconds at CPU-row context ``cc`` when some attention is on the CPU
+        (q_m), else 0: calls(m) cpu_call + m cc cpu_rate. The pipeline fill term of the GPU stage and the host's
+        wait for the layer's last CPU attention (hrm.decode_layer_times' cpu_mb)."""
+        C = self.C
+        return pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
+
+    def _host_row(self, wait: pulp.LpAffineExpression) -> list:
+        """(H6') the host stage of a decode layer, as a list of 0 or 1 rows: h_c (n - g) + h_g g + ``wait`` (one
+        CPU micro-batch's attention, :meth:`_cpu_micro_batch`); none when the profile has no host measurement
+        (hrm.decode_layer_times then has none either)."""
         C = self.C
         if C.host_c <= 0 and C.host_g <= 0:
             return []
-        g = pulp.lpSum(self.v.values())
-        wait = pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
-        return [C.host_c * self.n_cpu + C.host_g * g + wait]
+        return [C.host_c * self.n_cpu + C.host_g * pulp.lpSum(self.v.values()) + wait]
 
     # -- solving --
     @property

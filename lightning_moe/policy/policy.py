@@ -208,11 +208,9 @@ class Budgets:
 
     @classmethod
     def for_hardware(cls, hw: HardwareProfile, **kw: Any) -> "Budgets":
-        """The whole GPU and host memory of ``hw`` (override any field by keyword). Raises ValueError when a given
-        ``gpu_memory`` exceeds the GPU memory ``hw`` says the card has (:func:`check_gpu_budget`)."""
+        """The whole GPU and host memory of ``hw`` (override any field by keyword)."""
         kw.setdefault("gpu_memory", hw.gpu_memory)
         kw.setdefault("cpu_memory", hw.host_memory)
-        check_gpu_budget(kw["gpu_memory"], hw)
         return cls(**kw)
 
 
