@@ -36,7 +36,7 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-23)}" in
+case "${1:?usage: device_plan.sh STEP (1-24)}" in
   18)
     # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
     # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
@@ -49,6 +49,21 @@ case "${1:?usage: device_plan.sh STEP (1-23)}" in
       --commit "$C" --out "$OUT/full" 2>> "$OUT/bench_stderr.txt" | tail -8
     timeout 50 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
     case_with_time_left full32-16g-g32 cap16 $((S + 585)) 150
+    ;;
+  24)
+    # session 8, first (issue 6): where the int4 g 1 host thread's ~13 ms per layer go (RESULTS.md 9b): the run-25
+    # layer shape (256 x 2, 3 resident per layer, one GPU-attention micro-batch) under cProfile (host thread's Python
+    # functions) and torch.profiler (CUDA API calls per thread, GPU busy); then the same with both micro-batches on
+    # the CPU, and with 256 x 1 on the GPU alone (no CPU worker competing for cores)
+    timeout 150 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 1 \
+      --gen 8 --cprofile 40 --trace "$OUT/trace_int4_g1.json.gz" 2>&1 | grep -v USDT > "$OUT/int4_g1.txt"
+    head -3 "$OUT/int4_g1.txt"
+    timeout 120 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 0 \
+      --gen 8 --cprofile 40 2>&1 | grep -v USDT > "$OUT/int4_g0.txt"
+    head -3 "$OUT/int4_g0.txt"
+    timeout 120 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 1 --resident 3 --gpu-attn 1 \
+      --gen 8 --cprofile 40 2>&1 | grep -v USDT > "$OUT/int4_gpu_only.txt"
+    head -3 "$OUT/int4_gpu_only.txt"
     ;;
   21)
     # next session, FIRST (issue 6): where the host thread's 13.2 ms per layer go in the int4 g 1 policy (RESULTS.md

@@ -100,6 +100,17 @@ def summarize_trace(trace: dict, main_tid=None) -> str:
                 s[1] += e["dur"] / 1e3
     for tid, calls in sync.items():
         out.append(f"cuda syncs, thread {tid}: " + ", ".join(f"{n} x{c} {ms:.1f} ms" for n, (c, ms) in calls.items()))
+    # CUDA runtime / driver calls per thread by host time (launches, copies, event records, host allocations)
+    rt = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for e in evs:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            r = rt[e.get("tid")][e["name"]]
+            r[0] += 1
+            r[1] += e["dur"] / 1e3
+    for tid, calls in rt.items():
+        top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
+        out.append(f"cuda api, thread {tid}{' (main)' if tid == main_tid else ''}: "
+                   + ", ".join(f"{n} x{c} {ms:.1f} ms" for n, (c, ms) in top))
 
     # copies: direction x size class
     cp = defaultdict(lambda: [0, 0, 0.0, []])
@@ -139,6 +150,28 @@ def _profiler(trace_only_cpu: bool = False):
         return torch.profiler.profile(activities=acts, record_shapes=True)
 
 
+def _print_cprofile(fn, top: int, ex) -> None:
+    """Run ``fn`` under cProfile (the calling thread only: CGOPipe's host thread) and print the top functions by
+    cumulative and by own time, with the decode wall time and steps so they read per layer."""
+    import cProfile
+    import io
+    import pstats
+
+    ex.stats.__init__()
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    s = ex.stats
+    print(f"cProfile run: decode {s.decode_seconds:.2f} s, {s.decode_steps} steps, "
+          f"{s.decode_tokens / max(s.decode_seconds, 1e-9):.0f} tok/s (profiled host thread)")
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
+        print(f"--- host thread by {key} ---")
+        print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip()))
+
+
 def main() -> None:
     import threading
 
@@ -158,6 +191,8 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--gpu-cap", type=float, default=24, help="GiB")
     ap.add_argument("--trace", default=None, help="write the Chrome trace here (.json.gz)")
+    ap.add_argument("--cprofile", type=int, default=0, help="also print the host thread's top N Python functions "
+                    "(cProfile of one more generate, without torch.profiler)")
     a = ap.parse_args()
     spec = B.spec_for(B.Case("p", a.layers))
     B.cap_gpu(int(a.gpu_cap * B.GiB))
@@ -170,6 +205,8 @@ def main() -> None:
     sp = SamplingParams(max_new_tokens=a.gen, stop_at_eos=False)
     ex.generate(prompts[:8], SamplingParams(max_new_tokens=2, stop_at_eos=False))  # warm-up: Triton compilation
     ex.generate(prompts, sp)
+    if a.cprofile:
+        _print_cprofile(lambda: ex.generate(prompts, sp), a.cprofile, ex)
     ex.stats.__init__()
     with _profiler() as prof:
         ex.generate(prompts, sp)
