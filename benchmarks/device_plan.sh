@@ -36,7 +36,7 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-24)}" in
+case "${1:?usage: device_plan.sh STEP (1-25)}" in
   18)
     # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
     # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
@@ -64,6 +64,17 @@ case "${1:?usage: device_plan.sh STEP (1-24)}" in
     timeout 120 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 1 --resident 3 --gpu-attn 1 \
       --gen 8 --cprofile 40 2>&1 | grep -v USDT > "$OUT/int4_gpu_only.txt"
     head -3 "$OUT/int4_gpu_only.txt"
+    ;;
+  25)
+    # session 8, second (issue 6): this machine's profile with CGOPipe's host issue (profiler.measure_host_issue ->
+    # host_issue_cpu_attn / _gpu_attn, the HRM's host stage (H6')), then ALL of tests/gpu with the time left.
+    # Step 24 showed the int4 g 1 policy host-bound: a GPU-attention micro-batch (KV append + attention per length
+    # group) costs the host ~3x a CPU one, and 256 x 2 with both micro-batches on the CPU ran 10.7 vs 19 ms per layer
+    S=$SECONDS
+    timeout 250 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | grep -v USDT > "$OUT/profile.txt"
+    tail -6 "$OUT/profile.txt"
+    timeout $((S + 585 - SECONDS)) python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+    tail -8 "$OUT/gpu_tests.txt"
     ;;
   21)
     # next session, FIRST (issue 6): where the host thread's 13.2 ms per layer go in the int4 g 1 policy (RESULTS.md
