@@ -36,7 +36,7 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-25)}" in
+case "${1:?usage: device_plan.sh STEP (1-26)}" in
   18)
     # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
     # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
@@ -75,6 +75,20 @@ case "${1:?usage: device_plan.sh STEP (1-25)}" in
     tail -6 "$OUT/profile.txt"
     timeout $((S + 585 - SECONDS)) python3 -m pytest tests/gpu -m gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
     tail -8 "$OUT/gpu_tests.txt"
+    ;;
+  26)
+    # session 8, fourth (issue 6): the host-issue probe without the host's wait for CPU attention (H6' adds that wait
+    # as its own term; run 29's probe counted it twice: h_c 4.04 ms), a whole profile with it, then int4 and bf16
+    # planned with that profile in this call. Keep it if the int4 plan's e2e is >= 0.85 of its HRM and above run 29's
+    # 1102.5 tok/s; otherwise run 29's profile stays.
+    S=$SECONDS
+    timeout 150 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | grep -v USDT > "$OUT/profile.txt"
+    tail -2 "$OUT/profile.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 200 --profile "$OUT/h200-host.yaml" \
+      --commit "$C" --out "$OUT/int4" 2>> "$OUT/bench_stderr.txt" | tail -3
+    left=$((S + 590 - SECONDS))
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout $left --profile "$OUT/h200-host.yaml" \
+      --commit "$C" --out "$OUT/bf16" 2>> "$OUT/bench_stderr.txt" | tail -3
     ;;
   21)
     # next session, FIRST (issue 6): where the host thread's 13.2 ms per layer go in the int4 g 1 policy (RESULTS.md
