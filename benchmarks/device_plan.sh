@@ -36,7 +36,7 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-26)}" in
+case "${1:?usage: device_plan.sh STEP (1-27)}" in
   18)
     # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
     # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
@@ -89,6 +89,14 @@ case "${1:?usage: device_plan.sh STEP (1-26)}" in
     left=$((S + 590 - SECONDS))
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512 --timeout $left --profile "$OUT/h200-host.yaml" \
       --commit "$C" --out "$OUT/bf16" 2>> "$OUT/bench_stderr.txt" | tail -3
+    ;;
+  27)
+    # session 8, last (~4 min, the budget left): the user's path on a fresh machine with the committed probe (h_c
+    # counts the hand-off waits again, after run 31): moe-batch profile, then int4 planned with that profile
+    timeout 110 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | grep -v USDT > "$OUT/profile.txt"
+    tail -2 "$OUT/profile.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout 160 --profile "$OUT/h200-host.yaml" \
+      --commit "$C" --out "$OUT/int4" 2>> "$OUT/bench_stderr.txt" | tail -3
     ;;
   21)
     # next session, FIRST (issue 6): where the host thread's 13.2 ms per layer go in the int4 g 1 policy (RESULTS.md

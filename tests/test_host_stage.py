@@ -65,15 +65,3 @@ def test_host_issue_probe_runs_the_executor():
 
     h_c, h_g = measure_host_issue("cpu", layers=2, mu=3, steps=2)
     assert 0 < h_c < 1 and 0 < h_g < 1
-
-
-def test_host_issue_excludes_the_wait_for_cpu_attention():
-    """h_c is issue time only: (H6') adds the wait for the last CPU attention as its own term."""
-    from lightning_moe.policy.profiler import host_issue_per_micro_batch
-
-    assert host_issue_per_micro_batch((1.0, 0.5), (3.0, 1.3), 4) == pytest.approx((2.0 - 0.8) / 4)
-    assert host_issue_per_micro_batch((0.0, 0.0), (0.6, 0.0), 3) == pytest.approx(0.2)
-    for before, after, visits in (((0.0, 0.0), (1.0, 0.0), 0), ((1.0, 0.0), (0.5, 0.0), 1),
-                                  ((0.0, 0.0), (1.0, 2.0), 1), ((0.0, 1.0), (1.0, 0.5), 1)):
-        with pytest.raises(ValueError):
-            host_issue_per_micro_batch(before, after, visits)
