@@ -67,6 +67,8 @@ def test_plan_solves_again_with_the_optimum_offsets():
     is at least as fast, by hrm.evaluate with exact offsets, as that first optimum and as the g = 0 policy."""
     spec = resolve_spec("mixtral-8x7b")
     hw = resolve_hardware(os.path.join(os.path.dirname(hardware.__file__), "profiles", "h200-host.yaml"))
+    # without the host stage (H6'): with it this case's optimum is one GPU micro-batch, no CPU rows to offset
+    hw = dataclasses.replace(hw, host_issue_cpu_attn=0.0, host_issue_gpu_attn=0.0)
     lens = [20 + (i * 37) % 90 for i in range(60)] + [300 + i for i in range(20)]  # 80 prompts, a long tail
     wl = dataclasses.replace(Workload.from_lengths(lens, gen_len=128, name="skew"), num_requests=512)
     b = Budgets(gpu_memory=24 * GiB, cpu_memory=104 * GiB, weight_quant="int4", dtype="bf16")

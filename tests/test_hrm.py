@@ -278,3 +278,32 @@ def test_dequant_time_and_scratch_by_hand(monkeypatch):
             assert getattr(m4, phase)["dequantized expert scratch"] == 4 * 4096  # one layer's E = 4 experts
             assert getattr(m16, phase)["dequantized expert scratch"] == 0
             assert sum(getattr(m4, phase).values()) == sum(getattr(m16, phase).values()) + 4 * 4096
+
+
+def test_expert_flops_cap_the_routed_expert_term_by_hand():
+    """gpu_expert_flops replaces the GEMM peak in the routed-expert roofline only when it is lower (0: unmeasured)."""
+    spec = two_layer_spec()
+    T, k, D, F, E, b = 64, 2, 8, 16, 4, 2
+    flops = 2 * T * k * 3 * D * F  # 98304
+    nbytes = hrm.active_experts(T, E, k) * spec.expert_bytes("bf16") + T * k * 2 * D * b
+    for ef, rate in ((0.0, 1e6), (2.5e5, 2.5e5), (4e6, 1e6)):
+        hw = toy_hw(gpu_expert_flops=ef)
+        assert hrm.gpu_experts_time(spec, hw, T) == pytest.approx(max(flops / rate, nbytes / 1e5)), ef
+    # the other GPU terms keep the peak
+    assert hrm.gpu_qkv_time(spec, toy_hw(gpu_expert_flops=1.0), T) == hrm.gpu_qkv_time(spec, toy_hw(), T)
+    with pytest.raises(Exception, match="gpu_expert_flops"):
+        toy_hw(gpu_expert_flops=-1.0)
+
+
+def test_expert_kernel_probe_argument_errors():
+    import torch
+
+    from lightning_moe.policy.profiler import measure_expert_kernel_flops
+
+    with pytest.raises(ValueError, match="top_k"):
+        measure_expert_kernel_flops(tokens=4, hidden=8, intermediate=8, experts=2, top_k=3)
+    with pytest.raises(ValueError):
+        measure_expert_kernel_flops(tokens=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            measure_expert_kernel_flops(tokens=4, hidden=8, intermediate=8)

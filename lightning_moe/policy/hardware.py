@@ -95,6 +95,9 @@ class HardwareProfile:
     #   page slot, post-attention with the expert FFN); `moe-batch profile` measures it on CUDA
     #   (profiler.measure_host_issue); 0 = unmeasured: the HRM has no host stage
     host_issue_gpu_attn: float = 0.0  # the same for a GPU-attention micro-batch (KV append + attention per length group)
+    gpu_expert_flops: float = 0.0  # FLOP/s CGOPipe's grouped expert kernel (kernels.fused_moe.fused_experts_triton) reaches
+    #   at prefill sizes in the compute dtype; the HRM's routed-expert term uses min(this, the GEMM peak). `moe-batch
+    #   profile` measures it on CUDA (profiler.measure_expert_kernel_flops); 0 = unmeasured: the GEMM peak
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles

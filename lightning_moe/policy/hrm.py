@@ -116,9 +116,16 @@ def gpu_router_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: st
 
 
 def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16", quant: str = "bf16") -> float:
-    """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b."""
+    """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b.
+
+    The FLOP rate is the profile's ``gpu_expert_flops`` (what the grouped Triton kernel reaches) when measured,
+    capped by the dtype's GEMM peak: run 28 (RESULTS.md 10) measured the kernel at ~0.5 of the cuBLAS peak in
+    prefill, and a prefill predicted at the peak came out ~2x optimistic.
+    """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
+    if hw.gpu_expert_flops > 0:
+        P = min(P, hw.gpu_expert_flops)
     k = spec.top_k
     nbytes = active_experts(tokens, spec.num_experts, k) * spec.expert_bytes(quant) + tokens * k * 2 * spec.hidden_size * b
     return roofline(2 * tokens * k * spec.expert_params, nbytes, P, B)

@@ -227,6 +227,44 @@ def measure_microbatch_overhead(repeats: int = 30) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def measure_expert_kernel_flops(tokens: int = 4096, hidden: int = 4096, intermediate: int = 14336, experts: int = 8,
+                                top_k: int = 2, repeats: int = 5, seed: int = 0) -> float:
+    """FLOP/s of CGOPipe's grouped expert kernel (kernels.fused_moe.fused_experts_triton, the whole call: token
+    alignment, gate/up and down GEMMs, slot sum) at a prefill size: ``tokens`` tokens routed top-``top_k`` over
+    ``experts`` experts of a Mixtral-8x7B-shaped layer (D = ``hidden``, F = ``intermediate``), bf16 (fp16 where the
+    GPU has no bf16). FLOPs 2 T k 3 D F per call; the best of ``repeats`` timed calls after a warm-up. The profile's
+    ``gpu_expert_flops`` ((H1)'s routed-expert term in hrm.py caps the GEMM peak with it).
+
+    Why: run 28 (RESULTS.md 10) timed this kernel's prefill calls at ~388 TFLOP/s against a cuBLAS GEMM peak of
+    ~760, and prefill ran at 0.44-0.60 of an HRM that assumed the peak.
+
+    Raises:
+        RuntimeError: no CUDA device, or triton missing.
+        ValueError: a size < 1, or top_k > experts.
+    """
+    from ..kernels.fused_moe import fused_experts_triton, triton_available
+
+    if min(tokens, hidden, intermediate, experts, top_k, repeats) < 1 or top_k > experts:
+        raise ValueError(f"measure_expert_kernel_flops: sizes must be >= 1 and top_k <= experts, got tokens={tokens}, "
+                         f"hidden={hidden}, intermediate={intermediate}, experts={experts}, top_k={top_k}, repeats={repeats}")
+    if not torch.cuda.is_available() or not triton_available():
+        raise RuntimeError("measure_expert_kernel_flops: needs a CUDA device and triton")
+    dev = torch.device("cuda")
+    dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(tokens, hidden, device=dev, dtype=dt, generator=g)  # [T, D]
+    w1 = torch.randn(experts, intermediate, hidden, device=dev, dtype=dt, generator=g) * 0.02  # [E, F, D]
+    w3 = torch.randn(experts, intermediate, hidden, device=dev, dtype=dt, generator=g) * 0.02  # [E, F, D]
+    w2 = torch.randn(experts, hidden, intermediate, device=dev, dtype=dt, generator=g) * 0.02  # [E, D, F]
+    logits = torch.randn(tokens, experts, device=dev, generator=g)  # [T, E] random router: balanced experts
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)  # [T, k] fp32, int64
+    seconds = _best_time(lambda: fused_experts_triton(x, w1, w3, w2, weights, ids, validate=False), repeats,
+                         torch.cuda.synchronize)
+    del x, w1, w3, w2
+    torch.cuda.empty_cache()
+    return 2 * tokens * top_k * 3 * hidden * intermediate / seconds
+
+
 def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, steps: int = 8) -> tuple[float, float]:
     """Host-thread seconds per micro-batch per decode layer as CGOPipe runs it: (CPU-attention micro-batch,
     GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py).
@@ -341,6 +379,14 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
         fields["microbatch_overhead"] = measure_microbatch_overhead()
         log(f"per-micro-batch issue overhead: {fields['microbatch_overhead'] * 1e3:.2f} ms per layer")
         try:
+            fields["gpu_expert_flops"] = measure_expert_kernel_flops()
+        except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then uses the GEMM peak
+            log(f"expert kernel probe failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
+                " gpu_expert_flops left at 0 (the HRM uses the GEMM peak for experts)")
+        else:
+            log(f"grouped expert kernel (fused_experts_triton), 4096 tokens top-2 of 8 Mixtral-8x7B experts: "
+                f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
+        try:
             h_c, h_g = measure_host_issue()
         except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then has no host stage
             log(f"CGOPipe host issue probe failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
@@ -349,7 +395,8 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
             fields.update(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g)
             log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
                 f"{h_g * 1e3:.2f} ms (GPU attention)")
-        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, CGOPipe host issue)")
+        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
+                     "kernel, CGOPipe host issue)")
     else:
         log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
         notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")
