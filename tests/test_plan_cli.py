@@ -37,6 +37,22 @@ def test_plan_mixtral_l4_prints_table_and_writes_policy(tmp_path, capsys):
     assert out_path.read_text().startswith("# moe-batch plan: mixtral-8x7b on l4")
 
 
+def test_plan_int4_shows_bytes_before_and_after(capsys):
+    """Quantized pages: the table gives an expert's and a layer's bytes packed and in the model dtype (by hand:
+    Mixtral-8x7B expert 3 x 14336 x 4096 bf16 = 336 MiB; 8 per layer = 2.6 GiB); dense pages print no 'before'."""
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec = resolve_spec("mixtral-8x7b")
+    assert spec.expert_bytes("bf16") == 3 * 14336 * 4096 * 2
+    assert run(L4_ARGS + ["--quant", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "int4, 89.2 MiB per expert (336.0 MiB in bf16)" in out
+    assert "experts 714.0 MiB (2.6 GiB in bf16)" in out
+    assert run(L4_ARGS) == 0
+    out = capsys.readouterr().out
+    assert "bf16, 336.0 MiB per expert\n" in out and "in bf16)" not in out
+
+
 def test_plan_infeasible_gpu_one_line(capsys):
     args = list(L4_ARGS)
     args[args.index("24GiB")] = "6GiB"

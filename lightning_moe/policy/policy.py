@@ -413,7 +413,9 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
         res += f" ({min(moe)}..{max(moe)} per MoE layer)" if min(moe) != max(moe) else f" ({moe[0]} per MoE layer)"
     add(f"  resident experts                 {res}, {format_bytes(R * We)}")
     add(f"  attention split                  {policy.n_gpu_attn} micro-batch(es) on GPU, {policy.n_cpu_attn} on CPU")
-    add(f"  expert pages                     {policy.weight_quant}, {format_bytes(We)} per expert")
+    Wd = spec.expert_bytes(policy.dtype)  # an expert's bytes before quantization (the model dtype)
+    before = (lambda n: f" ({format_bytes(n * Wd)} in {policy.dtype})") if We != Wd else (lambda n: "")
+    add(f"  expert pages                     {policy.weight_quant}, {format_bytes(We)} per expert{before(1)}")
     add("")
     add("memory (peak)")
     gb = f" / budget {format_bytes(policy.gpu_budget)}" if policy.gpu_budget else ""
@@ -426,8 +428,9 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
         add(f"         {k:<34} {format_bytes(v)}")
     add("")
     ne_layer = spec.layer_non_expert_params(spec.num_dense_layers) * DTYPE_BYTES[policy.dtype]
-    add(f"bytes per MoE layer: non-expert {format_bytes(ne_layer)}, experts {format_bytes(spec.num_experts * We)}, "
-        f"paged per layer {format_bytes((spec.num_experts - (min(moe) if moe else 0)) * We)} (max)")
+    paged = spec.num_experts - (min(moe) if moe else 0)
+    add(f"bytes per MoE layer: non-expert {format_bytes(ne_layer)}, experts {format_bytes(spec.num_experts * We)}"
+        f"{before(spec.num_experts)}, paged per layer {format_bytes(paged * We)}{before(paged)} (max)")
     add("")
     add(f"stage times (summed over layers{', and decode steps' if estimate.gen_len > 1 else ''}; * = binds)")
     add(f"  {'':8} {'h2d':>10} {'d2h':>10} {'cpu':>10} {'gpu':>10} {'host':>10} {'head':>10} {'total':>10}")
