@@ -198,7 +198,9 @@ def parse_variants(text: str) -> tuple:
     and padded tokens, Policy.prefill_mu / prefill_tokens; default the plan's), ``switch`` (seconds: Python's thread
     switch interval, ``sys.setswitchinterval``, during the run; default 0.005, Python's own: a shorter one hands the
     GIL to the CPU-attention worker sooner while the host thread issues GPU work), ``h2d`` (``kernel`` or ``dma``:
-    CGOPipe's attention_h2d, how CPU attention outputs reach the GPU; default the executor's). ``default`` (an empty variant) re-runs the case's own settings, which
+    CGOPipe's attention_h2d, how CPU attention outputs reach the GPU; default the executor's), ``gattn`` (``torch`` or
+    ``triton``: CGOPipe's gpu_attention, the GPU-attention micro-batches' append + attention; default torch).
+    ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
     out = []
@@ -208,9 +210,11 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "queue", "gen", "attn", "prefill", "switch", "h2d"):
+                if key not in ("threads", "queue", "gen", "attn", "prefill", "switch", "h2d", "gattn"):
                     raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn, prefill, "
-                                     f"switch, h2d)")
+                                     f"switch, h2d, gattn)")
+                if key == "gattn" and val not in ("torch", "triton"):
+                    raise ValueError(f"--variants: gattn must be torch or triton, got {val!r}")
                 if key == "h2d" and val not in ("kernel", "dma"):
                     raise ValueError(f"--variants: h2d must be kernel or dma, got {val!r}")
                 if key == "attn" and val not in ("native", "sdpa"):
@@ -228,7 +232,7 @@ def parse_variants(text: str) -> tuple:
                     if not 0 < v[key] <= 1:
                         raise ValueError(f"--variants: switch must be seconds in (0, 1], got {val!r}")
                 else:
-                    v[key] = val if key in ("attn", "h2d") else int(val)
+                    v[key] = val if key in ("attn", "h2d", "gattn") else int(val)
         out.append(v)
     return tuple(out)
 
@@ -246,6 +250,7 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     if not hasattr(ex, "_bench_h2d"):
         ex._bench_h2d = ex.attention_h2d  # the executor's own choice ("auto" resolved)
     ex.attention_h2d = v.get("h2d", ex._bench_h2d)
+    ex.gpu_attention = v.get("gattn", "torch")
 
 
 _DEFAULT_THREADS = torch.get_num_threads()

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # GPU measurements, one step per call of the `device` tool (each call <= 10 min). Steps 1-2 ran in session 4
-# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7), steps 10-14 in session 6 (RESULTS.md 8). The next session
-# was to run 15, 16, 17; session 7 replaced them with 18, 19, 20 (RESULTS.md 9). The next session runs 21 (timelines
-# of the host thread + all GPU tests), 22 (profile with the host-issue probe + int4), 23 (int4 vs bf16, same call,
-# with 22's profile copied into .carry/), ~9.5 min each. Fire each as soon as the last
-# returns, while the machine is warm. Steps 3-5 are superseded.
+# (RESULTS.md 6), steps 6-9 in session 5 (RESULTS.md 7), steps 10-14 in session 6 (RESULTS.md 8), 18-20 in session 7
+# (RESULTS.md 9), 24, 25, 23, 26, 27 in session 8 (runs 28-32, RESULTS.md 10; 21 and 22 were folded into them).
+# The next session runs 28 first (the GPU tests and A/B of what session 8 built without a GPU, ~8 min). Fire each as
+# soon as the last returns, while the machine is warm. Steps 3-5 are superseded.
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
 #   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
@@ -36,7 +35,7 @@ case_with_time_left() {
     echo "$1 skipped: $left s left"
   fi
 }
-case "${1:?usage: device_plan.sh STEP (1-27)}" in
+case "${1:?usage: device_plan.sh STEP (1-28)}" in
   18)
     # session 7, first: issue 5 at the planner's full N with the new memory model (check the peak under 24 GiB) and
     # why several CPU micro-batches per layer halve the in-executor CPU attention rate: the native kernel's own split
@@ -49,6 +48,24 @@ case "${1:?usage: device_plan.sh STEP (1-27)}" in
       --commit "$C" --out "$OUT/full" 2>> "$OUT/bench_stderr.txt" | tail -8
     timeout 50 python3 benchmarks/bench_cpu_attention.py --rows 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
     case_with_time_left full32-16g-g32 cap16 $((S + 585)) 150
+    ;;
+  28)
+    # NEXT session, first (~8 min): what session 8 built without a GPU. (1) the new GPU tests: the one-launch decode
+    # attention (kernels.decode_attention) and the expert-kernel probe; (2) the host thread with it: run 28's int4
+    # layer shape (256 x 2, g 1: 18.9 ms per layer with the torch path) with --gpu-attention triton; (3) moe-batch
+    # profile (now with gpu_expert_flops) -> $OUT/h200-host.yaml; (4) the int4 case, A/B of the GPU attention path on
+    # one executor (committed profile; the planner's g 1 policy has a 512-row GPU-attention micro-batch)
+    S=$SECONDS
+    timeout 150 python3 -m pytest tests/gpu/test_decode_attention_gpu.py tests/gpu/test_profiler_gpu.py -m gpu -q -rf \
+      -p no:cacheprovider > "$OUT/gpu_tests_new.txt" 2>&1
+    tail -3 "$OUT/gpu_tests_new.txt"
+    timeout 100 python3 benchmarks/profile_ops.py --quant int4 --layers 4 --mu 256 --n 2 --resident 3 --gpu-attn 1 \
+      --gen 8 --cprofile 25 --gpu-attention triton 2>&1 | grep -v USDT > "$OUT/int4_g1_triton_attn.txt"
+    head -1 "$OUT/int4_g1_triton_attn.txt"
+    timeout 110 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | grep -v USDT > "$OUT/profile.txt"
+    tail -3 "$OUT/profile.txt"
+    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g128-r512-int4 --timeout $((S + 585 - SECONDS)) \
+      --variants "gen=16;gattn=triton,gen=16" --commit "$C" --out "$OUT/int4" 2>> "$OUT/bench_stderr.txt" | tail -4
     ;;
   24)
     # session 8, first (issue 6): where the int4 g 1 host thread's ~13 ms per layer go (RESULTS.md 9b): the run-25

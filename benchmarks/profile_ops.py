@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--gpu-cap", type=float, default=24, help="GiB")
     ap.add_argument("--trace", default=None, help="write the Chrome trace here (.json.gz)")
+    ap.add_argument("--gpu-attention", default="torch", choices=("torch", "triton"),
+                    help="CGOPipe's gpu_attention (GPU-attention micro-batches' append + attention)")
     ap.add_argument("--cprofile", type=int, default=0, help="also print the host thread's top N Python functions "
                     "(cProfile of one more generate, without torch.profiler)")
     a = ap.parse_args()
@@ -199,7 +201,8 @@ def main() -> None:
     w = B.shared_dummy_weights(spec, quant=a.quant)
     pol = Policy(mu=a.mu, n=a.n, prefill_mu=32, resident_experts=a.resident, n_gpu_attn=a.gpu_attn,
                  weight_quant=a.quant, dtype="bf16")
-    ex = CGOPipeExecutor(w, pol, "cuda", torch.bfloat16, ffn="triton", cpu_threads=a.cpu_threads)
+    ex = CGOPipeExecutor(w, pol, "cuda", torch.bfloat16, ffn="triton", cpu_threads=a.cpu_threads,
+                         gpu_attention=a.gpu_attention)
     del w
     prompts = B.fill(B.mtbench_prompts(), a.mu * a.n)
     sp = SamplingParams(max_new_tokens=a.gen, stop_at_eos=False)

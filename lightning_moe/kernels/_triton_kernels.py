@@ -313,3 +313,73 @@ def host_read_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def decode_append_attention_kernel(
+    q_ptr, knew_ptr, vnew_ptr, kc_ptr, vc_ptr, out_ptr, base_ptr, cap_ptr, pos_ptr,
+    G, HD, window, sm_scale,
+    stride_qb, stride_qh, stride_nb, stride_nh, stride_ob,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """One decode step of one (row r, KV head h) over a ragged flat KV cache: append, then GQA attention.
+
+    The cache is a flat array of hd-vectors; row r's head h holds ``cap[r]`` positions starting at vector
+    ``base[r] + h * cap[r]``. The new k / v (``knew`` / ``vnew`` [B, Hkv, hd]) are written at position ``pos[r]``,
+    and the G query heads ``h*G .. h*G+G-1`` of row r attend over positions ``[start, pos[r]]`` (start = 0, or
+    pos[r] + 1 - window with a sliding window): cached positions streamed in blocks of BLOCK_N, the new one from
+    registers (no read-after-write of the same program's store). Online softmax and accumulation in fp32
+    (Flash-Decoding's single-split case); output [B, Hq*hd] in ``out``'s dtype. Offsets in int64.
+    """
+    r = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    cap = tl.load(cap_ptr + r).to(tl.int64)
+    L = tl.load(pos_ptr + r).to(tl.int64)  # cached positions before this token; the new one goes to L
+    row = tl.load(base_ptr + r).to(tl.int64) + h * cap  # first hd-vector of (r, h)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mg = offs_g < G
+    md = offs_d < HD
+    r64 = r.to(tl.int64)
+    q = tl.load(q_ptr + r64 * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=mg[:, None] & md[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
+    kn = tl.load(knew_ptr + r64 * stride_nb + h * stride_nh + offs_d, mask=md, other=0.0)  # [D_PAD]
+    vn = tl.load(vnew_ptr + r64 * stride_nb + h * stride_nh + offs_d, mask=md, other=0.0)
+    tl.store(kc_ptr + (row + L) * HD + offs_d, kn, mask=md)
+    tl.store(vc_ptr + (row + L) * HD + offs_d, vn, mask=md)
+    # the new token first: m = its score, l = 1, acc = its value
+    m_i = tl.reduce(q * kn.to(tl.float32)[None, :], 1, _sum_combine) * sm_scale  # [G_PAD]
+    l_i = tl.full([G_PAD], 1.0, tl.float32)
+    acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32) + vn.to(tl.float32)[None, :]  # [G_PAD, D_PAD]
+    start = L * 0
+    if WINDOW:
+        start = L + 1 - window
+        start = tl.where(start > 0, start, 0)
+    for n0 in range(start, L, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] cached positions
+        mn = offs_n < L
+        ptr = (row + offs_n)[:, None] * HD + offs_d[None, :]
+        mk = mn[:, None] & md[None, :]
+        k = tl.load(kc_ptr + ptr, mask=mk, other=0.0).to(tl.float32)  # [BLOCK_N, D_PAD]
+        s = tl.reduce(q[:, None, :] * k[None, :, :], 2, _sum_combine) * sm_scale  # [G_PAD, BLOCK_N]
+        s = tl.where(mn[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [G_PAD]
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])  # [G_PAD, BLOCK_N]
+        v = tl.load(vc_ptr + ptr, mask=mk, other=0.0).to(tl.float32)  # [BLOCK_N, D_PAD]
+        acc = acc * alpha[:, None] + tl.reduce(p[:, :, None] * v[None, :, :], 1, _sum_combine)
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    o_ptrs = out_ptr + r64 * stride_ob + (h * G + offs_g)[:, None] * HD + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mg[:, None] & md[None, :])

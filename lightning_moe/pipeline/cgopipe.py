@@ -127,12 +127,21 @@ class CGOPipeExecutor:
             the copy engine; "dma": a copy on the attention H2D stream (the copy engine, in issue order with
             the pages); "auto" (default): "kernel" where kernels.host_read.host_read_available() says a kernel
             can read pinned memory here, else "dma". Ignored on the CPU. Raises ValueError on another value.
+        gpu_attention: how a GPU-attention micro-batch appends its k/v and attends. "torch" (default): per KV length
+            group, :meth:`GroupedKVCache.append` + :meth:`GroupedKVCache.attend` with model.mixtral.decode_attention
+            (~20 ops per group, bit-identical to the serial executor); "triton": one kernel for all groups
+            (:meth:`GroupedKVCache.append_attend_triton`, scores in fp32: bf16 outputs differ by rounding). The
+            triton path is CPU-tested under the Triton interpreter and NOT YET RUN ON A GPU (RESULTS.md 10, the next
+            device step measures it). Raises ValueError on another value.
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
                  page_queue_depth: Optional[int] = None, cpu_threads: Optional[int] = None,
-                 attention_h2d: str = "auto"):
+                 attention_h2d: str = "auto", gpu_attention: str = "torch"):
+        if gpu_attention not in ("torch", "triton"):
+            raise ValueError(f"CGOPipeExecutor: gpu_attention must be torch or triton, got {gpu_attention!r}")
+        self.gpu_attention = gpu_attention
         if attention_h2d not in ("auto", "kernel", "dma"):
             raise ValueError(f"CGOPipeExecutor: attention_h2d must be auto, kernel or dma, got {attention_h2d!r}")
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
@@ -542,7 +551,10 @@ class CGOPipeExecutor:
 
     def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
         """Append k/v to the micro-batch's GPU cache and attend, one ``M.decode_attention`` per length group.
-        q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU."""
+        q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU. With gpu_attention="triton" one
+        kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy)."""
+        if self.gpu_attention == "triton":
+            return mb.kv.append_attend_triton(l, q, k, v, mb.pos)
         rows = torch.arange(len(mb.rows))
         mb.kv.append(l, rows, k, v)
         sw = self.spec.sliding_window

@@ -122,6 +122,7 @@ class GroupedKVCache:
         pin = pin and dev.type == "cpu" and torch.cuda.is_available()
         B, L, Hkv, hd = len(lens), spec.num_layers, spec.num_kv_heads, spec.head_dim
         self.device = dev
+        self.num_kv_heads = Hkv
         self.sizes = [max(lens[r] for r in g) for g in groups]  # S_g per group
         # caller rows of each group (host), ascending: with one group the cache is in the caller's order
         self.rows = [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
@@ -134,14 +135,31 @@ class GroupedKVCache:
             self.group_of[r] = gi
             self.slot_of[r] = torch.arange(len(r))
         self._identity = len(groups) == 1 and torch.equal(self.rows[0], torch.arange(B))  # one group, caller order
-        # k[layer][g], v[layer][g]: [B_g, Hkv, S_g, hd]
-        self.k = [[torch.zeros((len(r), Hkv, S, hd), dtype=dtype, device=dev, pin_memory=pin)
-                   for r, S in zip(self.rows, self.sizes)] for _ in range(L)]
-        self.v = [[torch.zeros((len(r), Hkv, S, hd), dtype=dtype, device=dev, pin_memory=pin)
-                   for r, S in zip(self.rows, self.sizes)] for _ in range(L)]
+        # one flat array of hd-vectors per layer for K (and V): group g's block [B_g, Hkv, S_g, hd] from vector
+        # group_base[g]; k[layer][g], v[layer][g] are views of it (one kernel can address every group:
+        # append_attend_triton)
+        blocks = [len(r) * Hkv * S for r, S in zip(self.rows, self.sizes)]  # hd-vectors per group
+        group_base = [sum(blocks[:g]) for g in range(len(blocks))]
+        self.k_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
+        self.v_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
+        self.k = [self._group_views(f, group_base, hd) for f in self.k_flat]  # k[layer][g]: [B_g, Hkv, S_g, hd]
+        self.v = [self._group_views(f, group_base, hd) for f in self.v_flat]
+        # per caller row: first hd-vector of its block and its capacity S_g (int64 [B], host; device copies lazily)
+        self.row_base = torch.empty(B, dtype=torch.int64)
+        self.row_cap = torch.empty(B, dtype=torch.int64)
+        for gi, (r, S) in enumerate(zip(self.rows, self.sizes)):
+            self.row_base[r] = group_base[gi] + torch.arange(len(r)) * Hkv * S
+            self.row_cap[r] = S
+        self._row_meta_dev: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lengths = torch.zeros(B, dtype=torch.int64)  # valid positions per row, caller order (host tensor)
         self.max_len = max(self.sizes)  # longest final length of any row
         self.sliding_window = spec.sliding_window
+
+    def _group_views(self, flat: torch.Tensor, group_base: list[int], hd: int) -> list[torch.Tensor]:
+        """Group g's ``[B_g, Hkv, S_g, hd]`` view of one layer's flat array (contiguous)."""
+        Hkv = self.num_kv_heads
+        return [flat[b * hd: (b + len(r) * Hkv * S) * hd].view(len(r), Hkv, S, hd)
+                for b, r, S in zip(group_base, self.rows, self.sizes)]
 
     @property
     def num_groups(self) -> int:
@@ -270,6 +288,27 @@ class GroupedKVCache:
         sw = self.sliding_window
         out.copy_(self.attend(layer, q, self.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)))
         return out
+
+    def append_attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             pos: torch.Tensor) -> torch.Tensor:
+        """GPU decode step of one layer for every row in ONE kernel launch (kernels.decode_attention): append k/v at
+        position lengths[row], attend over lengths + 1 positions (no length update), rows in the caller's order.
+
+        Same result as :meth:`append` + :meth:`attend` with ``model.mixtral.decode_attention`` (fp32: to rounding;
+        bf16: ~1e-2 relative, the kernel keeps scores in fp32), without a torch op per length group.
+        q [B, Hq, hd], k / v [B, Hkv, hd] on the cache's device; ``pos`` int64 [B] on that device: the rows'
+        positions, equal to :attr:`lengths` (CGOPipe's ``MicroBatch.pos``; no host-to-device copy per layer).
+        Returns [B, Hq*hd]. Raises ValueError if a row is full (checked on the host lengths) or on a shape mismatch.
+        """
+        from ..kernels.decode_attention import decode_append_attention_triton
+
+        if bool((self.lengths >= self.row_cap).any()):
+            raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
+        if self._row_meta_dev is None:
+            self._row_meta_dev = (self.row_base.to(self.device), self.row_cap.to(self.device))
+        base, cap = self._row_meta_dev
+        return decode_append_attention_triton(q, k, v, self.k_flat[layer], self.v_flat[layer], base, cap, pos,
+                                              self.sliding_window)
 
     def attend(self, layer: int, q: torch.Tensor, new_lengths: torch.Tensor, fn: AttendFn) -> torch.Tensor:
         """Decode attention of every row, group by group, back in the caller's row order.
