@@ -93,7 +93,9 @@ class GroupedKVCache:
     The rows (the caller's sequences, numbered 0..B-1 in the caller's order) are grouped by final length
     with :func:`~lightning_moe.pipeline.microbatch.length_groups` (at most ``max_groups`` groups, least
     padded positions); group g stores K and V of each layer as ``[B_g, Hkv, S_g, hd]`` with S_g its longest
-    final length (a group's slots hold its rows in ascending caller order). The interface is :class:`KVCache`'s as the pipelined executor uses it (:attr:`lengths`,
+    final length (a group's slots hold its rows in ascending caller order); the groups of a layer are views of one
+    flat array of hd-vectors (:attr:`k_flat`, :attr:`v_flat`; row r's block starts at vector ``row_base[r]`` and holds
+    ``row_cap[r]`` positions per KV head), so one kernel can address them all (:meth:`append_attend_triton`). The interface is :class:`KVCache`'s as the pipelined executor uses it (:attr:`lengths`,
     :meth:`write_prefill`, :meth:`append`, :attr:`nbytes`), plus :meth:`attend`, which runs decode attention
     per group and returns rows in the caller's order.
 
