@@ -41,8 +41,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register ``quantize`` on an argparse subparsers object (sets ``func``)."""
     q = subparsers.add_parser(
         "quantize", help="write a copy of a Mixtral checkpoint with int4 / int2 expert pages",
-        description="Quantize a Hugging Face Mixtral checkpoint's routed experts group-wise (int4, or int4 with an "
-                    "int2 up_proj) into one fixed-size page per expert; other weights keep the source dtype. "
+        description="Quantize a Hugging Face Mixtral checkpoint's routed experts group-wise (int4; int4 with an "
+                    "int2 up_proj, --up int2; or int2 everywhere, --experts int2, the largest error) into one fixed-size "
+                    "page per expert; other weights keep the source dtype. "
                     "The output directory works as `model:` of a job (both executors).")
     q.add_argument("src", help="source checkpoint directory (config.json + safetensors + tokenizer)")
     q.add_argument("dst", help="output directory (must not exist, or be empty)")

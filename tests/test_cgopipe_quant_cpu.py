@@ -186,11 +186,15 @@ def test_triton_ffn_dequantizes_experts_once_per_visit_interpreted(qdirs, interp
 
 
 def test_policy_auto_refuses_a_cap_larger_than_the_card(tiny_dir):
-    """policy: auto with gpu_memory above the named hardware's GPU memory is an error before any planning."""
+    """policy: auto with gpu_memory above the named hardware's GPU memory (or cpu_memory above its host memory) is an
+    error before any planning."""
     from types import SimpleNamespace
 
     from lightning_moe.pipeline.cgopipe import policy_for_job
 
     job = SimpleNamespace(dtype="float32", policy="auto", hardware="t4", gpu_memory=16 << 30, cpu_memory=None)
     with pytest.raises(ValueError, match="gpu_memory 16.0 GiB exceeds the 15.0 GiB of GPU memory of hardware 't4'"):
+        policy_for_job(job, SimpleNamespace(model_path=tiny_dir))
+    job = SimpleNamespace(dtype="float32", policy="auto", hardware="h200", gpu_memory=None, cpu_memory=200 << 30)
+    with pytest.raises(ValueError, match="cpu_memory 200.0 GiB exceeds the 128.0 GiB of host memory of hardware 'h200'"):
         policy_for_job(job, SimpleNamespace(model_path=tiny_dir))

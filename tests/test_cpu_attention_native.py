@@ -230,3 +230,35 @@ def test_native_stats_account_for_each_region():
     assert 0 <= st["lag_s"] <= st["region_s"] and 0 <= st["tail_s"] <= st["region_s"]
     C.native_stats(reset=True)
     assert all(v == 0 for v in C.native_stats().values())
+
+
+@pytest.mark.skipif(not C.native_available(), reason="native kernel not buildable here")
+def test_a_stale_build_lock_does_not_hang_the_next_process(tmp_path):
+    """torch's build lock file, left by a process killed mid-build, is removed under our own flock and the next
+    process builds and loads the kernel (before: it waited on the file forever). Private TORCH_EXTENSIONS_DIR: a
+    fresh build (~20-60 s), the user's cache untouched."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=repo)
+    py = lambda code, **kw: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, **kw)  # noqa: E731
+    build_dir = py("from lightning_moe.kernels.cpu_attention import build_directory; print(build_directory()[1])",
+                   check=True).stdout.strip()
+    assert build_dir.startswith(str(tmp_path))
+    os.makedirs(build_dir)
+    lock = os.path.join(build_dir, "lock")
+    open(lock, "w").close()  # what a SIGKILL during torch's build leaves
+    r = py("from lightning_moe.kernels.cpu_attention import native_available; print(native_available())", timeout=300)
+    assert r.stdout.strip() == "True", r.stderr[-2000:]
+    assert "removing" in r.stderr and not os.path.exists(lock)
+    again = py("from lightning_moe.kernels.cpu_attention import native_available; print(native_available())", timeout=300)
+    assert again.stdout.strip() == "True" and "removing" not in again.stderr  # a finished build leaves no lock
+
+
+def test_build_directory_depends_on_the_torch_install(monkeypatch):
+    """Two torch installs of one version get two build directories (they no longer rebuild one back and forth)."""
+    name, d = C.build_directory()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    name2, d2 = C.build_directory()
+    assert name != name2 and d != d2 and name.startswith("lightning_moe_cpu_attention_")

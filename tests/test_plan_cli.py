@@ -97,6 +97,20 @@ def test_plan_refuses_more_gpu_memory_than_the_card(capsys):
     check_gpu_budget(15 << 30, get_preset("t4"))  # the whole card is allowed
 
 
+def test_plan_refuses_more_cpu_memory_than_the_host(capsys):
+    """A host budget over the hardware's DRAM (l4 preset: 192 GiB) is an error naming both; the whole DRAM is allowed."""
+    args = L4_ARGS[:L4_ARGS.index("--cpu-memory") + 1] + ["193GiB"] + L4_ARGS[L4_ARGS.index("--cpu-memory") + 2:]
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "cpu_memory 193.0 GiB exceeds the 192.0 GiB of host memory of hardware 'l4'" in err and "Traceback" not in err
+    from lightning_moe.policy.hardware import get_preset
+    from lightning_moe.policy.policy import check_cpu_budget
+
+    with pytest.raises(ValueError, match="exceeds"):
+        check_cpu_budget(129 << 30, get_preset("h200"))
+    check_cpu_budget(128 << 30, get_preset("h200"))
+
+
 def test_plan_job_without_runner_errors_clearly(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "lightning_moe.pipeline.runner", None)  # import fails
     assert run(["plan", str(tmp_path / "job.yaml"), "--hardware", "l4"]) == 2

@@ -798,7 +798,7 @@ def policy_for_job(job, prep):
     """
     from ..policy.hardware import get_preset, resolve_hardware
     from ..policy.milp import plan
-    from ..policy.policy import Budgets, Policy, check_gpu_budget
+    from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
     from .runner import job_workload_from_prepared
 
     dt = _DT[job.dtype]
@@ -814,6 +814,8 @@ def policy_for_job(job, prep):
     hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
     if job.gpu_memory:
         check_gpu_budget(job.gpu_memory, hw)  # the job's cap must fit the card it plans for
+    if job.cpu_memory:
+        check_cpu_budget(job.cpu_memory, hw)  # and its host budget the machine
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
                                    **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))

@@ -115,7 +115,7 @@ def _job_inputs(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch plan``: prints the policy table, predicted tok/s and solve time; 0 ok, 2 error."""
     from .milp import plan
-    from .policy import DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload, check_gpu_budget, format_table
+    from .policy import DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload, check_cpu_budget, check_gpu_budget, format_table
     from .registry import resolve_spec
 
     try:
@@ -151,6 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.quant and ckpt_q and args.quant != ckpt_q:
             raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
         check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time
+        check_cpu_budget(int(cpu_mem), hw)  # nor one for host memory the machine does not have
         budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
                           gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
                           cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve)

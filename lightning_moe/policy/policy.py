@@ -222,6 +222,14 @@ def check_gpu_budget(gpu_memory: int, hw: HardwareProfile) -> None:
                          f"hardware {hw.name!r}: give a gpu_memory that fits the card, or the hardware it is for")
 
 
+def check_cpu_budget(cpu_memory: int, hw: HardwareProfile) -> None:
+    """Raises ValueError when a host memory budget (bytes) is larger than the DRAM of the hardware profile ``hw``
+    (``host_memory``): the pinned expert pool and the CPU KV cache of such a plan would not fit the machine."""
+    if cpu_memory > hw.host_memory:
+        raise ValueError(f"cpu_memory {format_bytes(cpu_memory)} exceeds the {format_bytes(hw.host_memory)} of host memory "
+                         f"of hardware {hw.name!r}: give a cpu_memory that fits the machine, or the hardware it is for")
+
+
 def _check_formats(weight_quant: str, dtype: str, where: str) -> None:
     if weight_quant not in DTYPE_BYTES and weight_quant not in QUANT_FORMATS:
         raise ValueError(f"{where}: weight_quant {weight_quant!r} unknown (known: bf16, fp16, fp32, {', '.join(QUANT_FORMATS)})")
