@@ -219,7 +219,9 @@ def main() -> None:
     print(f"{a.quant} layers={a.layers} mu={a.mu} n={a.n} resident={a.resident} threads={torch.get_num_threads()}"
           f"{' cpu_threads=' + str(a.cpu_threads) if a.cpu_threads else ''}: prefill {s.prefill_seconds:.2f} s, decode "
           f"{s.decode_seconds:.2f} s for {s.decode_steps} steps ({s.decode_tokens / s.decode_seconds:.0f} tok/s, profiled)")
-    print("stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in st.items() if isinstance(v, float)))
+    counts = ("_calls", "_threads")  # native_stats counters, not seconds
+    print("stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in st.items() if isinstance(v, float) and not k.endswith(counts)))
+    print("counts: " + ", ".join(f"{k}={int(v)}" for k, v in st.items() if isinstance(v, (int, float)) and k.endswith(counts)))
     if st.get("cpu_attention_compute"):
         print(f"CPU attention (append + attend): {kv / st['cpu_attention_compute'] / 1e9:.1f} GB/s of valid KV")
     path = a.trace or "/tmp/cgopipe_trace.json"

@@ -185,7 +185,14 @@ def test_cli_quantize_then_run_job(tiny_dir, tmp_path, capsys):
                      "--set", f"output.path={tmp_path / 'cg.jsonl'}"]) == 0
     cg = {r["id"]: r["output_ids"] for r in map(json.loads, open(tmp_path / "cg.jsonl"))}
     assert cg == {r["id"]: r["output_ids"] for r in recs}
-    assert json.load(open(tmp_path / "cg.report.json"))["executor"] == "cgopipe"
+    rep = json.load(open(tmp_path / "cg.report.json"))
+    assert rep["executor"] == "cgopipe" and rep["policy"]["n_gpu_attn"] == 0  # on the CPU no micro-batch is a GPU one
+    from lightning_moe.pipeline.runner import format_report
+
+    text = format_report(rep)  # the native kernel's counters print as counts, not among the stage seconds
+    stages = next(l for l in text.splitlines() if l.strip().startswith("stages (s):"))
+    assert "native_calls" not in stages and "native_threads" not in stages
+    assert any(l.strip().startswith("counts: cpu_attention_native_calls=") for l in text.splitlines())
 
 
 # ---------------------------------------------------------------------------------- (d) bad inputs

@@ -311,7 +311,12 @@ def format_report(r: dict) -> str:
         lines.append(f"  predicted (HRM): decode {p['decode_tokens_per_s']:,.1f} tok/s, end-to-end "
                      f"{p['end_to_end_tokens_per_s']:,.1f} tok/s, decode bound by {p['decode_binding']}")
     if r.get("stages"):
-        lines.append("  stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in r["stages"].items() if isinstance(v, float)))
+        counts = ("_calls", "_threads")  # native_stats counters among the stage seconds (team threads summed over calls)
+        lines.append("  stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in r["stages"].items()
+                                                 if isinstance(v, float) and not k.endswith(counts)))
+        n = {k: v for k, v in r["stages"].items() if isinstance(v, (int, float)) and k.endswith(counts)}
+        if n:
+            lines.append("  counts: " + ", ".join(f"{k}={int(v)}" for k, v in n.items()))
     if r.get("metrics"):
         lines.append("  metrics: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()))
     lines.append(f"  results: {r['results']}")
