@@ -283,9 +283,10 @@ def test_dequant_time_and_scratch_by_hand(monkeypatch):
 def test_expert_flops_cap_the_routed_expert_term_by_hand():
     """gpu_expert_flops replaces the GEMM peak in the routed-expert roofline only when it is lower (0: unmeasured)."""
     spec = two_layer_spec()
-    T, k, D, F, E, b = 64, 2, 8, 16, 4, 2
-    flops = 2 * T * k * 3 * D * F  # 98304
+    T, k, D, F, E, b = 1024, 2, 8, 16, 4, 2
+    flops = 2 * T * k * 3 * D * F
     nbytes = hrm.active_experts(T, E, k) * spec.expert_bytes("bf16") + T * k * 2 * D * b
+    assert flops / 1e6 > nbytes / 1e5 and flops / 4e6 < nbytes / 1e5  # compute-bound at the peak, not above it
     for ef, rate in ((0.0, 1e6), (2.5e5, 2.5e5), (4e6, 1e6)):
         hw = toy_hw(gpu_expert_flops=ef)
         assert hrm.gpu_experts_time(spec, hw, T) == pytest.approx(max(flops / rate, nbytes / 1e5)), ef
