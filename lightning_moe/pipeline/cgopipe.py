@@ -813,10 +813,13 @@ def policy_for_job(job, prep):
     if isinstance(job.policy, str) and job.policy != "auto":
         return Policy.load(job.policy), None
     hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
-    if job.gpu_memory:
-        check_gpu_budget(job.gpu_memory, hw)  # the job's cap must fit the card it plans for
-    if job.cpu_memory:
-        check_cpu_budget(job.cpu_memory, hw)  # and its host budget the machine
+    try:  # the job's caps must fit the card and the machine it plans for
+        if job.gpu_memory:
+            check_gpu_budget(job.gpu_memory, hw)
+        if job.cpu_memory:
+            check_cpu_budget(job.cpu_memory, hw)
+    except ValueError as e:  # name the job file, as the config errors do
+        raise ValueError(f"{job.config_path}: {e}" if getattr(job, "config_path", None) else str(e)) from None
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
                                    **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))

@@ -214,20 +214,22 @@ class Budgets:
         return cls(**kw)
 
 
+def _check_fits(key: str, budget: int, capacity: int, what: str, hw: HardwareProfile) -> None:
+    if budget > capacity:
+        raise ValueError(f"{key} {format_bytes(budget)} exceeds the {format_bytes(capacity)} of {what} of hardware "
+                         f"{hw.name!r}: give a {key} that fits, or the hardware it is for")
+
+
 def check_gpu_budget(gpu_memory: int, hw: HardwareProfile) -> None:
     """Raises ValueError when a GPU memory budget (bytes) is larger than the card of the hardware profile ``hw``:
     a plan for memory the GPU does not have would run out of memory at run time."""
-    if gpu_memory > hw.gpu_memory:
-        raise ValueError(f"gpu_memory {format_bytes(gpu_memory)} exceeds the {format_bytes(hw.gpu_memory)} of GPU memory of "
-                         f"hardware {hw.name!r}: give a gpu_memory that fits the card, or the hardware it is for")
+    _check_fits("gpu_memory", gpu_memory, hw.gpu_memory, "GPU memory", hw)
 
 
 def check_cpu_budget(cpu_memory: int, hw: HardwareProfile) -> None:
     """Raises ValueError when a host memory budget (bytes) is larger than the DRAM of the hardware profile ``hw``
     (``host_memory``): the pinned expert pool and the CPU KV cache of such a plan would not fit the machine."""
-    if cpu_memory > hw.host_memory:
-        raise ValueError(f"cpu_memory {format_bytes(cpu_memory)} exceeds the {format_bytes(hw.host_memory)} of host memory "
-                         f"of hardware {hw.name!r}: give a cpu_memory that fits the machine, or the hardware it is for")
+    _check_fits("cpu_memory", cpu_memory, hw.host_memory, "host memory", hw)
 
 
 def _check_formats(weight_quant: str, dtype: str, where: str) -> None:
