@@ -108,13 +108,44 @@ def test_two_layer_hand_computed():
     m = est.memory
     ne = 2 * (32 * 8 + 32 * 8 + 8 + 2 * (128 + 64 + 16 + 32))  # embed + lm_head + norm + 2 layers
     kv = 2 * 7 * 2 * 8 * 2  # 2 GPU-KV sequences x (4 + 3) positions x 2 layers x 8 elems x 2 B
-    ws_dec = 2 * (2 * (16 + 8 + 8 + 8) * 2 + 2 * 2 * (16 + 32) * 2 + 2 * 2 * 12 + 2 * 4 * 4 + 2 * 32 * 4)
-    ws_pre = 8 * 40 * 2 + 8 * 2 * 48 * 2 + 8 * 2 * 12 + 8 * 4 * 4 + 2 * 32 * 4 + 8 * 8 * 2
-    # hidden rows: 6 rows x (D 8 + RoPE cos/sin 2 x hd 4) x 2 B; prefill: 6 x 4 prompt tokens x (that + 34 B of indexes)
-    assert sum(m.gpu_decode.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * (8 + 8) * 2 + ws_dec
-    assert sum(m.gpu_prefill.values()) == ne + 4 * We + 2 * 3 * We + kv + 6 * 4 * ((8 + 8) * 2 + 34) + ws_pre
+    common = ne + 4 * We + 2 * 3 * We
+    # decode rows: 6 rows x (hidden D 8 + RoPE 2 x hd 4) x 2 B + int64 position 8 B + fp32 logits V 32 x 4 B = 168 B
+    rows_dec = 6 * ((8 + 8) * 2 + 8 + 32 * 4)
+    # one decode micro-batch of T = 2 rows (P = T k = 4 pairs): q/k/v 2 x (8 + 8) x 2 B = 64, then the largest stage:
+    # attention 2 x (8 + 8) x 2 = 64; FFN: attn out 2 x 8 x 2 = 32, o_proj + residual 2 x 2 x 8 x 2 = 64, fp32 norm
+    # copy 2 x 8 x 4 = 64, router logits + probs 2 x 2 x 4 x 4 = 64, top-k 2 x 2 x 12 = 48, pair indexes 4 x 48 = 192,
+    # gate|up 4 x 16 x 2 = 128, slot outputs 4 x 8 x 4 = 128, fp32 sum 2 x 8 x 4 = 64, cast + second group + output
+    # 3 x 2 x 8 x 2 = 96 -> 880; head 2 x (8 + 32) x 2 = 160
+    ws_mb = 64 + max(64, 32 + 64 + 64 + 64 + 48 + 192 + 128 + 128 + 64 + 96, 160)
+    assert ws_mb == 944
+    attn_ws = 2 * 2 * 7 * (3 * 4 + 2)  # the GPU micro-batch's scores: mu 2 x Hq 2 x context 7 x (3 fp32 + 1 bf16)
+    assert sum(m.gpu_decode.values()) == common + kv + rows_dec + 2 * ws_mb + attn_ws
+    # prefill: 6 x 4 prompt tokens x ((8 + 8) x 2 + 34 B of position / indexes); one chunk of 2 prompts = 8 tokens
+    # (P = 16): q/k/v 8 x 16 x 2 = 256; attention 5 x 8 x 8 x 2 + 8 x 8 x 2 + mask 8 x 4 = 800; FFN 128 + 256 + 256
+    # + 256 + 192 + 768 + 512 + 512 + 256 + 384 = 3520; + k/v of two chunks to the CPU 2 x 8 x 8 x 2 = 256
+    chunk = 256 + max(800, 128 + 256 + 256 + 256 + 192 + 768 + 512 + 512 + 256 + 384) + 256
+    head = 6 * 32 * 4 + 2 * (8 + 32) * 2  # last-token logits of 6 sequences + the head of one chunk: 928
+    assert sum(m.gpu_prefill.values()) == common + kv + 6 * 4 * ((8 + 8) * 2 + 34) + chunk + head
+    assert m.gpu_peak_allocated == m.gpu_peak + 64 * 2**20  # reserve 0; allocated adds the library workspaces
+    assert set(m.gpu_phases) == {"prefill", "decode"}
     assert m.cpu_peak == 4 * We + 4 * 7 * 2 * 8 * 2 + 2 * 4 * 24 * 2 + 2 * 2 * 4 * 8 * 2
     assert est.gpu_peak == max(sum(m.gpu_decode.values()), sum(m.gpu_prefill.values()))
+
+
+def test_scoring_memory_hand_computed():
+    """A scoring workload: one phase, no KV, the chunk or the scoring head, whichever is larger."""
+    spec = two_layer_spec()
+    pol = Policy(mu=6, n=1, prefill_mu=2, resident_experts=(1, 3), n_gpu_attn=1, gpu_reserve=1000, cpu_reserve=0)
+    m = hrm.memory_estimate(pol, spec, Workload(prompt_len=4, gen_len=1, scoring=True))
+    We = 4096
+    ne = 2 * (32 * 8 + 32 * 8 + 8 + 2 * (128 + 64 + 16 + 32))
+    chunk = 256 + 3520 + 256  # as in test_two_layer_hand_computed
+    head = 8 * (8 * 2 + 32 * (2 + 8)) + 8 * (4 + 1 + 8)  # 8 rows: norm, lm_head, fp32 copy, log-softmax; per-token out
+    assert head == 2792
+    assert set(m.gpu_phases) == {"scoring"}
+    assert m.phase_total("scoring") == ne + 4 * We + 2 * 3 * We + 24 * 66 + max(chunk, head) + 1000
+    assert m.gpu_peak_allocated == m.gpu_peak - 1000 + 64 * 2**20
+    assert hrm.kv_cache_bytes(pol, spec, Workload(prompt_len=4, gen_len=1, scoring=True)) == (0, 0)
 
 
 def test_hrm_monotone_in_residency_and_bandwidth():

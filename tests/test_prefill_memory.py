@@ -43,7 +43,7 @@ def test_memory_estimate_counts_packed_prompts():
     # the MILP's coefficient per sequence: the prompt part of its KV length, >= the exact mean of the N longest
     for kv_len in (w.kv_positions(1), w.kv_positions(128)):
         C = milp._coefficients(spec, get_preset("l4"), w, Budgets(gpu_memory=24 * GiB, cpu_memory=96 * GiB), [64], None, kv_len)
-        assert C.mem_hidden_pre == pytest.approx((kv_len - 32) * per_token)
+        assert C.mem_hidden_pre == pytest.approx((kv_len - 32) * per_token + spec.vocab_size * 4)  # + last-token logits
     for N in (1, 2, 40, 79, 80, 81, 128, 1000):  # the MILP's charge bounds hrm's, per sequence
         assert w.kv_positions(N) - 32 >= w.prompt_tokens(N) / N - 1e-9
     assert mean > 60

@@ -352,52 +352,131 @@ def decode_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy) -> floa
     return policy.n * gpu_head_time(spec, hw, policy.mu, policy.mu, policy.dtype)
 
 
-def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt_len: float) -> float:
-    """Prefill, not overlapped: per prefill micro-batch, embedding of its tokens and lm_head of its last tokens."""
-    return sum(count * gpu_head_time(spec, hw, size, size * prompt_len, policy.dtype)
+def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt_len: float,
+                      all_tokens: bool = False) -> float:
+    """Prefill, not overlapped: per prefill micro-batch, embedding of its tokens and lm_head of its last tokens (of
+    every token with ``all_tokens``: scoring)."""
+    return sum(count * gpu_head_time(spec, hw, size * (prompt_len if all_tokens else 1), size * prompt_len, policy.dtype)
                for count, size in prefill_micro_batches(policy.N, policy.prefill_mu))
 
 
 # ---- memory --------------------------------------------------------------------------------------
-def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16") -> int:
-    """Bytes of GPU activations/workspace for one micro-batch of ``tokens`` tokens.
+LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
+SCORE_CHUNK_TOKENS = 1024  # rows of the scoring head per chunk (lm_head, log-softmax, gather, greedy flag)
 
-    T (D + q + kv + out + D) b  (normed x, qkv, attention out, o_proj out)
-    + T k (2 D + 2 F) b          (fused MoE: gathered inputs, outputs, gate|up intermediate)
-    + T k 12 + T E 4            (routing weights fp32 + ids int64, router logits fp32)
-    + T 2 max(F_shared_total, F_dense) b   (shared/dense FFN intermediate)
-    + logit_rows V 4            (fp32 logits)
+
+def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16") -> int:
+    """Bytes of GPU temporaries of one decode micro-batch of ``tokens`` rows through one layer (its input hidden
+    rows are counted by :func:`decode_row_bytes`), with ``logit_rows`` rows of the final lm_head.
+
+    The layer's stages run one after the other, so the peak is q/k/v (alive for the whole layer) plus the larger
+    of the attention stage and the FFN stage (:func:`_ffn_stage_bytes`); the head adds its own rows:
+    ``logit_rows (D b + V b)`` (final norm and the lm_head output before its fp32 copy, which decode_row_bytes
+    keeps).
     """
     b = dtype_bytes(dtype)
+    T = tokens
+    qkv = T * (spec.attn_query_elems + spec.kv_elems_per_token) * b
+    attn = T * (spec.attn_query_elems + spec.attn_output_elems) * b  # rotated q + attention output
+    head = logit_rows * (spec.hidden_size + spec.vocab_size) * b
+    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype), head)
+
+
+def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str) -> int:
+    """Temporaries of post-attention for T tokens: the attention output (alive until the layer ends), o_proj and the
+    residual, the FFN norm and its fp32 copy for the router, router logits / probabilities (fp32) and top-k, the
+    grouped expert kernel's workspace (sorted pair indexes, gate|up product [T k, F] in the dtype, slot outputs
+    [T k, D] fp32, their fp32 sum and its cast), a second expert group's sum (paged + resident calls), the
+    shared / dense FFN intermediate, and the layer output."""
+    b = dtype_bytes(dtype)
     D, F, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_experts
+    P = T * k
     side = max(spec.num_shared_experts * spec.shared_intermediate_size, spec.dense_intermediate_size)
-    return (tokens * (2 * D + spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b
-            + tokens * k * (2 * D + 2 * F) * b + tokens * k * 12 + tokens * E * 4
-            + tokens * 2 * side * b + logit_rows * spec.vocab_size * 4)
+    return (T * spec.attn_output_elems * b + 2 * T * D * b + T * D * 4 + 2 * T * E * 4 + T * k * 12
+            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + 3 * T * D * b + T * 3 * side * b)
+
+
+def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: int, dtype: str = "bf16") -> int:
+    """Bytes of GPU temporaries of one prefill micro-batch (chunk) through one layer: ``tokens`` packed tokens,
+    ``padded`` = rows x longest row, ``longest`` the longest row (its input hidden rows are counted by
+    :func:`prefill_token_bytes`).
+
+    q/k/v (alive for the layer) + the larger of: packed attention (q, k, v gathered to the padded layout and k, v
+    repeated to every query head, the SDPA output, its packed copy and the selected rows: 5 padded x q + tokens x q,
+    and the boolean mask rows x longest^2) and the FFN stage (:func:`_ffn_stage_bytes`); + k/v of two chunks on their
+    way to a CPU KV cache.
+    """
+    b = dtype_bytes(dtype)
+    q, kv = spec.attn_query_elems, spec.kv_elems_per_token // 2
+    T = tokens
+    qkv = T * (q + 2 * kv) * b
+    attn = 5 * padded * q * b + T * q * b + padded * longest
+    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype)) + 2 * T * 2 * kv * b
+
+
+def score_head_bytes(spec: MoESpec, tokens: int, dtype: str = "bf16") -> int:
+    """Bytes of the chunked scoring head over ``tokens`` packed tokens: per chunk of SCORE_CHUNK_TOKENS rows the final
+    norm (D b), lm_head output (V b), its fp32 copy and log-softmax (2 V 4); + fp32 log-prob and bool greedy flag of
+    every token."""
+    c = min(tokens, SCORE_CHUNK_TOKENS)
+    b = dtype_bytes(dtype)
+    return c * (spec.hidden_size * b + spec.vocab_size * (b + 8)) + tokens * (4 + 1 + 8)
+
+
+def gpu_decode_attention_workspace(spec: MoESpec, rows: int, context: int, dtype: str = "bf16") -> int:
+    """Bytes of one GPU-attention micro-batch's decode attention over its KV (the torch path: per length group the
+    fp32 scores, their masked copy and fp32 softmax [rows, Hq, context], the probabilities in the dtype), at most
+    ``rows`` rows of ``context`` positions."""
+    return rows * spec.num_heads * context * (3 * 4 + dtype_bytes(dtype))
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes by component: GPU during prefill and during decode, and host."""
+    """Peak bytes by component: GPU per phase ("prefill" and "decode" for generation, "scoring" for prefill-only
+    scoring), and host."""
 
-    gpu_prefill: dict  # component -> bytes during prefill
-    gpu_decode: dict  # component -> bytes during decode
+    gpu_phases: dict  # phase -> {component: bytes}
     cpu: dict  # component -> bytes on the host (whole run)
 
     @property
+    def gpu_prefill(self) -> dict:
+        """Components of the prefill phase ("scoring" for a scoring workload)."""
+        return self.gpu_phases.get("prefill", self.gpu_phases.get("scoring", {}))
+
+    @property
+    def gpu_decode(self) -> dict:
+        """Components of the decode phase (empty for scoring)."""
+        return self.gpu_phases.get("decode", {})
+
+    def phase_total(self, phase: str) -> int:
+        """Bytes of ``phase`` with the allocator reserve."""
+        return sum(self.gpu_phases[phase].values())
+
+    def phase_allocated(self, phase: str) -> int:
+        """Bytes allocated at the peak of ``phase`` (what ``torch.cuda.max_memory_allocated`` measures): the components
+        without the allocator reserve, plus the library workspaces, which the reserve covers (with the CUDA context
+        and the caching allocator's fragmentation)."""
+        return sum(v for k, v in self.gpu_phases[phase].items() if k != "allocator reserve") + LIBRARY_WORKSPACE
+
+    @property
     def gpu_peak(self) -> int:
-        """max(prefill total, decode total) in bytes."""
-        return max(sum(self.gpu_prefill.values()), sum(self.gpu_decode.values()))
+        """max over phases of the total in bytes (reserve included: what must fit the budget)."""
+        return max(self.phase_total(p) for p in self.gpu_phases)
+
+    @property
+    def gpu_peak_allocated(self) -> int:
+        """max over phases of the allocated bytes (reserve excluded)."""
+        return max(self.phase_allocated(p) for p in self.gpu_phases)
 
     @property
     def gpu_peak_phase(self) -> str:
-        """'prefill' or 'decode': the phase with the larger GPU total."""
-        return "prefill" if sum(self.gpu_prefill.values()) >= sum(self.gpu_decode.values()) else "decode"
+        """The phase with the largest GPU total."""
+        return max(self.gpu_phases, key=self.phase_total)
 
     @property
     def gpu_breakdown(self) -> dict:
         """Components of the peak phase."""
-        return self.gpu_prefill if self.gpu_peak_phase == "prefill" else self.gpu_decode
+        return self.gpu_phases[self.gpu_peak_phase]
 
     @property
     def cpu_peak(self) -> int:
@@ -412,13 +491,15 @@ def kv_bytes_per_position(spec: MoESpec, dtype: str = "bf16") -> int:
 
 def kv_cache_bytes(policy: Policy, spec: MoESpec, workload: Workload) -> tuple[int, int]:
     """(GPU, CPU) bytes of the KV caches of a batch of N = mu * n sequences, an upper bound of what
-    CGOPipe's GroupedKVCaches allocate for any batch of the job.
+    CGOPipe's GroupedKVCaches allocate for any batch of the job (0, 0 for a scoring workload: no KV).
 
     The executor keeps the n_gpu_attn shortest micro-batches on the GPU, so the CPU holds the N_cpu =
     (n - n_gpu_attn) mu longest rows of the batch: CPU positions = N_cpu * kv_positions(N_cpu), GPU
     positions = N_gpu * kv_positions(N) (the shortest rows of the batch pad to at most its mean). Without
     prompt lengths both are sequences * (max_prompt + gen_len), the ungrouped S_max.
     """
+    if workload.scoring:
+        return 0, 0
     per_pos = kv_bytes_per_position(spec, policy.dtype)
     n_cpu, n_gpu = policy.n_cpu_attn * policy.mu, policy.n_gpu_attn * policy.mu
 
@@ -434,28 +515,52 @@ def dequant_scratch_bytes(spec: MoESpec, quant: str, dtype: str = "bf16") -> int
     return spec.num_experts * spec.expert_bytes(dtype) if quant in QUANT_FORMATS else 0
 
 
-PREFILL_INDEX_BYTES = 34  # per prompt token: prefill attention's src / keep / valid indexes (17 B per padded token, <= 2x)
+PREFILL_INDEX_BYTES = 34  # per prompt token: position (8 B) and prefill attention's src / keep / valid indexes (17 B per padded token, <= 2x)
 
 
 def hidden_row_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
-    """GPU bytes per decode row CGOPipe keeps for a whole step: its hidden state (D) and RoPE cos / sin tables (2 hd),
-    in ``dtype``."""
+    """GPU bytes per row of its hidden state (D) and RoPE cos / sin tables (2 hd), in ``dtype``."""
     return (spec.hidden_size + 2 * spec.head_dim) * dtype_bytes(dtype)
+
+
+def decode_row_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
+    """GPU bytes per decode row CGOPipe keeps for a whole step: :func:`hidden_row_bytes`, its position (int64) and its
+    fp32 logits [V] (every micro-batch's logits of a step are alive together until sampled)."""
+    return hidden_row_bytes(spec, dtype) + 8 + spec.vocab_size * 4
 
 
 def prefill_token_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
     """GPU bytes per prompt token CGOPipe keeps for the whole prefill: the packed hidden row (D), the RoPE cos / sin
-    tables (2 hd) and the attention indexes of its chunk (PREFILL_INDEX_BYTES)."""
+    tables (2 hd), its position and the attention indexes of its chunk (PREFILL_INDEX_BYTES)."""
     return hidden_row_bytes(spec, dtype) + PREFILL_INDEX_BYTES
 
 
-def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
-    """Peak GPU (prefill, decode) and host bytes of ``policy`` with real byte counts (DESIGN.md memory model).
+def prefill_logit_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
+    """GPU bytes per generated sequence at the end of prefill: the fp32 logits [V] of its last prompt token."""
+    return spec.vocab_size * 4
 
-    KV cache: :func:`kv_cache_bytes` (the grouped caches' padded positions, Workload.kv_positions).
-    Page buffers: 2 x (largest non-resident expert count of any MoE layer) x expert_bytes. Quantized pages
-    (weight_quant in QUANT_FORMATS) add "dequantized expert scratch" = E x expert_bytes(dtype) (the dense
-    experts CGOPipe's Triton FFN dequantizes a layer into; 0 for unquantized pages), both phases.
+
+def prefill_chunk_shape(policy: Policy, workload: Workload) -> tuple[int, int, int]:
+    """(tokens, padded tokens, longest row) of the largest prefill micro-batch the executor forms: at most
+    ``prefill_mu`` rows and ``prefill_tokens`` padded tokens, or one longest prompt alone."""
+    s_max = workload.max_prompt
+    pmu = min(policy.prefill_mu, policy.N)
+    tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))
+    return tp, tp, min(s_max, tp)
+
+
+def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
+    """Peak GPU bytes per phase and host bytes of ``policy`` (every allocation CGOPipe makes, DESIGN.md memory model).
+
+    Every phase: non-expert weights, resident experts, 2 page buffers (the largest non-resident set of one MoE layer
+    each), for quantized pages the dense scratch of one layer's E experts, the allocator reserve (which covers the
+    CUDA context, LIBRARY_WORKSPACE and fragmentation).
+    Generation, prefill: GPU KV cache, the batch's packed prompt rows, one prefill chunk's layer temporaries and the
+    last-token logits of the N sequences (the head runs after the last layer, so the two never coexist; counted both,
+    as the MILP's linear rows do). Decode: GPU KV, N decode rows (hidden, RoPE, logits), two micro-batches'
+    temporaries in flight, and attention scores for every GPU-attention row (linear in those rows, as in the MILP;
+    one micro-batch's are alive at a time). Scoring (``workload.scoring``): no KV; the batch's packed rows and the larger of
+    one chunk's layer temporaries and the chunked scoring head.
     Raises PolicyError if the resident experts do not fit the spec.
     """
     b = dtype_bytes(policy.dtype)
@@ -465,25 +570,31 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if i >= spec.num_dense_layers), default=0)
     N, mu = policy.N, policy.mu
     kv_gpu, kv_cpu = kv_cache_bytes(policy, spec, workload)
-    s_max = workload.max_prompt
-    pmu = min(policy.prefill_mu, N)
+    tp, padded, longest = prefill_chunk_shape(policy, workload)
     common = {
         "non-expert weights": spec.non_expert_bytes(policy.dtype),
         "resident experts": R * We,
         "expert page buffers (2)": 2 * max_paged * We,
         "dequantized expert scratch": dequant_scratch_bytes(spec, policy.weight_quant, policy.dtype),
-        "GPU KV cache": kv_gpu,
     }
-    gpu_decode = dict(common)
-    gpu_decode["hidden states (N rows)"] = N * hidden_row_bytes(spec, policy.dtype)  # + each row's RoPE tables
-    gpu_decode["decode workspaces (2 micro-batches)"] = 2 * micro_batch_workspace(spec, mu, mu, policy.dtype)
-    gpu_decode["allocator reserve"] = policy.gpu_reserve
-    gpu_prefill = dict(common)
-    gpu_prefill["prefill hidden states (N prompts)"] = workload.prompt_tokens(N) * prefill_token_bytes(spec, policy.dtype)
-    tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))  # padded tokens of the largest prefill micro-batch
-    gpu_prefill["prefill workspace (1 micro-batch)"] = (micro_batch_workspace(spec, tp, pmu, policy.dtype)
-                                                        + tp * spec.kv_elems_per_token * b)
-    gpu_prefill["allocator reserve"] = policy.gpu_reserve
+    rows = workload.prompt_tokens(N) * prefill_token_bytes(spec, policy.dtype)
+    chunk = prefill_chunk_workspace(spec, tp, padded, longest, policy.dtype)
+    phases: dict = {}
+    if workload.scoring:
+        phases["scoring"] = {**common, "packed rows (N sequences)": rows,
+                             "prefill chunk / scoring head": max(chunk, score_head_bytes(spec, tp, policy.dtype)),
+                             "allocator reserve": policy.gpu_reserve}
+    else:
+        pmu = min(policy.prefill_mu, N)
+        head = N * prefill_logit_bytes(spec, policy.dtype) + pmu * (spec.hidden_size + spec.vocab_size) * b
+        phases["prefill"] = {**common, "GPU KV cache": kv_gpu, "prefill hidden states (N prompts)": rows,
+                             "prefill chunk workspace": chunk, "last-token logits (N) + head": head,
+                             "allocator reserve": policy.gpu_reserve}
+        ctx = workload.max_prompt + workload.gen_len
+        attn_ws = gpu_decode_attention_workspace(spec, policy.n_gpu_attn * mu, ctx, policy.dtype)
+        phases["decode"] = {**common, "GPU KV cache": kv_gpu, "decode rows (N: hidden, logits)": N * decode_row_bytes(spec, policy.dtype),
+                            "decode workspaces (2 micro-batches)": 2 * micro_batch_workspace(spec, mu, mu, policy.dtype) + attn_ws,
+                            "allocator reserve": policy.gpu_reserve}
     cpu_seqs = policy.n_cpu_attn * mu
     cpu = {
         "pinned experts (not resident)": (spec.num_moe_layers * spec.num_experts - R) * We,
@@ -492,7 +603,7 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
                            + 2 * tp * spec.kv_elems_per_token * b),
         "host reserve": policy.cpu_reserve,
     }
-    return MemoryEstimate(gpu_prefill=gpu_prefill, gpu_decode=gpu_decode, cpu=cpu)
+    return MemoryEstimate(gpu_phases=phases, cpu=cpu)
 
 
 def memory_violations(policy: Policy, spec: MoESpec, workload: Workload) -> list[str]:
@@ -612,7 +723,7 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         return total, sums, bound, rows
 
     t_prefill, pre_sums, pre_bound, pre_rows = run(prefill_layer_times, s)
-    head_p = prefill_head_time(spec, hw, policy, s)
+    head_p = prefill_head_time(spec, hw, policy, s, all_tokens=workload.scoring)
     t_prefill += head_p
     pre_sums["head"] = head_p
 

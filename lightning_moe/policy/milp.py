@@ -65,7 +65,7 @@ MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then t
 MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
 PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
 
-__all__ = ["plan", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
+__all__ = ["plan", "plan_scoring", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
 
 
 def prefill_micro_batch(mu: int, prompt_len: float, prefill_tokens: int = PREFILL_TOKENS) -> int:
@@ -244,8 +244,9 @@ class _Coeffs:
     mem_expert: float  # one expert
     mem_scratch: float  # dense scratch of one layer's E experts (hrm.dequant_scratch_bytes; 0 unquantized)
     mem_kv_seq: float  # one sequence's KV (kv_len positions, all layers)
-    mem_hidden_dec: float  # one sequence's decode hidden row
-    mem_hidden_pre: float  # one sequence's prefill hidden rows
+    mem_hidden_dec: float  # one sequence's decode row (hidden, RoPE, position, fp32 logits)
+    mem_attn_gpu_seq: float  # one GPU-attention sequence's decode attention scores (bounds its micro-batch's workspace)
+    mem_hidden_pre: float  # one sequence's prefill hidden rows + its last-token logits
     mem_ws_dec: dict  # m -> decode workspaces
     mem_ws_pre: dict  # m -> prefill workspace
     mem_stage_seq: float  # pinned staging per CPU-attention sequence
@@ -276,7 +277,9 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt), dq_dec={}, dq_pre={},
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
                 mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
-                mem_kv_seq=kv_seq, mem_hidden_dec=hrm.hidden_row_bytes(spec, dt), mem_hidden_pre=max(1.0, kv_len - G) * hrm.prefill_token_bytes(spec, dt),
+                mem_kv_seq=kv_seq, mem_hidden_dec=hrm.decode_row_bytes(spec, dt),
+                mem_attn_gpu_seq=hrm.gpu_decode_attention_workspace(spec, 1, s_max + G, dt),
+                mem_hidden_pre=max(1.0, kv_len - G) * hrm.prefill_token_bytes(spec, dt) + hrm.prefill_logit_bytes(spec, dt),
                 mem_ws_dec={}, mem_ws_pre={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
                 gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve)
@@ -296,7 +299,9 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
         C.mem_ws_dec[m] = 2 * hrm.micro_batch_workspace(spec, m, m, dt)
-        C.mem_ws_pre[m] = hrm.micro_batch_workspace(spec, tp, p, dt) + tp * spec.kv_elems_per_token * b
+        # the exact model takes max(chunk temporaries, head); the MILP charges their sum (linear, never smaller)
+        C.mem_ws_pre[m] = (hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt)
+                           + p * (spec.hidden_size + spec.vocab_size) * b)
         C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
         c = contexts[-1] if contexts else s + 1
@@ -450,7 +455,7 @@ class _Model:
     def _gpu_memory_decode(self) -> None:
         C = self.C
         # GPU(decode) = common + N D b (hidden rows) + sum_m z_m 2 ws(m) <= budget   (row divided by the budget)
-        self.prob += ((self._gpu_common() + C.mem_hidden_dec * self.N
+        self.prob += ((self._gpu_common() + C.mem_hidden_dec * self.N + C.mem_attn_gpu_seq * self.N_gpu
                        + pulp.lpSum(C.mem_ws_dec[m] * self.z[m] for m in C.cands)) * (1 / C.gpu_cap) <= 1), "gpu_mem_decode"
 
     def _gpu_memory_prefill(self) -> None:
@@ -709,6 +714,8 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     """
     if spec.num_moe_layers < 1:
         raise ValueError(f"{spec.name}: no MoE layers to plan for")
+    if workload.scoring:
+        return plan_scoring(spec, hw, workload, budgets)
     cands = sorted(set(candidates if candidates is not None else DEFAULT_MU_CANDIDATES))
     if workload.num_requests is not None:
         if candidates is None and workload.num_requests < max(cands):
@@ -764,5 +771,63 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     note = (f"MILP: {len(cands)} micro-batch sizes, n <= {max(C.nmax.values())}, {model.prob.numConstraints()} constraints, "
             f"{iters} Dinkelbach solve(s){kv_note}, {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
             + ("proven optimal" if proven else f"NOT proven optimal (CBC time limit {time_limit:g} s)"))
+    log.info(note)
+    return pol, replace(est, notes=est.notes + (note,))
+
+
+SCORING_PREFILL_TOKENS = (4096, 8192, 16384, 32768)  # padded tokens per prefill micro-batch plan_scoring tries
+
+
+def scoring_policy(spec: MoESpec, workload: Workload, budgets: Budgets, N: int, resident: int, prefill_tokens: int) -> Policy:
+    """The prefill-only Policy of a scoring batch of ``N`` sequences: one micro-batch (mu = N, n = 1, "GPU attention":
+    no KV leaves the GPU), ``resident`` experts in every MoE layer, prefill micro-batches of ``prefill_tokens`` padded
+    tokens (rows sized by the mean length)."""
+    s = max(1, int(-(-workload.prompt_len // 1)))
+    return Policy(mu=N, n=1, prefill_mu=max(1, min(N, prefill_tokens // s)), prefill_tokens=prefill_tokens,
+                  resident_experts=resident, n_gpu_attn=1, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
+                  gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
+                  gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
+
+
+def plan_scoring(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets) -> tuple[Policy, "hrm.Estimate"]:
+    """Best prefill-only policy for a scoring workload (``workload.scoring``): the largest prefill tokens / s.
+
+    A scoring batch of N sequences streams every non-resident expert page across PCIe once per layer, so N is as
+    large as GPU memory allows (its packed rows stay on the GPU for the whole pass; capped at the job's sequences).
+    Searched over resident experts per layer (0..E, in steps of E / 16) and prefill micro-batch sizes
+    (SCORING_PREFILL_TOKENS); for each, N is the largest that fits (memory grows with N: binary search), and the
+    policy is scored with hrm.evaluate. Raises PlanInfeasible (one line) when not even N = 1 fits.
+    """
+    if not workload.scoring:
+        raise ValueError("plan_scoring: the workload is not a scoring workload")
+    t0 = time.perf_counter()
+    count = workload.num_requests or 1 << 20
+    E = spec.num_experts
+    best, tried, smallest = None, 0, None
+
+    def fits(p: Policy) -> bool:
+        return not hrm.memory_violations(p, spec, workload)
+
+    for r in sorted(set(range(0, E + 1, max(1, E // 16))) | {E}):
+        for tok in SCORING_PREFILL_TOKENS:
+            if not fits(scoring_policy(spec, workload, budgets, 1, r, tok)):
+                if smallest is None:
+                    smallest = scoring_policy(spec, workload, budgets, 1, r, tok)
+                continue
+            lo, hi = 1, count  # lo fits; find the largest N <= count that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(scoring_policy(spec, workload, budgets, mid, r, tok)) else (lo, mid - 1)
+            pol = scoring_policy(spec, workload, budgets, lo, r, tok)
+            est = hrm.evaluate(pol, spec, hw, workload)
+            tried += 1
+            if best is None or est.prefill_tok_s > best[1].prefill_tok_s * (1 + 1e-9):
+                best = (pol, est)
+    if best is None:
+        hrm.check_memory(smallest, spec, workload)  # raises PlanInfeasible naming what does not fit
+        raise PlanInfeasible("infeasible: no scoring policy fits the budgets")  # pragma: no cover
+    pol, est = best
+    note = (f"scoring plan: {tried} (resident, prefill tokens) pairs at their largest N, "
+            f"{time.perf_counter() - t0:.2f} s")
     log.info(note)
     return pol, replace(est, notes=est.notes + (note,))

@@ -49,6 +49,7 @@ class Workload:
     num_requests: Optional[int] = None  # sequences in the job; caps N = mu * n (None = no cap)
     name: str = ""  # label for tables ("mtbench", "synthetic 77/128")
     prompt_lens: Optional[tuple[int, ...]] = None  # every tokenized prompt length of the job (None: unknown)
+    scoring: bool = False  # prefill-only scoring (no KV cache, no decode; gen_len is 1): the sequences are scored texts
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_len, bool) or not isinstance(self.prompt_len, (int, float)) or not self.prompt_len >= 1:
@@ -59,6 +60,8 @@ class Workload:
             raise ValueError(f"workload: max_prompt_len must be an int >= prompt_len ({self.prompt_len}), got {self.max_prompt_len!r}")
         if self.num_requests is not None and (not isinstance(self.num_requests, int) or self.num_requests < 1):
             raise ValueError(f"workload: num_requests must be an int >= 1, got {self.num_requests!r}")
+        if self.scoring and self.gen_len != 1:
+            raise ValueError(f"workload: a scoring workload generates nothing (gen_len 1), got gen_len {self.gen_len}")
         if self.prompt_lens is not None:
             lens = self.prompt_lens
             if isinstance(lens, list):
@@ -127,7 +130,7 @@ class Workload:
         lens = self.prompt_lens
         if N >= len(lens):
             return N * sum(lens) // len(lens)  # floor: within one token of the mean
-        return sum(sorted(lens, reverse=True)[:N])
+        return _longest_prefix_sums(lens)[N - 1]
 
     def attention_context_offsets(self, N: int, mu: int, n: int, g: int) -> tuple[float, float]:
         """(cpu, gpu): how much longer (tokens; negative: shorter) the prompts of the rows that attend on the CPU /
@@ -163,20 +166,31 @@ class Workload:
         return (dc / nc if nc else 0.0), (dg / ng if ng else 0.0)
 
     @classmethod
-    def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "") -> "Workload":
-        """From the tokenized prompt lengths of a job: mean, max, count and the lengths themselves.
+    def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "", scoring: bool = False) -> "Workload":
+        """From the tokenized prompt lengths of a job: mean, max, count and the lengths themselves (``scoring``: the
+        lengths are the sequences a scoring job feeds, gen_len must be 1).
 
         Raises ValueError if empty."""
         lens = [int(x) for x in prompt_lens]
         if not lens:
             raise ValueError("workload: no prompts")
         return cls(prompt_len=max(1.0, sum(lens) / len(lens)), gen_len=gen_len, max_prompt_len=max(1, max(lens)),
-                   num_requests=len(lens), name=name, prompt_lens=tuple(lens))
+                   num_requests=len(lens), name=name, prompt_lens=tuple(lens), scoring=scoring)
 
 
 def _short(x: Any) -> str:
     r = repr(x)
     return r if len(r) <= 80 else r[:77] + "..."
+
+
+@lru_cache(maxsize=16)
+def _longest_prefix_sums(prompt_lens: tuple) -> tuple:
+    """Prefix sums of ``prompt_lens`` sorted longest first: element i is the sum of the i + 1 longest."""
+    out, acc = [], 0
+    for x in sorted(prompt_lens, reverse=True):
+        acc += x
+        out.append(acc)
+    return tuple(out)
 
 
 @lru_cache(maxsize=256)
