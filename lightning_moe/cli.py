@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shard", help="I/N: run only shard I (0-based) of N, split by id hash")
     r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job key, e.g. generation.max_new_tokens=8")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors (also MOE_BATCH_DEBUG=1)")
     r.set_defaults(func=cmd_run)
 
     m = sub.add_parser("merge", help="join the shard outputs of a job; every input id must appear exactly once")
@@ -97,10 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``moe-batch`` console script. Input errors print one line and exit 2."""
+    """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit)
+    print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept)."""
     from .config import ConfigError
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "debug", False):
+        os.environ["MOE_BATCH_DEBUG"] = "1"
     try:
         return args.func(args) or 0
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -108,6 +112,13 @@ def main(argv=None) -> int:
             raise
         print(f"moe-batch: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .pipeline.runner import GpuOutOfMemory
+
+        if not isinstance(e, GpuOutOfMemory):
+            raise
+        print(f"moe-batch: error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("moe-batch: interrupted; finished records are saved, re-run the same command to resume", file=sys.stderr)
         return 130

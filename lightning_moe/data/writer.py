@@ -109,6 +109,7 @@ class ResultsWriter:
         self._ids: dict[str, int] = {}  # id -> line number in the file
         self._errors: set[str] = set()  # ids whose record is an error record
         self.repaired_bytes = 0  # bytes of a torn last line removed on open (0 = none)
+        self.written = 0  # records this writer appended (this run)
         parent = os.path.dirname(self.path)
         os.makedirs(parent, exist_ok=True)
         if os.path.exists(self.path):
@@ -177,6 +178,7 @@ class ResultsWriter:
                 view = view[n:]
             os.fsync(self._fd)
             self._lines += 1
+            self.written += 1
             self._ids[rid] = self._lines
             if "error" in record:
                 self._errors.add(rid)

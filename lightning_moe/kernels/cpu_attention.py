@@ -450,6 +450,12 @@ def _build():
                            build_directory=build_dir, verbose=False)
 
 
+def native_loaded() -> bool:
+    """Whether this process has already built or loaded the native kernel (or given up on it): a call of
+    :func:`native_available` then returns at once."""
+    return _module is not None
+
+
 def native_available() -> bool:
     """Whether the native kernel can be used: built (on first call; ~30-60 s once) and not disabled with
     ``LIGHTNING_MOE_CPU_ATTENTION=sdpa`` (``auto``/``native``/unset: use it when it builds). A build failure is

@@ -38,13 +38,13 @@ from ..kernels.fused_moe import experts_ffn_reference_from
 from ..kernels.host_read import copy_from_host_triton, host_read_available
 from ..kernels.quant import PageLayout as QuantPageLayout, unpack_expert_page
 from ..model import mixtral as M
-from ..model.quantized import QuantExperts, checkpoint_scheme
+from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from .kv_cache import KV_GROUPS, GroupedKVCache
 from .microbatch import group_by_length
 from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
-from .serial import FinishCallback, RunStats, SamplingParams, sample, split_token_scores
+from .serial import FinishCallback, RunStats, StepCallback, SamplingParams, sample, split_token_scores
 
 _PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_bytes] page per expert
 
@@ -215,6 +215,8 @@ class CGOPipeExecutor:
             attention_h2d = "kernel" if host_read_available(self.device) else "dma"
         self.attention_h2d = attention_h2d if self.cuda else "dma"
         self.stats = RunStats()
+        self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
+        self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
         self.timer = _Timer(self.cuda)
         self._kv_bytes_per_position = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=self.dtype).element_size()
         self._attn_kv_bytes = 0  # valid K and V bytes read by CPU attention in this decode (worker thread)
@@ -253,6 +255,13 @@ class CGOPipeExecutor:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.pool.close()
+
+    def _enter(self, phase: str) -> None:
+        """Start a phase ("prefill", "decode", "scoring"): ``self.phase`` names it (out-of-memory messages) and
+        ``phase_hook`` (set by the runner: per-phase peak memory) is told."""
+        self.phase = phase
+        if self.phase_hook is not None:
+            self.phase_hook(phase)
 
     def policy_summary(self) -> dict:
         """The policy as a dict (for the run report)."""
@@ -708,7 +717,8 @@ class CGOPipeExecutor:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finish: Optional[FinishCallback] = None,
-                 seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None) -> list[tuple[list[int], str]]:
+                 seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
+                 on_step: Optional[StepCallback] = None) -> list[tuple[list[int], str]]:
         """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call).
 
         Finished rows keep their slot until the batch ends (their extra tokens are discarded), so the
@@ -718,6 +728,7 @@ class CGOPipeExecutor:
             raise ValueError(f"{len(prompts)} prompts exceed the policy's batch N = {self.policy.N}")
         eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
         gens = [torch.Generator().manual_seed(s) for s in seeds] if (seeds is not None and not params.greedy) else None
+        self._enter("prefill")
         mbs = self._micro_batches(prompts, params.max_new_tokens, True, self.policy.mu)
         # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
         t0 = time.perf_counter()
@@ -741,19 +752,26 @@ class CGOPipeExecutor:
             return toks
 
         tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
+        del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
         self._sync()
+        if on_step is not None:
+            on_step(len(prompts))
         t1 = time.perf_counter()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += t1 - t0
         self.timer.collect()  # prefill waits are not decode stage times
         self._attn_kv_bytes = 0
         native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
+        self._enter("decode")
         while any(r is None for r in results):
             alive = sum(r is None for r in results)
             logits = self._decode_step(mbs, tokens)
             tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
+            del logits
             self.stats.decode_tokens += alive
             self.stats.decode_steps += 1
+            if on_step is not None:
+                on_step(alive)
         self._sync()
         dt = time.perf_counter() - t1
         self.stats.decode_seconds += dt
@@ -773,6 +791,7 @@ class CGOPipeExecutor:
     @torch.inference_mode()
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Same contract as :meth:`SerialExecutor.prompt_logprobs` (prefill only, no KV cache)."""
+        self._enter("scoring")
         t0 = time.perf_counter()
         mbs = self._micro_batches(seqs, 0, False, self.policy.prefill_mu)
         logits = self._prefill(seqs, mbs, full_logits=True)
@@ -787,45 +806,6 @@ class CGOPipeExecutor:
         return out
 
 
-_DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def policy_for_job(job, prep):
-    """The job's Policy: ``policy: auto`` plans with the MILP for the job's real prompt lengths,
-    ``hardware`` (preset or profile; default: the h200 preset) and ``gpu_memory``/``cpu_memory``;
-    a path loads a policy YAML; a mapping gives explicit fields.
-
-    Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError with one clear line.
-    """
-    from ..policy.hardware import get_preset, resolve_hardware
-    from ..policy.milp import plan
-    from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
-    from .runner import job_workload_from_prepared
-
-    dt = _DT[job.dtype]
-    wq = checkpoint_scheme(prep.model_path) or dt  # a quantized checkpoint's pages move packed
-    if isinstance(job.policy, dict):
-        fields = dict(job.policy)
-        fields.setdefault("dtype", dt)
-        fields.setdefault("weight_quant", wq)
-        fields.setdefault("prefill_mu", fields.get("mu", 1))
-        return Policy(**fields), None
-    if isinstance(job.policy, str) and job.policy != "auto":
-        return Policy.load(job.policy), None
-    hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
-    try:  # the job's caps must fit the card and the machine it plans for
-        if job.gpu_memory:
-            check_gpu_budget(job.gpu_memory, hw)
-        if job.cpu_memory:
-            check_cpu_budget(job.cpu_memory, hw)
-    except ValueError as e:  # name the job file, as the config errors do
-        raise ValueError(f"{job.config_path}: {e}" if getattr(job, "config_path", None) else str(e)) from None
-    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
-                                   **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
-                                   **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
-    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
-
-
 def expert_ffn_for(job) -> str:
     """The job's ``expert_ffn``: "auto" is "triton" on CUDA when triton imports, else "torch"."""
     if job.expert_ffn != "auto":
@@ -835,12 +815,3 @@ def expert_ffn_for(job) -> str:
 
         return "triton" if triton_available() else "torch"
     return "torch"
-
-
-def build_cgopipe(job, prep, weights: ModelWeights) -> CGOPipeExecutor:
-    """CGOPipe for a job, with the policy from :func:`policy_for_job` and the FFN from :func:`expert_ffn_for`."""
-    policy, est = policy_for_job(job, prep)
-    ex = CGOPipeExecutor(weights, policy, job.device, {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                                        "float16": torch.float16}[job.dtype], ffn=expert_ffn_for(job))
-    ex.estimate = est
-    return ex

@@ -17,7 +17,7 @@ import platform
 import resource
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -41,21 +41,39 @@ def _peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def apply_gpu_cap(device: str, gpu_memory: Optional[int]) -> Optional[float]:
-    """Cap this process's CUDA caching allocator at ``gpu_memory`` bytes (a 141 GB card acts like a small one).
+def cuda_index(device: str) -> int:
+    """The CUDA device index of ``device`` ("cuda" is the current device, "cuda:N" is N). Raises ValueError for a
+    device that is not CUDA."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"not a CUDA device: {device!r}")
+    return d.index if d.index is not None else torch.cuda.current_device()
 
-    Uses ``torch.cuda.set_per_process_memory_fraction``; returns the fraction set (None when no cap or no CUDA).
-    Raises ValueError when the cap exceeds the device's memory.
+
+def apply_gpu_cap(device: str, gpu_memory: Optional[int]) -> Optional[dict]:
+    """Make this process's GPU behave like a ``gpu_memory``-byte card: cap the CUDA caching allocator at
+    ``gpu_memory`` minus what the device already holds outside it (the CUDA context, other processes), with
+    ``torch.cuda.set_per_process_memory_fraction``.
+
+    Returns ``{"cap_bytes", "outside_torch_bytes", "torch_limit_bytes", "fraction", "device_total_bytes"}`` (None
+    when no cap or no CUDA). Raises ValueError when the cap exceeds the device's memory or leaves nothing to torch.
     """
     if not gpu_memory or not device.startswith("cuda") or not torch.cuda.is_available():
         return None
-    dev = torch.device(device)
-    total = torch.cuda.get_device_properties(dev).total_memory
+    idx = cuda_index(device)
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(idx)  # creates the context, so "outside" includes it
     if gpu_memory > total:
         raise ValueError(f"gpu_memory {gpu_memory / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
-    frac = gpu_memory / total
-    torch.cuda.set_per_process_memory_fraction(frac, dev)
-    return frac
+    outside = max(0, total - free - torch.cuda.memory_reserved(idx))
+    limit = gpu_memory - outside
+    if limit <= 0:
+        raise ValueError(f"gpu_memory {gpu_memory / 2**30:.2f} GiB leaves nothing for tensors: "
+                         f"{outside / 2**30:.2f} GiB of the device are already in use outside torch's allocator")
+    frac = limit / total
+    torch.cuda.set_per_process_memory_fraction(frac, idx)
+    return {"cap_bytes": gpu_memory, "outside_torch_bytes": outside, "torch_limit_bytes": limit, "fraction": frac,
+            "device_total_bytes": total}
 
 
 class Prepared:
@@ -76,15 +94,18 @@ class Prepared:
 
 
 def job_workload_from_prepared(prep: "Prepared"):
-    """The planner's Workload from a prepared job's real tokenized requests (lengths fed to prefill)."""
+    """The planner's Workload from a prepared job's real tokenized requests: prompt lengths (generation, ``gen_len`` =
+    max_new_tokens) or the lengths of every sequence a scoring job feeds (perplexity windows included; a prefill-only
+    scoring workload)."""
     from ..policy.policy import Workload
 
-    lens = []
-    for t in prep.treqs:
-        if t.error is None:
-            lens += [len(seq) for seq, _ in t.score_inputs] if prep.job.task == "score" else [t.prompt_tokens]
-    gen = prep.job.generation.max_new_tokens if prep.job.task == "generate" else 1
-    return Workload.from_lengths(lens, gen, name=prep.job.name)
+    job = prep.job
+    ok = [t for t in prep.treqs if t.error is None]
+    if job.task == "score":
+        lens = [n for t in ok for n in scoring.sequence_lengths(t, job.score.mode, prep.spec.max_position_embeddings,
+                                                                 job.score.stride)]
+        return Workload.from_lengths(lens, 1, name=job.name, scoring=True)
+    return Workload.from_lengths([t.prompt_tokens for t in ok], job.generation.max_new_tokens, name=job.name)
 
 
 def job_workload(job_path: str):
@@ -94,13 +115,112 @@ def job_workload(job_path: str):
     return job_workload_from_prepared(Prepared(load_job(job_path)))
 
 
-def make_executor(job: Job, prep: Prepared, weights):
-    """The executor named by ``job.executor`` ("serial" or "cgopipe"), with its policy when it has one."""
+_DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _named(job, msg: str) -> str:
+    path = getattr(job, "config_path", None)
+    return f"{path}: {msg}" if path else msg
+
+
+def policy_for_job(job, prep):
+    """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
+    real lengths, ``hardware`` (preset or profile; default: the h200 preset) and ``gpu_memory``/``cpu_memory``; a
+    path loads a policy YAML; a mapping gives explicit fields (unknown keys are errors naming the job file and key;
+    ``prefill_mu`` defaults to ``mu``, the formats to the job's dtype and the checkpoint's expert pages).
+
+    Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
+    """
+    from ..model.quantized import checkpoint_scheme
+    from ..policy.hardware import get_preset, resolve_hardware
+    from ..policy.milp import plan
+    from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
+
+    dt = _DT[job.dtype]
+    wq = checkpoint_scheme(prep.model_path) or dt  # a quantized checkpoint's pages move packed
+    if isinstance(job.policy, dict):
+        fields = dict(job.policy)
+        fields.setdefault("dtype", dt)
+        fields.setdefault("weight_quant", wq)
+        fields.setdefault("prefill_mu", fields.get("mu", 1))
+        return Policy.from_dict(fields, where=_named(job, "policy")), None
+    if isinstance(job.policy, str) and job.policy != "auto":
+        return Policy.load(job.policy), None
+    hw = resolve_hardware(job.hardware) if getattr(job, "hardware", None) else get_preset("h200")
+    try:  # the job's caps must fit the card and the machine it plans for
+        if job.gpu_memory:
+            check_gpu_budget(job.gpu_memory, hw)
+        if job.cpu_memory:
+            check_cpu_budget(job.cpu_memory, hw)
+    except ValueError as e:  # name the job file, as the config errors do
+        raise ValueError(_named(job, str(e))) from None
+    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
+                                   **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
+                                   **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
+    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What a cgopipe job runs with, decided before any weight is read."""
+
+    policy: object  # policy.Policy
+    estimate: object  # hrm.Estimate of the policy for the job's workload (throughput and memory)
+    gpu_budget: int  # bytes the policy must fit on the GPU (the job's gpu_memory, else the card's)
+    cpu_budget: int  # bytes the policy must fit on the host (the job's cpu_memory, else the hardware's)
+
+
+def plan_job(job: Job, prep: "Prepared") -> JobPlan:
+    """The cgopipe job's policy (:func:`policy_for_job`) with its HRM estimate for the job's real workload, checked
+    against the GPU and host budgets with the memory model (hrm.memory_estimate: every allocation of every phase).
+
+    Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
+    and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit.
+    """
+    import dataclasses
+
+    from ..policy import hrm
+    from ..policy.hardware import get_preset, resolve_hardware
+    from ..policy.policy import PolicyError, format_bytes
+
+    policy, est = policy_for_job(job, prep)
+    hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
+    gpu = job.gpu_memory or policy.gpu_budget or _device_memory(job.device) or hw.gpu_memory
+    cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory
+    policy = dataclasses.replace(policy, gpu_budget=gpu, cpu_budget=cpu)
+    workload = job_workload_from_prepared(prep)
+    if job.task == "score" and policy.n_gpu_attn != policy.n:  # scoring keeps no KV: nothing attends on the CPU
+        policy = dataclasses.replace(policy, n_gpu_attn=policy.n)
+    bad = hrm.memory_violations(policy, prep.spec, workload)
+    if bad:
+        m = hrm.memory_estimate(policy, prep.spec, workload)
+        source = "the planner's policy" if job.policy in (None, "auto") else (
+            f"policy file {job.policy}" if isinstance(job.policy, str) else "the inline policy")
+        raise PolicyError(_named(job, f"{source} (mu {policy.mu} x n {policy.n}, {policy.total_resident(prep.spec)} "
+                                      f"resident experts, {policy.n_gpu_attn} GPU-attention micro-batches) does not fit: "
+                                      f"predicted {m.gpu_peak_phase} peak {format_bytes(m.gpu_peak)} vs gpu_memory "
+                                      f"{format_bytes(gpu)}, host {format_bytes(m.cpu_peak)} vs cpu_memory "
+                                      f"{format_bytes(cpu)} (" + "; ".join(bad) + ")"))
+    est = hrm.evaluate(policy, prep.spec, hw, workload) if est is None else est
+    return JobPlan(policy, est, gpu, cpu)
+
+
+def _device_memory(device: str) -> Optional[int]:
+    """Total memory of a CUDA ``device`` in bytes (None on the CPU or without CUDA)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(cuda_index(device)).total_memory
+    return None
+
+
+def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
+    """The executor named by ``job.executor``: "cgopipe" with ``jplan``'s policy, or "serial"."""
     dtype = DTYPES[job.dtype]
     if job.executor == "cgopipe":
-        from .cgopipe import build_cgopipe  # lazy: it needs the planner
+        from .cgopipe import CGOPipeExecutor, expert_ffn_for
 
-        return build_cgopipe(job, prep, weights)
+        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job))
+        ex.estimate = jplan.estimate
+        return ex
     return SerialExecutor(weights, job.device, dtype)
 
 
@@ -152,13 +272,117 @@ def check_results_provenance(job: Job) -> None:
     write_json_atomic(meta, now)
 
 
+class GpuOutOfMemory(RuntimeError):
+    """The CUDA allocator ran out of memory despite the plan; ``str(e)`` is one line naming the phase, the policy, the
+    predicted and measured peaks and the cap (finished records are saved)."""
+
+
+class PhasePeaks:
+    """Peak GPU memory (allocated and reserved, bytes) per phase of a run: the executor calls :meth:`enter` at each
+    phase boundary ("load", "prefill", "decode", "scoring"); a phase seen again keeps its largest peak."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+        self.idx = cuda_index(device) if self.cuda else None
+        self.phase: Optional[str] = None
+        self.peaks: dict[str, dict[str, int]] = {}
+
+    def enter(self, phase: str) -> None:
+        """Close the current phase and start ``phase`` (the allocator's peak counters restart)."""
+        self.close()
+        self.phase = phase
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.idx)
+
+    def close(self) -> None:
+        """Record the current phase's peaks."""
+        if self.phase is None or not self.cuda:
+            return
+        p = self.peaks.setdefault(self.phase, {"allocated": 0, "reserved": 0})
+        p["allocated"] = max(p["allocated"], torch.cuda.max_memory_allocated(self.idx))
+        p["reserved"] = max(p["reserved"], torch.cuda.max_memory_reserved(self.idx))
+
+    def overall(self, key: str) -> Optional[int]:
+        """Largest peak of ``key`` ("allocated" | "reserved") over the phases (None without CUDA)."""
+        return max((p[key] for p in self.peaks.values()), default=0) if self.cuda else None
+
+
+def _memory_report(jplan: Optional[JobPlan], cap: Optional[dict], peaks: PhasePeaks, spec, job: Job) -> dict:
+    """The report's ``memory`` block: the cap as applied, the memory model's prediction per phase (allocated: what
+    torch.cuda.max_memory_allocated measures; budget: with the allocator reserve) and the measured peaks."""
+    out: dict = {"cap_bytes": job.gpu_memory, **({k: v for k, v in cap.items() if k != "cap_bytes"} if cap else {})}
+    if jplan is not None:
+        m = jplan.estimate.memory
+        out.update(predicted_peak_bytes=m.gpu_peak_allocated, predicted_peak_phase=m.gpu_peak_phase,
+                   predicted_budget_bytes=m.gpu_peak, gpu_budget_bytes=jplan.gpu_budget,
+                   predicted_by_phase={ph: m.phase_allocated(ph) for ph in m.gpu_phases},
+                   predicted_components={ph: dict(c) for ph, c in m.gpu_phases.items()},
+                   predicted_host_bytes=m.cpu_peak)
+    if peaks.cuda:
+        out.update(measured_peak_allocated_bytes=peaks.overall("allocated"),
+                   measured_peak_reserved_bytes=peaks.overall("reserved"), measured_by_phase=dict(peaks.peaks))
+        if jplan is not None and out["measured_peak_allocated_bytes"]:
+            out["predicted_over_measured"] = out["predicted_peak_bytes"] / out["measured_peak_allocated_bytes"]
+    return out
+
+
+def _oom_message(phase: Optional[str], jplan: Optional[JobPlan], peaks: PhasePeaks, job: Job, spec, written: int,
+                 results: str) -> str:
+    from ..policy.policy import format_bytes
+
+    pol = ""
+    pred = ""
+    if jplan is not None:
+        p, m = jplan.policy, jplan.estimate.memory
+        pol = f", policy mu {p.mu} x n {p.n}, {p.total_resident(spec)} resident, {p.n_gpu_attn} GPU-attention"
+        ph = phase if phase in m.gpu_phases else m.gpu_peak_phase
+        pred = f", predicted {ph} peak {format_bytes(m.phase_allocated(ph))}"
+    meas = peaks.peaks.get(phase or "", {})
+    cap = f", cap {format_bytes(job.gpu_memory)}" if job.gpu_memory else ""
+    return (f"out of GPU memory in {phase or 'load'}{pol}{pred}, measured {format_bytes(meas.get('allocated', 0))} "
+            f"allocated / {format_bytes(meas.get('reserved', 0))} reserved{cap}; {written} records are saved in "
+            f"{results} (re-run to resume, with a smaller policy or gpu_memory; MOE_BATCH_DEBUG=1 for the traceback)")
+
+
+def _score_batches(work: list, job: Job, prep: "Prepared", N: int) -> list[list]:
+    """Consecutive requests grouped so that each group feeds at most ``N`` sequences (a request with more forms a
+    group alone): the scoring policy's N counts sequences (choices, perplexity windows), not requests."""
+    out, cur, count = [], [], 0
+    for t in work:
+        n = len(scoring.sequence_lengths(t, job.score.mode, prep.spec.max_position_embeddings, job.score.stride))
+        if cur and count + n > N:
+            out.append(cur)
+            cur, count = [], 0
+        cur.append(t)
+        count += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
+    """Build (or load) the native CPU attention kernel before any timer starts, when the job's decode attends on the
+    CPU."""
+    if job.task != "generate" or (jplan is not None and job.device.startswith("cuda")
+                                  and jplan.policy.n_gpu_attn >= jplan.policy.n):
+        return
+    from ..kernels.cpu_attention import native_available, native_loaded
+
+    if not native_loaded():
+        print("moe-batch: preparing the native CPU attention kernel (compiled once per torch install, then cached)",
+              file=log, flush=True)
+    native_available()
+
+
 def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     """Run ``job`` to completion (or resume it) and return the run report (also saved as JSON).
 
     Raises:
-        ConfigError / DataError: bad job or input (before any weights are loaded; nothing is written).
-        Exceptions from the executor propagate after every finished record has been fsync'd and a
-        report with ``"status": "failed"`` has been written.
+        ConfigError / DataError / PolicyError: bad job, input or policy (before any weight is loaded).
+        GpuOutOfMemory: the CUDA allocator ran out of memory (one line; every finished record is saved, the report's
+            status says so; set MOE_BATCH_DEBUG=1 to get the original exception instead).
+        Other exceptions from the executor propagate after every finished record has been fsync'd and a
+        report with ``"status": "failed: ..."`` has been written.
     """
     from tqdm import tqdm
 
@@ -178,9 +402,14 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
-    writer = ResultsWriter(job.output.path)
-    done = writer.done_ids()
+    with ResultsWriter(job.output.path) as w:
+        done = w.done_ids()
     todo = [t for t in prep.treqs if t.id not in done]
+    work = sorted((t for t in todo if t.error is None),
+                  key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
+    # the policy, with its predicted memory for every phase, is checked before any weight is read
+    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and work) else None
+    writer = ResultsWriter(job.output.path)
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
         "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
@@ -194,74 +423,55 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         writer.write(error_record(t.id, t.error))
     # batches of similar length: decode attention and the KV cache pad each (micro-)batch to its longest row;
     # records are keyed by id, so the order they are written in does not matter (merge restores input order)
-    work = sorted((t for t in todo if t.error is None),
-                  key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
     stats = RunStats()
-    records_written = len(errors)
     score_records: list[dict] = []
     t_load = 0.0
     executor = None
+    peaks = PhasePeaks(job.device)
+    cap = None
     try:
         if work:
-            frac = apply_gpu_cap(job.device, job.gpu_memory)
-            if job.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
+            cap = apply_gpu_cap(job.device, job.gpu_memory)
+            _prepare_cpu_attention(job, jplan, log)  # a first-run compile is not timed as load or decode
+            peaks.enter("load")
             t0 = time.perf_counter()
             weights = load_checkpoint(prep.model_path, DTYPES[job.dtype], prep.spec)
-            executor = make_executor(job, prep, weights)
+            executor = make_executor(job, prep, weights, jplan)
+            executor.phase_hook = peaks.enter
             t_load = time.perf_counter() - t0
-            report["gpu_memory_fraction"] = frac
+            report["gpu_memory_fraction"] = cap["fraction"] if cap else None
             if hasattr(executor, "policy_summary"):
                 report["policy"] = executor.policy_summary()
-            est = getattr(executor, "estimate", None)
+            est = jplan.estimate if jplan is not None else None
             if est is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
                 report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
                                        "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
                                        "prefill_binding": est.prefill_binding}
-            bar = tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True)
-            t_run = time.perf_counter()
-            batch = max(1, getattr(executor, "batch_size", job.batch_size))
-            for i in range(0, len(work), batch):
-                chunk = work[i : i + batch]
-                before = executor.stats.generated_tokens + executor.stats.prefill_tokens
-                if job.task == "generate":
-                    params = SamplingParams.from_config(job.generation)
-
-                    def on_finish(idx, out_ids, reason, chunk=chunk):
-                        writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer))
-                        bar.update(1)
-
-                    executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
-                                      seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
-                                      eos_token_id=prep.eos_token_id)
-                    records_written += len(chunk)
-                else:
-                    recs = scoring.score_batch(chunk, job.score.mode, executor.prompt_logprobs,
-                                               prep.spec.max_position_embeddings, job.score.stride)
-                    for r in recs:
-                        writer.write(r)
-                    score_records += recs
-                    records_written += len(recs)
-                    bar.update(len(chunk))
-                s = executor.stats
-                elapsed = time.perf_counter() - t_run
-                tokens = s.generated_tokens if job.task == "generate" else s.prefill_tokens
-                bar.set_postfix_str(f"{tokens / max(elapsed, 1e-9):.1f} tok/s")
-            bar.close()
+            _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm)
             stats = executor.stats
         report["status"] = "done"
+    except torch.OutOfMemoryError:
+        peaks.close()
+        phase = getattr(executor, "phase", None) or peaks.phase
+        report["status"] = f"out of memory in {phase}"
+        msg = _oom_message(phase, jplan, peaks, job, prep.spec, writer.written, writer.path)
+        report["error"] = msg
+        if os.environ.get("MOE_BATCH_DEBUG"):
+            raise
+        raise GpuOutOfMemory(msg) from None
     except BaseException as e:
         report["status"] = f"failed: {type(e).__name__}: {e}"
         raise
     finally:
+        peaks.close()
         writer.close()
         total = time.perf_counter() - t_start
         report.update(_timing(stats, t_load, total, job.task))
-        report["records_written_this_run"] = records_written
+        report["records_written_this_run"] = writer.written
         report["errors_recorded"] = len(errors)
         report["peak_host_memory_bytes"] = _peak_host_bytes()
-        report["peak_gpu_memory_bytes"] = (torch.cuda.max_memory_allocated() if job.device.startswith("cuda")
-                                           and torch.cuda.is_available() else None)
+        report["peak_gpu_memory_bytes"] = peaks.overall("allocated")
+        report["memory"] = _memory_report(jplan, cap, peaks, prep.spec, job)
         if job.task == "score":
             report["metrics"] = scoring.summarize(score_records, job.score.mode)
         report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
@@ -270,6 +480,57 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             executor.close()
         write_json_atomic(job.output.report_path, report)
     return report
+
+
+def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_records: list, progress: bool, log,
+              tqdm) -> int:
+    """Generate or score ``work`` batch by batch, writing every record as it finishes; returns records written.
+
+    The progress bar counts generated tokens (advancing every decode step, live tokens/s) or scored requests."""
+    t_run = time.perf_counter()
+    written = 0
+    if job.task == "generate":
+        G = job.generation.max_new_tokens
+        params = SamplingParams.from_config(job.generation)
+        bar = tqdm(total=len(work) * G, disable=not progress, unit="tok", file=log, dynamic_ncols=True)
+        done = [0]
+
+        def on_step(tokens: int) -> None:
+            bar.update(tokens)
+            bar.set_postfix_str(f"{done[0]}/{len(work)} records, "
+                                f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=False)
+
+        batch = max(1, getattr(executor, "batch_size", job.batch_size))
+        for i in range(0, len(work), batch):
+            chunk = work[i : i + batch]
+
+            def on_finish(idx, out_ids, reason, chunk=chunk):
+                writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer))
+                done[0] += 1
+                if len(out_ids) < G:  # stopped early: its remaining tokens will never come
+                    bar.total -= G - len(out_ids)
+
+            executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
+                              seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
+                              eos_token_id=prep.eos_token_id, on_step=on_step)
+            written += len(chunk)
+        bar.close()
+        return written
+    bar = tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True)
+    policy = getattr(executor, "policy", None)
+    groups = (_score_batches(work, job, prep, policy.N) if policy is not None else
+              [work[i : i + job.batch_size] for i in range(0, len(work), job.batch_size)])
+    for chunk in groups:
+        recs = scoring.score_batch(chunk, job.score.mode, executor.prompt_logprobs,
+                                   prep.spec.max_position_embeddings, job.score.stride)
+        for r in recs:
+            writer.write(r)
+        score_records += recs
+        written += len(recs)
+        bar.update(len(chunk))
+        bar.set_postfix_str(f"{executor.stats.prefill_tokens / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")
+    bar.close()
+    return written
 
 
 def _timing(s: RunStats, t_load: float, total: float, task: str) -> dict:

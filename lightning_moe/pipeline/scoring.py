@@ -45,6 +45,14 @@ def windows(n_tokens: int, max_len: int, stride: Optional[int]) -> list[tuple[in
     return out
 
 
+def sequence_lengths(tr, mode: str, max_len: int, stride: Optional[int]) -> list[int]:
+    """Token lengths of the sequences :func:`score_batch` feeds for one tokenized request: each perplexity window,
+    or each (context + continuation / choice) sequence."""
+    if mode == "perplexity":
+        return [e - b for b, e, _ in windows(len(tr.text_ids), max_len, stride)]
+    return [len(seq) for seq, _ in tr.score_inputs]
+
+
 def score_batch(treqs: Sequence, mode: str, score_fn: ScoreFn, max_len: int, stride: Optional[int]) -> list[dict]:
     """Score a batch of tokenized requests (``TokenizedRequest`` without errors) with one packed prefill.
 

@@ -25,6 +25,7 @@ from .cpu_attention import bucket_len, cpu_decode_attention
 from .kv_cache import KVCache
 
 FinishCallback = Callable[[int, list[int], str], None]
+StepCallback = Callable[[int], None]  # called after prefill and after every decode step with the tokens it generated
 
 
 @dataclass
@@ -121,6 +122,13 @@ class SerialExecutor:
         self.lm_head = weights.lm_head.to(dev, dt)
         self.inv_freq = M.rope_inv_freq(self.spec, dev)
         self.stats = RunStats()
+        self.phase: Optional[str] = None  # the phase running now ("prefill", "decode", "scoring")
+        self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        if self.phase_hook is not None:
+            self.phase_hook(phase)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -202,6 +210,7 @@ class SerialExecutor:
         on_finish: Optional[FinishCallback] = None,
         seeds: Optional[Sequence[int]] = None,
         eos_token_id: Optional[int] = None,
+        on_step: Optional[StepCallback] = None,
     ) -> list[tuple[list[int], str]]:
         """Generate continuations for a ragged batch of token-id prompts.
 
@@ -212,6 +221,8 @@ class SerialExecutor:
                 finishes ("stop": emitted EOS, included in output_ids; "length": max_new_tokens reached).
             seeds: per-prompt RNG seeds for sampling (see :func:`request_seed`).
             eos_token_id: stop token (default: the spec's eos_token_id).
+            on_step: called as ``on_step(tokens)`` after prefill and after each decode step with the number of tokens
+                it generated (progress).
         Returns:
             [(output_ids, finish_reason)] per prompt, in input order.
         """
@@ -221,6 +232,7 @@ class SerialExecutor:
         max_len = max(len(p) for p in prompts) + params.max_new_tokens
         kv = KVCache(self.spec, B, max_len, self.dtype, "cpu")
 
+        self._enter("prefill")
         t0 = time.perf_counter()
         logits = self._forward_prefill(prompts, kv, last_only=True)  # [B, V]
         kv.lengths[:] = torch.tensor([len(p) for p in prompts])
@@ -250,6 +262,9 @@ class SerialExecutor:
             return still
 
         alive = commit(alive, nxt)
+        if on_step is not None:
+            on_step(B)
+        self._enter("decode")
         t2 = time.perf_counter()
         while alive:
             rows = torch.tensor(alive, dtype=torch.int64)
@@ -258,6 +273,8 @@ class SerialExecutor:
             nxt = sample(logits, params, [gens[r] for r in alive] if gens else None)
             self.stats.decode_tokens += len(alive)
             self.stats.decode_steps += 1
+            if on_step is not None:
+                on_step(len(alive))
             alive = commit(alive, nxt)
         self._sync()
         self.stats.decode_seconds += time.perf_counter() - t2
@@ -271,6 +288,7 @@ class SerialExecutor:
         Returns B pairs of CPU tensors of length len-1: ``logp[t] = log p(seq[t+1] | seq[:t+1])`` (fp32)
         and ``greedy[t]`` (bool) = seq[t+1] is the argmax of that distribution.
         """
+        self._enter("scoring")
         t0 = time.perf_counter()
         logits = self._forward_prefill(seqs, None, last_only=False)  # [T, V] fp32
         out = split_token_scores(logits, seqs)
