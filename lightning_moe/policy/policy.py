@@ -444,9 +444,12 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add("memory (peak)")
     gb = f" / budget {format_bytes(policy.gpu_budget)}" if policy.gpu_budget else ""
     cb = f" / budget {format_bytes(policy.cpu_budget)}" if policy.cpu_budget else ""
-    add(f"  GPU  {format_bytes(estimate.gpu_peak)}{gb}   ({estimate.gpu_peak_phase} peak)")
-    for k, v in estimate.gpu_breakdown.items():
-        add(f"         {k:<34} {format_bytes(v)}")
+    m = estimate.memory
+    add(f"  GPU  {format_bytes(estimate.gpu_peak)}{gb}   ({estimate.gpu_peak_phase} peak, allocator reserve included)")
+    for phase in m.gpu_phases:
+        add(f"    {phase:<8} {format_bytes(m.phase_total(phase))}   (tensors {format_bytes(m.phase_allocated(phase))})")
+        for k, v in m.gpu_phases[phase].items():
+            add(f"         {k:<38} {format_bytes(v)}")
     add(f"  CPU  {format_bytes(estimate.cpu_peak)}{cb}")
     for k, v in estimate.cpu_breakdown.items():
         add(f"         {k:<34} {format_bytes(v)}")

@@ -1,0 +1,187 @@
+"""The user path before and around the executor: the GPU cap's device handling, policies checked against the memory
+model before any weight is read, out-of-memory reporting, progress per decode step, scoring batches in sequences."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from lightning_moe import cli
+from lightning_moe.pipeline import runner
+from lightning_moe.pipeline.runner import apply_gpu_cap, cuda_index
+
+GiB = 1 << 30
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda on a machine without a GPU: two devices of 80 GiB, 0.5 GiB used outside torch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def install(self, monkeypatch):
+        c = torch.cuda
+        monkeypatch.setattr(c, "is_available", lambda: True)
+        monkeypatch.setattr(c, "init", lambda: None)
+        monkeypatch.setattr(c, "current_device", lambda: 1)
+        monkeypatch.setattr(c, "mem_get_info", lambda i: (80 * GiB - GiB // 2, 80 * GiB))
+        monkeypatch.setattr(c, "memory_reserved", lambda i: 0)
+        monkeypatch.setattr(c, "set_per_process_memory_fraction", lambda f, i: self.calls.append((f, i)))
+
+
+def test_gpu_cap_accepts_cuda_and_cuda_index(monkeypatch):
+    """The cap takes "cuda" (the current device) and "cuda:N"; set_per_process_memory_fraction gets an int index
+    (a bare torch.device("cuda") is what it rejected) and the fraction nets out what the device holds outside torch."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    assert cuda_index("cuda:0") == 0 and cuda_index("cuda") == 1 and cuda_index("cuda:3") == 3
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        cuda_index("cpu")
+    info = apply_gpu_cap("cuda", 24 * GiB)
+    assert fake.calls[-1] == (pytest.approx((24 * GiB - GiB // 2) / (80 * GiB)), 1)
+    assert info["torch_limit_bytes"] == 24 * GiB - GiB // 2 and info["outside_torch_bytes"] == GiB // 2
+    apply_gpu_cap("cuda:0", 16 * GiB)
+    assert fake.calls[-1][1] == 0 and isinstance(fake.calls[-1][1], int)
+    assert apply_gpu_cap("cuda:0", None) is None and apply_gpu_cap("cpu", 16 * GiB) is None
+    with pytest.raises(ValueError, match="exceeds the device's 80.0 GiB"):
+        apply_gpu_cap("cuda:0", 81 * GiB)
+    with pytest.raises(ValueError, match="leaves nothing for tensors"):
+        apply_gpu_cap("cuda:0", GiB // 4)
+
+
+def _prompts(path, n=12):
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"q{i}", "prompt": " ".join(words[: 1 + (i * 3) % 8]) + f" number {i}"}) + "\n")
+    return str(path)
+
+
+def _write_job(tmp_path, tiny_dir, policy, **extra):
+    import yaml
+
+    d = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "in.jsonl")},
+         "output": {"path": str(tmp_path / "out.jsonl")}, "device": "cpu", "dtype": "float32", "executor": "cgopipe",
+         "policy": policy, "generation": {"max_new_tokens": 4, "stop_at_eos": False}, **extra}
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return str(p)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Any weight read fails the test: refusals must come before it."""
+    def boom(*a, **k):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(runner, "load_checkpoint", boom)
+
+
+def test_oversized_inline_policy_refused_before_weights(tmp_path, tiny_dir, no_weights, capsys):
+    job = _write_job(tmp_path, tiny_dir, {"mu": 20000, "n": 2, "resident_experts": 8}, gpu_memory="2GiB")
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"moe-batch: error: {job}: the inline policy (mu 20000 x n 2")
+    assert "does not fit: predicted" in err and "vs gpu_memory 2.0 GiB" in err
+    assert not os.path.exists(tmp_path / "out.jsonl") or os.path.getsize(tmp_path / "out.jsonl") == 0
+
+
+def test_oversized_policy_file_refused_before_weights(tmp_path, tiny_dir, no_weights, capsys):
+    from lightning_moe.policy.policy import Policy
+
+    pfile = tmp_path / "big.yaml"
+    Policy(mu=20000, n=2, prefill_mu=4, dtype="fp32", weight_quant="fp32").save(str(pfile))
+    job = _write_job(tmp_path, tiny_dir, str(pfile), gpu_memory="2GiB")
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"policy file {pfile}" in err and "does not fit" in err and "\n" not in err
+
+
+def test_unknown_inline_policy_key_refused_before_weights(tmp_path, tiny_dir, no_weights, capsys):
+    job = _write_job(tmp_path, tiny_dir, {"mu": 4, "nn": 2})
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moe-batch: error: {job}: policy: unknown key(s) nn (known: mu, n,") and "\n" not in err
+
+
+def test_fitting_inline_policy_runs_and_reports_predicted_memory(tmp_path, tiny_dir):
+    job = _write_job(tmp_path, tiny_dir, {"mu": 4, "n": 3, "resident_experts": 2}, gpu_memory="2GiB")
+    assert cli.main(["run", job, "--no-progress"]) == 0
+    rep = json.load(open(tmp_path / "out.report.json"))
+    mem = rep["memory"]
+    assert mem["cap_bytes"] == 2 * GiB and set(mem["predicted_by_phase"]) == {"prefill", "decode"}
+    assert mem["predicted_peak_bytes"] == max(mem["predicted_by_phase"].values())
+    assert rep["policy"]["mu"] == 4 and rep["policy"]["N"] == 12
+
+
+def test_out_of_memory_is_one_line_and_keeps_records(tmp_path, tiny_dir, monkeypatch, capsys):
+    """A CUDA out-of-memory inside the executor: exit 3, one line naming the phase and the policy, every finished
+    record kept, the report's status says so."""
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+
+    real = CGOPipeExecutor.generate
+    calls = {"n": 0}
+
+    def flaky(self, prompts, params, on_finish=None, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real(self, prompts, params, on_finish=on_finish, **kw)
+        self._enter("decode")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(CGOPipeExecutor, "generate", flaky)
+    job = _write_job(tmp_path, tiny_dir, {"mu": 2, "n": 2})
+    assert cli.main(["run", job, "--no-progress"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moe-batch: error: out of GPU memory in decode, policy mu 2 x n 2")
+    assert "predicted decode peak" in err[0] and "4 records are saved" in err[0]
+    assert len(open(tmp_path / "out.jsonl").read().splitlines()) == 4
+    rep = json.load(open(tmp_path / "out.report.json"))
+    assert rep["status"] == "out of memory in decode" and rep["records_written_this_run"] == 4
+    monkeypatch.setenv("MOE_BATCH_DEBUG", "1")  # the debug flag gives the original exception
+    calls["n"] = 1
+    with pytest.raises(torch.OutOfMemoryError):
+        cli.main(["run", job, "--no-progress"])
+
+
+@pytest.mark.parametrize("executor", ["serial", "cgopipe"])
+def test_progress_advances_every_decode_step(tiny_dir, executor):
+    """on_step is called after prefill and after every decode step with the tokens that step generated."""
+    from lightning_moe.model.spec import MoESpec
+    from lightning_moe.model.weights import load_checkpoint
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.policy.policy import Policy
+
+    w = load_checkpoint(tiny_dir, torch.float32, MoESpec.from_pretrained_dir(tiny_dir))
+    ex = (SerialExecutor(w, "cpu") if executor == "serial" else
+          CGOPipeExecutor(w, Policy(mu=2, n=2, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu"))
+    steps = []
+    out = ex.generate([[1, 5, 9], [1, 7], [1, 3, 4, 5], [1]], SamplingParams(max_new_tokens=5, stop_at_eos=False),
+                      on_step=steps.append)
+    assert steps == [4, 4, 4, 4, 4] and sum(steps) == sum(len(o) for o, _ in out)
+    if hasattr(ex, "close"):
+        ex.close()
+
+
+def test_scoring_batches_count_sequences(tmp_path, tiny_dir):
+    """A multiple-choice batch of a scoring policy with N sequences holds at most N sequences (choices), not N
+    requests; a request with more choices than N is a batch alone."""
+    from lightning_moe.config import job_from_dict
+
+    data = tmp_path / "mc.jsonl"
+    with open(data, "w") as f:
+        for i in range(7):
+            f.write(json.dumps({"id": f"m{i}", "prompt": f"question {i}", "choices": ["a", "b", "c"][: 1 + i % 3]}) + "\n")
+    job = job_from_dict({"model": tiny_dir, "task": "score", "score": {"mode": "multiple_choice"},
+                         "data": {"source": "jsonl", "path": str(data)}, "output": {"path": str(tmp_path / "o.jsonl")},
+                         "device": "cpu", "dtype": "float32"}, "t.yaml", base_dir=str(tmp_path))
+    prep = runner.Prepared(job)
+    groups = runner._score_batches(prep.treqs, job, prep, 4)
+    sizes = [sum(len(t.score_inputs) for t in g) for g in groups]
+    assert all(s <= 4 for s in sizes) and sum(len(g) for g in groups) == 7
+    assert runner._score_batches(prep.treqs, job, prep, 1)[2] == [prep.treqs[2]]  # 3 choices > N: alone
+    wl = runner.job_workload_from_prepared(prep)
+    assert wl.scoring and wl.gen_len == 1 and wl.num_requests == sum(1 + i % 3 for i in range(7))
