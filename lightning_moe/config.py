@@ -114,7 +114,7 @@ class Job:
     task: str = "generate"  # "generate" | "score"
     generation: GenerationConfig = field(default_factory=GenerationConfig)  # decoding parameters
     score: Optional[ScoreConfig] = None  # scoring parameters; set iff task == "score"
-    device: str = "cuda"  # "cpu" | "cuda"
+    device: str = "cuda"  # "cpu" | "cuda" | "cuda:N"
     dtype: str = "bfloat16"  # compute/weight dtype: "float32" | "bfloat16" | "float16"
     executor: str = "serial"  # "serial" | "cgopipe" (YAML default: cgopipe on cuda, serial on cpu)
     batch_size: int = 16  # sequences per batch of the serial executor (>= 1)
@@ -198,6 +198,12 @@ def _p_choice(options):
             raise ctx.err(key, f"expected one of {', '.join(repr(o) for o in options)}, got {_describe(v)}")
         return v
     return parse
+
+
+def _p_device(v, key, ctx):
+    if isinstance(v, str) and (v in DEVICES or re.fullmatch(r"cuda:\d+", v)):
+        return v
+    raise ctx.err(key, f"expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {_describe(v)}")
 
 
 def _p_bool(v, key, ctx):
@@ -391,7 +397,7 @@ _TOP_KEYS: dict[str, _Parser] = {
     "name": _p_str,
     "model": _p_model,
     "task": _p_choice(TASKS),
-    "device": _p_choice(DEVICES),
+    "device": _p_device,
     "dtype": _p_choice(DTYPES),
     "executor": _p_choice(EXECUTORS),
     "batch_size": _p_int(lo=1),
@@ -527,7 +533,7 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
 
     # ---- executor default and consistency ----
     device = top.get("device", "cuda")
-    executor = top.get("executor", "cgopipe" if device == "cuda" else "serial")
+    executor = top.get("executor", "cgopipe" if device.startswith("cuda") else "serial")
     # executor: cgopipe on device: cpu runs the same pipeline with synchronous copies (tests, debugging)
 
     top["device"] = device

@@ -37,7 +37,11 @@ def test_memory_estimate_counts_packed_prompts():
     mean = (425 + 60 * 79) / 80
     per_token = (spec.hidden_size + 2 * spec.head_dim) * 2 + hrm.PREFILL_INDEX_BYTES  # hidden row, RoPE tables, indexes
     assert hrm.prefill_token_bytes(spec, "bf16") == per_token == 8738  # (4096 + 2 x 128) x 2 B + 34
-    assert m.gpu_prefill["prefill hidden states (N prompts)"] == (128 * (425 + 60 * 79) // 80) * per_token
+    # N = 128 > the job's 80 prompts: the largest batch holds the 80 (the runner never forms a larger one)
+    assert m.gpu_prefill["prefill hidden states (N prompts)"] == (425 + 60 * 79) * per_token
+    unbounded = dataclasses.replace(w, num_requests=None)  # a distribution (plan --prompt-len): N x its mean
+    assert (hrm.memory_estimate(pol, spec, unbounded).gpu_prefill["prefill hidden states (N prompts)"]
+            == (128 * (425 + 60 * 79) // 80) * per_token)
     pol40 = dataclasses.replace(pol, mu=20, n=2)  # 40 of the 80: the 40 longest
     assert hrm.memory_estimate(pol40, spec, w).gpu_prefill["prefill hidden states (N prompts)"] == (425 + 60 * 39) * per_token
     # the MILP's coefficient per sequence: the prompt part of its KV length, >= the exact mean of the N longest

@@ -568,7 +568,10 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     counts = policy.resident_counts(spec)
     R = sum(counts)
     max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if i >= spec.num_dense_layers), default=0)
-    N, mu = policy.N, policy.mu
+    mu = policy.mu
+    # sequences of the largest batch: the policy's N, or every sequence of a smaller job (the runner's batches hold
+    # no more than the job has)
+    N = policy.N if workload.num_requests is None else min(policy.N, workload.num_requests)
     kv_gpu, kv_cpu = kv_cache_bytes(policy, spec, workload)
     tp, padded, longest = prefill_chunk_shape(policy, workload)
     common = {
