@@ -44,7 +44,8 @@ from ..policy.policy import Policy
 from .kv_cache import KV_GROUPS, GroupedKVCache
 from .microbatch import group_by_length
 from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
-from .serial import FinishCallback, RunStats, StepCallback, SamplingParams, sample, split_token_scores
+from .serial import FinishCallback, RunStats, SamplingParams, StepCallback, sample
+from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
 _PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_bytes] page per expert
 
@@ -133,12 +134,18 @@ class CGOPipeExecutor:
             (:meth:`GroupedKVCache.append_attend_triton`, scores in fp32: bf16 outputs differ by rounding). The
             triton path is CPU-tested under the Triton interpreter and NOT YET RUN ON A GPU (RESULTS.md 10, the next
             device step measures it). Raises ValueError on another value.
+        score_chunk_tokens: rows per chunk of the scoring head in :meth:`prompt_logprobs` (default
+            SCORE_CHUNK_TOKENS; its fp32 logits + log_softmax take ``score_chunk_tokens * V * 8`` bytes, whatever
+            the prefill chunk's token count). Raises ValueError unless an int >= 1.
     """
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
                  page_queue_depth: Optional[int] = None, cpu_threads: Optional[int] = None,
-                 attention_h2d: str = "auto", gpu_attention: str = "torch"):
+                 attention_h2d: str = "auto", gpu_attention: str = "torch", score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
+        if isinstance(score_chunk_tokens, bool) or not isinstance(score_chunk_tokens, int) or score_chunk_tokens < 1:
+            raise ValueError(f"CGOPipeExecutor: score_chunk_tokens must be an int >= 1, got {score_chunk_tokens!r}")
+        self.score_chunk_tokens = score_chunk_tokens
         if gpu_attention not in ("torch", "triton"):
             raise ValueError(f"CGOPipeExecutor: gpu_attention must be torch or triton, got {gpu_attention!r}")
         self.gpu_attention = gpu_attention
@@ -506,13 +513,15 @@ class CGOPipeExecutor:
         self.stats.d2h_bytes += sum(t.numel() * t.element_size() for t in host)
         return host, ev
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], full_logits: bool) -> list[torch.Tensor]:
+    def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], score: bool = False) -> list:
         """Prefill every micro-batch layer by layer (weights streamed once per layer for the whole batch).
 
         Each micro-batch is computed in prefill micro-batches (:meth:`_prefill_chunks`: at most
         ``policy.prefill_mu`` rows and ``policy.prefill_tokens`` padded tokens), writing each chunk's KV
         into its micro-batch's cache rows (:meth:`_store_prefill_kv`).
-        Returns per micro-batch fp32 logits: last token of each row [mu_k, V], or all tokens [T_k, V].
+        Returns per micro-batch: fp32 logits of the last token of each row [mu_k, V]; with ``score``, (fp32 logprob
+        [T_k], bool greedy [T_k]) of every packed row's next token instead (:func:`token_scores.token_scores`, run
+        per prefill chunk, ``score_chunk_tokens`` rows at a time: no chunk's [T, V] logits exist).
         """
         chunks = []  # [micro-batch index, KV scatter index (or None), hidden [T, D], positions [T], spans, ends, RoPE,
         #            attention layout]
@@ -546,12 +555,29 @@ class CGOPipeExecutor:
             self._visit += 1
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
+        if score:
+            return self._score_chunks(prompts, mbs, chunks)
         per_mb: list[list[torch.Tensor]] = [[] for _ in mbs]
         for i, _, x, _, _, ends, _, _ in chunks:
-            if not full_logits:
-                x = x[(ends - 1).to(self.device)]
+            x = x[(ends - 1).to(self.device)]
             per_mb[i].append(M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
         return [torch.cat(parts) for parts in per_mb]
+
+    def _score_chunks(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], chunks: list) -> list:
+        """The scoring head over each prefill chunk's final hidden states (in :meth:`_prefill`'s chunk order, which
+        follows each micro-batch's rows); a chunk's hidden states are released once scored. Returns per micro-batch
+        (fp32 logprob [T_k], bool greedy [T_k]) on the device, rows packed in ``mb.rows`` order."""
+        per_mb: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in mbs]
+        offs = [0] * len(mbs)  # rows of each micro-batch scored so far
+        eps = self.spec.rms_norm_eps
+        for ch in chunks:
+            i, x, ends = ch[0], ch[2], ch[5]
+            rows = mbs[i].rows[offs[i] : offs[i] + len(ends)]
+            offs[i] += len(ends)
+            targets = next_token_targets([prompts[r] for r in rows], self.device)  # [T_c]
+            per_mb[i].append(token_scores(x, self.norm, self.lm_head, eps, targets, self.score_chunk_tokens))  # [T_c] x2
+            ch[2] = None  # this chunk's hidden states are no longer needed
+        return [(torch.cat([lp for lp, _ in parts]), torch.cat([g for _, g in parts])) for parts in per_mb]
 
     # ---- decode -------------------------------------------------------------------------------
     def _pre_attention(self, l: int, mb: MicroBatch):
@@ -732,7 +758,7 @@ class CGOPipeExecutor:
         mbs = self._micro_batches(prompts, params.max_new_tokens, True, self.policy.mu)
         # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
         t0 = time.perf_counter()
-        logits = self._prefill(prompts, mbs, full_logits=False)
+        logits = self._prefill(prompts, mbs)
         outputs: list[list[int]] = [[] for _ in prompts]
         results: list = [None] * len(prompts)
 
@@ -790,14 +816,15 @@ class CGOPipeExecutor:
 
     @torch.inference_mode()
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Same contract as :meth:`SerialExecutor.prompt_logprobs` (prefill only, no KV cache)."""
+        """Same contract as :meth:`SerialExecutor.prompt_logprobs` (prefill only, no KV cache); the scoring head
+        runs per prefill chunk, ``score_chunk_tokens`` rows at a time (no [T, V] logits)."""
         self._enter("scoring")
         t0 = time.perf_counter()
         mbs = self._micro_batches(seqs, 0, False, self.policy.prefill_mu)
-        logits = self._prefill(seqs, mbs, full_logits=True)
+        scores = self._prefill(seqs, mbs, score=True)  # per micro-batch (logprob [T_k], greedy [T_k])
         out: list = [None] * len(seqs)
-        for mb, lg in zip(mbs, logits):
-            for r, sc in zip(mb.rows, split_token_scores(lg, [seqs[r] for r in mb.rows])):
+        for mb, (lp, g) in zip(mbs, scores):
+            for r, sc in zip(mb.rows, split_scores(lp, g, [len(seqs[r]) for r in mb.rows])):
                 out[r] = sc
         self._sync()
         self.timer.collect()

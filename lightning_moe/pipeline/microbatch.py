@@ -17,6 +17,8 @@ from typing import Optional, Sequence, TypeVar
 T = TypeVar("T")
 
 KV_GROUPS = 8  # length groups per micro-batch KV cache (kv_cache.GroupedKVCache; the planner's memory model)
+SCORE_CHUNK_TOKENS = 1024  # rows per scoring-head chunk (token_scores.token_scores): chunk * V * 4 * 2 bytes of
+#                            fp32 logits + log_softmax output, whatever the micro-batch's token count (the planner's memory model)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

@@ -23,6 +23,7 @@ from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from .cpu_attention import bucket_len, cpu_decode_attention
 from .kv_cache import KVCache
+from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
 FinishCallback = Callable[[int, list[int], str], None]
 StepCallback = Callable[[int], None]  # called after prefill and after every decode step with the tokens it generated
@@ -107,9 +108,15 @@ class SerialExecutor:
         weights: host weights (experts stacked per layer).
         device: "cpu" or "cuda[:i]"; non-expert weights are copied there once, experts every layer visit.
         dtype: compute dtype (default: the weights' dtype).
+        score_chunk_tokens: rows per chunk of the scoring head in :meth:`prompt_logprobs` (default
+            SCORE_CHUNK_TOKENS; its fp32 logits + log_softmax take ``score_chunk_tokens * V * 8`` bytes).
     """
 
-    def __init__(self, weights: ModelWeights, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
+    def __init__(self, weights: ModelWeights, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
+        if isinstance(score_chunk_tokens, bool) or not isinstance(score_chunk_tokens, int) or score_chunk_tokens < 1:
+            raise ValueError(f"SerialExecutor: score_chunk_tokens must be an int >= 1, got {score_chunk_tokens!r}")
+        self.score_chunk_tokens = score_chunk_tokens
         self.w = weights
         self.spec = weights.spec
         self.device = torch.device(device)
@@ -163,8 +170,9 @@ class SerialExecutor:
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
         return M.post_attention(lw, self._experts(layer), x, attn, self.spec)
 
-    def _forward_prefill(self, prompts: Sequence[Sequence[int]], kv: Optional[KVCache], last_only: bool) -> torch.Tensor:
-        """Prefill a ragged batch; returns fp32 logits [B, V] (last token of each prompt) or [T, V] (all)."""
+    def _forward_prefill(self, prompts: Sequence[Sequence[int]], kv: Optional[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill a ragged batch; returns the final hidden states [T, D] (before the final norm) and the
+        packed end of each prompt (int64 [B], on the host)."""
         lens = [len(p) for p in prompts]
         if min(lens) < 1:
             raise ValueError("prefill: every prompt needs at least one token")
@@ -175,9 +183,7 @@ class SerialExecutor:
         x = self.embed[ids]  # [T, D]
         for layer in range(self.spec.num_layers):
             x = self._prefill_layer(layer, x, positions, spans, kv)
-        if last_only:
-            x = x[(ends - 1).to(self.device)]  # [B, D]
-        return M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
+        return x, ends
 
     def _decode_step(self, tokens: torch.Tensor, rows: torch.Tensor, kv: KVCache, all_rows: bool) -> torch.Tensor:
         """One decode step for ``rows`` (int64 [B']) fed ``tokens`` (int64 [B']). Returns fp32 logits [B', V]."""
@@ -234,7 +240,8 @@ class SerialExecutor:
 
         self._enter("prefill")
         t0 = time.perf_counter()
-        logits = self._forward_prefill(prompts, kv, last_only=True)  # [B, V]
+        x, ends = self._forward_prefill(prompts, kv)  # [T, D]
+        logits = M.final_logits(x[(ends - 1).to(self.device)], self.norm, self.lm_head, self.spec.rms_norm_eps)  # [B, V]
         kv.lengths[:] = torch.tensor([len(p) for p in prompts])
         nxt = sample(logits, params, gens)  # [B]
         self._sync()
@@ -286,12 +293,16 @@ class SerialExecutor:
 
         seqs: B lists of token ids (each >= 2 tokens to score anything).
         Returns B pairs of CPU tensors of length len-1: ``logp[t] = log p(seq[t+1] | seq[:t+1])`` (fp32)
-        and ``greedy[t]`` (bool) = seq[t+1] is the argmax of that distribution.
+        and ``greedy[t]`` (bool) = seq[t+1] is the argmax of that distribution. The scoring head runs
+        ``score_chunk_tokens`` packed rows at a time (:func:`token_scores.token_scores`): no [T, V] logits.
         """
         self._enter("scoring")
         t0 = time.perf_counter()
-        logits = self._forward_prefill(seqs, None, last_only=False)  # [T, V] fp32
-        out = split_token_scores(logits, seqs)
+        x, _ = self._forward_prefill(seqs, None)  # [T, D]
+        targets = next_token_targets(seqs, self.device)  # [T]
+        logp, greedy = token_scores(x, self.norm, self.lm_head, self.spec.rms_norm_eps, targets,
+                                    self.score_chunk_tokens)  # [T] each: no [T, V] logits
+        out = split_scores(logp, greedy, [len(s) for s in seqs])
         self._sync()
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -300,26 +311,11 @@ class SerialExecutor:
     @torch.inference_mode()
     def logits(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """fp32 logits [len, V] of every position of each sequence (prefill only; for tests and scoring)."""
-        logits = self._forward_prefill(seqs, None, last_only=False)
+        x, _ = self._forward_prefill(seqs, None)  # [T, D]
+        logits = M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)  # [T, V]
         out, start = [], 0
         for s in seqs:
             out.append(logits[start : start + len(s)].cpu())
             start += len(s)
         return out
 
-
-def split_token_scores(logits: torch.Tensor, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-sequence (log-prob of each next token, whether it is the argmax) from packed logits.
-
-    logits: fp32 [T, V] for the packed ``seqs`` (T = total tokens). Returns, per sequence of length n,
-    (fp32 [n-1], bool [n-1]) on the CPU.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
-    out, start = [], 0
-    for s in seqs:
-        n = len(s)
-        tgt = torch.tensor(s[1:], dtype=torch.int64, device=logp.device)  # [n-1]
-        rows = logp[start : start + n - 1]  # [n-1, V]
-        out.append((rows.gather(1, tgt[:, None])[:, 0].cpu(), (rows.argmax(-1) == tgt).cpu()))
-        start += n
-    return out

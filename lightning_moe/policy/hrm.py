@@ -362,7 +362,7 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
 
 # ---- memory --------------------------------------------------------------------------------------
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
-SCORE_CHUNK_TOKENS = 1024  # rows of the scoring head per chunk (lm_head, log-softmax, gather, greedy flag)
+from ..pipeline.microbatch import SCORE_CHUNK_TOKENS  # noqa: E402  (torch-free) rows of the scoring head per chunk
 
 
 def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16") -> int:
