@@ -406,6 +406,21 @@ def run_sweep(cases: list[Case], machine: Machine, work: str, out: str, time_bud
     return rows
 
 
+def prepare(cases: list[Case], machine: Machine, work: str, gen_device: str, log=sys.stderr) -> None:
+    """Both checkpoints, then every case's data and job YAML (nothing is run)."""
+    ckpts = ensure_checkpoints(work, machine.dims, True, gen_device, log)
+    from lightning_moe.data.tokenize import load_tokenizer
+
+    words = sj.one_token_words(load_tokenizer(ckpts["bf16"]))
+    mtbench = sj.mtbench_available()
+    for case in cases:
+        try:
+            job_path, _, _ = write_case(case, machine, ckpts, words, work, mtbench)
+            print(f"{case.name}: {job_path}", file=log)
+        except RuntimeError as e:
+            print(f"{case.name}: skipped ({e})", file=log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the preset's cases and exit")
     p.add_argument("--check-on-cpu", action="store_true", help="run the preset's cases shrunk (4 requests, 2 tokens) "
                    "on the CPU with the tiny-width checkpoint: checks every job the preset writes parses and runs")
+    p.add_argument("--prepare-only", action="store_true", help="write the checkpoints (bf16 and int4) and every "
+                   "case's data and job YAML into --work, run nothing")
     p.add_argument("--skip-done", action="store_true", help="keep --out/sweep.jsonl and skip the cases in it")
     return p
 
@@ -445,6 +462,9 @@ def main(argv=None) -> int:
         import torch
 
         gen_device = "cuda" if a.preset != "smoke" and torch.cuda.is_available() else "cpu"
+    if a.prepare_only:
+        prepare(cases, machine, os.path.abspath(a.work), gen_device)
+        return 0
     rows = run_sweep(cases, machine, os.path.abspath(a.work), os.path.abspath(a.out), a.time_budget, gen_device,
                      a.min_case_seconds, a.skip_done, title=f"cli_sweep --preset {a.preset}")
     ok = sum(r["status"].startswith("ok") for r in rows)

@@ -174,6 +174,8 @@ def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     tok = copy_tokenizer(out_dir)
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the caller may go on to run capped jobs in subprocesses
     return {"path": out_dir, "bytes": total, "seconds": time.perf_counter() - t0, "shards": len(shards),
             "tensors": len(shapes), "tokenizer_files": tok}
 
