@@ -387,3 +387,20 @@ def test_all_resident_zero_size() -> None:
     lx = bufs.layer_experts(1, 0, ResidentExperts(paging, experts, "cpu"))
     assert torch.equal(lx.stacked()["w1"], experts[1]["w1"])
     bufs.compute_done(0)
+
+
+def test_tiling_page_count_fills_buffers_exactly():
+    """The page count CGOPipe uses tiles the most-paged layer's experts exactly, so a page buffer holds that many
+    experts and no more (8 paged experts over 3 slots: ceil(8 / 3) = 3 per page would make 9)."""
+    from lightning_moe.pipeline.pager import ExpertPaging, tiling_page_count
+
+    assert tiling_page_count(8, 3) == 4 and tiling_page_count(8, 1) == 1 and tiling_page_count(8, 8) == 8
+    assert tiling_page_count(7, 3) == 7 and tiling_page_count(6, 3) == 3 and tiling_page_count(5, 9) == 5
+    assert tiling_page_count(0, 4) == 1
+    for m in range(1, 17):
+        for slots in range(1, 12):
+            p = tiling_page_count(m, slots)
+            paging = ExpertPaging(2, 16, p, frozenset((0, e) for e in range(16 - m)) | frozenset((1, e) for e in range(16 - m)))
+            assert paging.max_nonresident == m and p * paging.experts_per_page == m and p >= min(m, slots)
+    with pytest.raises(ValueError):
+        tiling_page_count(3, 0)

@@ -43,7 +43,8 @@ from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from .kv_cache import KV_GROUPS, GroupedKVCache
 from .microbatch import group_by_length
-from .pager import ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule
+from .pager import (ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule,
+                    tiling_page_count)
 from .serial import FinishCallback, RunStats, SamplingParams, StepCallback, sample
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
@@ -173,7 +174,9 @@ class CGOPipeExecutor:
         resident = frozenset((l, e) for l in range(spec.num_layers) for e in range(counts[l]))
         if isinstance(policy.resident_experts, tuple) and policy.resident_experts and isinstance(policy.resident_experts[0], tuple):
             resident = frozenset(policy.resident_experts)
-        self.paging = ExpertPaging(spec.num_layers, spec.num_experts, max(1, policy.n), resident)
+        paged = ExpertPaging(spec.num_layers, spec.num_experts, 1, resident).max_nonresident
+        pages = tiling_page_count(paged, max(1, policy.n))  # buffers hold exactly the most paged experts of a layer
+        self.paging = ExpertPaging(spec.num_layers, spec.num_experts, pages, resident)
         experts = weights.experts
         self.page_layout = self._packed_layout(experts)  # kernels.quant layout of packed pages, or None (dense)
         if self.page_layout is None:

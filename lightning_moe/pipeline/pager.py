@@ -340,6 +340,22 @@ class ExpertPaging:
         return {}
 
 
+def tiling_page_count(max_nonresident: int, slots: int) -> int:
+    """Pages per layer that tile a layer's ``max_nonresident`` paged experts exactly: the smallest divisor of it that is
+    >= min(slots, max_nonresident) (1 when nothing is paged). With that many pages the two GPU page buffers hold
+    exactly ``max_nonresident`` experts each (``ceil(m / slots)`` experts per page would round a buffer up to
+    ``pages * experts_per_page``, e.g. 9 experts for 8 paged ones over 3 slots); :func:`page_schedule` spreads the
+    pages over the slots.
+
+    Raises ValueError for ``max_nonresident < 0`` or ``slots < 1``."""
+    if max_nonresident < 0 or slots < 1:
+        raise ValueError(f"tiling_page_count needs max_nonresident >= 0 and slots >= 1, got {max_nonresident}, {slots}")
+    if max_nonresident == 0:
+        return 1
+    want = min(slots, max_nonresident)
+    return next(d for d in range(want, max_nonresident + 1) if max_nonresident % d == 0)
+
+
 def page_schedule(num_pages: int, num_slots: int) -> list[range]:
     """Spread ``num_pages`` pages over ``num_slots`` micro-batch slots as evenly as possible.
 

@@ -383,35 +383,36 @@ def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: st
 
 
 def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str) -> int:
-    """Temporaries of post-attention for T tokens: the attention output (alive until the layer ends), o_proj and the
-    residual, the FFN norm and its fp32 copy for the router, router logits / probabilities (fp32) and top-k, the
-    grouped expert kernel's workspace (sorted pair indexes, gate|up product [T k, F] in the dtype, slot outputs
-    [T k, D] fp32, their fp32 sum and its cast), a second expert group's sum (paged + resident calls), the
-    shared / dense FFN intermediate, and the layer output."""
+    """Temporaries of post-attention for T tokens at its peak, inside the grouped expert kernel's call: the attention
+    output (alive until the layer ends), the residual after o_proj and the FFN norm, router outputs (fp32 logits /
+    probabilities, top-k weights and ids), the kernel's pair indexes, gate|up product [T k, F] in the dtype, slot
+    outputs [T k, D] fp32, their fp32 sum and its cast; a second expert group's sum (paged + resident calls) and
+    the shared / dense FFN intermediate."""
     b = dtype_bytes(dtype)
     D, F, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_experts
     P = T * k
     side = max(spec.num_shared_experts * spec.shared_intermediate_size, spec.dense_intermediate_size)
-    return (T * spec.attn_output_elems * b + 2 * T * D * b + T * D * 4 + 2 * T * E * 4 + T * k * 12
-            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + 3 * T * D * b + T * 3 * side * b)
+    return (T * spec.attn_output_elems * b + 2 * T * D * b + 2 * T * E * 4 + T * k * 12
+            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + 2 * T * D * b + T * 3 * side * b)
 
 
-def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: int, dtype: str = "bf16") -> int:
+def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: int, dtype: str = "bf16",
+                            cpu_kv: bool = True) -> int:
     """Bytes of GPU temporaries of one prefill micro-batch (chunk) through one layer: ``tokens`` packed tokens,
     ``padded`` = rows x longest row, ``longest`` the longest row (its input hidden rows are counted by
     :func:`prefill_token_bytes`).
 
     q/k/v (alive for the layer) + the larger of: packed attention (q, k, v gathered to the padded layout and k, v
     repeated to every query head, the SDPA output, its packed copy and the selected rows: 5 padded x q + tokens x q,
-    and the boolean mask rows x longest^2) and the FFN stage (:func:`_ffn_stage_bytes`); + k/v of two chunks on their
-    way to a CPU KV cache.
+    and the boolean mask rows x longest^2) and the FFN stage (:func:`_ffn_stage_bytes`); with ``cpu_kv`` (some
+    micro-batch keeps its KV on the CPU) + k/v of two chunks on their way there.
     """
     b = dtype_bytes(dtype)
     q, kv = spec.attn_query_elems, spec.kv_elems_per_token // 2
     T = tokens
     qkv = T * (q + 2 * kv) * b
     attn = 5 * padded * q * b + T * q * b + padded * longest
-    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype)) + 2 * T * 2 * kv * b
+    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype)) + (2 * T * 2 * kv * b if cpu_kv else 0)
 
 
 def score_head_bytes(spec: MoESpec, tokens: int, dtype: str = "bf16") -> int:
@@ -542,11 +543,13 @@ def prefill_logit_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
 
 def prefill_chunk_shape(policy: Policy, workload: Workload) -> tuple[int, int, int]:
     """(tokens, padded tokens, longest row) of the largest prefill micro-batch the executor forms: at most
-    ``prefill_mu`` rows and ``prefill_tokens`` padded tokens, or one longest prompt alone."""
+    ``prefill_mu`` rows and ``prefill_tokens`` padded tokens, or one longest prompt alone; its tokens are no more than
+    the batch's prompt tokens."""
     s_max = workload.max_prompt
-    pmu = min(policy.prefill_mu, policy.N)
+    N = policy.N if workload.num_requests is None else min(policy.N, workload.num_requests)
+    pmu = min(policy.prefill_mu, N)
     tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))
-    return tp, tp, min(s_max, tp)
+    return min(tp, workload.prompt_tokens(N)), tp, min(s_max, tp)
 
 
 def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
@@ -581,7 +584,8 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
         "dequantized expert scratch": dequant_scratch_bytes(spec, policy.weight_quant, policy.dtype),
     }
     rows = workload.prompt_tokens(N) * prefill_token_bytes(spec, policy.dtype)
-    chunk = prefill_chunk_workspace(spec, tp, padded, longest, policy.dtype)
+    chunk = prefill_chunk_workspace(spec, tp, padded, longest, policy.dtype,
+                                    cpu_kv=not workload.scoring and policy.n_gpu_attn < policy.n)
     phases: dict = {}
     if workload.scoring:
         phases["scoring"] = {**common, "packed rows (N sequences)": rows,

@@ -249,6 +249,7 @@ class _Coeffs:
     mem_hidden_pre: float  # one sequence's prefill hidden rows + its last-token logits
     mem_ws_dec: dict  # m -> decode workspaces
     mem_ws_pre: dict  # m -> prefill workspace
+    mem_ws_pre_cpu: dict  # m -> its k/v on their way to CPU caches (only with CPU attention: times q_m)
     mem_stage_seq: float  # pinned staging per CPU-attention sequence
     mem_stage_pre: dict  # m -> pinned prefill KV staging
     gpu_cap: float  # GPU bytes the MILP may fill (budget minus margin)
@@ -280,7 +281,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_kv_seq=kv_seq, mem_hidden_dec=hrm.decode_row_bytes(spec, dt),
                 mem_attn_gpu_seq=hrm.gpu_decode_attention_workspace(spec, 1, s_max + G, dt),
                 mem_hidden_pre=max(1.0, kv_len - G) * hrm.prefill_token_bytes(spec, dt) + hrm.prefill_logit_bytes(spec, dt),
-                mem_ws_dec={}, mem_ws_pre={},
+                mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
                 gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve)
     for m in cands:
@@ -300,7 +301,8 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
         C.mem_ws_dec[m] = 2 * hrm.micro_batch_workspace(spec, m, m, dt)
         # the exact model takes max(chunk temporaries, head); the MILP charges their sum (linear, never smaller)
-        C.mem_ws_pre[m] = (hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt)
+        C.mem_ws_pre_cpu[m] = 2 * tp * spec.kv_elems_per_token * b
+        C.mem_ws_pre[m] = (hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False)
                            + p * (spec.hidden_size + spec.vocab_size) * b)
         C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
@@ -462,7 +464,8 @@ class _Model:
         C = self.C
         # GPU(prefill) = common + N s_max D b (prefill hidden rows) + sum_m z_m ws_prefill(m) <= budget   (scaled)
         self.prob += ((self._gpu_common() + C.mem_hidden_pre * self.N
-                       + pulp.lpSum(C.mem_ws_pre[m] * self.z[m] for m in C.cands)) * (1 / C.gpu_cap) <= 1), "gpu_mem_prefill"
+                       + pulp.lpSum(C.mem_ws_pre[m] * self.z[m] + C.mem_ws_pre_cpu[m] * self.q[m] for m in C.cands))
+                      * (1 / C.gpu_cap) <= 1), "gpu_mem_prefill"
 
     def _cpu_memory(self) -> None:
         C = self.C
