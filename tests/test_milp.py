@@ -129,7 +129,7 @@ def test_infeasible_gpu_budget_message():
         milp.plan(spec, hw, wl, Budgets(gpu_memory=6 * GiB, cpu_memory=192 * GiB))
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("infeasible: GPU memory 6.00 GiB < 9.25 GiB needed for non-expert weights (2.99 GiB) + 2 expert page buffers (5.25 GiB)"), msg
+    assert msg.startswith("infeasible: GPU memory 6.00 GiB < 9.26 GiB needed for non-expert weights (2.99 GiB) + 2 expert page buffers (5.25 GiB)"), msg
 
 
 def test_infeasible_host_budget_message():

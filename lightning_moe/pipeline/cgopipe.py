@@ -276,7 +276,8 @@ class CGOPipeExecutor:
     def policy_summary(self) -> dict:
         """The policy as a dict (for the run report)."""
         p = self.policy
-        return {"expert_ffn": self.ffn, "mu": p.mu, "n": p.n, "N": p.N, "prefill_mu": p.prefill_mu, "resident_experts": sum(
+        return {"expert_ffn": self.ffn, "mu": p.mu, "n": p.n, "N": p.N, "prefill_mu": p.prefill_mu,
+                "prefill_tokens": p.prefill_tokens, "resident_experts": sum(
             len(self.paging.resident_experts(l)) for l in range(self.spec.num_layers)),
             "n_gpu_attn": p.n_gpu_attn if self.cuda else 0,  # on the CPU every micro-batch attends on the CPU
             "expert_pages": self.page_layout.scheme if self.page_layout is not None else str(self.dtype).replace("torch.", ""),

@@ -361,6 +361,8 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
 
 
 # ---- memory --------------------------------------------------------------------------------------
+FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's transient workspaces (on the H200 host
+# reserved exceeded allocated by up to ~0.4x the chunk workspace in scoring); budgeted, not in the allocated peak
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
 from ..pipeline.microbatch import SCORE_CHUNK_TOKENS  # noqa: E402  (torch-free) rows of the scoring head per chunk
 
@@ -431,6 +433,9 @@ def gpu_decode_attention_workspace(spec: MoESpec, rows: int, context: int, dtype
     return rows * spec.num_heads * context * (3 * 4 + dtype_bytes(dtype))
 
 
+_SLACK = ("allocator reserve", "fragmentation allowance")  # budgeted components that are not tensors
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Peak bytes by component: GPU per phase ("prefill" and "decode" for generation, "scoring" for prefill-only
@@ -457,7 +462,7 @@ class MemoryEstimate:
         """Bytes allocated at the peak of ``phase`` (what ``torch.cuda.max_memory_allocated`` measures): the components
         without the allocator reserve, plus the library workspaces, which the reserve covers (with the CUDA context
         and the caching allocator's fragmentation)."""
-        return sum(v for k, v in self.gpu_phases[phase].items() if k != "allocator reserve") + LIBRARY_WORKSPACE
+        return sum(v for k, v in self.gpu_phases[phase].items() if k not in _SLACK) + LIBRARY_WORKSPACE
 
     @property
     def gpu_peak(self) -> int:
@@ -557,7 +562,8 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
 
     Every phase: non-expert weights, resident experts, 2 page buffers (the largest non-resident set of one MoE layer
     each), for quantized pages the dense scratch of one layer's E experts, the allocator reserve (which covers the
-    CUDA context, LIBRARY_WORKSPACE and fragmentation).
+    CUDA context and LIBRARY_WORKSPACE) and a fragmentation allowance of FRAGMENTATION x the phase's transient
+    workspace (the two slack components are budgeted but are not tensors: :meth:`MemoryEstimate.phase_allocated`).
     Generation, prefill: GPU KV cache, the batch's packed prompt rows, one prefill chunk's layer temporaries and the
     last-token logits of the N sequences (the head runs after the last layer, so the two never coexist; counted both,
     as the MILP's linear rows do). Decode: GPU KV, N decode rows (hidden, RoPE, logits), two micro-batches'
@@ -588,19 +594,22 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
                                     cpu_kv=not workload.scoring and policy.n_gpu_attn < policy.n)
     phases: dict = {}
     if workload.scoring:
-        phases["scoring"] = {**common, "packed rows (N sequences)": rows,
-                             "prefill chunk / scoring head": max(chunk, score_head_bytes(spec, tp, policy.dtype)),
+        transient = max(chunk, score_head_bytes(spec, tp, policy.dtype))
+        phases["scoring"] = {**common, "packed rows (N sequences)": rows, "prefill chunk / scoring head": transient,
+                             "fragmentation allowance": math.ceil(FRAGMENTATION * transient),
                              "allocator reserve": policy.gpu_reserve}
     else:
         pmu = min(policy.prefill_mu, N)
         head = N * prefill_logit_bytes(spec, policy.dtype) + pmu * (spec.hidden_size + spec.vocab_size) * b
         phases["prefill"] = {**common, "GPU KV cache": kv_gpu, "prefill hidden states (N prompts)": rows,
                              "prefill chunk workspace": chunk, "last-token logits (N) + head": head,
+                             "fragmentation allowance": math.ceil(FRAGMENTATION * chunk),
                              "allocator reserve": policy.gpu_reserve}
         ctx = workload.max_prompt + workload.gen_len
         attn_ws = gpu_decode_attention_workspace(spec, policy.n_gpu_attn * mu, ctx, policy.dtype)
         phases["decode"] = {**common, "GPU KV cache": kv_gpu, "decode rows (N: hidden, logits)": N * decode_row_bytes(spec, policy.dtype),
-                            "decode workspaces (2 micro-batches)": 2 * micro_batch_workspace(spec, mu, mu, policy.dtype) + attn_ws,
+                            "decode workspaces (2 micro-batches)": (ws := 2 * micro_batch_workspace(spec, mu, mu, policy.dtype) + attn_ws),
+                            "fragmentation allowance": math.ceil(FRAGMENTATION * ws),
                             "allocator reserve": policy.gpu_reserve}
     cpu_seqs = policy.n_cpu_attn * mu
     cpu = {

@@ -166,8 +166,9 @@ def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> No
     def pol(R: int, g: int) -> Policy:
         return policy_from_decisions(spec, workload, budgets, mu, 1, R, g)
 
-    # GPU: the smallest GPU footprint is no residency (or full residency when L_moe == 1), KV on the CPU.
-    gpu_opts = [hrm.memory_estimate(pol(R, 0), spec, workload) for R in (0, L_moe * E)]
+    # GPU: the smallest GPU footprint is no residency (or full residency when L_moe == 1), KV on the CPU (or on the
+    # GPU, whose prefill then stages no k/v for a CPU cache: smaller when the KV is)
+    gpu_opts = [hrm.memory_estimate(pol(R, g), spec, workload) for R in (0, L_moe * E) for g in (0, 1)]
     best = min(gpu_opts, key=lambda m: m.gpu_peak)
     if best.gpu_peak > _cap(budgets.gpu_memory):
         bd = best.gpu_breakdown
@@ -279,7 +280,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
                 mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
                 mem_kv_seq=kv_seq, mem_hidden_dec=hrm.decode_row_bytes(spec, dt),
-                mem_attn_gpu_seq=hrm.gpu_decode_attention_workspace(spec, 1, s_max + G, dt),
+                mem_attn_gpu_seq=(1 + hrm.FRAGMENTATION) * hrm.gpu_decode_attention_workspace(spec, 1, s_max + G, dt),
                 mem_hidden_pre=max(1.0, kv_len - G) * hrm.prefill_token_bytes(spec, dt) + hrm.prefill_logit_bytes(spec, dt),
                 mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
@@ -299,10 +300,11 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.pre_moe[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, False, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
-        C.mem_ws_dec[m] = 2 * hrm.micro_batch_workspace(spec, m, m, dt)
+        slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
+        C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt)
         # the exact model takes max(chunk temporaries, head); the MILP charges their sum (linear, never smaller)
-        C.mem_ws_pre_cpu[m] = 2 * tp * spec.kv_elems_per_token * b
-        C.mem_ws_pre[m] = (hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False)
+        C.mem_ws_pre_cpu[m] = slack * 2 * tp * spec.kv_elems_per_token * b
+        C.mem_ws_pre[m] = (slack * hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False)
                            + p * (spec.hidden_size + spec.vocab_size) * b)
         C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
