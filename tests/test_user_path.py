@@ -185,3 +185,16 @@ def test_scoring_batches_count_sequences(tmp_path, tiny_dir):
     assert runner._score_batches(prep.treqs, job, prep, 1)[2] == [prep.treqs[2]]  # 3 choices > N: alone
     wl = runner.job_workload_from_prepared(prep)
     assert wl.scoring and wl.gen_len == 1 and wl.num_requests == sum(1 + i % 3 for i in range(7))
+
+
+def test_refused_policy_writes_nothing(tmp_path, tiny_dir, no_weights):
+    """A policy refused before the run leaves no results, meta or report file behind."""
+    job = _write_job(tmp_path, tiny_dir, {"mu": 20000, "n": 2}, gpu_memory="2GiB")
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_serial_executor_still_refuses_a_malformed_policy(tmp_path, tiny_dir, no_weights, capsys):
+    job = _write_job(tmp_path, tiny_dir, {"mu": 4, "nn": 2}, executor="serial")
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    assert "policy: unknown key(s) nn" in capsys.readouterr().err

@@ -393,6 +393,11 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
     prep = Prepared(job)
+    # the policy, with its predicted memory for every phase, is checked before anything is written or read
+    valid = any(t.error is None for t in prep.treqs)
+    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
+    if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
+        policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
     check_results_provenance(job)  # never mix records of another model / settings into one results file
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         with ResultsWriter(job.output.path) as w:
@@ -407,8 +412,6 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     todo = [t for t in prep.treqs if t.id not in done]
     work = sorted((t for t in todo if t.error is None),
                   key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
-    # the policy, with its predicted memory for every phase, is checked before any weight is read
-    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and work) else None
     writer = ResultsWriter(job.output.path)
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
