@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 import torch
 
 from lightning_moe.model import mixtral as M

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F_
 
 from ..model import mixtral as M
 from ..model.quantized import QuantExperts

@@ -169,7 +169,7 @@ def measure_gpu(copy_bytes: int = 1 * GiB, gemm: int = 8192, repeats: int = 5) -
     }
     g2 = torch.empty_like(gbuf)
     out["gpu_hbm_bandwidth"] = 2 * copy_bytes / _best_time(lambda: g2.copy_(gbuf), repeats, sync)
-    del host, gbuf, g2
+    host = gbuf = g2 = None  # free before the GEMMs (the timed lambdas above are done with them)
     for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
         a = torch.randn(gemm, gemm, device=dev).to(dt)
         b = torch.randn(gemm, gemm, device=dev).to(dt)
@@ -179,7 +179,7 @@ def measure_gpu(copy_bytes: int = 1 * GiB, gemm: int = 8192, repeats: int = 5) -
             out[f"gpu_flops_{name}"] = 2 * gemm**3 / _best_time(lambda: a @ b, repeats, sync)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = prev
-        del a, b
+        a = b = None
     props = torch.cuda.get_device_properties(dev)
     out["gpu_memory"] = int(props.total_memory)
     out["gpu_name"] = props.name
@@ -260,7 +260,7 @@ def measure_expert_kernel_flops(tokens: int = 4096, hidden: int = 4096, intermed
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)  # [T, k] fp32, int64
     seconds = _best_time(lambda: fused_experts_triton(x, w1, w3, w2, weights, ids, validate=False), repeats,
                          torch.cuda.synchronize)
-    del x, w1, w3, w2
+    x = w1 = w3 = w2 = None
     torch.cuda.empty_cache()
     return 2 * tokens * top_k * 3 * hidden * intermediate / seconds
 

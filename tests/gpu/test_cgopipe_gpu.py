@@ -2,7 +2,6 @@
 GPU memory cap holds (torch.cuda.max_memory_allocated stays under it). Run on a CUDA host:
 ``python -m pytest tests/gpu -m gpu``."""
 
-import dataclasses
 
 import pytest
 import torch
