@@ -6,7 +6,7 @@ Why: on the H200 host the CPU attention stage of CGOPipe ran at ~13 GB/s of vali
 work step by step adding one executor condition at a time, so one run on the GPU host says which condition
 costs the factor of ~4:
 
-1. ``probe``: the profiler's measurement (policy/profiler.measure_cpu_attention) at the same rows and the
+1. ``probe``: the profiler's measurement (pipeline/profiler.measure_cpu_attention) at the same rows and the
    mean attended context;
 2. ``grouped``: the executor's path -- GroupedKVCache (MT-Bench prompt lengths + gen positions, at most 8 length
    groups, strided views of caches sized for prompt + gen) with append + attend per layer, several layers
@@ -96,9 +96,9 @@ def _per_group_calls(fn):
 
 def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -> list[tuple[str, float, float]]:
     """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` MT-Bench-length sequences at decode step
-    ``step`` (conditions 2-4 are policy/profiler.measure_cpu_attention_executor with these lengths)."""
+    ``step`` (conditions 2-4 are pipeline/profiler.measure_cpu_attention_executor with these lengths)."""
     import bench_cgopipe as B
-    from lightning_moe.policy.profiler import measure_cpu_attention, measure_cpu_attention_executor
+    from lightning_moe.pipeline.profiler import measure_cpu_attention, measure_cpu_attention_executor
 
     base = [len(p) for p in B.mtbench_prompts()]
     lens = [base[i % len(base)] + step for i in range(rows)]  # positions already cached

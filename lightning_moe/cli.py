@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_merge)
 
     try:
-        from .policy.commands import add_subcommands
+        from .plan_cli import add_subcommands
     except ImportError:  # planner not installed in this build
         pass
     else:

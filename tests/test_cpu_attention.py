@@ -38,7 +38,7 @@ def test_bad_shapes():
 def test_profiler_matmul_routine_equals_fused_fp32():
     """The unfused routine `moe-batch profile` times beside the fused one computes the same attention."""
     from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
-    from lightning_moe.policy.profiler import _matmul_decode_attention
+    from lightning_moe.pipeline.profiler import _matmul_decode_attention
 
     g = torch.Generator().manual_seed(7)
     q = torch.randn(5, 8, 16, generator=g)  # [B, Hq, hd], GQA 8 / 2

@@ -4,7 +4,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_moe.policy import profiler
+from lightning_moe.pipeline import profiler
 from lightning_moe.policy.hardware import (GiB, PRESETS, HardwareError, HardwareProfile, get_preset, parse_bytes,
                                            resolve_hardware)
 
@@ -106,7 +106,7 @@ def test_profile_cpu_side(tmp_path, monkeypatch):
 def test_cpu_attention_executor_probe_counts_valid_kv(monkeypatch):
     """measure_cpu_attention_executor: bytes/s of valid KV = sum(len + 1) * 2 Hkv hd * 2 bytes / seconds per
     layer; checked against a clock that makes every layer take exactly 0.5 s (fake perf_counter)."""
-    from lightning_moe.policy import profiler as P
+    from lightning_moe.pipeline import profiler as P
 
     calls = iter(range(10**6))
     monkeypatch.setattr(P.time, "perf_counter", lambda: 0.25 * next(calls))  # each pass: 2 reads, 0.25 s apart

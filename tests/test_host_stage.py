@@ -61,7 +61,7 @@ def test_milp_with_host_stage_equals_brute_force():
 
 
 def test_host_issue_probe_runs_the_executor():
-    from lightning_moe.policy.profiler import measure_host_issue
+    from lightning_moe.pipeline.profiler import measure_host_issue
 
     h_c, h_g = measure_host_issue("cpu", layers=2, mu=3, steps=2)
     assert 0 < h_c < 1 and 0 < h_g < 1

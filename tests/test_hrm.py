@@ -334,7 +334,7 @@ def test_expert_flops_cap_the_routed_expert_term_by_hand():
 def test_expert_kernel_probe_argument_errors():
     import torch
 
-    from lightning_moe.policy.profiler import measure_expert_kernel_flops
+    from lightning_moe.pipeline.profiler import measure_expert_kernel_flops
 
     with pytest.raises(ValueError, match="top_k"):
         measure_expert_kernel_flops(tokens=4, hidden=8, intermediate=8, experts=2, top_k=3)

@@ -7,7 +7,7 @@ from lightning_moe.model import mixtral as M
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
 from lightning_moe.pipeline.kv_cache import GroupedKVCache, KVCache
-from lightning_moe.pipeline.microbatch import length_groups, padded_positions
+from lightning_moe.policy.batching import length_groups, padded_positions
 
 
 def _spec(sliding_window=None, L=2) -> MoESpec:

@@ -1,4 +1,4 @@
-"""CPU tests of lightning_moe.pipeline.microbatch (length-balanced micro-batches)."""
+"""CPU tests of lightning_moe.policy.batching (length-balanced micro-batches)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_moe.pipeline.microbatch import KV_GROUPS, batches, length_groups, padded_positions, partition
+from lightning_moe.policy.batching import KV_GROUPS, batches, length_groups, padded_positions, partition
 
 
 def _optimum(lengths: list[int], mu: int, n: int) -> int:

@@ -1,4 +1,4 @@
-"""``moe-batch plan`` / ``moe-batch profile`` through policy.commands.add_subcommands (our own parser)."""
+"""``moe-batch plan`` / ``moe-batch profile`` through plan_cli.add_subcommands (our own parser)."""
 
 import argparse
 import sys
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from lightning_moe.policy import commands
+from lightning_moe import plan_cli as commands
 from lightning_moe.policy.hardware import GiB, HardwareProfile
 from lightning_moe.policy.policy import Policy, Workload
 

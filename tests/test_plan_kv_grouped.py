@@ -8,10 +8,10 @@ import torch
 
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
-from lightning_moe.pipeline import microbatch
+from lightning_moe.policy import batching as microbatch
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
 from lightning_moe.pipeline.kv_cache import KV_GROUPS, GroupedKVCache
-from lightning_moe.pipeline.microbatch import length_groups, padded_positions
+from lightning_moe.policy.batching import length_groups, padded_positions
 from lightning_moe.policy import hrm, milp
 from lightning_moe.policy.hardware import GiB, HardwareProfile, get_preset
 from lightning_moe.policy.policy import Budgets, Policy, Workload

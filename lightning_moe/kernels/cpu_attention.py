@@ -21,13 +21,14 @@ The C++ source is compiled on first use with ``torch.utils.cpp_extension.load_in
 needed, g++ / clang with OpenMP, and ninja; ~30-60 s once, cached in torch's extensions directory). Where it cannot be built, or with
 ``LIGHTNING_MOE_CPU_ATTENTION=sdpa``, :func:`native_available` is False and callers use the PyTorch routine
 (pipeline.cpu_attention.cpu_decode_attention). The pure-torch reference :func:`decode_attention_append_reference`
-sits beside the kernel (append by indexing + model.mixtral.decode_attention).
+sits beside the kernel (append by indexing + decode_attention_torch, which model.mixtral uses as its decode attention).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 from typing import Optional, Sequence
@@ -605,14 +606,40 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
     return out
 
 
+def decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None
+) -> torch.Tensor:
+    """Ragged GQA decode attention: one new query per sequence over its cached keys/values.
+
+    q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd] (S >= max(lengths); the new token's k/v already
+    written); lengths: int64 [B], the number of valid positions of each row (pad keys beyond a row's
+    length are masked, as are keys outside the sliding window). Softmax in fp32.
+    Returns [B, Hq*hd] in q's dtype.
+    """
+    B, Hq, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    qg = q.view(B, Hkv, G, hd)  # [B, Hkv, G, hd]
+    scores = torch.matmul(qg, k_cache.transpose(2, 3)) / math.sqrt(hd)  # [B, Hkv, G, S]
+    pos = torch.arange(S, device=q.device)  # [S]
+    lengths = lengths.to(q.device, non_blocking=True)  # host lengths: no stream sync (pageable H2D is staged)
+    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, G, S]
+    out = torch.matmul(probs, v_cache)  # [B, Hkv, G, hd]
+    return out.reshape(B, Hq * hd)
+
+
+
 def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
                                       rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                       lengths: torch.Tensor, out: torch.Tensor,
                                       sliding_window: Optional[int] = None) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_attention_append` (same arguments and effects): the K/V rows are
-    written by indexing and the attention is ``model.mixtral.decode_attention`` (scores in the storage dtype,
-    softmax in fp32), on the group's rows gathered from q."""
-    from ..model.mixtral import decode_attention
+    written by indexing and the attention is :func:`decode_attention_torch` (scores in the storage dtype, softmax in
+    fp32), on the group's rows gathered from q."""
 
     n = lengths.clone()
     if k_new is not None:
@@ -622,5 +649,5 @@ def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Ten
         n += 1
     S = int(n.max()) if n.numel() else 0
     if rows.numel():
-        out[rows] = decode_attention(q[rows], k_cache[:, :, :S], v_cache[:, :, :S], n, sliding_window).to(out.dtype)
+        out[rows] = decode_attention_torch(q[rows], k_cache[:, :, :S], v_cache[:, :, :S], n, sliding_window).to(out.dtype)
     return out

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F_
 
+from ..kernels.cpu_attention import decode_attention_torch
 from .spec import MoESpec
 
 
@@ -146,30 +147,8 @@ def prefill_attention(
     return out.transpose(0, 1).reshape(S, Hq * hd)
 
 
-def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None
-) -> torch.Tensor:
-    """Ragged GQA decode attention: one new query per sequence over its cached keys/values.
-
-    q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd] (S >= max(lengths); the new token's k/v already
-    written); lengths: int64 [B], the number of valid positions of each row (pad keys beyond a row's
-    length are masked, as are keys outside the sliding window). Softmax in fp32.
-    Returns [B, Hq*hd] in q's dtype.
-    """
-    B, Hq, hd = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    qg = q.view(B, Hkv, G, hd)  # [B, Hkv, G, hd]
-    scores = torch.matmul(qg, k_cache.transpose(2, 3)) / math.sqrt(hd)  # [B, Hkv, G, S]
-    pos = torch.arange(S, device=q.device)  # [S]
-    lengths = lengths.to(q.device, non_blocking=True)  # host lengths: no stream sync (pageable H2D is staged)
-    valid = pos[None, :] < lengths[:, None]  # [B, S]
-    if sliding_window is not None:
-        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, G, S]
-    out = torch.matmul(probs, v_cache)  # [B, Hkv, G, hd]
-    return out.reshape(B, Hq * hd)
+# decode attention lives beside the native CPU kernel as its torch reference (kernels import nothing of the project)
+decode_attention = decode_attention_torch
 
 
 # ---------------------------------------------------------------------------------------------------

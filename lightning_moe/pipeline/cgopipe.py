@@ -42,7 +42,7 @@ from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from .kv_cache import KV_GROUPS, GroupedKVCache
-from .microbatch import group_by_length
+from ..policy.batching import group_by_length
 from .pager import (ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule,
                     tiling_page_count)
 from .serial import FinishCallback, RunStats, SamplingParams, StepCallback, sample
@@ -720,7 +720,7 @@ class CGOPipeExecutor:
     # ---- public API ---------------------------------------------------------------------------
     def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int,
                        kv_groups: Optional[int] = None) -> list[MicroBatch]:
-        """Micro-batches of at most ``mu`` rows grouped by prompt length (microbatch.group_by_length); the first
+        """Micro-batches of at most ``mu`` rows grouped by prompt length (policy.batching.group_by_length); the first
         ``policy.n_gpu_attn`` (the shortest) keep KV and attention on the GPU when on CUDA.
 
         With ``with_kv`` each gets a :class:`GroupedKVCache` whose rows need prompt length + ``extra``

@@ -5,7 +5,7 @@ max_new_tokens of the batch (sized exactly, allocated once), plus the per-sequen
 Rows are sequences; a row's positions beyond its length are never read (decode attention masks them).
 
 :class:`GroupedKVCache` (CGOPipe's micro-batches): the rows are split into at most ``max_groups`` groups of
-similar final length (pipeline/microbatch.length_groups, which minimises the padded positions), each
+similar final length (policy/batching.length_groups, which minimises the padded positions), each
 group one dense ``[B_g, Hkv, S_g, hd]`` tensor per layer sized for its own longest row; decode attention
 runs once per group over that group's rows only.
 """
@@ -18,7 +18,7 @@ import torch
 
 from ..model.spec import MoESpec
 from .cpu_attention import bucket_len
-from .microbatch import KV_GROUPS, length_groups
+from ..policy.batching import KV_GROUPS, length_groups
 
 
 class KVCache:
@@ -91,7 +91,7 @@ class GroupedKVCache:
     """Per-layer K/V storage for ``B`` sequences in length groups, on one device.
 
     The rows (the caller's sequences, numbered 0..B-1 in the caller's order) are grouped by final length
-    with :func:`~lightning_moe.pipeline.microbatch.length_groups` (at most ``max_groups`` groups, least
+    with :func:`~lightning_moe.policy.batching.length_groups` (at most ``max_groups`` groups, least
     padded positions); group g stores K and V of each layer as ``[B_g, Hkv, S_g, hd]`` with S_g its longest
     final length (a group's slots hold its rows in ascending caller order); the groups of a layer are views of one
     flat array of hd-vectors (:attr:`k_flat`, :attr:`v_flat`; row r's block starts at vector ``row_base[r]`` and holds

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from ..model import mixtral as M
-from .microbatch import SCORE_CHUNK_TOKENS
+from ..policy.batching import SCORE_CHUNK_TOKENS
 
 __all__ = ["SCORE_CHUNK_TOKENS", "next_token_targets", "token_scores", "split_scores"]
 

@@ -5,7 +5,8 @@ Modules (import what you need; nothing is imported eagerly so ``import lightning
   registry   real MoE configs as MoESpec, resolve_spec(name_or_dir)
   policy     Policy, Workload, Budgets, PlanInfeasible, format_table
   hrm        evaluate(policy, spec, hw, workload) -> Estimate, check_memory, memory_estimate
-  milp       plan(spec, hw, workload, budgets, candidates=None) -> (Policy, Estimate)
-  profiler   profile_host() (``moe-batch profile``)
-  commands   add_subcommands(subparsers) for ``moe-batch plan`` / ``moe-batch profile``
+  milp       plan(spec, hw, workload, budgets, candidates=None) -> (Policy, Estimate), plan_scoring
+  batching   length grouping of micro-batches and KV caches (KV_GROUPS, SCORE_CHUNK_TOKENS), torch-free
+Measuring a host (``pipeline.profiler``) and the ``plan`` / ``profile`` commands (``plan_cli``) live outside: the
+planner imports model.spec and nothing of the pipeline.
 """

@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass
 
 from ..model.spec import QUANT_FORMATS, MoESpec, dtype_bytes
+from .batching import KV_GROUPS, SCORE_CHUNK_TOKENS
 from .hardware import HardwareProfile, format_bytes
 from .policy import PlanInfeasible, Policy, Workload
 
@@ -281,8 +282,6 @@ def prefill_micro_batches(N: int, prefill_mu: int) -> list[tuple[int, int]]:
 def cpu_attention_calls(mu: int) -> int:
     """CPU decode-attention calls per CPU micro-batch of ``mu`` rows and layer: one per KV length group of its
     GroupedKVCache, at most min(KV_GROUPS, mu) (fewer only when the micro-batch has fewer distinct lengths)."""
-    from ..pipeline.microbatch import KV_GROUPS  # torch-free
-
     return min(KV_GROUPS, mu)
 
 
@@ -364,7 +363,6 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
 FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's transient workspaces (on the H200 host
 # reserved exceeded allocated by up to ~0.4x the chunk workspace in scoring); budgeted, not in the allocated peak
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
-from ..pipeline.microbatch import SCORE_CHUNK_TOKENS  # noqa: E402  (torch-free) rows of the scoring head per chunk
 
 
 def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16") -> int:

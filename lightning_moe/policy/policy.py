@@ -90,7 +90,7 @@ class Workload:
         """KV positions per sequence (a mean, prompt + generated) of a batch of ``N`` sequences, worst case.
 
         Without ``prompt_lens``: :attr:`kv_len` (every sequence sized for the longest prompt). With them:
-        the padded mean of the optimal KV_GROUPS-grouping (pipeline/microbatch.length_groups, the grouped
+        the padded mean of the optimal KV_GROUPS-grouping (policy/batching.length_groups, the grouped
         KV cache's own partition, default 8 groups) of the N longest prompt lengths (all of them if
         N >= their count), + gen_len. Why this bounds what the executor allocates for any batch of N:
         the runner forms batches from length-sorted requests, so the batch holding the N longest prompts
@@ -112,7 +112,7 @@ class Workload:
             raise ValueError(f"workload: kv_positions needs N an int >= 1, got {N!r}")
         if self.prompt_lens is None:
             return float(self.kv_len)
-        from ..pipeline.microbatch import KV_GROUPS  # torch-free
+        from .batching import KV_GROUPS  # torch-free
 
         return _grouped_prompt_mean(self.prompt_lens, N, KV_GROUPS) + self.gen_len
 
@@ -196,7 +196,7 @@ def _longest_prefix_sums(prompt_lens: tuple) -> tuple:
 @lru_cache(maxsize=256)
 def _grouped_prompt_mean(prompt_lens: tuple, N: int, groups: int) -> float:
     """Padded mean prompt length of the optimal ``groups``-grouping of the N longest of ``prompt_lens``."""
-    from ..pipeline.microbatch import length_groups, padded_positions  # torch-free
+    from .batching import length_groups, padded_positions  # torch-free
 
     top = sorted(prompt_lens, reverse=True)[:N]
     return padded_positions(top, length_groups(top, groups)) / len(top)

@@ -78,8 +78,9 @@ def registry_names() -> list[str]:
 
 
 def resolve_spec(name_or_dir: str) -> MoESpec:
-    """A MoESpec from a registry name (case-insensitive, aliases, HF repo ids like ``mistralai/Mixtral-8x7B-v0.1``),
-    ``tiny-mixtral`` (the embedded test model, built on first use), or a checkpoint directory with config.json.
+    """A MoESpec from a registry name (case-insensitive, aliases, HF repo ids like ``mistralai/Mixtral-8x7B-v0.1``) or a
+    checkpoint directory with config.json (the embedded ``tiny-mixtral``: pass its directory,
+    ``model.tiny.resolve_model_path``).
 
     Raises ValueError naming the registry when the name is unknown and no such directory exists;
     errors of MoESpec.from_pretrained_dir pass through.
@@ -90,11 +91,5 @@ def resolve_spec(name_or_dir: str) -> MoESpec:
     key = ALIASES.get(key, key)
     if key in REGISTRY:
         return REGISTRY[key]
-    if key == "tiny-mixtral":
-        try:
-            from ..model.tiny import ensure_tiny_mixtral
-        except ImportError as e:
-            raise ValueError(f"tiny-mixtral: lightning_moe.model.tiny is not available ({e})") from None
-        return MoESpec.from_pretrained_dir(ensure_tiny_mixtral())
     raise ValueError(f"unknown model {name_or_dir!r}: not a checkpoint directory and not in the registry "
-                     f"({', '.join(REGISTRY)}, tiny-mixtral)")
+                     f"({', '.join(REGISTRY)})")

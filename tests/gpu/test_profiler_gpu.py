@@ -1,4 +1,4 @@
-"""GPU test of the profile's grouped-expert-kernel probe (lightning_moe.policy.profiler.measure_expert_kernel_flops).
+"""GPU test of the profile's grouped-expert-kernel probe (lightning_moe.pipeline.profiler.measure_expert_kernel_flops).
 
 Run on a CUDA host: ``python -m pytest tests/gpu/test_profiler_gpu.py -m gpu``. Skipped without CUDA.
 """
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from lightning_moe.policy.profiler import measure_expert_kernel_flops
+from lightning_moe.pipeline.profiler import measure_expert_kernel_flops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .hardware import GiB, MiB, HardwareProfile, get_preset
+from ..policy.hardware import GiB, MiB, HardwareProfile, get_preset
 
 
 def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -77,7 +77,7 @@ def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8,
     FLOPs = B S 4 Hq hd (QK^T and PV).
     """
     try:
-        from ..pipeline.cpu_attention import cpu_decode_attention as fn
+        from .cpu_attention import cpu_decode_attention as fn
 
         from ..kernels.cpu_attention import native_available
 
@@ -116,8 +116,8 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..pipeline.kv_cache import GroupedKVCache
-    from .registry import resolve_spec
+    from .kv_cache import GroupedKVCache
+    from ..policy.registry import resolve_spec
 
     spec = resolve_spec("mixtral-8x7b").with_layers(layers)
     Hq, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -285,9 +285,9 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
     """
     from ..model.spec import MoESpec
     from ..model.weights import dummy_weights
-    from ..pipeline.cgopipe import CGOPipeExecutor
-    from ..pipeline.serial import SamplingParams
-    from .policy import Policy
+    from .cgopipe import CGOPipeExecutor
+    from .serial import SamplingParams
+    from ..policy.policy import Policy
 
     cuda = torch.device(device).type == "cuda"
     spec = MoESpec(name="probe", model_type="mixtral", vocab_size=256, hidden_size=256, intermediate_size=512,

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..model.spec import QUANT_FORMATS
-from .hardware import HardwareError, format_bytes, parse_bytes, resolve_hardware
+from .model.spec import QUANT_FORMATS
+from .policy.hardware import HardwareError, format_bytes, parse_bytes, resolve_hardware
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -92,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _job_inputs(args: argparse.Namespace):
     """(Workload, job or None) for ``moe-batch plan JOB.yaml`` via runner.job_workload (lazy import)."""
     try:
-        from ..pipeline.runner import job_workload
+        from .pipeline.runner import job_workload
     except ImportError as e:
         raise CommandError(f"{args.job}: planning from a job needs lightning_moe.pipeline.runner.job_workload, "
                            f"which is not available yet ({e}); use --model/--hardware/--prompt-len/--gen-len") from None
@@ -102,7 +102,7 @@ def _job_inputs(args: argparse.Namespace):
         raise CommandError(str(e)) from None
     job = None
     try:
-        from ..config import load_job
+        from .config import load_job
 
         job = load_job(args.job)
     except ImportError:
@@ -114,9 +114,9 @@ def _job_inputs(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch plan``: prints the policy table, predicted tok/s and solve time; 0 ok, 2 error."""
-    from .milp import plan
-    from .policy import DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload, check_cpu_budget, check_gpu_budget, format_table
-    from .registry import resolve_spec
+    from .policy.milp import plan
+    from .policy.policy import DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload, check_cpu_budget, check_gpu_budget, format_table
+    from .policy.registry import resolve_spec
 
     try:
         job = None
@@ -140,12 +140,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             hardware = "h200"  # the same default as `moe-batch run` with policy: auto
         if not hardware:
             raise CommandError("--hardware is required (a preset: t4, l4, a100-40g, h100, h200; or a profile .yaml)")
+        if model == "tiny-mixtral":  # the embedded model: its directory (created on first use)
+            from .model.tiny import resolve_model_path
+
+            model = resolve_model_path(model)
         spec = resolve_spec(model)
         hw = resolve_hardware(hardware)
         gpu_mem = args.gpu_memory or (getattr(job, "gpu_memory", None) if job is not None else None) or hw.gpu_memory
         cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
         dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
-        from ..model.quantized import checkpoint_scheme  # a quantized checkpoint declares its page format
+        from .model.quantized import checkpoint_scheme  # a quantized checkpoint declares its page format
 
         ckpt_q = checkpoint_scheme(model) if os.path.isdir(model) else None
         if args.quant and ckpt_q and args.quant != ckpt_q:
@@ -183,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch profile``: measures, prints one line per measurement, writes the YAML; 0 ok, 2 error."""
-    from .profiler import profile_host
+    from .pipeline.profiler import profile_host
 
     try:
         prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick)

@@ -1,0 +1,79 @@
+"""Dependencies point one way: cli -> app (pipeline.runner) -> pipeline -> (policy, model, kernels).
+
+Parsed from the source (every ``import`` / ``from ... import``, module level or inside functions), so a lazy import
+that breaks a rule fails too. The rules:
+  kernels   import nothing of the project;
+  policy    imports model.spec (and itself) only: nothing of pipeline, data, kernels, the CLI or the rest of model;
+  model     imports model and kernels only;
+  data      imports data, config and model only;
+  pipeline  never imports the command-line modules.
+"""
+
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_moe")
+CLI = {"lightning_moe.cli", "lightning_moe.plan_cli", "lightning_moe.quantize_cli"}
+
+
+def project_imports() -> list[tuple[str, str]]:
+    """(importing module, imported project module) for every import statement under lightning_moe/."""
+    edges = []
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            mod = os.path.relpath(path[:-3], os.path.dirname(ROOT)).replace(os.sep, ".")
+            pkg = mod.removesuffix(".__init__") if f == "__init__.py" else mod.rsplit(".", 1)[0]
+            mod = mod.removesuffix(".__init__")
+            with open(path) as fh:
+                tree = ast.parse(fh.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                        target = ".".join(base + ([node.module] if node.module else []))
+                        names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+                    else:
+                        names = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                edges += [(mod, n) for n in names if n.startswith("lightning_moe")]
+    return edges
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def violations(edges) -> list[str]:
+    bad = []
+    for a, b in edges:
+        pa, pb = _part(a), _part(b)
+        wrong = ((pa == "kernels" and pb != "kernels")
+                 or (pa == "policy" and pb != "policy" and b not in ("lightning_moe.model.spec", "lightning_moe.model"))
+                 or (pa == "model" and pb not in ("model", "kernels"))
+                 or (pa == "data" and pb not in ("data", "config", "model"))
+                 or (pa == "pipeline" and b in CLI))
+        if wrong:
+            bad.append(f"{a} imports {b}")
+    return sorted(set(bad))
+
+
+def test_imports_point_one_way():
+    edges = project_imports()
+    assert len(edges) > 50  # the parser sees the project's imports
+    assert violations(edges) == []
+
+
+def test_the_rule_check_catches_a_violation():
+    """The checker itself: a kernel importing the model, the planner importing the pipeline, are caught."""
+    assert violations([("lightning_moe.kernels.quant", "lightning_moe.model.mixtral"),
+                       ("lightning_moe.policy.hrm", "lightning_moe.pipeline.batching"),
+                       ("lightning_moe.policy.hrm", "lightning_moe.model.spec")]) == [
+        "lightning_moe.kernels.quant imports lightning_moe.model.mixtral",
+        "lightning_moe.policy.hrm imports lightning_moe.pipeline.batching"]
