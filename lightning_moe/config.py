@@ -28,6 +28,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from .policy.hardware import parse_bytes as _parse_bytes
+
 TINY_MODEL = "tiny-mixtral"  # the embedded default model's name (model.tiny.ensure_tiny_mixtral builds it)
 TASKS = ("generate", "score")
 DEVICES = ("cpu", "cuda")
@@ -161,9 +163,6 @@ def _describe(v: Any) -> str:
 
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SHARD_RE = re.compile(r"^\s*(-?\d+)\s*/\s*(-?\d+)\s*$")
 
 
@@ -248,27 +247,9 @@ def _p_float(lo=None, hi=None, lo_open=False):
 
 
 def parse_bytes(v: Any) -> int:
-    """Parse a memory size: an int (bytes) or a string such as ``"24GiB"``, ``"16GB"``, ``"512 MiB"``.
-
-    Units (case-insensitive): B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (powers of 2); no unit = bytes.
-    Returns bytes (int > 0). Raises ValueError (message without file/key) for anything else.
-    """
-    if isinstance(v, bool):
-        raise ValueError(f"expected a size in bytes or a string like '24GiB', got {_describe(v)}")
-    if isinstance(v, int):
-        n = v
-    elif isinstance(v, str):
-        m = _MEM_RE.match(v)
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _MEM_UNITS:
-            raise ValueError(f"expected a size like '24GiB', '16GB' or '512MiB' (units: B, KB, MB, GB, TB, "
-                             f"KiB, MiB, GiB, TiB), got {v!r}")
-        n = int(float(m.group(1)) * _MEM_UNITS[unit])
-    else:
-        raise ValueError(f"expected a size in bytes or a string like '24GiB', got {_describe(v)}")
-    if n <= 0:
-        raise ValueError(f"must be a positive size, got {v!r}")
-    return n
+    """A job's memory size: an int (bytes) or a string such as ``"24GiB"``, ``"16GB"``, ``"512 MiB"``
+    (policy.hardware.parse_bytes; 0 is an error). Raises ValueError (message without file/key)."""
+    return _parse_bytes(v, positive=True)
 
 
 def _p_bytes(v, key, ctx):

@@ -35,27 +35,31 @@ class HardwareError(ValueError):
     """A hardware profile YAML or preset name that cannot be used (the message names file and key)."""
 
 
-def parse_bytes(value: Any, what: str = "size") -> int:
-    """Parse a byte count: an int, or a string "24GiB", "24 GB", "512MiB", "1.5TiB", "1000000".
+def parse_bytes(value: Any, what: str = "", positive: bool = False) -> int:
+    """Parse a byte count: an int, or a string such as "24GiB", "24 GB", "512MiB", "1.5TiB", "1000000".
 
-    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
-    Raises ValueError naming ``what`` for anything else (bools, negative numbers, unknown units).
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024 (case-insensitive;
+    no unit = bytes); fractions round to the nearest byte. ``positive``: 0 is an error too (a job's memory sizes).
+    Raises ValueError, its message prefixed by ``what`` when given, for anything else (bools, negative numbers,
+    unknown units, non-integral floats).
     """
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a byte count like 24GiB, got {value!r}")
+    pre = f"{what}: " if what else ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{pre}expected a size in bytes or a string like '24GiB', got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what}: expected a non-negative byte count, got {value}")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
+        n = value
+    else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        if m:
-            unit = m.group(2).lower() or "b"
-            if unit in _UNITS:
-                return int(round(float(m.group(1)) * _UNITS[unit]))
-    raise ValueError(f"{what}: expected a byte count like 24GiB or 16GB, got {value!r}")
+        unit = (m.group(2).lower() or "b") if m else None
+        if unit not in _UNITS:
+            raise ValueError(f"{pre}expected a size like '24GiB', '16GB' or '512MiB' (units: B, KB, MB, GB, TB, "
+                             f"KiB, MiB, GiB, TiB), got {value!r}")
+        n = int(round(float(m.group(1)) * _UNITS[unit]))
+    if n < 0 or (positive and n == 0):
+        raise ValueError(f"{pre}must be a {'positive' if positive else 'non-negative'} size, got {value!r}")
+    return n
 
 
 def format_bytes(n: float) -> str:
