@@ -718,17 +718,16 @@ class CGOPipeExecutor:
         return [M.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
 
     # ---- public API ---------------------------------------------------------------------------
-    def _micro_batches(self, prompts: Sequence[Sequence[int]], extra, with_kv: bool, mu: int,
+    def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int,
                        kv_groups: Optional[int] = None) -> list[MicroBatch]:
         """Micro-batches of at most ``mu`` rows grouped by prompt length (microbatch.group_by_length); the first
         ``policy.n_gpu_attn`` (the shortest) keep KV and attention on the GPU when on CUDA.
 
         With ``with_kv`` each gets a :class:`GroupedKVCache` whose rows need prompt length + ``extra``
-        positions (``extra`` = the tokens left to generate: an int for every row, or a list with one per prompt),
-        split into at most ``kv_groups`` (default ``self.kv_groups``) length groups.
+        positions (``extra`` = the most tokens a row has left to generate), split into at most ``kv_groups``
+        (default ``self.kv_groups``) length groups.
         """
         lens = [len(p) for p in prompts]
-        extras = list(extra) if isinstance(extra, (list, tuple)) else [extra] * len(prompts)
         n = -(-len(prompts) // mu)
         groups = [g for g in group_by_length(lens, mu, n) if g]
         mbs = []
@@ -736,7 +735,7 @@ class CGOPipeExecutor:
             on_gpu = self.cuda and k < self.policy.n_gpu_attn
             kv = None
             if with_kv:
-                kv = GroupedKVCache(self.spec, [lens[r] + extras[r] for r in rows], self.dtype,
+                kv = GroupedKVCache(self.spec, [lens[r] + extra for r in rows], self.dtype,
                                     self.device if on_gpu else "cpu", max_groups=kv_groups or self.kv_groups)
                 kv.lengths[:] = torch.tensor([lens[r] for r in rows])
             mbs.append(MicroBatch(rows, kv, on_gpu))
@@ -765,7 +764,9 @@ class CGOPipeExecutor:
         sd = list(seeds) if (seeds is not None and not params.greedy) else None
         prompts = [list(p) + q for p, q in zip(prompts, pre)]
         self._enter("prefill")
-        mbs = self._micro_batches(prompts, [params.max_new_tokens - len(q) for q in pre], True, self.policy.mu)
+        # every row runs until the batch's last finishes: KV for the longest remaining run (prefix lengths that
+        # differ within a batch cost KV positions; the runner batches equal prefix lengths together)
+        mbs = self._micro_batches(prompts, params.max_new_tokens - min(len(q) for q in pre), True, self.policy.mu)
         # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
         t0 = time.perf_counter()
         logits = self._prefill(prompts, mbs)
