@@ -175,6 +175,7 @@ def test_partials_file_torn_line_stale_ids_and_compaction(tmp_path, capsys):
                   b'{"id": "a", "start": 1, "ids": [4, 4]}\n{"id": "b", "start": 1, "ids": [1, ')
     f = PartialsFile(str(p))
     assert "removed a torn last line" in capsys.readouterr().err and f.repaired_bytes > 0
+    assert p.read_bytes().endswith(b'[4, 4]}\n')  # truncated on open: an append now starts a whole line
     assert f.partials == {"a": [5, 4, 4], "b": [7], "c": [9]}  # a line at an earlier start replaces from there
     got = f.load(todo_ids=["a", "b"], done_ids=["c", "z"])  # c has a record: obsolete, dropped silently
     assert got == {"a": [5, 4, 4], "b": [7]} and "not in the input" not in capsys.readouterr().err
