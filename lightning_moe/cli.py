@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit)
-    print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept)."""
+    print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
+    SIGTERM / SIGINT stops a run after its current decode step with one "resumable" line and exit 75 (records and
+    partial generations saved); an interrupt outside a run exits 130."""
     from .config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -122,6 +124,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("moe-batch: interrupted; finished records are saved, re-run the same command to resume", file=sys.stderr)
         return 130
+    except BaseException as e:  # JobStopped (imported here: plan and profile need no torch)
+        from .pipeline.runner import EXIT_STOPPED, JobStopped
+
+        if not isinstance(e, JobStopped):
+            raise
+        print(f"moe-batch: {e}", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 if __name__ == "__main__":

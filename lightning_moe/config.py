@@ -87,6 +87,17 @@ class ScoreConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Partial-generation checkpoints (``checkpoint:`` section): how often the new tokens of every sequence in flight
+    are appended to the results' sidecar (``OutputConfig.partial_path``), whichever schedule comes first; both null:
+    only when a stop signal (SIGTERM / SIGINT) arrives."""
+
+    enabled: bool = True  # false: no partials are written (a kill or a stop loses the sequences in flight)
+    every_steps: Optional[int] = None  # append after every this many decode steps (>= 1); null = no step schedule
+    every_seconds: Optional[float] = 60.0  # append once this many seconds passed since the last append (> 0); null = no time schedule
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     """Where results go (``output:`` section)."""
 
@@ -105,6 +116,13 @@ class OutputConfig:
         root, _ext = os.path.splitext(self.path)
         return root + ".meta.json"
 
+    @property
+    def partial_path(self) -> str:
+        """``<dir>/<stem>.partial.jsonl`` beside the results file: the tokens generated so far by sequences without a
+        record (one ``{"id", "start", "ids"}`` line per sequence per checkpoint, appended and fsync'd)."""
+        root, _ext = os.path.splitext(self.path)
+        return root + ".partial.jsonl"
+
 
 @dataclass(frozen=True)
 class Job:
@@ -116,6 +134,7 @@ class Job:
     task: str = "generate"  # "generate" | "score"
     generation: GenerationConfig = field(default_factory=GenerationConfig)  # decoding parameters
     score: Optional[ScoreConfig] = None  # scoring parameters; set iff task == "score"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # partial-generation checkpoints (generate)
     device: str = "cuda"  # "cpu" | "cuda" | "cuda:N"
     dtype: str = "bfloat16"  # compute/weight dtype: "float32" | "bfloat16" | "float16"
     executor: str = "serial"  # "serial" | "cgopipe" (YAML default: cgopipe on cuda, serial on cpu)
@@ -370,10 +389,16 @@ _SCORE_KEYS: dict[str, _Parser] = {
     "stride": _opt(_p_int(lo=1)),
     "length_normalize": _p_bool,
 }
+_CHECKPOINT_KEYS: dict[str, _Parser] = {
+    "enabled": _p_bool,
+    "every_steps": _opt(_p_int(lo=1)),
+    "every_seconds": _opt(_p_float(lo=0.0, lo_open=True)),
+}
 _OUTPUT_KEYS: dict[str, _Parser] = {
     "path": _p_output_file,
 }
-_SECTIONS = {"data": _DATA_KEYS, "generation": _GEN_KEYS, "score": _SCORE_KEYS, "output": _OUTPUT_KEYS}
+_SECTIONS = {"data": _DATA_KEYS, "generation": _GEN_KEYS, "score": _SCORE_KEYS, "checkpoint": _CHECKPOINT_KEYS,
+             "output": _OUTPUT_KEYS}
 _TOP_KEYS: dict[str, _Parser] = {
     "name": _p_str,
     "model": _p_model,
@@ -496,6 +521,7 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
 
     # ---- generation / score ----
     gen = GenerationConfig(**(_section(raw, "generation", ctx) or {}))
+    ckpt = CheckpointConfig(**(_section(raw, "checkpoint", ctx) or {}))
     task = top.get("task", "generate")
     sc = _section(raw, "score", ctx)
     score = None
@@ -520,7 +546,7 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     top["device"] = device
     top["executor"] = executor
     top.setdefault("name", name or "job")
-    return Job(data=data_src, output=output, generation=gen, score=score, config_path=config_path,
+    return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
                **{k: v for k, v in top.items()})
 
 

@@ -258,3 +258,123 @@ def iter_jsonl_records(path: str) -> Iterator[tuple[int, dict]]:
         raise WriterError(f"{path}:{len(records) + 1}: torn last line {torn!r} (the run was killed mid-write; "
                           f"re-run that shard to complete it)")
     yield from records
+
+
+class PartialsFile:
+    """The partial-generation sidecar beside a results file (``<stem>.partial.jsonl``): the tokens generated so far by
+    sequences that have no record yet, so a killed or stopped run loses at most one checkpoint interval.
+
+    Each line is ``{"id": str, "start": int, "ids": [int, ...]}``: the output tokens of request ``id`` from output
+    position ``start`` on. A sequence's partial is its lines joined in file order (a line whose ``start`` is below the
+    length so far replaces the tokens from there). :meth:`append` writes all lines of one checkpoint with one
+    ``os.write`` on an ``O_APPEND`` descriptor, then ``fsync``, so a kill leaves at most a torn last line.
+
+    On open the file is read: a torn last line is truncated away (a message goes to stderr); a bad line before the
+    last raises WriterError naming the file and line. :meth:`load` returns the partials of the ids still to do.
+    """
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self._lock = threading.Lock()
+        self._fd: Optional[int] = None
+        self.partials: dict[str, list[int]] = {}  # id -> tokens, every id of the file (before load's filtering)
+        self.repaired_bytes = 0  # bytes of a torn last line removed on open (0 = none)
+        self.bytes_written = 0  # bytes this object appended
+        if not os.path.exists(self.path):
+            return
+        records, good, torn = _scan(self.path)
+        if torn is not None:
+            size = os.path.getsize(self.path)
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+            self.repaired_bytes = size - good
+            print(f"moe-batch: {self.path}: removed a torn last line ({self.repaired_bytes} bytes: {torn!r}); the "
+                  f"sequence it belonged to resumes from its previous checkpoint", file=sys.stderr)
+        for lineno, rec in records:
+            rid, start, ids = rec.get("id"), rec.get("start"), rec.get("ids")
+            if not isinstance(rid, str) or not rid:
+                raise WriterError(f"{self.path}:{lineno}: id: missing or not a string in a partial-generation line")
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise WriterError(f"{self.path}:{lineno}: start: expected an integer >= 0, got {start!r}")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise WriterError(f"{self.path}:{lineno}: ids: expected a list of token ids")
+            cur = self.partials.setdefault(rid, [])
+            if start > len(cur):
+                raise WriterError(f"{self.path}:{lineno}: start: {start} leaves a gap after the {len(cur)} tokens of "
+                                  f"{rid!r} before it (not written by moe-batch; delete the file to start those "
+                                  f"sequences over)")
+            del cur[start:]
+            cur.extend(ids)
+
+    def load(self, todo_ids, done_ids) -> dict[str, list[int]]:
+        """The partials of ``todo_ids`` (ids to generate this run), then rewrite the file atomically with exactly those
+        (one line each; the file is removed when none is left). Partials of ``done_ids`` (a record was written: the
+        partial is obsolete) are dropped silently; those of ids in neither (no longer in the input) are dropped with a
+        message on stderr."""
+        todo, done = set(todo_ids), set(done_ids)
+        keep = {i: t for i, t in self.partials.items() if i in todo and t}
+        stale = sorted(i for i in self.partials if i not in todo and i not in done)
+        if stale:
+            print(f"moe-batch: {self.path}: ignoring the partial generations of {len(stale)} ids not in the input "
+                  f"({', '.join(map(repr, stale[:3]))}{', ...' if len(stale) > 3 else ''})", file=sys.stderr)
+        if keep:
+            atomic_write(self.path, lambda f: f.write(b"".join(_dumps({"id": i, "start": 0, "ids": t})
+                                                               for i, t in keep.items())))
+        elif os.path.exists(self.path):
+            self.remove()
+        self.partials = dict(keep)
+        return {i: list(t) for i, t in keep.items()}
+
+    def append(self, lines: list[tuple[str, int, list[int]]]) -> int:
+        """Append ``(id, start, ids)`` lines with one write, then fsync; returns the bytes written (the file and its
+        parent directory are created on the first append)."""
+        if not lines:
+            return 0
+        data = b"".join(_dumps({"id": i, "start": s, "ids": list(t)}) for i, s, t in lines)
+        with self._lock:
+            if self._fd is None:
+                parent = os.path.dirname(self.path)
+                os.makedirs(parent, exist_ok=True)
+                created = not os.path.exists(self.path)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if created:
+                    _fsync_dir(parent)
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            os.fsync(self._fd)
+            self.bytes_written += len(data)
+        return len(data)
+
+    def remove(self) -> None:
+        """Close and delete the file (every sequence it held has a record)."""
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return
+        _fsync_dir(os.path.dirname(self.path))
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def read_partials(path: str) -> dict[str, list[int]]:
+    """The partials of a sidecar file by id, as :class:`PartialsFile` joins them (read only: a torn last line is
+    ignored, not repaired). A missing file has none."""
+    if not os.path.exists(path):
+        return {}
+    records, _good, _torn = _scan(path)
+    out: dict[str, list[int]] = {}
+    for _line, rec in records:
+        cur = out.setdefault(rec["id"], [])
+        del cur[rec["start"]:]
+        cur.extend(rec["ids"])
+    return out

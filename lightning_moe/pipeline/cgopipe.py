@@ -45,7 +45,7 @@ from .kv_cache import KV_GROUPS, GroupedKVCache
 from ..policy.batching import group_by_length
 from .pager import (ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule,
                     tiling_page_count)
-from .serial import FinishCallback, RunStats, SamplingParams, StepCallback, sample
+from .serial import FinishCallback, RunStats, SamplingParams, StepCallback, TokensCallback, check_prefixes, sample
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
 _PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_bytes] page per expert
@@ -724,8 +724,8 @@ class CGOPipeExecutor:
         ``policy.n_gpu_attn`` (the shortest) keep KV and attention on the GPU when on CUDA.
 
         With ``with_kv`` each gets a :class:`GroupedKVCache` whose rows need prompt length + ``extra``
-        positions (``extra`` = max_new_tokens), split into at most ``kv_groups`` (default ``self.kv_groups``)
-        length groups.
+        positions (``extra`` = the most tokens a row has left to generate), split into at most ``kv_groups``
+        (default ``self.kv_groups``) length groups.
         """
         lens = [len(p) for p in prompts]
         n = -(-len(prompts) // mu)
@@ -748,30 +748,42 @@ class CGOPipeExecutor:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finish: Optional[FinishCallback] = None,
                  seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
-                 on_step: Optional[StepCallback] = None) -> list[tuple[list[int], str]]:
-        """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call).
+                 on_step: Optional[StepCallback] = None, prefixes: Optional[Sequence[Sequence[int]]] = None,
+                 on_tokens: Optional[TokensCallback] = None) -> list[tuple[list[int], str]]:
+        """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call; ``prefixes``:
+        resumed sequences, prefilled with their prompt; ``on_tokens(rows, tokens)``: every token committed in a step,
+        once per step after all micro-batches).
 
-        Finished rows keep their slot until the batch ends (their extra tokens are discarded), so the
+        Finished rows keep their slot until the batch ends (their extra tokens are discarded, never reported), so the
         micro-batch shapes stay fixed for the whole batch.
         """
         if len(prompts) > self.policy.N:
             raise ValueError(f"{len(prompts)} prompts exceed the policy's batch N = {self.policy.N}")
         eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
-        gens = [torch.Generator().manual_seed(s) for s in seeds] if (seeds is not None and not params.greedy) else None
+        pre = check_prefixes(prompts, prefixes, params)
+        sd = list(seeds) if (seeds is not None and not params.greedy) else None
+        prompts = [list(p) + q for p, q in zip(prompts, pre)]
         self._enter("prefill")
-        mbs = self._micro_batches(prompts, params.max_new_tokens, True, self.policy.mu)
+        # every row runs until the batch's last finishes: KV for the longest remaining run (prefix lengths that
+        # differ within a batch cost KV positions; the runner batches equal prefix lengths together)
+        mbs = self._micro_batches(prompts, params.max_new_tokens - min(len(q) for q in pre), True, self.policy.mu)
         # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
         t0 = time.perf_counter()
         logits = self._prefill(prompts, mbs)
-        outputs: list[list[int]] = [[] for _ in prompts]
+        outputs: list[list[int]] = pre
         results: list = [None] * len(prompts)
+        step_rows: list[int] = []  # tokens committed in this step, for on_tokens
+        step_toks: list[int] = []
 
         def commit(mb: MicroBatch, lg: torch.Tensor) -> torch.Tensor:
-            toks = sample(lg, params, [gens[r] for r in mb.rows] if gens else None)
+            toks = sample(lg, params, [sd[r] for r in mb.rows] if sd else None,
+                          [len(outputs[r]) for r in mb.rows] if sd else None)
             for r, t in zip(mb.rows, toks.tolist()):
                 if results[r] is not None:
                     continue
                 outputs[r].append(t)
+                step_rows.append(r)
+                step_toks.append(t)
                 self.stats.generated_tokens += 1
                 reason = "stop" if (params.stop_at_eos and eos is not None and t == eos) else (
                     "length" if len(outputs[r]) >= params.max_new_tokens else None)
@@ -780,6 +792,12 @@ class CGOPipeExecutor:
                     if on_finish is not None:
                         on_finish(r, outputs[r], reason)
             return toks
+
+        def report_tokens() -> None:
+            if on_tokens is not None:
+                on_tokens(list(step_rows), list(step_toks))
+            step_rows.clear()
+            step_toks.clear()
 
         tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
         del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
@@ -792,16 +810,25 @@ class CGOPipeExecutor:
         self.timer.collect()  # prefill waits are not decode stage times
         self._attn_kv_bytes = 0
         native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
+        report_tokens()
         self._enter("decode")
-        while any(r is None for r in results):
-            alive = sum(r is None for r in results)
-            logits = self._decode_step(mbs, tokens)
-            tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
-            del logits
-            self.stats.decode_tokens += alive
-            self.stats.decode_steps += 1
-            if on_step is not None:
-                on_step(alive)
+        try:
+            while any(r is None for r in results):
+                alive = sum(r is None for r in results)
+                logits = self._decode_step(mbs, tokens)
+                tokens = [commit(mb, lg) for mb, lg in zip(mbs, logits)]
+                del logits
+                self.stats.decode_tokens += alive
+                self.stats.decode_steps += 1
+                if on_step is not None:
+                    on_step(alive)
+                report_tokens()
+        finally:  # a callback that stops the run still leaves this batch's decode time in the stats
+            self._decode_done(t1)
+        return results
+
+    def _decode_done(self, t1: float) -> None:
+        """Add a batch's decode wall time (since ``t1``) and stage timings to the stats."""
         self._sync()
         dt = time.perf_counter() - t1
         self.stats.decode_seconds += dt
@@ -816,7 +843,6 @@ class CGOPipeExecutor:
         # thread-seconds says whether the team worked the whole region (memory-bound) or waited for cores
         for k, v in native_stats().items():
             self.stats.extra[f"cpu_attention_native_{k}"] = self.stats.extra.get(f"cpu_attention_native_{k}", 0) + v
-        return results
 
     @torch.inference_mode()
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -5,17 +5,26 @@ Order of work (so bad input fails fast and finished work is never lost):
    here, before any weight is loaded);
 2. open the results file: records already there are skipped (resume), a torn last line is repaired;
 3. load the weights, build the executor, run batch after batch; every finished sequence is appended to
-   results.jsonl and fsync'd the moment it finishes;
-4. write the run report (JSON, atomically) beside the results and print it.
+   results.jsonl and fsync'd the moment it finishes; every checkpoint interval (``job.checkpoint``) the new tokens of
+   the sequences in flight are appended to the partial-generation sidecar (``<stem>.partial.jsonl``), and a re-run
+   prefills a sequence with its prompt and partial and continues it;
+4. write the run report (JSON, atomically) beside the results and print it; the report lists every run of the job.
+
+SIGTERM / SIGINT during generation: the current decode step finishes, the partials are flushed, the report is written
+and :class:`JobStopped` is raised (``moe-batch run`` exits EXIT_STOPPED); outside generation it is raised at once; a
+second signal ends the process at once (exit EXIT_INTERRUPTED): the files only ever get whole fsync'd lines appended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import datetime
 import platform
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -26,7 +35,7 @@ from ..config import Job
 from ..data.shard import select_shard
 from ..data.sources import load_requests
 from ..data.tokenize import encode_requests, load_tokenizer
-from ..data.writer import ResultsWriter, error_record, write_json_atomic
+from ..data.writer import PartialsFile, ResultsWriter, error_record, write_json_atomic
 from ..model.spec import MoESpec
 from ..model.tiny import resolve_model_path
 from ..model.weights import load_checkpoint
@@ -114,6 +123,8 @@ def job_workload(job_path: str):
 
     return job_workload_from_prepared(Prepared(load_job(job_path)))
 
+
+REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often
 
 _DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -246,12 +257,13 @@ def results_provenance(job: Job) -> dict:
 
 def check_results_provenance(job: Job) -> None:
     """Before a run appends to ``job.output.path``: compare :func:`results_provenance` with the one saved beside the
-    results (``OutputConfig.meta_path``). No results yet: save it. Results without a saved one (older versions): save
+    results (``OutputConfig.meta_path``); partial generations (``OutputConfig.partial_path``) count as results. No
+    results yet: save it. Results without a saved one (older versions): save
     it and go on. Raises ConfigError naming both files and every setting that differs (nothing is written then)."""
     from ..config import ConfigError
 
     meta, now = job.output.meta_path, results_provenance(job)
-    has_results = os.path.exists(job.output.path) and os.path.getsize(job.output.path) > 0
+    has_results = any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (job.output.path, job.output.partial_path))
     if has_results and os.path.exists(meta):
         try:
             with open(meta) as f:
@@ -270,6 +282,50 @@ def check_results_provenance(job: Job) -> None:
         return
     os.makedirs(os.path.dirname(meta) or ".", exist_ok=True)
     write_json_atomic(meta, now)
+
+
+EXIT_STOPPED = 75  # moe-batch run's exit code after a stop signal: records and partials saved, re-run to resume
+EXIT_INTERRUPTED = 130  # a second stop signal: the process ended at once
+
+
+class JobStopped(BaseException):
+    """A stop signal (SIGTERM / SIGINT) ended the run: every finished record and the partials of the sequences in
+    flight are saved; re-running the job resumes. A BaseException, so ``except Exception`` does not swallow it."""
+
+
+class StopSignals:
+    """SIGTERM and SIGINT handlers for the duration of a run (installed only in the main thread; the previous handlers
+    come back on exit).
+
+    The first signal sets :attr:`requested`; while :attr:`deferred` is true (the generation loop, which checks the flag
+    after every decode step, or the end of the run) nothing else happens, otherwise :class:`JobStopped` is raised at
+    once. A second signal writes one line to stderr and ends the process with EXIT_INTERRUPTED.
+    """
+
+    def __init__(self):
+        self.requested: Optional[str] = None  # name of the first signal received
+        self.deferred = False
+        self._old: dict = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.requested is not None:
+            os.write(2, b"moe-batch: second signal: exiting at once; the records and partials written so far are kept "
+                        b"(resumable: re-run the same command)\n")
+            os._exit(EXIT_INTERRUPTED)
+        self.requested = signal.Signals(signum).name
+        if not self.deferred:
+            raise JobStopped(f"stopped by {self.requested}")
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+        self._old.clear()
 
 
 class GpuOutOfMemory(RuntimeError):
@@ -381,12 +437,14 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         ConfigError / DataError / PolicyError: bad job, input or policy (before any weight is loaded).
         GpuOutOfMemory: the CUDA allocator ran out of memory (one line; every finished record is saved, the report's
             status says so; set MOE_BATCH_DEBUG=1 to get the original exception instead).
+        JobStopped: SIGTERM or SIGINT (one line: what is saved; the report's status is "stopped (resumable)").
         Other exceptions from the executor propagate after every finished record has been fsync'd and a
         report with ``"status": "failed: ..."`` has been written.
     """
     from tqdm import tqdm
 
     t_start = time.perf_counter()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if job.device.startswith("cuda") and not torch.cuda.is_available():
         from ..config import ConfigError
 
@@ -413,6 +471,11 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     work = sorted((t for t in todo if t.error is None),
                   key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
     writer = ResultsWriter(job.output.path)
+    partials_file, partials = None, {}
+    if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
+        partials_file = PartialsFile(job.output.partial_path)
+        partials = partials_file.load([t.id for t in work], done)
+    prev_runs = _previous_runs(job, bool(done) or bool(partials))
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
         "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
@@ -420,6 +483,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         "executor": job.executor, "shard": list(job.shard) if job.shard else None, "host": platform.node(),
         "requests_in_input": prep.n_input, "requests_in_shard": len(prep.treqs), "skipped_already_done": skipped,
         "results": writer.path, "status": "running",
+        "partials": {"path": partials_file.path, "resumed_sequences": len(partials),
+                     "resumed_tokens": sum(map(len, partials.values()))} if partials_file is not None else None,
     }
     errors = [t for t in todo if t.error is not None]
     for t in errors:  # validation failures under on_error: record
@@ -432,6 +497,19 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     executor = None
     peaks = PhasePeaks(job.device)
     cap = None
+    stop = StopSignals()
+
+    def run_entry(status: str) -> dict:
+        st = executor.stats if executor is not None else stats
+        return {"started": started, "wall_seconds": time.perf_counter() - t_start, "prompt_tokens": st.prefill_tokens,
+                "generated_tokens": st.generated_tokens, "records_written": writer.written, "status": status}
+
+    def save_progress() -> None:  # at checkpoints: a run killed later still shows in the report's runs
+        runs = prev_runs + [run_entry("running")]
+        write_json_atomic(job.output.report_path, {**report, "runs": runs,
+                                                   "job_totals": _job_totals(runs, len(done) + writer.written)})
+
+    stop.__enter__()
     try:
         if work:
             cap = apply_gpu_cap(job.device, job.gpu_memory)
@@ -450,9 +528,12 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
                 report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
                                        "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
                                        "prefill_binding": est.prefill_binding}
-            _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm)
+            _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm, partials=partials,
+                      partials_file=partials_file, stop=stop, on_checkpoint=save_progress)
             stats = executor.stats
         report["status"] = "done"
+        if partials_file is not None:  # every sequence has its record: the partials are obsolete
+            partials_file.remove()
     except torch.OutOfMemoryError:
         peaks.close()
         phase = getattr(executor, "phase", None) or peaks.phase
@@ -462,12 +543,23 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         if os.environ.get("MOE_BATCH_DEBUG"):
             raise
         raise GpuOutOfMemory(msg) from None
+    except JobStopped:
+        report["status"] = "stopped (resumable)"
+        left = len(read_partials_ids(job.output.partial_path))
+        raise JobStopped(f"stopped by {stop.requested}: {writer.written} records written by this run "
+                         f"({len(done) + writer.written} of {len(prep.treqs)} in {writer.path}), the partial generations "
+                         f"of {left} sequences in {job.output.partial_path}; resumable: re-run the same command to "
+                         f"continue") from None
     except BaseException as e:
         report["status"] = f"failed: {type(e).__name__}: {e}"
         raise
     finally:
+        stop.deferred = True  # a signal now only marks the stop: the report below is written whole
+        stats = executor.stats if executor is not None else stats
         peaks.close()
         writer.close()
+        if partials_file is not None:
+            partials_file.close()
         total = time.perf_counter() - t_start
         report.update(_timing(stats, t_load, total, job.task))
         report["records_written_this_run"] = writer.written
@@ -481,41 +573,141 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         report["stages"] = stats.extra
         if executor is not None and hasattr(executor, "close"):
             executor.close()
-        write_json_atomic(job.output.report_path, report)
+        try:
+            report["runs"] = prev_runs + [run_entry(report["status"])]
+            report["job_totals"] = _job_totals(report["runs"], len(done) + writer.written)
+            write_json_atomic(job.output.report_path, report)
+        finally:
+            stop.__exit__(None, None, None)
     return report
 
 
+def read_partials_ids(path: str) -> set:
+    """Ids with a partial generation in the sidecar ``path`` (none when it is missing)."""
+    from ..data.writer import read_partials
+
+    return set(read_partials(path))
+
+
+def _previous_runs(job: Job, resumed: bool) -> list[dict]:
+    """The runs list of the job's earlier runs, from the report beside the results, when this run continues their work
+    (``resumed``: records or partials are there); a run still marked "running" ended without its final report
+    (killed): it is marked "killed". A report without a runs list gives one entry from its totals."""
+    if not resumed or not os.path.exists(job.output.report_path):
+        return []
+    try:
+        with open(job.output.report_path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    runs = old.get("runs")
+    if not isinstance(runs, list):
+        w = old.get("wall_seconds") or {}
+        runs = [{"started": None, "wall_seconds": w.get("total"), "prompt_tokens": old.get("prompt_tokens"),
+                 "generated_tokens": old.get("generated_tokens"),
+                 "records_written": old.get("records_written_this_run"), "status": old.get("status")}]
+    return [dict(r, status="killed") if r.get("status") == "running" else dict(r) for r in runs if isinstance(r, dict)]
+
+
+def _job_totals(runs: list[dict], records: int) -> dict:
+    """Sums over a job's runs: how many, wall seconds, prompt (prefilled) and generated tokens; records in the file."""
+    def total(k):
+        return sum(r.get(k) or 0 for r in runs)
+
+    return {"runs": len(runs), "wall_seconds": total("wall_seconds"), "prompt_tokens": total("prompt_tokens"),
+            "generated_tokens": total("generated_tokens"), "records": records}
+
+
 def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_records: list, progress: bool, log,
-              tqdm) -> int:
+              tqdm, partials: Optional[dict] = None, partials_file: Optional[PartialsFile] = None,
+              stop: Optional[StopSignals] = None, on_checkpoint=None) -> int:
     """Generate or score ``work`` batch by batch, writing every record as it finishes; returns records written.
+
+    Generation resumes the sequences of ``partials`` (id -> tokens generated by earlier runs: prefilled with the prompt;
+    a complete one is written at once) and appends the new tokens of every sequence in flight to ``partials_file`` at
+    each checkpoint (``job.checkpoint``; the write time goes to the executor's stage ``checkpoint_write_s``), calling
+    ``on_checkpoint()`` at most every REPORT_EVERY_S. A stop request (``stop.requested``) is served after the decode
+    step it arrives in: the partials are flushed and JobStopped raised.
 
     The progress bar counts generated tokens (advancing every decode step, live tokens/s) or scored requests."""
     t_run = time.perf_counter()
     written = 0
+    partials = partials or {}
     if job.task == "generate":
         G = job.generation.max_new_tokens
         params = SamplingParams.from_config(job.generation)
-        bar = tqdm(total=len(work) * G, disable=not progress, unit="tok", file=log, dynamic_ncols=True)
+        eos = prep.eos_token_id
+        ck = job.checkpoint
+        if stop is not None:
+            stop.deferred = True  # served after the current decode step (on_tokens below)
+
+        def ends(p: list) -> bool:
+            return params.stop_at_eos and eos is not None and bool(p) and p[-1] == eos
+
+        rest = []
+        for t in work:  # a partial that is already complete (killed before its record was written) needs no model
+            p = partials.get(t.id, [])
+            if p and (len(p) >= G or ends(p)):
+                writer.write(_gen_record(t, p[:G], "stop" if ends(p[:G]) else "length", prep.tokenizer))
+                written += 1
+            else:
+                rest.append(t)
+        bar = tqdm(total=sum(G - len(partials.get(t.id, [])) for t in rest), disable=not progress, unit="tok", file=log,
+                   dynamic_ncols=True)
         done = [0]
+        stages = executor.stats.extra
+        clock = {"steps": 0, "last": time.perf_counter(), "report": None}
 
         def on_step(tokens: int) -> None:
             bar.update(tokens)
-            bar.set_postfix_str(f"{done[0]}/{len(work)} records, "
+            bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
                                 f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=False)
 
         batch = max(1, getattr(executor, "batch_size", job.batch_size))
-        for i in range(0, len(work), batch):
-            chunk = work[i : i + batch]
+        for chunk in _generation_batches(rest, partials, batch):
+            outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
+            saved = [len(o) for o in outs]  # how much of it the sidecar holds
+            finished = [False] * len(chunk)
 
-            def on_finish(idx, out_ids, reason, chunk=chunk):
+            def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished):
                 writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer))
+                finished[idx] = True
                 done[0] += 1
                 if len(out_ids) < G:  # stopped early: its remaining tokens will never come
                     bar.total -= G - len(out_ids)
 
+            def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished):
+                for r, t in zip(rows, toks):
+                    if not finished[r]:
+                        outs[r].append(t)
+                clock["steps"] += 1
+                now = time.perf_counter()
+                stopping = stop is not None and stop.requested is not None
+                due = stopping or (ck.every_steps is not None and clock["steps"] >= ck.every_steps) or (
+                    ck.every_seconds is not None and now - clock["last"] >= ck.every_seconds)
+                if due and ck.enabled and partials_file is not None:
+                    lines = [(chunk[i].id, saved[i], outs[i][saved[i]:]) for i in range(len(chunk))
+                             if not finished[i] and len(outs[i]) > saved[i]]
+                    nbytes = partials_file.append(lines)
+                    for i in range(len(chunk)):
+                        saved[i] = len(outs[i])
+                    stages["checkpoint_write_s"] = stages.get("checkpoint_write_s", 0.0) + time.perf_counter() - now
+                    stages["checkpoint_write_calls"] = stages.get("checkpoint_write_calls", 0) + 1
+                    stages["checkpoint_bytes"] = stages.get("checkpoint_bytes", 0) + nbytes
+                    clock["steps"], clock["last"] = 0, time.perf_counter()
+                    if on_checkpoint is not None and (clock["report"] is None or now - clock["report"] >= REPORT_EVERY_S):
+                        clock["report"] = now
+                        on_checkpoint()
+                if stopping:
+                    raise JobStopped(f"stopped by {stop.requested}")
+
+            pre = [partials.get(t.id, []) for t in chunk]
             executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
                               seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
-                              eos_token_id=prep.eos_token_id, on_step=on_step)
+                              eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
+                              on_tokens=on_tokens)
             written += len(chunk)
         bar.close()
         return written
@@ -534,6 +726,16 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
         bar.set_postfix_str(f"{executor.stats.prefill_tokens / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")
     bar.close()
     return written
+
+
+def _generation_batches(work: list, partials: dict, batch: int) -> list[list]:
+    """Batches of at most ``batch`` requests, each of one partial length (resumed sequences first, the longest partial
+    first; then the fresh ones), keeping ``work``'s order (by prompt length) within: a cgopipe batch decodes until its
+    longest remaining row is done, so equal partial lengths keep every row's KV at prompt + max_new_tokens."""
+    groups: dict[int, list] = {}
+    for t in work:
+        groups.setdefault(len(partials.get(t.id, [])), []).append(t)
+    return [g[i : i + batch] for n in sorted(groups, reverse=True) for g in [groups[n]] for i in range(0, len(g), batch)]
 
 
 def _timing(s: RunStats, t_load: float, total: float, task: str) -> dict:

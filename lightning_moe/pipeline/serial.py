@@ -26,6 +26,7 @@ from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, 
 
 FinishCallback = Callable[[int, list[int], str], None]
 StepCallback = Callable[[int], None]  # called after prefill and after every decode step with the tokens it generated
+TokensCallback = Callable[[list[int], list[int]], None]  # (rows, tokens): the tokens committed to rows' outputs this step
 
 
 @dataclass
@@ -76,14 +77,30 @@ def request_seed(seed: int, request_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{request_id}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generators: Optional[Sequence[torch.Generator]] = None) -> torch.Tensor:
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The RNG seed of the draw at output ``position`` (0-based index among the generated tokens) of a request
+    whose seed is ``seed`` (:func:`request_seed`): a splitmix64 mix of both, 63 bits. Each draw has its own seed,
+    so a sequence resumed at any position draws the same tokens as an uninterrupted one."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seeds: Optional[Sequence[int]] = None,
+           positions: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Next token per row. logits: fp32 [B, V] (any device). Returns int64 [B] on the CPU.
 
     Greedy: argmax (lowest id on ties) on the logits' device, so only B token ids cross to the host (copying
     [B, V] fp32 logits through pageable memory cost ~50 ms per decode step for B = 512 on the H200 host,
     during which the copy engine ran dry). Otherwise temperature scaling, then nucleus (top-p, Holtzman et
-    al. 2020) filtering, then one draw per row from that row's own CPU generator (so a request samples
-    the same tokens whatever batch it lands in).
+    al. 2020) filtering, then one draw per row from a CPU generator seeded with
+    ``position_seed(seeds[b], positions[b])``: the request's seed and the output position of the token drawn, so a
+    request samples the same tokens whatever batch it lands in and wherever a run resumed it. Without ``seeds``
+    the draws use torch's global generator.
     """
     if params.greedy:
         return logits.argmax(dim=-1).cpu()
@@ -96,7 +113,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: Optional[Se
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
     out = torch.empty(probs.shape[0], dtype=torch.int64)
     for b in range(probs.shape[0]):
-        out[b] = torch.multinomial(probs[b], 1, generator=generators[b] if generators else None)[0]
+        g = torch.Generator().manual_seed(position_seed(seeds[b], positions[b])) if seeds is not None else None
+        out[b] = torch.multinomial(probs[b], 1, generator=g)[0]
+    return out
+
+
+def check_prefixes(prompts: Sequence[Sequence[int]], prefixes: Optional[Sequence[Sequence[int]]],
+                   params: SamplingParams) -> list[list[int]]:
+    """The already generated tokens of each prompt (``prefixes``, default none), checked: one list per prompt,
+    each shorter than ``params.max_new_tokens``. Raises ValueError otherwise."""
+    if prefixes is None:
+        return [[] for _ in prompts]
+    if len(prefixes) != len(prompts):
+        raise ValueError(f"prefixes: {len(prefixes)} lists for {len(prompts)} prompts")
+    out = [list(p) for p in prefixes]
+    for i, p in enumerate(out):
+        if len(p) >= params.max_new_tokens:
+            raise ValueError(f"prefixes[{i}]: {len(p)} tokens leave nothing to generate "
+                             f"(max_new_tokens {params.max_new_tokens})")
     return out
 
 
@@ -216,6 +250,8 @@ class SerialExecutor:
         seeds: Optional[Sequence[int]] = None,
         eos_token_id: Optional[int] = None,
         on_step: Optional[StepCallback] = None,
+        prefixes: Optional[Sequence[Sequence[int]]] = None,
+        on_tokens: Optional[TokensCallback] = None,
     ) -> list[tuple[list[int], str]]:
         """Generate continuations for a ragged batch of token-id prompts.
 
@@ -224,17 +260,25 @@ class SerialExecutor:
             params: sampling parameters (greedy when temperature == 0).
             on_finish: called as ``on_finish(index, output_ids, finish_reason)`` the moment a sequence
                 finishes ("stop": emitted EOS, included in output_ids; "length": max_new_tokens reached).
-            seeds: per-prompt RNG seeds for sampling (see :func:`request_seed`).
+            seeds: per-prompt RNG seeds for sampling (see :func:`request_seed`; each draw is seeded by the seed and
+                the token's output position, :func:`position_seed`).
             eos_token_id: stop token (default: the spec's eos_token_id).
             on_step: called as ``on_step(tokens)`` after prefill and after each decode step with the number of tokens
                 it generated (progress).
+            prefixes: per prompt, tokens already generated (a resumed sequence; each shorter than max_new_tokens):
+                the prompt and its prefix are prefilled together, decoding continues for the remaining
+                ``max_new_tokens - len(prefix)`` tokens, and output_ids start with the prefix.
+            on_tokens: called as ``on_tokens(rows, tokens)`` after prefill and after each decode step, after its
+                ``on_finish`` calls, with every token appended to a row's output in that step.
         Returns:
             [(output_ids, finish_reason)] per prompt, in input order.
         """
         B = len(prompts)
         eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
-        gens = [torch.Generator().manual_seed(s) for s in seeds] if (seeds is not None and not params.greedy) else None
+        pre = check_prefixes(prompts, prefixes, params)
+        sd = list(seeds) if (seeds is not None and not params.greedy) else None
         max_len = max(len(p) for p in prompts) + params.max_new_tokens
+        prompts = [list(p) + q for p, q in zip(prompts, pre)]
         kv = KVCache(self.spec, B, max_len, self.dtype, "cpu")
 
         self._enter("prefill")
@@ -242,19 +286,20 @@ class SerialExecutor:
         x, ends = self._forward_prefill(prompts, kv)  # [T, D]
         logits = M.final_logits(x[(ends - 1).to(self.device)], self.norm, self.lm_head, self.spec.rms_norm_eps)  # [B, V]
         kv.lengths[:] = torch.tensor([len(p) for p in prompts])
-        nxt = sample(logits, params, gens)  # [B]
+        outputs: list[list[int]] = pre
+        nxt = sample(logits, params, sd, [len(o) for o in outputs] if sd else None)  # [B]
         self._sync()
         t1 = time.perf_counter()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += t1 - t0
 
-        outputs: list[list[int]] = [[] for _ in range(B)]
         results: list[Optional[tuple[list[int], str]]] = [None] * B
         alive = list(range(B))
 
         def commit(rows: list[int], toks: torch.Tensor) -> list[int]:
             still = []
-            for r, t in zip(rows, toks.tolist()):
+            toks = toks.tolist()
+            for r, t in zip(rows, toks):
                 outputs[r].append(t)
                 self.stats.generated_tokens += 1
                 reason = "stop" if (params.stop_at_eos and eos is not None and t == eos) else (
@@ -265,6 +310,8 @@ class SerialExecutor:
                     results[r] = (outputs[r], reason)
                     if on_finish is not None:
                         on_finish(r, outputs[r], reason)
+            if on_tokens is not None:
+                on_tokens(list(rows), toks)
             return still
 
         alive = commit(alive, nxt)
@@ -272,18 +319,21 @@ class SerialExecutor:
             on_step(B)
         self._enter("decode")
         t2 = time.perf_counter()
-        while alive:
-            rows = torch.tensor(alive, dtype=torch.int64)
-            toks = torch.tensor([outputs[r][-1] for r in alive], dtype=torch.int64)
-            logits = self._decode_step(toks, rows, kv, all_rows=len(alive) == B)
-            nxt = sample(logits, params, [gens[r] for r in alive] if gens else None)
-            self.stats.decode_tokens += len(alive)
-            self.stats.decode_steps += 1
-            if on_step is not None:
-                on_step(len(alive))
-            alive = commit(alive, nxt)
-        self._sync()
-        self.stats.decode_seconds += time.perf_counter() - t2
+        try:
+            while alive:
+                rows = torch.tensor(alive, dtype=torch.int64)
+                toks = torch.tensor([outputs[r][-1] for r in alive], dtype=torch.int64)
+                logits = self._decode_step(toks, rows, kv, all_rows=len(alive) == B)
+                nxt = sample(logits, params, [sd[r] for r in alive] if sd else None,
+                             [len(outputs[r]) for r in alive] if sd else None)
+                self.stats.decode_tokens += len(alive)
+                self.stats.decode_steps += 1
+                if on_step is not None:
+                    on_step(len(alive))
+                alive = commit(alive, nxt)
+            self._sync()
+        finally:  # a callback that stops the run still leaves this batch's decode time in the stats
+            self.stats.decode_seconds += time.perf_counter() - t2
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()
