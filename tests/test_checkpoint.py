@@ -130,14 +130,17 @@ def test_sigterm_in_decode_stops_resumably(tmp_path, tiny_dir):
     """SIGTERM during a batch's decode: exit 75 with one "resumable" line, the sequences in flight have their partials
     flushed (no schedule would have written any), and the resumed run ends with the uninterrupted records."""
     ck = "{every_steps: null, every_seconds: null}"  # partials only when the stop comes
-    ref = _yaml(tmp_path, tiny_dir, "ref", checkpoint=ck)
+    g_long = 160  # a long decode, so the signal sent just after the first batch's records lands in the second's decode
+    gen = f"{{max_new_tokens: {g_long}, temperature: 0.0, stop_at_eos: false}}"
+    ref = _yaml(tmp_path, tiny_dir, "ref", checkpoint=ck, gen=gen, n=36)
     subprocess.run(_cmd(ref), env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-    job = _yaml(tmp_path, tiny_dir, "t", checkpoint=ck, n=36)  # 3 batches of 12
+    job = _yaml(tmp_path, tiny_dir, "t", checkpoint=ck, gen=gen, n=36)  # 3 batches of 12
     out, side = tmp_path / "t.jsonl", tmp_path / "t.partial.jsonl"
     proc = subprocess.Popen(_cmd(job), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while _lines(out) < 12 and time.time() < deadline:  # the first batch is done: the second is in flight
         time.sleep(0.002)
+    time.sleep(0.2)  # past the second batch's prefill
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_STOPPED == 75, err
@@ -146,7 +149,7 @@ def test_sigterm_in_decode_stops_resumably(tmp_path, tiny_dir):
     done = set(_by_id(out))
     parts = read_partials(str(side))
     assert len(done) in (12, 24) and parts and set(parts).isdisjoint(done) and len(parts) == 12
-    assert all(0 < len(p) < G for p in parts.values())
+    assert all(0 < len(p) < g_long for p in parts.values())
     report = json.load(open(tmp_path / "t.report.json"))
     assert report["status"] == "stopped (resumable)" and report["runs"][-1]["status"] == "stopped (resumable)"
     subprocess.run(_cmd(job), env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
