@@ -47,6 +47,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         description="Plan micro-batching, expert residency and the CPU/GPU attention split for a model on a host "
                     "(MoE-Lightning's HRM + MILP). Give a job YAML, or --model/--hardware and the workload shape.")
     p.add_argument("job", nargs="?", help="job YAML: use its model, hardware, budgets and real tokenized prompt lengths")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="with a job YAML: override a job key, as `moe-batch run --set` does")
     p.add_argument("--model", help="registry name (mixtral-8x7b, ...), tiny-mixtral, or a checkpoint directory")
     p.add_argument("--hardware", help="preset (t4, l4, a100-40g, h100, h200) or a profile .yaml from `moe-batch profile`")
     p.add_argument("--gpu-memory", type=_bytes_arg, help="GPU memory budget, e.g. 24GiB (default: the hardware's)")
@@ -96,15 +98,20 @@ def _job_inputs(args: argparse.Namespace):
     except ImportError as e:
         raise CommandError(f"{args.job}: planning from a job needs lightning_moe.pipeline.runner.job_workload, "
                            f"which is not available yet ({e}); use --model/--hardware/--prompt-len/--gen-len") from None
+    ov: dict = {}
     try:
-        workload = job_workload(args.job)
+        if getattr(args, "set", None):
+            from .config import parse_override
+
+            ov = dict(parse_override(x) for x in args.set)
+        workload = job_workload(args.job, **({"overrides": ov} if ov else {}))
     except (OSError, ValueError) as e:
         raise CommandError(str(e)) from None
     job = None
     try:
         from .config import load_job
 
-        job = load_job(args.job)
+        job = load_job(args.job, ov) if ov else load_job(args.job)
     except ImportError:
         pass
     except (OSError, ValueError) as e:
@@ -120,6 +127,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         job = None
+        if getattr(args, "set", None) and not args.job:
+            raise CommandError("--set overrides a job's keys: give a job YAML")
         if args.job:
             workload, job = _job_inputs(args)
             if args.gen_len is not None or args.prompt_len is not None:

@@ -148,3 +148,19 @@ def test_profile_command_cpu_only(tmp_path, monkeypatch, capsys):
     assert text.startswith("# moe-batch profile, ") and "# host: " in text
     # the measured profile plans
     assert run(["plan", "--model", "olmoe-1b-7b", "--hardware", str(path), "--prompt-len", "64", "--gen-len", "8"]) == 0
+
+
+def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
+    """`moe-batch plan JOB.yaml --set key=value` plans the overridden job (here a smaller GPU budget); --set without a
+    job is an error."""
+    import yaml
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(f'{{"id": {i}, "prompt": "hello number {i}"}}\n' for i in range(8)))
+    job = tmp_path / "j.yaml"
+    job.write_text(yaml.safe_dump({"model": tiny_dir, "data": {"source": "jsonl", "path": str(data)}, "device": "cpu",
+                                   "dtype": "float32", "executor": "cgopipe", "output": {"path": str(tmp_path / "o.jsonl")}}))
+    assert run(["plan", str(job), "--set", "gpu_memory=2GiB"]) == 0
+    assert "/ budget 2.0 GiB" in capsys.readouterr().out
+    assert run(["plan", "--model", "mixtral-8x7b", "--set", "gpu_memory=2GiB", "--prompt-len", "8", "--gen-len", "2"]) == 2
+    assert "--set overrides a job's keys" in capsys.readouterr().err

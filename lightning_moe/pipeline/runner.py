@@ -117,11 +117,12 @@ def job_workload_from_prepared(prep: "Prepared"):
     return Workload.from_lengths([t.prompt_tokens for t in ok], job.generation.max_new_tokens, name=job.name)
 
 
-def job_workload(job_path: str):
-    """Workload of a job YAML: its requests tokenized exactly as ``moe-batch run`` would (no weights loaded)."""
+def job_workload(job_path: str, overrides: Optional[dict] = None):
+    """Workload of a job YAML (with ``--set`` ``overrides``): its requests tokenized exactly as ``moe-batch run`` would
+    (no weights loaded)."""
     from ..config import load_job
 
-    return job_workload_from_prepared(Prepared(load_job(job_path)))
+    return job_workload_from_prepared(Prepared(load_job(job_path, overrides)))
 
 
 REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often

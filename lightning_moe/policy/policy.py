@@ -425,7 +425,9 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add(f"hardware  {hw.name}: GPU {format_bytes(hw.gpu_memory)}, HBM {hw.gpu_hbm_bandwidth / 1e9:.0f} GB/s, "
         f"{hw.gpu_flops(policy.dtype) / 1e12:.0f} TFLOP/s, PCIe h2d {hw.pcie_h2d / 1e9:.1f} GB/s d2h {hw.pcie_d2h / 1e9:.1f} GB/s, "
         f"CPU attention {hw.cpu_attention_bandwidth / 1e9:.0f} GB/s")
-    add(f"workload  prompt {estimate.prompt_len:.1f} tokens mean (max {estimate.max_prompt_len}), generate {estimate.gen_len}")
+    scoring = "scoring" in estimate.memory.gpu_phases
+    add(f"workload  {'sequence' if scoring else 'prompt'} {estimate.prompt_len:.1f} tokens mean (max {estimate.max_prompt_len}), "
+        + ("scoring (prefill only)" if scoring else f"generate {estimate.gen_len}"))
     add("")
     add("policy")
     add(f"  mu (sequences / micro-batch)     {policy.mu}")
@@ -464,10 +466,14 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     for phase, st, total, bind in (
         ("prefill", estimate.prefill_stages, estimate.prefill_time, estimate.prefill_binding),
         ("decode", estimate.decode_stages, estimate.decode_time, estimate.decode_binding),
-    ):
+    )[: 1 if scoring else 2]:
         cells = [(_fmt_time(st.get(k, 0.0)) + ("*" if k == bind else " ")) for k in ("h2d", "d2h", "cpu", "gpu", "host", "head")]
         add(f"  {phase:8} " + " ".join(f"{c:>10}" for c in cells) + f" {_fmt_time(total):>10}")
     add("")
+    if scoring:
+        add(f"predicted: prefill {estimate.prefill_tok_s:,.0f} tok/s ({estimate.N} sequences per batch in "
+            f"{_fmt_time(estimate.prefill_time)}); binding: {estimate.prefill_binding}")
+        return "\n".join(lines)
     add(f"predicted: prefill {estimate.prefill_tok_s:,.0f} tok/s, decode {estimate.decode_tok_s:,.1f} tok/s, "
         f"end-to-end {estimate.e2e_tok_s:,.1f} tok/s ({estimate.N} x {estimate.gen_len} tokens in {_fmt_time(estimate.total_time)}); "
         f"binding: prefill {estimate.prefill_binding}, decode {estimate.decode_binding}")
