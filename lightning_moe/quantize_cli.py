@@ -1,7 +1,7 @@
 """``moe-batch quantize SRC DST --experts int4 [--up int2] [--group-size 128]``: write a quantized checkpoint.
 
 The CLI (``lightning_moe/cli.py``) calls :func:`add_subcommand` on its subparsers object; the handler
-calls :func:`lightning_moe.model.quantized.quantize_checkpoint`. Its errors are ValueErrors naming the
+calls :func:`lightning_moe.model.quantize.quantize_checkpoint`. Its errors are ValueErrors naming the
 file or argument, which ``moe-batch`` prints as one line with exit status 2.
 """
 
@@ -17,7 +17,7 @@ def _gib(n: int) -> str:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch quantize``: quantizes, prints a summary; returns 0 (errors raise ValueError)."""
-    from .model.quantized import quantize_checkpoint
+    from .model.quantize import quantize_checkpoint
 
     def progress(layer: int, layers: int) -> None:
         if args.quiet:

@@ -8,7 +8,8 @@ way), on the embedded tiny-mixtral (fp32, D=64, F=128, 8 experts, 4 layers).
 import pytest
 import torch
 
-from lightning_moe.model.quantized import QuantExperts, quantize_checkpoint
+from lightning_moe.model.quantize import quantize_checkpoint
+from lightning_moe.model.quantized import QuantExperts
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
 from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor

@@ -16,8 +16,9 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 CLI = {"lightning_moe.cli", "lightning_moe.plan_cli", "lightning_moe.quantize_cli"}
 
 
-def project_imports() -> list[tuple[str, str]]:
-    """(importing module, imported project module) for every import statement under lightning_moe/."""
+def project_imports(type_checking: bool = True) -> list[tuple[str, str]]:
+    """(importing module, imported project module) for every import statement under lightning_moe/ (without the ones
+    under ``if TYPE_CHECKING:`` when ``type_checking`` is False)."""
     edges = []
     for dirpath, _, files in os.walk(ROOT):
         for f in files:
@@ -29,7 +30,13 @@ def project_imports() -> list[tuple[str, str]]:
             mod = mod.removesuffix(".__init__")
             with open(path) as fh:
                 tree = ast.parse(fh.read(), path)
+            typing_only = set()
             for node in ast.walk(tree):
+                if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                    typing_only |= {id(n) for n in ast.walk(node)}
+            for node in ast.walk(tree):
+                if not type_checking and id(node) in typing_only:
+                    continue
                 if isinstance(node, ast.ImportFrom):
                     if node.level:
                         base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
@@ -77,3 +84,10 @@ def test_the_rule_check_catches_a_violation():
                        ("lightning_moe.policy.hrm", "lightning_moe.model.spec")]) == [
         "lightning_moe.kernels.quant imports lightning_moe.model.mixtral",
         "lightning_moe.policy.hrm imports lightning_moe.pipeline.batching"]
+
+
+def test_no_two_modules_import_each_other():
+    """At run time (type annotations aside) no two modules import each other."""
+    edges = {(a, b) for a, b in project_imports(type_checking=False) if a != b}
+    mutual = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+    assert mutual == []

@@ -14,8 +14,8 @@ import torch
 
 from lightning_moe import cli
 from lightning_moe.kernels.quant import PAGE_SCHEMES, analytic_error_bound
-from lightning_moe.model.quantized import (METHOD, QuantExperts, QuantizeError, checkpoint_scheme,
-                                           quantize_checkpoint)
+from lightning_moe.model.quantize import QuantizeError, quantize_checkpoint
+from lightning_moe.model.quantized import METHOD, QuantExperts, checkpoint_scheme
 from lightning_moe.model.weights import CheckpointError, ModelWeights, load_checkpoint
 from lightning_moe.pipeline.serial import SerialExecutor
 

@@ -5,22 +5,22 @@ bf16, fp16 or fp32 (cast to the requested dtype on load), and both expert layout
 the original per-expert tensors (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``, what Mixtral
 checkpoints on the Hub and transformers' ``save_pretrained`` write) and transformers-5's fused
 in-memory layout (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]).
-A checkpoint written by ``moe-batch quantize`` (model/quantized.py) keeps its experts as packed pages.
+A checkpoint written by ``moe-batch quantize`` (model/quantize.py; read by model/quantized.py) keeps its experts as
+packed pages.
 
 Also builds deterministic dummy weights for a spec (speed benchmarks of real configs).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
-from safetensors import safe_open
 
+from .checkpoint_io import CheckpointError, _Reader
 from .mixtral import ExpertWeights, LayerWeights
+from .quantized import checkpoint_page_layout, read_packed_experts
 from .spec import MoESpec
 
 
@@ -54,52 +54,6 @@ class ModelWeights:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing a file or a tensor (the message names which)."""
-
-
-def _tensor_index(path: str) -> dict[str, str]:
-    """Map tensor name -> safetensors file for a checkpoint directory (single file or sharded)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        missing = sorted({os.path.join(path, v) for v in weight_map.values()} - {p for p in _files(path)})
-        if missing:
-            raise CheckpointError(f"{index}: shard file(s) not found: {', '.join(missing)}")
-        return {k: os.path.join(path, v) for k, v in weight_map.items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
-        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
-def _files(path: str) -> Iterable[str]:
-    return (os.path.join(path, n) for n in os.listdir(path))
-
-
-class _Reader:
-    """Lazy tensor reader over (possibly sharded) safetensors files, casting to one dtype."""
-
-    def __init__(self, path: str, dtype: torch.dtype):
-        self.path, self.dtype = path, dtype
-        self.where = _tensor_index(path)
-        self._open: dict[str, object] = {}
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
-        file = self.where[name]
-        if file not in self._open:
-            self._open[file] = safe_open(file, framework="pt")
-        t = self._open[file].get_tensor(name)
-        return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
-
-
 def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None) -> ModelWeights:
     """Load a Mixtral-family Hugging Face checkpoint directory into host memory.
 
@@ -113,8 +67,6 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     Raises:
         FileNotFoundError / CheckpointError: missing config, shard or tensor (named in the message).
     """
-    from .quantized import checkpoint_page_layout, read_packed_experts  # lazy: quantized.py imports this module
-
     spec = spec or MoESpec.from_pretrained_dir(path)
     r = _Reader(path, dtype)
     page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages

@@ -8,7 +8,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from lightning_moe.model.quantized import quantize_checkpoint  # noqa: E402
+from lightning_moe.model.quantize import quantize_checkpoint  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402

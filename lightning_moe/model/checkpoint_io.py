@@ -1,0 +1,56 @@
+"""Reading Hugging Face safetensors checkpoints: the tensor index of a (sharded) directory and a lazy reader."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing a file or a tensor (the message names which)."""
+
+
+def _tensor_index(path: str) -> dict[str, str]:
+    """Map tensor name -> safetensors file for a checkpoint directory (single file or sharded)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = sorted({os.path.join(path, v) for v in weight_map.values()} - {p for p in _files(path)})
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) not found: {', '.join(missing)}")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _files(path: str) -> Iterable[str]:
+    return (os.path.join(path, n) for n in os.listdir(path))
+
+
+class _Reader:
+    """Lazy tensor reader over (possibly sharded) safetensors files, casting to one dtype."""
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        self.path, self.dtype = path, dtype
+        self.where = _tensor_index(path)
+        self._open: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        file = self.where[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt")
+        t = self._open[file].get_tensor(name)
+        return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype

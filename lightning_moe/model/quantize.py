@@ -1,0 +1,213 @@
+"""``moe-batch quantize``: write a copy of a Mixtral checkpoint whose routed experts are packed uniform pages.
+
+The format and how it is read are described in model/quantized.py; this module writes it
+(:func:`quantize_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .checkpoint_io import CheckpointError, _tensor_index
+from .quantized import METHOD, PACKED_NAME, SCALE_DTYPES, SCHEMES, _ST_DTYPES, _WEIGHT_SUFFIXES, QuantExperts
+from .weights import load_checkpoint
+
+
+class QuantizeError(ValueError):
+    """Bad input to :func:`quantize_checkpoint` (the message names the file or argument and the reason)."""
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize_checkpoint` wrote."""
+
+    dst: str  # the quantized checkpoint directory
+    scheme: str  # page scheme: int4 | int2 | int2-up
+    group_size: int  # G, input columns per quantization group
+    page_bytes: int  # bytes of one expert page
+    num_layers: int  # decoder layers
+    num_experts: int  # experts per layer
+    source_dtype: str  # dtype of the source weights (kept for non-expert weights)
+    source_expert_bytes: int  # bytes of the source's routed experts
+    packed_expert_bytes: int  # bytes of all packed pages (num_layers * num_experts * page_bytes)
+    copied_files: list = field(default_factory=list)  # non-weight files copied from the source (tokenizer, ...)
+
+
+def _read_config(path: str, what: str) -> tuple[str, dict]:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        why = "is not a directory" if os.path.exists(path) else "not found"
+        raise QuantizeError(f"{path}: {what} checkpoint directory {why}")
+    if not os.path.isfile(cfg_path):
+        raise QuantizeError(f"{cfg_path}: not found (is {path!r} a Hugging Face checkpoint directory?)")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise QuantizeError(f"{cfg_path}: cannot read JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise QuantizeError(f"{cfg_path}: expected a JSON object")
+    return cfg_path, raw
+
+
+def _resolve_scheme(experts: str, up: Optional[str]) -> str:
+    key = (experts, up)
+    if key not in SCHEMES:
+        combos = ", ".join(f"experts={e}" + (f" up={u}" if u else "") for e, u in SCHEMES)
+        raise QuantizeError(f"quantize: unsupported combination experts={experts!r}, up={up!r} (supported: {combos})")
+    return SCHEMES[key]
+
+
+def _source_dtype(src: str) -> torch.dtype:
+    """Storage dtype of the source's embedding table (the dtype kept for non-expert weights)."""
+    from safetensors import safe_open
+
+    name = "model.embed_tokens.weight"
+    where = _tensor_index(src)
+    if name not in where:
+        raise CheckpointError(f"{src}: tensor {name!r} not found in the checkpoint")
+    with safe_open(where[name], framework="pt") as f:
+        st = f.get_slice(name).get_dtype()
+    if st not in _ST_DTYPES:
+        raise QuantizeError(f"{where[name]}: {name} is stored as {st}; expected F32, BF16 or F16")
+    return _ST_DTYPES[st]
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
+def quantize_checkpoint(
+    src_dir: str,
+    dst_dir: str,
+    experts: str = "int4",
+    up: Optional[str] = None,
+    group_size: int = 128,
+    scale_dtype: str = "float16",
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> QuantizeResult:
+    """Write a copy of the Mixtral checkpoint ``src_dir`` to ``dst_dir`` with packed, quantized expert pages.
+
+    Args:
+        src_dir: Hugging Face Mixtral checkpoint directory (config.json, safetensors, tokenizer files).
+        dst_dir: output directory; must not exist or be empty (its parent is created if needed).
+        experts: bits of every projection: ``"int4"`` or ``"int2"``.
+        up: ``"int2"`` stores up_proj (w3) at 2 bits while gate/down use ``experts`` (scheme ``int2-up``,
+            only with ``experts="int4"``); None: all projections at ``experts``.
+        group_size: G, input columns per quantization group (positive int; 128 is what the planner's
+            byte model, ``MoESpec.expert_bytes``, assumes).
+        scale_dtype: ``"float16"`` (default), ``"bfloat16"`` (weights beyond fp16 range) or ``"float32"``.
+        progress: called as ``progress(layer, num_layers)`` after each layer is written.
+
+    Returns:
+        :class:`QuantizeResult`. The source is loaded in its own storage dtype (whole model in host memory)
+        and non-expert weights are written in that dtype; expert codes are computed in float64
+        (:func:`~lightning_moe.kernels.quant.quantize_groupwise`).
+
+    Raises:
+        QuantizeError (a ValueError): missing source / config.json, a non-Mixtral or already quantized
+            source, an existing non-empty ``dst_dir``, an unsupported scheme, group size or scale dtype,
+            scales that overflow ``scale_dtype``.
+        CheckpointError (a ValueError): a missing weight file or tensor in the source (named).
+    """
+    from safetensors.torch import save_file
+
+    from .spec import MoESpec
+
+    scheme = _resolve_scheme(experts, up)
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise QuantizeError(f"quantize: group_size must be a positive integer, got {group_size!r}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise QuantizeError(f"quantize: scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}")
+    cfg_path, raw = _read_config(src_dir, "source")
+    if raw.get("model_type") != "mixtral":
+        raise QuantizeError(f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported by quantize "
+                            f"(only 'mixtral')")
+    if "quantization" in raw:
+        raise QuantizeError(f"{cfg_path}: the source is already quantized ({raw['quantization']}); "
+                            f"quantize the original checkpoint")
+    dst = os.path.abspath(dst_dir)
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise QuantizeError(f"{dst_dir}: destination already exists and is not an empty directory; "
+                            f"choose a new directory")
+    try:
+        spec = MoESpec.from_pretrained_dir(src_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise QuantizeError(str(e)) from None
+    src_dtype = _source_dtype(src_dir)
+    w = load_checkpoint(src_dir, src_dtype, spec)
+    source_expert_bytes = w.expert_bytes
+    sdt = SCALE_DTYPES[scale_dtype]
+    L = spec.num_layers
+    n_shards = L + 1
+    shard = lambda i: f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"  # noqa: E731
+
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}-", dir=parent)
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        layout = None
+
+        def write(i: int, tensors: dict[str, torch.Tensor]) -> None:
+            nonlocal total
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, shard(i)), metadata={"format": "pt"})
+            for k, v in tensors.items():
+                weight_map[k] = shard(i)
+                total += v.numel() * v.element_size()
+
+        for l in range(L):
+            p, lw = f"model.layers.{l}.", w.layers[l]
+            moe = p + "block_sparse_moe."
+            try:
+                qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt)
+            except ValueError as e:
+                raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
+            w.experts[l] = None  # release the source copy of this layer's experts
+            layout = qe.layout
+            write(l, {p + "input_layernorm.weight": lw.attn_norm, p + "self_attn.q_proj.weight": lw.wq,
+                      p + "self_attn.k_proj.weight": lw.wk, p + "self_attn.v_proj.weight": lw.wv,
+                      p + "self_attn.o_proj.weight": lw.wo, p + "post_attention_layernorm.weight": lw.ffn_norm,
+                      moe + "gate.weight": lw.router, moe + PACKED_NAME: qe.pages})
+            if progress is not None:
+                progress(l + 1, L)
+        last = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm}
+        if w.lm_head is not w.embed:  # tied embeddings: load_checkpoint re-ties from tie_word_embeddings
+            last["lm_head.weight"] = w.lm_head
+        write(L, last)
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+        raw["quantization"] = {"method": METHOD, "scheme": scheme, "group_size": group_size,
+                               "scale_dtype": scale_dtype, "page_bytes": layout.page_bytes}
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(raw, f, indent=2)
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in os.listdir(tmp):  # mkdtemp and save_file create private files; use the usual umask
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        copied = []
+        for name in sorted(os.listdir(src_dir)):
+            s = os.path.join(src_dir, name)
+            if name == "config.json" or name.startswith(".") or not os.path.isfile(s) or _is_weight_file(name):
+                continue
+            shutil.copy2(s, os.path.join(tmp, name))
+            copied.append(name)
+        os.rename(tmp, dst)  # replaces an empty dst directory (POSIX rename)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return QuantizeResult(dst=dst_dir, scheme=scheme, group_size=group_size, page_bytes=layout.page_bytes,
+                          num_layers=L, num_experts=spec.num_experts, source_dtype=str(src_dtype).replace("torch.", ""),
+                          source_expert_bytes=source_expert_bytes,
+                          packed_expert_bytes=L * spec.num_experts * layout.page_bytes, copied_files=copied)
+
