@@ -87,3 +87,15 @@ def test_grow_prefill_only_touches_the_prefill_micro_batch():
     # no room: the policy comes back unchanged
     tight = dataclasses.replace(base, gpu_budget=hrm.memory_estimate(base, spec, w).gpu_peak)
     assert milp.grow_prefill(tight, spec, hw, w)[0] == tight
+
+
+def test_prefill_chunk_is_no_larger_than_the_batch():
+    """The largest prefill chunk holds at most the batch's prompt tokens: one prompt of 200 tokens and nine of 5 bound
+    the padded chunk at 10 x 200 = 2000 tokens, but the chunk packs only the batch's 245 tokens, and its FFN workspace
+    is counted for 245."""
+    spec = resolve_spec("mixtral-8x7b")
+    w = Workload.from_lengths([200] + [5] * 9, gen_len=4)
+    pol = Policy(mu=10, n=1, prefill_mu=10, prefill_tokens=16384, gpu_reserve=0, cpu_reserve=0)
+    assert hrm.prefill_chunk_shape(pol, w) == (245, 2000, 200)
+    m = hrm.memory_estimate(pol, spec, w)
+    assert m.gpu_prefill["prefill chunk workspace"] == hrm.prefill_chunk_workspace(spec, 245, 2000, 200, "bf16")

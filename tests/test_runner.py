@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.config import job_from_dict
 from lightning_moe.data.writer import ResultsWriter, read_results
@@ -17,12 +18,6 @@ from lightning_moe.pipeline.runner import run_job
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _prompts(path, n=12):
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"q{i}", "prompt": " ".join(words[: 1 + (i * 3) % 8]) + f" number {i}"}) + "\n")
-    return str(path)
 
 
 def _job(tmp_path, tiny_dir, data, out="out.jsonl", **kw):

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from conftest import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.pipeline import runner
 from lightning_moe.pipeline.runner import apply_gpu_cap, cuda_index
@@ -50,12 +51,6 @@ def test_gpu_cap_accepts_cuda_and_cuda_index(monkeypatch):
         apply_gpu_cap("cuda:0", GiB // 4)
 
 
-def _prompts(path, n=12):
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"q{i}", "prompt": " ".join(words[: 1 + (i * 3) % 8]) + f" number {i}"}) + "\n")
-    return str(path)
 
 
 def _write_job(tmp_path, tiny_dir, policy, **extra):

@@ -80,6 +80,21 @@ def _scan(path: str) -> tuple[list[tuple[int, dict]], int, Optional[str]]:
     return records, pos, None
 
 
+
+def _scan_repairing(path: str, consequence: str) -> tuple[list, int]:
+    """:func:`_scan` of ``path``, truncating a torn last line away (fsync'd; one stderr line saying ``consequence``).
+    Returns (records, bytes removed)."""
+    records, good, torn = _scan(path)
+    if torn is None:
+        return records, 0
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(good)
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"moe-batch: {path}: removed a torn last line ({size - good} bytes: {torn!r}); {consequence}", file=sys.stderr)
+    return records, size - good
+
 def read_results(path: str) -> list[dict]:
     """All complete records of a results file, in file order (a torn last line is ignored, not repaired).
 
@@ -113,16 +128,7 @@ class ResultsWriter:
         parent = os.path.dirname(self.path)
         os.makedirs(parent, exist_ok=True)
         if os.path.exists(self.path):
-            records, good, torn = _scan(self.path)
-            if torn is not None:
-                size = os.path.getsize(self.path)
-                with open(self.path, "r+b") as f:
-                    f.truncate(good)
-                    f.flush()
-                    os.fsync(f.fileno())
-                self.repaired_bytes = size - good
-                print(f"moe-batch: {self.path}: removed a torn last line ({self.repaired_bytes} bytes: {torn!r}); "
-                      f"its request will run again", file=sys.stderr)
+            records, self.repaired_bytes = _scan_repairing(self.path, "its request will run again")
             for lineno, rec in records:
                 rid = rec.get("id")
                 if not isinstance(rid, str) or not rid:
@@ -282,16 +288,8 @@ class PartialsFile:
         self.bytes_written = 0  # bytes this object appended
         if not os.path.exists(self.path):
             return
-        records, good, torn = _scan(self.path)
-        if torn is not None:
-            size = os.path.getsize(self.path)
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
-            self.repaired_bytes = size - good
-            print(f"moe-batch: {self.path}: removed a torn last line ({self.repaired_bytes} bytes: {torn!r}); the "
-                  f"sequence it belonged to resumes from its previous checkpoint", file=sys.stderr)
+        records, self.repaired_bytes = _scan_repairing(
+            self.path, "the sequence it belonged to resumes from its previous checkpoint")
         for lineno, rec in records:
             rid, start, ids = rec.get("id"), rec.get("start"), rec.get("ids")
             if not isinstance(rid, str) or not rid:

@@ -452,13 +452,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
     prep = Prepared(job)
-    # the policy, with its predicted memory for every phase, is checked before anything is written or read
-    valid = any(t.error is None for t in prep.treqs)
-    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
-    if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
-        policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
-    check_results_provenance(job)  # never mix records of another model / settings into one results file
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
+        check_results_provenance(job)  # results exist: compared, nothing written
         with ResultsWriter(job.output.path) as w:
             if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report
                 with open(job.output.report_path) as f:
@@ -466,6 +461,12 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
+    # the policy, with its predicted memory for every phase, is checked before anything is written or read
+    valid = any(t.error is None for t in prep.treqs)
+    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
+    if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
+        policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
+    check_results_provenance(job)  # never mix records of another model / settings into one results file
     with ResultsWriter(job.output.path) as w:
         done = w.done_ids()
     todo = [t for t in prep.treqs if t.id not in done]

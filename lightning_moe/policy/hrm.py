@@ -360,8 +360,8 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
 
 
 # ---- memory --------------------------------------------------------------------------------------
-FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's transient workspaces (on the H200 host
-# reserved exceeded allocated by up to ~0.4x the chunk workspace in scoring); budgeted, not in the allocated peak
+FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's transient workspaces (cached blocks of
+# other chunk sizes); budgeted, not in the allocated peak
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
 
 
