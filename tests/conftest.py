@@ -1,21 +1,11 @@
 """Shared fixtures: small random Mixtral checkpoints saved in HF format by transformers itself."""
 
-import json
 import os
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-
-def jsonl_prompts(path, n=12):
-    """Write ``n`` short prompts of varied length (ids q0..q{n-1}) as a jsonl job input; returns its path."""
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"q{i}", "prompt": " ".join(words[: 1 + (i * 3) % 8]) + f" number {i}"}) + "\n")
-    return str(path)
 
 
 def make_hf_mixtral(path, *, layers=2, experts=4, top_k=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=128,

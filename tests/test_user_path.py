@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import jsonl_prompts as _prompts
+from prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.pipeline import runner
 from lightning_moe.pipeline.runner import apply_gpu_cap, cuda_index

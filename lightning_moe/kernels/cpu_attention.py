@@ -2,7 +2,7 @@
 
 Why a kernel of our own: PyTorch's fused CPU attention (``scaled_dot_product_attention``) pays a large fixed cost
 per (row, KV head) at decode shapes (one query of G = Hq / Hkv heads against a few hundred positions): on the
-H200 host it read 15-25 GB/s of K/V inside CGOPipe at MT-Bench lengths (RESULTS.md 7a), and the gather / index_put /
+H200 host it read 15-25 GB/s of K/V inside CGOPipe at MT-Bench lengths, and the gather / index_put /
 pin copies around it cost as much again, against ~55 GB/s for one long contiguous call. Decode attention is a
 memory-bound stream (arithmetic intensity ~G FLOP per byte, MoE-Lightning Sec. 4.1 / Fig. 3), so the kernel here
 reads each valid K and V row of the cache exactly once and does everything else in registers / L1:
@@ -272,7 +272,7 @@ std::vector<double> native_stats(bool reset) {
 // per CPU micro-batch and layer instead of one per group, and the longest items start first so the last ones to
 // finish are short (longest-processing-time order). Items are handed out dynamically: a thread that shares its
 // core with the host thread or a spinning CUDA sync takes fewer items instead of holding up the call (static
-// chunks made every call wait for the slowest thread: RESULTS.md 7b). Team size: torch's intra-op thread count.
+// chunks make every call wait for the slowest thread). Team size: torch's intra-op thread count.
 template <typename Tr>
 void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typename Tr::raw* q,
                    const typename Tr::raw* k_new, const typename Tr::raw* v_new, typename Tr::raw* out, int64_t Hkv,
@@ -287,9 +287,7 @@ void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typ
   const int64_t items = static_cast<int64_t>(order.size()) * Hkv;
   // Team size: torch's intra-op threads, at most one per item and one per kGrainBytes of K/V the call reads. A
   // small call (a tiny model, a few short rows) runs on fewer threads: there, starting and joining a team costs
-  // more than it saves, and one team thread that loses its core to another process stalls the whole call. Measured
-  // (session 8, 2-core machine with one core busy in another process, tiny-mixtral, serial, batch 8): decode 810 /
-  // 849 tok/s with the whole team, 898 / 892 with this rule, 989 with PyTorch's routine. Decode calls at real sizes
+  // more than it saves, and one team thread that loses its core to another process stalls the whole call. Decode calls at real sizes
   // read megabytes and keep the whole team.
   int64_t kv_bytes = 0;
   for (const auto& gr : groups)
@@ -320,7 +318,7 @@ void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typ
 // the checks of the index values (rows in [0, B) and distinct, lengths within the cache), in one pass over them before
 // anything is written: "" when they hold, else the message (the Python wrapper raises ValueError with it). Here
 // rather than as tensor ops in Python: the wrapper runs once per CPU micro-batch and layer, and ~40 small tensor ops
-// cost ~1 ms per call there (RESULTS.md 9a).
+// cost ~1 ms per call there.
 std::string check_indices(const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& K,
                           const std::vector<at::Tensor>& lens, int64_t B, bool append) {
   std::vector<char> seen(static_cast<size_t>(std::max<int64_t>(B, 0)), 0);

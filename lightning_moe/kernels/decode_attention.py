@@ -2,8 +2,8 @@
 
 Why: CGOPipe's GPU-attention micro-batches keep their KV in a :class:`~lightning_moe.pipeline.kv_cache.GroupedKVCache`
 (8 length groups, each ``[B_g, Hkv, S_g, hd]``), and the torch path appends and attends group by group, ~20 small ops
-per group and layer, all issued by the host thread. Run 28 (RESULTS.md 10a) found the host issuing that work while
-the GPU waited: a GPU-attention micro-batch costs the host ~1.5x a CPU-attention one per layer (profile h_g vs h_c).
+per group and layer, all issued by the host thread, while the GPU waits: a GPU-attention micro-batch costs the host
+more per layer than a CPU-attention one (profile h_g vs h_c).
 Here the groups live in one flat array of hd-vectors per layer and every row carries its own (base, capacity), so one
 kernel covers all groups: grid (rows, KV heads), Flash-Decoding's single-split case.
 

@@ -3,7 +3,7 @@
 Why: CGOPipe streams expert pages host-to-device on the copy engine, and copies of one direction run in issue order
 there, so a micro-batch's CPU attention output (a few MB) issued as a DMA copy waits behind every page copy queued
 before it (up to a slot of pages, ~10 ms at full size), while the GPU waits for it and the next micro-batch's q/k/v
-wait for the GPU (RESULTS.md 9b: the GPU waited 32 of 66 s of decode for attention outputs). A kernel that loads
+wait for the GPU. A kernel that loads
 the pinned buffer directly (CUDA unified addressing: pinned host memory is mapped into the device's address space)
 moves those bytes over PCIe as SM reads, beside the copy engine's traffic instead of behind it.
 

@@ -107,7 +107,7 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Large-M switch of fused_experts_quant_triton(mode="auto"): dequantize the call's experts into a dense scratch
 # and run the dense grouped kernel when the mean routed pairs per expert, T * k / E, is at least this.
-# 0 = always. Measured on the H200 (RESULTS.md 6, benchmarks/bench_quant_ffn.py, Mixtral experts, E = 8): the
+# 0 = always (benchmarks/bench_quant_ffn.py measures the crossover; Mixtral experts, E = 8): the
 # fused in-register kernel took 9.4 ms at T = 8 and 188 ms at T = 4096 while the bf16 kernel on dense weights took
 # 0.8-7.5 ms, so dequantize + dense wins at every T once the dequantization itself runs near HBM bandwidth
 # (the first dequant kernel reached only 176 GB/s, 20 ms for 8 experts; the rewrite of d0f951a stores

@@ -117,8 +117,8 @@ class CGOPipeExecutor:
             topped up whenever the host would issue a slot, while it waits for CPU attention and between
             prefill chunks; a visit's remaining pages are issued before its first expert FFN. Copies of one
             direction may run in issue order on the copy engine; a short queue bounds how long an attention
-            output waits behind expert pages (RESULTS.md 6c: ~33 ms per layer at full size, bf16). UNMEASURED:
-            an A/B switch for the GPU benchmark (`bench_cgopipe.py --page-queue-depth`).
+            output waits behind expert pages. An A/B switch for the GPU benchmark
+            (`bench_cgopipe.py --page-queue-depth`).
         cpu_threads: None (default): CPU attention uses torch's intra-op thread count. An int n >= 1: the
             worker thread calls ``torch.set_num_threads(n)`` when it starts (process-wide: torch has one
             intra-op setting), e.g. to leave cores to the host thread and the CUDA driver. An A/B switch for
@@ -132,9 +132,8 @@ class CGOPipeExecutor:
         gpu_attention: how a GPU-attention micro-batch appends its k/v and attends. "torch" (default): per KV length
             group, :meth:`GroupedKVCache.append` + :meth:`GroupedKVCache.attend` with model.mixtral.decode_attention
             (~20 ops per group, bit-identical to the serial executor); "triton": one kernel for all groups
-            (:meth:`GroupedKVCache.append_attend_triton`, scores in fp32: bf16 outputs differ by rounding). The
-            triton path is CPU-tested under the Triton interpreter and NOT YET RUN ON A GPU (RESULTS.md 10, the next
-            device step measures it). Raises ValueError on another value.
+            (:meth:`GroupedKVCache.append_attend_triton`, scores in fp32: bf16 outputs differ by rounding). Raises
+            ValueError on another value.
         score_chunk_tokens: rows per chunk of the scoring head in :meth:`prompt_logprobs` (default
             SCORE_CHUNK_TOKENS; its fp32 logits + log_softmax take ``score_chunk_tokens * V * 8`` bytes, whatever
             the prefill chunk's token count). Raises ValueError unless an int >= 1.
@@ -413,8 +412,8 @@ class CGOPipeExecutor:
 
         The returned closure serves one layer visit (all its micro-batches). Dense pages: one grouped call over
         the paged stack and one over the resident stack, each skipping the other's (token, slot) pairs.
-        Quantized pages: the first call with ``T * k / E >= kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT`` (0
-        since the H200 measurement of RESULTS.md 6: always) dequantizes ALL the visit's experts, paged and
+        Quantized pages: the first call with ``T * k / E >= kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT`` (0,
+        the default: always) dequantizes ALL the visit's experts, paged and
         resident, once into ``self._dq_scratch`` (:meth:`_dequantize_visit`), and this and every later call of
         the visit run ONE dense grouped kernel over them; calls before that run the fused in-register kernel
         on each group's packed pages.
@@ -481,7 +480,7 @@ class CGOPipeExecutor:
 
     def _store_prefill_kv(self, l: int, mb: MicroBatch, index: list, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
         """Write a prefill chunk's k, v [T, Hkv, hd] into its micro-batch's cache (one scatter per length group, by
-        ``index`` from :meth:`_prefill_kv_index`; a copy per sequence cost ~0.1 ms each, RESULTS.md 8).
+        ``index`` from :meth:`_prefill_kv_index`, not a copy per sequence).
 
         GPU caches are written in place. For CPU caches on CUDA the copy is asynchronous: k/v go to pinned
         host buffers on the D2H stream and the worker thread writes them into the cache once they landed,
@@ -668,9 +667,8 @@ class CGOPipeExecutor:
         Micro-batch k's slot of layer l+1's pages is issued right after k's attention result is on its way
         to the GPU (CPU attention) or computed (GPU attention), never before: copies of one direction queue on
         the copy engine in issue order, so a slot issued earlier would hold the attention output behind
-        megabytes of pages while the GPU waits for it (RESULTS.md 5b: ~22-37 ms per layer).
-        Submitting every CPU micro-batch's attention before the GPU micro-batches' work was measured in run 18
-        (RESULTS.md 7d): no gain (969 vs 1002 tok/s), the GPU then waited for the CPU micro-batch instead.
+        megabytes of pages while the GPU waits for it. (Submitting every CPU micro-batch's attention before the
+        GPU micro-batches' work gains nothing: the GPU then waits for the CPU micro-batch instead.)
         """
         visit = self._visit
         ffn = self._begin_layer(visit)

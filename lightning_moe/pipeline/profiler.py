@@ -235,8 +235,8 @@ def measure_expert_kernel_flops(tokens: int = 4096, hidden: int = 4096, intermed
     GPU has no bf16). FLOPs 2 T k 3 D F per call; the best of ``repeats`` timed calls after a warm-up. The profile's
     ``gpu_expert_flops`` ((H1)'s routed-expert term in hrm.py caps the GEMM peak with it).
 
-    Why: run 28 (RESULTS.md 10) timed this kernel's prefill calls at ~388 TFLOP/s against a cuBLAS GEMM peak of
-    ~760, and prefill ran at 0.44-0.60 of an HRM that assumed the peak.
+    Why: the grouped kernel runs well below the cuBLAS GEMM peak at prefill shapes, so an HRM that assumed the peak
+    over-predicts prefill.
 
     Raises:
         RuntimeError: no CUDA device, or triton missing.
@@ -278,10 +278,9 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
     short warm-up run compiles the kernels first. On ``device="cpu"`` (tests) the same loop runs synchronously and
     both numbers are CPU-attention micro-batches.
     The CPU number includes the host's wait for each hand-off (q/k/v copy, event, worker wake-up, the tiny
-    attention), a latency the host really waits per CPU micro-batch. Measured without it (issue time only, run 31,
-    RESULTS.md 10), a 512-row CPU micro-batch's decode layer took 12.1 ms against the HRM's 10.0.
-    Source of the need: RESULTS.md 9b (int4's g = 1 policy spent 13.2 of 19.1 ms per layer issuing work, against
-    the 1.45 ms per micro-batch of :func:`measure_microbatch_overhead`, which times only a bare pre + post attention).
+    attention), a latency the host really waits per CPU micro-batch (issue time alone under-predicts a CPU
+    micro-batch's decode layer). :func:`measure_microbatch_overhead` times only a bare pre + post attention, far less
+    than the host spends issuing a real micro-batch's work.
     """
     from ..model.spec import MoESpec
     from ..model.weights import dummy_weights

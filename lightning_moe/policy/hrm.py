@@ -23,8 +23,8 @@ against its text here, so "Sec." citations are the reliable ones.
   (H6') T_host = (n - n_g) h_c + n_g h_g [+ one CPU micro-batch's attention when n - n_g >= 1]: the host thread
                issues every micro-batch's work (h_c, h_g: the profile's host_issue_cpu_attn / _gpu_attn, measured by
                running CGOPipe's own decode on a tiny model) and, having nothing left to issue, waits for the
-               layer's last CPU attention; 0 when the profile has no host measurement (RESULTS.md 9b: int4's g = 1
-               policy spent 13.2 of 19.1 ms per layer issuing work, which no other stage accounts for)
+               layer's last CPU attention; 0 when the profile has no host measurement (the host's issue time is
+               accounted for by no other stage)
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
@@ -120,8 +120,8 @@ def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: s
     """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b.
 
     The FLOP rate is the profile's ``gpu_expert_flops`` (what the grouped Triton kernel reaches) when measured,
-    capped by the dtype's GEMM peak: run 28 (RESULTS.md 10) measured the kernel at ~0.5 of the cuBLAS peak in
-    prefill, and a prefill predicted at the peak came out ~2x optimistic.
+    capped by the dtype's GEMM peak (the grouped kernel runs well below the cuBLAS peak; a prefill predicted at the
+    peak is optimistic).
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)

@@ -93,8 +93,7 @@ def grow_prefill(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: W
 
     The MILP plans with PREFILL_TOKENS; the decode phase often leaves GPU memory that the prefill workspace can
     use (the GPU peak is the larger of the two phases). Fewer, larger prefill micro-batches cost less host time
-    per token: run 21 (RESULTS.md 8) measured 11.5k vs 9.2k prefill tok/s for 128 x 16384 vs 32 x 4096 on the same
-    executor. Only ``prefill_mu`` and ``prefill_tokens`` change. Returns (policy, hrm.evaluate of it).
+    per token. Only ``prefill_mu`` and ``prefill_tokens`` change. Returns (policy, hrm.evaluate of it).
     """
     best, est = policy, hrm.evaluate(policy, spec, hw, workload)
     for tok in sorted(sizes, reverse=True):

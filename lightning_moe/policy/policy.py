@@ -138,8 +138,7 @@ class Workload:
         GPU attention, in batches of ``N``.
 
         CGOPipe puts the ``g`` SHORTEST micro-batches of a batch on the GPU (its micro-batches are grouped by
-        length), so with 0 < g < n the CPU rows attend over longer contexts than the mean (MT-Bench, 512 rows,
-        g = 1 of 2: CPU rows' prompts 129.5 tokens vs 82 for all; RESULTS.md 7c). The runner's batches are
+        length), so with 0 < g < n the CPU rows attend over longer contexts than the mean. The runner's batches are
         consecutive runs of the length-sorted prompts; with N >= the number of prompts one batch holds the
         whole distribution (repeated), and its shortest fraction g mu / N goes to the GPU. Offsets are means
         over all CPU (GPU) rows of the job of (prompt length - its batch's mean prompt length).
