@@ -64,6 +64,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mu-candidates", type=_ints_arg, help="comma-separated micro-batch sizes to choose from")
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds per CBC solve (default 20)")
     p.add_argument("--output", "-o", help="write the chosen policy as YAML")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the hierarchical roofline and the predicted stage times "
+                   "(needs matplotlib: pip install 'lightning-moe[plot]')")
     p.set_defaults(func=cmd_plan)
 
     q = subparsers.add_parser(
@@ -181,6 +183,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for note in est.notes:
         print(note)
     print(f"solved in {elapsed:.2f} s")
+    if getattr(args, "plot", None):
+        from .plot import PlotError, save_plan_plot
+
+        try:
+            print(f"roofline drawn to {save_plan_plot(args.plot, spec, hw, policy, workload, est)}")
+        except PlotError as e:
+            print(f"moe-batch plan: error: {e}", file=sys.stderr)
+            return 2
     if args.output:
         header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}, host {format_bytes(budgets.cpu_memory)}, "
                   f"{workload.name or 'workload'}\npredicted end-to-end {est.e2e_tok_s:.1f} tok/s (prefill {est.prefill_tok_s:.0f}, "
