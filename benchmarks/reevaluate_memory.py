@@ -12,7 +12,7 @@ skipped):
    checked against the row's summary (mu, n, prefill_mu, resident total, n_gpu_attn) and the old predicted
    allocated peak against the row's ``predicted_peak_bytes``.
 2. With the current code, ``hrm.memory_estimate(policy, spec, workload)`` of that policy for the job's workload
-   (``runner.job_workload_from_prepared``): the new predicted allocated peak and its phase.
+   (``app.plan.job_workload_from_prepared``): the new predicted allocated peak and its phase.
 3. Adjust the measured allocated peak for the page-buffer change (assumption: the buffers are the only
    allocation the executor change moved, and the measured peak contains both buffers):
    ``measured_adj = measured_allocated - (row page_buffer_bytes - current buffer bytes)``, the current buffer
@@ -61,7 +61,7 @@ def recover(old_tree: str, work: str, case_names: list[str]) -> list[dict]:
     from lightning_moe.data.tokenize import load_tokenizer
     from lightning_moe.kernels.quant import expert_page_layout
     from lightning_moe.model.quantized import SCALE_DTYPES
-    from lightning_moe.pipeline.runner import Prepared, plan_job
+    from lightning_moe.pipeline.runner import Prepared, plan_job  # the old commit's module (app.plan now)
     from lightning_moe.policy import hrm
     import lightning_moe
 
@@ -100,7 +100,7 @@ def recover(old_tree: str, work: str, case_names: list[str]) -> list[dict]:
 
 
 def cli_sweep_workload(prep):
-    from lightning_moe.pipeline.runner import job_workload_from_prepared
+    from lightning_moe.pipeline.runner import job_workload_from_prepared  # the old commit's module (app.plan now)
 
     return job_workload_from_prepared(prep)
 
@@ -137,7 +137,7 @@ def buffer_bytes(policy, spec, tiling: bool) -> int:
 
 def evaluate(rows: list[dict], recovered: list[dict]) -> tuple[list[dict], list[str]]:
     from lightning_moe.config import load_job
-    from lightning_moe.pipeline.runner import Prepared, job_workload_from_prepared
+    from lightning_moe.app.plan import Prepared, job_workload_from_prepared
     from lightning_moe.policy import hrm
     from lightning_moe.policy.policy import Policy
 

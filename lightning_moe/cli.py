@@ -35,7 +35,8 @@ def _load(args) -> "object":
 
 
 def cmd_run(args) -> int:
-    from .pipeline.runner import format_report, run_job
+    from .app.engine import run_job
+    from .app.report import format_report
 
     job = _load(args)
     report = run_job(job, progress=not args.no_progress)
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
         print(f"moe-batch: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from .pipeline.runner import GpuOutOfMemory
+        from .app.engine import GpuOutOfMemory
 
         if not isinstance(e, GpuOutOfMemory):
             raise
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
         print("moe-batch: interrupted; finished records are saved, re-run the same command to resume", file=sys.stderr)
         return 130
     except BaseException as e:  # JobStopped (imported here: plan and profile need no torch)
-        from .pipeline.runner import EXIT_STOPPED, JobStopped
+        from .app.engine import EXIT_STOPPED, JobStopped
 
         if not isinstance(e, JobStopped):
             raise

@@ -94,11 +94,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _job_inputs(args: argparse.Namespace):
-    """(Workload, job or None) for ``moe-batch plan JOB.yaml`` via runner.job_workload (lazy import)."""
+    """(Workload, job or None) for ``moe-batch plan JOB.yaml`` via app.plan.job_workload (lazy import)."""
     try:
-        from .pipeline.runner import job_workload
+        from .app.plan import job_workload
     except ImportError as e:
-        raise CommandError(f"{args.job}: planning from a job needs lightning_moe.pipeline.runner.job_workload, "
+        raise CommandError(f"{args.job}: planning from a job needs lightning_moe.app.plan.job_workload, "
                            f"which is not available yet ({e}); use --model/--hardware/--prompt-len/--gen-len") from None
     ov: dict = {}
     try:

@@ -99,7 +99,7 @@ def test_policy_for_job_uses_the_checkpoint_scheme(qdirs, tiny_dir):
     """An explicit policy mapping without weight_quant gets the checkpoint's scheme (dense: the dtype)."""
     from types import SimpleNamespace
 
-    from lightning_moe.pipeline.runner import policy_for_job
+    from lightning_moe.app.plan import policy_for_job
 
     job = SimpleNamespace(dtype="float32", policy={"mu": 2, "n": 2})
     assert policy_for_job(job, SimpleNamespace(model_path=qdirs["int4"]))[0].weight_quant == "int4"
@@ -191,7 +191,7 @@ def test_policy_auto_refuses_a_cap_larger_than_the_card(tiny_dir):
     error before any planning."""
     from types import SimpleNamespace
 
-    from lightning_moe.pipeline.runner import policy_for_job
+    from lightning_moe.app.plan import policy_for_job
 
     job = SimpleNamespace(dtype="float32", policy="auto", hardware="t4", gpu_memory=16 << 30, cpu_memory=None)
     with pytest.raises(ValueError, match="gpu_memory 16.0 GiB exceeds the 15.0 GiB of GPU memory of hardware 't4'"):

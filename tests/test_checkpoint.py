@@ -14,7 +14,7 @@ import torch
 
 from lightning_moe.config import ConfigError, job_from_dict
 from lightning_moe.data.writer import PartialsFile, WriterError, read_partials, read_results
-from lightning_moe.pipeline.runner import EXIT_STOPPED, check_results_provenance, run_job
+from lightning_moe.app.engine import EXIT_STOPPED, check_results_provenance, run_job
 from lightning_moe.pipeline.serial import SamplingParams, position_seed, sample
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

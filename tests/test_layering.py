@@ -1,4 +1,4 @@
-"""Dependencies point one way: cli -> app (pipeline.runner) -> pipeline -> (policy, model, kernels).
+"""Dependencies point one way: cli -> app -> pipeline -> (policy, model, kernels).
 
 Parsed from the source (every ``import`` / ``from ... import``, module level or inside functions), so a lazy import
 that breaks a rule fails too. The rules:
@@ -6,7 +6,10 @@ that breaks a rule fails too. The rules:
   policy    imports model.spec (and itself) only: nothing of pipeline, data, kernels, the CLI or the rest of model;
   model     imports model and kernels only;
   data      imports data, config and model only;
-  pipeline  never imports the command-line modules.
+  pipeline  never imports app or the command-line modules;
+  app       imports app, pipeline, policy, model, data, config and kernels: never the command-line modules;
+  nothing below app (pipeline, policy, model, data, config, kernels) imports app; the command-line modules
+  (cli, plan_cli, quantize_cli) may import any of it.
 """
 
 import ast
@@ -14,6 +17,7 @@ import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_moe")
 CLI = {"lightning_moe.cli", "lightning_moe.plan_cli", "lightning_moe.quantize_cli"}
+BELOW_APP = {"pipeline", "policy", "model", "data", "config", "kernels"}  # top-level parts app may import
 
 
 def project_imports(type_checking: bool = True) -> list[tuple[str, str]]:
@@ -65,7 +69,9 @@ def violations(edges) -> list[str]:
                  or (pa == "policy" and pb != "policy" and b not in ("lightning_moe.model.spec", "lightning_moe.model"))
                  or (pa == "model" and pb not in ("model", "kernels"))
                  or (pa == "data" and pb not in ("data", "config", "model"))
-                 or (pa == "pipeline" and b in CLI))
+                 or (pa == "pipeline" and b in CLI)
+                 or (pa == "app" and pb not in BELOW_APP | {"app"})
+                 or (pa in BELOW_APP and pb == "app"))
         if wrong:
             bad.append(f"{a} imports {b}")
     return sorted(set(bad))
@@ -78,11 +84,20 @@ def test_imports_point_one_way():
 
 
 def test_the_rule_check_catches_a_violation():
-    """The checker itself: a kernel importing the model, the planner importing the pipeline, are caught."""
+    """The checker itself: a kernel importing the model, the planner importing the pipeline, the pipeline or the
+    config importing the app layer, the app layer importing the CLI, are caught; the CLI importing app is not."""
     assert violations([("lightning_moe.kernels.quant", "lightning_moe.model.mixtral"),
                        ("lightning_moe.policy.hrm", "lightning_moe.pipeline.batching"),
-                       ("lightning_moe.policy.hrm", "lightning_moe.model.spec")]) == [
+                       ("lightning_moe.policy.hrm", "lightning_moe.model.spec"),
+                       ("lightning_moe.pipeline.serial", "lightning_moe.app.engine"),
+                       ("lightning_moe.config", "lightning_moe.app"),
+                       ("lightning_moe.app.engine", "lightning_moe.cli"),
+                       ("lightning_moe.app.engine", "lightning_moe.pipeline.serial"),
+                       ("lightning_moe.cli", "lightning_moe.app.engine")]) == [
+        "lightning_moe.app.engine imports lightning_moe.cli",
+        "lightning_moe.config imports lightning_moe.app",
         "lightning_moe.kernels.quant imports lightning_moe.model.mixtral",
+        "lightning_moe.pipeline.serial imports lightning_moe.app.engine",
         "lightning_moe.policy.hrm imports lightning_moe.pipeline.batching"]
 
 

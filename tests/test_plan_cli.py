@@ -111,8 +111,8 @@ def test_plan_refuses_more_cpu_memory_than_the_host(capsys):
     check_cpu_budget(128 << 30, get_preset("h200"))
 
 
-def test_plan_job_without_runner_errors_clearly(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(sys.modules, "lightning_moe.pipeline.runner", None)  # import fails
+def test_plan_job_without_app_plan_errors_clearly(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "lightning_moe.app.plan", None)  # import fails
     assert run(["plan", str(tmp_path / "job.yaml"), "--hardware", "l4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "job_workload" in err and "not available" in err
@@ -126,7 +126,7 @@ def test_plan_job_uses_job_workload_and_job_fields(monkeypatch, capsys, tmp_path
         return Workload.from_lengths([50, 60, 70, 80] * 20, gen_len=16, name="fake-job")
 
     job = types.SimpleNamespace(model="olmoe-1b-7b", hardware="t4", gpu_memory=8 * GiB, cpu_memory=32 * GiB, dtype="bfloat16")
-    monkeypatch.setitem(sys.modules, "lightning_moe.pipeline.runner", types.SimpleNamespace(job_workload=job_workload))
+    monkeypatch.setitem(sys.modules, "lightning_moe.app.plan", types.SimpleNamespace(job_workload=job_workload))
     monkeypatch.setitem(sys.modules, "lightning_moe.config", types.SimpleNamespace(load_job=lambda p: job))
     assert run(["plan", "job.yaml", "--output", str(tmp_path / "p.yaml")]) == 0
     out = capsys.readouterr().out

@@ -165,11 +165,11 @@ def test_kv_guarded_pass_only_yields_policies_that_fit(tiny_dir, seed):
 
 
 def test_job_workload_carries_the_prompt_lengths(tmp_path, tiny_dir):
-    """runner.job_workload_from_prepared: the planner sees every tokenized prompt length (KV sized from them)."""
+    """app.plan.job_workload_from_prepared: the planner sees every tokenized prompt length (KV sized from them)."""
     import json
 
     from lightning_moe.config import job_from_dict
-    from lightning_moe.pipeline.runner import Prepared, job_workload_from_prepared
+    from lightning_moe.app.plan import Prepared, job_workload_from_prepared
 
     data = tmp_path / "in.jsonl"
     with open(data, "w") as f:

@@ -187,7 +187,7 @@ def test_cli_quantize_then_run_job(tiny_dir, tmp_path, capsys):
     assert cg == {r["id"]: r["output_ids"] for r in recs}
     rep = json.load(open(tmp_path / "cg.report.json"))
     assert rep["executor"] == "cgopipe" and rep["policy"]["n_gpu_attn"] == 0  # on the CPU no micro-batch is a GPU one
-    from lightning_moe.pipeline.runner import format_report
+    from lightning_moe.app.report import format_report
 
     text = format_report(rep)  # the native kernel's counters print as counts, not among the stage seconds
     stages = next(l for l in text.splitlines() if l.strip().startswith("stages (s):"))

@@ -13,7 +13,7 @@ from prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.config import job_from_dict
 from lightning_moe.data.writer import ResultsWriter, read_results
-from lightning_moe.pipeline.runner import run_job
+from lightning_moe.app.engine import run_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

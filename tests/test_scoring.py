@@ -9,7 +9,7 @@ import torch
 from lightning_moe.config import job_from_dict
 from lightning_moe.data.writer import read_results
 from lightning_moe.model.weights import load_checkpoint
-from lightning_moe.pipeline.runner import run_job
+from lightning_moe.app.engine import run_job
 from lightning_moe.pipeline.scoring import score_batch, windows
 from lightning_moe.pipeline.serial import SerialExecutor
 

@@ -9,8 +9,8 @@ import torch
 
 from prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
-from lightning_moe.pipeline import runner
-from lightning_moe.pipeline.runner import apply_gpu_cap, cuda_index
+from lightning_moe.app import engine, plan
+from lightning_moe.app.gpu import apply_gpu_cap, cuda_index
 
 GiB = 1 << 30
 
@@ -70,7 +70,7 @@ def no_weights(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr(runner, "load_checkpoint", boom)
+    monkeypatch.setattr(engine, "load_checkpoint", boom)
 
 
 def test_oversized_inline_policy_refused_before_weights(tmp_path, tiny_dir, no_weights, capsys):
@@ -173,12 +173,12 @@ def test_scoring_batches_count_sequences(tmp_path, tiny_dir):
     job = job_from_dict({"model": tiny_dir, "task": "score", "score": {"mode": "multiple_choice"},
                          "data": {"source": "jsonl", "path": str(data)}, "output": {"path": str(tmp_path / "o.jsonl")},
                          "device": "cpu", "dtype": "float32"}, "t.yaml", base_dir=str(tmp_path))
-    prep = runner.Prepared(job)
-    groups = runner._score_batches(prep.treqs, job, prep, 4)
+    prep = plan.Prepared(job)
+    groups = engine._score_batches(prep.treqs, job, prep, 4)
     sizes = [sum(len(t.score_inputs) for t in g) for g in groups]
     assert all(s <= 4 for s in sizes) and sum(len(g) for g in groups) == 7
-    assert runner._score_batches(prep.treqs, job, prep, 1)[2] == [prep.treqs[2]]  # 3 choices > N: alone
-    wl = runner.job_workload_from_prepared(prep)
+    assert engine._score_batches(prep.treqs, job, prep, 1)[2] == [prep.treqs[2]]  # 3 choices > N: alone
+    wl = plan.job_workload_from_prepared(prep)
     assert wl.scoring and wl.gen_len == 1 and wl.num_requests == sum(1 + i % 3 for i in range(7))
 
 

@@ -38,7 +38,7 @@ class PolicyError(ValueError):
 class Workload:
     """What a batch job asks for, in tokens (the planner's view of the prompts).
 
-    Build it from real tokenized prompts with :meth:`from_lengths` (``runner.job_workload`` does that); then
+    Build it from real tokenized prompts with :meth:`from_lengths` (``app.plan.job_workload`` does that); then
     ``prompt_lens`` holds every prompt length and the KV cache is sized as the executor's grouped caches
     allocate it (:meth:`kv_positions`), not for the longest prompt.
     """

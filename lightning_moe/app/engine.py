@@ -17,218 +17,38 @@ second signal ends the process at once (exit EXIT_INTERRUPTED): the files only e
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import datetime
 import platform
-import resource
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 import torch
 
 from ..config import Job
-from ..data.shard import select_shard
-from ..data.sources import load_requests
-from ..data.tokenize import encode_requests, load_tokenizer
 from ..data.writer import PartialsFile, ResultsWriter, error_record, write_json_atomic
-from ..model.spec import MoESpec
-from ..model.tiny import resolve_model_path
 from ..model.weights import load_checkpoint
-from . import scoring
-from .serial import RunStats, SamplingParams, SerialExecutor, request_seed
+from ..pipeline import scoring
+from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, request_seed
+from .gpu import PhasePeaks, apply_gpu_cap
+from .plan import JobPlan, Prepared, plan_job, policy_for_job
+from .report import job_totals, memory_report, oom_message, peak_host_bytes, previous_runs, timing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def _peak_host_bytes() -> int:
-    """Peak resident set size of this process in bytes (Linux ru_maxrss is KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def cuda_index(device: str) -> int:
-    """The CUDA device index of ``device`` ("cuda" is the current device, "cuda:N" is N). Raises ValueError for a
-    device that is not CUDA."""
-    d = torch.device(device)
-    if d.type != "cuda":
-        raise ValueError(f"not a CUDA device: {device!r}")
-    return d.index if d.index is not None else torch.cuda.current_device()
-
-
-def apply_gpu_cap(device: str, gpu_memory: Optional[int]) -> Optional[dict]:
-    """Make this process's GPU behave like a ``gpu_memory``-byte card: cap the CUDA caching allocator at
-    ``gpu_memory`` minus what the device already holds outside it (the CUDA context, other processes), with
-    ``torch.cuda.set_per_process_memory_fraction``.
-
-    Returns ``{"cap_bytes", "outside_torch_bytes", "torch_limit_bytes", "fraction", "device_total_bytes"}`` (None
-    when no cap or no CUDA). Raises ValueError when the cap exceeds the device's memory or leaves nothing to torch.
-    """
-    if not gpu_memory or not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    idx = cuda_index(device)
-    torch.cuda.init()
-    free, total = torch.cuda.mem_get_info(idx)  # creates the context, so "outside" includes it
-    if gpu_memory > total:
-        raise ValueError(f"gpu_memory {gpu_memory / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
-    outside = max(0, total - free - torch.cuda.memory_reserved(idx))
-    limit = gpu_memory - outside
-    if limit <= 0:
-        raise ValueError(f"gpu_memory {gpu_memory / 2**30:.2f} GiB leaves nothing for tensors: "
-                         f"{outside / 2**30:.2f} GiB of the device are already in use outside torch's allocator")
-    frac = limit / total
-    torch.cuda.set_per_process_memory_fraction(frac, idx)
-    return {"cap_bytes": gpu_memory, "outside_torch_bytes": outside, "torch_limit_bytes": limit, "fraction": frac,
-            "device_total_bytes": total}
-
-
-class Prepared:
-    """Everything a job needs before heavy work: spec, tokenizer, tokenized requests, resume state."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.model_path = resolve_model_path(job.model)
-        self.spec = MoESpec.from_pretrained_dir(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        requests = load_requests(job)
-        self.n_input = len(requests)
-        if job.shard is not None:
-            requests = select_shard(requests, *job.shard)
-        self.treqs = encode_requests(requests, self.tokenizer, job, self.spec.max_position_embeddings)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.eos_token_id = eos if eos is not None else self.spec.eos_token_id
-
-
-def job_workload_from_prepared(prep: "Prepared"):
-    """The planner's Workload from a prepared job's real tokenized requests: prompt lengths (generation, ``gen_len`` =
-    max_new_tokens) or the lengths of every sequence a scoring job feeds (perplexity windows included; a prefill-only
-    scoring workload)."""
-    from ..policy.policy import Workload
-
-    job = prep.job
-    ok = [t for t in prep.treqs if t.error is None]
-    if job.task == "score":
-        lens = [n for t in ok for n in scoring.sequence_lengths(t, job.score.mode, prep.spec.max_position_embeddings,
-                                                                 job.score.stride)]
-        return Workload.from_lengths(lens, 1, name=job.name, scoring=True)
-    return Workload.from_lengths([t.prompt_tokens for t in ok], job.generation.max_new_tokens, name=job.name)
-
-
-def job_workload(job_path: str, overrides: Optional[dict] = None):
-    """Workload of a job YAML (with ``--set`` ``overrides``): its requests tokenized exactly as ``moe-batch run`` would
-    (no weights loaded)."""
-    from ..config import load_job
-
-    return job_workload_from_prepared(Prepared(load_job(job_path, overrides)))
-
-
 REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often
-
-_DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def _named(job, msg: str) -> str:
-    path = getattr(job, "config_path", None)
-    return f"{path}: {msg}" if path else msg
-
-
-def policy_for_job(job, prep):
-    """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
-    real lengths, ``hardware`` (preset or profile; default: the h200 preset) and ``gpu_memory``/``cpu_memory``; a
-    path loads a policy YAML; a mapping gives explicit fields (unknown keys are errors naming the job file and key;
-    ``prefill_mu`` defaults to ``mu``, the formats to the job's dtype and the checkpoint's expert pages).
-
-    Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
-    """
-    from ..model.quantized import checkpoint_scheme
-    from ..policy.hardware import get_preset, resolve_hardware
-    from ..policy.milp import plan
-    from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
-
-    dt = _DT[job.dtype]
-    wq = checkpoint_scheme(prep.model_path) or dt  # a quantized checkpoint's pages move packed
-    if isinstance(job.policy, dict):
-        fields = dict(job.policy)
-        fields.setdefault("dtype", dt)
-        fields.setdefault("weight_quant", wq)
-        fields.setdefault("prefill_mu", fields.get("mu", 1))
-        return Policy.from_dict(fields, where=_named(job, "policy")), None
-    if isinstance(job.policy, str) and job.policy != "auto":
-        return Policy.load(job.policy), None
-    hw = resolve_hardware(job.hardware) if getattr(job, "hardware", None) else get_preset("h200")
-    try:  # the job's caps must fit the card and the machine it plans for
-        if job.gpu_memory:
-            check_gpu_budget(job.gpu_memory, hw)
-        if job.cpu_memory:
-            check_cpu_budget(job.cpu_memory, hw)
-    except ValueError as e:  # name the job file, as the config errors do
-        raise ValueError(_named(job, str(e))) from None
-    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
-                                   **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
-                                   **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
-    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """What a cgopipe job runs with, decided before any weight is read."""
-
-    policy: object  # policy.Policy
-    estimate: object  # hrm.Estimate of the policy for the job's workload (throughput and memory)
-    gpu_budget: int  # bytes the policy must fit on the GPU (the job's gpu_memory, else the card's)
-    cpu_budget: int  # bytes the policy must fit on the host (the job's cpu_memory, else the hardware's)
-
-
-def plan_job(job: Job, prep: "Prepared") -> JobPlan:
-    """The cgopipe job's policy (:func:`policy_for_job`) with its HRM estimate for the job's real workload, checked
-    against the GPU and host budgets with the memory model (hrm.memory_estimate: every allocation of every phase).
-
-    Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
-    and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit.
-    """
-    import dataclasses
-
-    from ..policy import hrm
-    from ..policy.hardware import get_preset, resolve_hardware
-    from ..policy.policy import PolicyError, format_bytes
-
-    policy, est = policy_for_job(job, prep)
-    hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
-    gpu = job.gpu_memory or policy.gpu_budget or _device_memory(job.device) or hw.gpu_memory
-    cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory
-    policy = dataclasses.replace(policy, gpu_budget=gpu, cpu_budget=cpu)
-    workload = job_workload_from_prepared(prep)
-    if job.task == "score" and policy.n_gpu_attn != policy.n:  # scoring keeps no KV: nothing attends on the CPU
-        policy = dataclasses.replace(policy, n_gpu_attn=policy.n)
-    bad = hrm.memory_violations(policy, prep.spec, workload)
-    if bad:
-        m = hrm.memory_estimate(policy, prep.spec, workload)
-        source = "the planner's policy" if job.policy in (None, "auto") else (
-            f"policy file {job.policy}" if isinstance(job.policy, str) else "the inline policy")
-        raise PolicyError(_named(job, f"{source} (mu {policy.mu} x n {policy.n}, {policy.total_resident(prep.spec)} "
-                                      f"resident experts, {policy.n_gpu_attn} GPU-attention micro-batches) does not fit: "
-                                      f"predicted {m.gpu_peak_phase} peak {format_bytes(m.gpu_peak)} vs gpu_memory "
-                                      f"{format_bytes(gpu)}, host {format_bytes(m.cpu_peak)} vs cpu_memory "
-                                      f"{format_bytes(cpu)} (" + "; ".join(bad) + ")"))
-    est = hrm.evaluate(policy, prep.spec, hw, workload) if est is None else est
-    return JobPlan(policy, est, gpu, cpu)
-
-
-def _device_memory(device: str) -> Optional[int]:
-    """Total memory of a CUDA ``device`` in bytes (None on the CPU or without CUDA)."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(cuda_index(device)).total_memory
-    return None
 
 
 def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
     """The executor named by ``job.executor``: "cgopipe" with ``jplan``'s policy, or "serial"."""
     dtype = DTYPES[job.dtype]
     if job.executor == "cgopipe":
-        from .cgopipe import CGOPipeExecutor, expert_ffn_for
+        from ..pipeline.cgopipe import CGOPipeExecutor, expert_ffn_for
 
         ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job))
         ex.estimate = jplan.estimate
@@ -334,73 +154,6 @@ class GpuOutOfMemory(RuntimeError):
     predicted and measured peaks and the cap (finished records are saved)."""
 
 
-class PhasePeaks:
-    """Peak GPU memory (allocated and reserved, bytes) per phase of a run: the executor calls :meth:`enter` at each
-    phase boundary ("load", "prefill", "decode", "scoring"); a phase seen again keeps its largest peak."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
-        self.idx = cuda_index(device) if self.cuda else None
-        self.phase: Optional[str] = None
-        self.peaks: dict[str, dict[str, int]] = {}
-
-    def enter(self, phase: str) -> None:
-        """Close the current phase and start ``phase`` (the allocator's peak counters restart)."""
-        self.close()
-        self.phase = phase
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.idx)
-
-    def close(self) -> None:
-        """Record the current phase's peaks."""
-        if self.phase is None or not self.cuda:
-            return
-        p = self.peaks.setdefault(self.phase, {"allocated": 0, "reserved": 0})
-        p["allocated"] = max(p["allocated"], torch.cuda.max_memory_allocated(self.idx))
-        p["reserved"] = max(p["reserved"], torch.cuda.max_memory_reserved(self.idx))
-
-    def overall(self, key: str) -> Optional[int]:
-        """Largest peak of ``key`` ("allocated" | "reserved") over the phases (None without CUDA)."""
-        return max((p[key] for p in self.peaks.values()), default=0) if self.cuda else None
-
-
-def _memory_report(jplan: Optional[JobPlan], cap: Optional[dict], peaks: PhasePeaks, spec, job: Job) -> dict:
-    """The report's ``memory`` block: the cap as applied, the memory model's prediction per phase (allocated: what
-    torch.cuda.max_memory_allocated measures; budget: with the allocator reserve) and the measured peaks."""
-    out: dict = {"cap_bytes": job.gpu_memory, **({k: v for k, v in cap.items() if k != "cap_bytes"} if cap else {})}
-    if jplan is not None:
-        m = jplan.estimate.memory
-        out.update(predicted_peak_bytes=m.gpu_peak_allocated, predicted_peak_phase=m.gpu_peak_phase,
-                   predicted_budget_bytes=m.gpu_peak, gpu_budget_bytes=jplan.gpu_budget,
-                   predicted_by_phase={ph: m.phase_allocated(ph) for ph in m.gpu_phases},
-                   predicted_components={ph: dict(c) for ph, c in m.gpu_phases.items()},
-                   predicted_host_bytes=m.cpu_peak)
-    if peaks.cuda:
-        out.update(measured_peak_allocated_bytes=peaks.overall("allocated"),
-                   measured_peak_reserved_bytes=peaks.overall("reserved"), measured_by_phase=dict(peaks.peaks))
-        if jplan is not None and out["measured_peak_allocated_bytes"]:
-            out["predicted_over_measured"] = out["predicted_peak_bytes"] / out["measured_peak_allocated_bytes"]
-    return out
-
-
-def _oom_message(phase: Optional[str], jplan: Optional[JobPlan], peaks: PhasePeaks, job: Job, spec, written: int,
-                 results: str) -> str:
-    from ..policy.policy import format_bytes
-
-    pol = ""
-    pred = ""
-    if jplan is not None:
-        p, m = jplan.policy, jplan.estimate.memory
-        pol = f", policy mu {p.mu} x n {p.n}, {p.total_resident(spec)} resident, {p.n_gpu_attn} GPU-attention"
-        ph = phase if phase in m.gpu_phases else m.gpu_peak_phase
-        pred = f", predicted {ph} peak {format_bytes(m.phase_allocated(ph))}"
-    meas = peaks.peaks.get(phase or "", {})
-    cap = f", cap {format_bytes(job.gpu_memory)}" if job.gpu_memory else ""
-    return (f"out of GPU memory in {phase or 'load'}{pol}{pred}, measured {format_bytes(meas.get('allocated', 0))} "
-            f"allocated / {format_bytes(meas.get('reserved', 0))} reserved{cap}; {written} records are saved in "
-            f"{results} (re-run to resume, with a smaller policy or gpu_memory; MOE_BATCH_DEBUG=1 for the traceback)")
-
-
 def _score_batches(work: list, job: Job, prep: "Prepared", N: int) -> list[list]:
     """Consecutive requests grouped so that each group feeds at most ``N`` sequences (a request with more forms a
     group alone): the scoring policy's N counts sequences (choices, perplexity windows), not requests."""
@@ -477,7 +230,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
         partials_file = PartialsFile(job.output.partial_path)
         partials = partials_file.load([t.id for t in work], done)
-    prev_runs = _previous_runs(job, bool(done) or bool(partials))
+    prev_runs = previous_runs(job, bool(done) or bool(partials))
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
         "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
@@ -509,7 +262,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     def save_progress() -> None:  # at checkpoints: a run killed later still shows in the report's runs
         runs = prev_runs + [run_entry("running")]
         write_json_atomic(job.output.report_path, {**report, "runs": runs,
-                                                   "job_totals": _job_totals(runs, len(done) + writer.written)})
+                                                   "job_totals": job_totals(runs, len(done) + writer.written)})
 
     stop.__enter__()
     try:
@@ -540,7 +293,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         peaks.close()
         phase = getattr(executor, "phase", None) or peaks.phase
         report["status"] = f"out of memory in {phase}"
-        msg = _oom_message(phase, jplan, peaks, job, prep.spec, writer.written, writer.path)
+        msg = oom_message(phase, jplan, peaks, job, prep.spec, writer.written, writer.path)
         report["error"] = msg
         if os.environ.get("MOE_BATCH_DEBUG"):
             raise
@@ -563,12 +316,12 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         if partials_file is not None:
             partials_file.close()
         total = time.perf_counter() - t_start
-        report.update(_timing(stats, t_load, total, job.task))
+        report.update(timing(stats, t_load, total, job.task))
         report["records_written_this_run"] = writer.written
         report["errors_recorded"] = len(errors)
-        report["peak_host_memory_bytes"] = _peak_host_bytes()
+        report["peak_host_memory_bytes"] = peak_host_bytes()
         report["peak_gpu_memory_bytes"] = peaks.overall("allocated")
-        report["memory"] = _memory_report(jplan, cap, peaks, prep.spec, job)
+        report["memory"] = memory_report(jplan, cap, peaks, prep.spec, job)
         if job.task == "score":
             report["metrics"] = scoring.summarize(score_records, job.score.mode)
         report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
@@ -577,7 +330,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             executor.close()
         try:
             report["runs"] = prev_runs + [run_entry(report["status"])]
-            report["job_totals"] = _job_totals(report["runs"], len(done) + writer.written)
+            report["job_totals"] = job_totals(report["runs"], len(done) + writer.written)
             write_json_atomic(job.output.report_path, report)
         finally:
             stop.__exit__(None, None, None)
@@ -589,37 +342,6 @@ def read_partials_ids(path: str) -> set:
     from ..data.writer import read_partials
 
     return set(read_partials(path))
-
-
-def _previous_runs(job: Job, resumed: bool) -> list[dict]:
-    """The runs list of the job's earlier runs, from the report beside the results, when this run continues their work
-    (``resumed``: records or partials are there); a run still marked "running" ended without its final report
-    (killed): it is marked "killed". A report without a runs list gives one entry from its totals."""
-    if not resumed or not os.path.exists(job.output.report_path):
-        return []
-    try:
-        with open(job.output.report_path) as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        return []
-    if not isinstance(old, dict):
-        return []
-    runs = old.get("runs")
-    if not isinstance(runs, list):
-        w = old.get("wall_seconds") or {}
-        runs = [{"started": None, "wall_seconds": w.get("total"), "prompt_tokens": old.get("prompt_tokens"),
-                 "generated_tokens": old.get("generated_tokens"),
-                 "records_written": old.get("records_written_this_run"), "status": old.get("status")}]
-    return [dict(r, status="killed") if r.get("status") == "running" else dict(r) for r in runs if isinstance(r, dict)]
-
-
-def _job_totals(runs: list[dict], records: int) -> dict:
-    """Sums over a job's runs: how many, wall seconds, prompt (prefilled) and generated tokens; records in the file."""
-    def total(k):
-        return sum(r.get(k) or 0 for r in runs)
-
-    return {"runs": len(runs), "wall_seconds": total("wall_seconds"), "prompt_tokens": total("prompt_tokens"),
-            "generated_tokens": total("generated_tokens"), "records": records}
 
 
 def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_records: list, progress: bool, log,
@@ -738,54 +460,3 @@ def _generation_batches(work: list, partials: dict, batch: int) -> list[list]:
     for t in work:
         groups.setdefault(len(partials.get(t.id, [])), []).append(t)
     return [g[i : i + batch] for n in sorted(groups, reverse=True) for g in [groups[n]] for i in range(0, len(g), batch)]
-
-
-def _timing(s: RunStats, t_load: float, total: float, task: str) -> dict:
-    """Throughput figures (tokens/s) and wall times (s) for the report."""
-    busy = s.prefill_seconds + s.decode_seconds
-    return {
-        "wall_seconds": {"total": total, "load": t_load, "prefill": s.prefill_seconds, "decode": s.decode_seconds},
-        "prompt_tokens": s.prefill_tokens, "generated_tokens": s.generated_tokens,
-        "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
-        "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
-        "end_to_end_tokens_per_s": (s.generated_tokens if task == "generate" else s.prefill_tokens) / busy if busy else None,
-    }
-
-
-def format_report(r: dict) -> str:
-    """Human-readable summary of a run report (printed at the end of ``moe-batch run``)."""
-    def f(v, unit=""):
-        return "-" if v is None else (f"{v:,.1f}{unit}" if isinstance(v, float) else f"{v}{unit}")
-
-    w = r.get("wall_seconds", {})
-    lines = [
-        f"job {r['job']}: {r['status']}  ({r['task']}{'/' + r['mode'] if r.get('mode') else ''}, {r['model']}, "
-        f"{r['device']}, {r['dtype']}, executor {r['executor']})",
-        f"  requests: {r['requests_in_shard']} in {'shard' if r.get('shard') else 'input'}, "
-        f"{r['skipped_already_done']} already done, {r['records_written_this_run']} written now, "
-        f"{r['errors_recorded']} error records",
-        f"  tokens: {r.get('prompt_tokens', 0)} prompt, {r.get('generated_tokens', 0)} generated",
-        f"  throughput: prefill {f(r.get('prefill_tokens_per_s'))} tok/s, decode {f(r.get('decode_tokens_per_s'))} tok/s, "
-        f"end-to-end {f(r.get('end_to_end_tokens_per_s'))} tok/s",
-        f"  wall: total {f(w.get('total'), ' s')}, load {f(w.get('load'), ' s')}, prefill {f(w.get('prefill'), ' s')}, "
-        f"decode {f(w.get('decode'), ' s')}",
-        f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
-        + (f", GPU {r['peak_gpu_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_gpu_memory_bytes") is not None else ""),
-    ]
-    if r.get("policy"):
-        lines.append(f"  policy: {r['policy']}")
-    if r.get("predicted"):
-        p = r["predicted"]
-        lines.append(f"  predicted (HRM): decode {p['decode_tokens_per_s']:,.1f} tok/s, end-to-end "
-                     f"{p['end_to_end_tokens_per_s']:,.1f} tok/s, decode bound by {p['decode_binding']}")
-    if r.get("stages"):
-        counts = ("_calls", "_threads")  # native_stats counters among the stage seconds (team threads summed over calls)
-        lines.append("  stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in r["stages"].items()
-                                                 if isinstance(v, float) and not k.endswith(counts)))
-        n = {k: v for k, v in r["stages"].items() if isinstance(v, (int, float)) and k.endswith(counts)}
-        if n:
-            lines.append("  counts: " + ", ".join(f"{k}={int(v)}" for k, v in n.items()))
-    if r.get("metrics"):
-        lines.append("  metrics: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()))
-    lines.append(f"  results: {r['results']}")
-    return "\n".join(lines)

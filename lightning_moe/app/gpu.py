@@ -1,0 +1,79 @@
+"""The job's GPU: its CUDA index, the ``gpu_memory`` cap on torch's allocator, per-phase peak memory."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def cuda_index(device: str) -> int:
+    """The CUDA device index of ``device`` ("cuda" is the current device, "cuda:N" is N). Raises ValueError for a
+    device that is not CUDA."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"not a CUDA device: {device!r}")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def apply_gpu_cap(device: str, gpu_memory: Optional[int]) -> Optional[dict]:
+    """Make this process's GPU behave like a ``gpu_memory``-byte card: cap the CUDA caching allocator at
+    ``gpu_memory`` minus what the device already holds outside it (the CUDA context, other processes), with
+    ``torch.cuda.set_per_process_memory_fraction``.
+
+    Returns ``{"cap_bytes", "outside_torch_bytes", "torch_limit_bytes", "fraction", "device_total_bytes"}`` (None
+    when no cap or no CUDA). Raises ValueError when the cap exceeds the device's memory or leaves nothing to torch.
+    """
+    if not gpu_memory or not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    idx = cuda_index(device)
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(idx)  # creates the context, so "outside" includes it
+    if gpu_memory > total:
+        raise ValueError(f"gpu_memory {gpu_memory / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
+    outside = max(0, total - free - torch.cuda.memory_reserved(idx))
+    limit = gpu_memory - outside
+    if limit <= 0:
+        raise ValueError(f"gpu_memory {gpu_memory / 2**30:.2f} GiB leaves nothing for tensors: "
+                         f"{outside / 2**30:.2f} GiB of the device are already in use outside torch's allocator")
+    frac = limit / total
+    torch.cuda.set_per_process_memory_fraction(frac, idx)
+    return {"cap_bytes": gpu_memory, "outside_torch_bytes": outside, "torch_limit_bytes": limit, "fraction": frac,
+            "device_total_bytes": total}
+
+
+def device_memory(device: str) -> Optional[int]:
+    """Total memory of a CUDA ``device`` in bytes (None on the CPU or without CUDA)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(cuda_index(device)).total_memory
+    return None
+
+
+class PhasePeaks:
+    """Peak GPU memory (allocated and reserved, bytes) per phase of a run: the executor calls :meth:`enter` at each
+    phase boundary ("load", "prefill", "decode", "scoring"); a phase seen again keeps its largest peak."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+        self.idx = cuda_index(device) if self.cuda else None
+        self.phase: Optional[str] = None
+        self.peaks: dict[str, dict[str, int]] = {}
+
+    def enter(self, phase: str) -> None:
+        """Close the current phase and start ``phase`` (the allocator's peak counters restart)."""
+        self.close()
+        self.phase = phase
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.idx)
+
+    def close(self) -> None:
+        """Record the current phase's peaks."""
+        if self.phase is None or not self.cuda:
+            return
+        p = self.peaks.setdefault(self.phase, {"allocated": 0, "reserved": 0})
+        p["allocated"] = max(p["allocated"], torch.cuda.max_memory_allocated(self.idx))
+        p["reserved"] = max(p["reserved"], torch.cuda.max_memory_reserved(self.idx))
+
+    def overall(self, key: str) -> Optional[int]:
+        """Largest peak of ``key`` ("allocated" | "reserved") over the phases (None without CUDA)."""
+        return max((p[key] for p in self.peaks.values()), default=0) if self.cuda else None

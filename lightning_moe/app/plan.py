@@ -1,0 +1,146 @@
+"""A job before any weight is read: its tokenized requests (:class:`Prepared`), the planner's workload of them, and
+the policy it runs with, checked against the memory model (:func:`plan_job`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import Job
+from ..data.shard import select_shard
+from ..data.sources import load_requests
+from ..data.tokenize import encode_requests, load_tokenizer
+from ..model.spec import MoESpec
+from ..model.tiny import resolve_model_path
+from ..pipeline import scoring
+from .gpu import device_memory
+
+
+class Prepared:
+    """Everything a job needs before heavy work: spec, tokenizer, tokenized requests, resume state."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.model_path = resolve_model_path(job.model)
+        self.spec = MoESpec.from_pretrained_dir(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        requests = load_requests(job)
+        self.n_input = len(requests)
+        if job.shard is not None:
+            requests = select_shard(requests, *job.shard)
+        self.treqs = encode_requests(requests, self.tokenizer, job, self.spec.max_position_embeddings)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos if eos is not None else self.spec.eos_token_id
+
+
+def job_workload_from_prepared(prep: "Prepared"):
+    """The planner's Workload from a prepared job's real tokenized requests: prompt lengths (generation, ``gen_len`` =
+    max_new_tokens) or the lengths of every sequence a scoring job feeds (perplexity windows included; a prefill-only
+    scoring workload)."""
+    from ..policy.policy import Workload
+
+    job = prep.job
+    ok = [t for t in prep.treqs if t.error is None]
+    if job.task == "score":
+        lens = [n for t in ok for n in scoring.sequence_lengths(t, job.score.mode, prep.spec.max_position_embeddings,
+                                                                 job.score.stride)]
+        return Workload.from_lengths(lens, 1, name=job.name, scoring=True)
+    return Workload.from_lengths([t.prompt_tokens for t in ok], job.generation.max_new_tokens, name=job.name)
+
+
+def job_workload(job_path: str, overrides: Optional[dict] = None):
+    """Workload of a job YAML (with ``--set`` ``overrides``): its requests tokenized exactly as ``moe-batch run`` would
+    (no weights loaded)."""
+    from ..config import load_job
+
+    return job_workload_from_prepared(Prepared(load_job(job_path, overrides)))
+
+
+_DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _named(job, msg: str) -> str:
+    path = getattr(job, "config_path", None)
+    return f"{path}: {msg}" if path else msg
+
+
+def policy_for_job(job, prep):
+    """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
+    real lengths, ``hardware`` (preset or profile; default: the h200 preset) and ``gpu_memory``/``cpu_memory``; a
+    path loads a policy YAML; a mapping gives explicit fields (unknown keys are errors naming the job file and key;
+    ``prefill_mu`` defaults to ``mu``, the formats to the job's dtype and the checkpoint's expert pages).
+
+    Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
+    """
+    from ..model.quantized import checkpoint_scheme
+    from ..policy.hardware import get_preset, resolve_hardware
+    from ..policy.milp import plan
+    from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
+
+    dt = _DT[job.dtype]
+    wq = checkpoint_scheme(prep.model_path) or dt  # a quantized checkpoint's pages move packed
+    if isinstance(job.policy, dict):
+        fields = dict(job.policy)
+        fields.setdefault("dtype", dt)
+        fields.setdefault("weight_quant", wq)
+        fields.setdefault("prefill_mu", fields.get("mu", 1))
+        return Policy.from_dict(fields, where=_named(job, "policy")), None
+    if isinstance(job.policy, str) and job.policy != "auto":
+        return Policy.load(job.policy), None
+    hw = resolve_hardware(job.hardware) if getattr(job, "hardware", None) else get_preset("h200")
+    try:  # the job's caps must fit the card and the machine it plans for
+        if job.gpu_memory:
+            check_gpu_budget(job.gpu_memory, hw)
+        if job.cpu_memory:
+            check_cpu_budget(job.cpu_memory, hw)
+    except ValueError as e:  # name the job file, as the config errors do
+        raise ValueError(_named(job, str(e))) from None
+    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
+                                   **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
+                                   **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
+    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What a cgopipe job runs with, decided before any weight is read."""
+
+    policy: object  # policy.Policy
+    estimate: object  # hrm.Estimate of the policy for the job's workload (throughput and memory)
+    gpu_budget: int  # bytes the policy must fit on the GPU (the job's gpu_memory, else the card's)
+    cpu_budget: int  # bytes the policy must fit on the host (the job's cpu_memory, else the hardware's)
+
+
+def plan_job(job: Job, prep: "Prepared") -> JobPlan:
+    """The cgopipe job's policy (:func:`policy_for_job`) with its HRM estimate for the job's real workload, checked
+    against the GPU and host budgets with the memory model (hrm.memory_estimate: every allocation of every phase).
+
+    Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
+    and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit.
+    """
+    import dataclasses
+
+    from ..policy import hrm
+    from ..policy.hardware import get_preset, resolve_hardware
+    from ..policy.policy import PolicyError, format_bytes
+
+    policy, est = policy_for_job(job, prep)
+    hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
+    gpu = job.gpu_memory or policy.gpu_budget or device_memory(job.device) or hw.gpu_memory
+    cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory
+    policy = dataclasses.replace(policy, gpu_budget=gpu, cpu_budget=cpu)
+    workload = job_workload_from_prepared(prep)
+    if job.task == "score" and policy.n_gpu_attn != policy.n:  # scoring keeps no KV: nothing attends on the CPU
+        policy = dataclasses.replace(policy, n_gpu_attn=policy.n)
+    bad = hrm.memory_violations(policy, prep.spec, workload)
+    if bad:
+        m = hrm.memory_estimate(policy, prep.spec, workload)
+        source = "the planner's policy" if job.policy in (None, "auto") else (
+            f"policy file {job.policy}" if isinstance(job.policy, str) else "the inline policy")
+        raise PolicyError(_named(job, f"{source} (mu {policy.mu} x n {policy.n}, {policy.total_resident(prep.spec)} "
+                                      f"resident experts, {policy.n_gpu_attn} GPU-attention micro-batches) does not fit: "
+                                      f"predicted {m.gpu_peak_phase} peak {format_bytes(m.gpu_peak)} vs gpu_memory "
+                                      f"{format_bytes(gpu)}, host {format_bytes(m.cpu_peak)} vs cpu_memory "
+                                      f"{format_bytes(cpu)} (" + "; ".join(bad) + ")"))
+    est = hrm.evaluate(policy, prep.spec, hw, workload) if est is None else est
+    return JobPlan(policy, est, gpu, cpu)
