@@ -9,6 +9,7 @@ import resource
 from typing import TYPE_CHECKING, Optional
 
 from ..config import Job
+from ..policy.hardware import format_bytes
 
 if TYPE_CHECKING:
     from ..pipeline.serial import RunStats
@@ -103,40 +104,94 @@ def timing(s: RunStats, t_load: float, total: float, task: str) -> dict:
     }
 
 
-def format_report(r: dict) -> str:
-    """Human-readable summary of a run report (printed at the end of ``moe-batch run``)."""
-    def f(v, unit=""):
-        return "-" if v is None else (f"{v:,.1f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+_COUNTERS = ("_calls", "_threads", "_bytes")  # stage entries that count things, not seconds
+_POLICY_NAMES = {"mu": "micro-batch rows (mu)", "n": "micro-batches (n)", "N": "sequences per batch (N)",
+                 "prefill_mu": "prefill rows per chunk", "prefill_tokens": "prefill tokens per chunk",
+                 "resident_experts": "resident experts", "n_gpu_attn": "GPU-attention micro-batches",
+                 "expert_pages": "expert pages", "expert_ffn": "expert FFN", "host_pool_bytes": "host page pool",
+                 "page_buffer_bytes": "GPU page buffers", "resident_bytes": "resident expert bytes"}
 
-    w = r.get("wall_seconds", {})
+
+def _gib(v) -> str:
+    return "-" if v is None else f"{v / 2**30:,.2f}"
+
+
+def _wrap_fields(head: str, fields: list[str], width: int = 118) -> list[str]:
+    """``head`` + comma-separated ``fields`` wrapped at field boundaries, indented (a field never splits)."""
+    out, cur = [], "  " + head
+    for i, f in enumerate(fields):
+        piece = f + ("," if i < len(fields) - 1 else "")
+        if len(cur) + 1 + len(piece) > width and cur.strip():
+            out.append(cur)
+            cur = "    " + piece
+        else:
+            cur += (" " if cur.strip() else "") + piece
+    out.append(cur)
+    return out
+
+
+def _table(rows: list[dict]) -> str:
+    """A pandas-rendered table (right-aligned columns, '-' for missing), indented two spaces."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=list(rows[0])).fillna("-")
+    return "\n".join("  " + line for line in df.to_string(index=False).splitlines())
+
+
+def format_report(r: dict, top_stages: int = 8) -> str:
+    """Human-readable summary of a run report (printed at the end of ``moe-batch run``; the JSON keeps everything):
+    throughput measured vs predicted per phase with the HRM's binding stage, the policy's fields by name, GPU
+    memory predicted vs measured per phase against the cap, the largest stage times, metrics, where results are."""
+    def num(v, fmt="{:,.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    w, pred = r.get("wall_seconds", {}), r.get("predicted") or {}
+    scoring = r.get("task") == "score"
     lines = [
         f"job {r['job']}: {r['status']}  ({r['task']}{'/' + r['mode'] if r.get('mode') else ''}, {r['model']}, "
         f"{r['device']}, {r['dtype']}, executor {r['executor']})",
         f"  requests: {r['requests_in_shard']} in {'shard' if r.get('shard') else 'input'}, "
         f"{r['skipped_already_done']} already done, {r['records_written_this_run']} written now, "
-        f"{r['errors_recorded']} error records",
-        f"  tokens: {r.get('prompt_tokens', 0)} prompt, {r.get('generated_tokens', 0)} generated",
-        f"  throughput: prefill {f(r.get('prefill_tokens_per_s'))} tok/s, decode {f(r.get('decode_tokens_per_s'))} tok/s, "
-        f"end-to-end {f(r.get('end_to_end_tokens_per_s'))} tok/s",
-        f"  wall: total {f(w.get('total'), ' s')}, load {f(w.get('load'), ' s')}, prefill {f(w.get('prefill'), ' s')}, "
-        f"decode {f(w.get('decode'), ' s')}",
-        f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
-        + (f", GPU {r['peak_gpu_memory_bytes'] / 2**30:.2f} GiB" if r.get("peak_gpu_memory_bytes") is not None else ""),
+        f"{r['errors_recorded']} error records; tokens: {r.get('prompt_tokens', 0):,} prompt, "
+        f"{r.get('generated_tokens', 0):,} generated",
+        "",
     ]
-    if r.get("policy"):
-        lines.append(f"  policy: {r['policy']}")
-    if r.get("predicted"):
-        p = r["predicted"]
-        lines.append(f"  predicted (HRM): decode {p['decode_tokens_per_s']:,.1f} tok/s, end-to-end "
-                     f"{p['end_to_end_tokens_per_s']:,.1f} tok/s, decode bound by {p['decode_binding']}")
-    if r.get("stages"):
-        counts = ("_calls", "_threads")  # native_stats counters among the stage seconds (team threads summed over calls)
-        lines.append("  stages (s): " + ", ".join(f"{k}={v:.3f}" for k, v in r["stages"].items()
-                                                 if isinstance(v, float) and not k.endswith(counts)))
-        n = {k: v for k, v in r["stages"].items() if isinstance(v, (int, float)) and k.endswith(counts)}
-        if n:
-            lines.append("  counts: " + ", ".join(f"{k}={int(v)}" for k, v in n.items()))
+    phases = [("prefill", "prefill_tokens_per_s", "prefill", "prefill_binding")]
+    if not scoring:
+        phases += [("decode", "decode_tokens_per_s", "decode", "decode_binding"),
+                   ("end-to-end", "end_to_end_tokens_per_s", "total", None)]
+    rows = []
+    for name, key, wall, bind in phases:
+        m, p = r.get(key), pred.get(key)
+        rows.append({"phase": name, "measured tok/s": num(m), "predicted tok/s": num(p),
+                     "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
+                     "wall s": num(w.get(wall), "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
+    lines += [_table(rows), ""]
+    pol = r.get("policy")
+    if pol:
+        fields = [f"{_POLICY_NAMES.get(k, k)} {format_bytes(v) if k.endswith('_bytes') else v}" for k, v in pol.items()]
+        lines += _wrap_fields("policy:", fields)
+    mem = r.get("memory") or {}
+    if mem.get("predicted_by_phase"):
+        cap = mem.get("cap_bytes")
+        meas = mem.get("measured_by_phase") or {}
+        rows = []
+        for ph, pb in mem["predicted_by_phase"].items():
+            mb = meas.get(ph) or {}
+            rows.append({"GPU memory (GiB)": ph, "predicted": _gib(pb), "measured allocated": _gib(mb.get("allocated")),
+                         "measured reserved": _gib(mb.get("reserved")), "cap": _gib(cap)})
+        lines += ["", _table(rows)]
+    peak_gpu = r.get("peak_gpu_memory_bytes")
+    lines.append(f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
+                 + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
+    st = r.get("stages") or {}
+    secs = {k: v for k, v in st.items() if isinstance(v, float) and not k.endswith(_COUNTERS)}
+    if secs:
+        top = sorted(secs.items(), key=lambda kv: -kv[1])[:top_stages]
+        lines += _wrap_fields(f"stages (s, largest {len(top)} of {len(secs)}; all in the JSON):",
+                              [f"{k} {v:.3f}" for k, v in top])
     if r.get("metrics"):
-        lines.append("  metrics: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items()))
+        lines.append("  metrics: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in r["metrics"].items()))
     lines.append(f"  results: {r['results']}")
     return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""The printed run report: measured vs predicted per phase with the ratio and the HRM's binding stage, the policy's
+fields by name, GPU memory per phase against the cap, stage seconds without counters."""
+
+from lightning_moe.app.report import format_report
+
+GiB = 2**30
+
+
+def _report(**kw):
+    r = {"job": "j", "status": "done", "task": "generate", "mode": None, "model": "m", "device": "cuda:0",
+         "dtype": "bfloat16", "executor": "cgopipe", "requests_in_shard": 10, "shard": None, "skipped_already_done": 0,
+         "records_written_this_run": 10, "errors_recorded": 0, "prompt_tokens": 1234, "generated_tokens": 320,
+         "prefill_tokens_per_s": 500.0, "decode_tokens_per_s": 30.0, "end_to_end_tokens_per_s": 25.0,
+         "wall_seconds": {"total": 12.5, "load": 1.0, "prefill": 2.5, "decode": 9.0},
+         "predicted": {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 40.0, "end_to_end_tokens_per_s": 33.3,
+                       "decode_binding": "h2d", "prefill_binding": "gpu"},
+         "policy": {"mu": 4, "n": 3, "N": 12, "n_gpu_attn": 1, "page_buffer_bytes": 3 * GiB},
+         "memory": {"cap_bytes": 12 * GiB, "predicted_by_phase": {"prefill": 10 * GiB, "decode": 9 * GiB},
+                    "measured_by_phase": {"prefill": {"allocated": int(9.5 * GiB), "reserved": 10 * GiB}}},
+         "peak_host_memory_bytes": 3 * GiB, "peak_gpu_memory_bytes": int(9.5 * GiB),
+         "stages": {f"s{i}": float(i) for i in range(12)} | {"x_calls": 99.0, "y_bytes": 1e9},
+         "results": "/tmp/r.jsonl"}
+    r.update(kw)
+    return r
+
+
+def _row(text, first):
+    return next(line.split() for line in text.splitlines() if line.split()[:1] == [first])
+
+
+def test_phases_measured_predicted_binding():
+    text = format_report(_report())
+    assert _row(text, "prefill") == ["prefill", "500.0", "1,000.0", "0.50", "2.50", "gpu"]
+    assert _row(text, "decode") == ["decode", "30.0", "40.0", "0.75", "9.00", "h2d"]
+    assert _row(text, "end-to-end")[:4] == ["end-to-end", "25.0", "33.3", "0.75"]
+
+
+def test_policy_memory_and_stages():
+    text = format_report(_report(), top_stages=3)
+    assert "micro-batch rows (mu) 4" in text and "GPU-attention micro-batches 1" in text
+    assert "GPU page buffers 3.0 GiB" in text
+    assert _row(text, "prefill")[:1] == ["prefill"]
+    mem = [line.split() for line in text.splitlines() if line.split()[:1] in (["prefill"], ["decode"])]
+    assert ["prefill", "10.00", "9.50", "10.00", "12.00"] in mem and ["decode", "9.00", "-", "-", "12.00"] in mem
+    assert "largest 3 of 12" in text and "s11 11.000, s10 10.000, s9 9.000" in text
+    assert "x_calls" not in text and "y_bytes" not in text
+
+
+def test_scoring_has_one_phase_and_no_prediction():
+    r = _report(task="score", mode="perplexity", predicted=None, decode_tokens_per_s=None, memory=None)
+    text = format_report(r)
+    assert _row(text, "prefill")[:4] == ["prefill", "500.0", "-", "-"]
+    assert not any(line.split()[:1] == ["decode"] for line in text.splitlines())
