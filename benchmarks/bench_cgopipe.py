@@ -125,9 +125,12 @@ def shared_dummy_weights(spec, dtype=torch.bfloat16, seed=0, quant: str = "bf16"
     (kernels.quant.pack_expert_pages, group 128, fp16 scales; on the GPU when there is one, which takes
     seconds instead of minutes) and every layer gets the same :class:`QuantExperts` (host tensors).
     """
-    from lightning_moe.model.mixtral import ExpertWeights, LayerWeights
+    from lightning_moe.model.families import family_of
+    from lightning_moe.model.layers import ExpertWeights
     from lightning_moe.model.quantized import QuantExperts
     from lightning_moe.model.weights import ModelWeights
+
+    LayerWeights = family_of(spec).layer_weights  # the Mixtral family's (attn_norm, wq, wk, wv, wo, ffn_norm, router)
 
     g = torch.Generator().manual_seed(seed)
     block = torch.randn(1 << 24, generator=g, dtype=torch.float32)  # 16 Mi random values, tiled (randn of

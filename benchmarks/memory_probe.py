@@ -28,9 +28,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from lightning_moe.model import mixtral as M  # noqa: E402
+from lightning_moe.model.families import family_for  # noqa: E402
+from lightning_moe.model.layers import ExpertWeights  # noqa: E402
 from lightning_moe.model.spec import MoESpec  # noqa: E402
 from lightning_moe.policy import hrm  # noqa: E402
+
+M = family_for({"model_type": "mixtral"})  # the Mixtral family's layer math (model/families/)
 
 DEFAULT_CASES = "157x208,320x102,109x300,16x2000,64x512,78x208,1x32768"
 
@@ -47,11 +50,11 @@ def mixtral_width_spec() -> MoESpec:
 def random_layer(spec: MoESpec, dev, dtype):
     D, hd = spec.hidden_size, spec.head_dim
     r = lambda *s: torch.randn(*s, device=dev, dtype=dtype) * 0.02  # noqa: E731
-    lw = M.LayerWeights(attn_norm=torch.ones(D, device=dev, dtype=dtype), wq=r(spec.num_heads * hd, D),
+    lw = M.layer_weights(attn_norm=torch.ones(D, device=dev, dtype=dtype), wq=r(spec.num_heads * hd, D),
                         wk=r(spec.num_kv_heads * hd, D), wv=r(spec.num_kv_heads * hd, D), wo=r(D, spec.num_heads * hd),
                         ffn_norm=torch.ones(D, device=dev, dtype=dtype), router=r(spec.num_experts, D))
     E, F = spec.num_experts, spec.intermediate_size
-    ew = M.ExpertWeights(r(E, F, D), r(E, F, D), r(E, D, F))
+    ew = ExpertWeights(r(E, F, D), r(E, F, D), r(E, D, F))
     return lw, ew
 
 

@@ -9,14 +9,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def make_hf_mixtral(path, *, layers=2, experts=4, top_k=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=128,
-                    max_pos=256, sliding_window=None, seed=0, shard="20KB"):
+                    max_pos=256, sliding_window=None, seed=0, shard="20KB", hidden_act="silu"):
     """Save a random MixtralForCausalLM with save_pretrained (sharded safetensors); return (path, model)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
                         num_experts_per_tok=top_k, max_position_embeddings=max_pos, sliding_window=sliding_window,
-                        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_act=hidden_act)
     torch.manual_seed(seed)
     model = MixtralForCausalLM(cfg).eval()
     with torch.no_grad():  # larger-than-default init so routing and tokens are not degenerate
@@ -31,6 +31,12 @@ def make_hf_mixtral(path, *, layers=2, experts=4, top_k=2, hidden=32, heads=4, k
 def hf_mixtral(tmp_path_factory):
     """(checkpoint dir, transformers model) for a 2-layer, 4-expert, top-2, GQA Mixtral in fp32."""
     return make_hf_mixtral(tmp_path_factory.mktemp("hf_mixtral") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def hf_mixtral_gelu(tmp_path_factory):
+    """(checkpoint dir, transformers model) as hf_mixtral with GELU-gated experts (MixtralConfig hidden_act="gelu")."""
+    return make_hf_mixtral(tmp_path_factory.mktemp("hf_mixtral_gelu") / "ckpt", hidden_act="gelu", seed=3)
 
 
 @pytest.fixture(scope="session")

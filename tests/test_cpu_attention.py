@@ -1,9 +1,9 @@
-"""The fused CPU decode attention against the unfused reference (model.mixtral.decode_attention)."""
+"""The fused CPU decode attention against the unfused reference (model.layers.decode_attention)."""
 
 import pytest
 import torch
 
-from lightning_moe.model.mixtral import decode_attention
+from lightning_moe.model.layers import decode_attention
 from lightning_moe.pipeline.cpu_attention import bucket_len, cpu_decode_attention
 
 

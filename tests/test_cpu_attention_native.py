@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_moe.kernels import cpu_attention as C
-from lightning_moe.model.mixtral import decode_attention
+from lightning_moe.model.layers import decode_attention
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
 from lightning_moe.pipeline.kv_cache import GroupedKVCache

@@ -1,6 +1,6 @@
 """kernels.decode_attention (one-launch append + GQA decode attention over a ragged flat KV cache) under Triton's CPU
 interpreter: the kernel against its pure-torch reference and against GroupedKVCache's per-group torch path
-(model.mixtral.decode_attention), on awkward shapes; its argument checks. Tolerances: fp32 1e-5 relative (the
+(model.layers.decode_attention), on awkward shapes; its argument checks. Tolerances: fp32 1e-5 relative (the
 kernel's online softmax vs a one-shot softmax), bf16 2e-2 (the torch path rounds scores and probabilities to bf16).
 The CUDA runs are in tests/gpu/test_decode_attention_gpu.py."""
 
@@ -9,7 +9,7 @@ import torch
 
 from lightning_moe.kernels import fused_moe as fm
 from lightning_moe.kernels.decode_attention import BLOCK_N, decode_append_attention_reference, decode_append_attention_triton
-from lightning_moe.model import mixtral as M
+from lightning_moe.model import layers as M
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.pipeline.kv_cache import GroupedKVCache
 
@@ -67,7 +67,7 @@ def test_kernel_matches_reference(interpret, B, Hq, Hkv, hd, caps, pos, window, 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_grouped_cache_one_launch_equals_per_group_torch_path(interpret, dtype, tol, window):
-    """GroupedKVCache.append_attend_triton == append + attend with model.mixtral.decode_attention (the executor's torch
+    """GroupedKVCache.append_attend_triton == append + attend with model.layers.decode_attention (the executor's torch
     path) for 13 rows in 4 length groups over 2 decode steps; the caches end identical."""
     spec = MoESpec(name="t", model_type="mixtral", vocab_size=32, hidden_size=64, intermediate_size=32, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,

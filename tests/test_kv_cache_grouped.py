@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_moe.model import mixtral as M
+from lightning_moe.model import layers as M
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
 from lightning_moe.pipeline.kv_cache import GroupedKVCache, KVCache

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from lightning_moe.model import mixtral as M
+from lightning_moe.model import layers as M
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
 

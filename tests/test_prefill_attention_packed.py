@@ -1,11 +1,11 @@
-"""model.mixtral.prefill_attention_packed (one padded SDPA call over packed prompts) equals prefill_attention per
+"""model.layers.prefill_attention_packed (one padded SDPA call over packed prompts) equals prefill_attention per
 sequence (fp32, 1e-5 relative), for ragged spans including a one-token prompt, with and without a sliding window;
 rows come back in packed order (the output gather is an index built on the host, no boolean indexing)."""
 
 import pytest
 import torch
 
-from lightning_moe.model.mixtral import prefill_attention, prefill_attention_packed
+from lightning_moe.model.layers import prefill_attention, prefill_attention_packed
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_moe.model import mixtral as M
+from lightning_moe.model import layers as M
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
 from lightning_moe.pipeline.serial import SerialExecutor

@@ -21,7 +21,7 @@ The C++ source is compiled on first use with ``torch.utils.cpp_extension.load_in
 needed, g++ / clang with OpenMP, and ninja; ~30-60 s once, cached in torch's extensions directory). Where it cannot be built, or with
 ``LIGHTNING_MOE_CPU_ATTENTION=sdpa``, :func:`native_available` is False and callers use the PyTorch routine
 (pipeline.cpu_attention.cpu_decode_attention). The pure-torch reference :func:`decode_attention_append_reference`
-sits beside the kernel (append by indexing + decode_attention_torch, which model.mixtral uses as its decode attention).
+sits beside the kernel (append by indexing + decode_attention_torch, which model.layers uses as the families' decode attention).
 """
 
 from __future__ import annotations

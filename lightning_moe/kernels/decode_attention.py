@@ -9,7 +9,7 @@ kernel covers all groups: grid (rows, KV heads), Flash-Decoding's single-split c
 
 :func:`decode_append_attention_triton` is the wrapper (checks, allocates the output, launches);
 :func:`decode_append_attention_reference` is the pure-torch reference beside it (same layout, same semantics, the
-math of ``model.mixtral.decode_attention`` in fp32).
+math of ``model.layers.decode_attention`` in fp32).
 """
 
 from __future__ import annotations

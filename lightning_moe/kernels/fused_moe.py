@@ -43,6 +43,7 @@ __all__ = [
     "MoEAlignment",
     "MoEKernelConfig",
     "REFERENCE_ORDERS",
+    "TRITON_ACTIVATIONS",
     "default_kernel_config",
     "experts_ffn_reference",
     "experts_ffn_reference_from",
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 REFERENCE_ORDERS = ("hf", "hf-eager", "hf4")
+TRITON_ACTIVATIONS = ("silu",)  # gate activations the Triton kernels (here and in quant.py) compute; the torch
+#                                 references take any ``act``
 
 # --------------------------------------------------------------------------------------------------
 # helpers shared with quant.py
@@ -224,6 +227,7 @@ def experts_ffn_reference_from(
     *,
     order: str = "hf",
     fused_gate_up: bool = False,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
     """:func:`experts_ffn_reference` with the weights of expert ``e`` supplied by ``get_expert(e)``.
 
@@ -245,7 +249,7 @@ def experts_ffn_reference_from(
     _check_id_range(fn, topk_ids, num_experts)
 
     def expert_out(e: int, tok: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) of expert e for the rows x[tok], all in x.dtype; [n_e, D]."""
+        """down(act(gate) * up) of expert e for the rows x[tok], all in x.dtype; [n_e, D]."""
         w1e, w3e, w2e = get_expert(e)
         Fd = w1e.shape[0]
         if tuple(w1e.shape) != (Fd, D) or tuple(w3e.shape) != (Fd, D) or tuple(w2e.shape) != (D, Fd):
@@ -256,7 +260,7 @@ def experts_ffn_reference_from(
             gate, up = F.linear(xs, torch.cat([w1e, w3e], dim=0)).chunk(2, dim=-1)  # [n_e, F] x2
         else:
             gate, up = F.linear(xs, w1e), F.linear(xs, w3e)  # [n_e, F] x2
-        return F.linear(F.silu(gate) * up, w2e)  # [n_e, D]
+        return F.linear(act(gate) * up, w2e)  # [n_e, D]
 
     hit = torch.unique(topk_ids).tolist()  # experts with tokens, ascending (one host sync)
     if order == "hf":
@@ -291,11 +295,13 @@ def experts_ffn_reference(
     *,
     order: str = "hf",
     fused_gate_up: bool = False,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN in pure torch, looping over the experts that receive tokens.
 
     Per expert ``e`` (increasing id, only experts with tokens), on the rows routed to it:
-    ``gate = x W1_e^T``, ``up = x W3_e^T``, ``h = silu(gate) * up``, ``y = h W2_e^T``, every op in
+    ``gate = x W1_e^T``, ``up = x W3_e^T``, ``h = act(gate) * up`` (``act``: silu, SwiGLU; a model family may
+    gate with another activation), ``y = h W2_e^T``, every op in
     ``x.dtype`` (one ``F.linear`` per projection over all rows of the expert). The weighted sum then
     follows ``order`` -- the three orders of Hugging Face transformers (all identical in fp32 when k = 2):
 
@@ -320,6 +326,8 @@ def experts_ffn_reference(
             ``chunk(2)``, as transformers >= 5 does with its ``gate_up_proj`` (copies the two weights per
             expert call). On CPU the separate and fused GEMMs were observed bit-identical; a GPU BLAS may
             pick a different algorithm for N = 2F.
+        act: the gate's activation (default ``F.silu``). The Triton kernels implement silu only
+            (``TRITON_ACTIVATIONS``).
 
     Returns:
         ``[T, D]`` in ``x.dtype``. Experts with no tokens are skipped; ``T = 0`` gives ``[0, D]``.
@@ -331,7 +339,8 @@ def experts_ffn_reference(
     fn = "experts_ffn_reference"
     E, _, _ = _check_experts(fn, x, w1, w3, w2)
     return experts_ffn_reference_from(
-        x, lambda e: (w1[e], w3[e], w2[e]), E, topk_weights, topk_ids, order=order, fused_gate_up=fused_gate_up
+        x, lambda e: (w1[e], w3[e], w2[e]), E, topk_weights, topk_ids, order=order, fused_gate_up=fused_gate_up,
+        act=act,
     )
 
 

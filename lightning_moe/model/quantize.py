@@ -1,4 +1,6 @@
-"""``moe-batch quantize``: write a copy of a Mixtral checkpoint whose routed experts are packed uniform pages.
+"""``moe-batch quantize``: write a copy of a checkpoint whose routed experts are packed uniform pages.
+
+Any registered model family (model/families/): tensor names come from the family's key map.
 
 The format and how it is read are described in model/quantized.py; this module writes it
 (:func:`quantize_checkpoint`).
@@ -16,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from .checkpoint_io import CheckpointError, _tensor_index
+from .families import KeyMap, family_for, supported_model_types
 from .quantized import METHOD, PACKED_NAME, SCALE_DTYPES, SCHEMES, _ST_DTYPES, _WEIGHT_SUFFIXES, QuantExperts
 from .weights import load_checkpoint
 
@@ -65,11 +68,11 @@ def _resolve_scheme(experts: str, up: Optional[str]) -> str:
     return SCHEMES[key]
 
 
-def _source_dtype(src: str) -> torch.dtype:
+def _source_dtype(src: str, keys: KeyMap) -> torch.dtype:
     """Storage dtype of the source's embedding table (the dtype kept for non-expert weights)."""
     from safetensors import safe_open
 
-    name = "model.embed_tokens.weight"
+    name = keys.embed
     where = _tensor_index(src)
     if name not in where:
         raise CheckpointError(f"{src}: tensor {name!r} not found in the checkpoint")
@@ -93,10 +96,11 @@ def quantize_checkpoint(
     scale_dtype: str = "float16",
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> QuantizeResult:
-    """Write a copy of the Mixtral checkpoint ``src_dir`` to ``dst_dir`` with packed, quantized expert pages.
+    """Write a copy of the checkpoint ``src_dir`` to ``dst_dir`` with packed, quantized expert pages.
 
     Args:
-        src_dir: Hugging Face Mixtral checkpoint directory (config.json, safetensors, tokenizer files).
+        src_dir: Hugging Face checkpoint directory of a supported model family (config.json, safetensors,
+            tokenizer files).
         dst_dir: output directory; must not exist or be empty (its parent is created if needed).
         experts: bits of every projection: ``"int4"`` or ``"int2"``.
         up: ``"int2"`` stores up_proj (w3) at 2 bits while gate/down use ``experts`` (scheme ``int2-up``,
@@ -112,7 +116,7 @@ def quantize_checkpoint(
         (:func:`~lightning_moe.kernels.quant.quantize_groupwise`).
 
     Raises:
-        QuantizeError (a ValueError): missing source / config.json, a non-Mixtral or already quantized
+        QuantizeError (a ValueError): missing source / config.json, a model type no family reads, an already quantized
             source, an existing non-empty ``dst_dir``, an unsupported scheme, group size or scale dtype,
             scales that overflow ``scale_dtype``.
         CheckpointError (a ValueError): a missing weight file or tensor in the source (named).
@@ -127,9 +131,11 @@ def quantize_checkpoint(
     if scale_dtype not in SCALE_DTYPES:
         raise QuantizeError(f"quantize: scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}")
     cfg_path, raw = _read_config(src_dir, "source")
-    if raw.get("model_type") != "mixtral":
+    try:
+        keys = family_for(raw).keys
+    except ValueError:
         raise QuantizeError(f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported by quantize "
-                            f"(only 'mixtral')")
+                            f"(only {', '.join(repr(t) for t in supported_model_types())})") from None
     if "quantization" in raw:
         raise QuantizeError(f"{cfg_path}: the source is already quantized ({raw['quantization']}); "
                             f"quantize the original checkpoint")
@@ -141,7 +147,7 @@ def quantize_checkpoint(
         spec = MoESpec.from_pretrained_dir(src_dir)
     except (FileNotFoundError, ValueError) as e:
         raise QuantizeError(str(e)) from None
-    src_dtype = _source_dtype(src_dir)
+    src_dtype = _source_dtype(src_dir, keys)
     w = load_checkpoint(src_dir, src_dtype, spec)
     source_expert_bytes = w.expert_bytes
     sdt = SCALE_DTYPES[scale_dtype]
@@ -164,24 +170,22 @@ def quantize_checkpoint(
                 weight_map[k] = shard(i)
                 total += v.numel() * v.element_size()
 
+        block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
         for l in range(L):
-            p, lw = f"model.layers.{l}.", w.layers[l]
-            moe = p + "block_sparse_moe."
+            lw = w.layers[l]
+            moe = keys.layer_prefix(l) + block
             try:
                 qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt)
             except ValueError as e:
                 raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
             w.experts[l] = None  # release the source copy of this layer's experts
             layout = qe.layout
-            write(l, {p + "input_layernorm.weight": lw.attn_norm, p + "self_attn.q_proj.weight": lw.wq,
-                      p + "self_attn.k_proj.weight": lw.wk, p + "self_attn.v_proj.weight": lw.wv,
-                      p + "self_attn.o_proj.weight": lw.wo, p + "post_attention_layernorm.weight": lw.ffn_norm,
-                      moe + "gate.weight": lw.router, moe + PACKED_NAME: qe.pages})
+            write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items()}, moe + PACKED_NAME: qe.pages})
             if progress is not None:
                 progress(l + 1, L)
-        last = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm}
+        last = {keys.embed: w.embed, keys.norm: w.norm}
         if w.lm_head is not w.embed:  # tied embeddings: load_checkpoint re-ties from tie_word_embeddings
-            last["lm_head.weight"] = w.lm_head
+            last[keys.lm_head] = w.lm_head
         write(L, last)
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,8 +1,9 @@
-"""Quantized checkpoints: a Mixtral checkpoint whose routed experts are stored as packed uniform pages.
+"""Quantized checkpoints: a checkpoint whose routed experts are stored as packed uniform pages.
 
-``model.quantize.quantize_checkpoint(src, dst, experts="int4", up="int2")`` reads a Hugging Face Mixtral checkpoint and
-writes ``dst`` in the same HF directory format, except that each layer's experts become ONE ``uint8``
-tensor ``model.layers.{l}.block_sparse_moe.experts.packed_pages [E, page_bytes]`` made by
+``model.quantize.quantize_checkpoint(src, dst, experts="int4", up="int2")`` reads a Hugging Face checkpoint of a
+supported family and writes ``dst`` in the same HF directory format, except that each layer's experts become ONE
+``uint8`` tensor ``{moe}experts.packed_pages [E, page_bytes]`` under the layer's MoE block (the family's first
+``KeyMap.moe_blocks``; Mixtral: ``model.layers.{l}.block_sparse_moe.experts.packed_pages``) made by
 :func:`lightning_moe.kernels.quant.pack_expert_pages` (group-wise asymmetric int4 / int2 codes, fp16
 scales and zeros, every expert page of one size: CommitMoE's padded pages, FloE's INT2 up_proj).
 Everything else (embeddings, attention, norms, routers, lm_head) keeps its HF name and the source
@@ -17,7 +18,7 @@ model directory is accepted (``moe-batch run`` with ``model: DST``, ``moe-batch 
 Loading: :func:`lightning_moe.model.weights.load_checkpoint` detects the section
 (:func:`checkpoint_page_layout`) and keeps each layer's experts as :class:`QuantExperts` (the packed pages
 and their :class:`~lightning_moe.kernels.quant.PageLayout`); ``QuantExperts.dequantize(dtype)`` gives the
-dense :class:`~lightning_moe.model.mixtral.ExpertWeights`.
+dense :class:`~lightning_moe.model.layers.ExpertWeights`.
 
 Shards: one safetensors file per decoder layer (its non-expert weights + packed pages) and a last one with
 the embeddings, final norm and lm_head, listed in ``model.safetensors.index.json``; written into a
@@ -35,11 +36,11 @@ from typing import Optional
 import torch
 
 from ..kernels.quant import PageLayout, expert_page_layout, pack_expert_pages, unpack_expert_page
-from .mixtral import ExpertWeights
 from .checkpoint_io import CheckpointError, _Reader
+from .layers import ExpertWeights
 
 METHOD = "lightning-moe-groupwise"  # value of config.json's quantization.method
-PACKED_NAME = "experts.packed_pages"  # tensor name after the layer's MoE prefix (block_sparse_moe.)
+PACKED_NAME = "experts.packed_pages"  # tensor name after the layer's MoE prefix (Mixtral: block_sparse_moe.)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # (experts bits, up_proj bits) -> kernels.quant page scheme
 SCHEMES = {("int4", None): "int4", ("int4", "int4"): "int4", ("int4", "int2"): "int2-up",

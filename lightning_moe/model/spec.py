@@ -1,8 +1,9 @@
 """MoESpec: the architecture numbers of a Mixture-of-Experts decoder.
 
-One frozen dataclass serves both the model math (``model/mixtral.py`` reads its shapes from it) and
-the planner (``policy/`` reads byte and FLOP counts from its properties). It is built from a Hugging
-Face ``config.json`` through ``transformers.AutoConfig`` (no weights needed), or from the registry
+One frozen dataclass serves both the model math (each family in ``model/families/`` reads its shapes from it)
+and the planner (``policy/`` reads byte and FLOP counts from its properties). It is built from a Hugging
+Face ``config.json`` through ``transformers.AutoConfig`` (no weights needed) by the model family's config reader
+(``model.families.read_spec``; this module imports nothing of the model at import time), or from the registry
 of real configs in ``policy``'s model registry.
 """
 
@@ -12,8 +13,6 @@ import json
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
-
-SUPPORTED_MODEL_TYPES = ("mixtral",)
 
 # ---- byte sizes used by MoESpec's byte properties (planner) ------------------------------------------
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}  # itemsize per float dtype name
@@ -300,52 +299,16 @@ class MoESpec:
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: Any, name: Optional[str] = None) -> "MoESpec":
-        """Build from a ``transformers.PretrainedConfig`` (or a plain dict of config.json).
+        """Build from a ``transformers.PretrainedConfig`` (or a plain dict of config.json) by its model family's
+        reader (``model.families.read_spec``: the family is chosen by ``model_type``).
 
         Raises:
-            ValueError: unsupported ``model_type`` or a missing field (the message names it).
+            ValueError: unsupported ``model_type``, a missing field, or a value the family refuses (the message
+                names it).
         """
-        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-        model_type = get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported yet (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        from .families import read_spec
 
-        def need(key: str) -> Any:
-            v = get(key)
-            if v is None:
-                raise ValueError(f"config field {key!r} is missing")
-            return v
-
-        rope_theta = get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
-            rope_theta = (get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = get("head_dim") or hidden // heads
-        eos = get("eos_token_id")
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        return cls(
-            name=name or str(get("_name_or_path") or model_type),
-            model_type=model_type,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            num_experts=int(need("num_local_experts")),
-            top_k=int(need("num_experts_per_tok")),
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(get("max_position_embeddings", 4096)),
-            sliding_window=get("sliding_window"),
-            norm_topk_prob=True,
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            bos_token_id=get("bos_token_id"),
-            eos_token_id=eos,
-        )
+        return read_spec(cfg, name)
 
     @classmethod
     def from_pretrained_dir(cls, path: str) -> "MoESpec":
@@ -353,7 +316,8 @@ class MoESpec:
 
         Raises:
             FileNotFoundError: no config.json in ``path``.
-            ValueError: unsupported model type or missing field (names ``path/config.json``).
+            ValueError: unsupported model type, a missing field or a value the model family refuses (names
+                ``path/config.json`` and the field).
         """
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):

@@ -1,10 +1,11 @@
 """Checkpoint loading: a Hugging Face directory (config.json + safetensors) -> ModelWeights on the host.
 
 Supports one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``, stored in
-bf16, fp16 or fp32 (cast to the requested dtype on load), and both expert layouts found in the wild:
-the original per-expert tensors (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``, what Mixtral
-checkpoints on the Hub and transformers' ``save_pretrained`` write) and transformers-5's fused
-in-memory layout (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]).
+bf16, fp16 or fp32 (cast to the requested dtype on load). Tensor names come from the model family's key map
+(``Family.keys``, model/families/), with both expert layouts found in the wild: per-expert tensors (Mixtral:
+``block_sparse_moe.experts.{e}.w1/w2/w3.weight``, what checkpoints on the Hub and transformers'
+``save_pretrained`` write) and transformers-5's fused in-memory layout (Mixtral: ``mlp.experts.gate_up_proj``
+[E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]).
 A checkpoint written by ``moe-batch quantize`` (model/quantize.py; read by model/quantized.py) keeps its experts as
 packed pages.
 
@@ -19,7 +20,8 @@ from typing import Optional
 import torch
 
 from .checkpoint_io import CheckpointError, _Reader
-from .mixtral import ExpertWeights, LayerWeights
+from .families import family_of
+from .layers import ExpertWeights
 from .quantized import checkpoint_page_layout, read_packed_experts
 from .spec import MoESpec
 
@@ -32,7 +34,7 @@ class ModelWeights:
     embed: torch.Tensor  # [V, D] embed_tokens
     norm: torch.Tensor  # [D] final norm
     lm_head: torch.Tensor  # [V, D] (same storage as embed when tied)
-    layers: list[LayerWeights]  # non-expert weights, one per decoder layer
+    layers: list  # non-expert weights, one per decoder layer (the family's LayerWeights)
     experts: list[ExpertWeights]  # stacked routed experts per decoder layer (QuantExperts: packed pages, model/quantized.py)
 
     @property
@@ -55,61 +57,49 @@ class ModelWeights:
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None) -> ModelWeights:
-    """Load a Mixtral-family Hugging Face checkpoint directory into host memory.
+    """Load a Hugging Face checkpoint directory of a supported model family into host memory.
 
     Args:
         path: directory with config.json and safetensors weights.
         dtype: torch.float32, torch.bfloat16 or torch.float16; tensors are cast on load.
         spec: the spec, when already read (else from ``path/config.json``).
     Returns:
-        ModelWeights with experts stacked per layer ([E, F, D] / [E, D, F]), or, for a quantized
-        checkpoint (config.json has a ``quantization`` section), ``QuantExperts`` (uint8 [E, page_bytes]).
+        ModelWeights with the family's LayerWeights and experts stacked per layer ([E, F, D] / [E, D, F]), or, for
+        a quantized checkpoint (config.json has a ``quantization`` section), ``QuantExperts`` (uint8
+        [E, page_bytes]).
     Raises:
         FileNotFoundError / CheckpointError: missing config, shard or tensor (named in the message).
+        ValueError: a spec of a model type no family implements.
     """
     spec = spec or MoESpec.from_pretrained_dir(path)
+    fam = family_of(spec)
+    keys = fam.keys
     r = _Reader(path, dtype)
     page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
     layers, experts = [], []
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        moe = p + ("block_sparse_moe." if r.has(p + "block_sparse_moe.gate.weight") else "mlp.")
-        layers.append(
-            LayerWeights(
-                attn_norm=r.get(p + "input_layernorm.weight"),
-                wq=r.get(p + "self_attn.q_proj.weight"),
-                wk=r.get(p + "self_attn.k_proj.weight"),
-                wv=r.get(p + "self_attn.v_proj.weight"),
-                wo=r.get(p + "self_attn.o_proj.weight"),
-                ffn_norm=r.get(p + "post_attention_layernorm.weight"),
-                router=r.get(moe + "gate.weight"),
-            )
-        )
+        p, block = keys.layer_prefix(i), keys.moe_prefix(r.has, i)
+        layers.append(fam.layer_weights(**{f: r.get(n) for f, n in keys.layer_names(i, block).items()}))
+        gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
         if page_layout is not None:  # quantized checkpoint: keep the packed pages
-            experts.append(read_packed_experts(r, moe, page_layout, spec.num_experts))
-        elif r.has(moe + "experts.gate_up_proj"):  # transformers-5 fused layout
-            gate_up = r.get(moe + "experts.gate_up_proj")  # [E, 2F, D]
+            experts.append(read_packed_experts(r, p + block, page_layout, spec.num_experts))
+        elif gate_up is not None and r.has(gate_up):  # transformers-5 fused layout
+            gu = r.get(gate_up)  # [E, 2F, D]
             F = spec.intermediate_size
-            experts.append(
-                ExpertWeights(gate_up[:, :F].contiguous(), gate_up[:, F:].contiguous(), r.get(moe + "experts.down_proj"))
-            )
-        else:
-            ex = [moe + f"experts.{e}." for e in range(spec.num_experts)]
-            experts.append(
-                ExpertWeights(
-                    torch.stack([r.get(e + "w1.weight") for e in ex]),  # [E, F, D]
-                    torch.stack([r.get(e + "w3.weight") for e in ex]),  # [E, F, D]
-                    torch.stack([r.get(e + "w2.weight") for e in ex]),  # [E, D, F]
-                )
-            )
-    embed = r.get("model.embed_tokens.weight")
-    if r.has("lm_head.weight"):
-        lm_head = r.get("lm_head.weight")
+            down = r.get(p + keys.fused_down.format(moe=block))  # [E, D, F]
+            experts.append(ExpertWeights(gu[:, :F].contiguous(), gu[:, F:].contiguous(), down))
+        else:  # one tensor per expert and projection, stacked
+            experts.append(ExpertWeights(*(
+                torch.stack([r.get(keys.expert_name(i, block, w, e)) for e in range(spec.num_experts)])
+                for w in ("w1", "w3", "w2"))))  # [E, F, D], [E, F, D], [E, D, F]
+    embed = r.get(keys.embed)
+    if r.has(keys.lm_head):
+        lm_head = r.get(keys.lm_head)
     elif spec.tie_word_embeddings:
         lm_head = embed
     else:
-        raise CheckpointError(f"{path}: tensor 'lm_head.weight' not found and tie_word_embeddings is false")
-    return ModelWeights(spec, embed, r.get("model.norm.weight"), lm_head, layers, experts)
+        raise CheckpointError(f"{path}: tensor {keys.lm_head!r} not found and tie_word_embeddings is false")
+    return ModelWeights(spec, embed, r.get(keys.norm), lm_head, layers, experts)
 
 
 def dummy_weights(spec: MoESpec, dtype: torch.dtype = torch.bfloat16, seed: int = 0, scale: float = 0.02) -> ModelWeights:
@@ -128,14 +118,10 @@ def dummy_weights(spec: MoESpec, dtype: torch.dtype = torch.bfloat16, seed: int 
         return (torch.randn(*shape, generator=g, dtype=torch.float32) * scale).to(dtype)
 
     D, F, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    fam = family_of(spec)
     layers, experts = [], []
     for _ in range(spec.num_layers):
-        layers.append(
-            LayerWeights(
-                torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
-                rnd(D, spec.q_size), torch.ones(D, dtype=dtype), rnd(E, D),
-            )
-        )
+        layers.append(fam.dummy_layer(spec, rnd, dtype))
         experts.append(ExpertWeights(rnd(E, F, D), rnd(E, F, D), rnd(E, D, F)))
     embed = rnd(spec.vocab_size, D)
     return ModelWeights(spec, embed, torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)

@@ -34,10 +34,11 @@ from typing import Optional, Sequence
 import torch
 
 from ..kernels.cpu_attention import native_stats
-from ..kernels.fused_moe import experts_ffn_reference_from
+from ..kernels.fused_moe import TRITON_ACTIVATIONS
 from ..kernels.host_read import copy_from_host_triton, host_read_available
 from ..kernels.quant import PageLayout as QuantPageLayout, unpack_expert_page
-from ..model import mixtral as M
+from ..model.families import family_of
+from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
@@ -130,7 +131,7 @@ class CGOPipeExecutor:
             the pages); "auto" (default): "kernel" where kernels.host_read.host_read_available() says a kernel
             can read pinned memory here, else "dma". Ignored on the CPU. Raises ValueError on another value.
         gpu_attention: how a GPU-attention micro-batch appends its k/v and attends. "torch" (default): per KV length
-            group, :meth:`GroupedKVCache.append` + :meth:`GroupedKVCache.attend` with model.mixtral.decode_attention
+            group, :meth:`GroupedKVCache.append` + :meth:`GroupedKVCache.attend` with the family's decode_attention
             (~20 ops per group, bit-identical to the serial executor); "triton": one kernel for all groups
             (:meth:`GroupedKVCache.append_attend_triton`, scores in fp32: bf16 outputs differ by rounding). Raises
             ValueError on another value.
@@ -156,11 +157,17 @@ class CGOPipeExecutor:
         if page_queue_depth is not None and (not isinstance(page_queue_depth, int) or page_queue_depth < 1):
             raise ValueError(f"CGOPipeExecutor: page_queue_depth must be None or an int >= 1, got {page_queue_depth!r}")
         self.spec = spec = weights.spec
+        self.family = fam = family_of(spec)  # the model family's layer math (model/families/)
+        if fam.attention != "gqa":
+            raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa only)")
         self.policy = policy
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype or weights.dtype
         self.ffn = ffn
+        if ffn == "triton" and self.cuda and fam.expert_activation not in TRITON_ACTIVATIONS:
+            raise ValueError(f"CGOPipeExecutor: the Triton expert FFN computes {', '.join(TRITON_ACTIVATIONS)}, not the "
+                             f"{fam.name} family's {fam.expert_activation!r} (use expert_ffn: torch)")
         self.kv_groups = kv_groups
         self.batch_size = policy.N
         dev, dt = self.device, self.dtype
@@ -168,7 +175,7 @@ class CGOPipeExecutor:
         self.embed = weights.embed.to(dev, dt)
         self.norm = weights.norm.to(dev, dt)
         self.lm_head = weights.lm_head.to(dev, dt)
-        self.inv_freq = M.rope_inv_freq(spec, dev)
+        self.inv_freq = fam.rope_inv_freq(spec, dev)
         counts = policy.resident_counts(spec)
         resident = frozenset((l, e) for l in range(spec.num_layers) for e in range(counts[l]))
         if isinstance(policy.resident_experts, tuple) and policy.resident_experts and isinstance(policy.resident_experts[0], tuple):
@@ -231,8 +238,8 @@ class CGOPipeExecutor:
         self._attn_kv_bytes = 0  # valid K and V bytes read by CPU attention in this decode (worker thread)
 
     # ---- setup helpers -------------------------------------------------------------------------
-    def _cast(self, ew: M.ExpertWeights) -> M.ExpertWeights:
-        return ew if ew.w1.dtype == self.dtype else M.ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
+    def _cast(self, ew: ExpertWeights) -> ExpertWeights:
+        return ew if ew.w1.dtype == self.dtype else ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
 
     def _expert_tensors(self, ew) -> dict[str, torch.Tensor]:
         """A layer's experts as the pool's named tensors: ``{"page": uint8 [E, page_bytes]}`` for packed
@@ -369,8 +376,8 @@ class CGOPipeExecutor:
         """
         if self.ffn == "triton" and self.cuda:
             return self._triton_ffn(lx)
-        get, E = self._expert_getter(lx), self.spec.num_experts
-        return lambda h, ew, w, ids: experts_ffn_reference_from(h, get, E, w, ids)
+        get, E, ffn_from = self._expert_getter(lx), self.spec.num_experts, self.family.experts_ffn_from
+        return lambda h, ew, w, ids: ffn_from(h, get, E, w, ids)
 
     def _expert_getter(self, lx):
         """``get(e) -> (w1 [F, D], w3 [F, D], w2 [D, F])`` of expert ``e`` in the compute dtype."""
@@ -536,10 +543,11 @@ class CGOPipeExecutor:
                 spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
                 pos = torch.cat([torch.arange(n) for n in lens]).to(self.device, non_blocking=True)
                 x = self.embed[ids.to(self.device, non_blocking=True)]  # [T, D]
-                rope = M.rope_cos_sin(pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2, for every layer
-                layout = M.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
+                rope = self.family.rope_cos_sin(pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2, every layer
+                layout = self.family.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
                 chunks.append([i, self._prefill_kv_index(mb, off, spans), x, pos, spans, ends, rope, layout])
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
+        fam = self.family
         for l in range(self.spec.num_layers):
             visit = self._visit
             ffn = self._begin_layer(visit)
@@ -548,11 +556,11 @@ class CGOPipeExecutor:
             for ch in chunks:
                 i, kv_index, x, pos, spans, _, rope, layout = ch
                 mb = mbs[i]
-                q, k, v = M.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq, rope)  # [T,Hq,hd] [T,Hkv,hd] x2
-                attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window, layout)  # [T, Hq*hd]
+                q, k, v = fam.pre_attention(self.layers[l], x, pos, self.spec, self.inv_freq, rope)  # [T,Hq,hd] [T,Hkv,hd] x2
+                attn = fam.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window, layout)  # [T, Hq*hd]
                 if mb.kv is not None:
                     self._store_prefill_kv(l, mb, kv_index, k, v, pending)
-                ch[2] = M.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
+                ch[2] = fam.post_attention(self.layers[l], None, x, attn, self.spec, ffn)  # [T, D]
                 self._pump()
             self._end_layer(visit)
             self._visit += 1
@@ -563,7 +571,7 @@ class CGOPipeExecutor:
         per_mb: list[list[torch.Tensor]] = [[] for _ in mbs]
         for i, _, x, _, _, ends, _, _ in chunks:
             x = x[(ends - 1).to(self.device)]
-            per_mb[i].append(M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
+            per_mb[i].append(fam.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
         return [torch.cat(parts) for parts in per_mb]
 
     def _score_chunks(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], chunks: list) -> list:
@@ -578,26 +586,27 @@ class CGOPipeExecutor:
             rows = mbs[i].rows[offs[i] : offs[i] + len(ends)]
             offs[i] += len(ends)
             targets = next_token_targets([prompts[r] for r in rows], self.device)  # [T_c]
-            per_mb[i].append(token_scores(x, self.norm, self.lm_head, eps, targets, self.score_chunk_tokens))  # [T_c] x2
+            per_mb[i].append(token_scores(x, self.norm, self.lm_head, eps, targets, self.score_chunk_tokens,
+                                          self.family.final_logits))  # [T_c] x2
             ch[2] = None  # this chunk's hidden states are no longer needed
         return [(torch.cat([lp for lp, _ in parts]), torch.cat([g for _, g in parts])) for parts in per_mb]
 
     # ---- decode -------------------------------------------------------------------------------
     def _pre_attention(self, l: int, mb: MicroBatch):
         if mb.rope is None:  # once per decode step: the same positions in every layer
-            mb.rope = M.rope_cos_sin(mb.pos, self.inv_freq.to(self.device), mb.x.dtype)  # [mu, hd] x2
-        return M.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq, mb.rope)  # [mu,Hq,hd] [mu,Hkv,hd] x2
+            mb.rope = self.family.rope_cos_sin(mb.pos, self.inv_freq.to(self.device), mb.x.dtype)  # [mu, hd] x2
+        return self.family.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq, mb.rope)  # [mu,Hq,hd] [mu,Hkv,hd] x2
 
     def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
-        """Append k/v to the micro-batch's GPU cache and attend, one ``M.decode_attention`` per length group.
+        """Append k/v to the micro-batch's GPU cache and attend, one family ``decode_attention`` per length group.
         q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU. With gpu_attention="triton" one
         kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy)."""
         if self.gpu_attention == "triton":
             return mb.kv.append_attend_triton(l, q, k, v, mb.pos)
         rows = torch.arange(len(mb.rows))
         mb.kv.append(l, rows, k, v)
-        sw = self.spec.sliding_window
-        return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: M.decode_attention(qg, K, V, n, sw))
+        sw, attend = self.spec.sliding_window, self.family.decode_attention
+        return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(qg, K, V, n, sw))
 
     def _send_qkv(self, q, k, v):
         """D2H of q/k/v (after the compute stream produced them); returns host tensors + ready event."""
@@ -659,7 +668,7 @@ class CGOPipeExecutor:
         return dev
 
     def _post_attention(self, l: int, mb: MicroBatch, attn: torch.Tensor, ffn) -> None:
-        mb.x = M.post_attention(self.layers[l], None, mb.x, attn, self.spec, ffn)  # [mu_k, D]
+        mb.x = self.family.post_attention(self.layers[l], None, mb.x, attn, self.spec, ffn)  # [mu_k, D]
 
     def _decode_layer(self, l: int, mbs: list[MicroBatch]) -> None:
         """One layer of one decode step over all micro-batches (the CGOPipe schedule).
@@ -713,7 +722,7 @@ class CGOPipeExecutor:
             mb.kv.lengths += 1
             mb.pos += 1
             mb.rope = None  # positions moved: the next step recomputes its RoPE tables
-        return [M.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
+        return [self.family.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
 
     # ---- public API ---------------------------------------------------------------------------
     def _micro_batches(self, prompts: Sequence[Sequence[int]], extra: int, with_kv: bool, mu: int,

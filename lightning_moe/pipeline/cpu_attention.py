@@ -42,7 +42,7 @@ def cpu_decode_attention(
     q [B, Hkv, G, hd] against k/v [B, Hkv, S, hd] with a per-row key mask, without expanding K/V. At decode
     shapes the cost of a call is mostly fixed dispatch/threading overhead (measured 2.9 ms per call on
     the H200 host for 16 rows with the unfused version), so one call instead of about ten small ops matters.
-    Equals :func:`lightning_moe.model.mixtral.decode_attention` (the unfused reference) up to summation
+    Equals :func:`lightning_moe.model.layers.decode_attention` (the unfused reference) up to summation
     order: ~1e-7 in fp32, ~1e-2 relative in bf16.
 
     q: [B, Hq, hd] (any float dtype, on CPU); k, v: [B, Hkv, S, hd] CPU cache rows (the new token's k/v

@@ -296,7 +296,7 @@ class GroupedKVCache:
         """GPU decode step of one layer for every row in ONE kernel launch (kernels.decode_attention): append k/v at
         position lengths[row], attend over lengths + 1 positions (no length update), rows in the caller's order.
 
-        Same result as :meth:`append` + :meth:`attend` with ``model.mixtral.decode_attention`` (fp32: to rounding;
+        Same result as :meth:`append` + :meth:`attend` with ``model.layers.decode_attention`` (fp32: to rounding;
         bf16: ~1e-2 relative, the kernel keeps scores in fp32), without a torch op per length group.
         q [B, Hq, hd], k / v [B, Hkv, hd] on the cache's device; ``pos`` int64 [B] on that device: the rows'
         positions, equal to :attr:`lengths` (CGOPipe's ``MicroBatch.pos``; no host-to-device copy per layer).
@@ -318,7 +318,7 @@ class GroupedKVCache:
         For each group g: ``fn(q_g, K_g[:, :, :upto_g], V_g[:, :, :upto_g], len_g)`` with q_g = q's rows of
         the group [B_g, Hq, hd] (on q's device), K_g, V_g the group's cache [B_g, Hkv, upto_g, hd] (views),
         len_g int64 [B_g] (host) and upto_g = bucket_len(max(len_g), S_g); ``fn`` returns [B_g, Hq*hd]
-        (e.g. ``cpu_decode_attention`` or ``model.mixtral.decode_attention`` with the sliding window bound).
+        (e.g. ``cpu_decode_attention`` or ``model.layers.decode_attention`` with the sliding window bound).
 
         Args:
             layer: decoder layer.

@@ -189,11 +189,11 @@ def measure_gpu(copy_bytes: int = 1 * GiB, gemm: int = 8192, repeats: int = 5) -
 def measure_microbatch_overhead(repeats: int = 30) -> float:
     """Seconds the host needs to issue one micro-batch's work of one layer (CUDA required).
 
-    Runs the executor's own layer pieces (model.mixtral pre_attention + post_attention with the Triton
+    Runs the executor's own layer pieces (the Mixtral family's pre_attention + post_attention with the Triton
     grouped expert kernel when available, else the torch reference) for a tiny layer (D=256, 8 experts,
     4 tokens), where the GPU work is negligible, and times ``repeats`` calls back to back.
     """
-    from ..model import mixtral as M
+    from ..model.families import family_of
     from ..model.spec import MoESpec
     from ..model.weights import dummy_weights
 
@@ -201,21 +201,22 @@ def measure_microbatch_overhead(repeats: int = 30) -> float:
                    num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,
                    max_position_embeddings=256)
     w = dummy_weights(spec, torch.bfloat16)
+    fam = family_of(spec)
     dev = torch.device("cuda")
     lw, ew = w.layers[0].to(dev), w.experts[0].to(dev)
-    inv = M.rope_inv_freq(spec, dev)
+    inv = fam.rope_inv_freq(spec, dev)
     x = torch.randn(4, spec.hidden_size, device=dev, dtype=torch.bfloat16)
     pos = torch.arange(4, device=dev)
     try:
         from ..kernels.fused_moe import fused_experts_triton, triton_available
 
-        ffn = (lambda h, e, tw, ids: fused_experts_triton(h, e.w1, e.w3, e.w2, tw, ids, validate=False)) if triton_available() else M.experts_ffn
+        ffn = (lambda h, e, tw, ids: fused_experts_triton(h, e.w1, e.w3, e.w2, tw, ids, validate=False)) if triton_available() else fam.experts_ffn
     except ImportError:
-        ffn = M.experts_ffn
+        ffn = fam.experts_ffn
 
     def step():
-        q, k, v = M.pre_attention(lw, x, pos, spec, inv)
-        return M.post_attention(lw, ew, x, q.reshape(4, -1), spec, ffn)
+        q, k, v = fam.pre_attention(lw, x, pos, spec, inv)
+        return fam.post_attention(lw, ew, x, q.reshape(4, -1), spec, ffn)
 
     for _ in range(3):
         step()

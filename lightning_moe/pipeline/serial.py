@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..model import mixtral as M
+from ..model.families import family_of
+from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from .cpu_attention import bucket_len, cpu_decode_attention
@@ -152,6 +153,9 @@ class SerialExecutor:
         self.score_chunk_tokens = score_chunk_tokens
         self.w = weights
         self.spec = weights.spec
+        self.family = fam = family_of(self.spec)  # the model family's layer math (model/families/)
+        if fam.attention != "gqa":
+            raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa only)")
         self.device = torch.device(device)
         self.dtype = dtype or weights.dtype
         self.on_host = self.device.type == "cpu"
@@ -160,7 +164,7 @@ class SerialExecutor:
         self.embed = weights.embed.to(dev, dt)
         self.norm = weights.norm.to(dev, dt)
         self.lm_head = weights.lm_head.to(dev, dt)
-        self.inv_freq = M.rope_inv_freq(self.spec, dev)
+        self.inv_freq = fam.rope_inv_freq(self.spec, dev)
         self.stats = RunStats()
         self.phase: Optional[str] = None  # the phase running now ("prefill", "decode", "scoring")
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
@@ -175,7 +179,7 @@ class SerialExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _experts(self, layer: int) -> M.ExpertWeights:
+    def _experts(self, layer: int) -> ExpertWeights:
         """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU).
 
         Packed pages (:class:`QuantExperts`) are copied as they are and dequantized on the device.
@@ -187,7 +191,7 @@ class SerialExecutor:
                 ew = ew.to(self.device)
             return ew.dequantize(self.dtype)
         if ew.w1.dtype != self.dtype:
-            ew = M.ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
+            ew = ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
         if self.on_host:
             return ew
         self.stats.h2d_bytes += ew.nbytes
@@ -195,13 +199,13 @@ class SerialExecutor:
 
     def _prefill_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]], kv: Optional[KVCache]) -> torch.Tensor:
         """One decoder layer over a packed ragged batch. x: [T, D]; spans: (start, end) per sequence."""
-        lw = self.layers[layer]
-        q, k, v = M.pre_attention(lw, x, positions, self.spec, self.inv_freq)  # [T,Hq,hd], [T,Hkv,hd] x2
-        attn = M.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd], one fused call
+        lw, fam = self.layers[layer], self.family
+        q, k, v = fam.pre_attention(lw, x, positions, self.spec, self.inv_freq)  # [T,Hq,hd], [T,Hkv,hd] x2
+        attn = fam.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd], one fused call
         if kv is not None:
             for row, (s, e) in enumerate(spans):
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
-        return M.post_attention(lw, self._experts(layer), x, attn, self.spec)
+        return fam.post_attention(lw, self._experts(layer), x, attn, self.spec, fam.experts_ffn)
 
     def _forward_prefill(self, prompts: Sequence[Sequence[int]], kv: Optional[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill a ragged batch; returns the final hidden states [T, D] (before the final norm) and the
@@ -225,9 +229,10 @@ class SerialExecutor:
         upto = bucket_len(int(new_len.max()), kv.max_len)
         x = self.embed[tokens.to(self.device)]  # [B', D]
         pos_dev = positions.to(self.device)
+        fam = self.family
         for layer in range(self.spec.num_layers):
             lw = self.layers[layer]
-            q, k, v = M.pre_attention(lw, x, pos_dev, self.spec, self.inv_freq)  # [B',Hq,hd], [B',Hkv,hd]
+            q, k, v = fam.pre_attention(lw, x, pos_dev, self.spec, self.inv_freq)  # [B',Hq,hd], [B',Hkv,hd]
             q, k, v = q.cpu(), k.cpu(), v.cpu()  # D2H: attention runs on the CPU cache
             if not self.on_host:
                 self.stats.d2h_bytes += (q.numel() + k.numel() + v.numel()) * q.element_size()
@@ -236,9 +241,9 @@ class SerialExecutor:
             attn = cpu_decode_attention(q, K, V, new_len, self.spec.sliding_window)  # [B', Hq*hd]
             if not self.on_host:
                 self.stats.h2d_bytes += attn.numel() * attn.element_size()
-            x = M.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec)  # [B', D]
+            x = fam.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec, fam.experts_ffn)  # [B', D]
         kv.lengths[rows] += 1
-        return M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
+        return fam.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -284,7 +289,8 @@ class SerialExecutor:
         self._enter("prefill")
         t0 = time.perf_counter()
         x, ends = self._forward_prefill(prompts, kv)  # [T, D]
-        logits = M.final_logits(x[(ends - 1).to(self.device)], self.norm, self.lm_head, self.spec.rms_norm_eps)  # [B, V]
+        logits = self.family.final_logits(x[(ends - 1).to(self.device)], self.norm, self.lm_head,
+                                          self.spec.rms_norm_eps)  # [B, V]
         kv.lengths[:] = torch.tensor([len(p) for p in prompts])
         outputs: list[list[int]] = pre
         nxt = sample(logits, params, sd, [len(o) for o in outputs] if sd else None)  # [B]
@@ -350,7 +356,7 @@ class SerialExecutor:
         x, _ = self._forward_prefill(seqs, None)  # [T, D]
         targets = next_token_targets(seqs, self.device)  # [T]
         logp, greedy = token_scores(x, self.norm, self.lm_head, self.spec.rms_norm_eps, targets,
-                                    self.score_chunk_tokens)  # [T] each: no [T, V] logits
+                                    self.score_chunk_tokens, self.family.final_logits)  # [T] each: no [T, V] logits
         out = split_scores(logp, greedy, [len(s) for s in seqs])
         self._sync()
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
@@ -361,7 +367,7 @@ class SerialExecutor:
     def logits(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """fp32 logits [len, V] of every position of each sequence (prefill only; for tests and scoring)."""
         x, _ = self._forward_prefill(seqs, None)  # [T, D]
-        logits = M.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)  # [T, V]
+        logits = self.family.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)  # [T, V]
         out, start = [], 0
         for s in seqs:
             out.append(logits[start : start + len(s)].cpu())

@@ -11,11 +11,11 @@ Dimension key: T tokens in a packed batch, D hidden size, V vocabulary, c rows o
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from ..model import mixtral as M
+from ..model.layers import final_logits as _final_logits
 from ..policy.batching import SCORE_CHUNK_TOKENS
 
 __all__ = ["SCORE_CHUNK_TOKENS", "next_token_targets", "token_scores", "split_scores"]
@@ -28,11 +28,13 @@ def next_token_targets(seqs: Sequence[Sequence[int]], device: str | torch.device
 
 
 def token_scores(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float, targets: torch.Tensor,
-                 chunk_tokens: int = SCORE_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk_tokens: int = SCORE_CHUNK_TOKENS, final_logits: Callable = _final_logits,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each row's target and whether it is the argmax, ``chunk_tokens`` rows at a time.
 
     x: [T, D] final hidden states (packed sequences, model dtype); norm_w: [D]; lm_head: [V, D]; targets: int64
-    [T] on x's device, < 0 for rows without a target (the last token of each sequence).
+    [T] on x's device, < 0 for rows without a target (the last token of each sequence); ``final_logits``: the model
+    family's head (``Family.final_logits``; default the shared RMSNorm + lm_head of model/layers.py).
     Per chunk of c <= chunk_tokens rows: ``final_logits`` (RMSNorm, lm_head GEMM in the model dtype, then fp32),
     fp32 log_softmax, gather of the target, argmax of the log-probabilities (lowest id on ties) compared with
     the target; rows are independent, so the values equal the full ``[T, V]`` computation's.
@@ -48,7 +50,7 @@ def token_scores(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, e
     tgt = targets.clamp(min=0)  # [T]: rows without a target gather token 0 (their entries are arbitrary)
     for s in range(0, T, chunk_tokens):
         e = min(s + chunk_tokens, T)
-        lp = torch.log_softmax(M.final_logits(x[s:e], norm_w, lm_head, eps), dim=-1)  # [c, V] fp32
+        lp = torch.log_softmax(final_logits(x[s:e], norm_w, lm_head, eps), dim=-1)  # [c, V] fp32
         t = tgt[s:e]  # [c]
         logp[s:e] = lp.gather(1, t[:, None])[:, 0]
         greedy[s:e] = lp.argmax(dim=-1) == t

@@ -7,7 +7,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from lightning_moe.model import mixtral as M  # noqa: E402
+from lightning_moe.model import layers as M  # noqa: E402
 from lightning_moe.model.spec import MoESpec  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from lightning_moe.model import mixtral as M  # noqa: E402
+from lightning_moe.model import layers as M  # noqa: E402
 from lightning_moe.model.spec import MoESpec  # noqa: E402
 from lightning_moe.pipeline.kv_cache import GroupedKVCache  # noqa: E402
 

@@ -1,13 +1,14 @@
-"""Mixtral-family decoder math as plain torch functions (gpt-fast style).
+"""Decoder building blocks shared by the model families, as plain torch functions (gpt-fast style).
 
-Each piece is a pure function over explicit weights so that the executors (serial and CGOPipe) can
-place every piece on the device they choose: the projections and the experts on the GPU, decode
-attention on the CPU over a CPU KV cache. The math follows Hugging Face transformers'
-``modeling_mixtral.py`` (the oracle in our tests) with one deliberate difference: router logits are
-computed in fp32 whatever the weight dtype (transformers computes them in the weight dtype), so that
-two experts whose logits differ by less than bf16 resolution are ranked as fp32 ranks them.
+Each piece is a pure function over explicit tensors so that the executors (serial and CGOPipe) can place every
+piece on the device they choose: the projections and the experts on the GPU, decode attention on the CPU over a
+CPU KV cache. A family (``model/families/``) composes these into its layer (``pre_attention``, ``post_attention``)
+and adds what is its own; the executors reach them only through the family (``families.family_of(spec)``).
+The math follows Hugging Face transformers' modeling files (the oracle in our tests) with one deliberate
+difference: router logits are computed in fp32 whatever the weight dtype (transformers computes them in the weight
+dtype), so that two experts whose logits differ by less than bf16 resolution are ranked as fp32 ranks them.
 
-Dimension key used in shape comments:
+Dimension key used in shape comments (here and in every family module):
     T: tokens in a packed (ragged) batch      B: sequences        S: key/value positions
     D: hidden size    Hq: query heads    Hkv: key/value heads    G: Hq // Hkv    hd: head dim
     E: experts        k: top-k           F: expert FFN width      V: vocabulary
@@ -27,25 +28,9 @@ from .spec import MoESpec
 
 
 # ---------------------------------------------------------------------------------------------------
-# Weights containers (host or device tensors; HF layout: [out_features, in_features])
+# The routed experts of one layer (host or device tensors; HF layout: [out_features, in_features]).
+# A family's non-expert weights are its own dataclass (families/<family>.py: LayerWeights).
 # ---------------------------------------------------------------------------------------------------
-@dataclass
-class LayerWeights:
-    """Non-expert weights of one decoder layer (small: they stay on the compute device)."""
-
-    attn_norm: torch.Tensor  # [D] input_layernorm
-    wq: torch.Tensor  # [Hq*hd, D]
-    wk: torch.Tensor  # [Hkv*hd, D]
-    wv: torch.Tensor  # [Hkv*hd, D]
-    wo: torch.Tensor  # [D, Hq*hd]
-    ffn_norm: torch.Tensor  # [D] post_attention_layernorm
-    router: torch.Tensor  # [E, D] block_sparse_moe.gate
-
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
-        return LayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
-
-
 @dataclass
 class ExpertWeights:
     """The routed experts of one layer, stacked: expert e is ``w1[e], w3[e], w2[e]``."""
@@ -104,25 +89,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------------
-def pre_attention(
-    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
-    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, q/k/v projections and RoPE for a packed batch of tokens.
-
-    x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
-    ``rope_cos_sin(positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
-    Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
-    """
-    T = x.shape[0]
-    h = rms_norm(x, lw.attn_norm, spec.rms_norm_eps)  # [T, D]
-    q = F_.linear(h, lw.wq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
-    k = F_.linear(h, lw.wk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    v = F_.linear(h, lw.wv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    cos, sin = rope if rope is not None else rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: Optional[int] = None
 ) -> torch.Tensor:
@@ -173,8 +139,10 @@ def route(h: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool =
 ExpertsFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def experts_ffn(x: torch.Tensor, ew: ExpertWeights, topk_w: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts: ``y_t = sum_j w_tj * (silu(x_t W1_e^T) * (x_t W3_e^T)) W2_e^T`` with e = ids[t, j].
+def experts_ffn(x: torch.Tensor, ew: ExpertWeights, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor] = F_.silu) -> torch.Tensor:
+    """Routed gated experts: ``y_t = sum_j w_tj * (act(x_t W1_e^T) * (x_t W3_e^T)) W2_e^T`` with e = ids[t, j]
+    (``act`` = silu: SwiGLU, Mixtral).
 
     Grouped by expert (tokens gathered per expert; experts that receive no token are skipped), with the
     accumulation order of ``kernels.fused_moe.experts_ffn_reference(order="hf")`` (transformers 5's
@@ -184,26 +152,7 @@ def experts_ffn(x: torch.Tensor, ew: ExpertWeights, topk_w: torch.Tensor, topk_i
     """
     from ..kernels.fused_moe import experts_ffn_reference
 
-    return experts_ffn_reference(x, ew.w1, ew.w3, ew.w2, topk_w, topk_ids)
-
-
-def post_attention(
-    lw: LayerWeights,
-    ew: ExpertWeights,
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    spec: MoESpec,
-    ffn: ExpertsFn = experts_ffn,
-) -> torch.Tensor:
-    """o_proj + residual, RMSNorm, router, experts, residual.
-
-    x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output.
-    Returns the layer output [T, D].
-    """
-    x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
-    h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
-    topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
-    return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]
+    return experts_ffn_reference(x, ew.w1, ew.w3, ew.w2, topk_w, topk_ids, act=act)
 
 
 def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
