@@ -70,6 +70,8 @@ class GenerationConfig:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = no truncation
     seed: int = 0  # RNG seed for sampling (request order independent seeding is the executor's job)
     stop_at_eos: bool = True  # finish a sequence when it emits the tokenizer's EOS id
+    stop: tuple[str, ...] = ()  # finish a sequence when its text contains one of these; the text is cut before it
+    stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these token ids (kept in output_ids)
 
     @property
     def greedy(self) -> bool:
@@ -230,6 +232,18 @@ def _p_bool(v, key, ctx):
     return v
 
 
+def _p_list(item, one_ok: bool = True):
+    """A list of items parsed by ``item`` (a lone item too, when ``one_ok``) -> tuple."""
+    def parse(v, key, ctx):
+        if one_ok and not isinstance(v, list):
+            v = [v]
+        if not isinstance(v, list):
+            raise ctx.err(key, f"expected a list, got {_describe(v)}")
+        return tuple(item(x, f"{key}[{i}]", ctx) for i, x in enumerate(v))
+
+    return parse
+
+
 def _p_int(lo=None, hi=None):
     def parse(v, key, ctx):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -383,6 +397,8 @@ _GEN_KEYS: dict[str, _Parser] = {
     "top_p": _p_float(lo=0.0, hi=1.0, lo_open=True),
     "seed": _p_int(lo=0, hi=2**63 - 1),
     "stop_at_eos": _p_bool,
+    "stop": _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
+    "stop_token_ids": _p_list(_p_int(lo=0)),
 }
 _SCORE_KEYS: dict[str, _Parser] = {
     "mode": _p_choice(SCORE_MODES),

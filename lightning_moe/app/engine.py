@@ -26,15 +26,16 @@ import sys
 import threading
 import time
 from dataclasses import asdict
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..config import Job
+from ..data.stops import StopWatch, cut_at_stop
 from ..data.writer import PartialsFile, ResultsWriter, error_record, write_json_atomic
 from ..model.weights import load_checkpoint
 from ..pipeline import scoring
-from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, request_seed
+from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap
 from .plan import JobPlan, Prepared, plan_job, policy_for_job
 from .report import job_totals, memory_report, oom_message, peak_host_bytes, previous_runs, timing
@@ -56,9 +57,13 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
     return SerialExecutor(weights, job.device, dtype)
 
 
-def _gen_record(tr, out_ids: list[int], reason: str, tokenizer) -> dict:
-    rec = {"id": tr.id, "prompt_tokens": tr.prompt_tokens,
-           "text": tokenizer.decode(out_ids, skip_special_tokens=True), "output_ids": out_ids,
+def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = ()) -> dict:
+    """A generation record; with stop strings the text is cut before the earliest one and the reason is "stop"."""
+    text = tokenizer.decode(out_ids, skip_special_tokens=True)
+    if stops:
+        text, found = cut_at_stop(text, stops)
+        reason = "stop" if found else reason
+    rec = {"id": tr.id, "prompt_tokens": tr.prompt_tokens, "text": text, "output_ids": out_ids,
            "output_tokens": len(out_ids), "finish_reason": reason}
     if tr.truncated:
         rec["truncated_tokens"] = tr.truncated
@@ -69,8 +74,11 @@ def results_provenance(job: Job) -> dict:
     """What the records of ``job.output.path`` depend on: the model (as the job names it), dtype, task, the decoding
     (generate) or scoring settings, and how prompts are formatted. Device, executor, batch size and policy are left
     out: they change speed, not what a record means."""
-    return {"model": job.model, "dtype": job.dtype, "task": job.task,
-            "generation": asdict(job.generation) if job.task == "generate" else None,
+    gen = None
+    if job.task == "generate":  # as JSON holds it (lists); stop settings only when set, so older results still match
+        gen = {k: v for k, v in json.loads(json.dumps(asdict(job.generation))).items()
+               if not (k in ("stop", "stop_token_ids") and not v)}
+    return {"model": job.model, "dtype": job.dtype, "task": job.task, "generation": gen,
             "score": asdict(job.score) if job.score is not None else None,
             "chat_template": job.data.chat_template, "system_prompt": job.data.system_prompt,
             "truncate": job.data.truncate}
@@ -367,14 +375,19 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
         if stop is not None:
             stop.deferred = True  # served after the current decode step (on_tokens below)
 
+        stops = job.generation.stop
+        watch = StopWatch(stops, lambda rows: prep.tokenizer.batch_decode(rows, skip_special_tokens=True))
+
         def ends(p: list) -> bool:
-            return params.stop_at_eos and eos is not None and bool(p) and p[-1] == eos
+            return bool(p) and finish_reason(params, eos, p[-1], len(p)) == "stop"
 
         rest = []
-        for t in work:  # a partial that is already complete (killed before its record was written) needs no model
+        stopped = watch.hits({i: p for i, t in enumerate(work) if (p := partials.get(t.id))}) if watch else set()
+        for i, t in enumerate(work):  # a complete partial (killed before its record was written) needs no model
             p = partials.get(t.id, [])
-            if p and (len(p) >= G or ends(p)):
-                writer.write(_gen_record(t, p[:G], "stop" if ends(p[:G]) else "length", prep.tokenizer))
+            if p and (len(p) >= G or ends(p) or i in stopped):
+                writer.write(_gen_record(t, p[:G], "stop" if ends(p[:G]) or i in stopped else "length",
+                                         prep.tokenizer, stops))
                 written += 1
             else:
                 rest.append(t)
@@ -396,7 +409,7 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
             finished = [False] * len(chunk)
 
             def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished):
-                writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer))
+                writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops))
                 finished[idx] = True
                 done[0] += 1
                 if len(out_ids) < G:  # stopped early: its remaining tokens will never come
@@ -431,7 +444,7 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
             executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
                               seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
                               eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
-                              on_tokens=on_tokens)
+                              on_tokens=on_tokens, stop_rows=watch.hits if watch else None)
             written += len(chunk)
         bar.close()
         return written

@@ -46,7 +46,8 @@ from .kv_cache import KV_GROUPS, GroupedKVCache
 from ..policy.batching import group_by_length
 from .pager import (ExpertPaging, GpuPageBuffers, HostPagePool, ResidentExperts, ffn_expert_specs, page_schedule,
                     tiling_page_count)
-from .serial import FinishCallback, RunStats, SamplingParams, StepCallback, TokensCallback, check_prefixes, sample
+from .serial import (FinishCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback, TokensCallback,
+                     check_prefixes, finish_reason, sample)
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
 _PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_bytes] page per expert
@@ -756,10 +757,12 @@ class CGOPipeExecutor:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finish: Optional[FinishCallback] = None,
                  seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
                  on_step: Optional[StepCallback] = None, prefixes: Optional[Sequence[Sequence[int]]] = None,
-                 on_tokens: Optional[TokensCallback] = None) -> list[tuple[list[int], str]]:
+                 on_tokens: Optional[TokensCallback] = None,
+                 stop_rows: Optional[StopRowsCallback] = None) -> list[tuple[list[int], str]]:
         """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call; ``prefixes``:
         resumed sequences, prefilled with their prompt; ``on_tokens(rows, tokens)``: every token committed in a step,
-        once per step after all micro-batches).
+        once per step after all micro-batches; ``stop_rows``: once per step, before ``on_tokens``, over the rows still
+        running: those it returns finish with "stop").
 
         Finished rows keep their slot until the batch ends (their extra tokens are discarded, never reported), so the
         micro-batch shapes stay fixed for the whole batch.
@@ -792,8 +795,7 @@ class CGOPipeExecutor:
                 step_rows.append(r)
                 step_toks.append(t)
                 self.stats.generated_tokens += 1
-                reason = "stop" if (params.stop_at_eos and eos is not None and t == eos) else (
-                    "length" if len(outputs[r]) >= params.max_new_tokens else None)
+                reason = finish_reason(params, eos, t, len(outputs[r]))
                 if reason is not None:
                     results[r] = (outputs[r], reason)
                     if on_finish is not None:
@@ -801,6 +803,12 @@ class CGOPipeExecutor:
             return toks
 
         def report_tokens() -> None:
+            if stop_rows is not None:
+                live = {r: outputs[r] for r in step_rows if results[r] is None}
+                for r in sorted(stop_rows(live) if live else ()):
+                    results[r] = (outputs[r], "stop")
+                    if on_finish is not None:
+                        on_finish(r, outputs[r], "stop")
             if on_tokens is not None:
                 on_tokens(list(step_rows), list(step_toks))
             step_rows.clear()

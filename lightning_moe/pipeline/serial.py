@@ -28,6 +28,8 @@ from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, 
 FinishCallback = Callable[[int, list[int], str], None]
 StepCallback = Callable[[int], None]  # called after prefill and after every decode step with the tokens it generated
 TokensCallback = Callable[[list[int], list[int]], None]  # (rows, tokens): the tokens committed to rows' outputs this step
+StopRowsCallback = Callable[[dict[int, list[int]]], set[int]]  # {row: output so far} of the rows still running ->
+#   the rows whose text now holds a stop string (data.stops.StopWatch.hits)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_p: float = 1.0  # nucleus sampling mass
     stop_at_eos: bool = True  # finish a sequence when it emits EOS
+    stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these (kept in its output)
 
     @property
     def greedy(self) -> bool:
@@ -70,7 +73,16 @@ class SamplingParams:
     @classmethod
     def from_config(cls, gen) -> "SamplingParams":
         """From a config.GenerationConfig (or anything with the same attribute names)."""
-        return cls(gen.max_new_tokens, float(gen.temperature), float(gen.top_p), bool(gen.stop_at_eos))
+        return cls(gen.max_new_tokens, float(gen.temperature), float(gen.top_p), bool(gen.stop_at_eos),
+                   tuple(getattr(gen, "stop_token_ids", ())))
+
+
+def finish_reason(params: SamplingParams, eos: Optional[int], token: int, n_out: int) -> Optional[str]:
+    """Why a sequence that just emitted ``token`` (its output now ``n_out`` tokens) finishes: "stop" (EOS with
+    stop_at_eos, or a stop token id), "length" (max_new_tokens reached), or None (it goes on)."""
+    if (params.stop_at_eos and eos is not None and token == eos) or token in params.stop_token_ids:
+        return "stop"
+    return "length" if n_out >= params.max_new_tokens else None
 
 
 def request_seed(seed: int, request_id: str) -> int:
@@ -257,6 +269,7 @@ class SerialExecutor:
         on_step: Optional[StepCallback] = None,
         prefixes: Optional[Sequence[Sequence[int]]] = None,
         on_tokens: Optional[TokensCallback] = None,
+        stop_rows: Optional[StopRowsCallback] = None,
     ) -> list[tuple[list[int], str]]:
         """Generate continuations for a ragged batch of token-id prompts.
 
@@ -275,6 +288,8 @@ class SerialExecutor:
                 ``max_new_tokens - len(prefix)`` tokens, and output_ids start with the prefix.
             on_tokens: called as ``on_tokens(rows, tokens)`` after prefill and after each decode step, after its
                 ``on_finish`` calls, with every token appended to a row's output in that step.
+            stop_rows: called after prefill and after each decode step with ``{row: output}`` of the rows still
+                running; the rows it returns finish with "stop" (stop strings).
         Returns:
             [(output_ids, finish_reason)] per prompt, in input order.
         """
@@ -308,14 +323,20 @@ class SerialExecutor:
             for r, t in zip(rows, toks):
                 outputs[r].append(t)
                 self.stats.generated_tokens += 1
-                reason = "stop" if (params.stop_at_eos and eos is not None and t == eos) else (
-                    "length" if len(outputs[r]) >= params.max_new_tokens else None)
+                reason = finish_reason(params, eos, t, len(outputs[r]))
                 if reason is None:
                     still.append(r)
                 else:
                     results[r] = (outputs[r], reason)
                     if on_finish is not None:
                         on_finish(r, outputs[r], reason)
+            if stop_rows is not None and still:
+                hit = stop_rows({r: outputs[r] for r in still})
+                for r in [r for r in still if r in hit]:
+                    results[r] = (outputs[r], "stop")
+                    if on_finish is not None:
+                        on_finish(r, outputs[r], "stop")
+                still = [r for r in still if r not in hit]
             if on_tokens is not None:
                 on_tokens(list(rows), toks)
             return still
