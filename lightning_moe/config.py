@@ -40,6 +40,7 @@ ON_ERROR = ("fail", "record")
 SOURCES = ("jsonl", "mtbench")
 TRUNCATE = ("error", "left")
 SCORE_MODES = ("loglikelihood", "multiple_choice", "perplexity")
+IN_MEMORY = "memory"  # DataSource.source of a job whose requests the caller holds (the Python API; not a YAML value)
 
 
 class ConfigError(ValueError):
@@ -53,7 +54,7 @@ class ConfigError(ValueError):
 class DataSource:
     """Where the requests come from (``data:`` section)."""
 
-    source: str = "jsonl"  # "jsonl" (data.path) or "mtbench" (80 MT-Bench first-turn questions)
+    source: str = "jsonl"  # "jsonl" (data.path), "mtbench" (80 MT-Bench first-turn questions) or IN_MEMORY (the API)
     path: Optional[str] = None  # absolute path of the JSONL file; required for jsonl, optional question.jsonl for mtbench
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template (default: True for mtbench, False for jsonl)
     system_prompt: Optional[str] = None  # system message prepended when chat_template is on
@@ -132,7 +133,7 @@ class Job:
 
     model: str  # checkpoint directory (absolute) or "tiny-mixtral"
     data: DataSource  # request source
-    output: OutputConfig  # results file
+    output: Optional[OutputConfig]  # results file; None for a job whose requests and records stay in memory (the API)
     task: str = "generate"  # "generate" | "score"
     generation: GenerationConfig = field(default_factory=GenerationConfig)  # decoding parameters
     score: Optional[ScoreConfig] = None  # scoring parameters; set iff task == "score"
@@ -488,9 +489,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ================================================================================================
 # entry points
 # ================================================================================================
+_MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "truncate")  # data keys of an in-memory job
+
+
 def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Optional[str] = None,
                   overrides: Optional[Mapping[str, Any]] = None, name: Optional[str] = None,
-                  config_path: Optional[str] = None) -> Job:
+                  config_path: Optional[str] = None, in_memory: bool = False) -> Job:
     """Validate a job mapping (as YAML would give it) into a :class:`Job`.
 
     Args:
@@ -500,6 +504,9 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
         overrides: ``{"dotted.key": value}`` applied over ``d`` before validation; a None value removes the key.
         name: job name when ``d`` has no ``name`` key (default: ``"job"``).
         config_path: recorded as :attr:`Job.config_path`.
+        in_memory: the caller holds the requests and takes the records (the Python API, ``lightning_moe.api``):
+            ``data`` may hold only chat_template, system_prompt and truncate (``data.source`` becomes IN_MEMORY),
+            ``output`` is not allowed (:attr:`Job.output` is None); every other key is checked as for a YAML.
 
     Raises:
         ConfigError: unknown key, wrong type or value, missing required key, missing input file or checkpoint
@@ -514,26 +521,33 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
         ctx.overridden = overridden
     _check_keys(raw, _ALL_TOP, "", ctx)
 
-    for req in ("model", "data", "output"):
+    for req in ("model",) if in_memory else ("model", "data", "output"):
         if raw.get(req) is None:
             raise ctx.err(req, f"required key is missing (allowed top-level keys: {', '.join(_ALL_TOP)})")
+    if in_memory:
+        if raw.get("output") is not None:
+            raise ctx.err("output", "not used when the requests are given in memory (the records are returned)")
+        if isinstance(raw.get("data"), dict):
+            _check_keys(raw["data"], _MEMORY_DATA_KEYS, "data.", ctx)
     top = {k: _TOP_KEYS[k](v, k, ctx) for k, v in raw.items() if k in _TOP_KEYS}
 
     # ---- data ----
     data = _section(raw, "data", ctx) or {}
-    source = data.get("source", "jsonl")
+    source = IN_MEMORY if in_memory else data.get("source", "jsonl")
     if source == "jsonl" and data.get("path") is None:
         raise ctx.err("data.path", "required for source: jsonl (a JSONL file of requests)")
     data.setdefault("chat_template", source == "mtbench")
-    data_src = DataSource(**data)
+    data_src = DataSource(**data, **({"source": IN_MEMORY} if in_memory else {}))
 
     # ---- output ----
-    out = _section(raw, "output", ctx) or {}
-    if "path" not in out:
-        raise ctx.err("output.path", "required key is missing (the results .jsonl file)")
-    if data_src.path is not None and os.path.abspath(out["path"]) == os.path.abspath(data_src.path):
-        raise ctx.err("output.path", f"is the same file as data.path ({data_src.path}); it would be overwritten")
-    output = OutputConfig(**out)
+    output = None
+    if not in_memory:
+        out = _section(raw, "output", ctx) or {}
+        if "path" not in out:
+            raise ctx.err("output.path", "required key is missing (the results .jsonl file)")
+        if data_src.path is not None and os.path.abspath(out["path"]) == os.path.abspath(data_src.path):
+            raise ctx.err("output.path", f"is the same file as data.path ({data_src.path}); it would be overwritten")
+        output = OutputConfig(**out)
 
     # ---- generation / score ----
     gen = GenerationConfig(**(_section(raw, "generation", ctx) or {}))
@@ -564,6 +578,13 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     top.setdefault("name", name or "job")
     return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
                **{k: v for k, v in top.items()})
+
+
+def generation_from_dict(d: Mapping[str, Any], source_name: str = "<generation>") -> GenerationConfig:
+    """Validate a ``generation:`` mapping on its own, as :func:`job_from_dict` does inside a job (the Python API's
+    SamplingParams, checked when it is made). Raises ConfigError starting with ``source_name: generation.key:``."""
+    ctx = _Ctx(source_name, os.getcwd())
+    return GenerationConfig(**(_section({"generation": dict(d)}, "generation", ctx) or {}))
 
 
 def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None) -> Job:

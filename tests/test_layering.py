@@ -1,4 +1,4 @@
-"""Dependencies point one way: cli -> app -> pipeline -> (policy, model, kernels).
+"""Dependencies point one way: cli -> app (and api, the Python API, at app level) -> pipeline -> (policy, model, kernels).
 
 Parsed from the source (every ``import`` / ``from ... import``, module level or inside functions), so a lazy import
 that breaks a rule fails too. The rules:
@@ -8,7 +8,8 @@ that breaks a rule fails too. The rules:
   data      imports data, config and model only;
   pipeline  never imports app or the command-line modules;
   app       imports app, pipeline, policy, model, data, config and kernels: never the command-line modules;
-  nothing below app (pipeline, policy, model, data, config, kernels) imports app; the command-line modules
+  api       (lightning_moe/api.py) is app-level: it imports what app may, and app, never the command-line modules;
+  nothing below app (pipeline, policy, model, data, config, kernels) imports app or api; the command-line modules
   (cli, plan_cli, quantize_cli) may import any of it.
 """
 
@@ -18,6 +19,7 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_moe")
 CLI = {"lightning_moe.cli", "lightning_moe.plan_cli", "lightning_moe.quantize_cli"}
 BELOW_APP = {"pipeline", "policy", "model", "data", "config", "kernels"}  # top-level parts app may import
+APP_LEVEL = {"app", "api"}  # the application layer: the job engine and the Python API over it
 
 
 def project_imports(type_checking: bool = True) -> list[tuple[str, str]]:
@@ -70,8 +72,8 @@ def violations(edges) -> list[str]:
                  or (pa == "model" and pb not in ("model", "kernels"))
                  or (pa == "data" and pb not in ("data", "config", "model"))
                  or (pa == "pipeline" and b in CLI)
-                 or (pa == "app" and pb not in BELOW_APP | {"app"})
-                 or (pa in BELOW_APP and pb == "app"))
+                 or (pa in APP_LEVEL and pb not in BELOW_APP | APP_LEVEL)
+                 or (pa in BELOW_APP and pb in APP_LEVEL))
         if wrong:
             bad.append(f"{a} imports {b}")
     return sorted(set(bad))
@@ -85,7 +87,8 @@ def test_imports_point_one_way():
 
 def test_the_rule_check_catches_a_violation():
     """The checker itself: a kernel importing the model, the planner importing the pipeline, the pipeline or the
-    config importing the app layer, the app layer importing the CLI, are caught; the CLI importing app is not."""
+    config importing the app layer (app or api), the app layer importing the CLI, are caught; the CLI importing app
+    or api, and api importing app, are not."""
     assert violations([("lightning_moe.kernels.quant", "lightning_moe.model.mixtral"),
                        ("lightning_moe.policy.hrm", "lightning_moe.pipeline.batching"),
                        ("lightning_moe.policy.hrm", "lightning_moe.model.spec"),
@@ -93,10 +96,16 @@ def test_the_rule_check_catches_a_violation():
                        ("lightning_moe.config", "lightning_moe.app"),
                        ("lightning_moe.app.engine", "lightning_moe.cli"),
                        ("lightning_moe.app.engine", "lightning_moe.pipeline.serial"),
-                       ("lightning_moe.cli", "lightning_moe.app.engine")]) == [
+                       ("lightning_moe.cli", "lightning_moe.app.engine"),
+                       ("lightning_moe.api", "lightning_moe.app.engine"),
+                       ("lightning_moe.api", "lightning_moe.cli"),
+                       ("lightning_moe.pipeline.serial", "lightning_moe.api"),
+                       ("lightning_moe.cli", "lightning_moe.api")]) == [
+        "lightning_moe.api imports lightning_moe.cli",
         "lightning_moe.app.engine imports lightning_moe.cli",
         "lightning_moe.config imports lightning_moe.app",
         "lightning_moe.kernels.quant imports lightning_moe.model.mixtral",
+        "lightning_moe.pipeline.serial imports lightning_moe.api",
         "lightning_moe.pipeline.serial imports lightning_moe.app.engine",
         "lightning_moe.policy.hrm imports lightning_moe.pipeline.batching"]
 

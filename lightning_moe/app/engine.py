@@ -13,6 +13,11 @@ Order of work (so bad input fails fast and finished work is never lost):
 SIGTERM / SIGINT during generation: the current decode step finishes, the partials are flushed, the report is written
 and :class:`JobStopped` is raised (``moe-batch run`` exits EXIT_STOPPED); outside generation it is raised at once; a
 second signal ends the process at once (exit EXIT_INTERRUPTED): the files only ever get whole fsync'd lines appended.
+
+The Python API (``lightning_moe.api``) runs through the same parts, without files: :class:`Prepared` (tokenizer and
+requests), :func:`plan_for_job` (the policy), :class:`ModelRunner` (the weights, read once, and the executor),
+:func:`work_order` and the batch loop :func:`_run_work`, its records collected by :class:`RecordCollector`
+(:func:`run_in_memory`); :func:`run_job` adds resume, checkpoints, signals and the report around them.
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ from ..model.weights import load_checkpoint
 from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap
-from .plan import JobPlan, Prepared, plan_job, policy_for_job
+from .plan import JobPlan, ModelFiles, Prepared, check_plan, plan_job, policy_for_job
 from .report import job_totals, memory_report, oom_message, peak_host_bytes, previous_runs, timing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often
+KEEP_POLICY_SPEED = 0.9  # ModelRunner keeps its cgopipe executor for a job whose plan differs while the executor's
+#   policy fits and is predicted at >= this fraction of the planner's end-to-end tokens/s for that job
 
 
 def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
@@ -55,6 +62,139 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
         ex.estimate = jplan.estimate
         return ex
     return SerialExecutor(weights, job.device, dtype)
+
+
+def check_device(job: Job) -> None:
+    """ConfigError when ``job.device`` is CUDA and torch sees no CUDA device."""
+    if job.device.startswith("cuda") and not torch.cuda.is_available():
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
+                          f"(set device: cpu, or --set device=cpu)")
+
+
+def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
+    """The plan a run executes with, before any weight is read: a cgopipe job's :func:`plan_job` (None when no request
+    is valid); None for the serial executor, which runs no policy -- though a malformed one is still an error."""
+    valid = any(t.error is None for t in prep.treqs)
+    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
+    if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
+        policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
+    return jplan
+
+
+def work_order(job: Job, treqs: list) -> list:
+    """The valid requests of ``treqs`` in the order the batch loop takes them: by prompt length (scoring: by the
+    tokens of all its sequences), so each batch holds similar lengths (decode attention and the KV cache pad each
+    (micro-)batch to its longest row); records are keyed by id, so the order they come out in does not matter."""
+    return sorted((t for t in treqs if t.error is None),
+                  key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
+
+
+class ModelRunner:
+    """A model's weights and the executor that runs them, for one run (:func:`run_job`) or many (the Python API).
+
+    The weights are read on first need (:meth:`load_weights`; :attr:`weight_loads` counts the reads). :meth:`executor`
+    builds the job's executor and keeps it: a later job with the same executor settings reuses it -- a cgopipe one
+    also when its policy differs from the later plan's but fits that job's workload (:func:`check_plan`) and is
+    predicted at KEEP_POLICY_SPEED or more of the plan's end-to-end tokens/s. A cgopipe executor takes the host copies
+    of the experts into its page pool, so replacing it reads the weights again.
+    """
+
+    def __init__(self, files: ModelFiles, dtype: str, log=None):
+        self.files = files
+        self.dtype = dtype
+        self.log = log  # where its messages go (None: sys.stderr at the time)
+        self.weight_loads = 0  # checkpoint reads so far
+        self._weights = None  # host weights not yet given to a cgopipe executor
+        self._executor = None
+        self._key: Optional[tuple] = None  # (executor, device, expert FFN) of the executor held
+
+    def load_weights(self):
+        """The host weights, read from the checkpoint unless already held."""
+        if self._weights is None:
+            if self.weight_loads:
+                print(f"moe-batch: reading the weights of {self.files.model_path} again (the previous executor's page "
+                      f"pool held them)", file=self.log or sys.stderr, flush=True)
+            self._weights = load_checkpoint(self.files.model_path, DTYPES[self.dtype], self.files.spec)
+            self.weight_loads += 1
+        return self._weights
+
+    def executor(self, job: Job, prep: Prepared, jplan: Optional[JobPlan]):
+        """The executor for ``job`` (:func:`make_executor` with ``jplan``'s policy), reused when the one held fits;
+        its stats start from zero for each job."""
+        if job.dtype != self.dtype:
+            raise ValueError(f"ModelRunner: job dtype {job.dtype} differs from the runner's {self.dtype}")
+        key = (job.executor, job.device, None)
+        if job.executor == "cgopipe":
+            from ..pipeline.cgopipe import expert_ffn_for
+
+            key = (job.executor, job.device, expert_ffn_for(job))
+        ex = self._executor
+        if ex is not None and key == self._key:
+            if jplan is None or ex.policy == jplan.policy:
+                ex.stats = RunStats()
+                return ex
+            from ..policy.policy import PolicyError
+
+            try:  # the held policy, for this job's workload (budgets as the job's)
+                kept = check_plan(job, prep, ex.policy)
+            except PolicyError:
+                kept = None
+            if kept is not None and kept.estimate.e2e_tok_s >= KEEP_POLICY_SPEED * jplan.estimate.e2e_tok_s:
+                ex.estimate = kept.estimate
+                ex.stats = RunStats()
+                return ex
+            p = ex.policy
+            print(f"moe-batch: the executor's policy (mu {p.mu} x n {p.n}) "
+                  + ("does not fit" if kept is None else "is predicted slower than the planner's")
+                  + f" for this workload: rebuilding with the planner's (mu {jplan.policy.mu} x n {jplan.policy.n})",
+                  file=self.log or sys.stderr, flush=True)
+        ex = None  # the old executor's GPU tensors go before the new one's are made
+        self.close()
+        weights = self.load_weights()
+        ex = make_executor(job, prep, weights, jplan)
+        if job.executor == "cgopipe":
+            self._weights = None  # its page pool holds the experts now (the host copies are released)
+        self._executor, self._key = ex, key
+        return ex
+
+    def close(self) -> None:
+        """Close the executor held (its worker thread, pinned pool); the weights stay if still held."""
+        ex, self._executor, self._key = self._executor, None, None
+        if ex is not None and hasattr(ex, "close"):
+            ex.close()
+
+
+class RecordCollector:
+    """The batch loop's writer when the records stay in memory (the Python API): :meth:`write` keeps each record."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+        self.written = 0
+
+    def write(self, record: dict) -> None:
+        """Keep ``record``."""
+        self.records.append(record)
+        self.written += 1
+
+
+def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional[JobPlan], progress: bool = False,
+                  log=None) -> list[dict]:
+    """Run the tokenized requests of ``prep`` (none with an error) through ``runner``'s executor and the batch loop,
+    and return their records -- the ones :func:`run_job` writes for the same requests -- in ``prep.treqs`` order.
+    Nothing is written to disk and no signal handler is installed (the Python API's run)."""
+    from tqdm import tqdm
+
+    log = log or sys.stderr
+    work = work_order(job, prep.treqs)
+    sink = RecordCollector()
+    if work:
+        _prepare_cpu_attention(job, jplan, log)
+        executor = runner.executor(job, prep, jplan)
+        _run_work(job, prep, executor, work, sink, [], progress, log, tqdm)
+    order = {t.id: i for i, t in enumerate(prep.treqs)}
+    return sorted(sink.records, key=lambda r: order[r["id"]])
 
 
 def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = ()) -> dict:
@@ -207,11 +347,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
 
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    if job.device.startswith("cuda") and not torch.cuda.is_available():
-        from ..config import ConfigError
-
-        raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
-                          f"(set device: cpu, or --set device=cpu)")
+    check_device(job)
     prep = Prepared(job)
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
@@ -223,16 +359,12 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
     # the policy, with its predicted memory for every phase, is checked before anything is written or read
-    valid = any(t.error is None for t in prep.treqs)
-    jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
-    if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
-        policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
+    jplan = plan_for_job(job, prep)
     check_results_provenance(job)  # never mix records of another model / settings into one results file
     with ResultsWriter(job.output.path) as w:
         done = w.done_ids()
     todo = [t for t in prep.treqs if t.id not in done]
-    work = sorted((t for t in todo if t.error is None),
-                  key=lambda t: sum(len(q) for q, _ in t.score_inputs) if job.task == "score" else t.prompt_tokens)
+    work = work_order(job, todo)
     writer = ResultsWriter(job.output.path)
     partials_file, partials = None, {}
     if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
@@ -252,12 +384,11 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     errors = [t for t in todo if t.error is not None]
     for t in errors:  # validation failures under on_error: record
         writer.write(error_record(t.id, t.error))
-    # batches of similar length: decode attention and the KV cache pad each (micro-)batch to its longest row;
-    # records are keyed by id, so the order they are written in does not matter (merge restores input order)
     stats = RunStats()
     score_records: list[dict] = []
     t_load = 0.0
     executor = None
+    runner = ModelRunner(prep.files, job.dtype, log)
     peaks = PhasePeaks(job.device)
     cap = None
     stop = StopSignals()
@@ -279,8 +410,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             _prepare_cpu_attention(job, jplan, log)  # a first-run compile is not timed as load or decode
             peaks.enter("load")
             t0 = time.perf_counter()
-            weights = load_checkpoint(prep.model_path, DTYPES[job.dtype], prep.spec)
-            executor = make_executor(job, prep, weights, jplan)
+            executor = runner.executor(job, prep, jplan)  # reads the weights
             executor.phase_hook = peaks.enter
             t_load = time.perf_counter() - t0
             report["gpu_memory_fraction"] = cap["fraction"] if cap else None
@@ -334,8 +464,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             report["metrics"] = scoring.summarize(score_records, job.score.mode)
         report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
         report["stages"] = stats.extra
-        if executor is not None and hasattr(executor, "close"):
-            executor.close()
+        runner.close()
         try:
             report["runs"] = prev_runs + [run_entry(report["status"])]
             report["job_totals"] = job_totals(report["runs"], len(done) + writer.written)

@@ -1,5 +1,6 @@
-"""A job before any weight is read: its tokenized requests (:class:`Prepared`), the planner's workload of them, and
-the policy it runs with, checked against the memory model (:func:`plan_job`)."""
+"""A job before any weight is read: its model's files (:class:`ModelFiles`), its tokenized requests
+(:class:`Prepared`), the planner's workload of them, and the policy it runs with, checked against the memory model
+(:func:`plan_job`, :func:`check_plan`)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,41 @@ from ..pipeline import scoring
 from .gpu import device_memory
 
 
-class Prepared:
-    """Everything a job needs before heavy work: spec, tokenizer, tokenized requests, resume state."""
+class ModelFiles:
+    """What a model gives before any weight is read: its checkpoint directory, spec and tokenizer (read once; the
+    Python API keeps one for all its calls)."""
 
-    def __init__(self, job: Job):
-        self.job = job
-        self.model_path = resolve_model_path(job.model)
+    def __init__(self, model: str):
+        self.model = model  # as the job names it ("tiny-mixtral" or a checkpoint directory)
+        self.model_path = resolve_model_path(model)
         self.spec = MoESpec.from_pretrained_dir(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        requests = load_requests(job)
-        self.n_input = len(requests)
-        if job.shard is not None:
-            requests = select_shard(requests, *job.shard)
-        self.treqs = encode_requests(requests, self.tokenizer, job, self.spec.max_position_embeddings)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else self.spec.eos_token_id
+
+
+class Prepared:
+    """Everything a job needs before heavy work: spec, tokenizer, tokenized requests.
+
+    ``requests``: the job's requests when the caller holds them (the Python API); default: read from ``job.data``
+    (and ``job.shard`` selected). ``files``: the model's :class:`ModelFiles` when already read (default: read now).
+    """
+
+    def __init__(self, job: Job, requests: Optional[list] = None, files: Optional[ModelFiles] = None):
+        self.job = job
+        self.files = files if files is not None else ModelFiles(job.model)
+        self.model_path = self.files.model_path
+        self.spec = self.files.spec
+        self.tokenizer = self.files.tokenizer
+        if requests is None:
+            requests = load_requests(job)
+            self.n_input = len(requests)
+            if job.shard is not None:
+                requests = select_shard(requests, *job.shard)
+        else:
+            self.n_input = len(requests)
+        self.treqs = encode_requests(requests, self.tokenizer, job, self.spec.max_position_embeddings)
+        self.eos_token_id = self.files.eos_token_id
 
 
 def job_workload_from_prepared(prep: "Prepared"):
@@ -118,13 +139,21 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
     Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
     and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit.
     """
+    policy, est = policy_for_job(job, prep)
+    return check_plan(job, prep, policy, est)
+
+
+def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
+    """``policy`` for the job's real workload: its budgets set (the job's caps, else the policy's, the device's or the
+    hardware's), checked with the memory model, and its HRM estimate (``est`` when the planner made one for this
+    workload). Raises PolicyError (one line) when it does not fit. :func:`plan_job`'s second half; the Python API
+    also asks it whether the policy of an executor it keeps fits a later call's workload."""
     import dataclasses
 
     from ..policy import hrm
     from ..policy.hardware import get_preset, resolve_hardware
     from ..policy.policy import PolicyError, format_bytes
 
-    policy, est = policy_for_job(job, prep)
     hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
     gpu = job.gpu_memory or policy.gpu_budget or device_memory(job.device) or hw.gpu_memory
     cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory

@@ -50,7 +50,7 @@ class Request:
 
     id: str  # unique request id (results are keyed and resumed by it)
     source: str  # file the request came from (absolute path, or "hf:<dataset>")
-    line: int  # 1-based line number in `source`
+    line: int  # 1-based line number in `source` (0: `source` alone names the request, e.g. "prompts[3]" in the API)
     prompt: Optional[str] = None  # user prompt (generate) or scoring context (loglikelihood, multiple_choice)
     messages: Optional[list] = None  # chat messages [{"role": str, "content": str}, ...] instead of prompt
     continuation: Optional[str] = None  # loglikelihood: the text whose log-prob given the prompt is scored
@@ -62,8 +62,8 @@ class Request:
 
     @property
     def where(self) -> str:
-        """``file:line`` for messages."""
-        return f"{self.source}:{self.line}"
+        """``file:line`` for messages (``source`` alone when ``line`` is 0)."""
+        return f"{self.source}:{self.line}" if self.line else self.source
 
 
 def _tname(v: Any) -> str:
@@ -142,9 +142,6 @@ def _iter_jsonl(path: str) -> Iterator[tuple[int, str]]:
 
 
 def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
-    task = job.task
-    mode = job.score.mode if job.score is not None else None
-    record_errors = job.on_error == "record"
     limit = job.data.limit
     label = label or path
     seen: dict[str, int] = {}
@@ -170,27 +167,36 @@ def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
             if rid in seen:
                 raise DataError(f"{where}: id: duplicate id {rid!r} (first at line {seen[rid]})")
             seen[rid] = lineno
-            problem = _check_record(rec, where, task, mode, job.data.chat_template)
-            if problem is not None and not record_errors:
-                raise DataError(problem)
-            ok = problem is None
-            out.append(Request(
-                id=rid, source=label, line=lineno,
-                prompt=rec.get("prompt") if ok else _str_or_none(rec.get("prompt")),
-                messages=[dict(role=m["role"], content=m["content"]) for m in rec["messages"]]
-                if ok and rec.get("messages") is not None else None,
-                continuation=_str_or_none(rec.get("continuation")),
-                choices=list(rec["choices"]) if ok and rec.get("choices") is not None else None,
-                answer=rec.get("answer") if ok else None,
-                text=_str_or_none(rec.get("text")),
-                error=problem,
-                meta={k: v for k, v in rec.items() if k not in _KNOWN_FIELDS},
-            ))
+            out.append(request_from_record(rec, rid, job, label, lineno))
             if limit is not None and len(out) >= limit:
                 break
     except UnicodeDecodeError as e:
         raise DataError(f"{label}: not UTF-8 text ({e})") from None
     return out
+
+
+def request_from_record(rec: dict, rid: str, job, source: str, line: int) -> Request:
+    """The :class:`Request` of one parsed record (a JSONL line, or a request given to the Python API), checked for
+    ``job``'s task and score mode (its id is the caller's to check). A problem raises :class:`DataError`
+    (``source:line: field: problem``), or -- under ``on_error: record`` -- is kept in ``Request.error``."""
+    where = f"{source}:{line}" if line else source
+    problem = _check_record(rec, where, job.task, job.score.mode if job.score is not None else None,
+                            job.data.chat_template)
+    if problem is not None and job.on_error != "record":
+        raise DataError(problem)
+    ok = problem is None
+    return Request(
+        id=rid, source=source, line=line,
+        prompt=rec.get("prompt") if ok else _str_or_none(rec.get("prompt")),
+        messages=[dict(role=m["role"], content=m["content"]) for m in rec["messages"]]
+        if ok and rec.get("messages") is not None else None,
+        continuation=_str_or_none(rec.get("continuation")),
+        choices=list(rec["choices"]) if ok and rec.get("choices") is not None else None,
+        answer=rec.get("answer") if ok else None,
+        text=_str_or_none(rec.get("text")),
+        error=problem,
+        meta={k: v for k, v in rec.items() if k not in _KNOWN_FIELDS},
+    )
 
 
 def _str_or_none(v: Any) -> Optional[str]:
