@@ -13,7 +13,8 @@ operational intensity (FLOP per byte of the level they read from):
   expert FFN, prefill the same for the batch's N x prompt tokens
 
 A point's height is what its roofs allow, min(peak, intensity x bandwidth). Right: the predicted seconds of each
-stream (PCIe both ways, CPU, GPU, host issue, the unoverlapped head) for prefill and decode, the binding one marked.
+stream (PCIe both ways, CPU, GPU, host issue) for prefill and decode, the binding one marked (the overlapped streams
+take the longest one's time; the head is added to it, not overlapped).
 matplotlib is an optional dependency (``pip install 'lightning-moe[plot]'``).
 """
 
@@ -125,7 +126,8 @@ def save_plan_plot(path: str, spec: MoESpec, hw: HardwareProfile, policy: Policy
             bx.barh(ypos, v, color="tab:orange" if s == binding else "tab:gray")
             bx.text(v, ypos, f" {v:.3g} s", va="center", fontsize=8)
             ticks.append(ypos)
-            labels.append(f"{phase}: {s}" + (" (binding)" if s == binding else ""))
+            labels.append(f"{phase}: {s}" + (" (binding)" if s == binding else "")
+                          + (" (not overlapped: added)" if s == "head" else ""))
             ypos += 1
         ypos += 0.6
     bx.set_yticks(ticks, labels, fontsize=8)

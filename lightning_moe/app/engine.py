@@ -575,6 +575,8 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                               eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
                               on_tokens=on_tokens, stop_rows=watch.hits if watch else None)
             written += len(chunk)
+        bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
+                            f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")  # the last step's count
         bar.close()
         return written
     bar = tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True)
