@@ -620,15 +620,27 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     return MemoryEstimate(gpu_phases=phases, cpu=cpu)
 
 
+def _less_than(have: int, need: int) -> str:
+    """"A GiB < B GiB" with enough decimals that the two differ (1.0 GiB < 1.0 GiB says nothing)."""
+    for d in (1, 2, 3):
+        a, b = f"{have / 2**30:.{d}f}", f"{need / 2**30:.{d}f}"
+        if a != b:
+            break
+    else:
+        a, b = f"{have:,}", f"{need:,}"
+        return f"{a} B < {b} B"
+    return f"{a} GiB < {b} GiB"
+
+
 def memory_violations(policy: Policy, spec: MoESpec, workload: Workload) -> list[str]:
     """One line per budget the policy exceeds (empty when it fits; a 0 budget is unchecked)."""
     m = memory_estimate(policy, spec, workload)
     out = []
     if policy.gpu_budget and m.gpu_peak > policy.gpu_budget:
-        out.append(f"GPU memory {format_bytes(policy.gpu_budget)} < {format_bytes(m.gpu_peak)} needed ({m.gpu_peak_phase}: "
+        out.append(f"GPU memory {_less_than(policy.gpu_budget, m.gpu_peak)} needed ({m.gpu_peak_phase}: "
                    + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.gpu_breakdown.items() if v) + ")")
     if policy.cpu_budget and m.cpu_peak > policy.cpu_budget:
-        out.append(f"host memory {format_bytes(policy.cpu_budget)} < {format_bytes(m.cpu_peak)} needed ("
+        out.append(f"host memory {_less_than(policy.cpu_budget, m.cpu_peak)} needed ("
                    + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.cpu.items() if v) + ")")
     return out
 
