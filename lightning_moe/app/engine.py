@@ -438,7 +438,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
         raise GpuOutOfMemory(msg) from None
     except JobStopped:
         report["status"] = "stopped (resumable)"
-        left = len(read_partials_ids(job.output.partial_path))
+        left = len(read_partials_ids(job.output.partial_path) - writer.done_ids())  # sequences still in flight
         raise JobStopped(f"stopped by {stop.requested}: {writer.written} records written by this run "
                          f"({len(done) + writer.written} of {len(prep.treqs)} in {writer.path}), the partial generations "
                          f"of {left} sequences in {job.output.partial_path}; resumable: re-run the same command to "
@@ -532,52 +532,54 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                                 f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=False)
 
         batch = max(1, getattr(executor, "batch_size", job.batch_size))
-        for chunk in _generation_batches(rest, partials, batch):
-            outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
-            saved = [len(o) for o in outs]  # how much of it the sidecar holds
-            finished = [False] * len(chunk)
+        try:  # the bar ends its line whatever ends the loop (a stop, an out-of-memory)
+            for chunk in _generation_batches(rest, partials, batch):
+                outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
+                saved = [len(o) for o in outs]  # how much of it the sidecar holds
+                finished = [False] * len(chunk)
 
-            def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished):
-                writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops))
-                finished[idx] = True
-                done[0] += 1
-                if len(out_ids) < G:  # stopped early: its remaining tokens will never come
-                    bar.total -= G - len(out_ids)
+                def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished):
+                    writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops))
+                    finished[idx] = True
+                    done[0] += 1
+                    if len(out_ids) < G:  # stopped early: its remaining tokens will never come
+                        bar.total -= G - len(out_ids)
 
-            def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished):
-                for r, t in zip(rows, toks):
-                    if not finished[r]:
-                        outs[r].append(t)
-                clock["steps"] += 1
-                now = time.perf_counter()
-                stopping = stop is not None and stop.requested is not None
-                due = stopping or (ck.every_steps is not None and clock["steps"] >= ck.every_steps) or (
-                    ck.every_seconds is not None and now - clock["last"] >= ck.every_seconds)
-                if due and ck.enabled and partials_file is not None:
-                    lines = [(chunk[i].id, saved[i], outs[i][saved[i]:]) for i in range(len(chunk))
-                             if not finished[i] and len(outs[i]) > saved[i]]
-                    nbytes = partials_file.append(lines)
-                    for i in range(len(chunk)):
-                        saved[i] = len(outs[i])
-                    stages["checkpoint_write_s"] = stages.get("checkpoint_write_s", 0.0) + time.perf_counter() - now
-                    stages["checkpoint_write_calls"] = stages.get("checkpoint_write_calls", 0) + 1
-                    stages["checkpoint_bytes"] = stages.get("checkpoint_bytes", 0) + nbytes
-                    clock["steps"], clock["last"] = 0, time.perf_counter()
-                    if on_checkpoint is not None and (clock["report"] is None or now - clock["report"] >= REPORT_EVERY_S):
-                        clock["report"] = now
-                        on_checkpoint()
-                if stopping:
-                    raise JobStopped(f"stopped by {stop.requested}")
+                def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished):
+                    for r, t in zip(rows, toks):
+                        if not finished[r]:
+                            outs[r].append(t)
+                    clock["steps"] += 1
+                    now = time.perf_counter()
+                    stopping = stop is not None and stop.requested is not None
+                    due = stopping or (ck.every_steps is not None and clock["steps"] >= ck.every_steps) or (
+                        ck.every_seconds is not None and now - clock["last"] >= ck.every_seconds)
+                    if due and ck.enabled and partials_file is not None:
+                        lines = [(chunk[i].id, saved[i], outs[i][saved[i]:]) for i in range(len(chunk))
+                                 if not finished[i] and len(outs[i]) > saved[i]]
+                        nbytes = partials_file.append(lines)
+                        for i in range(len(chunk)):
+                            saved[i] = len(outs[i])
+                        stages["checkpoint_write_s"] = stages.get("checkpoint_write_s", 0.0) + time.perf_counter() - now
+                        stages["checkpoint_write_calls"] = stages.get("checkpoint_write_calls", 0) + 1
+                        stages["checkpoint_bytes"] = stages.get("checkpoint_bytes", 0) + nbytes
+                        clock["steps"], clock["last"] = 0, time.perf_counter()
+                        if on_checkpoint is not None and (clock["report"] is None or now - clock["report"] >= REPORT_EVERY_S):
+                            clock["report"] = now
+                            on_checkpoint()
+                    if stopping:
+                        raise JobStopped(f"stopped by {stop.requested}")
 
-            pre = [partials.get(t.id, []) for t in chunk]
-            executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
-                              seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
-                              eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
-                              on_tokens=on_tokens, stop_rows=watch.hits if watch else None)
-            written += len(chunk)
-        bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
-                            f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")  # the last step's count
-        bar.close()
+                pre = [partials.get(t.id, []) for t in chunk]
+                executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
+                                  seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
+                                  eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
+                                  on_tokens=on_tokens, stop_rows=watch.hits if watch else None)
+                written += len(chunk)
+            bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
+                                f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")  # the last step's count
+        finally:
+            bar.close()
         return written
     bar = tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True)
     policy = getattr(executor, "policy", None)
