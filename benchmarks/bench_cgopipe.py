@@ -54,7 +54,6 @@ class Case:
     accel_gpu_fracs: tuple = (0.65, 0.45)  # accelerate: share of the cap for weights (max_memory), tried until one fits
     ffn: str = "triton"  # CGOPipe expert FFN: "triton" (fused grouped kernel, sync-free) or "torch" (reference loop)
     requests: Optional[int] = None  # prompts in the job (caps the planner's N; None = as many as the plan wants)
-    page_queue_depth: Optional[int] = None  # CGOPipe's page_queue_depth (None: slots issued whole)
     cpu_threads: Optional[int] = None  # CGOPipe's cpu_threads (None: torch's default intra-op threads)
     variants: tuple = ()  # A/B settings re-run on the same executor after the main run (parse_variants)
 
@@ -77,7 +76,7 @@ CASES = {c.name: c for c in [
     # the same with a job of 512 prompts (N <= 512): gen 128 at full size fits one 10-minute device call
     Case("full32-24g-g128-r512", None, 24 * GiB, gen_len=128, requests=512),
     Case("full32-24g-g128-r512-int4", None, 24 * GiB, gen_len=128, quant="int4", requests=512),
-    # a ~2-minute full-size bf16 case for A/B runs (e.g. --page-queue-depth) inside one device call
+    # a ~2-minute full-size bf16 case for A/B runs (e.g. --variants) inside one device call
     Case("full32-24g-g32-r512", None, 24 * GiB, gen_len=32, requests=512),
     Case("full32-24g-g32-int4", None, 24 * GiB, gen_len=32, quant="int4"),
     # ~1-minute int4 run (CPU attention binds): A/B of --variants on one executor
@@ -193,9 +192,9 @@ def _log_decode_progress(ex, every: int) -> None:
 
 
 def parse_variants(text: str) -> tuple:
-    """``"threads=12;queue=2,gen=16;default"`` -> ({"threads": 12}, {"queue": 2, "gen": 16}, {}).
+    """``"threads=12;threads=8,gen=16;default"`` -> ({"threads": 12}, {"threads": 8, "gen": 16}, {}).
 
-    Keys: ``threads`` (CGOPipe cpu_threads), ``queue`` (page_queue_depth, 0 = none), ``gen`` (tokens per
+    Keys: ``threads`` (CGOPipe cpu_threads), ``gen`` (tokens per
     sequence; default the case's), ``attn`` (CPU attention routine: ``native`` kernel, default, or ``sdpa``:
     PyTorch's, through LIGHTNING_MOE_CPU_ATTENTION), ``prefill`` (``ROWSxTOKENS``: the prefill micro-batch's rows
     and padded tokens, Policy.prefill_mu / prefill_tokens; default the plan's), ``switch`` (seconds: Python's thread
@@ -213,8 +212,8 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "queue", "gen", "attn", "prefill", "switch", "h2d", "gattn"):
-                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, queue, gen, attn, prefill, "
+                if key not in ("threads", "gen", "attn", "prefill", "switch", "h2d", "gattn"):
+                    raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, gen, attn, prefill, "
                                      f"switch, h2d, gattn)")
                 if key == "gattn" and val not in ("torch", "triton"):
                     raise ValueError(f"--variants: gattn must be torch or triton, got {val!r}")
@@ -244,8 +243,6 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     """Set a variant's knobs on a built executor (anything not named goes back to the case's / the plan's setting)."""
     rows, tok = v.get("prefill", (policy.prefill_mu, policy.prefill_tokens))
     ex.policy = dataclasses.replace(policy, prefill_mu=rows, prefill_tokens=tok)
-    q = v.get("queue", case.page_queue_depth or 0)
-    ex.page_queue_depth = q or None
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
     ex.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
     os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
@@ -337,11 +334,10 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     t0 = time.perf_counter()
     w = shared_dummy_weights(spec, quant=case.quant)
     log(f"dummy weights ready ({case.quant} expert pages)")
-    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn, page_queue_depth=case.page_queue_depth,
-                         cpu_threads=case.cpu_threads)
+    ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn, cpu_threads=case.cpu_threads)
     del w
     t_setup = time.perf_counter() - t0
-    log(f"executor ready in {t_setup:.1f} s (pool {ex.pool.nbytes / GiB:.1f} GiB, attention outputs by {ex.attention_h2d})")
+    log(f"executor ready in {t_setup:.1f} s (pool {ex.weight_stream.pool.nbytes / GiB:.1f} GiB, attention outputs by {ex.attention_h2d})")
     # warm-up: Triton compiles one kernel per tile config (chosen by tokens per expert) on first use; two short
     # runs hit the prefill (large) and decode (small, medium) configs, so the timed run measures steady state
     t0 = time.perf_counter()
@@ -373,7 +369,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     ex.close()
     return {
         "executor": "cgopipe", "ffn": case.ffn, "attention_h2d": getattr(ex, "_bench_h2d", ex.attention_h2d),
-        "page_queue_depth": case.page_queue_depth, "cpu_threads": case.cpu_threads,
+        "cpu_threads": case.cpu_threads,
         "torch_threads": _DEFAULT_THREADS, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan,
         "setup_seconds": t_setup, "warmup_seconds": t_warm, "N": policy.N, "prompt_len_mean": wl.prompt_len,
         **main,
@@ -490,13 +486,11 @@ RUNNERS = {"cgopipe": run_cgopipe, "serial": run_serial, "accelerate": run_accel
 
 
 # ---------------------------------------------------------------------------------------------------
-def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None, page_queue_depth: Optional[int] = None,
-        cpu_threads: Optional[int] = None, variants: str = "") -> None:
+def one(case_name: str, executor: str, profile: str, ffn: Optional[str] = None, cpu_threads: Optional[int] = None,
+        variants: str = "") -> None:
     case = CASES[case_name]
     if ffn:
         case = dataclasses.replace(case, ffn=ffn)
-    if page_queue_depth:
-        case = dataclasses.replace(case, page_queue_depth=page_queue_depth)
     if cpu_threads:
         case = dataclasses.replace(case, cpu_threads=cpu_threads)
     if variants:
@@ -530,7 +524,7 @@ def markdown(results: list[dict], device: str, profile: str) -> str:
             p = r["policy"]
             pol = f"{p['mu']} x {p['n']} = {p['mu'] * p['n']}, r={p['resident_experts']}, g={p['n_gpu_attn']}"
             ratio = r["decode_tok_s"] / r["pred_decode_tok_s"] if r["pred_decode_tok_s"] else float("nan")
-            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}, attention H2D by {r.get('attention_h2d', 'dma')}{', queue ' + str(r['page_queue_depth']) if r.get('page_queue_depth') else ''}) | {pol} | "
+            lines.append(f"| {r['case']} | {r['layers']} | {r['gpu_cap_GiB']:.0f} | {r['gen_len']} | cgopipe ({r.get('ffn')}, {r.get('quant', 'bf16')}, attention H2D by {r.get('attention_h2d', 'dma')}) | {pol} | "
                          f"{r['decode_tok_s']:.1f} | {r['pred_decode_tok_s']:.1f} | {ratio:.2f} | {r['e2e_tok_s']:.1f} | "
                          f"{r['pred_e2e_tok_s']:.1f} | {r['pred_decode_binding']} | "
                          f"{(r['h2d_busy_frac_decode'] or 0) * 100:.0f}% | {r['peak_gpu_GiB']:.1f} |")
@@ -566,12 +560,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench"))
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, executor) subprocess")
     ap.add_argument("--ffn", default=None, help="override the cases' CGOPipe FFN: torch | triton")
-    ap.add_argument("--page-queue-depth", type=int, default=None,
-                    help="CGOPipe page_queue_depth for every case (default: the case's, None = slots issued whole)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="CGOPipe cpu_threads for every case (torch intra-op threads of CPU attention; default torch's)")
     ap.add_argument("--variants", default="", help="A/B settings re-run on the same CGOPipe executor after the main run, "
-                                                   "e.g. 'threads=12;threads=8;queue=2;default' (keys threads, queue, gen)")
+                                                   "e.g. 'threads=12;threads=8;gen=16;default' (keys: parse_variants)")
     ap.add_argument("--commit", default=None, help="commit id for the results table (pass it: on the GPU host's copy "
                                                    "of the tree, .git may be stale)")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "EXECUTOR"), help=argparse.SUPPRESS)
@@ -582,7 +574,7 @@ def main() -> None:
         os.environ["BENCH_COMMIT"] = a.commit
     parse_variants(a.variants)  # fail before any subprocess on a bad --variants
     if a.one:
-        one(a.one[0], a.one[1], a.profile, a.ffn, a.page_queue_depth, a.cpu_threads, a.variants)
+        one(a.one[0], a.one[1], a.profile, a.ffn, a.cpu_threads, a.variants)
         return
     os.makedirs(a.out, exist_ok=True)
     results = []
@@ -594,7 +586,6 @@ def main() -> None:
             try:
                 p = subprocess.run([sys.executable, __file__, "--one", name, ex, "--profile", a.profile]
                                    + (["--ffn", a.ffn] if a.ffn else [])
-                                   + (["--page-queue-depth", str(a.page_queue_depth)] if a.page_queue_depth else [])
                                    + (["--cpu-threads", str(a.cpu_threads)] if a.cpu_threads else [])
                                    + (["--variants", a.variants] if a.variants else []),
                                    capture_output=True, text=True, timeout=a.timeout)

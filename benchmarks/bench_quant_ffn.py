@@ -3,9 +3,10 @@ grouped kernel vs the bf16 grouped kernel on dense weights, over token counts (a
 
 Run on a CUDA host: ``python benchmarks/bench_quant_ffn.py``. Prints ms per call for T = 8 .. 4096 tokens
 (top-2 of 8 experts; the dequant path pays its dequantization on every call here, CGOPipe pays it once per
-layer visit) and the dequantization kernel's GB/s (packed bytes read + bf16 bytes written). These numbers tune
-``kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT`` (the crossover, in T * k / E) and the HRM's dequantization
-time (policy/hrm.py assumes the GPU's HBM bandwidth). Append the table to benchmarks/RESULTS.md.
+layer visit) and the dequantization kernel's GB/s (packed bytes read + bf16 bytes written). These numbers chose
+the dequantize + dense path at every T (kernels.quant's default mode "dequant", what CGOPipe runs; a run where the
+fused kernel wins at small T would call for a crossover in T * k / E again) and check the HRM's dequantization time
+(policy/hrm.py assumes the GPU's HBM bandwidth). Append the table to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

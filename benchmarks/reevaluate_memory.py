@@ -113,7 +113,7 @@ def buffer_bytes(policy, spec, tiling: bool) -> int:
     the current executor's paging (``tiling``: ``tiling_page_count`` pages) or the old one (``n`` pages)."""
     import torch
 
-    from lightning_moe.kernels.quant import expert_page_layout as quant_layout
+    from lightning_moe.kernels.quant import expert_page_layout
     from lightning_moe.pipeline import pager
 
     counts = policy.resident_counts(spec)
@@ -122,12 +122,12 @@ def buffer_bytes(policy, spec, tiling: bool) -> int:
     pages = pager.tiling_page_count(paged, max(1, policy.n)) if tiling else max(1, policy.n)
     paging = pager.ExpertPaging(spec.num_layers, spec.num_experts, pages, resident)
     if policy.weight_quant in ("int4", "int2", "int2-up"):
-        lay = quant_layout(spec.hidden_size, spec.intermediate_size, policy.weight_quant, 128, torch.float16)
+        lay = expert_page_layout(spec.hidden_size, spec.intermediate_size, policy.weight_quant, 128, torch.float16)
         specs = [("page", torch.uint8, (lay.page_bytes,))]
     else:
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[policy.weight_quant]
         specs = pager.ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dt)
-    layout = pager.expert_page_layout(max(paging.experts_per_page, 1), specs)
+    layout = pager.pool_page_layout(max(paging.experts_per_page, 1), specs)
     capacity = max((paging.layer_pages(l) for l in range(spec.num_layers)), default=0)
     one = 0
     for e in layout.entries:

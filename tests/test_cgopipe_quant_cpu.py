@@ -12,6 +12,7 @@ from lightning_moe.model.quantize import quantize_checkpoint
 from lightning_moe.model.quantized import QuantExperts
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+from lightning_moe.pipeline.expert_ffn import expert_ffn
 from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
 from lightning_moe.policy.policy import Policy
 
@@ -54,23 +55,23 @@ def test_cgopipe_quant_cpu_equals_serial_and_moves_packed_bytes(qdirs, scheme, r
     assert [o for o, _ in out] == [o for o, _ in ref]
     assert ex.stats.decode_steps == 11
     summary = ex.policy_summary()
-    assert summary["expert_pages"] == scheme and summary["host_pool_bytes"] == ex.pool.nbytes
+    assert summary["expert_pages"] == scheme and summary["host_pool_bytes"] == ex.weight_stream.pool.nbytes
 
     # packed pages everywhere: pool entry "page" uint8 [experts_per_page, pb]
-    epp = ex.paging.experts_per_page
-    assert [(e.name, e.dtype, e.shape) for e in ex.pool.layout.entries] == [("page", torch.uint8, (epp, pb))]
-    assert ex.pool.layout.page_bytes == epp * pb  # pb is a multiple of the pager's 256-byte alignment
+    epp = ex.weight_stream.paging.experts_per_page
+    assert [(e.name, e.dtype, e.shape) for e in ex.weight_stream.pool.layout.entries] == [("page", torch.uint8, (epp, pb))]
+    assert ex.weight_stream.pool.layout.page_bytes == epp * pb  # pb is a multiple of the pager's 256-byte alignment
     n_paged = L * (E - resident)
-    assert sum(ex.pool.pages_per_layer) * epp >= n_paged  # last page of a layer may be partly padding
-    assert ex.pool.nbytes == sum(ex.pool.pages_per_layer) * epp * pb
+    assert sum(ex.weight_stream.pool.pages_per_layer) * epp >= n_paged  # last page of a layer may be partly padding
+    assert ex.weight_stream.pool.nbytes == sum(ex.weight_stream.pool.pages_per_layer) * epp * pb
     if resident == 0:
-        assert ex.pool.nbytes == n_paged * pb
-    assert ex.resident.nbytes == L * resident * pb
-    assert ex.buffers.nbytes == 2 * ex.pool.max_pages_per_layer * epp * pb
+        assert ex.weight_stream.pool.nbytes == n_paged * pb
+    assert ex.weight_stream.resident.nbytes == L * resident * pb
+    assert ex.weight_stream.buffers.nbytes == 2 * ex.weight_stream.pool.max_pages_per_layer * epp * pb
     # every layer visit (prefill + 11 decode steps, + the prefetch of the next step's layer 0) copies its
     # layer's pages as packed bytes (pb per expert slot, < 1/5 of a dense fp32 expert)
     visits = L * (1 + ex.stats.decode_steps) + 1
-    slots = sum(ex.pool.pages_per_layer[v % L] * epp for v in range(visits))
+    slots = sum(ex.weight_stream.pool.pages_per_layer[v % L] * epp for v in range(visits))
     assert ex.stats.h2d_bytes == slots * pb
     assert pb < 3 * w.spec.hidden_size * w.spec.intermediate_size * 4 / 5
 
@@ -114,25 +115,32 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+def _triton_ffn(ex):
+    """The "triton" expert FFN strategy over ``ex``'s weight stream (the executor picks it on CUDA only)."""
+    ws = ex.weight_stream
+    return expert_ffn("triton", ex.family.experts_ffn_from, ws.paging, ws.page_layout, ex.spec.num_experts, ex.dtype,
+                      ex.device)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecation inside the interpreter
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_triton_ffn_over_paged_and_resident_pages_interpreted(qdirs, interpret, scheme):
-    """The "triton" expert FFN (CUDA-only in the executor; here its helper under the interpreter):
-    fused_experts_paged_triton over the stacked paged pages + the resident pages, each skipping the other
-    group's (token, slot) pairs, equals the per-expert dequantizing reference (fp32, 1e-5)."""
+    """The "triton" expert FFN over packed pages (CUDA-only in the executor; here the strategy under the
+    interpreter): the layer's paged and resident experts, dequantized into one scratch, through one dense grouped
+    kernel, equal the per-expert dequantizing reference (fp32, 1e-5)."""
     ex = CGOPipeExecutor(load_checkpoint(qdirs[scheme], torch.float32),
                          Policy(mu=2, n=3, prefill_mu=2, resident_experts=3, dtype="fp32", weight_quant=scheme), "cpu")
-    ex._begin_layer(0)
-    lx = ex._wait_pages(0)
+    visit = ex.weight_stream.begin_visit()
+    lx = ex.weight_stream.wait_pages(visit)
     assert lx.paged["page"].shape == (5, PAGE_BYTES[scheme]) and lx.resident["page"].shape == (3, PAGE_BYTES[scheme])
     g = torch.Generator().manual_seed(3)
     T, D, E = 9, ex.spec.hidden_size, ex.spec.num_experts
     h = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])  # both groups hit
     w = torch.softmax(torch.randn(T, 2, generator=g), -1)
-    got = ex._triton_ffn(lx)(h, None, w, ids)
-    want = ex._experts_fn(lx)(h, None, w, ids)
-    ex._end_layer(0)
+    got = _triton_ffn(ex).for_visit(lx)(h, None, w, ids)
+    want = ex.expert_ffn.for_visit(lx)(h, None, w, ids)
+    ex.weight_stream.end_visit(visit)
     ex.close()
     assert (got - want).norm() / want.norm() <= 1e-5
 
@@ -140,29 +148,28 @@ def test_triton_ffn_over_paged_and_resident_pages_interpreted(qdirs, interpret, 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_triton_ffn_dequantizes_experts_once_per_visit_interpreted(qdirs, interpret, monkeypatch, scheme):
-    """Large-M path of the "triton" FFN (interpreted): within one layer visit all the layer's experts are
-    dequantized once, by the first call with T k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT (set to 16 here; E = 8,
-    k = 2: T >= 64): the 5 paged ones to rows 0-4 and the 3 resident ones to rows 5-7 of the executor's scratch
-    [8, ...] (two dequantize calls); later calls of any size reuse it; a new visit dequantizes again into the
-    same scratch. Every call (1 token: fused kernel; 70, 5 with an expert given no tokens, 64: dense kernel)
-    equals the per-expert dequantizing reference (fp32, 1e-5)."""
+    """The "triton" FFN over packed pages (interpreted): within one layer visit all the layer's experts are
+    dequantized once, by its first call: the 5 paged ones to rows 0-4 and the 3 resident ones to rows 5-7 of the
+    strategy's scratch [8, ...] (two dequantize calls); later calls of any size reuse it; a new visit dequantizes
+    again into the same scratch. Every call (1, 70, 5 with an expert given no tokens, 64 tokens) equals the
+    per-expert dequantizing reference (fp32, 1e-5)."""
     from lightning_moe.kernels import quant as Q
 
-    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
     ex = CGOPipeExecutor(load_checkpoint(qdirs[scheme], torch.float32),
                          Policy(mu=2, n=3, prefill_mu=2, resident_experts=3, dtype="fp32", weight_quant=scheme), "cpu",
                          ffn="triton")
-    assert ex._dq_scratch is None  # allocated up front on CUDA only (the CPU executor runs the torch FFN)
+    tri = _triton_ffn(ex)
+    assert tri.scratch is None  # allocated up front on CUDA only (the CPU executor runs the torch FFN)
     calls = []
     real = Q.dequantize_pages_triton
     monkeypatch.setattr(Q, "dequantize_pages_triton", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    ex._begin_layer(0)
-    lx = ex._wait_pages(0)
+    visit = ex.weight_stream.begin_visit()
+    lx = ex.weight_stream.wait_pages(visit)
     D, F, E = ex.spec.hidden_size, ex.spec.intermediate_size, ex.spec.num_experts
-    ffn, ref = ex._triton_ffn(lx), ex._experts_fn(lx)
+    ffn, ref = tri.for_visit(lx), ex.expert_ffn.for_visit(lx)
     g = torch.Generator().manual_seed(4)
     scratch_ptr = None
-    for T, want_calls in ((1, 0), (70, 2), (5, 2), (64, 2)):
+    for T in (1, 70, 5, 64):
         h = torch.randn(T, D, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
         if T == 5:
@@ -170,19 +177,18 @@ def test_triton_ffn_dequantizes_experts_once_per_visit_interpreted(qdirs, interp
         w = torch.softmax(torch.randn(T, 2, generator=g), -1)
         got, want = ffn(h, None, w, ids), ref(h, None, w, ids)
         assert (got - want).norm() / want.norm() <= 1e-5, T
-        assert len(calls) == want_calls, (T, calls)
-        if want_calls:
-            assert [tuple(t.shape) for t in ex._dq_scratch] == [(8, F, D), (8, F, D), (8, D, F)]
-            scratch_ptr = scratch_ptr or ex._dq_scratch[0].data_ptr()
+        assert len(calls) == 2, (T, calls)
+        assert [tuple(t.shape) for t in tri.scratch] == [(8, F, D), (8, F, D), (8, D, F)]
+        scratch_ptr = scratch_ptr or tri.scratch[0].data_ptr()
     # the next visit of the layer: a new closure, dequantized again into the same scratch
-    ffn2 = ex._triton_ffn(lx)
+    ffn2 = tri.for_visit(lx)
     h = torch.randn(80, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(80)])
     w = torch.softmax(torch.randn(80, 2, generator=g), -1)
     got, want = ffn2(h, None, w, ids), ref(h, None, w, ids)
     assert (got - want).norm() / want.norm() <= 1e-5
-    assert calls == [(5, PAGE_BYTES[scheme]), (3, PAGE_BYTES[scheme])] * 2 and ex._dq_scratch[0].data_ptr() == scratch_ptr
-    ex._end_layer(0)
+    assert calls == [(5, PAGE_BYTES[scheme]), (3, PAGE_BYTES[scheme])] * 2 and tri.scratch[0].data_ptr() == scratch_ptr
+    ex.weight_stream.end_visit(visit)
     ex.close()
 
 

@@ -157,10 +157,27 @@ CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+def llama_tokenizer_from_spm(model_file: str, chat_template: str):
+    """A ``transformers.LlamaTokenizer`` from a SentencePiece ``.model`` file, offline, without protobuf: the
+    vocabulary read with ``sentencepiece``, the BPE merges derived from it
+    (``transformers.convert_slow_tokenizer.generate_merges``); ids match SentencePiece's for ordinary text (runs of
+    several spaces may split differently). ``save_pretrained`` writes files ``AutoTokenizer`` loads."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    tok = LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab),
+                         unk_token=sp.id_to_piece(sp.unk_id()), bos_token=sp.id_to_piece(sp.bos_id()),
+                         eos_token=sp.id_to_piece(sp.eos_id()), add_bos_token=True, add_eos_token=False)
+    tok.chat_template = chat_template
+    return tok
+
+
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     mc = pytest.importorskip("mistral_common")
-    from lightning_moe.data.tokenize import llama_tokenizer_from_spm
 
     spm = os.path.join(os.path.dirname(mc.__file__), "data", "tokenizer.model.v1")
     if not os.path.isfile(spm):

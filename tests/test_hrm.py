@@ -240,7 +240,6 @@ def test_policy_yaml_round_trip_and_errors(tmp_path):
         p.save(str(path), header="hello")
         q = Policy.load(str(path))
         assert q == p and q.N == 8 and q.resident_counts(spec) == p.resident_counts(spec)
-    assert Policy(mu=1, n=1, prefill_mu=1, resident_experts=((1, 3), (0, 0))).resident_pairs(spec) == ((0, 0), (1, 3))
     (tmp_path / "bad.yaml").write_text("mu: 4\nn: 2\nprefill_mu: 2\nsurprise: 1\n")
     with pytest.raises(PolicyError, match="bad.yaml: unknown key.*surprise"):
         Policy.load(str(tmp_path / "bad.yaml"))
@@ -267,52 +266,34 @@ def test_workload_from_lengths():
 
 
 # ---- quantized pages: dequantization scratch and time (CGOPipe's large-M Triton path) ----------------------
-def test_dequant_threshold_mirrors_the_kernel_constant(monkeypatch):
-    """policy/ keeps a torch-free copy of kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT; both must agree, and both
-    take the same decision (checked at 16, where it matters; the default 0 dequantizes every call)."""
-    from lightning_moe.kernels import quant
-
-    assert hrm.DEQUANT_MIN_PAIRS_PER_EXPERT == quant.DEQUANT_MIN_PAIRS_PER_EXPERT
-    assert hrm.dequant_path(two_layer_spec(), 1, "int4")
-    monkeypatch.setattr(hrm, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
-    monkeypatch.setattr(quant, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
-    spec = two_layer_spec()  # E = 4, k = 2: the path starts at tokens * 2 / 4 >= 16, i.e. 32 tokens
-    assert not hrm.dequant_path(spec, 31, "int4") and hrm.dequant_path(spec, 32, "int4")
-    assert not hrm.dequant_path(spec, 10**6, "bf16")  # dense pages are never dequantized
-    for tokens, pairs in ((31, 62), (32, 64)):  # same decision as the kernel's use_dequant_path(T k, E)
-        assert quant.use_dequant_path("auto", pairs, 4) == hrm.dequant_path(spec, tokens, "int4")
-
-
-def test_dequant_time_and_scratch_by_hand(monkeypatch):
+def test_dequant_time_and_scratch_by_hand():
     """int4 pages of the two-layer toy (one 4096-byte page each, packed or dense bf16): T_deq per layer visit =
-    E * (4096 + 4096) / 1e5 s on the GPU stage (all E = 4 experts, paged and resident, are dequantized) when the
-    micro-batch reaches the threshold (set to 4 here: mu * 2 / 4 >= 4 from mu = 8); the scratch is E * 4096
-    bytes in both phases; bf16 pages add neither."""
+    E * (4096 + 4096) / 1e5 s on the GPU stage (all E = 4 experts, paged and resident, are dequantized); the
+    scratch is E * 4096 bytes in both phases; bf16 pages add neither."""
     spec, hw = two_layer_spec(), toy_hw()
-    monkeypatch.setattr(hrm, "DEQUANT_MIN_PAIRS_PER_EXPERT", 4)
     assert spec.num_experts == 4 and spec.top_k == 2
     assert spec.expert_bytes("int4") == spec.expert_bytes("bf16") == 4096
     assert hrm.gpu_dequant_time(spec, hw, 3, "int4", "bf16") == pytest.approx(3 * 8192 / 1e5, rel=1e-15)
     assert hrm.gpu_dequant_time(spec, hw, 3, "bf16", "bf16") == 0.0
-    for mu, deq in ((4, False), (8, True)):
-        kw = dict(mu=mu, n=2, prefill_mu=mu, resident_experts=(1, 3), n_gpu_attn=2, gpu_reserve=0, cpu_reserve=0)
-        q4, b16 = Policy(weight_quant="int4", **kw), Policy(**kw)
-        for layer, nonres in ((0, 3), (1, 1)):
-            d = hrm.decode_layer_times(spec, hw, q4, layer, nonres, 10.0)
-            ref = hrm.decode_layer_times(spec, hw, b16, layer, nonres, 10.0)
-            # the experts kernel reads the same 4096-byte pages either way, so only T_deq differs
-            assert d.gpu - ref.gpu == pytest.approx(4 * 8192 / 1e5 if deq else 0.0, abs=1e-12)
-            assert (d.h2d, d.d2h, d.cpu) == (ref.h2d, ref.d2h, ref.cpu)
-            # prefill: prefill micro-batches of mu rows x 4 tokens: 4 mu >= 16 tokens always reach the threshold
-            p = hrm.prefill_layer_times(spec, hw, q4, layer, nonres, 4.0)
-            pref = hrm.prefill_layer_times(spec, hw, b16, layer, nonres, 4.0)
-            assert p.gpu - pref.gpu == pytest.approx(4 * 8192 / 1e5, abs=1e-12)
-        wl = Workload(prompt_len=4, gen_len=3)
-        m4, m16 = hrm.memory_estimate(q4, spec, wl), hrm.memory_estimate(b16, spec, wl)
-        for phase in ("gpu_prefill", "gpu_decode"):
-            assert getattr(m4, phase)["dequantized expert scratch"] == 4 * 4096  # one layer's E = 4 experts
-            assert getattr(m16, phase)["dequantized expert scratch"] == 0
-            assert sum(getattr(m4, phase).values()) == sum(getattr(m16, phase).values()) + 4 * 4096
+    mu = 8
+    kw = dict(mu=mu, n=2, prefill_mu=mu, resident_experts=(1, 3), n_gpu_attn=2, gpu_reserve=0, cpu_reserve=0)
+    q4, b16 = Policy(weight_quant="int4", **kw), Policy(**kw)
+    for layer, nonres in ((0, 3), (1, 1)):
+        d = hrm.decode_layer_times(spec, hw, q4, layer, nonres, 10.0)
+        ref = hrm.decode_layer_times(spec, hw, b16, layer, nonres, 10.0)
+        # the experts kernel reads the same 4096-byte pages either way, so only T_deq differs
+        assert d.gpu - ref.gpu == pytest.approx(4 * 8192 / 1e5, abs=1e-12)
+        assert (d.h2d, d.d2h, d.cpu) == (ref.h2d, ref.d2h, ref.cpu)
+        # prefill: the same T_deq once per layer visit
+        p = hrm.prefill_layer_times(spec, hw, q4, layer, nonres, 4.0)
+        pref = hrm.prefill_layer_times(spec, hw, b16, layer, nonres, 4.0)
+        assert p.gpu - pref.gpu == pytest.approx(4 * 8192 / 1e5, abs=1e-12)
+    wl = Workload(prompt_len=4, gen_len=3)
+    m4, m16 = hrm.memory_estimate(q4, spec, wl), hrm.memory_estimate(b16, spec, wl)
+    for phase in ("gpu_prefill", "gpu_decode"):
+        assert getattr(m4, phase)["dequantized expert scratch"] == 4 * 4096  # one layer's E = 4 experts
+        assert getattr(m16, phase)["dequantized expert scratch"] == 0
+        assert sum(getattr(m4, phase).values()) == sum(getattr(m16, phase).values()) + 4 * 4096
 
 
 def test_expert_flops_cap_the_routed_expert_term_by_hand():

@@ -189,17 +189,12 @@ def test_milp_equals_brute_force_with_large_fixed_costs(field):
     assert checked >= 6
 
 
-@pytest.mark.parametrize("threshold", [16, 3, 0])
-def test_milp_equals_brute_force_with_quantized_pages(monkeypatch, threshold):
+def test_milp_equals_brute_force_with_quantized_pages():
     """int4 pages: the dequantization scratch (memory, E dense experts) and time (GPU stage, all E experts per
-    layer visit, only for micro-batch sizes whose FFN calls reach hrm.DEQUANT_MIN_PAIRS_PER_EXPERT) shape the
-    optimum; the MILP still matches brute force over hrm. The GPU bandwidth is lowered to 1-10x PCIe so the
-    dequantization time matters. threshold 16: only prefill micro-batches dequantize (mu <= 8, E = 3-4);
-    threshold 3: decode micro-batches of mu = 8 too (mu * 2 / E >= 3), mu = 2 and 4 stay fused; threshold 0 (the
-    default): every call dequantizes."""
+    layer visit) shape the optimum; the MILP still matches brute force over hrm. The GPU bandwidth is lowered to
+    1-10x PCIe so the dequantization time matters."""
     import dataclasses
 
-    monkeypatch.setattr(hrm, "DEQUANT_MIN_PAIRS_PER_EXPERT", threshold)
     cands, n_max = [2, 4, 8], 4
     checked, deq_binding = 0, 0
     for seed in range(24):
@@ -215,15 +210,15 @@ def test_milp_equals_brute_force_with_quantized_pages(monkeypatch, threshold):
         checked += 1
         # the optimum has a GPU-bound layer that dequantizes (so the new term shaped it)
         layers = list(est.prefill_layers) + list(est.decode_first_layers)
-        deq = (hrm.dequant_path(spec, pol.mu, "int4") and any(st.binding == "gpu" for st in est.decode_first_layers)) or (
-            hrm.dequant_path(spec, pol.prefill_mu * wl.prompt_len, "int4") and any(st.binding == "gpu" for st in est.prefill_layers))
+        deq = (any(st.binding == "gpu" for st in est.decode_first_layers)
+               or any(st.binding == "gpu" for st in est.prefill_layers))
         deq_binding += bool(deq and layers)
     assert checked >= 10
     assert deq_binding >= 3, deq_binding
 
 
 @pytest.mark.parametrize("quant", ["int4", "bf16"])
-def test_milp_time_equals_hrm_for_fixed_decisions(monkeypatch, quant):
+def test_milp_time_equals_hrm_for_fixed_decisions(quant):
     """With every decision pinned (mu, n, R -- uneven spreads included, so both layer classes exist -- and g), the
     MILP's minimal T equals hrm.evaluate's total time: the dequantization terms (wdq E Z for every MoE layer)
     are exact, not just good enough to pick the same optimum."""
@@ -231,7 +226,6 @@ def test_milp_time_equals_hrm_for_fixed_decisions(monkeypatch, quant):
 
     import pulp
 
-    monkeypatch.setattr(hrm, "DEQUANT_MIN_PAIRS_PER_EXPERT", 3)  # decode: mu = 8 dequantizes, 2 and 4 stay fused
     rng = random.Random(7)
     checked = 0
     for seed in range(10):

@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_moe.kernels.pages import PageLayout, views
 from lightning_moe.pipeline.pager import (
     ALIGN,
     ExpertPaging,
     ExpertSlot,
     GpuPageBuffers,
     HostPagePool,
-    PageLayout,
     ResidentExperts,
-    expert_page_layout,
     ffn_expert_specs,
     page_schedule,
-    views,
+    pool_page_layout,
 )
 
 E, F, D = 8, 37, 24
@@ -43,7 +42,7 @@ def _pool(paging: ExpertPaging, dtype: torch.dtype, experts) -> HostPagePool:
 # ---- layout -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.uint8])
 def test_layout_alignment_and_sizes(dtype: torch.dtype) -> None:
-    layout = expert_page_layout(3, ffn_expert_specs(F, D, dtype))
+    layout = pool_page_layout(3, ffn_expert_specs(F, D, dtype))
     assert layout.names == ("w1", "w3", "w2")
     assert layout.rows == 3
     assert layout.page_bytes % ALIGN == 0
@@ -70,7 +69,7 @@ def test_layout_errors() -> None:
     with pytest.raises(ValueError):
         PageLayout.build([("a", torch.float32, (2, 0))])
     with pytest.raises(ValueError):
-        expert_page_layout(0, ffn_expert_specs(F, D, torch.float32))
+        pool_page_layout(0, ffn_expert_specs(F, D, torch.float32))
     mixed = PageLayout.build([("a", torch.float32, (2, 3)), ("b", torch.int8, (4,))])
     with pytest.raises(ValueError):
         _ = mixed.rows
@@ -97,7 +96,7 @@ def test_views_mixed_dtypes_roundtrip() -> None:
 
 
 def test_views_errors() -> None:
-    layout = expert_page_layout(1, ffn_expert_specs(F, D, torch.float32))
+    layout = pool_page_layout(1, ffn_expert_specs(F, D, torch.float32))
     with pytest.raises(ValueError):
         views(torch.zeros(layout.page_bytes, dtype=torch.int8), layout)
     with pytest.raises(ValueError):
@@ -179,7 +178,7 @@ def test_pool_roundtrip_exact(dtype: torch.dtype, n_pages: int) -> None:
     pool = _pool(paging, dtype, experts)
     epp = paging.experts_per_page
     # exact byte accounting
-    assert pool.nbytes == sum(paging.pages_per_layer) * pool.page_bytes == sum(pool.layer_nbytes(l) for l in range(L))
+    assert pool.nbytes == sum(paging.pages_per_layer) * pool.page_bytes
     assert pool.buffer.numel() == pool.nbytes and pool.buffer.dtype == torch.uint8
     sizes = {pool.page(l, i).numel() for l in range(L) for i in range(paging.layer_pages(l))}
     assert sizes == {pool.layout.page_bytes}
@@ -223,7 +222,7 @@ def test_pool_with_resident_and_empty_layers() -> None:
 
 
 def test_write_page_sequence_order_and_errors() -> None:
-    layout = expert_page_layout(2, ffn_expert_specs(F, D, torch.float32))
+    layout = pool_page_layout(2, ffn_expert_specs(F, D, torch.float32))
     pool = HostPagePool(layout, [2], pin=False)
     ex = _experts(1, torch.float32)[0]
     pool.write_page(0, 1, [ex["w1"][:2], ex["w3"][:2], ex["w2"][:2]])
@@ -270,7 +269,7 @@ def test_write_expert_streaming_matches_fill() -> None:
 
 
 def test_pool_close_and_context_cpu() -> None:
-    layout = expert_page_layout(1, ffn_expert_specs(F, D, torch.float32))
+    layout = pool_page_layout(1, ffn_expert_specs(F, D, torch.float32))
     with HostPagePool(layout, [1, 1], pin=False) as pool:
         assert not pool.registered
     pool.close()
@@ -281,7 +280,7 @@ def test_pool_close_and_context_cpu() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_pin_without_cuda_raises() -> None:
-    layout = expert_page_layout(1, ffn_expert_specs(F, D, torch.float32))
+    layout = pool_page_layout(1, ffn_expert_specs(F, D, torch.float32))
     with pytest.raises(RuntimeError):
         HostPagePool(layout, [1], pin=True)
     assert HostPagePool(layout, [1]).registered is False  # pin=None: auto, no CUDA -> not pinned
@@ -341,7 +340,6 @@ def test_cpu_buffers_protocol_errors_and_skip() -> None:
         bufs.wait_layer(0, 0)  # pages 2, 3 missing
     assert bufs.prefetch_layer(0, 0) == 2 * pool.layout.payload_bytes  # only the missing two
     assert bufs.prefetch_layer(0, 0) == 0  # already held
-    assert bufs.layer_in(0) == 0
     bufs.wait_layer(0, 0)
     with pytest.raises(RuntimeError):
         bufs.prefetch_layer(2, 0)  # layer 0's compute still reads buffer 0
@@ -359,18 +357,13 @@ def test_cpu_buffers_protocol_errors_and_skip() -> None:
         GpuPageBuffers(pool, "meta")
 
 
-def test_split_ids() -> None:
+def test_layer_experts_needs_the_resident_experts() -> None:
     paging = ExpertPaging(1, E, 2, resident={(0, 1), (0, 6)})
     experts = _experts(1, torch.float32)
     pool = _pool(paging, torch.float32, experts)
     bufs = GpuPageBuffers(pool, "cpu")
     bufs.prefetch_layer(0, 0)
     bufs.wait_layer(0, 0)
-    lx = bufs.layer_experts(0, 0, ResidentExperts(paging, experts, "cpu"))
-    ids = torch.tensor([[1, 0], [6, 7], [2, 1]])
-    r, p = lx.split_ids(ids)
-    assert r.tolist() == [[0, -1], [1, -1], [-1, 0]]
-    assert p.tolist() == [[-1, 0], [-1, 5], [1, -1]]
     with pytest.raises(RuntimeError):
         bufs.layer_experts(0, 0, None)  # layer 0 has resident experts
 

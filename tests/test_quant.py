@@ -159,7 +159,7 @@ def test_page_layout_sizes_and_alignment(scheme, D, Fd, G):
     lay = expert_page_layout(D, Fd, scheme, group_size=G)
     assert lay.page_bytes % 4096 == 0
     end = 0
-    for s in lay.segments:
+    for s in lay.entries:
         assert s.offset % 16 == 0 and end <= s.offset < end + 16
         end = s.offset + s.nbytes
     assert end <= lay.page_bytes < end + 4096
@@ -167,11 +167,11 @@ def test_page_layout_sizes_and_alignment(scheme, D, Fd, G):
     if lay.quantized:
         ng = lambda c: -(-c // G)  # noqa: E731
         rb = lambda c, b: -(-c * b // 8)  # noqa: E731
-        assert lay.segment("w1").nbytes == Fd * rb(D, sch.bits_w1)
-        assert lay.segment("w3").nbytes == Fd * rb(D, sch.bits_w3)
-        assert lay.segment("w2").nbytes == D * rb(Fd, sch.bits_w2)
-        assert lay.segment("w1.zeros").nbytes == Fd * ng(D) * 2
-        assert lay.segment("w2.scales").nbytes == D * ng(Fd) * 2
+        assert lay.entry("w1").nbytes == Fd * rb(D, sch.bits_w1)
+        assert lay.entry("w3").nbytes == Fd * rb(D, sch.bits_w3)
+        assert lay.entry("w2").nbytes == D * rb(Fd, sch.bits_w2)
+        assert lay.entry("w1.zeros").nbytes == Fd * ng(D) * 2
+        assert lay.entry("w2.scales").nbytes == D * ng(Fd) * 2
     else:
         isz = torch.empty((), dtype=sch.weight_dtype).element_size()
         assert lay.payload_bytes == 3 * D * Fd * isz
@@ -241,7 +241,7 @@ def test_pack_into_pool_slot_and_views():
     pool = torch.full((2, lay.page_bytes), 7, dtype=torch.uint8)
     pack_expert_page(w1[1], w3[1], w2[1], lay, out=pool[1])
     v1, v3, v2 = page_weight_views(pool, lay)
-    assert v1.data_ptr() == pool[:, lay.segment("w1").offset:].data_ptr()
+    assert v1.data_ptr() == pool[:, lay.entry("w1").offset:].data_ptr()
     assert torch.equal(v1[1], w1[1]) and torch.equal(v3[1], w3[1]) and torch.equal(v2[1], w2[1])
     assert bool((pool[0] == 7).all())
     qlay = expert_page_layout(64, 48, "int4", group_size=32)
@@ -286,7 +286,7 @@ def test_quant_tensors_from_struct_of_arrays_views():
     w1, w3, w2 = make_experts(E, D, Fd, torch.bfloat16, seed=35)
     pages, lay = pack_expert_pages(w1, w3, w2, "int2-up", group_size=32)
     specs = expert_tensor_specs(lay)
-    assert [n for n, _, _ in specs] == [s.name for s in lay.segments]
+    assert [n for n, _, _ in specs] == [s.name for s in lay.entries]
     page_q = page_quant_tensors(pages, lay)
     soa = {}
     for (name, dt, shape), q in zip(specs, [t for q in page_q for t in (q.packed, q.scales, q.zeros)]):

@@ -31,7 +31,6 @@ from lightning_moe.kernels.quant import (
     page_quant_tensors,
     quantize_groupwise,
     unpack_expert_page,
-    use_dequant_path,
 )
 
 needs_triton = pytest.mark.skipif(not fm.triton_available(), reason="triton not installed")
@@ -62,7 +61,7 @@ def bf16_rne_or_trunc(got: torch.Tensor, exact_fp32: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# tiles and the auto switch (no triton needed)
+# tiles (no triton needed)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -78,18 +77,6 @@ def test_dequant_tiles():
     assert Q._dequant_tiles(2, 40) == (64, 128, False)
     assert Q._dequant_tiles(2, 3) == (64, 128, False)
     assert Q._dequant_tiles(4, 1) == (64, 128, False)
-
-
-def test_use_dequant_path(monkeypatch):
-    assert Q.DEQUANT_MIN_PAIRS_PER_EXPERT == 0  # the default: always dequantize (H200 measurement, RESULTS.md 6)
-    assert use_dequant_path("dequant", 1, 8) and not use_dequant_path("fused", 10**6, 8)
-    assert use_dequant_path("auto", 1, 8)
-    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
-    assert not use_dequant_path("auto", 127, 8) and use_dequant_path("auto", 128, 8)
-    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 2)  # read at call time
-    assert use_dequant_path("auto", 16, 8)
-    with pytest.raises(ValueError, match="mode"):
-        use_dequant_path("fast", 1, 8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -225,11 +212,11 @@ def test_dequantize_rejects_bad_input(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# FFN: "fused", "dequant" and "auto" against the reference
+# FFN: "fused" and "dequant" against the reference
 # ---------------------------------------------------------------------------------------------------
 
 # (T, D, F, E, k, expert given no tokens, group size): 1 token, 33 tokens with an idle expert, D and F not
-# multiples of the group, T k / E >= 16 (auto takes the dequant path), k = 3
+# multiples of the group, T k / E >= 16, k = 3
 FFN_CASES = [(1, 64, 48, 8, 2, None, 32), (33, 100, 72, 8, 2, 3, 64), (9, 101, 37, 4, 2, None, 48),
              (40, 64, 48, 4, 2, 1, 32), (17, 40, 24, 6, 3, 5, 32)]
 
@@ -246,9 +233,8 @@ def _routing(T, E, k, skip, seed):
 @pytest.mark.parametrize("scheme", ["int4", "int2-up"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
 def test_paged_modes_match_reference(interpret, monkeypatch, case, scheme, dtype, tol):
-    """fused_experts_paged_triton with mode fused / dequant / auto (with and without a scratch) vs
-    experts_ffn_quant_reference: ||a-b||/||b|| <= tol. "auto" dequantizes iff T k / E >= the threshold: run with the
-    default (0: always) and with 16 (the cases with T k / E < 16 take the fused kernel)."""
+    """fused_experts_paged_triton with mode fused / dequant (with and without a scratch) and the default mode
+    (dequant) vs experts_ffn_quant_reference: ||a-b||/||b|| <= tol."""
     T, D, Fd, E, k, skip, G = case
     g = gen(60)
     w1, w3, w2 = (torch.randn(E, *s, generator=g) / s[1] ** 0.5 for s in ((Fd, D), (Fd, D), (D, Fd)))
@@ -260,17 +246,15 @@ def test_paged_modes_match_reference(interpret, monkeypatch, case, scheme, dtype
     real = Q.dequantize_triton
     monkeypatch.setattr(Q, "dequantize_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     scratch = dense_expert_scratch(E + 1, D, Fd, dtype, "cpu")
-    for mode, sc in (("fused", None), ("dequant", None), ("dequant", scratch), ("auto", scratch)):
+    for mode, sc in (("fused", None), ("dequant", None), ("dequant", scratch)):
         launches.clear()
         got = fused_experts_paged_triton(x, pages, lay, wts, ids, mode=mode, scratch=sc)
         assert got.dtype == dtype and got.shape == x.shape
         assert rel_err(got, want) <= tol, (mode, rel_err(got, want))
-        dq = mode == "dequant" or (mode == "auto" and T * k >= Q.DEQUANT_MIN_PAIRS_PER_EXPERT * E)
-        assert len(launches) == (3 if dq else 0), mode  # one launch per projection, all E experts
-    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", 16)
+        assert len(launches) == (3 if mode == "dequant" else 0), mode  # one launch per projection, all E experts
     launches.clear()
-    assert rel_err(fused_experts_paged_triton(x, pages, lay, wts, ids, mode="auto", scratch=scratch), want) <= tol
-    assert len(launches) == (3 if T * k >= 16 * E else 0)
+    assert rel_err(fused_experts_paged_triton(x, pages, lay, wts, ids, scratch=scratch), want) <= tol  # default mode
+    assert len(launches) == 3
 
 
 @needs_triton
@@ -302,7 +286,7 @@ def test_dense_pages_ignore_mode(interpret):
     wts, ids = _routing(40, E, 2, None, seed=67)
     x = torch.randn(40, D, generator=gen(68))
     want = experts_ffn_quant_reference(x, pages, lay, wts, ids)
-    for mode in ("fused", "dequant", "auto"):
+    for mode in ("fused", "dequant"):
         assert rel_err(fused_experts_paged_triton(x, pages, lay, wts, ids, mode=mode), want) <= 1e-5
     assert expert_page_layout(D, Fd, "fp32").page_bytes == lay.page_bytes
 

@@ -23,7 +23,6 @@ Problems that leave no usable id (malformed JSON, missing/invalid id, duplicate 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -311,8 +310,3 @@ def load_requests(job) -> list[Request]:
     else:  # pragma: no cover - config validation forbids it
         raise DataError(f"data.source: unknown source {job.data.source!r}")
     return reqs
-
-
-def with_error(req: Request, error: str) -> Request:
-    """A copy of ``req`` marked failed with ``error`` (used by tokenization under on_error: record)."""
-    return dataclasses.replace(req, error=error)

@@ -24,7 +24,6 @@ Rules (one place, so generation and scoring agree):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -90,34 +89,6 @@ def load_tokenizer(model_dir: str):
     # prompt lengths are checked against the job's budget by our own code (with file:line errors); without this
     # transformers prints its own "sequence length is longer than ..." warning first. Nothing here truncates.
     tok.model_max_length = 10**30
-    return tok
-
-
-def llama_tokenizer_from_spm(model_file: str, chat_template: Optional[str] = None):
-    """Build a ``transformers.LlamaTokenizer`` from a SentencePiece ``.model`` file, offline, without protobuf.
-
-    The vocabulary is read with ``sentencepiece`` and the BPE merges are derived from it
-    (``transformers.convert_slow_tokenizer.generate_merges``); ids match SentencePiece's for ordinary text
-    (runs of several spaces may split differently). ``save_pretrained`` on the result writes
-    ``tokenizer.json`` + ``tokenizer_config.json`` that ``AutoTokenizer`` loads. Used by tests with
-    ``mistral_common/data/tokenizer.model.v1`` (the Mixtral v1 vocabulary, 32000 ids, BOS 1, EOS 2).
-
-    Raises:
-        FileNotFoundError: ``model_file`` does not exist.
-    """
-    import sentencepiece as spm
-    from transformers import LlamaTokenizer
-    from transformers.convert_slow_tokenizer import generate_merges
-
-    if not os.path.isfile(model_file):
-        raise FileNotFoundError(model_file)
-    sp = spm.SentencePieceProcessor(model_file=model_file)
-    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
-    tok = LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab),
-                         unk_token=sp.id_to_piece(sp.unk_id()), bos_token=sp.id_to_piece(sp.bos_id()),
-                         eos_token=sp.id_to_piece(sp.eos_id()), add_bos_token=True, add_eos_token=False)
-    if chat_template is not None:
-        tok.chat_template = chat_template
     return tok
 
 

@@ -6,13 +6,15 @@ Triton is imported lazily, the first time a ``*_triton`` function is called.
 * :mod:`.fused_moe` -- token sort by expert (:func:`moe_align`), the reference expert FFN
   (:func:`experts_ffn_reference`, transformers' accumulation orders), a mirror of transformers' grouped
   path (:func:`experts_ffn_hf_grouped`), and the Triton grouped SwiGLU FFN (:func:`fused_experts_triton`).
+* :mod:`.pages` -- the layout of a page (:class:`PageLayout`: named tensors at byte offsets in one ``uint8``
+  buffer, read back as zero-copy views); the expert pages and the executor's pool pages are both laid out by it.
 * :mod:`.quant` -- group-wise int4 / int2 quantization, fixed-size expert pages
-  (:func:`expert_page_layout`, :func:`pack_expert_page`, :func:`unpack_expert_page`), and the FFN
-  computed from packed pages or quantized tensors (:func:`fused_experts_paged_triton`,
-  :func:`fused_experts_quant_triton`; references :func:`experts_ffn_quant_reference`,
+  (:func:`expert_page_layout` -> :class:`ExpertPageLayout`, :func:`pack_expert_page`,
+  :func:`unpack_expert_page`), and the FFN computed from packed pages or quantized tensors
+  (:func:`fused_experts_paged_triton`, :func:`fused_experts_quant_triton`; references :func:`experts_ffn_quant_reference`,
   :func:`experts_ffn_qt_reference`), and the Triton dequantization of packed experts into dense weights
   (:func:`dequantize_triton`, :func:`dequantize_pages_triton`; references :func:`dequantize`,
-  :func:`unpack_expert_page`) that their large-M path uses.
+  :func:`unpack_expert_page`) that their default "dequant" mode uses.
 """
 
 from .fused_moe import (
@@ -28,12 +30,12 @@ from .fused_moe import (
     moe_align,
     triton_available,
 )
+from .pages import PageEntry, PageLayout
 from .quant import (
     PAGE_SCHEMES,
-    PageLayout,
+    ExpertPageLayout,
     PageScheme,
     QuantTensor,
-    Segment,
     analytic_error_bound,
     dense_expert_scratch,
     dequantize,
@@ -53,16 +55,15 @@ from .quant import (
     quant_error_bound,
     quantize_groupwise,
     unpack_expert_page,
-    use_dequant_path,
 )
 
 __all__ = [
-    "MoEAlignment", "MoEKernelConfig", "PAGE_SCHEMES", "PageLayout", "PageScheme", "QuantTensor",
-    "REFERENCE_ORDERS", "Segment", "analytic_error_bound", "default_kernel_config", "dequantize",
+    "ExpertPageLayout", "MoEAlignment", "MoEKernelConfig", "PAGE_SCHEMES", "PageEntry", "PageLayout", "PageScheme",
+    "QuantTensor", "REFERENCE_ORDERS", "analytic_error_bound", "default_kernel_config", "dequantize",
     "expert_page_layout", "experts_ffn_hf_grouped", "experts_ffn_quant_reference", "experts_ffn_reference",
     "experts_ffn_reference_from", "fused_experts_paged_triton", "fused_experts_triton",
     "fused_moe_workspace_bytes", "moe_align", "pack_expert_page", "pack_expert_pages", "page_quant_tensors",
     "page_weight_views", "quant_error_bound", "quantize_groupwise", "triton_available", "unpack_expert_page",
     "expert_tensor_specs", "experts_ffn_qt_reference", "fused_experts_quant_triton", "quant_tensors_from_views",
-    "dense_expert_scratch", "dequantize_pages_triton", "dequantize_triton", "use_dequant_path",
+    "dense_expert_scratch", "dequantize_pages_triton", "dequantize_triton",
 ]

@@ -20,11 +20,12 @@ weight), ``NG = cdiv(C, G)`` groups per row, ``RB = cdiv(C * bits, 8)`` packed b
 
 2. Fixed-size expert pages (CommitMoE: "quantization padding so every expert page has one size"):
    :func:`expert_page_layout` gives byte offsets of w1/w3/w2 payloads and their scales/zeros inside one
-   ``uint8`` page, every segment starting at a multiple of ``segment_align`` (16) bytes and the page padded
-   to a multiple of ``align`` (4096) bytes, so all experts of a layer (and of a model) have the same page
-   size. Schemes: ``bf16`` / ``fp16`` / ``fp32`` (unquantized), ``int4`` (all projections 4-bit),
-   ``int2`` (all 2-bit), ``int2-up`` = ``int4-up2`` (gate/down 4-bit, up 2-bit, after FloE's INT2
-   up_proj). With the defaults, and every segment a multiple of 16 bytes (true for Mixtral, and for any
+   ``uint8`` page (an :class:`ExpertPageLayout`: a :class:`~lightning_moe.kernels.pages.PageLayout` whose
+   entries are these segments, with the scheme's fields), every segment starting at a multiple of
+   ``segment_align`` (16) bytes and the page padded to a multiple of ``align`` (4096) bytes, so all experts of a
+   layer (and of a model) have the same page size. Schemes: ``bf16`` / ``fp16`` / ``fp32`` (unquantized), ``int4``
+   (all projections 4-bit), ``int2`` (all 2-bit), ``int2-up`` = ``int4-up2`` (gate/down 4-bit, up 2-bit, after
+   FloE's INT2 up_proj). With the defaults, and every segment a multiple of 16 bytes (true for Mixtral, and for any
    D, F that are multiples of 32 with G = 128), ``page_bytes`` equals ``MoESpec.expert_bytes(scheme)``:
    ``roundup(sum over projections of out*in*bits/8 + out*cdiv(in, 128)*4, 4096)``.
 
@@ -37,12 +38,13 @@ weight), ``NG = cdiv(C, G)`` groups per row, ``RB = cdiv(C * bits, 8)`` packed b
 4. :func:`dequantize_triton` / :func:`dequantize_pages_triton` -- a memory-bound Triton kernel that decodes
    packed experts into dense ``[E, R, C]`` weights in the activation dtype, bit-identical to
    :func:`dequantize` / :func:`unpack_expert_page`. :func:`fused_experts_quant_triton` (and so
-   :func:`fused_experts_paged_triton`) takes ``mode="auto" | "fused" | "dequant"``: at large M
-   (``T * k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT`` mean pairs per expert, 0 by default: always) "auto" dequantizes the experts of the
-   call into a dense scratch and runs the bf16 grouped kernel
-   :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton` on it, because the fused kernel repeats the
-   dequantization for every M-block (measured on an H200: 56 ms vs 1.56 ms per gate/up call at ~2600 tokens,
-   Mixtral experts, E = 8); below the threshold the fused kernel reads only the packed bytes.
+   :func:`fused_experts_paged_triton`) takes ``mode="dequant" | "fused"``: "dequant" (the default) decodes the
+   experts of the call into a dense scratch and runs the bf16 grouped kernel
+   :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton` on it; "fused" dequantizes in registers inside the
+   GEMM and reads only the packed bytes, but repeats the dequantization for every M-block (measured on an H200,
+   Mixtral experts, E = 8: 56 ms vs 1.56 ms per gate/up call at ~2600 tokens; the fused kernel took 9.4 ms at T = 8
+   and 188 ms at T = 4096, the bf16 kernel on dense weights 0.8-7.5 ms, so with the dequantization near HBM bandwidth
+   dequantize + dense wins at every T: benchmarks/bench_quant_ffn.py).
 
 Triton is imported lazily (kernels in :mod:`lightning_moe.kernels._triton_kernels`); importing this
 module needs only torch.
@@ -72,19 +74,17 @@ from .fused_moe import (
     fused_experts_triton,
     kernel_alignment,
 )
+from .pages import PageLayout
 
 __all__ = [
-    "DEQUANT_MIN_PAIRS_PER_EXPERT",
     "DEQUANT_MODES",
     "PAGE_SCHEMES",
     "dense_expert_scratch",
     "dequantize_pages_triton",
     "dequantize_triton",
-    "use_dequant_path",
-    "PageLayout",
+    "ExpertPageLayout",
     "PageScheme",
     "QuantTensor",
-    "Segment",
     "analytic_error_bound",
     "dequantize",
     "expert_page_layout",
@@ -105,16 +105,7 @@ __all__ = [
 
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Large-M switch of fused_experts_quant_triton(mode="auto"): dequantize the call's experts into a dense scratch
-# and run the dense grouped kernel when the mean routed pairs per expert, T * k / E, is at least this.
-# 0 = always (benchmarks/bench_quant_ffn.py measures the crossover; Mixtral experts, E = 8): the
-# fused in-register kernel took 9.4 ms at T = 8 and 188 ms at T = 4096 while the bf16 kernel on dense weights took
-# 0.8-7.5 ms, so dequantize + dense wins at every T once the dequantization itself runs near HBM bandwidth
-# (the first dequant kernel reached only 176 GB/s, 20 ms for 8 experts; the rewrite of d0f951a stores
-# contiguous tiles). policy/hrm.py keeps a torch-free copy (hrm.DEQUANT_MIN_PAIRS_PER_EXPERT; a test checks
-# they agree), and CGOPipe reads this one.
-DEQUANT_MIN_PAIRS_PER_EXPERT = 0
-DEQUANT_MODES = ("auto", "fused", "dequant")
+DEQUANT_MODES = ("dequant", "fused")  # fused_experts_quant_triton's paths (see the module docstring, 4.)
 
 # --------------------------------------------------------------------------------------------------
 # group-wise quantization (pure torch)
@@ -332,19 +323,11 @@ PAGE_SCHEMES = {
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One tensor inside a page."""
-
-    name: str  # "w1", "w1.scales", "w1.zeros", "w3", ..., "w2.zeros"
-    offset: int  # bytes from the page start (a multiple of the layout's segment_align)
-    nbytes: int  # payload bytes (before alignment padding)
-    shape: tuple  # element shape of the view
-    dtype: torch.dtype  # element dtype of the view (uint8 for packed codes)
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """Byte layout of one expert page ``uint8 [page_bytes]`` (identical for every expert of a model)."""
+class ExpertPageLayout(PageLayout):
+    """Byte layout of one expert page ``uint8 [page_bytes]`` (identical for every expert of a model): a
+    :class:`~lightning_moe.kernels.pages.PageLayout` whose entries are the segments ``w1``, ``w1.scales``,
+    ``w1.zeros``, ``w3``, ... (codes, scales and zeros; the weights themselves for unquantized schemes), with the
+    scheme that made it."""
 
     scheme: str  # key of PAGE_SCHEMES
     hidden_size: int  # D
@@ -352,9 +335,7 @@ class PageLayout:
     group_size: int  # G of quantized projections
     scale_dtype: torch.dtype  # dtype of scales and zeros
     align: int  # page_bytes is a multiple of this (bytes)
-    segment_align: int  # every segment offset is a multiple of this (bytes)
-    segments: tuple  # tuple[Segment, ...] in page order
-    page_bytes: int  # total bytes of one page, padded to a multiple of align
+    segment_align: int  # every entry offset is a multiple of this (bytes)
 
     @property
     def spec(self) -> PageScheme:
@@ -364,18 +345,6 @@ class PageLayout:
     def quantized(self) -> bool:
         """True if the projections are stored as codes + scales + zeros."""
         return self.spec.weight_dtype is None
-
-    def segment(self, name: str) -> Segment:
-        """The segment called ``name``; KeyError if absent."""
-        for s in self.segments:
-            if s.name == name:
-                return s
-        raise KeyError(f"page layout {self.scheme}: no segment {name!r}; have {[s.name for s in self.segments]}")
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of all segments without alignment padding."""
-        return sum(s.nbytes for s in self.segments)
 
 
 _PROJ_SHAPES = ("w1", "w3", "w2")
@@ -389,7 +358,7 @@ def expert_page_layout(
     scale_dtype: torch.dtype = torch.float16,
     align: int = 4096,
     segment_align: int = 16,
-) -> PageLayout:
+) -> ExpertPageLayout:
     """Byte layout of one expert page (w1 gate ``[F, D]``, w3 up ``[F, D]``, w2 down ``[D, F]``).
 
     Segments, in order: ``w1, [w1.scales, w1.zeros], w3, [...], w2, [...]``; each starts at a multiple
@@ -416,35 +385,24 @@ def expert_page_layout(
     sch = PAGE_SCHEMES[scheme]
     D, Fd = hidden_size, intermediate_size
     shapes = {"w1": (Fd, D), "w3": (Fd, D), "w2": (D, Fd)}
-    segs = []
-    off = 0
-
-    def add(name, nbytes, shape, dtype):
-        nonlocal off
-        segs.append(Segment(name, off, nbytes, shape, dtype))
-        off += _cdiv(nbytes, segment_align) * segment_align
-
+    specs = []  # (name, dtype, shape) of every segment, in page order
     for proj in _PROJ_SHAPES:
         R, C = shapes[proj]
         bits = sch.bits(proj)
         if sch.weight_dtype is not None:
-            isz = torch.empty((), dtype=sch.weight_dtype).element_size()
-            add(proj, R * C * isz, (R, C), sch.weight_dtype)
+            specs.append((proj, sch.weight_dtype, (R, C)))
         else:
             _check_bits_group(fn, bits, group_size)
             NG = _cdiv(C, group_size)
-            row_bytes = _cdiv(C * bits, 8)
-            add(proj, R * row_bytes, (R, row_bytes), torch.uint8)
-            ssz = torch.empty((), dtype=scale_dtype).element_size()
-            add(proj + ".scales", R * NG * ssz, (R, NG), scale_dtype)
-            add(proj + ".zeros", R * NG * ssz, (R, NG), scale_dtype)
-    page_bytes = _cdiv(off, align) * align
-    return PageLayout(scheme, D, Fd, group_size, scale_dtype, align, segment_align, tuple(segs), page_bytes)
+            specs += [(proj, torch.uint8, (R, _cdiv(C * bits, 8))), (proj + ".scales", scale_dtype, (R, NG)),
+                      (proj + ".zeros", scale_dtype, (R, NG))]
+    entries, page_bytes = PageLayout.pack(specs, segment_align, align)
+    return ExpertPageLayout(entries, page_bytes, scheme, D, Fd, group_size, scale_dtype, align, segment_align)
 
 
-def _as_layout(fn: str, scheme_or_layout: Union[str, PageLayout], D: int, Fd: int, group_size: int,
-               scale_dtype: torch.dtype) -> PageLayout:
-    if isinstance(scheme_or_layout, PageLayout):
+def _as_layout(fn: str, scheme_or_layout: Union[str, ExpertPageLayout], D: int, Fd: int, group_size: int,
+               scale_dtype: torch.dtype) -> ExpertPageLayout:
+    if isinstance(scheme_or_layout, ExpertPageLayout):
         lay = scheme_or_layout
         if (lay.hidden_size, lay.intermediate_size) != (D, Fd):
             raise ValueError(f"{fn}: layout is for D={lay.hidden_size}, F={lay.intermediate_size}, "
@@ -468,17 +426,7 @@ def _check_expert_weights(fn: str, w1: torch.Tensor, w3: torch.Tensor, w2: torch
     return D, Fd
 
 
-def _segment_view(page: torch.Tensor, seg: Segment) -> torch.Tensor:
-    """Zero-copy view of ``seg`` in ``page [..., page_bytes]`` as ``[..., *seg.shape]`` of ``seg.dtype``."""
-    isz = torch.empty((), dtype=seg.dtype).element_size()
-    n = 1
-    for d in seg.shape:
-        n *= d
-    raw = page[..., seg.offset: seg.offset + n * isz]
-    return raw.view(seg.dtype).unflatten(-1, seg.shape)
-
-
-def _check_page(fn: str, page: torch.Tensor, layout: PageLayout) -> None:
+def _check_page(fn: str, page: torch.Tensor, layout: ExpertPageLayout) -> None:
     if page.dtype != torch.uint8:
         raise ValueError(f"{fn}: page must be uint8, got {page.dtype}")
     if page.dim() not in (1, 2) or page.shape[-1] != layout.page_bytes:
@@ -495,7 +443,7 @@ def pack_expert_page(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
-    scheme: Union[str, PageLayout],
+    scheme: Union[str, ExpertPageLayout],
     group_size: int = 128,
     scale_dtype: torch.dtype = torch.float16,
     out: Optional[torch.Tensor] = None,
@@ -503,7 +451,7 @@ def pack_expert_page(
     """Pack one expert (w1 ``[F, D]``, w3 ``[F, D]``, w2 ``[D, F]``) into a ``uint8 [page_bytes]`` page.
 
     ``scheme`` is a key of :data:`PAGE_SCHEMES` (layout built with ``group_size`` / ``scale_dtype``) or a
-    :class:`PageLayout`. Unquantized schemes store the weights cast to the scheme's dtype; quantized ones
+    :class:`ExpertPageLayout`. Unquantized schemes store the weights cast to the scheme's dtype; quantized ones
     store :func:`quantize_groupwise` codes/scales/zeros. Alignment padding is zero. ``out`` (e.g. a slot
     of a pinned host pool) receives the page if given (uint8, contiguous, ``[page_bytes]``).
 
@@ -521,14 +469,14 @@ def pack_expert_page(
                              f"got {out.dtype} {tuple(out.shape)}")
         out.zero_()
     for proj, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        seg = lay.segment(proj)
+        seg = lay.entry(proj)
         if not lay.quantized:
-            _segment_view(out, seg).copy_(w.to(seg.dtype))
+            seg.view(out).copy_(w.to(seg.dtype))
             continue
         qt = quantize_groupwise(w, lay.spec.bits(proj), lay.group_size, lay.scale_dtype)
-        _segment_view(out, seg).copy_(qt.packed)
-        _segment_view(out, lay.segment(proj + ".scales")).copy_(qt.scales)
-        _segment_view(out, lay.segment(proj + ".zeros")).copy_(qt.zeros)
+        seg.view(out).copy_(qt.packed)
+        lay.entry(proj + ".scales").view(out).copy_(qt.scales)
+        lay.entry(proj + ".zeros").view(out).copy_(qt.zeros)
     return out
 
 
@@ -536,10 +484,10 @@ def pack_expert_pages(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
-    scheme: Union[str, PageLayout],
+    scheme: Union[str, ExpertPageLayout],
     group_size: int = 128,
     scale_dtype: torch.dtype = torch.float16,
-) -> tuple[torch.Tensor, PageLayout]:
+) -> tuple[torch.Tensor, ExpertPageLayout]:
     """Pack a layer's stacked experts (w1/w3 ``[E, F, D]``, w2 ``[E, D, F]``) into ``uint8 [E, page_bytes]``.
 
     Returns ``(pages, layout)``. Row ``e`` is :func:`pack_expert_page` of expert ``e``.
@@ -553,7 +501,7 @@ def pack_expert_pages(
     return pages, lay
 
 
-def page_weight_views(page: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_weight_views(page: torch.Tensor, layout: ExpertPageLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zero-copy ``(w1, w3, w2)`` views of an unquantized page ``[page_bytes]`` or pages ``[E, page_bytes]``.
 
     Shapes ``[(E,) F, D]``, ``[(E,) F, D]``, ``[(E,) D, F]`` in the scheme's dtype (strided along E).
@@ -565,20 +513,20 @@ def page_weight_views(page: torch.Tensor, layout: PageLayout) -> tuple[torch.Ten
     _check_page(fn, page, layout)
     if layout.quantized:
         raise ValueError(f"{fn}: scheme {layout.scheme} is quantized; use page_quant_tensors / unpack_expert_page")
-    return tuple(_segment_view(page, layout.segment(p)) for p in _PROJ_SHAPES)
+    return tuple(layout.entry(p).view(page) for p in _PROJ_SHAPES)
 
 
-def expert_tensor_specs(layout: PageLayout) -> list[tuple[str, torch.dtype, tuple]]:
+def expert_tensor_specs(layout: ExpertPageLayout) -> list[tuple[str, torch.dtype, tuple]]:
     """Per-expert tensors of a page layout as ``(name, dtype, shape)`` (the segments, in page order).
 
     E.g. ``int4``: ``("w1", uint8, (F, cdiv(D*4, 8))), ("w1.scales", fp16, (F, cdiv(D, G))), ...``. A pager
     that stores several experts per page as ``[n, *shape]`` tensors can rebuild :class:`QuantTensor` views
     with :func:`quant_tensors_from_views`.
     """
-    return [(sg.name, sg.dtype, tuple(sg.shape)) for sg in layout.segments]
+    return [(sg.name, sg.dtype, tuple(sg.shape)) for sg in layout.entries]
 
 
-def quant_tensors_from_views(views, layout: PageLayout,
+def quant_tensors_from_views(views, layout: ExpertPageLayout,
                              dtype: torch.dtype = torch.bfloat16) -> tuple[QuantTensor, QuantTensor, QuantTensor]:
     """``(w1, w3, w2)`` :class:`QuantTensor` s from tensors named as the layout's segments.
 
@@ -596,7 +544,7 @@ def quant_tensors_from_views(views, layout: PageLayout,
         for name in (p, p + ".scales", p + ".zeros"):
             if name not in views:
                 raise ValueError(f"{fn}: no tensor {name!r} (have {sorted(views)})")
-            t, sg = views[name], layout.segment(name)
+            t, sg = views[name], layout.entry(name)
             if tuple(t.shape[t.dim() - len(sg.shape):]) != tuple(sg.shape) or t.dtype != sg.dtype:
                 raise ValueError(f"{fn}: {name} must be [..., {tuple(sg.shape)}] {sg.dtype}, "
                                  f"got {tuple(t.shape)} {t.dtype}")
@@ -606,7 +554,7 @@ def quant_tensors_from_views(views, layout: PageLayout,
     return tuple(out)
 
 
-def page_quant_tensors(page: torch.Tensor, layout: PageLayout,
+def page_quant_tensors(page: torch.Tensor, layout: ExpertPageLayout,
                        dtype: torch.dtype = torch.bfloat16) -> tuple[QuantTensor, QuantTensor, QuantTensor]:
     """Zero-copy :class:`QuantTensor` views ``(w1, w3, w2)`` of a quantized page ``[page_bytes]`` (or ``[E, ...]``).
 
@@ -616,10 +564,10 @@ def page_quant_tensors(page: torch.Tensor, layout: PageLayout,
     _check_page(fn, page, layout)
     if not layout.quantized:
         raise ValueError(f"{fn}: scheme {layout.scheme} is not quantized; use page_weight_views")
-    return quant_tensors_from_views({sg.name: _segment_view(page, sg) for sg in layout.segments}, layout, dtype)
+    return quant_tensors_from_views({sg.name: sg.view(page) for sg in layout.entries}, layout, dtype)
 
 
-def unpack_expert_page(page: torch.Tensor, layout: PageLayout,
+def unpack_expert_page(page: torch.Tensor, layout: ExpertPageLayout,
                        dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode a page (``[page_bytes]`` or ``[E, page_bytes]``) into dense ``(w1, w3, w2)`` (new tensors).
 
@@ -637,10 +585,10 @@ def unpack_expert_page(page: torch.Tensor, layout: PageLayout,
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_pages_call(fn: str, x: torch.Tensor, pages: torch.Tensor, layout: PageLayout,
+def _check_pages_call(fn: str, x: torch.Tensor, pages: torch.Tensor, layout: ExpertPageLayout,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, int]:
-    if not isinstance(layout, PageLayout):
-        raise ValueError(f"{fn}: layout must be a PageLayout, got {type(layout).__name__}")
+    if not isinstance(layout, ExpertPageLayout):
+        raise ValueError(f"{fn}: layout must be an ExpertPageLayout, got {type(layout).__name__}")
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{fn}: x must be a floating [T, D] tensor, got {x.dtype} {tuple(x.shape)}")
     if x.shape[1] != layout.hidden_size:
@@ -658,7 +606,7 @@ def _check_pages_call(fn: str, x: torch.Tensor, pages: torch.Tensor, layout: Pag
 def experts_ffn_quant_reference(
     x: torch.Tensor,
     pages: torch.Tensor,
-    layout: PageLayout,
+    layout: ExpertPageLayout,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -667,7 +615,7 @@ def experts_ffn_quant_reference(
     """Torch reference of the FFN from pages: dequantize (to ``x.dtype``) then :func:`experts_ffn_reference`.
 
     Args:
-        x: ``[T, D]``; pages: ``uint8 [E, page_bytes]`` on x's device; layout: their :class:`PageLayout`;
+        x: ``[T, D]``; pages: ``uint8 [E, page_bytes]`` on x's device; layout: their :class:`ExpertPageLayout`;
         topk_weights / topk_ids: ``[T, k]``; order: see :func:`experts_ffn_reference` (``REFERENCE_ORDERS``).
 
     Each page that receives tokens is decoded once (unquantized pages: the stored weights cast to
@@ -880,7 +828,7 @@ def dequantize_triton(
 
 def dequantize_pages_triton(
     pages: torch.Tensor,
-    layout: PageLayout,
+    layout: ExpertPageLayout,
     dtype: torch.dtype = torch.bfloat16,
     out: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -891,7 +839,7 @@ def dequantize_pages_triton(
     Args:
         pages: ``uint8 [E, page_bytes]`` (row stride a multiple of ``layout.segment_align``, e.g. a slot
             pool) or one page ``[page_bytes]``; on a CUDA device (CPU under ``TRITON_INTERPRET=1``).
-        layout: a quantized :class:`PageLayout` (int4 / int2 / int2-up / int4-up2).
+        layout: a quantized :class:`ExpertPageLayout` (int4 / int2 / int2-up / int4-up2).
         dtype: output dtype (bf16 default; fp16 / fp32).
         out: optional ``(w1, w3, w2)`` destinations ``[E' >= E, F, D]``, ``[E', F, D]``, ``[E', D, F]`` (e.g.
             :func:`dense_expert_scratch`), written in rows ``[:E]``; ``[F, D], [F, D], [D, F]`` for one page.
@@ -904,8 +852,8 @@ def dequantize_pages_triton(
         :func:`dequantize_triton`). RuntimeError: triton not installed.
     """
     fn = "dequantize_pages_triton"
-    if not isinstance(layout, PageLayout):
-        raise ValueError(f"{fn}: layout must be a PageLayout, got {type(layout).__name__}")
+    if not isinstance(layout, ExpertPageLayout):
+        raise ValueError(f"{fn}: layout must be an ExpertPageLayout, got {type(layout).__name__}")
     _check_page(fn, pages, layout)
     if not layout.quantized:
         raise ValueError(f"{fn}: scheme {layout.scheme} is not quantized; use page_weight_views")
@@ -918,16 +866,6 @@ def dequantize_pages_triton(
 def _check_mode(fn: str, mode: str) -> None:
     if mode not in DEQUANT_MODES:
         raise ValueError(f"{fn}: mode must be one of {DEQUANT_MODES}, got {mode!r}")
-
-
-def use_dequant_path(mode: str, num_pairs: int, num_experts: int) -> bool:
-    """Whether ``mode`` takes the dequantize-then-dense path for ``num_pairs = T * k`` routed pairs over
-    ``num_experts`` experts: "dequant" always, "fused" never, "auto" iff
-    ``num_pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts`` (mean pairs per expert at least the threshold)."""
-    _check_mode("use_dequant_path", mode)
-    if mode != "auto":
-        return mode == "dequant"
-    return num_pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -962,7 +900,7 @@ def fused_experts_quant_triton(
     *,
     config: Optional[MoEKernelConfig] = None,
     validate: bool = True,
-    mode: str = "auto",
+    mode: str = "dequant",
     scratch: Optional[tuple] = None,
     skip: bool = False,
 ) -> torch.Tensor:
@@ -973,12 +911,10 @@ def fused_experts_quant_triton(
     the same dequantized weights, bit for bit (``code * scale + zero`` in fp32, cast to ``x.dtype``, as
     :func:`dequantize`):
 
+    * "dequant" (default): all E experts are decoded once by :func:`dequantize_triton` into ``scratch`` (or a
+      new buffer of ``3 * E * D * F`` elements), then the dense kernel runs on them.
     * "fused": the codes of each weight tile are dequantized in registers inside the GEMM K-loop and
       multiplied with ``tl.dot`` (reads only packed bytes; but repeats the dequantization per M-block).
-    * "dequant": all E experts are decoded once by :func:`dequantize_triton` into ``scratch`` (or a new
-      buffer of ``3 * E * D * F`` elements), then the dense kernel runs on them.
-    * "auto" (default): "dequant" when ``T * k >= DEQUANT_MIN_PAIRS_PER_EXPERT * E`` (see
-      :func:`use_dequant_path`; the threshold is a guess to be tuned on the GPU), else "fused".
 
     Args:
         x: ``[T, D]`` CUDA tensor, bf16 / fp16 (fp32 also accepted).
@@ -989,7 +925,7 @@ def fused_experts_quant_triton(
         config: tile sizes (default :func:`~lightning_moe.kernels.fused_moe.default_kernel_config`);
             ``block_k`` is then fitted to the group sizes (see :func:`_quant_tiles`).
         validate: range-check ids (one host sync).
-        mode: "auto" | "fused" | "dequant" (above).
+        mode: "dequant" | "fused" (above).
         scratch: optional ``(w1 [E' >= E, F, D], w3 [E', F, D], w2 [E', D, F])`` in ``x.dtype`` on x's device
             (:func:`dense_expert_scratch`) that the "dequant" path writes instead of allocating.
         skip: ids equal to ``E`` mark pairs this call does not compute (they add 0), as in
@@ -1023,7 +959,7 @@ def fused_experts_quant_triton(
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
     P = T * k
-    if use_dequant_path(mode, P, E):
+    if mode == "dequant":
         outs = tuple(scratch) if scratch is not None else (None, None, None)
         d1, d3, d2 = (dequantize_triton(q, x.dtype, o) for q, o in zip((w1, w3, w2), outs))
         return fused_experts_triton(x, d1, d3, d2, topk_weights, topk_ids, config=config, validate=False, skip=skip)
@@ -1063,21 +999,21 @@ def fused_experts_quant_triton(
 def fused_experts_paged_triton(
     x: torch.Tensor,
     pages: torch.Tensor,
-    layout: PageLayout,
+    layout: ExpertPageLayout,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
     config: Optional[MoEKernelConfig] = None,
     validate: bool = True,
-    mode: str = "auto",
+    mode: str = "dequant",
     scratch: Optional[tuple] = None,
     skip: bool = False,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN computed directly from a stacked page buffer (Triton).
 
     Quantized schemes: zero-copy :class:`QuantTensor` views of the pages (:func:`page_quant_tensors`)
-    go to :func:`fused_experts_quant_triton` with ``mode`` and ``scratch`` (dequantization in registers, or
-    at large M of all ``E`` pages into a dense scratch followed by the dense kernel). Unquantized schemes:
+    go to :func:`fused_experts_quant_triton` with ``mode`` and ``scratch`` (all ``E`` pages dequantized into a
+    dense scratch followed by the dense kernel, or dequantization in registers). Unquantized schemes:
     zero-copy strided weight views (:func:`page_weight_views`) go to
     :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`.
 
@@ -1085,11 +1021,11 @@ def fused_experts_paged_triton(
         x: ``[T, D]`` CUDA tensor, bf16 / fp16 (fp32 also accepted).
         pages: ``uint8 [E, page_bytes]`` on x's device, rows laid out by ``layout``; the row stride may
             exceed ``page_bytes`` (a slot pool) but must be a multiple of ``layout.segment_align``.
-        layout: :class:`PageLayout` of the pages (from :func:`expert_page_layout`).
+        layout: :class:`ExpertPageLayout` of the pages (from :func:`expert_page_layout`).
         topk_weights: ``[T, k]`` floating (fp32); topk_ids: ``[T, k]`` int64/int32 in ``[0, E)``.
         config: tile sizes (default :func:`~lightning_moe.kernels.fused_moe.default_kernel_config`).
         validate: range-check ids (one host sync).
-        mode: "auto" | "fused" | "dequant", see :func:`fused_experts_quant_triton` (ignored, but checked,
+        mode: "dequant" | "fused", see :func:`fused_experts_quant_triton` (ignored, but checked,
             for unquantized pages, which are already dense).
         scratch: dense ``(w1, w3, w2)`` buffers for the "dequant" path (:func:`dense_expert_scratch`).
         skip: ids equal to ``E`` (the pages' rows) mark pairs this call does not compute (they add 0).

@@ -17,7 +17,7 @@ model directory is accepted (``moe-batch run`` with ``model: DST``, ``moe-batch 
 
 Loading: :func:`lightning_moe.model.weights.load_checkpoint` detects the section
 (:func:`checkpoint_page_layout`) and keeps each layer's experts as :class:`QuantExperts` (the packed pages
-and their :class:`~lightning_moe.kernels.quant.PageLayout`); ``QuantExperts.dequantize(dtype)`` gives the
+and their :class:`~lightning_moe.kernels.quant.ExpertPageLayout`); ``QuantExperts.dequantize(dtype)`` gives the
 dense :class:`~lightning_moe.model.layers.ExpertWeights`.
 
 Shards: one safetensors file per decoder layer (its non-expert weights + packed pages) and a last one with
@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.quant import PageLayout, expert_page_layout, pack_expert_pages, unpack_expert_page
+from ..kernels.quant import ExpertPageLayout, expert_page_layout, pack_expert_pages, unpack_expert_page
 from .checkpoint_io import CheckpointError, _Reader
 from .layers import ExpertWeights
 
@@ -61,11 +61,11 @@ class QuantExperts:
     """
 
     pages: torch.Tensor  # uint8 [E, page_bytes]
-    layout: PageLayout  # byte layout of one page (scheme, group size, scale dtype)
+    layout: ExpertPageLayout  # byte layout of one page (scheme, group size, scale dtype)
 
     def __post_init__(self):
-        if not isinstance(self.layout, PageLayout):
-            raise ValueError(f"QuantExperts: layout must be a PageLayout, got {type(self.layout).__name__}")
+        if not isinstance(self.layout, ExpertPageLayout):
+            raise ValueError(f"QuantExperts: layout must be an ExpertPageLayout, got {type(self.layout).__name__}")
         if self.pages.dtype != torch.uint8 or self.pages.dim() != 2 or self.pages.shape[1] != self.layout.page_bytes:
             raise ValueError(f"QuantExperts: pages must be uint8 [E, page_bytes={self.layout.page_bytes}], "
                              f"got {self.pages.dtype} {tuple(self.pages.shape)}")
@@ -119,7 +119,7 @@ def checkpoint_scheme(path: str) -> Optional[str]:
     return section.get("scheme") if isinstance(section, dict) else None
 
 
-def checkpoint_page_layout(path: str, spec) -> Optional[PageLayout]:
+def checkpoint_page_layout(path: str, spec) -> Optional[ExpertPageLayout]:
     """The expert page layout of a quantized checkpoint directory, or None for an ordinary one.
 
     Reads ``path/config.json``'s ``quantization`` section (see the module docstring) and builds
@@ -157,7 +157,7 @@ def checkpoint_page_layout(path: str, spec) -> Optional[PageLayout]:
     return layout
 
 
-def read_packed_experts(reader: _Reader, moe_prefix: str, layout: PageLayout, num_experts: int) -> QuantExperts:
+def read_packed_experts(reader: _Reader, moe_prefix: str, layout: ExpertPageLayout, num_experts: int) -> QuantExperts:
     """One layer's ``{moe_prefix}experts.packed_pages`` from a checkpoint reader, checked against ``layout``.
 
     Raises CheckpointError naming the tensor and its file when it is missing or not ``uint8 [E, page_bytes]``.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 # ---- byte sizes used by MoESpec's byte properties (planner) ------------------------------------------
@@ -334,8 +334,3 @@ class MoESpec:
             return cls.from_hf_config(cfg, name=os.path.basename(os.path.normpath(path)))
         except ValueError as e:
             raise ValueError(f"{cfg_path}: {e}") from None
-
-
-def spec_field_names() -> list[str]:
-    """Names of MoESpec's fields (for YAML round-trips and error messages)."""
-    return [f.name for f in fields(MoESpec)]

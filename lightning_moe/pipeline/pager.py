@@ -10,8 +10,9 @@ Pieces, in the order the executor uses them:
 
 * :class:`ExpertPaging` -- which experts are resident on the GPU (the policy's set of ``(layer,
   expert)``), how the others are grouped into pages, and where every expert of a layer lives.
-* :class:`PageLayout` -- the named tensors inside one page (name, dtype, shape, byte offset); the same
-  for every page. :func:`views` reinterprets a ``uint8`` page (host or GPU) as those tensors, no copy.
+* :func:`pool_page_layout` -- a :class:`~lightning_moe.kernels.pages.PageLayout` of ``experts_per_page`` whole
+  experts: the named tensors inside one page (name, dtype, shape, byte offset), the same for every page;
+  :func:`~lightning_moe.kernels.pages.views` reinterprets a ``uint8`` page (host or GPU) as those tensors, no copy.
 * :class:`HostPagePool` -- ONE exact-size host buffer holding every page of every layer, pinned with
   ``cudaHostRegister`` (see below), carved into pages of ``layout.page_bytes`` bytes.
 * :class:`GpuPageBuffers` -- two GPU buffers, each holding one layer's pages, with a CUDA event per
@@ -35,15 +36,14 @@ test of the pipelined executor runs on it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-ALIGN = 256  # bytes: every tensor offset inside a page, every page size, every GPU region start
-TensorSpec = tuple[str, torch.dtype, Sequence[int]]  # (name, dtype, shape)
+from ..kernels.pages import ALIGN, PageLayout, TensorSpec, views
+
 FFN_NAMES = ("w1", "w3", "w2")  # gate [F, D], up [F, D], down [D, F] (HF layout: out x in)
 
 
@@ -52,150 +52,19 @@ def _align(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
-# --------------------------------------------------------------------------------------------------
-# Layout of one page
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PageEntry:
-    """One named tensor inside a page."""
-
-    name: str  # tensor name, e.g. "w1"
-    dtype: torch.dtype  # element type
-    shape: tuple[int, ...]  # shape inside one page; shape[0] = rows (experts) per page
-    offset: int  # byte offset from the page start (a multiple of ALIGN)
-
-    @property
-    def numel(self) -> int:
-        """Elements of the tensor."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor (without alignment padding)."""
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def rows(self) -> int:
-        """Leading dimension (experts per page for expert layouts)."""
-        return self.shape[0]
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row (one expert): ``nbytes // rows``."""
-        return self.nbytes // self.shape[0]
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """The tensors inside one page: (name, dtype, shape, byte offset) entries, identical for every page.
-
-    Offsets are multiples of :data:`ALIGN` (256 bytes) and ``page_bytes`` is a multiple of it, so a
-    page at any page boundary of a pool (or a GPU allocation, 512-byte aligned) can be reinterpreted
-    with ``.view(dtype)`` for any dtype.
-    """
-
-    entries: tuple[PageEntry, ...]  # in byte order
-    page_bytes: int  # bytes of one page (a multiple of ALIGN)
-
-    @classmethod
-    def build(cls, specs: Sequence[TensorSpec]) -> "PageLayout":
-        """Pack ``(name, dtype, shape)`` tensors one after another, each at a 256-byte aligned offset.
-
-        Raises:
-            ValueError: no tensors, a repeated or empty name, a shape without dimensions or with a
-                dimension < 1.
-        """
-        if not specs:
-            raise ValueError("a page layout needs at least one tensor")
-        entries, off, seen = [], 0, set()
-        for name, dtype, shape in specs:
-            shape = tuple(int(s) for s in shape)
-            if not name or name in seen:
-                raise ValueError(f"page layout: empty or repeated tensor name {name!r}")
-            if not shape or min(shape) < 1:
-                raise ValueError(f"page layout: tensor {name!r} has shape {shape}; need >= 1 dimension, all >= 1")
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"page layout: tensor {name!r} has dtype {dtype!r}, not a torch.dtype")
-            seen.add(name)
-            e = PageEntry(name, dtype, shape, off)
-            entries.append(e)
-            off = _align(off + e.nbytes)
-        return cls(tuple(entries), off)
-
-    @classmethod
-    def from_tensors(cls, tensors: Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]) -> "PageLayout":
-        """Layout whose entries have the names, dtypes and shapes of the given tensors (in order)."""
-        items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        return cls.build([(n, t.dtype, tuple(t.shape)) for n, t in items])
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Tensor names in byte order."""
-        return tuple(e.name for e in self.entries)
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes a page copy moves: the sum of the entries' bytes (alignment gaps are not copied)."""
-        return sum(e.nbytes for e in self.entries)
-
-    @property
-    def rows(self) -> int:
-        """Rows (experts) per page: the common leading dimension of the entries.
-
-        Raises:
-            ValueError: the entries' leading dimensions differ.
-        """
-        rows = {e.rows for e in self.entries}
-        if len(rows) != 1:
-            raise ValueError(f"page layout entries have different leading dimensions {sorted(rows)}")
-        return rows.pop()
-
-    def entry(self, name: str) -> PageEntry:
-        """The entry called ``name``. Raises KeyError (naming the known entries) if there is none."""
-        for e in self.entries:
-            if e.name == name:
-                return e
-        raise KeyError(f"no tensor {name!r} in the page layout (has {', '.join(self.names)})")
-
-    def views(self, page: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Same as :func:`views`\\ ``(page, self)``."""
-        return views(page, self)
-
-
-def views(page: torch.Tensor, layout: PageLayout) -> dict[str, torch.Tensor]:
-    """Reinterpret a ``uint8`` page (host or GPU) as the layout's named tensors, without a copy.
-
-    Args:
-        page: ``uint8 [>= layout.page_bytes]``, 1-D, stride 1, its first byte at a storage offset that
-            is a multiple of every entry dtype's size (true for every page of a pool or GPU buffer).
-        layout: the page's layout.
-
-    Returns:
-        ``{name: Tensor[entry.shape] of entry.dtype}``, views sharing ``page``'s memory.
-
-    Raises:
-        ValueError: ``page`` is not 1-D ``uint8`` with stride 1, or is shorter than ``layout.page_bytes``.
-    """
-    if page.dtype != torch.uint8 or page.dim() != 1 or (page.numel() > 1 and page.stride(0) != 1):
-        raise ValueError(f"a page must be a 1-D contiguous uint8 tensor, got {page.dtype} shape {tuple(page.shape)}")
-    if page.numel() < layout.page_bytes:
-        raise ValueError(f"page has {page.numel()} bytes, layout needs {layout.page_bytes}")
-    return {e.name: page[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries}
-
-
 def ffn_expert_specs(intermediate_size: int, hidden_size: int, dtype: torch.dtype) -> list[TensorSpec]:
     """Per-expert tensors of a SwiGLU expert: ``w1 [F, D]`` (gate), ``w3 [F, D]`` (up), ``w2 [D, F]`` (down)."""
     F, D = int(intermediate_size), int(hidden_size)
     return [("w1", dtype, (F, D)), ("w3", dtype, (F, D)), ("w2", dtype, (D, F))]
 
 
-def expert_page_layout(experts_per_page: int, expert_specs: Sequence[TensorSpec]) -> PageLayout:
-    """Layout of a page holding ``experts_per_page`` whole experts.
+def pool_page_layout(experts_per_page: int, expert_specs: Sequence[TensorSpec]) -> PageLayout:
+    """Layout of a pool page holding ``experts_per_page`` whole experts (entries at 256-byte aligned offsets).
 
     Args:
         experts_per_page: experts per page (``ExpertPaging.experts_per_page``, >= 1).
-        expert_specs: ``(name, dtype, per-expert shape)``, e.g. :func:`ffn_expert_specs`; quantized
-            experts list their packed weights and scales here instead.
+        expert_specs: ``(name, dtype, per-expert shape)``, e.g. :func:`ffn_expert_specs`; packed (quantized)
+            experts are one ``("page", uint8, (page_bytes,))`` tensor here (the executor's weight stream).
 
     Returns:
         A layout with entries ``name: dtype [experts_per_page, *per-expert shape]``.
@@ -444,7 +313,7 @@ class HostPagePool:
         Example: ``HostPagePool.for_experts(paging, ffn_expert_specs(F, D, torch.bfloat16))``; fill it
         with :meth:`fill_experts` or, streaming from a checkpoint, :meth:`write_expert`.
         """
-        layout = expert_page_layout(max(paging.experts_per_page, 1), expert_specs)
+        layout = pool_page_layout(max(paging.experts_per_page, 1), expert_specs)
         return cls(layout, paging.pages_per_layer, pin=pin, paging=paging)
 
     # ---- pinning -------------------------------------------------------------------------------
@@ -509,10 +378,6 @@ class HostPagePool:
     def page_views(self, layer: int, idx: int) -> dict[str, torch.Tensor]:
         """The named tensors of a page: :func:`views` of :meth:`page`."""
         return views(self.page(layer, idx), self.layout)
-
-    def layer_nbytes(self, layer: int) -> int:
-        """Bytes of ``layer``'s pages (what one layer's prefetch moves, padding included)."""
-        return self.pages_per_layer[layer] * self.page_bytes
 
     @property
     def max_pages_per_layer(self) -> int:
@@ -703,10 +568,6 @@ class GpuPageBuffers:
     def _check_buffer(self, b: int) -> None:
         if not 0 <= b < self.n_buffers:
             raise IndexError(f"buffer index {b} outside 0..{self.n_buffers - 1}")
-
-    def layer_in(self, buffer_idx: int) -> Optional[int]:
-        """The layer whose pages ``buffer_idx`` holds or is receiving (None before the first prefetch)."""
-        return self._layer[buffer_idx]
 
     def prefetch_layer(
         self,
@@ -923,11 +784,3 @@ class LayerExperts:
         """All experts stacked in id order ``{name: [E, *per-expert shape]}`` (a copy; reference/tests)."""
         per = [self.expert(e) for e in range(self.paging.num_experts)]
         return {n: torch.stack([p[n] for p in per]) for n in per[0]}
-
-    def split_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router expert ids -> ``(resident_rows, paged_rows)``, both int64 like ``ids``, -1 where the
-        expert is in the other group; for running the grouped FFN once on each storage."""
-        is_paged, row = self.paging.index_tensors(self.layer, ids.device)
-        p, r = is_paged[ids], row[ids]
-        neg = torch.full_like(r, -1)
-        return torch.where(p, neg, r), torch.where(p, r, neg)

@@ -17,8 +17,7 @@ against its text here, so "Sec." citations are the reliable ones.
                the GPU, so with 0 < n_g < n the CPU rows are the longest; GPU attention likewise at its offset)
   (H6) T_gpu = n * [qkv + o_proj + router + experts + shared] (each (H1) on the GPU for mu tokens)
                + n_g * attention(mu, c) on the GPU;  experts read E * (1 - (1 - k/E)^T) distinct experts
-               + T_deq: quantized experts at M >= the dequantization threshold (mu k / E >=
-               DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per layer visit, all E of the layer (paged and
+               + T_deq: quantized experts are dequantized once per layer visit, all E of the layer (paged and
                resident), memory-bound: E (packed + dense expert bytes) / B_gpu
   (H6') T_host = (n - n_g) h_c + n_g h_g [+ one CPU micro-batch's attention when n - n_g >= 1]: the host thread
                issues every micro-batch's work (h_c, h_g: the profile's host_issue_cpu_attn / _gpu_attn, measured by
@@ -28,8 +27,8 @@ against its text here, so "Sec." citations are the reliable ones.
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
-               sum over prefill micro-batches of (H1) kernels incl. causal attention + T_deq when the largest
-               prefill micro-batch reaches the threshold), + head for the last token of each sequence
+               sum over prefill micro-batches of (H1) kernels incl. causal attention + T_deq for quantized
+               pages), + head for the last token of each sequence
   (H9) throughput: prefill N * prompt_len / T_prefill; decode N * (G - 1) / T_decode;
                end-to-end N * G / (T_prefill + T_decode)  (the planner's objective)
 
@@ -57,11 +56,6 @@ from .hardware import HardwareProfile, format_bytes
 from .policy import PlanInfeasible, Policy, Workload
 
 STAGES = ("h2d", "d2h", "cpu", "gpu", "host")  # the overlapped streams of one layer (H2)
-
-# Mean routed pairs per expert (tokens * k / E of one FFN call) from which CGOPipe's Triton FFN dequantizes a
-# layer's quantized experts (once per layer visit) and runs the dense kernel instead of the fused one.
-# A torch-free copy of kernels.quant.DEQUANT_MIN_PAIRS_PER_EXPERT (tests/test_hrm.py checks they agree).
-DEQUANT_MIN_PAIRS_PER_EXPERT = 0
 
 
 def roofline(flops: float, nbytes: float, peak_flops: float, bandwidth: float,
@@ -130,13 +124,6 @@ def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: s
     k = spec.top_k
     nbytes = active_experts(tokens, spec.num_experts, k) * spec.expert_bytes(quant) + tokens * k * 2 * spec.hidden_size * b
     return roofline(2 * tokens * k * spec.expert_params, nbytes, P, B)
-
-
-def dequant_path(spec: MoESpec, tokens: float, quant: str) -> bool:
-    """Whether CGOPipe's Triton FFN dequantizes the layer's experts for an FFN call of ``tokens`` tokens: pages
-    in a quantized format (``quant`` in QUANT_FORMATS) and ``tokens * k / E >= DEQUANT_MIN_PAIRS_PER_EXPERT``
-    (kernels.quant.use_dequant_path with E the layer's experts)."""
-    return quant in QUANT_FORMATS and tokens * spec.top_k >= DEQUANT_MIN_PAIRS_PER_EXPERT * spec.num_experts
 
 
 def gpu_dequant_time(spec: MoESpec, hw: HardwareProfile, non_resident: float, quant: str, dtype: str = "bf16") -> float:
@@ -296,8 +283,8 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     The CPU stage is one attention call per KV length group of each CPU micro-batch (:func:`cpu_attention_calls`):
     n_cpu * calls(mu) * cpu_attention_overhead + (H5) of all CPU sequences (the overhead term is what makes
     many small micro-batches slow on the CPU side). (H5) at the mean context: the grouped caches read each
-    group only up to its own longest row. Quantized pages add T_deq (:func:`gpu_dequant_time`) to the GPU
-    stage when a micro-batch of mu tokens takes the dequantization path (:func:`dequant_path`).
+    group only up to its own longest row. Quantized pages add T_deq (:func:`gpu_dequant_time`: all E experts
+    of the layer, once per layer visit) to the GPU stage.
     When some attention runs on the CPU, the GPU and CPU stages of the same micro-batch depend on each
     other, so a two-stage pipeline over n micro-batches takes max(G + c_1, C + g_1) (g_1, c_1: one
     micro-batch's GPU and CPU time): each stage also pays the other's first/last micro-batch. With n = 1
@@ -309,7 +296,7 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
     gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
     gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context + gpu_offset, dt)
-    if not dense and dequant_path(spec, policy.mu, q):  # all E experts dequantized once per layer visit
+    if not dense and q in QUANT_FORMATS:  # all E experts dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
     cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)
@@ -331,8 +318,8 @@ def decode_host_issue_time(hw: HardwareProfile, policy: Policy) -> float:
 
 def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float) -> StageTimes:
     """(H8) one prefill layer: experts paged the same way, attention on the GPU per prefill micro-batch; quantized
-    pages add T_deq once when the largest prefill micro-batch takes the dequantization path (CGOPipe dequantizes
-    on the first call that needs it and reuses the dense experts for the rest of the layer visit)."""
+    pages add T_deq once (CGOPipe dequantizes the layer's experts on the visit's first FFN call and reuses the dense
+    experts for the rest of the layer visit)."""
     dt, q = policy.dtype, policy.weight_quant
     dense = layer < spec.num_dense_layers
     gpu = 0.0
@@ -340,7 +327,7 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     for count, size in mbs:
         tokens = size * prompt_len
         gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt))
-    if not dense and mbs and dequant_path(spec, max(size for _, size in mbs) * prompt_len, q):
+    if not dense and mbs and q in QUANT_FORMATS:  # all E experts dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
     h2d = 0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)
     return StageTimes(h2d=h2d, d2h=prefill_d2h_time(spec, hw, policy.n_cpu_attn * policy.mu, prompt_len, dt), cpu=0.0, gpu=gpu)

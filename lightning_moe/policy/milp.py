@@ -22,10 +22,9 @@ transfers) is linear in them, so it enters as a per-sequence constant times N_cp
 After solving, the policy is re-evaluated with hrm.evaluate and every memory constraint re-checked with
 hrm's integer byte counts (hrm.check_memory); the solver status is never trusted alone.
 
-Quantized pages: every MoE layer dequantizes all its E experts (paged and resident) once per visit when the
-phase's FFN calls reach hrm.DEQUANT_MIN_PAIRS_PER_EXPERT (a property of the micro-batch size m, so a
-constant per candidate): wdq E Z with Z = sum of z_m over the sizes that dequantize, the same for every layer;
-the scratch adds E dense expert bytes (a constant) to the GPU memory rows.
+Quantized pages: every MoE layer dequantizes all its E experts (paged and resident) once per visit, in both
+phases: wdq E sum_m z_m (= wdq E, the z_m sum to 1) on the GPU row of every MoE layer; the scratch adds E dense
+expert bytes (a constant) to the GPU memory rows.
 
 KV per sequence: with the job's prompt lengths the KV cache of a batch depends on its size N
 (Workload.kv_positions, grouped caches), which is not linear in N; plan() solves with one KV length per
@@ -235,8 +234,6 @@ class _Coeffs:
     pre_d2h_seq: float  # prefill d2h seconds per layer per CPU-KV sequence
     wio: float  # seconds to page one expert
     wdq: float  # GPU seconds to dequantize one expert (hrm.gpu_dequant_time; 0 for unquantized pages)
-    dq_dec: dict  # m -> 1 if a decode micro-batch of m tokens dequantizes the layer's experts (hrm.dequant_path), else 0
-    dq_pre: dict  # m -> same for its prefill micro-batches (pmu(m) * prompt_len tokens)
     contexts: list  # decode contexts c_t = prompt_len + t, t = 1..G-1
     cpu_off: float  # positions added to c_t for CPU-attention rows (Workload.attention_context_offsets)
     # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
@@ -275,7 +272,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 host_c=hw.host_issue_cpu_attn, host_g=hw.host_issue_gpu_attn,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
-                wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt), dq_dec={}, dq_pre={},
+                wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt),
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
                 mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
                 mem_kv_seq=kv_seq, mem_hidden_dec=hrm.decode_row_bytes(spec, dt),
@@ -287,8 +284,6 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p
-        C.dq_dec[m] = int(hrm.dequant_path(spec, m, q))
-        C.dq_pre[m] = int(hrm.dequant_path(spec, p * s, q))  # N = m n: every prefill micro-batch has p rows
         tp = prefill_chunk_tokens(p, s_max)  # padded tokens of the largest prefill micro-batch
         nmax = max_micro_batches(spec, workload, budgets, m, kv_len)
         C.nmax[m] = nmax if n_cap is None else min(n_cap, nmax)
@@ -510,20 +505,17 @@ class _Model:
         return Sd
 
     def _dequant(self) -> None:
-        """Per-layer dequantization seconds of quantized pages, per phase (see the module docstring):
-        wdq E Z_ph, Z_ph = sum of z_m over sizes m whose FFN calls dequantize in that phase (every MoE layer
-        dequantizes all its E experts, whatever it holds resident). None when the phase never dequantizes."""
+        """Per-layer dequantization seconds of quantized pages (see the module docstring): wdq E sum_m z_m (every
+        MoE layer dequantizes all its E experts once per visit, whatever it holds resident, in both phases). None
+        for unquantized pages (wdq = 0)."""
         C = self.C
-        self.deq = {}
-        for ph, dq in (("decode", C.dq_dec), ("prefill", C.dq_pre)):
-            ms = [m for m in C.cands if dq[m]]
-            self.deq[ph] = C.wdq * self.E * pulp.lpSum(self.z[m] for m in ms) if C.wdq > 0 and ms else None
+        self.deq = C.wdq * self.E * pulp.lpSum(self.z[m] for m in C.cands) if C.wdq > 0 else None
 
-    def _stage_max(self, name: str, gpu: pulp.LpAffineExpression, rest: list, ph: str) -> pulp.LpVariable:
-        """C >= the GPU row ``gpu`` (+ the phase's dequantization time) and >= every row of ``rest``: the
-        non-H2D stage maximum of a MoE layer in phase ``ph``."""
+    def _stage_max(self, name: str, gpu: pulp.LpAffineExpression, rest: list) -> pulp.LpVariable:
+        """C >= the GPU row ``gpu`` (+ the dequantization time) and >= every row of ``rest``: the non-H2D stage
+        maximum of a MoE layer."""
         Cr = self._var(f"C_{name}", lowBound=0)
-        deq = self.deq[ph]
+        deq = self.deq
         self.prob += Cr >= (gpu if deq is None else gpu + deq), f"C_{name}_gpu"
         for i, row in enumerate(rest):
             self.prob += Cr >= row, f"C_{name}_rest{i}"
@@ -533,7 +525,7 @@ class _Model:
         C, cands = self.C, self.C.cands
         d2h = C.pre_d2h_seq * self.N_cpu  # prompt KV of CPU-KV sequences, per layer
         # (H8) C_p >= gpu = sum_m w_m pre_moe(m) (+ dequantization);  C_p >= d2h  (no CPU stage in prefill)
-        Cp = self._stage_max("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h], "prefill")
+        Cp = self._stage_max("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h])
         terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp)]
         if self.L_d:
             Cdp = self._var("Cd_prefill", lowBound=0)
@@ -553,7 +545,7 @@ class _Model:
         gpu = self.GPU + C.attn_g[c] * self.N_gpu + fill
         cpu = cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
         host = self._host_row(fill)
-        Ct = self._stage_max(str(t), gpu, [cpu, self.D2H] + host, "decode")
+        Ct = self._stage_max(str(t), gpu, [cpu, self.D2H] + host)
         terms = [self._layer_sum(str(t), self.A, Ct)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)

@@ -344,14 +344,6 @@ class Policy:
             counts[layer] += 1
         return tuple(counts)
 
-    def resident_pairs(self, spec: MoESpec) -> tuple[tuple[int, int], ...]:
-        """Resident experts as sorted (layer, expert) pairs (counts expand to experts 0..count-1)."""
-        r = self.resident_experts
-        if isinstance(r, tuple) and r and isinstance(r[0], tuple):
-            self.resident_counts(spec)  # validates
-            return tuple(sorted(r))
-        return tuple((layer, e) for layer, c in enumerate(self.resident_counts(spec)) for e in range(c))
-
     def total_resident(self, spec: MoESpec) -> int:
         """Number of resident experts over all layers."""
         return sum(self.resident_counts(spec))

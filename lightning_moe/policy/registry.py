@@ -72,11 +72,6 @@ ALIASES = {
 }
 
 
-def registry_names() -> list[str]:
-    """Registered model names."""
-    return list(REGISTRY)
-
-
 def resolve_spec(name_or_dir: str) -> MoESpec:
     """A MoESpec from a registry name (case-insensitive, aliases, HF repo ids like ``mistralai/Mixtral-8x7B-v0.1``) or a
     checkpoint directory with config.json (the embedded ``tiny-mixtral``: pass its directory,

@@ -42,25 +42,20 @@ def test_triton_ffn_matches_torch_path(tiny_dir, tmp_path, scheme, resident):
 
 @pytest.mark.parametrize("scheme", ["int4", "int2-up"])
 @pytest.mark.parametrize("resident", [0, 3])
-@pytest.mark.parametrize("threshold", [0, 10**9], ids=["always-dequant", "always-fused"])
-def test_triton_ffn_dequant_and_fused_paths_match_torch_path(tiny_dir, tmp_path, monkeypatch, scheme, resident, threshold):
-    """Packed pages with the large-M path forced on every call (threshold 0, the default: all the layer's experts,
-    paged and resident, are dequantized once per layer visit into the executor's scratch [E, ...], then one dense
-    kernel) or off (fused kernel only): the same
-    per-token log-probabilities as the torch path within the bf16 tolerance above (relative L2 <= 2e-2)."""
-    from lightning_moe.kernels import quant as Q
-
+def test_triton_ffn_dequant_path_matches_torch_path(tiny_dir, tmp_path, scheme, resident):
+    """Packed pages: all the layer's experts, paged and resident, are dequantized once per layer visit into the
+    strategy's scratch [E, ...] (allocated once, up front, and reused), then one dense kernel: the same per-token
+    log-probabilities as the torch path within the bf16 tolerance above (relative L2 <= 2e-2)."""
     kw = {"experts": "int4", "up": "int2"} if scheme == "int2-up" else {"experts": "int4"}
     path = quantize_checkpoint(tiny_dir, str(tmp_path / scheme), **kw).dst
     ref = _logprobs(path, "torch", scheme, resident)
-    monkeypatch.setattr(Q, "DEQUANT_MIN_PAIRS_PER_EXPERT", threshold)
     pol = Policy(mu=3, n=3, prefill_mu=3, resident_experts=resident, dtype="bf16", weight_quant=scheme)
     ex = CGOPipeExecutor(load_checkpoint(path, torch.bfloat16), pol, "cuda", ffn="triton")
     E, F, D = ex.spec.num_experts, ex.spec.intermediate_size, ex.spec.hidden_size
-    assert [tuple(t.shape) for t in ex._dq_scratch] == [(E, F, D)] * 2 + [(E, D, F)]
-    ptr = ex._dq_scratch[0].data_ptr()
+    assert [tuple(t.shape) for t in ex.expert_ffn.scratch] == [(E, F, D)] * 2 + [(E, D, F)]
+    ptr = ex.expert_ffn.scratch[0].data_ptr()
     tri = torch.cat([lp for lp, _ in ex.prompt_logprobs(_seqs())])
-    assert ex._dq_scratch[0].data_ptr() == ptr  # reused, never reallocated
+    assert ex.expert_ffn.scratch[0].data_ptr() == ptr  # reused, never reallocated
     ex.close()
     err = (tri - ref).norm() / ref.norm()
     assert torch.isfinite(tri).all() and err < 2e-2, f"relative L2 error {err:.2e}"

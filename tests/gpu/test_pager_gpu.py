@@ -11,15 +11,14 @@ import time
 import pytest
 import torch
 
+from lightning_moe.kernels.pages import PageLayout, views
 from lightning_moe.pipeline.pager import (
     ExpertPaging,
     GpuPageBuffers,
     HostPagePool,
-    PageLayout,
     ResidentExperts,
     ffn_expert_specs,
     page_schedule,
-    views,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
