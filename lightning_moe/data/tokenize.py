@@ -13,6 +13,8 @@ Rules (one place, so generation and scoring agree):
   the context ids (so the tokens are the ones the model would see in the joined text), else
   ``encode(continuation)`` without special tokens. For chat contexts the joined text is the rendered
   template text plus the continuation, encoded without special tokens.
+* Token ids (``prompt_token_ids``, with ``continuation_token_ids`` for loglikelihood): taken as given, nothing added
+  or re-tokenized; every id must be below the tokenizer's vocabulary size (``len(tokenizer)``).
 * Perplexity: ``text_ids = encode(text)`` (with BOS when the tokenizer adds it); every token after the
   first is scored.
 * Length: generate needs ``len(prompt_ids) + max_new_tokens <= max_context``; scoring needs each full
@@ -232,7 +234,16 @@ def _one(r: Request, i: int, tokenizer, job, task, mode, chat, truncate, bos, bu
             ids, dropped = _truncate_left(ids, max_context, bos)
         return TokenizedRequest(id=r.id, request=r, prompt_ids=[], text_ids=ids, truncated=dropped)
 
-    if chat:
+    if r.prompt_ids is not None:
+        field = "prompt_token_ids"
+        vocab = len(tokenizer)
+        for fld, ids in ((field, r.prompt_ids), ("continuation_token_ids", r.continuation_ids)):
+            if ids and max(ids) >= vocab:
+                k = next(k for k, t in enumerate(ids) if t >= vocab)
+                raise _Failure(f"{r.where}: {fld}[{k}]: {ids[k]} is not a token id of the model's tokenizer "
+                               f"(vocabulary of {vocab})")
+        ctx_ids, ctx_text, special = list(r.prompt_ids), None, False
+    elif chat:
         ctx_ids, ctx_text = _chat(tokenizer, r, job.data.system_prompt, render=task == "score")
         special = False
     else:
@@ -250,8 +261,10 @@ def _one(r: Request, i: int, tokenizer, job, task, mode, chat, truncate, bos, bu
 
     # loglikelihood / multiple_choice: continuations are never truncated, contexts may be
     if mode == "loglikelihood":
-        conts = [_split(tokenizer, ctx_ids, ctx_text, r.continuation, special)]
-        names = ["continuation"]
+        if r.continuation_ids is not None:
+            conts, names = [list(r.continuation_ids)], ["continuation_token_ids"]
+        else:
+            conts, names = [_split(tokenizer, ctx_ids, ctx_text, r.continuation, special)], ["continuation"]
     else:
         conts = [_split(tokenizer, ctx_ids, ctx_text, c, special) for c in r.choices]
         names = [f"choices[{k}]" for k in range(len(conts))]
