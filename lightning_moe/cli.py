@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .quantize_cli import add_subcommand as add_quantize
 
     add_quantize(sub)
+    from .batch_cli import add_subcommand as add_run_batch
+
+    add_run_batch(sub)
     return p
 
 

@@ -10,14 +10,14 @@ that breaks a rule fails too. The rules:
   app       imports app, pipeline, policy, model, data, config and kernels: never the command-line modules;
   api       (lightning_moe/api.py) is app-level: it imports what app may, and app, never the command-line modules;
   nothing below app (pipeline, policy, model, data, config, kernels) imports app or api; the command-line modules
-  (cli, plan_cli, quantize_cli) may import any of it.
+  (cli, plan_cli, quantize_cli, batch_cli) may import any of it.
 """
 
 import ast
 import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_moe")
-CLI = {"lightning_moe.cli", "lightning_moe.plan_cli", "lightning_moe.quantize_cli"}
+CLI = {"lightning_moe.cli", "lightning_moe.plan_cli", "lightning_moe.quantize_cli", "lightning_moe.batch_cli"}
 BELOW_APP = {"pipeline", "policy", "model", "data", "config", "kernels"}  # top-level parts app may import
 APP_LEVEL = {"app", "api"}  # the application layer: the job engine and the Python API over it
 

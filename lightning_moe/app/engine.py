@@ -332,8 +332,12 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     native_available()
 
 
-def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
+def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[ModelRunner] = None) -> dict:
     """Run ``job`` to completion (or resume it) and return the run report (also saved as JSON).
+
+    ``runner``: a :class:`ModelRunner` of the job's model and dtype that outlives this run (``moe-batch run-batch``
+    runs one job per group of sampling settings through one): its tokenizer and weights are reused and its executor
+    is kept, not closed, at the end. Default: a runner of this run alone.
 
     Raises:
         ConfigError / DataError / PolicyError: bad job, input or policy (before any weight is loaded).
@@ -348,7 +352,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
-    prep = Prepared(job)
+    prep = Prepared(job, files=runner.files if runner is not None else None)
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
         with ResultsWriter(job.output.path) as w:
@@ -388,7 +392,9 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
     score_records: list[dict] = []
     t_load = 0.0
     executor = None
-    runner = ModelRunner(prep.files, job.dtype, log)
+    own_runner = runner is None
+    if own_runner:
+        runner = ModelRunner(prep.files, job.dtype, log)
     peaks = PhasePeaks(job.device)
     cap = None
     stop = StopSignals()
@@ -464,7 +470,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr) -> dict:
             report["metrics"] = scoring.summarize(score_records, job.score.mode)
         report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
         report["stages"] = stats.extra
-        runner.close()
+        if own_runner:
+            runner.close()
         try:
             report["runs"] = prev_runs + [run_entry(report["status"])]
             report["job_totals"] = job_totals(report["runs"], len(done) + writer.written)
