@@ -1,4 +1,4 @@
-"""Job input files for the runner tests."""
+"""Job input files for the runner tests, and a line counter for files a job is writing."""
 
 import json
 
@@ -10,3 +10,12 @@ def jsonl_prompts(path, n=12):
         for i in range(n):
             f.write(json.dumps({"id": f"q{i}", "prompt": " ".join(words[: 1 + (i * 3) % 8]) + f" number {i}"}) + "\n")
     return str(path)
+
+
+def count_lines(path) -> int:
+    """Complete lines in ``path`` so far (0 while it does not exist): how far a running job's output has got."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0

@@ -16,6 +16,7 @@ from lightning_moe.config import ConfigError, job_from_dict
 from lightning_moe.data.writer import PartialsFile, WriterError, read_partials, read_results
 from lightning_moe.app.engine import EXIT_STOPPED, check_results_provenance, run_job
 from lightning_moe.pipeline.serial import SamplingParams, position_seed, sample
+from prompt_files import count_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one OpenMP thread: on a 2-core host the main thread's and the CPU-attention worker's OpenMP teams spin against each
@@ -52,12 +53,6 @@ def _by_id(path):
     return {r["id"]: r for r in recs}
 
 
-def _lines(path):
-    try:
-        with open(path, "rb") as f:
-            return f.read().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def _inode(path):
@@ -85,8 +80,8 @@ def _kill_resume(tmp_path, tiny_dir, executor, gen, kills, seed):
         deadline = time.time() + 60
         while proc.poll() is None and time.time() < deadline:
             if base is None and (before is None or _inode(side) not in (before, None)):
-                base = 0 if before is None else _lines(side)
-            if base is not None and _lines(side) >= base + grow:
+                base = 0 if before is None else count_lines(side)
+            if base is not None and count_lines(side) >= base + grow:
                 time.sleep(rng.random() * 0.01)
                 break
             time.sleep(0.002)
@@ -138,7 +133,7 @@ def test_sigterm_in_decode_stops_resumably(tmp_path, tiny_dir):
     out, side = tmp_path / "t.jsonl", tmp_path / "t.partial.jsonl"
     proc = subprocess.Popen(_cmd(job), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while _lines(out) < 12 and time.time() < deadline:  # the first batch is done: the second is in flight
+    while count_lines(out) < 12 and time.time() < deadline:  # the first batch is done: the second is in flight
         time.sleep(0.002)
     time.sleep(0.2)  # past the second batch's prefill
     proc.send_signal(signal.SIGTERM)
@@ -182,7 +177,7 @@ def test_partials_file_torn_line_stale_ids_and_compaction(tmp_path, capsys):
     assert f.partials == {"a": [5, 4, 4], "b": [7], "c": [9]}  # a line at an earlier start replaces from there
     got = f.load(todo_ids=["a", "b"], done_ids=["c", "z"])  # c has a record: obsolete, dropped silently
     assert got == {"a": [5, 4, 4], "b": [7]} and "not in the input" not in capsys.readouterr().err
-    assert read_partials(str(p)) == got and _lines(p) == 2  # compacted: one line per sequence
+    assert read_partials(str(p)) == got and count_lines(p) == 2  # compacted: one line per sequence
     f.append([("a", 3, [1]), ("b", 1, [2, 3])])
     f.close()
     f = PartialsFile(str(p))

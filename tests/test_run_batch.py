@@ -20,6 +20,7 @@ import time
 
 from lightning_moe import LLM, SamplingParams, cli
 from lightning_moe.app import batch_files
+from prompt_files import count_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = ["--device", "cpu", "--dtype", "float32", "--no-progress"]
@@ -206,12 +207,6 @@ def test_rerun_writes_nothing_and_refuses_changes(tmp_path, tiny_dir, capsys):
     assert f"{inp}:2: custom_id 'b' changed since an earlier run started it" in capsys.readouterr().err
 
 
-def _count_lines(path):
-    try:
-        with open(path, "rb") as f:
-            return f.read().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def test_resume_after_sigkill(tmp_path, tiny_dir):
@@ -229,7 +224,7 @@ def test_resume_after_sigkill(tmp_path, tiny_dir):
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
-        while _count_lines(out) < len(quick) or _count_lines(slow_results) < 2:
+        while count_lines(out) < len(quick) or count_lines(slow_results) < 2:
             assert proc.poll() is None, "the run ended before it could be killed: " + proc.stdout.read().decode()
             assert time.time() < deadline, "no records after 300 s"
             time.sleep(0.01)
