@@ -6,6 +6,11 @@
 #   bash benchmarks/issue15_gpu_check.sh B   # >= 24 sweep cases, tests/gpu/test_cli_gpu.py
 #   bash benchmarks/issue15_gpu_check.sh C   # memory_probe (the model's per-chunk terms), test_cli_gpu -x, kill/resume
 #                                            # with its uninterrupted control, checkpoint cost at the largest N
+#   bash benchmarks/issue15_gpu_check.sh D   # the CLI GPU tests after other GPU tests in one pytest process (the
+#                                            # parent holds device memory), the suite's checkpoints, memory snapshots
+#                                            # of two scoring cases at their peak, kill/resume with its control
+#   bash benchmarks/issue15_gpu_check.sh E   # the bf16 CGOPipe GPU tests and the CLI tests D's time left out, then
+#                                            # the suite: the scoring cases at 24 GiB and the 1000-text case first
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 W=/tmp/lmoe-suite
 S=$SECONDS
-case "${1:?usage: issue15_gpu_check.sh A|B}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -46,6 +51,32 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
       $OUT/kr/ref.jsonl $OUT/kr/ctl.jsonl
     timeout $((585 - (SECONDS - S))) python3 benchmarks/checkpoint_cost.py --device cuda --dtype bfloat16 --model $CK \
       --gpu-memory 24GiB --hardware $HW --prompts 2048 --gen 16 --every-steps 1 --timeout 200 --out $OUT/ck 2>&1 | tail -4 ;;
+  D)
+    timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cgopipe_gpu.py tests/gpu/test_cli_gpu.py \
+      -k "bf16 or cli" > $OUT/test_cli_gpu.txt 2>&1; tail -4 $OUT/test_cli_gpu.txt
+    python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    for c in suite-ll-bf16-24g suite-ppl-int4-24g; do
+      timeout 90 python3 benchmarks/memory_snapshot.py $W/jobs/$c.yaml --out $OUT/snapshot-$c.md 2>&1 | grep -v "^\s*$" | tail -14
+    done
+    CK=$(ls -d $W/ckpt-bf16-L4-* | head -1); HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    if [ $((SECONDS - S)) -lt 330 ]; then
+      timeout 150 python3 benchmarks/kill_resume.py --model $CK --gpu-memory 24GiB --hardware $HW --prompts 128 --gen 32 \
+        --kills 2 --timeout 70 --out /tmp/kr > $OUT/kill_resume.txt 2>&1; tail -4 $OUT/kill_resume.txt
+      sed -e 's/^policy: auto/policy: {mu: 64, n: 2}/' -e 's#kill.jsonl#ctl.jsonl#' /tmp/kr/kill.yaml > /tmp/kr/ctl.yaml
+      timeout 70 python3 -m lightning_moe.cli run /tmp/kr/ctl.yaml --no-progress > /dev/null 2>&1
+      python3 -c "import json,sys; L=lambda p:{json.loads(l)['id']:json.loads(l)['output_ids'] for l in open(p)};\
+a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-batches):', sum(a[i]==b[i] for i in a), 'of', len(a))" \
+        /tmp/kr/ref.jsonl /tmp/kr/ctl.jsonl; cp /tmp/kr/kill_resume.json /tmp/kr/kill_resume.md $OUT/
+    fi ;;
+  E)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cgopipe_gpu.py tests/gpu/test_cli_gpu.py \
+      -k "matches_serial_bf16 or tokens_equal_serial or refused" > $OUT/test_gpu_e.txt 2>&1; tail -4 $OUT/test_gpu_e.txt
+    python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/suite --time-budget $((560 - (SECONDS - S))) \
+      --cases suite-ll-bf16-24g,suite-mc-bf16-24g,suite-ppl-bf16-24g,suite-ll-int4-24g,suite-mc-int4-24g,suite-ppl-int4-24g,suite-ppl-accept 2>&1 \
+      | grep -E "^suite|passed" | cut -c1-200
+    python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/suite --time-budget $((575 - (SECONDS - S))) \
+      --skip-done 2>&1 | grep -E "^suite|passed" | cut -c1-200
+    cp $W/out/suite/sweep.md $OUT/suite.md; cp $W/out/suite/sweep.jsonl $OUT/suite.jsonl ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
 echo "step $1: $((SECONDS - S)) s"

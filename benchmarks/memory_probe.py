@@ -116,12 +116,9 @@ def probe(spec, lw, ew, rows: int, longest: int, dev, dtype, head) -> dict:
     row["head"], _ = peak_above(lambda: token_scores(x, norm, lm_head, spec.rms_norm_eps, targets), base)
     b = 2
     qkv = T * (spec.attn_query_elems + spec.kv_elems_per_token) * b
-    padded = T
-    q_e = spec.attn_query_elems
-    row["m_attention"] = qkv + 5 * padded * q_e * b + T * q_e * b + padded * longest
-    ffn_model = hrm._ffn_stage_bytes(spec, T, "bf16")
-    row["m_ffn2"] = qkv + ffn_model
-    row["m_ffn1"] = qkv + ffn_model - T * spec.hidden_size * b  # without the second group's sum
+    row["m_attention"] = qkv + hrm._packed_attention_stage_bytes(spec, T, rows * longest, longest, "bf16")
+    row["m_ffn2"] = qkv + hrm._ffn_stage_bytes(spec, T, "bf16", groups=2)
+    row["m_ffn1"] = qkv + hrm._ffn_stage_bytes(spec, T, "bf16", groups=1)
     row["m_head"] = hrm.score_head_bytes(spec, T, "bf16")
     return row
 

@@ -290,10 +290,19 @@ def test_dequant_time_and_scratch_by_hand():
         assert p.gpu - pref.gpu == pytest.approx(4 * 8192 / 1e5, abs=1e-12)
     wl = Workload(prompt_len=4, gen_len=3)
     m4, m16 = hrm.memory_estimate(q4, spec, wl), hrm.memory_estimate(b16, spec, wl)
-    for phase in ("gpu_prefill", "gpu_decode"):
-        assert getattr(m4, phase)["dequantized expert scratch"] == 4 * 4096  # one layer's E = 4 experts
-        assert getattr(m16, phase)["dequantized expert scratch"] == 0
-        assert sum(getattr(m4, phase).values()) == sum(getattr(m16, phase).values()) + 4 * 4096
+    # bf16 with 1 and 3 of 4 experts resident runs two grouped-kernel calls per layer (paged, resident), whose
+    # first result is alive beside the second; int4 dequantizes every expert into one scratch: one call
+    assert hrm.expert_groups("bf16") == 2 and hrm.expert_groups("int4") == 1
+    T, D = hrm.prefill_chunk_shape(b16, wl)[0], spec.hidden_size
+    extra = {"gpu_prefill": ("prefill chunk workspace", T * D * 2), "gpu_decode": ("decode workspaces (2 micro-batches)",
+                                                                                  2 * mu * D * 2)}
+    for phase, (ws, second_group) in extra.items():
+        a, b = getattr(m4, phase), getattr(m16, phase)
+        assert a["dequantized expert scratch"] == 4 * 4096  # one layer's E = 4 experts
+        assert b["dequantized expert scratch"] == 0
+        assert b[ws] - a[ws] == second_group
+        assert {k: v for k, v in a.items() if k not in (ws, "dequantized expert scratch", "fragmentation allowance")} \
+            == {k: v for k, v in b.items() if k not in (ws, "dequantized expert scratch", "fragmentation allowance")}
 
 
 def test_expert_flops_cap_the_routed_expert_term_by_hand():

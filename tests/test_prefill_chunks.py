@@ -47,3 +47,42 @@ def test_prefill_rows_sized_by_mean_prompt():
     assert prefill_micro_batch(512, 425) == 8
     assert prefill_micro_batch(7, 5000) == 1
     assert prefill_chunk_tokens(32, 425) == 4096 and prefill_chunk_tokens(4, 425) == 1700 and prefill_chunk_tokens(4, 5000) == 5000
+
+
+def _best_chunk_brute_force(lens, rows, padded_tokens):
+    """Largest packed sum of any subset the chunker's caps allow (k rows, longest L: k <= rows and k L <= padded, or
+    k = 1), by enumeration."""
+    from itertools import combinations
+
+    best = 0
+    for k in range(1, min(rows, len(lens)) + 1):
+        for sub in combinations(lens, k):
+            if k == 1 or k * max(sub) <= padded_tokens:
+                best = max(best, sum(sub))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packed_chunk_tokens_is_the_largest_chunk_any_order_allows(seed):
+    """hrm.packed_chunk_tokens (the memory model's packed tokens of the largest prefill chunk, from the job's
+    prompt lengths) equals the enumerated maximum over every subset the caps allow, and no chunk the executor
+    forms from any order of those rows holds more."""
+    from lightning_moe.policy.hrm import packed_chunk_tokens
+
+    rng = random.Random(seed)
+    lens = [rng.choice([rng.randint(0, 40), rng.randint(1, 300)]) for _ in range(rng.randint(1, 11))]
+    pmu, ptok = rng.randint(1, 6), rng.choice([30, 100, 400, 1200])
+    bound = packed_chunk_tokens(tuple(lens), pmu, ptok)
+    assert bound == _best_chunk_brute_force(lens, pmu, ptok)
+    for order in (sorted(lens), sorted(lens, reverse=True), rng.sample(lens, len(lens))):
+        for _, rows in _chunks(order, pmu, ptok):
+            assert sum(order[r] for r in rows) <= bound
+
+
+def test_packed_chunk_tokens_by_hand():
+    """[300, 200, 200, 100, 100, 100] in chunks of <= 4 rows and <= 600 padded tokens: a chunk led by 300 takes 2
+    rows (500), by 200 takes 3 (500), by 100 takes 4 (300 of the 100s): 500, where rows x longest would say 600."""
+    from lightning_moe.policy.hrm import packed_chunk_tokens
+
+    assert packed_chunk_tokens((100, 200, 300, 100, 200, 100), 4, 600) == 500
+    assert packed_chunk_tokens((700, 10), 4, 600) == 700  # a row longer than the cap forms a chunk alone

@@ -99,3 +99,32 @@ def test_prefill_chunk_is_no_larger_than_the_batch():
     assert hrm.prefill_chunk_shape(pol, w) == (245, 2000, 200)
     m = hrm.memory_estimate(pol, spec, w)
     assert m.gpu_prefill["prefill chunk workspace"] == hrm.prefill_chunk_workspace(spec, 245, 2000, 200, "bf16")
+
+
+def test_scoring_chunk_counts_the_packed_tokens_the_lengths_allow():
+    """A scoring job of lengths [300, 200, 200, 100, 100, 100] in chunks of <= 4 rows and <= 600 padded tokens: the
+    largest chunk packs 500 tokens (hrm.packed_chunk_tokens), not rows x longest = 600, and the scoring phase's
+    transient term is the larger of that chunk's layer temporaries (one expert group: int4) and the scoring head."""
+    spec = resolve_spec("mixtral-8x7b")
+    w = Workload.from_lengths([100, 200, 300, 100, 200, 100], gen_len=1, scoring=True)
+    pol = Policy(mu=6, n=1, prefill_mu=4, prefill_tokens=600, weight_quant="int4", gpu_reserve=0, cpu_reserve=0)
+    assert hrm.prefill_chunk_shape(pol, w) == (500, 600, 300)
+    m = hrm.memory_estimate(pol, spec, w)
+    want = max(hrm.prefill_chunk_workspace(spec, 500, 600, 300, "bf16", cpu_kv=False, groups=1),
+               hrm.score_head_bytes(spec, 500))
+    assert m.gpu_phases["scoring"]["prefill chunk / scoring head"] == want
+
+
+def test_long_row_attention_counts_the_mask_and_its_copy_by_hand():
+    """One 32768-token row (Mixtral widths, bf16): packed attention holds q/k/v (T (4096 + 2 x 1024) x 2 B), then the
+    gathered q, repeated k and v, the SDPA output and its packed copy (4 x T x 4096 x 2 B), the selected rows
+    (T x 4096 x 2 B), the boolean mask T^2 and SDPA's bf16 copy of it (2 T^2); the chunk term is the larger of that
+    and the FFN stage (about equal here)."""
+    spec = resolve_spec("mixtral-8x7b")
+    T = 32768
+    want = T * (4096 + 2 * 1024) * 2 + 4 * T * 4096 * 2 + T * 4096 * 2 + T * T * 3
+    attn_only = want - T * (4096 + 2 * 1024) * 2
+    ffn = hrm._ffn_stage_bytes(spec, T, "bf16", 1)
+    assert hrm.prefill_chunk_workspace(spec, T, T, T, "bf16", cpu_kv=False, groups=1) == want - attn_only + max(attn_only, ffn)
+    assert hrm.prefill_chunk_workspace(spec, T, 4 * T, T, "bf16", cpu_kv=False) == want + 3 * T * (4 * 4096 * 2 + T * 3)  # 4 rows padded to T
+

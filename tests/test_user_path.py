@@ -10,6 +10,7 @@ import torch
 from prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.app import engine, plan
+from lightning_moe.app import gpu
 from lightning_moe.app.gpu import apply_gpu_cap, cuda_index
 
 GiB = 1 << 30
@@ -29,6 +30,7 @@ class _FakeCuda:
         monkeypatch.setattr(c, "mem_get_info", lambda i: (80 * GiB - GiB // 2, 80 * GiB))
         monkeypatch.setattr(c, "memory_reserved", lambda i: 0)
         monkeypatch.setattr(c, "set_per_process_memory_fraction", lambda f, i: self.calls.append((f, i)))
+        monkeypatch.setattr(gpu, "_has_context", lambda i: True)  # NVML cannot isolate this process: all counts
 
 
 def test_gpu_cap_accepts_cuda_and_cuda_index(monkeypatch):
@@ -51,6 +53,23 @@ def test_gpu_cap_accepts_cuda_and_cuda_index(monkeypatch):
         apply_gpu_cap("cuda:0", GiB // 4)
 
 
+
+
+def test_gpu_cap_counts_own_context_not_other_processes(monkeypatch):
+    """With NVML, the cap nets out only this process's CUDA context (NVML free before minus after creating it):
+    20 GiB held by another process on the device do not shrink a 24 GiB cap, but the device must have it free."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (59.5 * GiB, 80 * GiB))  # 20 GiB other + 0.5 ours
+    monkeypatch.setattr(gpu, "_has_context", lambda i: False)
+    nvml = iter([60 * GiB, 59.5 * GiB] * 2)  # free before and after this process's context
+    monkeypatch.setattr(gpu, "_nvml_free", lambda i: next(nvml))
+    info = apply_gpu_cap("cuda:0", 24 * GiB)
+    assert info["outside_torch_bytes"] == GiB // 2 and info["other_processes_bytes"] == 20 * GiB
+    assert info["torch_limit_bytes"] == 24 * GiB - GiB // 2
+    assert fake.calls[-1] == (pytest.approx((24 * GiB - GiB // 2) / (80 * GiB)), 0)
+    with pytest.raises(ValueError, match="the device has 59.50 GiB free .20.00 GiB held by other processes"):
+        apply_gpu_cap("cuda:0", 70 * GiB)
 
 
 def _write_job(tmp_path, tiny_dir, policy, **extra):

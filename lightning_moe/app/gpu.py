@@ -16,30 +16,63 @@ def cuda_index(device: str) -> int:
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
+def _nvml_free(idx: int) -> Optional[int]:
+    """Free memory of CUDA device ``idx`` in bytes as NVML sees it (needs no CUDA context), or None when NVML
+    (nvidia-ml-py) is unavailable or the device cannot be matched."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = "GPU-" + str(torch.cuda.get_device_properties(idx).uuid)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(uuid)).free)
+    except Exception:  # noqa: BLE001 - no NVML is an ordinary configuration: the caller falls back
+        return None
+
+
+def _has_context(idx: int) -> bool:
+    """Whether this process already holds a CUDA context on device ``idx`` (True when torch cannot say)."""
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return True if has is None else bool(has(idx))
+
+
 def apply_gpu_cap(device: str, gpu_memory: Optional[int]) -> Optional[dict]:
     """Make this process's GPU behave like a ``gpu_memory``-byte card: cap the CUDA caching allocator at
-    ``gpu_memory`` minus what the device already holds outside it (the CUDA context, other processes), with
+    ``gpu_memory`` minus what this process holds outside it (its CUDA context), with
     ``torch.cuda.set_per_process_memory_fraction``.
 
-    Returns ``{"cap_bytes", "outside_torch_bytes", "torch_limit_bytes", "fraction", "device_total_bytes"}`` (None
-    when no cap or no CUDA). Raises ValueError when the cap exceeds the device's memory or leaves nothing to torch.
+    The context's size is NVML's free memory before creating it minus after; other processes on the device do not
+    count against the cap, but the device must have the capped memory free. Where that cannot be measured (no NVML,
+    or a context created earlier) everything the device holds outside this allocator counts as this process's.
+
+    Returns ``{"cap_bytes", "outside_torch_bytes", "other_processes_bytes", "torch_limit_bytes", "fraction",
+    "device_total_bytes"}`` (None when no cap or no CUDA; ``other_processes_bytes`` None when not measured). Raises
+    ValueError when the cap exceeds the device's memory or its free memory, or leaves nothing to torch.
     """
     if not gpu_memory or not device.startswith("cuda") or not torch.cuda.is_available():
         return None
     idx = cuda_index(device)
     torch.cuda.init()
-    free, total = torch.cuda.mem_get_info(idx)  # creates the context, so "outside" includes it
+    before = None if _has_context(idx) else _nvml_free(idx)
+    free, total = torch.cuda.mem_get_info(idx)  # creates the context
     if gpu_memory > total:
         raise ValueError(f"gpu_memory {gpu_memory / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
-    outside = max(0, total - free - torch.cuda.memory_reserved(idx))
+    reserved = torch.cuda.memory_reserved(idx)
+    held = max(0, total - free - reserved)  # everything on the device outside this process's allocator
+    after = _nvml_free(idx) if before is not None else None
+    own = max(0, before - after) if after is not None else None
+    outside = min(own, held) if own is not None else held
     limit = gpu_memory - outside
     if limit <= 0:
         raise ValueError(f"gpu_memory {gpu_memory / 2**30:.2f} GiB leaves nothing for tensors: "
                          f"{outside / 2**30:.2f} GiB of the device are already in use outside torch's allocator")
+    if limit > free + reserved:
+        raise ValueError(f"gpu_memory {gpu_memory / 2**30:.2f} GiB: the device has {free / 2**30:.2f} GiB free "
+                         f"({(held - outside) / 2**30:.2f} GiB held by other processes)")
     frac = limit / total
     torch.cuda.set_per_process_memory_fraction(frac, idx)
-    return {"cap_bytes": gpu_memory, "outside_torch_bytes": outside, "torch_limit_bytes": limit, "fraction": frac,
-            "device_total_bytes": total}
+    return {"cap_bytes": gpu_memory, "outside_torch_bytes": outside,
+            "other_processes_bytes": held - outside if own is not None else None, "torch_limit_bytes": limit,
+            "fraction": frac, "device_total_bytes": total}
 
 
 def device_memory(device: str) -> Optional[int]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..model.spec import QUANT_FORMATS, MoESpec, dtype_bytes
 from .batching import KV_GROUPS, SCORE_CHUNK_TOKENS
@@ -352,9 +353,10 @@ FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's tr
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
 
 
-def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16") -> int:
+def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16", groups: int = 2) -> int:
     """Bytes of GPU temporaries of one decode micro-batch of ``tokens`` rows through one layer (its input hidden
-    rows are counted by :func:`decode_row_bytes`), with ``logit_rows`` rows of the final lm_head.
+    rows are counted by :func:`decode_row_bytes`), with ``logit_rows`` rows of the final lm_head and ``groups``
+    expert groups (:func:`expert_groups`).
 
     The layer's stages run one after the other, so the peak is q/k/v (alive for the whole layer) plus the larger
     of the attention stage and the FFN stage (:func:`_ffn_stage_bytes`); the head adds its own rows:
@@ -366,40 +368,58 @@ def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: st
     qkv = T * (spec.attn_query_elems + spec.kv_elems_per_token) * b
     attn = T * (spec.attn_query_elems + spec.attn_output_elems) * b  # rotated q + attention output
     head = logit_rows * (spec.hidden_size + spec.vocab_size) * b
-    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype), head)
+    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups), head)
 
 
-def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str) -> int:
+def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
     """Temporaries of post-attention for T tokens at its peak, inside the grouped expert kernel's call: the attention
     output (alive until the layer ends), the residual after o_proj and the FFN norm, router outputs (fp32 logits /
     probabilities, top-k weights and ids), the kernel's pair indexes, gate|up product [T k, F] in the dtype, slot
-    outputs [T k, D] fp32, their fp32 sum and its cast; a second expert group's sum (paged + resident calls) and
-    the shared / dense FFN intermediate."""
+    outputs [T k, D] fp32, their fp32 sum and its cast; with ``groups`` = 2 (paged and resident experts in separate
+    calls: :func:`expert_groups`) the first group's result beside the second's; the shared / dense FFN
+    intermediate."""
     b = dtype_bytes(dtype)
     D, F, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_experts
     P = T * k
     side = max(spec.num_shared_experts * spec.shared_intermediate_size, spec.dense_intermediate_size)
     return (T * spec.attn_output_elems * b + 2 * T * D * b + 2 * T * E * 4 + T * k * 12
-            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + 2 * T * D * b + T * 3 * side * b)
+            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + groups * T * D * b + T * 3 * side * b)
+
+
+def expert_groups(weight_quant: str) -> int:
+    """Grouped-kernel calls per MoE layer whose results coexist: 1 for quantized pages (every expert is dequantized
+    into one dense scratch: pipeline.expert_ffn.TritonQuantExpertFFN), 2 for dense pages (TritonExpertFFN calls the
+    kernel once for the paged and once for the resident experts; counted for every policy, also one without resident
+    experts, since the MILP's linear rows cannot tell a layer's mix)."""
+    return 1 if weight_quant in QUANT_FORMATS else 2
 
 
 def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: int, dtype: str = "bf16",
-                            cpu_kv: bool = True) -> int:
+                            cpu_kv: bool = True, groups: int = 2) -> int:
     """Bytes of GPU temporaries of one prefill micro-batch (chunk) through one layer: ``tokens`` packed tokens,
     ``padded`` = rows x longest row, ``longest`` the longest row (its input hidden rows are counted by
     :func:`prefill_token_bytes`).
 
     q/k/v (alive for the layer) + the larger of: packed attention (q, k, v gathered to the padded layout and k, v
-    repeated to every query head, the SDPA output, its packed copy and the selected rows: 5 padded x q + tokens x q,
-    and the boolean mask rows x longest^2) and the FFN stage (:func:`_ffn_stage_bytes`); with ``cpu_kv`` (some
-    micro-batch keeps its KV on the CPU) + k/v of two chunks on their way there.
+    repeated to every query head, the SDPA output and its packed copy: 4 padded x q, the selected rows: tokens x q,
+    the boolean mask rows x longest^2 and SDPA's copy of it in the dtype) and the FFN stage
+    (:func:`_ffn_stage_bytes` with ``groups`` expert groups); with ``cpu_kv`` (some micro-batch keeps its KV on the
+    CPU) + k/v of two chunks on their way there.
     """
     b = dtype_bytes(dtype)
     q, kv = spec.attn_query_elems, spec.kv_elems_per_token // 2
     T = tokens
     qkv = T * (q + 2 * kv) * b
-    attn = 5 * padded * q * b + T * q * b + padded * longest
-    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype)) + (2 * T * 2 * kv * b if cpu_kv else 0)
+    attn = _packed_attention_stage_bytes(spec, T, padded, longest, dtype)
+    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups)) + (2 * T * 2 * kv * b if cpu_kv else 0)
+
+
+def _packed_attention_stage_bytes(spec: MoESpec, tokens: int, padded: int, longest: int, dtype: str) -> int:
+    """Temporaries of packed prefill attention (model.layers.prefill_attention_packed) above q/k/v: 4 padded x q
+    (gathered q, repeated k and v, the SDPA output; then its packed copy), the selected rows (tokens x q), the
+    boolean mask (rows x longest^2) and SDPA's copy of it in the dtype."""
+    b, q = dtype_bytes(dtype), spec.attn_query_elems
+    return 4 * padded * q * b + tokens * q * b + padded * longest * (1 + b)
 
 
 def score_head_bytes(spec: MoESpec, tokens: int, dtype: str = "bf16") -> int:
@@ -534,12 +554,37 @@ def prefill_logit_bytes(spec: MoESpec, dtype: str = "bf16") -> int:
 def prefill_chunk_shape(policy: Policy, workload: Workload) -> tuple[int, int, int]:
     """(tokens, padded tokens, longest row) of the largest prefill micro-batch the executor forms: at most
     ``prefill_mu`` rows and ``prefill_tokens`` padded tokens, or one longest prompt alone; its tokens are no more than
-    the batch's prompt tokens."""
+    the batch's prompt tokens, nor, with the job's prompt lengths, than :func:`packed_chunk_tokens` of them."""
     s_max = workload.max_prompt
     N = policy.N if workload.num_requests is None else min(policy.N, workload.num_requests)
     pmu = min(policy.prefill_mu, N)
     tp = min(pmu * s_max, max(policy.prefill_tokens, s_max))
-    return min(tp, workload.prompt_tokens(N)), tp, min(s_max, tp)
+    tokens = min(tp, workload.prompt_tokens(N))
+    if workload.prompt_lens is not None:
+        tokens = min(tokens, packed_chunk_tokens(workload.prompt_lens, pmu, policy.prefill_tokens))
+    return tokens, tp, min(s_max, tp)
+
+
+def packed_chunk_tokens(prompt_lens: tuple, rows: int, padded_tokens: int) -> int:
+    """Most packed tokens one prefill chunk can hold, whatever the order of its rows: a chunk whose longest row has L
+    tokens takes at most k(L) = max(1, min(rows, padded_tokens // L)) rows (the chunker's caps), each of at most L
+    tokens, so it holds at most the sum of the k(L) longest lengths <= L; the max over the lengths present."""
+    return _packed_chunk_tokens(tuple(prompt_lens), int(rows), int(padded_tokens))
+
+
+@lru_cache(maxsize=256)
+def _packed_chunk_tokens(prompt_lens: tuple, rows: int, padded_tokens: int) -> int:
+    desc = sorted(prompt_lens, reverse=True)
+    prefix = [0]
+    for x in desc:
+        prefix.append(prefix[-1] + x)
+    best, n = 0, len(desc)
+    for i, L in enumerate(desc):
+        if i and L == desc[i - 1]:
+            continue  # the same L from its first position: the largest sum of k(L) lengths <= L
+        k = rows if L == 0 else max(1, min(rows, padded_tokens // L))
+        best = max(best, prefix[min(n, i + k)] - prefix[i])
+    return best
 
 
 def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> MemoryEstimate:
@@ -576,7 +621,8 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     }
     rows = workload.prompt_tokens(N) * prefill_token_bytes(spec, policy.dtype)
     chunk = prefill_chunk_workspace(spec, tp, padded, longest, policy.dtype,
-                                    cpu_kv=not workload.scoring and policy.n_gpu_attn < policy.n)
+                                    cpu_kv=not workload.scoring and policy.n_gpu_attn < policy.n,
+                                    groups=(groups := expert_groups(policy.weight_quant)))
     phases: dict = {}
     if workload.scoring:
         transient = max(chunk, score_head_bytes(spec, tp, policy.dtype))
@@ -593,7 +639,8 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
         ctx = workload.max_prompt + workload.gen_len
         attn_ws = gpu_decode_attention_workspace(spec, policy.n_gpu_attn * mu, ctx, policy.dtype)
         phases["decode"] = {**common, "GPU KV cache": kv_gpu, "decode rows (N: hidden, logits)": N * decode_row_bytes(spec, policy.dtype),
-                            "decode workspaces (2 micro-batches)": (ws := 2 * micro_batch_workspace(spec, mu, mu, policy.dtype) + attn_ws),
+                            "decode workspaces (2 micro-batches)": (ws := 2 * micro_batch_workspace(spec, mu, mu, policy.dtype, groups)
+                                                                    + attn_ws),
                             "fragmentation allowance": math.ceil(FRAGMENTATION * ws),
                             "allocator reserve": policy.gpu_reserve}
     cpu_seqs = policy.n_cpu_attn * mu

@@ -295,10 +295,11 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
         slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
-        C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt)
+        C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q))
         # the exact model takes max(chunk temporaries, head); the MILP charges their sum (linear, never smaller)
         C.mem_ws_pre_cpu[m] = slack * 2 * tp * spec.kv_elems_per_token * b
-        C.mem_ws_pre[m] = (slack * hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False)
+        C.mem_ws_pre[m] = (slack * hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False,
+                                                          groups=hrm.expert_groups(q))
                            + p * (spec.hidden_size + spec.vocab_size) * b)
         C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)

@@ -61,7 +61,7 @@ def _serial_logits(ex, prompts, steps, forced=None):
 
     got, calls = {}, []
 
-    def record(lg, params, gens=None):
+    def record(lg, params, *seed_and_counts):  # serial.sample(logits, params, seeds, generated counts)
         t = len(calls)
         calls.append(t)
         for r in range(lg.shape[0]):
@@ -88,7 +88,7 @@ def _forced_logits(ex, prompts, forced):
         holder["mbs"] = orig(*a, **k)
         return holder["mbs"]
 
-    def forced_sample(lg, params, gens=None):
+    def forced_sample(lg, params, *seed_and_counts):  # cgopipe.sample(logits, params, seeds, generated counts)
         mbs = holder["mbs"]
         c = len(calls)
         calls.append(c)
