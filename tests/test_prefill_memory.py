@@ -128,3 +128,42 @@ def test_long_row_attention_counts_the_mask_and_its_copy_by_hand():
     assert hrm.prefill_chunk_workspace(spec, T, T, T, "bf16", cpu_kv=False, groups=1) == want - attn_only + max(attn_only, ffn)
     assert hrm.prefill_chunk_workspace(spec, T, 4 * T, T, "bf16", cpu_kv=False) == want + 3 * T * (4 * 4096 * 2 + T * 3)  # 4 rows padded to T
 
+
+@pytest.mark.parametrize("n_seqs,mean,tokens,rows", [(256, 200, 32768, 128), (256, 200, 16384, 64), (1000, 300, 16384, 53),
+                                                     (100, 300, 16384, 50), (7, 10, 4096, 7)])
+def test_scoring_policy_rows_are_the_rows_the_executor_puts_in_a_chunk(n_seqs, mean, tokens, rows):
+    """plan_scoring's policies give prefill_mu as the executor cuts a batch: 256 sequences of 200 tokens at 32768
+    padded tokens fit 163 rows, but CGOPipe scores them in ceil(256 / 163) = 2 even micro-batches of 128
+    (policy.batching.group_by_length), so the memory model counts 128 rows, not 163."""
+    from lightning_moe.policy.batching import group_by_length
+
+    spec = resolve_spec("mixtral-8x7b")
+    w = Workload.from_lengths([mean] * n_seqs, gen_len=1, scoring=True)
+    budgets = Budgets(gpu_memory=24 * GiB, cpu_memory=200 * GiB)
+    pol = milp.scoring_policy(spec, w, budgets, n_seqs, 0, tokens)
+    assert pol.prefill_mu == rows
+    assert max(len(g) for g in group_by_length([mean] * n_seqs, pol.prefill_mu)) == rows
+    assert hrm.prefill_chunk_shape(pol, w)[0] == rows * mean
+
+
+def test_plan_scoring_takes_the_largest_batch_among_near_ties(monkeypatch):
+    """Of the scoring policies whose estimates lie within SCORING_TIE of the best, plan_scoring takes the largest N
+    (fewest page passes); outside the tie the faster estimate wins. The HRM is replaced by one whose prefill time
+    makes small batches 1% (tie) or 5% (no tie) faster per token."""
+    spec = resolve_spec("mixtral-8x7b")
+    w = Workload.from_lengths([300] * 4000, gen_len=1, scoring=True)
+    budgets = Budgets(gpu_memory=24 * GiB, cpu_memory=400 * GiB)
+    real = hrm.evaluate
+
+    def run(edge: float):
+        def fake(pol, spec_, hw_, wl):
+            est = real(pol, spec_, hw_, wl)
+            faster = 1 + edge if pol.N < 1000 else 1.0  # tokens / s relative to the large batches
+            return dataclasses.replace(est, prefill_time=pol.N * wl.prompt_len / (1e5 * faster))
+        monkeypatch.setattr(hrm, "evaluate", fake)
+        return milp.plan_scoring(spec, get_preset("l4"), w, budgets)[0]
+
+    sizes = {milp.scoring_policy(spec, w, budgets, 1, 0, t).prefill_tokens for t in milp.SCORING_PREFILL_TOKENS}
+    assert len(sizes) == 4
+    tied, untied = run(0.01), run(0.05)
+    assert tied.N >= 1000 and untied.N < 1000

@@ -773,14 +773,20 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
 
 
 SCORING_PREFILL_TOKENS = (4096, 8192, 16384, 32768)  # padded tokens per prefill micro-batch plan_scoring tries
+SCORING_TIE = 0.02  # estimates this close to plan_scoring's best count as tied: the larger batch wins (the HRM prices
+# no per-batch fixed cost -- a pass's pipeline fill, the host loop -- which favour fewer, larger batches)
 
 
 def scoring_policy(spec: MoESpec, workload: Workload, budgets: Budgets, N: int, resident: int, prefill_tokens: int) -> Policy:
     """The prefill-only Policy of a scoring batch of ``N`` sequences: one micro-batch (mu = N, n = 1, "GPU attention":
     no KV leaves the GPU), ``resident`` experts in every MoE layer, prefill micro-batches of ``prefill_tokens`` padded
-    tokens (rows sized by the mean length)."""
+    tokens (rows sized by the mean length, then evened out as the executor cuts a batch: ceil(B / ceil(B / rows))
+    rows for a batch of B = min(N, the job's sequences), so the memory model counts the rows a chunk really has)."""
     s = max(1, int(-(-workload.prompt_len // 1)))
-    return Policy(mu=N, n=1, prefill_mu=max(1, min(N, prefill_tokens // s)), prefill_tokens=prefill_tokens,
+    rows = max(1, min(N, prefill_tokens // s))
+    B = N if workload.num_requests is None else min(N, workload.num_requests)
+    rows = min(rows, -(-B // -(-B // rows)))  # pipeline.cgopipe scores a batch in ceil(B / rows) even micro-batches
+    return Policy(mu=N, n=1, prefill_mu=rows, prefill_tokens=prefill_tokens,
                   resident_experts=resident, n_gpu_attn=1, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
                   gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
                   gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
@@ -793,14 +799,14 @@ def plan_scoring(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets
     large as GPU memory allows (its packed rows stay on the GPU for the whole pass; capped at the job's sequences).
     Searched over resident experts per layer (0..E, in steps of E / 16) and prefill micro-batch sizes
     (SCORING_PREFILL_TOKENS); for each, N is the largest that fits (memory grows with N: binary search), and the
-    policy is scored with hrm.evaluate. Raises PlanInfeasible (one line) when not even N = 1 fits.
+    policy is scored with hrm.evaluate; of the policies within SCORING_TIE of the best estimate, the largest N. Raises PlanInfeasible (one line) when not even N = 1 fits.
     """
     if not workload.scoring:
         raise ValueError("plan_scoring: the workload is not a scoring workload")
     t0 = time.perf_counter()
     count = workload.num_requests or 1 << 20
     E = spec.num_experts
-    best, tried, smallest = None, 0, None
+    found, tried, smallest = [], 0, None
 
     def fits(p: Policy) -> bool:
         return not hrm.memory_violations(p, spec, workload)
@@ -816,14 +822,15 @@ def plan_scoring(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(scoring_policy(spec, workload, budgets, mid, r, tok)) else (lo, mid - 1)
             pol = scoring_policy(spec, workload, budgets, lo, r, tok)
-            est = hrm.evaluate(pol, spec, hw, workload)
+            found.append((pol, hrm.evaluate(pol, spec, hw, workload)))
             tried += 1
-            if best is None or est.prefill_tok_s > best[1].prefill_tok_s * (1 + 1e-9):
-                best = (pol, est)
-    if best is None:
+    if not found:
         hrm.check_memory(smallest, spec, workload)  # raises PlanInfeasible naming what does not fit
         raise PlanInfeasible("infeasible: no scoring policy fits the budgets")  # pragma: no cover
-    pol, est = best
+    top = max(e.prefill_tok_s for _, e in found)
+    # within SCORING_TIE of the best estimate: the largest batch (fewest page passes), then the faster estimate
+    pol, est = max((pe for pe in found if pe[1].prefill_tok_s >= top * (1 - SCORING_TIE)),
+                   key=lambda pe: (pe[0].N, pe[1].prefill_tok_s))
     note = (f"scoring plan: {tried} (resident, prefill tokens) pairs at their largest N, "
             f"{time.perf_counter() - t0:.2f} s")
     log.info(note)
