@@ -209,3 +209,62 @@ def test_harmless_values_are_read_alike(qwen3_dir, tmp_path):
     base = MoESpec.from_pretrained_dir(qwen3_dir)
     d = _write_config(qwen3_dir, tmp_path / "m", mlp_only_layers=[5], sliding_window=4, use_sliding_window=False)
     assert dataclasses.replace(MoESpec.from_pretrained_dir(d), name=base.name) == base
+
+
+def test_quantized_checkpoint_runs_in_both_executors(hf_qwen3, tmp_path):
+    """``moe-batch quantize`` through the family's key map: non-expert weights (q/k norms included) kept bit for bit,
+    tied embeddings re-tied, and the packed experts give transformers' logits once transformers' model holds the
+    dequantized experts; CGOPipe's tokens equal the serial executor's on the quantized checkpoint."""
+    import copy
+
+    from lightning_moe.model.quantize import quantize_checkpoint
+    from lightning_moe.model.quantized import QuantExperts
+
+    path, model = hf_qwen3
+    dst = quantize_checkpoint(path, str(tmp_path / "q"), experts="int4", group_size=8).dst
+    src, w = load_checkpoint(path, torch.float32), load_checkpoint(dst, torch.float32)
+    assert all(isinstance(e, QuantExperts) for e in w.experts)
+    assert (w.lm_head is w.embed) == model.config.tie_word_embeddings and torch.equal(w.lm_head, src.lm_head)
+    for a, b in zip(w.layers, src.layers):
+        assert set(a.__dict__) >= {"q_norm", "k_norm"}
+        assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in a.__dict__)
+    deq = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer, qe in zip(deq.model.layers, w.experts):
+            ew = qe.dequantize(torch.float32)
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([ew.w1, ew.w3], dim=1))  # [E, 2F, D]
+            layer.mlp.experts.down_proj.copy_(ew.w2)  # [E, D, F]
+    serial = SerialExecutor(w, "cpu")
+    ours = serial.logits(PROMPTS)
+    with torch.no_grad():
+        ref = [deq(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+        orig = [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(ours, orig)) > 1e-3  # the experts really are quantized
+    sp = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    want = serial.generate(PROMPTS, sp)
+    pipe = CGOPipeExecutor(load_checkpoint(dst, torch.float32),
+                           Policy(mu=2, n=2, prefill_mu=2, dtype="fp32", weight_quant="int4"), "cpu")
+    try:
+        assert pipe.generate(PROMPTS, sp) == want
+    finally:
+        pipe.close()
+
+
+def test_the_hub_qwen3_30b_a3b_config_reads_as_the_planners_registry_spec():
+    """Qwen/Qwen3-30B-A3B's config.json (transformers 4 names) gives the spec the planner's registry holds, and that
+    spec now has a family the executors run."""
+    from lightning_moe.policy.registry import resolve_spec
+
+    hub = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+           "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+           "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+           "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+           "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+           "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    reg = resolve_spec("qwen3-30b-a3b")
+    assert read_spec(hub, reg.name) == reg
+    assert family_of(reg).name == "qwen3_moe"
