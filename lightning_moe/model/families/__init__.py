@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import mixtral
+from . import mixtral, qwen3_moe
 from .base import ConfigView, Family, KeyMap
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ def register(family: Family) -> Family:
 
 
 register(mixtral.FAMILY)
+register(qwen3_moe.FAMILY)
 
 
 def families() -> list[Family]:

@@ -1,0 +1,266 @@
+"""The Qwen3-MoE family (Qwen team 2025, arXiv 2505.09388): config reader, checkpoint key map, layer math.
+
+Per decoder layer: RMSNorm -> q, k, v projections (no bias) -> per-head RMSNorm of q and of k over head_dim
+(``q_norm``, ``k_norm``, before RoPE) -> RoPE (rotate-half, default frequencies) -> GQA attention (causal, full) ->
+o_proj -> residual -> RMSNorm -> softmax over all experts -> top-k, renormalized only with ``norm_topk_prob`` ->
+routed SwiGLU experts of width ``moe_intermediate_size`` -> residual. ``head_dim`` comes from the config (Qwen3:
+Hq * hd != D). No shared expert. Final RMSNorm and lm_head (tied to embed_tokens with ``tie_word_embeddings``).
+Refused by name: attention biases, sliding windows, dense (MLP-only) layers (``mlp_only_layers``,
+``decoder_sparse_step``), rope scaling, transformers-quantized checkpoints. The oracle is transformers'
+``modeling_qwen3_moe.py``; the shared pieces are in ``model/layers.py`` (dimension key there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F_
+
+from ...kernels.fused_moe import experts_ffn_reference_from
+from .. import layers as L
+from ..layers import ExpertWeights
+from ..spec import MoESpec
+from .base import ConfigView, Family, KeyMap, refuse
+
+NAME = "qwen3_moe"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weights (host or device tensors; HF layout: [out_features, in_features])
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class LayerWeights:
+    """Non-expert weights of one decoder layer (small: they stay on the compute device)."""
+
+    attn_norm: torch.Tensor  # [D] input_layernorm
+    wq: torch.Tensor  # [Hq*hd, D]
+    wk: torch.Tensor  # [Hkv*hd, D]
+    wv: torch.Tensor  # [Hkv*hd, D]
+    q_norm: torch.Tensor  # [hd] self_attn.q_norm (one RMSNorm shared by every query head)
+    k_norm: torch.Tensor  # [hd] self_attn.k_norm
+    wo: torch.Tensor  # [D, Hq*hd]
+    ffn_norm: torch.Tensor  # [D] post_attention_layernorm
+    router: torch.Tensor  # [E, D] mlp.gate
+
+    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
+        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
+        return LayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
+
+
+KEYS = KeyMap(
+    embed="model.embed_tokens.weight",
+    norm="model.norm.weight",
+    lm_head="lm_head.weight",
+    layer="model.layers.{layer}.",
+    # Hub checkpoints, transformers' save_pretrained and its in-memory names all use mlp.
+    moe_blocks=("mlp.",),
+    moe_probe="gate.weight",
+    layer_tensors={
+        "attn_norm": "input_layernorm.weight",
+        "wq": "self_attn.q_proj.weight",
+        "wk": "self_attn.k_proj.weight",
+        "wv": "self_attn.v_proj.weight",
+        "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight",
+        "wo": "self_attn.o_proj.weight",
+        "ffn_norm": "post_attention_layernorm.weight",
+        "router": "{moe}gate.weight",
+    },
+    expert_tensors={"w1": "{moe}experts.{expert}.gate_proj.weight", "w3": "{moe}experts.{expert}.up_proj.weight",
+                    "w2": "{moe}experts.{expert}.down_proj.weight"},
+    fused_gate_up="{moe}experts.gate_up_proj",  # [E, 2F, D]: gate rows first, then up (Qwen3MoeExperts.chunk(2))
+    fused_down="{moe}experts.down_proj",
+)
+
+
+def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype) -> LayerWeights:
+    """Deterministic layer weights for benchmarks: norms are ones, every matrix ``rnd(*shape)`` in field order."""
+    D, hd = spec.hidden_size, spec.head_dim
+    return LayerWeights(
+        torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
+        torch.ones(hd, dtype=dtype), torch.ones(hd, dtype=dtype), rnd(D, spec.q_size), torch.ones(D, dtype=dtype),
+        rnd(spec.num_experts, D),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config: config.json -> MoESpec
+# ---------------------------------------------------------------------------------------------------
+# transformers' Qwen3MoeConfig fields (and the Hub config.json names) by how they are handled; the test walks
+# Qwen3MoeConfig's fields and fails on one that is in none of these sets.
+IMPLEMENTED_KEYS = frozenset({
+    "model_type", "_name_or_path", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "num_local_experts", "num_experts",  # transformers 5's config.json name / the Hub's (attribute_map aliases)
+    "moe_intermediate_size",  # the routed experts' width
+    "intermediate_size",  # width of the dense MLP of MLP-only layers: read only with them, which are refused
+    "norm_topk_prob",  # renormalize the top-k router weights (both values implemented)
+    "hidden_act",  # silu only
+    "rope_parameters", "rope_scaling",  # rope_type default only (transformers 5 / older names)
+    "rope_theta",  # older configs: top level; transformers 5: in rope_parameters
+    "attention_bias",  # false only
+    "use_sliding_window",  # false only
+    "sliding_window",  # unused unless use_sliding_window (transformers sets it to None then)
+    "decoder_sparse_step",  # 1 only (every layer MoE)
+    "mlp_only_layers",  # empty only (no dense layer)
+    "quantization",  # this package's packed expert pages (model/quantized.py)
+})
+REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
+HARMLESS_KEYS = frozenset({
+    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
+    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+    "initializer_range", "use_cache", "pad_token_id",
+    "attention_dropout",  # dropout: training only
+    "output_router_logits", "router_aux_loss_coef",  # the auxiliary loss: training only
+    "max_window_layers",  # Hub configs: which layers a sliding window would skip; use_sliding_window is refused
+})
+HIDDEN_ACTS = ("silu",)
+ROPE_TYPES = (None, "default")
+
+
+def _check_math_fields(get, num_layers: int) -> None:
+    """Refuse, by name, every config value that would change the math and is not implemented here."""
+    act = get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise refuse("hidden_act", act, NAME, ", ".join(repr(a) for a in HIDDEN_ACTS))
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = get(key)
+        if isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) not in ROPE_TYPES:
+            raise refuse(key, rp, NAME, "rope_type 'default'")
+    if get("attention_bias", False):
+        raise refuse("attention_bias", get("attention_bias"), NAME, "False (q/k/v/o projections without bias)")
+    if get("use_sliding_window", False):
+        raise refuse("use_sliding_window", get("use_sliding_window"), NAME, "False (full causal attention)")
+    step = get("decoder_sparse_step", 1)
+    if step != 1:  # layer i is MoE iff (i + 1) % step == 0: any other step makes layer 0 a dense MLP layer
+        raise refuse("decoder_sparse_step", step, NAME, "1 (every layer MoE; dense MLP layers are not implemented)")
+    mlp_only = [i for i in (get("mlp_only_layers") or []) if 0 <= int(i) < num_layers]
+    if mlp_only:
+        raise refuse("mlp_only_layers", get("mlp_only_layers"), NAME,
+                     "[] (every layer MoE; dense MLP layers are not implemented)")
+    for key in REFUSED_KEYS:
+        if get(key) is not None:
+            raise refuse(key, get(key), NAME, "unquantized checkpoints and moe-batch quantize's packed pages")
+
+
+def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
+    """MoESpec of a Qwen3-MoE config (a dict of config.json or a ``transformers.PretrainedConfig``).
+
+    Raises:
+        ValueError: a missing field, or a value that changes the math and is not implemented (``hidden_act`` other
+            than silu, a rope scaling type, ``attention_bias``, ``use_sliding_window``, dense layers through
+            ``decoder_sparse_step`` / ``mlp_only_layers``, no experts, a transformers ``quantization_config``):
+            the message names the field.
+    """
+    c = cfg if isinstance(cfg, ConfigView) else ConfigView(cfg)
+    get, need = c.get, c.need
+    num_layers = int(need("num_hidden_layers"))
+    _check_math_fields(get, num_layers)
+    experts_key = "num_local_experts" if get("num_local_experts") is not None else "num_experts"
+    num_experts = int(need(experts_key))
+    if num_experts < 1:  # transformers: every layer a dense MLP
+        raise refuse(experts_key, num_experts, NAME, ">= 1 routed experts (dense MLP layers are not implemented)")
+    model_type = get("model_type") or NAME  # a config found by its architectures alone
+    rope_theta = get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
+        rope_theta = (get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    head_dim = get("head_dim") or hidden // heads
+    eos = get("eos_token_id")
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return MoESpec(
+        name=name or str(get("_name_or_path") or model_type),
+        model_type=model_type,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("moe_intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        num_experts=num_experts,
+        top_k=int(need("num_experts_per_tok")),
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(get("max_position_embeddings", 32768)),
+        sliding_window=None,
+        norm_topk_prob=bool(get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=eos,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer math
+# ---------------------------------------------------------------------------------------------------
+def pre_attention(
+    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, q/k/v projections, per-head q/k RMSNorm and RoPE for a packed batch of tokens.
+
+    x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
+    ``rope_cos_sin(positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
+    Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
+    """
+    T = x.shape[0]
+    h = L.rms_norm(x, lw.attn_norm, spec.rms_norm_eps)  # [T, D]
+    q = F_.linear(h, lw.wq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
+    k = F_.linear(h, lw.wk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
+    v = F_.linear(h, lw.wv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
+    q = L.rms_norm(q, lw.q_norm, spec.rms_norm_eps)  # [T, Hq, hd] each head over hd
+    k = L.rms_norm(k, lw.k_norm, spec.rms_norm_eps)  # [T, Hkv, hd]
+    cos, sin = rope if rope is not None else L.rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
+    return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+
+
+def post_attention(
+    lw: LayerWeights,
+    ew: ExpertWeights,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    spec: MoESpec,
+    ffn: L.ExpertsFn = L.experts_ffn,
+) -> torch.Tensor:
+    """o_proj + residual, RMSNorm, router (renormalized per ``spec.norm_topk_prob``), experts, residual.
+
+    x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output; ``ffn(h, ew, topk_w,
+    topk_ids)``: the expert FFN (the executors pass theirs; ``ew`` may be None when ``ffn`` holds the experts).
+    Returns the layer output [T, D].
+    """
+    x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
+    h = L.rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
+    topk_w, topk_ids = L.route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]
+
+
+FAMILY = Family(
+    name=NAME,
+    model_types=("qwen3_moe",),
+    architectures=("Qwen3MoeForCausalLM",),
+    read_spec=read_spec,
+    implemented_keys=IMPLEMENTED_KEYS,
+    refused_keys=REFUSED_KEYS,
+    harmless_keys=HARMLESS_KEYS,
+    keys=KEYS,
+    layer_weights=LayerWeights,
+    dummy_layer=dummy_layer,
+    rope_inv_freq=L.rope_inv_freq,
+    rope_cos_sin=L.rope_cos_sin,
+    pre_attention=pre_attention,
+    prefill_packed_layout=L.prefill_packed_layout,
+    prefill_attention_packed=L.prefill_attention_packed,
+    decode_attention=L.decode_attention,
+    post_attention=post_attention,
+    experts_ffn=L.experts_ffn,
+    experts_ffn_from=experts_ffn_reference_from,
+    final_logits=L.final_logits,
+    attention="gqa",
+    expert_activation="silu",
+)
