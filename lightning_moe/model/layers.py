@@ -211,3 +211,19 @@ def prefill_attention_packed(
     # packed order (spans are consecutive); an index computed on the host, not out[valid], whose boolean indexing
     # synchronized the host with the GPU once per prefill chunk and layer
     return out.index_select(0, keep)  # [T, Hq*hd]
+
+
+def moe_post_attention(lw, ew: Optional[ExpertWeights], x: torch.Tensor, attn: torch.Tensor, spec: MoESpec,
+                       ffn: Optional[ExpertsFn] = None) -> torch.Tensor:
+    """o_proj + residual, RMSNorm, router (top-k renormalized per ``spec.norm_topk_prob``), experts, residual: the
+    post-attention half of a decoder layer whose weights carry ``wo``, ``ffn_norm`` and ``router``.
+
+    x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output; ``ffn(h, ew, topk_w,
+    topk_ids)``: the expert FFN (default :func:`experts_ffn`; the executors pass theirs; ``ew`` may be None when
+    ``ffn`` holds the experts). Returns the layer output [T, D].
+    """
+    ffn = experts_ffn if ffn is None else ffn
+    x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
+    h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
+    topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]

@@ -20,7 +20,6 @@ import torch.nn.functional as F_
 
 from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
-from ..layers import ExpertWeights
 from ..spec import MoESpec
 from .base import ConfigView, Family, KeyMap, refuse
 
@@ -220,24 +219,7 @@ def pre_attention(
     return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
 
 
-def post_attention(
-    lw: LayerWeights,
-    ew: ExpertWeights,
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    spec: MoESpec,
-    ffn: L.ExpertsFn = L.experts_ffn,
-) -> torch.Tensor:
-    """o_proj + residual, RMSNorm, router (renormalized per ``spec.norm_topk_prob``), experts, residual.
-
-    x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output; ``ffn(h, ew, topk_w,
-    topk_ids)``: the expert FFN (the executors pass theirs; ``ew`` may be None when ``ffn`` holds the experts).
-    Returns the layer output [T, D].
-    """
-    x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
-    h = L.rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
-    topk_w, topk_ids = L.route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
-    return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]
+post_attention = L.moe_post_attention  # o_proj + residual, RMSNorm, router, experts, residual
 
 
 FAMILY = Family(
