@@ -94,7 +94,7 @@ def probe(spec, lw, ew, rows: int, longest: int, dev, dtype, head) -> dict:
     x = torch.randn(T, spec.hidden_size, device=dev, dtype=dtype)  # the chunk's input rows (not measured)
     pos = torch.cat([torch.arange(longest) for _ in range(rows)]).to(dev)
     inv_freq = M.rope_inv_freq(spec, dev)
-    rope = M.rope_cos_sin(pos, inv_freq, dtype)
+    rope = M.rope_cos_sin(spec, pos, inv_freq, dtype)
     layout = M.prefill_packed_layout(spans, T, dev)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

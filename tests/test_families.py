@@ -88,8 +88,8 @@ def test_every_mixtral_config_field_is_implemented_refused_or_harmless(tiny_dir,
 
 @pytest.mark.parametrize("changes, field", [
     (dict(hidden_act="gelu"), r"hidden_act': 'gelu'"),
-    (dict(rope_scaling={"type": "linear", "factor": 4.0}), r"rope_(parameters|scaling)'"),
-    (dict(rope_theta=None, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+    (dict(rope_scaling={"type": "dynamic", "factor": 4.0}), r"rope_(parameters|scaling)'"),
+    (dict(rope_theta=None, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}),
      r"rope_(parameters|scaling)'"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4}), r"quantization_config'"),
 ])

@@ -63,20 +63,65 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def rope_inv_freq(spec: MoESpec, device=None) -> torch.Tensor:
-    """RoPE inverse frequencies ``theta^(-2i/hd)`` for i < hd/2 (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]."""
+def _rope_base_freqs(spec: MoESpec, device=None) -> torch.Tensor:
+    """``theta^(2i/hd)`` for i < hd/2: the wavelengths / 2 pi of default RoPE (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]."""
     hd = spec.head_dim
-    return 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    return spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for integer positions.
+def yarn_correction_range(spec: MoESpec) -> tuple[float, float]:
+    """YaRN's ramp ends (Peng et al. 2023, arXiv 2309.00071, eq. 17-18): the dims d where a wavelength fits
+    ``beta_fast`` and ``beta_slow`` times into the original context L: ``d(b) = hd ln(L / (2 pi b)) / (2 ln theta)``;
+    floored / ceiled with ``rope_truncate``, clamped to [0, hd - 1] (transformers' find_correction_range)."""
+    hd, base, L = spec.head_dim, spec.rope_theta, spec.rope_original_max_position_embeddings
 
-    positions: int64 [T]; inv_freq: fp32 [hd/2]. Returns (cos, sin), each [T, hd] in ``dtype``.
+    def dim(rotations: float) -> float:
+        return hd * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim(spec.rope_beta_fast), dim(spec.rope_beta_slow)
+    if spec.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, hd - 1)
+
+
+def rope_inv_freq(spec: MoESpec, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies of ``spec.rope_type``, fp32 [hd/2] (transformers' modeling_rope_utils, bit for bit):
+
+    - default: ``1 / theta^(2i/hd)``;
+    - linear (position interpolation, Chen et al. 2023): the default ones divided by ``rope_factor``;
+    - yarn (Peng et al. 2023, "NTK-by-parts"): per dim i a blend ``interp * (1 - e_i) + extrap * e_i`` of the
+      interpolated (``/ rope_factor``) and default frequencies, ``e_i = 1 - clamp((i - low) / (high - low), 0, 1)``
+      over :func:`yarn_correction_range` (high dims, long wavelengths, are interpolated). Its cos/sin scale
+      ``rope_attention_factor`` is applied by :func:`rope_cos_sin`.
+    """
+    pos_freqs = _rope_base_freqs(spec, device)  # [hd/2]
+    if spec.rope_type == "default":
+        return 1.0 / pos_freqs
+    if spec.rope_type == "linear":
+        return 1.0 / pos_freqs / spec.rope_factor
+    if spec.rope_type == "yarn":
+        extrap = 1.0 / pos_freqs  # [hd/2]
+        interp = 1.0 / (spec.rope_factor * pos_freqs)  # [hd/2]
+        low, high = yarn_correction_range(spec)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
+        extrap_factor = 1 - ramp.to(device)  # [hd/2] 1: extrapolate, 0: interpolate
+        return interp * (1 - extrap_factor) + extrap * extrap_factor
+    raise ValueError(f"{spec.name}: rope_type {spec.rope_type!r} is not implemented")
+
+
+def rope_cos_sin(spec: MoESpec, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for integer positions, each times ``spec.rope_attention_factor`` (YaRN's attention
+    temperature folded into q and k, as transformers' rotary embeddings do; 1.0 but for yarn).
+
+    positions: int64 [T]; inv_freq: fp32 [hd/2] (:func:`rope_inv_freq`). Returns (cos, sin), each [T, hd] in ``dtype``.
     """
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2] fp32
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    scale = spec.rope_attention_factor
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "fl
 QUANT_FORMATS = {"int4": (4, 4, 4), "int2": (2, 2, 2), "int2-up": (4, 2, 4)}
 QUANT_GROUP = 128  # elements per quantization group, along a projection's input dimension
 QUANT_GROUP_META_BYTES = 4  # fp16 scale + fp16 zero point per group
+ROPE_TYPES = ("default", "linear", "yarn")  # RoPE frequency variants the model math implements (layers.rope_inv_freq)
 EXPERT_PAGE_ALIGN = 4096  # bytes; each expert page is padded to a multiple of this (one page size per model)
 
 
@@ -77,12 +78,22 @@ class MoESpec:
     v_head_dim: int = 0  # value head width when it differs from head_dim (MLA); 0 = head_dim
     num_dense_layers: int = 0  # leading decoder layers with a dense FFN instead of experts (DeepSeek first_k_dense_replace)
     dense_intermediate_size: int = 0  # FFN width of those dense layers
+    # -- RoPE scaling (config.json rope_parameters / rope_scaling, read by the family; layers.rope_inv_freq) --
+    rope_type: str = "default"  # RoPE frequencies: "default", "linear" (divided by rope_factor) or "yarn" (YaRN blend)
+    rope_factor: float = 1.0  # context extension factor of "linear" and "yarn" (1.0 for "default")
+    rope_original_max_position_embeddings: int = 0  # "yarn": pretraining context of the correction range; 0 otherwise
+    rope_beta_fast: float = 32.0  # "yarn": rotations below which a dim is extrapolated (kept unscaled)
+    rope_beta_slow: float = 1.0  # "yarn": rotations above which a dim is interpolated (divided by rope_factor)
+    rope_truncate: bool = True  # "yarn": floor / ceil the correction range's ends to whole dims
+    rope_attention_factor: float = 1.0  # multiplies cos and sin ("yarn": attention_factor or its mscale formula)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"{self.name}: top_k={self.top_k} outside 1..num_experts={self.num_experts}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"{self.name}: rope_type={self.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property

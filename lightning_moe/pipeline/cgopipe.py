@@ -311,7 +311,7 @@ class CGOPipeExecutor:
         spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device, non_blocking=True)
         x = self.embed[ids.to(self.device, non_blocking=True)]  # [T, D]
-        rope = self.family.rope_cos_sin(pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2, every layer
+        rope = self.family.rope_cos_sin(self.spec, pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2, every layer
         layout = self.family.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
         return PrefillChunk(i, rows, self._prefill_kv_index(mb, off, spans), x, pos, spans, ends, rope, layout)
 
@@ -416,7 +416,7 @@ class CGOPipeExecutor:
     # ---- decode: one micro-batch's attention ----------------------------------------------------
     def _pre_attention(self, l: int, mb: MicroBatch):
         if mb.rope is None:  # once per decode step: the same positions in every layer
-            mb.rope = self.family.rope_cos_sin(mb.pos, self.inv_freq.to(self.device), mb.x.dtype)  # [mu, hd] x2
+            mb.rope = self.family.rope_cos_sin(self.spec, mb.pos, self.inv_freq.to(self.device), mb.x.dtype)  # [mu, hd] x2
         return self.family.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq, mb.rope)  # [mu,Hq,hd] [mu,Hkv,hd] x2
 
     def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:

@@ -7,6 +7,7 @@ family through the registry (``family_for(config)``, ``family_of(spec)``), never
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -34,10 +35,102 @@ class ConfigView:
         return v
 
 
-def refuse(key: str, value: Any, family: str, implemented: str) -> ValueError:
-    """The error for a config field whose value changes the math in a way ``family`` does not implement."""
-    return ValueError(f"config field {key!r}: {value!r} is not implemented by the {family} family "
+def refuse(key: str, value: Any, family: str, implemented: str, what: str = "") -> ValueError:
+    """The error for a config field whose value changes the math in a way ``family`` does not implement (``what``:
+    which part of the field's value, e.g. ``"rope_type "``)."""
+    return ValueError(f"config field {key!r}: {what}{value!r} is not implemented by the {family} family "
                       f"(implemented: {implemented})")
+
+
+# Keys a rope_parameters / rope_scaling mapping may hold, per rope_type (transformers' _validate_<type>_rope_parameters:
+# required and optional keys; "type" is the legacy name of "rope_type")
+_ROPE_COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+ROPE_KEYS = {
+    "default": _ROPE_COMMON_KEYS,
+    "linear": _ROPE_COMMON_KEYS + ("factor",),
+    "yarn": _ROPE_COMMON_KEYS + ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+                                 "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 for scale <= 1; transformers' get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _read_rope_mapping(key: str, rp: Mapping, c: ConfigView, family: str, default_theta: float,
+                       max_position_embeddings: int) -> dict[str, Any]:
+    """MoESpec's rope fields of one rope mapping (config field ``key``), as transformers reads it."""
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ROPE_KEYS:
+        raise refuse(key, rope_type, family, ", ".join(repr(t) for t in ROPE_KEYS), what="rope_type ")
+    for k in rp:
+        if k not in ROPE_KEYS[rope_type]:
+            raise refuse(key, k, family, ", ".join(ROPE_KEYS[rope_type]), what=f"rope_type {rope_type!r} key ")
+    prf = rp.get("partial_rotary_factor")
+    if prf is not None and float(prf) != 1.0:
+        raise refuse(key, prf, family, "1.0 (RoPE over the whole head)", what="partial_rotary_factor ")
+    theta = rp.get("rope_theta")
+    if theta is None:  # older configs: top level (transformers moves it into the mapping), else the config class's
+        theta = c.get("rope_theta")
+    out: dict[str, Any] = {"rope_theta": float(default_theta if theta is None else theta), "rope_type": rope_type}
+    if rope_type == "default":
+        return out
+    if "factor" not in rp or (rope_type == "linear" and rp["factor"] is None):
+        raise ValueError(f"config field {key!r}: rope_type {rope_type!r} needs its 'factor'")
+    factor = rp["factor"]
+    if rope_type == "linear":
+        return {**out, "rope_factor": float(factor)}
+    # yarn (transformers' _compute_yarn_parameters): a top-level original_max_position_embeddings wins over the
+    # mapping's (standardize_rope_params), which defaults to max_position_embeddings
+    orig = c.get("original_max_position_embeddings")
+    if orig is None:
+        orig = rp.get("original_max_position_embeddings")
+    orig = int(max_position_embeddings if orig is None else orig)
+    if factor is None:  # DeepSeek-V3 style: the factor is the context ratio
+        factor = max_position_embeddings / orig
+    factor = float(factor)
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return {**out, "rope_factor": factor, "rope_original_max_position_embeddings": orig,
+            "rope_beta_fast": float(rp.get("beta_fast") or 32), "rope_beta_slow": float(rp.get("beta_slow") or 1),
+            "rope_truncate": bool(rp.get("truncate", True)), "rope_attention_factor": float(attention_factor)}
+
+
+def read_rope(c: ConfigView, family: str, default_theta: float, max_position_embeddings: int) -> dict[str, Any]:
+    """MoESpec's rope fields (``rope_theta``, ``rope_type``, ``rope_factor``, the yarn ones) of a config, as
+    transformers 5 reads it: the legacy ``rope_scaling`` mapping (``type`` or ``rope_type``; Hub config.json files)
+    when set, else ``rope_parameters``; ``rope_theta`` from the mapping, else the top level, else the config class's
+    ``default_theta``; yarn's attention factor resolved from ``attention_factor`` / ``mscale`` / ``mscale_all_dim``.
+
+    Raises:
+        ValueError naming the field: a rope_type other than default, linear, yarn; a key the type does not read;
+            ``partial_rotary_factor`` != 1 (top level or in the mapping); a missing ``factor``; ``rope_scaling`` and
+            ``rope_parameters`` that both are set and disagree.
+    """
+    prf = c.get("partial_rotary_factor")
+    if prf is not None and float(prf) != 1.0:
+        raise refuse("partial_rotary_factor", prf, family, "1.0 (RoPE over the whole head)")
+    read = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        rp = c.get(key)
+        if rp is None:
+            continue
+        if not isinstance(rp, Mapping):
+            raise refuse(key, rp, family, "a mapping with rope_type (or type) and its parameters")
+        if rp:
+            read[key] = _read_rope_mapping(key, rp, c, family, default_theta, max_position_embeddings)
+    if len(read) == 2 and read["rope_scaling"] != read["rope_parameters"]:
+        raise ValueError(f"config fields 'rope_scaling' and 'rope_parameters' disagree: {c.get('rope_scaling')!r} "
+                         f"vs {c.get('rope_parameters')!r}")
+    if read:
+        return next(iter(read.values()))  # rope_scaling first, as transformers' convert_rope_params_to_dict
+    return _read_rope_mapping("rope_parameters", {}, c, family, default_theta, max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -108,8 +201,8 @@ class Family:
     layer_weights: type  # dataclass of one layer's non-expert weights; fields = keys.layer_tensors; has .to()
     dummy_layer: Callable  # (spec, rnd(*shape) -> tensor, dtype) -> layer_weights, deterministic order
     # ---- layer math -------------------------------------------------------------------------------------
-    rope_inv_freq: Callable  # (spec, device) -> fp32 [hd/2]
-    rope_cos_sin: Callable  # (positions [T], inv_freq, dtype) -> (cos, sin) [T, hd]
+    rope_inv_freq: Callable  # (spec, device) -> fp32 [hd/2] (spec.rope_type's frequencies)
+    rope_cos_sin: Callable  # (spec, positions [T], inv_freq, dtype) -> (cos, sin) [T, hd] (x spec.rope_attention_factor)
     pre_attention: Callable  # (lw, x [T, D], positions [T], spec, inv_freq, rope=None) -> q, k, v
     prefill_packed_layout: Callable  # (spans, T, device) -> index tensors for prefill_attention_packed
     prefill_attention_packed: Callable  # (q, k, v, spans, sliding_window, layout=None) -> [T, Hq*hd]

@@ -1,9 +1,9 @@
 """The Mixtral family (Jiang et al. 2024, arXiv 2401.04088): config reader, checkpoint key map, layer math.
 
-Per decoder layer: RMSNorm -> q, k, v projections (no bias) -> RoPE (rotate-half, default frequencies) -> GQA
-attention (causal, optional sliding window) -> o_proj -> residual -> RMSNorm -> softmax top-k router over all
-experts, renormalized -> routed SwiGLU experts -> residual. No shared experts, no dense layers. Final RMSNorm and
-lm_head. The oracle is transformers' ``modeling_mixtral.py``; the shared pieces are in ``model/layers.py``
+Per decoder layer: RMSNorm -> q, k, v projections (no bias) -> RoPE (rotate-half; default, linear or yarn
+frequencies) -> GQA attention (causal, optional sliding window) -> o_proj -> residual -> RMSNorm -> softmax top-k
+router over all experts, renormalized -> routed SwiGLU experts -> residual. No shared experts, no dense layers. Final
+RMSNorm and lm_head. The oracle is transformers' ``modeling_mixtral.py``; the shared pieces are in ``model/layers.py``
 (dimension key there).
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F_
 from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, refuse
+from .base import ConfigView, Family, KeyMap, read_rope, refuse
 
 NAME = "mixtral"
 
@@ -87,8 +87,10 @@ IMPLEMENTED_KEYS = frozenset({
     "rms_norm_eps", "max_position_embeddings", "sliding_window", "tie_word_embeddings", "bos_token_id",
     "eos_token_id",
     "hidden_act",  # silu only
-    "rope_parameters", "rope_scaling",  # rope_type default only (transformers 5 / older names)
+    "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / older names; base.read_rope)
     "rope_theta",  # older configs: top level; transformers 5: in rope_parameters
+    "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
+    "original_max_position_embeddings",  # older top-level name (wins over rope_parameters' for yarn, as in transformers)
     "quantization",  # this package's packed expert pages (model/quantized.py)
 })
 REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
@@ -101,7 +103,7 @@ HARMLESS_KEYS = frozenset({
     "router_jitter_noise",  # applied in training only (MixtralSparseMoeBlock: ``if self.training``)
 })
 HIDDEN_ACTS = ("silu",)
-ROPE_TYPES = (None, "default")
+DEFAULT_THETA = 1e6  # RoPE base when the config names none (transformers' MixtralConfig.default_theta)
 
 
 def _check_math_fields(get, hidden_acts: tuple[str, ...]) -> None:
@@ -109,10 +111,6 @@ def _check_math_fields(get, hidden_acts: tuple[str, ...]) -> None:
     act = get("hidden_act", "silu")
     if act not in hidden_acts:
         raise refuse("hidden_act", act, NAME, ", ".join(repr(a) for a in hidden_acts))
-    for key in ("rope_parameters", "rope_scaling"):
-        rp = get(key)
-        if isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) not in ROPE_TYPES:
-            raise refuse(key, rp, NAME, "rope_type 'default'")
     for key in REFUSED_KEYS:
         if get(key) is not None:
             raise refuse(key, get(key), NAME, "unquantized checkpoints and moe-batch quantize's packed pages")
@@ -123,15 +121,14 @@ def read_spec(cfg, name: Optional[str] = None, *, hidden_acts: tuple[str, ...] =
 
     Raises:
         ValueError: a missing field, or a value that changes the math and is not implemented (``hidden_act`` other
-            than silu, a rope scaling type, a transformers ``quantization_config``): the message names the field.
+            than silu, a rope scaling type other than linear and yarn, ``partial_rotary_factor`` != 1, a transformers
+            ``quantization_config``): the message names the field.
     """
     c = cfg if isinstance(cfg, ConfigView) else ConfigView(cfg)
     get, need = c.get, c.need
     _check_math_fields(get, hidden_acts)
     model_type = get("model_type") or "mixtral"  # a config found by its architectures alone
-    rope_theta = get("rope_theta")
-    if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
-        rope_theta = (get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    max_pos = int(get("max_position_embeddings", 4096))
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = get("head_dim") or hidden // heads
@@ -150,9 +147,9 @@ def read_spec(cfg, name: Optional[str] = None, *, hidden_acts: tuple[str, ...] =
         head_dim=int(head_dim),
         num_experts=int(need("num_local_experts")),
         top_k=int(need("num_experts_per_tok")),
-        rope_theta=float(rope_theta),
+        **read_rope(c, NAME, DEFAULT_THETA, max_pos),  # rope_theta, rope_type and its parameters
         rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(get("max_position_embeddings", 4096)),
+        max_position_embeddings=max_pos,
         sliding_window=get("sliding_window"),
         norm_topk_prob=True,
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
@@ -171,7 +168,7 @@ def pre_attention(
     """Norm, q/k/v projections and RoPE for a packed batch of tokens.
 
     x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
-    ``rope_cos_sin(positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
+    ``rope_cos_sin(spec, positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
     Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
     """
     T = x.shape[0]
@@ -179,7 +176,7 @@ def pre_attention(
     q = F_.linear(h, lw.wq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
     k = F_.linear(h, lw.wk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
     v = F_.linear(h, lw.wv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    cos, sin = rope if rope is not None else L.rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
+    cos, sin = rope if rope is not None else L.rope_cos_sin(spec, positions, inv_freq.to(x.device), x.dtype)  # [T, hd]
     return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
 
 

@@ -1,13 +1,14 @@
 """The Qwen3-MoE family (Qwen team 2025, arXiv 2505.09388): config reader, checkpoint key map, layer math.
 
 Per decoder layer: RMSNorm -> q, k, v projections (no bias) -> per-head RMSNorm of q and of k over head_dim
-(``q_norm``, ``k_norm``, before RoPE) -> RoPE (rotate-half, default frequencies) -> GQA attention (causal, full) ->
-o_proj -> residual -> RMSNorm -> softmax over all experts -> top-k, renormalized only with ``norm_topk_prob`` ->
-routed SwiGLU experts of width ``moe_intermediate_size`` -> residual. ``head_dim`` comes from the config (Qwen3:
-Hq * hd != D). No shared expert. Final RMSNorm and lm_head (tied to embed_tokens with ``tie_word_embeddings``).
-Refused by name: attention biases, sliding windows, dense (MLP-only) layers (``mlp_only_layers``,
-``decoder_sparse_step``), rope scaling, transformers-quantized checkpoints. The oracle is transformers'
-``modeling_qwen3_moe.py``; the shared pieces are in ``model/layers.py`` (dimension key there).
+(``q_norm``, ``k_norm``, before RoPE) -> RoPE (rotate-half; default, linear or yarn frequencies) -> GQA attention
+(causal, full) -> o_proj -> residual -> RMSNorm -> softmax over all experts -> top-k, renormalized only with
+``norm_topk_prob`` -> routed SwiGLU experts of width ``moe_intermediate_size`` -> residual. ``head_dim`` comes from
+the config (Qwen3: Hq * hd != D). No shared expert. Final RMSNorm and lm_head (tied to embed_tokens with
+``tie_word_embeddings``). Refused by name: attention biases, sliding windows, dense (MLP-only) layers
+(``mlp_only_layers``, ``decoder_sparse_step``), rope scaling other than linear and yarn, partial rotary,
+transformers-quantized checkpoints. The oracle is transformers' ``modeling_qwen3_moe.py``; the shared pieces are in
+``model/layers.py`` (dimension key there).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F_
 from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, refuse
+from .base import ConfigView, Family, KeyMap, read_rope, refuse
 
 NAME = "qwen3_moe"
 
@@ -98,8 +99,10 @@ IMPLEMENTED_KEYS = frozenset({
     "intermediate_size",  # width of the dense MLP of MLP-only layers: read only with them, which are refused
     "norm_topk_prob",  # renormalize the top-k router weights (both values implemented)
     "hidden_act",  # silu only
-    "rope_parameters", "rope_scaling",  # rope_type default only (transformers 5 / older names)
+    "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / older names; base.read_rope)
     "rope_theta",  # older configs: top level; transformers 5: in rope_parameters
+    "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
+    "original_max_position_embeddings",  # older top-level name (wins over rope_parameters' for yarn, as in transformers)
     "attention_bias",  # false only
     "use_sliding_window",  # false only
     "sliding_window",  # unused unless use_sliding_window (transformers sets it to None then)
@@ -117,7 +120,7 @@ HARMLESS_KEYS = frozenset({
     "max_window_layers",  # Hub configs: which layers a sliding window would skip; use_sliding_window is refused
 })
 HIDDEN_ACTS = ("silu",)
-ROPE_TYPES = (None, "default")
+DEFAULT_THETA = 1e4  # RoPE base when the config names none (transformers' Qwen3MoeConfig.default_theta)
 
 
 def _check_math_fields(get, num_layers: int) -> None:
@@ -125,10 +128,6 @@ def _check_math_fields(get, num_layers: int) -> None:
     act = get("hidden_act", "silu")
     if act not in HIDDEN_ACTS:
         raise refuse("hidden_act", act, NAME, ", ".join(repr(a) for a in HIDDEN_ACTS))
-    for key in ("rope_parameters", "rope_scaling"):
-        rp = get(key)
-        if isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) not in ROPE_TYPES:
-            raise refuse(key, rp, NAME, "rope_type 'default'")
     if get("attention_bias", False):
         raise refuse("attention_bias", get("attention_bias"), NAME, "False (q/k/v/o projections without bias)")
     if get("use_sliding_window", False):
@@ -150,9 +149,9 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
 
     Raises:
         ValueError: a missing field, or a value that changes the math and is not implemented (``hidden_act`` other
-            than silu, a rope scaling type, ``attention_bias``, ``use_sliding_window``, dense layers through
-            ``decoder_sparse_step`` / ``mlp_only_layers``, no experts, a transformers ``quantization_config``):
-            the message names the field.
+            than silu, a rope scaling type other than linear and yarn, ``partial_rotary_factor`` != 1,
+            ``attention_bias``, ``use_sliding_window``, dense layers through ``decoder_sparse_step`` /
+            ``mlp_only_layers``, no experts, a transformers ``quantization_config``): the message names the field.
     """
     c = cfg if isinstance(cfg, ConfigView) else ConfigView(cfg)
     get, need = c.get, c.need
@@ -163,9 +162,7 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     if num_experts < 1:  # transformers: every layer a dense MLP
         raise refuse(experts_key, num_experts, NAME, ">= 1 routed experts (dense MLP layers are not implemented)")
     model_type = get("model_type") or NAME  # a config found by its architectures alone
-    rope_theta = get("rope_theta")
-    if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
-        rope_theta = (get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    max_pos = int(get("max_position_embeddings", 32768))
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = get("head_dim") or hidden // heads
@@ -184,9 +181,9 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
         head_dim=int(head_dim),
         num_experts=num_experts,
         top_k=int(need("num_experts_per_tok")),
-        rope_theta=float(rope_theta),
+        **read_rope(c, NAME, DEFAULT_THETA, max_pos),  # rope_theta, rope_type and its parameters
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(get("max_position_embeddings", 32768)),
+        max_position_embeddings=max_pos,
         sliding_window=None,
         norm_topk_prob=bool(get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
@@ -205,7 +202,7 @@ def pre_attention(
     """Norm, q/k/v projections, per-head q/k RMSNorm and RoPE for a packed batch of tokens.
 
     x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
-    ``rope_cos_sin(positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
+    ``rope_cos_sin(spec, positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
     Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
     """
     T = x.shape[0]
@@ -215,7 +212,7 @@ def pre_attention(
     v = F_.linear(h, lw.wv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
     q = L.rms_norm(q, lw.q_norm, spec.rms_norm_eps)  # [T, Hq, hd] each head over hd
     k = L.rms_norm(k, lw.k_norm, spec.rms_norm_eps)  # [T, Hkv, hd]
-    cos, sin = rope if rope is not None else L.rope_cos_sin(positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
+    cos, sin = rope if rope is not None else L.rope_cos_sin(spec, positions, inv_freq.to(x.device), x.dtype)  # [T, hd]
     return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
 
 
