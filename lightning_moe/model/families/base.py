@@ -117,7 +117,8 @@ def read_rope(c: ConfigView, family: str, default_theta: float, max_position_emb
     if prf is not None and float(prf) != 1.0:
         raise refuse("partial_rotary_factor", prf, family, "1.0 (RoPE over the whole head)")
     read = {}
-    for key in ("rope_scaling", "rope_parameters"):
+    # a transformers config holds the legacy mapping in rope_parameters (its rope_scaling is an alias of it)
+    for key in ("rope_scaling", "rope_parameters") if isinstance(c.cfg, Mapping) else ("rope_parameters",):
         rp = c.get(key)
         if rp is None:
             continue
