@@ -242,3 +242,41 @@ def test_other_rope_types_and_partial_rotary_are_refused_by_name(family, changes
         raw = json.load(f)
     with pytest.raises(ValueError, match=raw_dict.format(family=family)):
         read_spec(raw)
+
+
+def test_hub_configs_read_with_and_without_yarn():
+    """mistralai/Mixtral-8x7B-v0.1's config.json (top-level rope_theta, no rope mapping) reads as the planner's registry
+    spec, raw and through MixtralConfig; Qwen3-30B-A3B with the yarn ``rope_scaling`` its model card gives reads the
+    registry spec plus yarn, alike as a raw dict and through Qwen3MoeConfig."""
+    import math
+
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from lightning_moe.policy.registry import resolve_spec
+
+    mixtral = {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+               "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+               "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+               "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+               "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+               "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+               "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000}
+    reg = resolve_spec("mixtral-8x7b")
+    assert read_spec(mixtral, reg.name) == reg
+    kw = {k: v for k, v in mixtral.items() if k not in ("architectures", "model_type")}
+    assert read_spec(MixtralConfig(**kw), reg.name) == reg
+
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+            "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+            "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 131072, "max_window_layers": 48,
+            "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+            "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+            "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+    reg = dataclasses.replace(resolve_spec("qwen3-30b-a3b"), max_position_embeddings=131072)
+    want = dataclasses.replace(reg, rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=32768,
+                               rope_attention_factor=0.1 * math.log(4.0) + 1.0)
+    assert read_spec(qwen, reg.name) == want
+    kw = {k: v for k, v in qwen.items() if k not in ("architectures", "model_type")}
+    assert read_spec(Qwen3MoeConfig(**kw), reg.name) == want
