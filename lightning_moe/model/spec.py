@@ -77,6 +77,8 @@ class MoESpec:
     v_head_dim: int = 0  # value head width when it differs from head_dim (MLA); 0 = head_dim
     num_dense_layers: int = 0  # leading decoder layers with a dense FFN instead of experts (DeepSeek first_k_dense_replace)
     dense_intermediate_size: int = 0  # FFN width of those dense layers
+    # -- model math of some families (no bytes or FLOPs) --
+    clip_qkv: Optional[float] = None  # q, k, v projections clamped to [-clip_qkv, clip_qkv] (OLMoE); None = not
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
