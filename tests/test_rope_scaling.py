@@ -1,6 +1,6 @@
 """RoPE scaling (linear, yarn) in both families against transformers' own models, through both executors.
 
-Tiny random checkpoints saved by transformers' ``save_pretrained`` (MixtralForCausalLM and Qwen3MoeForCausalLM, fp32,
+Tiny random checkpoints saved by transformers' ``save_pretrained`` (MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM, fp32,
 2 layers, 8 experts, top-2, GQA 4 query heads over 2 KV heads) with ``rope_parameters`` linear (factor 4) and yarn
 (factor 4 over an original context of 32 tokens: transformers' defaults, and non-default beta_fast / beta_slow /
 mscale / mscale_all_dim / truncate). Prompts run past the original context: logits equal transformers' (max abs
@@ -32,6 +32,7 @@ _g = torch.Generator().manual_seed(5)
 # ragged prompts, three of them longer than the original context
 PROMPTS = [[1] + torch.randint(3, VOCAB, (n,), generator=_g).tolist() for n in (44, 37, 6, 33)]
 
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "rope_theta": 10000.0},
@@ -47,7 +48,12 @@ def make_hf(path, family: str, rope: dict, seed: int = 0):
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts_per_tok=2, max_position_embeddings=MAX_POS, rope_parameters=dict(rope),
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "mixtral":  # head_dim given: transformers' yarn reads config.head_dim (MixtralConfig's is None)
+    if family == "olmoe":  # head_dim is hidden / heads in OLMoE (q_norm is sized by hidden_size)
+        common.update(hidden_size=64)
+        del common["head_dim"]
+        cfg = transformers.OlmoeConfig(intermediate_size=24, num_experts=8, **common)
+        model_cls = transformers.OlmoeForCausalLM
+    elif family == "mixtral":  # head_dim given: transformers' yarn reads config.head_dim (MixtralConfig's is None)
         cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=8, **common)
         model_cls = transformers.MixtralForCausalLM
     else:
@@ -66,8 +72,8 @@ def make_hf(path, family: str, rope: dict, seed: int = 0):
     return str(path), model
 
 
-@pytest.fixture(scope="module", params=[(f, r) for f in ("mixtral", "qwen3_moe") for r in ROPES],
-                ids=[f"{f}-{r}" for f in ("mixtral", "qwen3_moe") for r in ROPES])
+@pytest.fixture(scope="module", params=[(f, r) for f in FAMILIES for r in ROPES],
+                ids=[f"{f}-{r}" for f in FAMILIES for r in ROPES])
 def hf_rope(request, tmp_path_factory):
     """(checkpoint dir, transformers model, rope case name) per family and rope scaling."""
     family, rope = request.param
@@ -156,7 +162,7 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_rope):
             pipe.close()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_legacy_rope_scaling_reads_to_the_same_spec(family, rope, tmp_path):
     """A Hub-style config.json (``rope_scaling`` with ``type``, top-level ``rope_theta``, no ``rope_parameters``)
@@ -203,7 +209,7 @@ def test_yarn_defaults_and_attention_factor_forms():
     assert read_spec(mixtral).rope_theta == 1e6
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("changes, message", [
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
      r"config field 'rope_parameters': rope_type 'dynamic' is not implemented by the {family} family "

@@ -86,6 +86,8 @@ class MoESpec:
     rope_beta_slow: float = 1.0  # "yarn": rotations above which a dim is interpolated (divided by rope_factor)
     rope_truncate: bool = True  # "yarn": floor / ceil the correction range's ends to whole dims
     rope_attention_factor: float = 1.0  # multiplies cos and sin ("yarn": attention_factor or its mscale formula)
+    # -- model math of some families (no bytes or FLOPs) --
+    clip_qkv: Optional[float] = None  # q, k, v projections clamped to [-clip_qkv, clip_qkv] (OLMoE); None = not
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
