@@ -55,7 +55,7 @@ def roofline_points(spec: MoESpec, hw: HardwareProfile, policy: Policy, workload
             add(f"decode attention, GPU ({policy.n_gpu_attn} x {policy.mu} rows)", attn_flops, attn_bytes,
                 gpu_peak, hw.gpu_hbm_bandwidth, "GPU")
     counts = policy.resident_counts(spec)
-    moe = [c for i, c in enumerate(counts) if i >= spec.num_dense_layers]
+    moe = [c for i, c in enumerate(counts) if not spec.is_dense_layer(i)]
     paged = spec.num_experts - (sum(moe) / len(moe) if moe else 0)
     We = spec.expert_bytes(policy.weight_quant)
     k, Pe = spec.top_k, spec.expert_params

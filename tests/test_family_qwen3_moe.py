@@ -2,7 +2,8 @@
 
 Tiny random checkpoints saved by transformers' ``save_pretrained`` (fp32, sharded): 2 layers, 8 experts, top-3, GQA
 4 query heads over 2 KV heads, head_dim 12 != hidden / heads = 8, random q/k norm weights; ``norm_topk_prob`` true
-and false, and one with tied embeddings. Logits equal transformers' on a ragged batch (max abs < 1e-4), greedy
+and false, one with tied embeddings, and dense (MLP-only) layers: one through ``mlp_only_layers`` (3 layers: MoE,
+dense, MoE), two through ``decoder_sparse_step=2`` (4 layers: dense, MoE, dense, MoE). Logits equal transformers' on a ragged batch (max abs < 1e-4), greedy
 tokens equal transformers' ``generate`` for 20 steps in the serial executor and in CGOPipe (CPU, experts paged),
 every Qwen3MoeConfig field is implemented, refused or harmless, and each refused value's error names its field.
 """
@@ -26,8 +27,9 @@ VOCAB = 128
 PROMPTS = [[1, 17, 33, 5, 90, 41, 7, 64], [1, 9, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77]]
 
 
-def make_hf_qwen3_moe(path, *, norm_topk_prob, tie=False, layers=2, experts=8, top_k=3, hidden=32, heads=4,
-                      kv_heads=2, head_dim=12, moe_ffn=24, ffn=64, vocab=VOCAB, seed=0, shard="20KB"):
+def make_hf_qwen3_moe(path, *, norm_topk_prob, tie=False, layers=2, mlp_only_layers=(), decoder_sparse_step=1,
+                      experts=8, top_k=3, hidden=32, heads=4, kv_heads=2, head_dim=12, moe_ffn=24, ffn=64, vocab=VOCAB,
+                      seed=0, shard="20KB"):
     """Save a random Qwen3MoeForCausalLM with save_pretrained (sharded safetensors); return (path, model)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -35,6 +37,7 @@ def make_hf_qwen3_moe(path, *, norm_topk_prob, tie=False, layers=2, experts=8, t
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k,
                          norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie, max_position_embeddings=256,
+                         mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=decoder_sparse_step,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
@@ -51,13 +54,23 @@ def make_hf_qwen3_moe(path, *, norm_topk_prob, tie=False, layers=2, experts=8, t
     return str(path), model
 
 
-@pytest.fixture(scope="module", params=[(True, False), (False, False), (False, True)],
-                ids=["norm_topk", "no_norm_topk", "no_norm_topk-tied"])
+CASES = {  # id -> (make_hf_qwen3_moe kwargs, dense layers transformers builds)
+    "norm_topk": (dict(norm_topk_prob=True), ()),
+    "no_norm_topk": (dict(norm_topk_prob=False), ()),
+    "no_norm_topk-tied": (dict(norm_topk_prob=False, tie=True), ()),
+    "norm_topk-mlp_only": (dict(norm_topk_prob=True, layers=3, mlp_only_layers=(1,)), (1,)),
+    "no_norm_topk-sparse_step2": (dict(norm_topk_prob=False, layers=4, decoder_sparse_step=2), (0, 2)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def hf_qwen3(request, tmp_path_factory):
-    """(checkpoint dir, transformers model) per (norm_topk_prob, tie_word_embeddings)."""
-    norm, tie = request.param
-    return make_hf_qwen3_moe(tmp_path_factory.mktemp("hf_qwen3") / "ckpt", norm_topk_prob=norm, tie=tie,
-                             seed=11 + 2 * norm + tie)
+    """(checkpoint dir, transformers model) per case; the dense layers are checked in test_spec_and_registry."""
+    kw, _ = CASES[request.param]
+    path, model = make_hf_qwen3_moe(tmp_path_factory.mktemp("hf_qwen3") / "ckpt",
+                                    seed=11 + 2 * kw["norm_topk_prob"] + kw.get("tie", False) + 3 * kw.get("layers", 2), **kw)
+    model.case = request.param
+    return path, model
 
 
 def _write_config(src: str, dst, **changes) -> str:
@@ -93,8 +106,13 @@ def test_spec_and_registry(hf_qwen3):
     assert (spec.model_type, spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_heads,
             spec.num_kv_heads, spec.head_dim, spec.num_experts, spec.top_k, spec.rope_theta, spec.rms_norm_eps,
             spec.sliding_window, spec.norm_topk_prob, spec.tie_word_embeddings) == (
-        "qwen3_moe", 32, 24, 2, 4, 2, 12, 8, 3, 10000.0, 1e-6, None, c.norm_topk_prob, c.tie_word_embeddings)
+        "qwen3_moe", 32, 24, c.num_hidden_layers, 4, 2, 12, 8, 3, 10000.0, 1e-6, None, c.norm_topk_prob,
+        c.tie_word_embeddings)
     assert spec.q_size != spec.hidden_size  # head_dim from the config, not hidden / heads
+    # the dense layers are exactly the layers transformers built as Qwen3MoeMLP (width intermediate_size)
+    hf_dense = tuple(i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts"))
+    assert spec.dense_layers == CASES[model.case][1] == hf_dense
+    assert spec.dense_intermediate_size == (64 if hf_dense else 0)
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     assert read_spec(raw, spec.name) == spec  # the raw dict and transformers' AutoConfig read alike
@@ -131,12 +149,18 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_qwen3):
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(w) for w in want}) > 1
     sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
-    serial = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(PROMPTS, sp)
+    w = load_checkpoint(path, torch.float32)
+    dense = w.spec.dense_layers
+    assert [i for i, e in enumerate(w.experts) if e is None] == list(dense)  # a dense layer has no routed experts
+    serial = SerialExecutor(w, "cpu").generate(PROMPTS, sp)
     assert [o for o, _ in serial] == want and all(r == "length" for _, r in serial)
     for resident in (0, 3):
         pol = Policy(mu=2, n=2, prefill_mu=2, resident_experts=resident, dtype="fp32", weight_quant="fp32")
         pipe = CGOPipeExecutor(load_checkpoint(path, torch.float32), pol, "cpu")
         try:
+            ws = pipe.weight_stream  # dense layers: no pages in the pool, no resident experts
+            assert all(ws.pool.pages_per_layer[i] == 0 and not ws.paging.resident_experts(i) for i in dense)
+            assert ws.resident_count() == resident * w.spec.num_moe_layers
             assert [o for o, _ in pipe.generate(PROMPTS, sp)] == want
         finally:
             pipe.close()
@@ -185,8 +209,9 @@ def qwen3_dir(tmp_path_factory):
 @pytest.mark.parametrize("changes, field", [
     (dict(attention_bias=True), r"attention_bias': True"),
     (dict(use_sliding_window=True, sliding_window=4), r"use_sliding_window': True"),
-    (dict(decoder_sparse_step=2), r"decoder_sparse_step': 2"),
-    (dict(mlp_only_layers=[1]), r"mlp_only_layers': \[1\]"),
+    (dict(decoder_sparse_step=0), r"decoder_sparse_step': 0"),
+    (dict(mlp_only_layers=[0, 1]), r"mlp_only_layers': \[0, 1\]"),  # no MoE layer left
+    (dict(decoder_sparse_step=3), r"decoder_sparse_step': 3"),  # 2 layers: (i + 1) % 3 != 0 for both
     (dict(num_local_experts=0), r"num_local_experts': 0"),
     (dict(hidden_act="gelu"), r"hidden_act': 'gelu'"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
@@ -223,14 +248,18 @@ def test_quantized_checkpoint_runs_in_both_executors(hf_qwen3, tmp_path):
     path, model = hf_qwen3
     dst = quantize_checkpoint(path, str(tmp_path / "q"), experts="int4", group_size=8).dst
     src, w = load_checkpoint(path, torch.float32), load_checkpoint(dst, torch.float32)
-    assert all(isinstance(e, QuantExperts) for e in w.experts)
+    dense = w.spec.dense_layers
+    assert all(isinstance(e, QuantExperts) for i, e in enumerate(w.experts) if i not in dense)
+    assert [i for i, e in enumerate(w.experts) if e is None] == list(dense)
     assert (w.lm_head is w.embed) == model.config.tie_word_embeddings and torch.equal(w.lm_head, src.lm_head)
-    for a, b in zip(w.layers, src.layers):
-        assert set(a.__dict__) >= {"q_norm", "k_norm"}
+    for i, (a, b) in enumerate(zip(w.layers, src.layers)):
+        assert type(a) is type(b) and set(a.__dict__) >= ({"q_norm", "k_norm"} | ({"w1", "w3", "w2"} if i in dense else set()))
         assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in a.__dict__)
     deq = copy.deepcopy(model)
     with torch.no_grad():
         for layer, qe in zip(deq.model.layers, w.experts):
+            if qe is None:  # a dense layer: its MLP is not quantized
+                continue
             ew = qe.dequantize(torch.float32)
             layer.mlp.experts.gate_up_proj.copy_(torch.cat([ew.w1, ew.w3], dim=1))  # [E, 2F, D]
             layer.mlp.experts.down_proj.copy_(ew.w2)  # [E, D, F]

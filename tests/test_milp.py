@@ -15,7 +15,7 @@ from lightning_moe.policy.registry import resolve_spec
 def tiny_spec(L=2, E=4, dense=0, shared=0) -> MoESpec:
     return MoESpec(name="tiny", model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=L,
                    num_heads=4, num_kv_heads=2, head_dim=16, num_experts=E, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,
-                   max_position_embeddings=512, num_dense_layers=dense, dense_intermediate_size=256 if dense else 0,
+                   max_position_embeddings=512, dense_layers=tuple(range(dense)), dense_intermediate_size=256 if dense else 0,
                    num_shared_experts=shared, shared_intermediate_size=64 if shared else 0)
 
 
@@ -168,6 +168,25 @@ def test_plan_other_families(name, preset, gpu, cpu):
     pol, est = milp.plan(spec, hw, wl, Budgets(gpu_memory=gpu * GiB, cpu_memory=cpu * GiB))
     assert est.e2e_tok_s > 0 and not hrm.memory_violations(pol, spec, wl)
     assert pol.resident_counts(spec)[: spec.num_dense_layers] == (0,) * spec.num_dense_layers
+
+
+def test_plan_dense_layers_anywhere():
+    """Dense layers that are not the leading ones (Qwen2/3-MoE decoder_sparse_step=2: layers 0, 2, 4, ...) keep no
+    resident experts, page nothing, and the resident experts spread over the MoE layers only."""
+    import dataclasses
+
+    spec = dataclasses.replace(resolve_spec("qwen1.5-moe-a2.7b"), dense_layers=tuple(range(0, 24, 2)),
+                               dense_intermediate_size=5632)
+    hw, wl = get_preset("l4"), Workload(prompt_len=128, gen_len=16)
+    budgets = Budgets(gpu_memory=12 * GiB, cpu_memory=64 * GiB)
+    pol = milp.policy_from_decisions(spec, wl, budgets, 8, 2, 12 * 3 + 5, 0)
+    assert pol.resident_counts(spec) == tuple(0 if i % 2 == 0 else 3 + (i < 11) for i in range(24))
+    pol, est = milp.plan(spec, hw, wl, budgets)
+    assert est.e2e_tok_s > 0 and not hrm.memory_violations(pol, spec, wl)
+    counts = pol.resident_counts(spec)
+    assert all(counts[i] == 0 for i in spec.dense_layers)
+    assert hrm.memory_estimate(pol, spec, wl).cpu["pinned experts (not resident)"] == (
+        (12 * spec.num_experts - sum(counts)) * spec.expert_bytes(pol.weight_quant))
 
 
 @pytest.mark.parametrize("field", ["cpu_attention_overhead", "microbatch_overhead"])

@@ -1,12 +1,13 @@
-"""RoPE scaling (linear, yarn) in both families against transformers' own models, through both executors.
+"""RoPE scaling (linear, yarn) in every family against transformers' own models, through both executors.
 
-Tiny random checkpoints saved by transformers' ``save_pretrained`` (MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM, fp32,
-2 layers, 8 experts, top-2, GQA 4 query heads over 2 KV heads) with ``rope_parameters`` linear (factor 4) and yarn
-(factor 4 over an original context of 32 tokens: transformers' defaults, and non-default beta_fast / beta_slow /
-mscale / mscale_all_dim / truncate). Prompts run past the original context: logits equal transformers' (max abs
-< 1e-4) on a ragged batch, greedy tokens equal transformers' ``generate`` for 20 steps in the serial executor and
-in CGOPipe on the CPU (experts paged; CPU-KV and device-KV micro-batches). The legacy ``rope_scaling`` form of
-config.json reads to the same spec; every other rope type and ``partial_rotary_factor`` != 1 are refused by name.
+Tiny random checkpoints saved by transformers' ``save_pretrained`` (MixtralForCausalLM, Qwen3MoeForCausalLM,
+OlmoeForCausalLM and Qwen2MoeForCausalLM, fp32, 2 layers, 8 experts (Qwen2-MoE: plus its shared expert), top-2, GQA
+4 query heads over 2 KV heads) with ``rope_parameters`` linear (factor 4) and yarn (factor 4 over an original
+context of 32 tokens: transformers' defaults, and non-default beta_fast / beta_slow / mscale / mscale_all_dim /
+truncate). Prompts run past the original context: logits equal transformers' (max abs < 1e-4) on a ragged batch,
+greedy tokens equal transformers' ``generate`` for 20 steps in the serial executor and in CGOPipe on the CPU
+(experts paged; CPU-KV and device-KV micro-batches). The legacy ``rope_scaling`` form of config.json reads to the
+same spec; every other rope type and ``partial_rotary_factor`` != 1 are refused by name.
 """
 
 import dataclasses
@@ -32,7 +33,7 @@ _g = torch.Generator().manual_seed(5)
 # ragged prompts, three of them longer than the original context
 PROMPTS = [[1] + torch.randint(3, VOCAB, (n,), generator=_g).tolist() for n in (44, 37, 6, 33)]
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "rope_theta": 10000.0},
@@ -48,7 +49,11 @@ def make_hf(path, family: str, rope: dict, seed: int = 0):
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts_per_tok=2, max_position_embeddings=MAX_POS, rope_parameters=dict(rope),
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "olmoe":  # head_dim is hidden / heads in OLMoE (q_norm is sized by hidden_size)
+    if family == "qwen2_moe":  # one shared expert, q/k/v biases, every layer MoE
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=24, shared_expert_intermediate_size=20,
+                                          num_experts=8, norm_topk_prob=False, **common)
+        model_cls = transformers.Qwen2MoeForCausalLM
+    elif family == "olmoe":  # head_dim is hidden / heads in OLMoE (q_norm is sized by hidden_size)
         common.update(hidden_size=64)
         del common["head_dim"]
         cfg = transformers.OlmoeConfig(intermediate_size=24, num_experts=8, **common)

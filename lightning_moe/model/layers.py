@@ -200,6 +200,14 @@ def experts_ffn(x: torch.Tensor, ew: ExpertWeights, topk_w: torch.Tensor, topk_i
     return experts_ffn_reference(x, ew.w1, ew.w3, ew.w2, topk_w, topk_ids, act=act)
 
 
+def swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One dense SwiGLU MLP ``(silu(h W1^T) * (h W3^T)) W2^T`` (a dense layer's MLP, a shared expert), in h's dtype.
+
+    h: [T, D]; w1, w3: [F, D] (gate_proj, up_proj); w2: [D, F] (down_proj). Returns [T, D].
+    """
+    return F_.linear(F_.silu(F_.linear(h, w1)) * F_.linear(h, w3), w2)  # [T, D]
+
+
 def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     """Final RMSNorm and lm_head. x: [T, D] -> fp32 logits [T, V]."""
     return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
@@ -259,16 +267,33 @@ def prefill_attention_packed(
 
 
 def moe_post_attention(lw, ew: Optional[ExpertWeights], x: torch.Tensor, attn: torch.Tensor, spec: MoESpec,
-                       ffn: Optional[ExpertsFn] = None) -> torch.Tensor:
-    """o_proj + residual, RMSNorm, router (top-k renormalized per ``spec.norm_topk_prob``), experts, residual: the
-    post-attention half of a decoder layer whose weights carry ``wo``, ``ffn_norm`` and ``router``.
+                       ffn: Optional[ExpertsFn] = None,
+                       shared: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+    """o_proj + residual, RMSNorm, router (top-k renormalized per ``spec.norm_topk_prob``), experts (+ the shared
+    expert), residual: the post-attention half of a decoder layer whose weights carry ``wo``, ``ffn_norm`` and
+    ``router``.
 
     x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output; ``ffn(h, ew, topk_w,
     topk_ids)``: the expert FFN (default :func:`experts_ffn`; the executors pass theirs; ``ew`` may be None when
-    ``ffn`` holds the experts). Returns the layer output [T, D].
+    ``ffn`` holds the experts); ``shared(lw, h) -> [T, D]``: the family's always-on shared expert(s) over the normed
+    hidden states, added to the routed output (None: no shared expert). Returns the layer output [T, D].
     """
     ffn = experts_ffn if ffn is None else ffn
     x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
     h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
     topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
-    return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]
+    y = ffn(h, ew, topk_w, topk_ids)  # [T, D] routed experts
+    if shared is not None:
+        y = y + shared(lw, h)  # [T, D]
+    return x + y  # [T, D]
+
+
+def dense_post_attention(lw, x: torch.Tensor, attn: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """o_proj + residual, RMSNorm, one dense SwiGLU MLP (:func:`swiglu` of ``lw.w1, lw.w3, lw.w2``), residual: the
+    post-attention half of a dense (MLP-only) layer: no router, no routed or shared experts.
+
+    x: [T, D] the layer input; attn: [T, Hq*hd]. Returns the layer output [T, D].
+    """
+    x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
+    h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
+    return x + swiglu(h, lw.w1, lw.w3, lw.w2)  # [T, D]

@@ -36,10 +36,10 @@ class QuantizeResult:
     group_size: int  # G, input columns per quantization group
     page_bytes: int  # bytes of one expert page
     num_layers: int  # decoder layers
-    num_experts: int  # experts per layer
+    num_experts: int  # experts per MoE layer
     source_dtype: str  # dtype of the source weights (kept for non-expert weights)
     source_expert_bytes: int  # bytes of the source's routed experts
-    packed_expert_bytes: int  # bytes of all packed pages (num_layers * num_experts * page_bytes)
+    packed_expert_bytes: int  # bytes of all packed pages (num_moe_layers * num_experts * page_bytes)
     copied_files: list = field(default_factory=list)  # non-weight files copied from the source (tokenizer, ...)
 
 
@@ -112,7 +112,8 @@ def quantize_checkpoint(
 
     Returns:
         :class:`QuantizeResult`. The source is loaded in its own storage dtype (whole model in host memory)
-        and non-expert weights are written in that dtype; expert codes are computed in float64
+        and non-expert weights (shared experts and dense layers' MLPs among them) are written in that dtype, under
+        their own names; only routed experts are packed; expert codes are computed in float64
         (:func:`~lightning_moe.kernels.quant.quantize_groupwise`).
 
     Raises:
@@ -173,6 +174,11 @@ def quantize_checkpoint(
         block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
         for l in range(L):
             lw = w.layers[l]
+            if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
+                write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items()})
+                if progress is not None:
+                    progress(l + 1, L)
+                continue
             moe = keys.layer_prefix(l) + block
             try:
                 qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt)
@@ -213,5 +219,6 @@ def quantize_checkpoint(
     return QuantizeResult(dst=dst_dir, scheme=scheme, group_size=group_size, page_bytes=layout.page_bytes,
                           num_layers=L, num_experts=spec.num_experts, source_dtype=str(src_dtype).replace("torch.", ""),
                           source_expert_bytes=source_expert_bytes,
-                          packed_expert_bytes=L * spec.num_experts * layout.page_bytes, copied_files=copied)
+                          packed_expert_bytes=spec.num_moe_layers * spec.num_experts * layout.page_bytes,
+                          copied_files=copied)
 

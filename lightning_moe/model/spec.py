@@ -70,14 +70,17 @@ class MoESpec:
     tie_word_embeddings: bool = False  # lm_head shares embed_tokens' weight
     bos_token_id: Optional[int] = 1  # beginning-of-sequence id from the config
     eos_token_id: Optional[int] = 2  # end-of-sequence id from the config
-    num_shared_experts: int = 0  # always-on shared experts (Qwen2-MoE / DeepSeek; 0 for Mixtral)
-    shared_intermediate_size: int = 0  # FFN width of the shared expert(s)
+    num_shared_experts: int = 0  # always-on shared experts of every MoE layer (Qwen2-MoE 1, DeepSeek-V2 2; Mixtral 0),
+    #   non-expert weights: resident on the compute device with the layer's other weights, never paged
+    shared_intermediate_size: int = 0  # FFN width of each shared expert
     # -- added for the planner's byte/FLOP counts of non-Mixtral families (all default to "absent") --
     kv_lora_rank: int = 0  # MLA (DeepSeek-V2) compressed KV width per token; 0 = standard GQA attention
     qk_rope_head_dim: int = 0  # MLA decoupled RoPE key width per token (shared by all heads); 0 without MLA
     v_head_dim: int = 0  # value head width when it differs from head_dim (MLA); 0 = head_dim
-    num_dense_layers: int = 0  # leading decoder layers with a dense FFN instead of experts (DeepSeek first_k_dense_replace)
-    dense_intermediate_size: int = 0  # FFN width of those dense layers
+    dense_layers: tuple[int, ...] = ()  # ascending indices of the decoder layers whose FFN is one dense MLP instead of
+    #   routed experts (DeepSeek first_k_dense_replace: the leading ones; Qwen2/3-MoE mlp_only_layers and
+    #   decoder_sparse_step); resident non-expert weights, nothing of them is paged
+    dense_intermediate_size: int = 0  # FFN width of those dense layers' MLP (0 without dense layers)
     # -- RoPE scaling (config.json rope_parameters / rope_scaling, read by the family; layers.rope_inv_freq) --
     rope_type: str = "default"  # RoPE frequencies: "default", "linear" (divided by rope_factor) or "yarn" (YaRN blend)
     rope_factor: float = 1.0  # context extension factor of "linear" and "yarn" (1.0 for "default")
@@ -90,6 +93,10 @@ class MoESpec:
     clip_qkv: Optional[float] = None  # q, k, v projections clamped to [-clip_qkv, clip_qkv] (OLMoE); None = not
 
     def __post_init__(self) -> None:
+        dense = tuple(sorted({int(i) for i in self.dense_layers}))
+        if any(not 0 <= i < self.num_layers for i in dense):
+            raise ValueError(f"{self.name}: dense_layers={self.dense_layers} outside 0..num_layers-1={self.num_layers - 1}")
+        object.__setattr__(self, "dense_layers", dense)  # a list from a caller becomes a sorted tuple
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:
@@ -118,9 +125,23 @@ class MoESpec:
     # kv_a_layernorm) are left out: together they are < 0.01 % of any registered model.
 
     @property
+    def num_dense_layers(self) -> int:
+        """Decoder layers whose FFN is a dense MLP: len(dense_layers)."""
+        return len(self.dense_layers)
+
+    @property
     def num_moe_layers(self) -> int:
         """Decoder layers whose FFN is routed experts: num_layers - num_dense_layers."""
         return self.num_layers - self.num_dense_layers
+
+    def is_dense_layer(self, layer: int) -> bool:
+        """True when decoder layer ``layer``'s FFN is a dense MLP (no routed experts, no router, no shared expert)."""
+        return layer in self.dense_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Ascending indices of the decoder layers whose FFN is routed experts."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
     @property
     def value_head_dim(self) -> int:
@@ -216,7 +237,7 @@ class MoESpec:
         attention projections + 2 RMSNorm vectors + (MoE layer: router + shared experts | dense layer: dense FFN).
         """
         base = self.attn_in_params + self.attn_out_params + 2 * self.hidden_size
-        if layer < self.num_dense_layers:
+        if self.is_dense_layer(layer):
             return base + self.dense_ffn_params
         return base + self.router_params + self.shared_expert_params
 
@@ -237,7 +258,7 @@ class MoESpec:
 
     def layer_bytes(self, layer: int, dtype: str = "bf16", quant: Optional[str] = None) -> int:
         """Bytes of decoder layer ``layer``: non-expert part in ``dtype`` + its routed experts in ``quant`` (default dtype)."""
-        experts = 0 if layer < self.num_dense_layers else self.layer_expert_bytes(quant or dtype)
+        experts = 0 if self.is_dense_layer(layer) else self.layer_expert_bytes(quant or dtype)
         return self.layer_non_expert_params(layer) * dtype_bytes(dtype) + experts
 
     def total_bytes(self, dtype: str = "bf16", quant: Optional[str] = None) -> int:
@@ -302,7 +323,7 @@ class MoESpec:
         per_layer = 0
         for i in range(self.num_layers):
             p = self.attn_in_params + self.attn_out_params
-            if i < self.num_dense_layers:
+            if self.is_dense_layer(i):
                 p += self.dense_ffn_params
             else:
                 p += self.router_params + self.shared_expert_params + self.top_k * self.expert_params

@@ -34,8 +34,10 @@ class ModelWeights:
     embed: torch.Tensor  # [V, D] embed_tokens
     norm: torch.Tensor  # [D] final norm
     lm_head: torch.Tensor  # [V, D] (same storage as embed when tied)
-    layers: list  # non-expert weights, one per decoder layer (the family's LayerWeights)
-    experts: list[ExpertWeights]  # stacked routed experts per decoder layer (QuantExperts: packed pages, model/quantized.py)
+    layers: list  # non-expert weights, one per decoder layer (the family's LayerWeights; DenseLayerWeights for a
+    #   dense layer of spec.dense_layers, whose MLP is resident with the rest)
+    experts: list[Optional[ExpertWeights]]  # stacked routed experts per decoder layer (QuantExperts: packed pages,
+    #   model/quantized.py); None for a dense layer (no routed experts)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -45,11 +47,12 @@ class ModelWeights:
     @property
     def expert_bytes(self) -> int:
         """Bytes of all routed-expert weights (packed bytes for QuantExperts)."""
-        return sum(e.nbytes for e in self.experts)
+        return sum(e.nbytes for e in self.experts if e is not None)
 
     @property
     def non_expert_bytes(self) -> int:
-        """Bytes of everything except the routed experts (embeddings, lm_head, attention, norms, routers)."""
+        """Bytes of everything except the routed experts (embeddings, lm_head, attention, norms, routers, shared
+        experts, dense layers' MLPs)."""
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for lw in self.layers:
             tensors += list(lw.__dict__.values())
@@ -66,7 +69,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     Returns:
         ModelWeights with the family's LayerWeights and experts stacked per layer ([E, F, D] / [E, D, F]), or, for
         a quantized checkpoint (config.json has a ``quantization`` section), ``QuantExperts`` (uint8
-        [E, page_bytes]).
+        [E, page_bytes]); a dense layer (``spec.dense_layers``) has the family's DenseLayerWeights and no experts
+        (None).
     Raises:
         FileNotFoundError / CheckpointError: missing config, shard or tensor (named in the message).
         ValueError: a spec of a model type no family implements.
@@ -78,6 +82,10 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
     layers, experts = [], []
     for i in range(spec.num_layers):
+        if spec.is_dense_layer(i):  # one dense MLP, resident with the layer's other weights; nothing to page
+            layers.append(fam.dense_layer_weights(**{f: r.get(n) for f, n in keys.dense_layer_names(i).items()}))
+            experts.append(None)
+            continue
         p, block = keys.layer_prefix(i), keys.moe_prefix(r.has, i)
         layers.append(fam.layer_weights(**{f: r.get(n) for f, n in keys.layer_names(i, block).items()}))
         gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
@@ -120,8 +128,8 @@ def dummy_weights(spec: MoESpec, dtype: torch.dtype = torch.bfloat16, seed: int 
     D, F, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
     fam = family_of(spec)
     layers, experts = [], []
-    for _ in range(spec.num_layers):
-        layers.append(fam.dummy_layer(spec, rnd, dtype))
-        experts.append(ExpertWeights(rnd(E, F, D), rnd(E, F, D), rnd(E, D, F)))
+    for i in range(spec.num_layers):
+        layers.append(fam.dummy_layer(spec, rnd, dtype, i))
+        experts.append(None if spec.is_dense_layer(i) else ExpertWeights(rnd(E, F, D), rnd(E, F, D), rnd(E, D, F)))
     embed = rnd(spec.vocab_size, D)
     return ModelWeights(spec, embed, torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)

@@ -271,8 +271,11 @@ class CGOPipeExecutor:
     def _begin_visit(self):
         """Start the next layer visit (:meth:`WeightStream.begin_visit`); returns ``(visit, ffn)``, ``ffn`` the visit's
         expert FFN: its first call enqueues the wait for the visit's pages and builds the strategy's FFN over them
-        (pre-attention and attention before it need no expert weights, so they overlap the page copies)."""
+        (pre-attention and attention before it need no expert weights, so they overlap the page copies). A dense
+        layer's visit (``spec.dense_layers``) has no pages and no expert FFN: ``ffn`` is None, its MLP is resident."""
         visit, built = self.weight_stream.begin_visit(), []
+        if self.spec.is_dense_layer(visit % self.spec.num_layers):
+            return visit, None
 
         def ffn(h, ew, w, ids):
             if not built:

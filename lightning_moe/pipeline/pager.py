@@ -102,9 +102,11 @@ class ExpertPaging:
     """
 
     num_layers: int  # decoder layers
-    num_experts: int  # routed experts per layer
+    num_experts: int  # routed experts per MoE layer
     n_pages: int  # requested pages per layer (CGOPipe: one per micro-batch slot, so the policy's n)
     resident: frozenset = field(default_factory=frozenset)  # (layer, expert) pairs kept on the GPU
+    dense_layers: frozenset = field(default_factory=frozenset)  # layers without routed experts (MoESpec.dense_layers):
+    #   no resident experts, no pages, an empty index map
 
     def __post_init__(self) -> None:
         for k in ("num_layers", "num_experts", "n_pages"):
@@ -112,15 +114,23 @@ class ExpertPaging:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ExpertPaging.{k} must be an int >= 1, got {v!r}")
         res = frozenset((int(l), int(e)) for l, e in self.resident)
+        dense = frozenset(int(l) for l in self.dense_layers)
+        if any(not 0 <= l < self.num_layers for l in dense):
+            raise ValueError(f"dense layers {sorted(dense)} outside {self.num_layers} layers")
         for l, e in res:
-            if not (0 <= l < self.num_layers and 0 <= e < self.num_experts):
-                raise ValueError(f"resident expert (layer {l}, expert {e}) outside {self.num_layers} layers x {self.num_experts} experts")
+            if not (0 <= l < self.num_layers and 0 <= e < self.num_experts) or l in dense:
+                raise ValueError(f"resident expert (layer {l}, expert {e}) outside {self.num_layers} layers x {self.num_experts} experts"
+                                 + (" (a dense layer has no experts)" if l in dense else ""))
         object.__setattr__(self, "resident", res)
+        object.__setattr__(self, "dense_layers", dense)
 
     @cached_property
     def _split(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         out = []
         for l in range(self.num_layers):
+            if l in self.dense_layers:  # no routed experts at all
+                out.append(((), ()))
+                continue
             res = tuple(e for e in range(self.num_experts) if (l, e) in self.resident)
             non = tuple(e for e in range(self.num_experts) if (l, e) not in self.resident)
             out.append((res, non))
@@ -136,7 +146,7 @@ class ExpertPaging:
 
     @property
     def max_nonresident(self) -> int:
-        """Most non-resident experts in any layer."""
+        """Most non-resident experts in any layer (dense layers have none)."""
         return max(len(self.nonresident(l)) for l in range(self.num_layers))
 
     @property
@@ -169,6 +179,9 @@ class ExpertPaging:
     def _maps(self) -> tuple[tuple[ExpertSlot, ...], ...]:
         maps = []
         for l in range(self.num_layers):
+            if l in self.dense_layers:
+                maps.append(())
+                continue
             slots: list[Optional[ExpertSlot]] = [None] * self.num_experts
             for i, e in enumerate(self.resident_experts(l)):
                 slots[e] = ExpertSlot(False, i)
@@ -178,7 +191,8 @@ class ExpertPaging:
         return tuple(maps)
 
     def index_map(self, layer: int) -> tuple[ExpertSlot, ...]:
-        """``index_map(layer)[e]``: where expert ``e`` of ``layer`` lives (length ``num_experts``)."""
+        """``index_map(layer)[e]``: where expert ``e`` of ``layer`` lives (length ``num_experts``; empty for a dense
+        layer)."""
         return self._maps[layer]
 
     def locate(self, layer: int, expert: int) -> tuple[int, int]:
@@ -730,7 +744,7 @@ class ResidentExperts:
     Args:
         paging: which experts are resident.
         experts: ``experts[l]`` has tensors ``[E, *per-expert shape]`` named ``names`` (attributes or
-            mapping keys), e.g. ``ExpertWeights(w1, w3, w2)``.
+            mapping keys), e.g. ``ExpertWeights(w1, w3, w2)``; None for a dense layer (``paging.dense_layers``).
         device: where to keep them.
         names: tensor names to keep (default ``("w1", "w3", "w2")``).
 
@@ -747,6 +761,9 @@ class ResidentExperts:
         self._layers: list[dict[str, torch.Tensor]] = []
         for l in range(paging.num_layers):
             ids = paging.resident_experts(l)
+            if experts[l] is None:  # a dense layer: no routed experts
+                self._layers.append({})
+                continue
             d = {}
             for n in self.names:
                 w = _get(experts[l], n)

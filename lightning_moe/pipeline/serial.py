@@ -1,7 +1,8 @@
 """The reference executor: the model math with no overlap, already shaped like offloading.
 
 Expert weights stay in host memory and are copied to the compute device layer by layer (every
-prefill and every decode step), non-expert weights live on the device, the KV cache lives in CPU
+prefill and every decode step; a dense layer has none), non-expert weights (shared experts and dense layers' MLPs
+among them) live on the device, the KV cache lives in CPU
 memory and decode attention runs on the CPU. Batched and ragged: prompts of different lengths are
 packed token-wise (no padding) for prefill, every row carries its own positions, and each decode step
 masks every row's keys beyond its own length. Runs on ``cpu`` and ``cuda``; CI exercises it on CPU, and
@@ -191,11 +192,14 @@ class SerialExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _experts(self, layer: int) -> ExpertWeights:
-        """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU).
+    def _experts(self, layer: int) -> Optional[ExpertWeights]:
+        """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU); None for a dense
+        layer (``spec.dense_layers``: its MLP is resident with its other weights, nothing is copied).
 
         Packed pages (:class:`QuantExperts`) are copied as they are and dequantized on the device.
         """
+        if self.spec.is_dense_layer(layer):
+            return None
         ew = self.w.experts[layer]
         if isinstance(ew, QuantExperts):
             if not self.on_host:

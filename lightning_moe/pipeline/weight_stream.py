@@ -42,17 +42,18 @@ PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_byte
 
 
 def packed_layout(experts: Sequence) -> Optional[ExpertPageLayout]:
-    """The page layout shared by every layer's :class:`QuantExperts`, or None for dense experts.
+    """The page layout shared by every MoE layer's :class:`QuantExperts`, or None for dense (unpacked) experts.
 
     Raises:
         ValueError: some layers packed and others dense, or layers with different page layouts.
     """
+    experts = [e for e in experts if e is not None]  # dense (MLP-only) layers have no experts
     layouts = {e.layout for e in experts if isinstance(e, QuantExperts)}
     if not layouts:
         return None
     if len(layouts) > 1 or any(not isinstance(e, QuantExperts) for e in experts):
         raise ValueError("cgopipe: every layer's experts must be packed pages of one layout "
-                         f"(got {len(layouts)} layouts, dense layers mixed in: "
+                         f"(got {len(layouts)} layouts, unpacked experts mixed in: "
                          f"{any(not isinstance(e, QuantExperts) for e in experts)})")
     return layouts.pop()
 
@@ -61,8 +62,9 @@ class WeightStream:
     """The experts of every layer: resident on the device, or paged from the host pool through two GPU buffers.
 
     Args:
-        experts: per layer, :class:`ExpertWeights` or :class:`QuantExperts` (host); consumed: each entry is set to
-            None once the pool holds that layer.
+        experts: per layer, :class:`ExpertWeights` or :class:`QuantExperts` (host), None for a dense layer of
+            ``spec.dense_layers`` (no routed experts: no pages, its visits copy nothing); consumed: each entry is set
+            to None once the pool holds that layer.
         spec: the model's numbers (layers, experts, sizes).
         policy: the resident experts (``resident_counts``, or explicit ``(layer, expert)`` pairs) and n, the slots
             a layer's pages are issued in.
@@ -87,9 +89,10 @@ class WeightStream:
         resident = frozenset((l, e) for l in range(spec.num_layers) for e in range(counts[l]))
         if isinstance(policy.resident_experts, tuple) and policy.resident_experts and isinstance(policy.resident_experts[0], tuple):
             resident = frozenset(policy.resident_experts)
-        paged = ExpertPaging(spec.num_layers, spec.num_experts, 1, resident).max_nonresident
+        dense = frozenset(spec.dense_layers)  # layers without routed experts: nothing resident, nothing paged
+        paged = ExpertPaging(spec.num_layers, spec.num_experts, 1, resident, dense).max_nonresident
         pages = tiling_page_count(paged, max(1, policy.n))  # buffers hold exactly the most paged experts of a layer
-        self.paging = ExpertPaging(spec.num_layers, spec.num_experts, pages, resident)
+        self.paging = ExpertPaging(spec.num_layers, spec.num_experts, pages, resident, dense)
         self.page_layout = packed_layout(experts)  # kernels.quant layout of packed pages, or None (dense)
         if self.page_layout is None:
             specs = ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dtype)
@@ -99,6 +102,8 @@ class WeightStream:
         self.pool = HostPagePool.for_experts(self.paging, specs, pin=self.cuda)
         self.resident = ResidentExperts(self.paging, [self._expert_tensors(e) for e in experts], device, names)
         for l in range(spec.num_layers):  # stream layer by layer into the pool, releasing host copies
+            if experts[l] is None:  # a dense layer
+                continue
             ew = self._expert_tensors(experts[l])
             for p in range(self.paging.layer_pages(l)):
                 ids = list(self.paging.page_experts(l, p))
@@ -111,9 +116,12 @@ class WeightStream:
         self.visit = 0  # layer visits so far: buffer = visit % 2, continuing across steps
         self._issued = -1  # last visit whose pages were all issued
 
-    def _expert_tensors(self, ew) -> dict[str, torch.Tensor]:
+    def _expert_tensors(self, ew) -> Optional[dict[str, torch.Tensor]]:
         """A layer's experts as the pool's named tensors: ``{"page": uint8 [E, page_bytes]}`` for packed
-        experts (no dequantization on the host), else ``{"w1", "w3", "w2"}`` in the compute dtype."""
+        experts (no dequantization on the host), else ``{"w1", "w3", "w2"}`` in the compute dtype; None for a dense
+        layer."""
+        if ew is None:
+            return None
         if isinstance(ew, QuantExperts):
             return {PAGE: ew.pages}
         if ew.w1.dtype != self.dtype:

@@ -292,7 +292,7 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     this is G + C, no overlap, which is what the executor does.
     """
     dt, q = policy.dtype, policy.weight_quant
-    dense = layer < spec.num_dense_layers
+    dense = spec.is_dense_layer(layer)
     cpu_seqs = policy.n_cpu_attn * policy.mu
     h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
     gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
@@ -322,7 +322,7 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     pages add T_deq once (CGOPipe dequantizes the layer's experts on the visit's first FFN call and reuses the dense
     experts for the rest of the layer visit)."""
     dt, q = policy.dtype, policy.weight_quant
-    dense = layer < spec.num_dense_layers
+    dense = spec.is_dense_layer(layer)
     gpu = 0.0
     mbs = prefill_micro_batches(policy.N, policy.prefill_mu)
     for count, size in mbs:
@@ -606,7 +606,7 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     We = spec.expert_bytes(policy.weight_quant)
     counts = policy.resident_counts(spec)
     R = sum(counts)
-    max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if i >= spec.num_dense_layers), default=0)
+    max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if not spec.is_dense_layer(i)), default=0)
     mu = policy.mu
     # sequences of the largest batch: the policy's N, or every sequence of a smaller job (the runner's batches hold
     # no more than the job has)
@@ -765,7 +765,7 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
     """
     counts = policy.resident_counts(spec)
     E, s, G = spec.num_experts, workload.prompt_len, workload.gen_len
-    keys = [(i < spec.num_dense_layers, 0 if i < spec.num_dense_layers else E - c) for i, c in enumerate(counts)]
+    keys = [(spec.is_dense_layer(i), 0 if spec.is_dense_layer(i) else E - c) for i, c in enumerate(counts)]
     classes: dict = {}
     for k in keys:
         classes[k] = classes.get(k, 0) + 1

@@ -113,12 +113,14 @@ def prefill_chunk_tokens(prefill_mu: int, max_prompt_len: int, prefill_tokens: i
 
 
 def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, n: int, resident_total: int, n_gpu_attn: int) -> Policy:
-    """The Policy of one point of the decision space: R resident experts spread evenly (first MoE layers get the extra)."""
-    L_moe, E, Ld = spec.num_moe_layers, spec.num_experts, spec.num_dense_layers
+    """The Policy of one point of the decision space: R resident experts spread evenly (first MoE layers get the extra;
+    dense layers none)."""
+    L_moe, E = spec.num_moe_layers, spec.num_experts
     r, x = divmod(resident_total, L_moe)
     if r > E or (r == E and x):
         raise ValueError(f"{resident_total} resident experts exceed {L_moe} x {E}")
-    counts = tuple(0 if i < Ld else r + (1 if i - Ld < x else 0) for i in range(spec.num_layers))
+    rank = {layer: j for j, layer in enumerate(spec.moe_layers)}  # MoE layer -> its rank among the MoE layers
+    counts = tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
     return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.prompt_len), resident_experts=counts,
                   n_gpu_attn=n_gpu_attn, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
                   gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,

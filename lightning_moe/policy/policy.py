@@ -320,25 +320,25 @@ class Policy:
         Raises PolicyError if a count exceeds num_experts, the length is wrong, a pair is out of range
         or repeated, or a dense layer is named.
         """
-        L, E, Ld = spec.num_layers, spec.num_experts, spec.num_dense_layers
+        L, E, dense = spec.num_layers, spec.num_experts, spec.is_dense_layer
         r = self.resident_experts
         if isinstance(r, int):
             if r > E:
                 raise PolicyError(f"policy: resident_experts={r} > num_experts={E}")
-            return tuple(0 if i < Ld else r for i in range(L))
+            return tuple(0 if dense(i) else r for i in range(L))
         if not r:
             return (0,) * L
         if isinstance(r[0], int):
             if len(r) != L:
                 raise PolicyError(f"policy: resident_experts has {len(r)} per-layer counts, the model has {L} layers")
             for i, c in enumerate(r):
-                if c > E or (i < Ld and c):
-                    raise PolicyError(f"policy: resident_experts[{i}]={c} out of range (0..{0 if i < Ld else E})")
+                if c > E or (dense(i) and c):
+                    raise PolicyError(f"policy: resident_experts[{i}]={c} out of range (0..{0 if dense(i) else E})")
             return tuple(r)
         counts = [0] * L
         seen = set()
         for layer, e in r:
-            if layer >= L or layer < Ld or e >= E or (layer, e) in seen:
+            if layer >= L or dense(layer) or e >= E or (layer, e) in seen:
                 raise PolicyError(f"policy: resident expert ({layer}, {e}) out of range or repeated")
             seen.add((layer, e))
             counts[layer] += 1
@@ -407,7 +407,7 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     """
     counts = policy.resident_counts(spec)
     R = sum(counts)
-    moe = [c for i, c in enumerate(counts) if i >= spec.num_dense_layers]
+    moe = [c for i, c in enumerate(counts) if not spec.is_dense_layer(i)]
     We = spec.expert_bytes(policy.weight_quant)
     lines = []
     add = lines.append
@@ -447,7 +447,7 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     for k, v in estimate.cpu_breakdown.items():
         add(f"         {k:<34} {format_bytes(v)}")
     add("")
-    ne_layer = spec.layer_non_expert_params(spec.num_dense_layers) * DTYPE_BYTES[policy.dtype]
+    ne_layer = spec.layer_non_expert_params(spec.moe_layers[0]) * DTYPE_BYTES[policy.dtype]
     paged = spec.num_experts - (min(moe) if moe else 0)
     add(f"bytes per MoE layer: non-expert {format_bytes(ne_layer)}, experts {format_bytes(spec.num_experts * We)}"
         f"{before(spec.num_experts)}, paged per layer {format_bytes(paged * We)}{before(paged)} (max)")

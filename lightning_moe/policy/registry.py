@@ -56,7 +56,7 @@ REGISTRY: dict[str, MoESpec] = {
         num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, num_experts=64, top_k=6, rope_theta=10000.0,
         rms_norm_eps=1e-6, max_position_embeddings=163840, norm_topk_prob=False, bos_token_id=100000, eos_token_id=100001,
         num_shared_experts=2, shared_intermediate_size=1408,
-        kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, num_dense_layers=1, dense_intermediate_size=10944,
+        kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, dense_layers=(0,), dense_intermediate_size=10944,
     ),
     # allenai/OLMoE-1B-7B-0924 config.json: 64 experts top-8 of width 1024, norm_topk_prob false
     "olmoe-1b-7b": MoESpec(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import mixtral, olmoe, qwen3_moe
+from . import mixtral, olmoe, qwen2_moe, qwen3_moe
 from .base import ConfigView, Family, KeyMap
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ def register(family: Family) -> Family:
 register(mixtral.FAMILY)
 register(qwen3_moe.FAMILY)
 register(olmoe.FAMILY)
+register(qwen2_moe.FAMILY)
 
 
 def families() -> list[Family]:

@@ -8,7 +8,7 @@ family through the registry (``family_for(config)``, ``family_of(spec)``), never
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 if TYPE_CHECKING:
@@ -140,7 +140,8 @@ class KeyMap:
 
     ``{layer}`` and ``{expert}`` are filled in; ``{moe}`` is the layer's MoE block prefix: the first of
     ``moe_blocks`` under which ``moe_probe`` exists (else the last), so one family reads every layout its
-    checkpoints come in. Names of ``layer_tensors`` and ``expert_tensors`` follow the layer prefix.
+    checkpoints come in. Names of ``layer_tensors``, ``dense_layer_tensors`` and ``expert_tensors`` follow the layer
+    prefix.
     """
 
     embed: str  # token embedding [V, D]
@@ -153,6 +154,8 @@ class KeyMap:
     expert_tensors: Mapping[str, str]  # ExpertWeights field (w1, w3, w2) -> per-expert name ({moe}, {expert})
     fused_gate_up: str = ""  # transformers-5 fused layout: gate|up of all experts [E, 2F, D] ({moe}); "" = none
     fused_down: str = ""  # ... and down [E, D, F]
+    dense_layer_tensors: Mapping[str, str] = field(default_factory=dict)  # field of the family's DenseLayerWeights ->
+    #   name, for the dense (MLP-only) layers of MoESpec.dense_layers; empty: the family has none
 
     def layer_prefix(self, layer: int) -> str:
         """Prefix of every tensor of decoder layer ``layer``."""
@@ -172,6 +175,11 @@ class KeyMap:
         p = self.layer_prefix(layer)
         return {f: p + n.format(moe=moe) for f, n in self.layer_tensors.items()}
 
+    def dense_layer_names(self, layer: int) -> dict[str, str]:
+        """DenseLayerWeights field -> full tensor name for dense layer ``layer``."""
+        p = self.layer_prefix(layer)
+        return {f: p + n for f, n in self.dense_layer_tensors.items()}
+
     def expert_name(self, layer: int, moe: str, field: str, expert: int) -> str:
         """Full tensor name of ExpertWeights field ``field`` of expert ``expert``."""
         return self.layer_prefix(layer) + self.expert_tensors[field].format(moe=moe, expert=expert)
@@ -185,7 +193,9 @@ class Family:
     order per layer: ``pre_attention`` -> ``prefill_attention_packed`` (prefill) or decode attention (the
     executors' KV caches and CPU kernels implement the ``attention`` variant; ``decode_attention`` is its torch
     reference) -> ``post_attention(..., ffn)`` with ``ffn`` = ``experts_ffn`` or the executor's own expert FFN
-    (which must compute ``expert_activation``); after the last layer ``final_logits``.
+    (which must compute ``expert_activation``); after the last layer ``final_logits``. A dense layer
+    (``MoESpec.dense_layers``) holds a ``dense_layer_weights``; its ``post_attention`` computes the layer's MLP and
+    never calls ``ffn`` (the executors page nothing for it and pass no experts).
     """
 
     name: str  # family name, e.g. "mixtral"
@@ -199,8 +209,9 @@ class Family:
     harmless_keys: frozenset[str]  # fields with no effect on inference (training, bookkeeping)
     # ---- checkpoint ------------------------------------------------------------------------------------
     keys: KeyMap  # tensor names
-    layer_weights: type  # dataclass of one layer's non-expert weights; fields = keys.layer_tensors; has .to()
-    dummy_layer: Callable  # (spec, rnd(*shape) -> tensor, dtype) -> layer_weights, deterministic order
+    layer_weights: type  # dataclass of one MoE layer's non-expert weights; fields = keys.layer_tensors; has .to()
+    dummy_layer: Callable  # (spec, rnd(*shape) -> tensor, dtype, layer) -> layer ``layer``'s weights (layer_weights,
+    #   or dense_layer_weights for a dense layer), deterministic order
     # ---- layer math -------------------------------------------------------------------------------------
     rope_inv_freq: Callable  # (spec, device) -> fp32 [hd/2] (spec.rope_type's frequencies)
     rope_cos_sin: Callable  # (spec, positions [T], inv_freq, dtype) -> (cos, sin) [T, hd] (x spec.rope_attention_factor)
@@ -208,9 +219,11 @@ class Family:
     prefill_packed_layout: Callable  # (spans, T, device) -> index tensors for prefill_attention_packed
     prefill_attention_packed: Callable  # (q, k, v, spans, sliding_window, layout=None) -> [T, Hq*hd]
     decode_attention: Callable  # (q [B, Hq, hd], K, V [B, Hkv, S, hd], lengths [B], sliding_window) -> [B, Hq*hd]
-    post_attention: Callable  # (lw, ew, x, attn, spec, ffn) -> layer output [T, D]
+    post_attention: Callable  # (lw, ew, x, attn, spec, ffn) -> layer output [T, D] (a dense layer: ew, ffn unused)
     experts_ffn: Callable  # (x [T, D], ExpertWeights, topk_w [T, k], topk_ids [T, k]) -> [T, D] (reference)
     experts_ffn_from: Callable  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w, topk_ids) -> [T, D] (reference)
     final_logits: Callable  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]
     attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache)
     expert_activation: str = "silu"  # the gate activation inside experts_ffn (fused kernels check they compute it)
+    dense_layer_weights: Optional[type] = None  # dataclass of a dense (MLP-only) layer's weights; fields =
+    #   keys.dense_layer_tensors; has .to(); None: the family has no dense layers (read_spec gives none)

@@ -77,8 +77,9 @@ KEYS = KeyMap(
 )
 
 
-def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype) -> LayerWeights:
-    """Deterministic layer weights for benchmarks: norms are ones, every matrix ``rnd(*shape)`` in field order."""
+def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype, layer: int = 0) -> LayerWeights:
+    """Deterministic layer weights for benchmarks: norms are ones, every matrix ``rnd(*shape)`` in field order (every
+    OLMoE layer is MoE: ``layer`` changes nothing)."""
     D = spec.hidden_size
     return LayerWeights(
         torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),

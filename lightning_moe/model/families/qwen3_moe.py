@@ -3,12 +3,13 @@
 Per decoder layer: RMSNorm -> q, k, v projections (no bias) -> per-head RMSNorm of q and of k over head_dim
 (``q_norm``, ``k_norm``, before RoPE) -> RoPE (rotate-half; default, linear or yarn frequencies) -> GQA attention
 (causal, full) -> o_proj -> residual -> RMSNorm -> softmax over all experts -> top-k, renormalized only with
-``norm_topk_prob`` -> routed SwiGLU experts of width ``moe_intermediate_size`` -> residual. ``head_dim`` comes from
-the config (Qwen3: Hq * hd != D). No shared expert. Final RMSNorm and lm_head (tied to embed_tokens with
-``tie_word_embeddings``). Refused by name: attention biases, sliding windows, dense (MLP-only) layers
-(``mlp_only_layers``, ``decoder_sparse_step``), rope scaling other than linear and yarn, partial rotary,
-transformers-quantized checkpoints. The oracle is transformers' ``modeling_qwen3_moe.py``; the shared pieces are in
-``model/layers.py`` (dimension key there).
+``norm_topk_prob`` -> routed SwiGLU experts of width ``moe_intermediate_size`` -> residual; a dense (MLP-only) layer
+(``mlp_only_layers``, or ``(i + 1) % decoder_sparse_step != 0``) has one SwiGLU MLP of width ``intermediate_size``
+instead, resident with its other weights (nothing paged). ``head_dim`` comes from the config (Qwen3: Hq * hd != D).
+No shared expert. Final RMSNorm and lm_head (tied to embed_tokens with ``tie_word_embeddings``). Refused by name:
+attention biases, sliding windows, rope scaling other than linear and yarn, partial rotary, transformers-quantized
+checkpoints. The oracle is transformers' ``modeling_qwen3_moe.py``; the shared pieces are in ``model/layers.py``
+(dimension key there).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
 from ..spec import MoESpec
 from .base import ConfigView, Family, KeyMap, read_rope, refuse
+from .qwen2_moe import dense_layer_indices
 
 NAME = "qwen3_moe"
 
@@ -49,6 +51,37 @@ class LayerWeights:
         return LayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
 
 
+@dataclass
+class DenseLayerWeights:
+    """Weights of one dense (MLP-only) decoder layer: attention as an MoE layer's, one SwiGLU MLP instead of experts."""
+
+    attn_norm: torch.Tensor  # [D] input_layernorm
+    wq: torch.Tensor  # [Hq*hd, D]
+    wk: torch.Tensor  # [Hkv*hd, D]
+    wv: torch.Tensor  # [Hkv*hd, D]
+    q_norm: torch.Tensor  # [hd] self_attn.q_norm
+    k_norm: torch.Tensor  # [hd] self_attn.k_norm
+    wo: torch.Tensor  # [D, Hq*hd]
+    ffn_norm: torch.Tensor  # [D] post_attention_layernorm
+    w1: torch.Tensor  # [Fd, D] mlp.gate_proj
+    w3: torch.Tensor  # [Fd, D] mlp.up_proj
+    w2: torch.Tensor  # [D, Fd] mlp.down_proj
+
+    def to(self, device, dtype: Optional[torch.dtype] = None) -> "DenseLayerWeights":
+        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
+        return DenseLayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
+
+
+_ATTENTION_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "wo": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+}
 KEYS = KeyMap(
     embed="model.embed_tokens.weight",
     norm="model.norm.weight",
@@ -57,32 +90,25 @@ KEYS = KeyMap(
     # Hub checkpoints, transformers' save_pretrained and its in-memory names all use mlp.
     moe_blocks=("mlp.",),
     moe_probe="gate.weight",
-    layer_tensors={
-        "attn_norm": "input_layernorm.weight",
-        "wq": "self_attn.q_proj.weight",
-        "wk": "self_attn.k_proj.weight",
-        "wv": "self_attn.v_proj.weight",
-        "q_norm": "self_attn.q_norm.weight",
-        "k_norm": "self_attn.k_norm.weight",
-        "wo": "self_attn.o_proj.weight",
-        "ffn_norm": "post_attention_layernorm.weight",
-        "router": "{moe}gate.weight",
-    },
+    layer_tensors={**_ATTENTION_TENSORS, "router": "{moe}gate.weight"},
     expert_tensors={"w1": "{moe}experts.{expert}.gate_proj.weight", "w3": "{moe}experts.{expert}.up_proj.weight",
                     "w2": "{moe}experts.{expert}.down_proj.weight"},
     fused_gate_up="{moe}experts.gate_up_proj",  # [E, 2F, D]: gate rows first, then up (Qwen3MoeExperts.chunk(2))
     fused_down="{moe}experts.down_proj",
+    dense_layer_tensors={**_ATTENTION_TENSORS, "w1": "mlp.gate_proj.weight", "w3": "mlp.up_proj.weight",
+                         "w2": "mlp.down_proj.weight"},
 )
 
 
-def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype) -> LayerWeights:
-    """Deterministic layer weights for benchmarks: norms are ones, every matrix ``rnd(*shape)`` in field order."""
-    D, hd = spec.hidden_size, spec.head_dim
-    return LayerWeights(
-        torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
-        torch.ones(hd, dtype=dtype), torch.ones(hd, dtype=dtype), rnd(D, spec.q_size), torch.ones(D, dtype=dtype),
-        rnd(spec.num_experts, D),
-    )
+def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype, layer: int = 0):
+    """Deterministic weights of layer ``layer`` for benchmarks: norms are ones, every matrix ``rnd(*shape)`` in field
+    order (a :class:`DenseLayerWeights` for a dense layer)."""
+    D, hd, Fd = spec.hidden_size, spec.head_dim, spec.dense_intermediate_size
+    attn = (torch.ones(D, dtype=dtype), rnd(spec.q_size, D), rnd(spec.kv_size, D), rnd(spec.kv_size, D),
+            torch.ones(hd, dtype=dtype), torch.ones(hd, dtype=dtype), rnd(D, spec.q_size), torch.ones(D, dtype=dtype))
+    if spec.is_dense_layer(layer):
+        return DenseLayerWeights(*attn, rnd(Fd, D), rnd(Fd, D), rnd(D, Fd))
+    return LayerWeights(*attn, rnd(spec.num_experts, D))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -96,7 +122,7 @@ IMPLEMENTED_KEYS = frozenset({
     "tie_word_embeddings", "bos_token_id", "eos_token_id",
     "num_local_experts", "num_experts",  # transformers 5's config.json name / the Hub's (attribute_map aliases)
     "moe_intermediate_size",  # the routed experts' width
-    "intermediate_size",  # width of the dense MLP of MLP-only layers: read only with them, which are refused
+    "intermediate_size",  # width of the dense MLP of the dense (MLP-only) layers
     "norm_topk_prob",  # renormalize the top-k router weights (both values implemented)
     "hidden_act",  # silu only
     "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / older names; base.read_rope)
@@ -106,8 +132,7 @@ IMPLEMENTED_KEYS = frozenset({
     "attention_bias",  # false only
     "use_sliding_window",  # false only
     "sliding_window",  # unused unless use_sliding_window (transformers sets it to None then)
-    "decoder_sparse_step",  # 1 only (every layer MoE)
-    "mlp_only_layers",  # empty only (no dense layer)
+    "decoder_sparse_step", "mlp_only_layers",  # which layers are dense (transformers' Qwen3MoeDecoderLayer rule)
     "quantization",  # this package's packed expert pages (model/quantized.py)
 })
 REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
@@ -123,7 +148,7 @@ HIDDEN_ACTS = ("silu",)
 DEFAULT_THETA = 1e4  # RoPE base when the config names none (transformers' Qwen3MoeConfig.default_theta)
 
 
-def _check_math_fields(get, num_layers: int) -> None:
+def _check_math_fields(get) -> None:
     """Refuse, by name, every config value that would change the math and is not implemented here."""
     act = get("hidden_act", "silu")
     if act not in HIDDEN_ACTS:
@@ -132,13 +157,6 @@ def _check_math_fields(get, num_layers: int) -> None:
         raise refuse("attention_bias", get("attention_bias"), NAME, "False (q/k/v/o projections without bias)")
     if get("use_sliding_window", False):
         raise refuse("use_sliding_window", get("use_sliding_window"), NAME, "False (full causal attention)")
-    step = get("decoder_sparse_step", 1)
-    if step != 1:  # layer i is MoE iff (i + 1) % step == 0: any other step makes layer 0 a dense MLP layer
-        raise refuse("decoder_sparse_step", step, NAME, "1 (every layer MoE; dense MLP layers are not implemented)")
-    mlp_only = [i for i in (get("mlp_only_layers") or []) if 0 <= int(i) < num_layers]
-    if mlp_only:
-        raise refuse("mlp_only_layers", get("mlp_only_layers"), NAME,
-                     "[] (every layer MoE; dense MLP layers are not implemented)")
     for key in REFUSED_KEYS:
         if get(key) is not None:
             raise refuse(key, get(key), NAME, "unquantized checkpoints and moe-batch quantize's packed pages")
@@ -150,17 +168,18 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     Raises:
         ValueError: a missing field, or a value that changes the math and is not implemented (``hidden_act`` other
             than silu, a rope scaling type other than linear and yarn, ``partial_rotary_factor`` != 1,
-            ``attention_bias``, ``use_sliding_window``, dense layers through ``decoder_sparse_step`` /
-            ``mlp_only_layers``, no experts, a transformers ``quantization_config``): the message names the field.
+            ``attention_bias``, ``use_sliding_window``, no experts, no MoE layer left by ``decoder_sparse_step`` /
+            ``mlp_only_layers``, a transformers ``quantization_config``): the message names the field.
     """
     c = cfg if isinstance(cfg, ConfigView) else ConfigView(cfg)
     get, need = c.get, c.need
     num_layers = int(need("num_hidden_layers"))
-    _check_math_fields(get, num_layers)
+    _check_math_fields(get)
     experts_key = "num_local_experts" if get("num_local_experts") is not None else "num_experts"
     num_experts = int(need(experts_key))
     if num_experts < 1:  # transformers: every layer a dense MLP
-        raise refuse(experts_key, num_experts, NAME, ">= 1 routed experts (dense MLP layers are not implemented)")
+        raise refuse(experts_key, num_experts, NAME, ">= 1 routed experts (a model of dense layers only is not an MoE)")
+    dense = dense_layer_indices(get, num_layers, NAME)
     model_type = get("model_type") or NAME  # a config found by its architectures alone
     max_pos = int(get("max_position_embeddings", 32768))
     hidden = int(need("hidden_size"))
@@ -189,6 +208,8 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos,
+        dense_layers=dense,
+        dense_intermediate_size=int(need("intermediate_size")) if dense else 0,
     )
 
 
@@ -196,7 +217,7 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
 # Layer math
 # ---------------------------------------------------------------------------------------------------
 def pre_attention(
-    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+    lw, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, q/k/v projections, per-head q/k RMSNorm and RoPE for a packed batch of tokens.
@@ -216,7 +237,12 @@ def pre_attention(
     return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
 
 
-post_attention = L.moe_post_attention  # o_proj + residual, RMSNorm, router, experts, residual
+def post_attention(lw, ew, x: torch.Tensor, attn: torch.Tensor, spec: MoESpec, ffn=None) -> torch.Tensor:
+    """o_proj + residual, RMSNorm, then router and routed experts (MoE layer) or the dense MLP (a
+    :class:`DenseLayerWeights` layer: ``ew`` and ``ffn`` unused), residual. x: [T, D]; attn: [T, Hq*hd] -> [T, D]."""
+    if isinstance(lw, DenseLayerWeights):
+        return L.dense_post_attention(lw, x, attn, spec)
+    return L.moe_post_attention(lw, ew, x, attn, spec, ffn)
 
 
 FAMILY = Family(
@@ -242,4 +268,5 @@ FAMILY = Family(
     final_logits=L.final_logits,
     attention="gqa",
     expert_activation="silu",
+    dense_layer_weights=DenseLayerWeights,
 )
