@@ -49,6 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_checkpoint  # noqa: E402
 import suite_jobs as sj  # noqa: E402
 
+from lightning_moe.model.families import read_spec  # noqa: E402
+
 GiB = 2**30
 TINY_DIMS = make_checkpoint.Dims(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2)
 SUITE_DIMS = make_checkpoint.Dims(layers=4)
@@ -125,6 +127,17 @@ def suite_cases(mtbench: bool) -> list[Case]:
     return out
 
 
+def families_cases(mtbench: bool) -> list[Case]:
+    """GPU, one family's real-width checkpoint (``--dims-preset``): generation and perplexity in bf16, generation and
+    loglikelihood on its int4 copy, ``policy: auto`` at 12 GiB."""
+    return [
+        Case("fam-gen-bf16-12g", "bf16", "generate", 12, 80, 0 if mtbench else 128, gen=32),
+        Case("fam-ppl-bf16-12g", "bf16", "perplexity", 12, 256, 300),
+        Case("fam-gen-int4-12g", "int4", "generate", 12, 80, 0 if mtbench else 128, gen=32),
+        Case("fam-ll-int4-12g", "int4", "loglikelihood", 12, 256, 200),
+    ]
+
+
 def sweep_cases() -> list[Case]:
     """GPU: 24 auto-planned cases; (mode, cap GiB, N, prompt tokens, gen) for bf16 and for int4."""
     grid = [
@@ -150,15 +163,20 @@ def _ckpt_matches(path: str, dims: make_checkpoint.Dims) -> bool:
             c = json.load(f)
     except (OSError, ValueError):
         return False
-    return (os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-            and c.get("num_hidden_layers") == dims.layers and c.get("hidden_size") == dims.hidden
-            and c.get("intermediate_size") == dims.intermediate and c.get("num_local_experts") == dims.experts)
+    if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        return False
+    try:
+        spec = read_spec(c)
+    except ValueError:
+        return False
+    return (spec.model_type == dims.family and spec.num_layers == dims.layers and spec.hidden_size == dims.hidden
+            and spec.intermediate_size == dims.intermediate and spec.num_experts == dims.experts)
 
 
 def ensure_checkpoints(work: str, dims: make_checkpoint.Dims, need_int4: bool, gen_device: str, log) -> dict:
     """The bf16 checkpoint (written when missing) and, when ``need_int4``, its ``moe-batch quantize`` int4 copy.
     Returns ``{"bf16": dir, "int4": dir or None}``."""
-    tag = f"L{dims.layers}-h{dims.hidden}-f{dims.intermediate}"
+    tag = ("" if dims.family == "mixtral" else dims.family + "-") + f"L{dims.layers}-h{dims.hidden}-f{dims.intermediate}"
     bf16 = os.path.join(work, f"ckpt-bf16-{tag}")
     if not _ckpt_matches(bf16, dims):
         shutil.rmtree(bf16, ignore_errors=True)
@@ -272,7 +290,8 @@ def row_from(case: Case, machine: Machine, rc, wall: float, msg: str, records: i
     pred = report.get("predicted") or {}
     metric = "end_to_end_tokens_per_s" if case.mode == "generate" else "prefill_tokens_per_s"
     return {
-        "case": case.name, "layers": machine.dims.layers, "hidden": machine.dims.hidden, "ckpt": case.ckpt,
+        "case": case.name, "family": machine.dims.family, "layers": machine.dims.layers, "hidden": machine.dims.hidden,
+        "ckpt": case.ckpt,
         "mode": case.mode, "cap_bytes": int(case.cap_gib * GiB), "n": case.n, "prompt_len": case.prompt_len,
         "gen": case.gen if case.mode == "generate" else None, "policy_asked": case.policy, "expect": case.expect,
         "exit_code": rc, "status": status, "wall_s": round(wall, 2), "message": msg if rc not in (0, None) else "",
@@ -283,6 +302,8 @@ def row_from(case: Case, machine: Machine, rc, wall: float, msg: str, records: i
         "end_to_end_tokens_per_s": report.get("end_to_end_tokens_per_s"),
         "peak_gpu_memory_bytes": report.get("peak_gpu_memory_bytes"), "memory": mem,
         "wall_seconds": report.get("wall_seconds"),
+        # the executor's stage counters (partial-generation checkpoints, copies, CPU attention, expert FFN)
+        "stages": report.get("stages"), "stats": report.get("stats"),
     }
 
 
@@ -324,7 +345,7 @@ def markdown(rows: list[dict], title: str) -> str:
         res = mem.get("measured_peak_reserved_bytes")
         pred = mem.get("predicted_peak_bytes")
         phase = mem.get("predicted_peak_phase")
-        cells = [r["case"], f"mixtral-w{r['hidden']}/{r['layers']}L", r["ckpt"], r["mode"], f"{r['cap_bytes'] / GiB:g}",
+        cells = [r["case"], f"{r.get('family', 'mixtral')}-w{r['hidden']}/{r['layers']}L", r["ckpt"], r["mode"], f"{r['cap_bytes'] / GiB:g}",
                  str(r["n"]), "mtbench" if r["prompt_len"] == 0 else str(r["prompt_len"]), str(r["gen"] or "-"),
                  _policy_cell(r), _gib(pred) + (f" ({phase})" if phase else ""), f"{_gib(alloc)} / {_gib(res)}",
                  _ratio(pred, res or alloc), _num(r.get("predicted_tok_s")), _num(r.get("measured_tok_s")),
@@ -355,7 +376,8 @@ def cpu_check_case(c: Case) -> Case:
 
 def cases_for(preset: str, mtbench: bool) -> list[Case]:
     """The preset's case list."""
-    return {"smoke": smoke_cases, "suite": lambda: suite_cases(mtbench), "sweep": sweep_cases}[preset]()
+    return {"smoke": smoke_cases, "suite": lambda: suite_cases(mtbench), "sweep": sweep_cases,
+            "families": lambda: families_cases(mtbench)}[preset]()
 
 
 def run_sweep(cases: list[Case], machine: Machine, work: str, out: str, time_budget: float, gen_device: str,
@@ -424,7 +446,10 @@ def prepare(cases: list[Case], machine: Machine, work: str, gen_device: str, log
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, choices=["smoke", "suite", "sweep"], help="which case list")
+    p.add_argument("--preset", required=True, choices=["smoke", "suite", "sweep", "families"], help="which case list")
+    p.add_argument("--dims-preset", default=None, help="the checkpoint's dims from a registry model (qwen3-30b-a3b, "
+                   "olmoe-1b-7b, qwen1.5-moe-a2.7b, ...) instead of the preset's Mixtral width; with --layers")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of a --dims-preset checkpoint (default 4)")
     p.add_argument("--work", required=True, help="work directory: checkpoints, data, jobs, results (reused)")
     p.add_argument("--out", required=True, help="directory for sweep.jsonl, sweep.md, logs/ and reports/")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole sweep (default 540)")
@@ -454,8 +479,13 @@ def main(argv=None) -> int:
             print(json.dumps(dataclasses.asdict(c)))
         return 0
     machine = machine_for(a.preset, a.hardware, a.cpu_memory)
+    if a.dims_preset:
+        machine = dataclasses.replace(machine, dims=make_checkpoint.Dims.from_registry(a.dims_preset, a.layers))
     if a.check_on_cpu:
+        fam = machine.dims
         machine = machine_for("smoke", a.hardware, a.cpu_memory)
+        machine = dataclasses.replace(machine, dims=dataclasses.replace(  # the tiny width of the same family
+            TINY_DIMS, family=fam.family, shared=64 if fam.shared else 0, norm_topk_prob=fam.norm_topk_prob))
         cases = [cpu_check_case(c) for c in cases]
     gen_device = a.gen_device
     if gen_device is None:
@@ -466,7 +496,8 @@ def main(argv=None) -> int:
         prepare(cases, machine, os.path.abspath(a.work), gen_device)
         return 0
     rows = run_sweep(cases, machine, os.path.abspath(a.work), os.path.abspath(a.out), a.time_budget, gen_device,
-                     a.min_case_seconds, a.skip_done, title=f"cli_sweep --preset {a.preset}")
+                     a.min_case_seconds, a.skip_done,
+                     title=f"cli_sweep --preset {a.preset}" + (f" --dims-preset {a.dims_preset}" if a.dims_preset else ""))
     ok = sum(r["status"].startswith("ok") for r in rows)
     print(f"{ok} of {len(rows)} cases passed ({len(cases)} in the preset); table: {os.path.join(a.out, 'sweep.md')}")
     return 0 if ok == len(rows) == len(cases) else 1

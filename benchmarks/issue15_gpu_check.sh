@@ -11,6 +11,16 @@
 #                                            # of two scoring cases at their peak, kill/resume with its control
 #   bash benchmarks/issue15_gpu_check.sh E   # the bf16 CGOPipe GPU tests and the CLI tests D's time left out, then
 #                                            # the suite: the scoring cases at 24 GiB and the 1000-text case first
+#   bash benchmarks/issue15_gpu_check.sh F   # full32-24g-g128 through the CLI: the 32-layer Mixtral-8x7B checkpoint with
+#                                            # zero experts (sparse file: ~3 GB on disk), the planner's full N; then the
+#                                            # checkpoint cost at N 2048 with the time left
+#   bash benchmarks/issue15_gpu_check.sh G   # issue 17: Qwen3-30B-A3B (8 layers), OLMoE-1B-7B (all 16), Qwen1.5-MoE
+#                                            # (8 layers) at real width through the CLI at 12 GiB (cli_sweep --preset
+#                                            # families); the grouped kernel at each family's shapes
+#   bash benchmarks/issue15_gpu_check.sh H   # every GPU test in one pytest process; issue 16's A/B: one explicit-policy
+#                                            # job through the CLI at d649ec2 (.carry/before, the tree before the
+#                                            # refactors) and at this commit, alternating, twice each
+# Every step <= 10 minutes; at most 8 files come back from $OUT (work files stay in /tmp).
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +29,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 W=/tmp/lmoe-suite
 S=$SECONDS
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -77,6 +87,45 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/suite --time-budget $((575 - (SECONDS - S))) \
       --skip-done 2>&1 | grep -E "^suite|passed" | cut -c1-200
     cp $W/out/suite/sweep.md $OUT/suite.md; cp $W/out/suite/sweep.jsonl $OUT/suite.jsonl ;;
+  F)
+    HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; CK=/tmp/full32; J=/tmp/full32-job
+    [ -f $CK/model.safetensors.index.json ] || python3 benchmarks/make_checkpoint.py $CK --layers 32 --zero-experts \
+      --device cuda 2>&1 | tail -1
+    python3 benchmarks/full_size_job.py --model $CK --out $J --gpu-memory 24GiB --cpu-memory 104GiB --gen 128 \
+      --hardware $HW 2>&1 | tail -1
+    timeout $((560 - (SECONDS - S))) python3 -m lightning_moe.cli run $J/job.yaml --no-progress > $OUT/full32-run.log 2>&1
+    echo "full32 run: rc $?"; tail -25 $OUT/full32-run.log | cut -c1-200
+    cp $J/results.report.json $OUT/full32.report.json 2>/dev/null; cp $J/plan.yaml $OUT/full32-plan.yaml
+    L=$((585 - (SECONDS - S))); W4=$(ls -d $W/ckpt-bf16-L4-h4096-f14336 2>/dev/null | head -1)
+    if [ $L -gt 120 ] && [ -n "$W4" ]; then
+      timeout $L python3 benchmarks/checkpoint_cost.py --device cuda --dtype bfloat16 --model $W4 --gpu-memory 24GiB \
+        --hardware $HW --prompts 2048 --gen 16 --every-steps 1 --timeout $((L / 2 - 5)) --out /tmp/ck 2>&1 | tail -6
+      cp /tmp/ck/checkpoint_cost.md $OUT/ 2>/dev/null
+    else echo "checkpoint cost skipped: $L s left, 4-layer checkpoint '${W4}'"; fi ;;
+  G)
+    for f in qwen3-30b-a3b:8 olmoe-1b-7b:16 qwen1.5-moe-a2.7b:8; do
+      name=${f%%:*}; L=${f##*:}; WF=/tmp/lmoe-fam-$name
+      python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L --work $WF --out $WF/out \
+        --time-budget $((150 - 0)) 2>&1 | grep -E "^fam|passed|checkpoint|quantized" | cut -c1-200
+      cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
+    done
+    timeout $((590 - (SECONDS - S))) python3 benchmarks/bench_grouped_ffn.py --out $OUT/grouped_ffn.md 2>&1 | tail -22 ;;
+  H)
+    timeout 430 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu > $OUT/tests_gpu.txt 2>&1
+    echo "tests/gpu: rc $?"; tail -4 $OUT/tests_gpu.txt
+    CK=$(ls -d $W/ckpt-bf16-L4-h4096-f14336 2>/dev/null | head -1)
+    if [ -z "$CK" ]; then python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
+      --gen-device cuda 2>&1 | tail -1; fi
+    J=$W/jobs/suite-explicit-a-bf16-12g.yaml
+    for t in before now before now; do
+      P=$PWD; [ $t = before ] && P=$PWD/.carry/before
+      L=$((585 - (SECONDS - S))); [ $L -lt 40 ] && { echo "A/B stopped: $L s left"; break; }
+      sed "s#results/suite-explicit-a-bf16-12g#results/ab-$t#" $J > /tmp/ab-$t.yaml; rm -f $W/results/ab-$t.*
+      PYTHONPATH=/tmp/site:$P timeout $L python3 -m lightning_moe.cli run /tmp/ab-$t.yaml --no-progress > /dev/null 2>&1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'decode tok/s', \
+round(r['decode_tokens_per_s'],1), 'e2e', round(r['end_to_end_tokens_per_s'],1), 'prefill', round(r['prefill_tokens_per_s']))" \
+        $W/results/ab-$t.report.json $t 2>&1 | tail -1 | tee -a $OUT/ab.txt
+    done ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
 echo "step $1: $((SECONDS - S)) s"

@@ -1,19 +1,27 @@
 #!/usr/bin/env python3
-"""Write a Mixtral-architecture checkpoint with random weights (few layers) in Hugging Face layout.
+"""Write an MoE checkpoint with random weights (few layers) in Hugging Face layout, of any family ``run`` executes.
 
-The directory gets ``config.json`` (transformers' ``MixtralConfig``; defaults are the real Mixtral-8x7B
-dimensions, only ``num_hidden_layers`` is small), sharded ``model-0000x-of-0000y.safetensors`` with
-``model.safetensors.index.json`` under the HF key names, all in bf16, and the tokenizer files of the
-embedded tiny model (``tiny-mixtral-v1`` in ``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``;
-created on first use when missing), so ``moe-batch run`` and ``transformers`` both load it.
+The directory gets ``config.json`` (the family's transformers config class: ``MixtralConfig``, ``Qwen3MoeConfig``,
+``OlmoeConfig``, ``Qwen2MoeConfig``; defaults are the real Mixtral-8x7B dimensions, ``--preset`` takes a registry
+model's, only ``num_hidden_layers`` is small), sharded ``model-0000x-of-0000y.safetensors`` with
+``model.safetensors.index.json`` under the family's HF key names (the per-expert layout), all in bf16, and the
+tokenizer files of the embedded tiny model (``tiny-mixtral-v1`` in ``$LIGHTNING_MOE_CACHE``, default
+``~/.cache/lightning-moe``; created on first use when missing; its 32000 ids are below every preset's vocabulary),
+so ``moe-batch run`` and ``transformers`` both load it.
 
-No transformers model is ever built: tensors are generated one at a time (seeded ``torch.Generator``,
-N(0, std^2), layer norms 1), packed into shards of about ``--shard-gib`` and written with
-``safetensors.torch.save_file`` shard by shard. ``--device cuda`` generates on the GPU (faster) and
-copies each tensor to the host. A 4-layer Mixtral-8x7B-width checkpoint is ~11 GiB.
+No transformers model is ever built: the tensor names come from the family's key map and the shapes from its
+``dummy_layer`` (on the meta device); tensors are generated one at a time (seeded ``torch.Generator``, N(0, std^2),
+norms 1), packed into shards of about ``--shard-gib`` and written shard by shard. ``--device cuda`` generates on the
+GPU (faster) and copies each tensor to the host. A 4-layer Mixtral-8x7B-width checkpoint is ~11 GiB.
+
+``--zero-experts``: every routed expert tensor is zeros, left as holes of a sparse file (no disk blocks, no write
+time), everything else random. For speed and memory runs of checkpoints larger than the disk (the full 32-layer
+Mixtral-8x7B is ~93 GB): the bytes paged, copied and multiplied are the same; the outputs are not meaningful.
 
 Usage:
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 4 [--device cuda]            # Mixtral-width
+  python3 benchmarks/make_checkpoint.py OUT_DIR --preset qwen3-30b-a3b --layers 4      # Qwen3-30B-A3B width
+  python3 benchmarks/make_checkpoint.py OUT_DIR --layers 32 --zero-experts              # full size, sparse file
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 2 --hidden 64 --intermediate 96 --heads 4 --kv-heads 2
 """
 
@@ -28,7 +36,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 MIXTRAL_8X7B = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "experts": 8, "top_k": 2,
                 "vocab": 32000, "rope_theta": 1e6, "max_pos": 32768}
@@ -40,6 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 class Dims:
     """Architecture numbers of the checkpoint (defaults: Mixtral-8x7B with 4 layers)."""
 
+    family: str = "mixtral"  # model_type: mixtral, qwen3_moe, olmoe or qwen2_moe
     layers: int = 4
     hidden: int = MIXTRAL_8X7B["hidden"]
     intermediate: int = MIXTRAL_8X7B["intermediate"]
@@ -50,25 +62,70 @@ class Dims:
     vocab: int = MIXTRAL_8X7B["vocab"]
     rope_theta: float = MIXTRAL_8X7B["rope_theta"]
     max_pos: int = MIXTRAL_8X7B["max_pos"]
+    hd: int = 0  # per-head width when it is not hidden // heads (Qwen3-MoE); 0 = hidden // heads
+    shared: int = 0  # width of the shared expert (qwen2_moe); 0 = none
+    dense: int = 0  # width of a dense layer's MLP (config intermediate_size of the Qwen families; 0 = 4 x expert width)
+    norm_topk_prob: bool = True  # renormalize the top-k router weights (Qwen / OLMoE config field; Mixtral always)
 
     @property
     def head_dim(self) -> int:
-        """Per-head width: hidden // heads."""
-        return self.hidden // self.heads
+        """Per-head width: ``hd``, else hidden // heads."""
+        return self.hd or self.hidden // self.heads
+
+    @classmethod
+    def from_registry(cls, name: str, layers: int) -> "Dims":
+        """The dims of a registry model (``lightning_moe.policy.registry``) with ``layers`` decoder layers."""
+        from lightning_moe.policy.registry import resolve_spec
+
+        s = resolve_spec(name)
+        if s.model_type not in CONFIG_CLASSES:
+            raise ValueError(f"{name}: model_type {s.model_type!r} is not one make_checkpoint writes "
+                             f"({', '.join(CONFIG_CLASSES)})")
+        return cls(family=s.model_type, layers=layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
+                   heads=s.num_heads, kv_heads=s.num_kv_heads, experts=s.num_experts, top_k=s.top_k,
+                   vocab=s.vocab_size, rope_theta=s.rope_theta, max_pos=s.max_position_embeddings,
+                   hd=0 if s.head_dim == s.hidden_size // s.num_heads else s.head_dim,
+                   shared=s.shared_intermediate_size * s.num_shared_experts, norm_topk_prob=bool(s.norm_topk_prob))
+
+
+CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
+                  "qwen2_moe": "Qwen2MoeConfig"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def config_dict(d: Dims) -> dict:
-    """The config.json content: ``MixtralConfig(...).to_dict()`` plus top-level ``rope_theta`` / ``torch_dtype``
-    (read by transformers 4 and 5 alike)."""
-    from transformers import MixtralConfig
+    """The config.json content: the family's transformers config ``.to_dict()`` plus top-level ``rope_theta`` /
+    ``torch_dtype`` (read by transformers 4 and 5 alike)."""
+    import transformers
 
-    cfg = MixtralConfig(vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=d.intermediate,
-                        num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
-                        head_dim=d.head_dim, num_local_experts=d.experts, num_experts_per_tok=d.top_k,
-                        rope_theta=d.rope_theta, max_position_embeddings=d.max_pos, sliding_window=None,
-                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    common = dict(vocab_size=d.vocab, hidden_size=d.hidden, num_hidden_layers=d.layers,
+                  num_attention_heads=d.heads, num_key_value_heads=d.kv_heads, num_experts_per_tok=d.top_k,
+                  rope_theta=d.rope_theta, max_position_embeddings=d.max_pos, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    if d.family == "mixtral":
+        kw = dict(intermediate_size=d.intermediate, head_dim=d.head_dim, num_local_experts=d.experts,
+                  sliding_window=None, rms_norm_eps=1e-5)
+    elif d.family == "olmoe":  # head_dim is hidden / heads (q_norm is sized by hidden_size)
+        if d.hd:
+            raise ValueError("olmoe: head_dim is hidden / heads")
+        kw = dict(intermediate_size=d.intermediate, num_experts=d.experts, norm_topk_prob=d.norm_topk_prob,
+                  clip_qkv=None, rms_norm_eps=1e-5)
+    elif d.family in ("qwen3_moe", "qwen2_moe"):
+        kw = dict(intermediate_size=d.dense or 4 * d.intermediate, moe_intermediate_size=d.intermediate,
+                  num_experts=d.experts, norm_topk_prob=d.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                  rms_norm_eps=1e-6)
+        if d.family == "qwen3_moe":
+            kw["head_dim"] = d.head_dim
+        else:
+            if not d.shared:
+                raise ValueError("qwen2_moe: the shared expert's width (Dims.shared) must be > 0")
+            kw["shared_expert_intermediate_size"] = d.shared
+    else:
+        raise ValueError(f"family {d.family!r}: make_checkpoint writes {', '.join(CONFIG_CLASSES)}")
+    cfg = getattr(transformers, CONFIG_CLASSES[d.family])(**common, **kw)
     out = cfg.to_dict()
-    out["architectures"] = ["MixtralForCausalLM"]
+    out["architectures"] = [ARCHITECTURES[d.family]]
     out["rope_theta"] = d.rope_theta
     out["torch_dtype"] = "bfloat16"
     out["dtype"] = "bfloat16"
@@ -76,21 +133,32 @@ def config_dict(d: Dims) -> dict:
 
 
 def tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of every tensor, in file order: embeddings, layer by layer, final norm, lm_head."""
-    D, F, E, V = d.hidden, d.intermediate, d.experts, d.vocab
-    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    out = [("model.embed_tokens.weight", (V, D))]
-    for i in range(d.layers):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (D,)), (p + "self_attn.q_proj.weight", (q, D)),
-                (p + "self_attn.k_proj.weight", (kv, D)), (p + "self_attn.v_proj.weight", (kv, D)),
-                (p + "self_attn.o_proj.weight", (D, q)), (p + "post_attention_layernorm.weight", (D,)),
-                (p + "block_sparse_moe.gate.weight", (E, D))]
-        for e in range(E):
-            x = p + f"block_sparse_moe.experts.{e}."
-            out += [(x + "w1.weight", (F, D)), (x + "w2.weight", (D, F)), (x + "w3.weight", (F, D))]
-    out += [("model.norm.weight", (D,)), ("lm_head.weight", (V, D))]
+    """(HF name, shape) of every tensor, in file order: embeddings, layer by layer (its non-expert tensors, then its
+    experts w1, w2, w3 each), final norm, lm_head. Names from the family's key map (the first MoE block prefix,
+    per-expert layout), shapes from its ``dummy_layer``."""
+    from lightning_moe.model.families import family_of, read_spec
+
+    spec = read_spec(config_dict(d))
+    fam, keys = family_of(spec), family_of(spec).keys
+    D, F, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    out = [(keys.embed, (V, D))]
+    moe = keys.moe_blocks[0]
+    for i in range(spec.num_layers):
+        lw = fam.dummy_layer(spec, lambda *shape: torch.empty(shape, device="meta"), torch.bfloat16, i)
+        dense = spec.is_dense_layer(i)
+        names = keys.dense_layer_names(i) if dense else keys.layer_names(i, moe)
+        out += [(names[f], tuple(getattr(lw, f).shape)) for f in names]
+        if not dense:
+            for e in range(spec.num_experts):
+                out += [(keys.expert_name(i, moe, f, e), shape) for f, shape in (("w1", (F, D)), ("w2", (D, F)),
+                                                                                 ("w3", (F, D)))]
+    out += [(keys.norm, (D,)), (keys.lm_head, (V, D))]
     return out
+
+
+def is_expert_tensor(name: str) -> bool:
+    """True for a routed expert's weight (the per-expert layout's ``.experts.{e}.``)."""
+    return ".experts." in name
 
 
 def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> list[list[int]]:
@@ -117,12 +185,37 @@ def _numel(shape: tuple[int, ...]) -> int:
 def make_tensor(name: str, shape: tuple[int, ...], index: int, seed: int, std: float, device: str) -> torch.Tensor:
     """One bf16 host tensor: ones for norm weights, else N(0, std^2) from a generator seeded with seed + index
     (the same bytes whatever the sharding; cpu and cuda generators give different numbers)."""
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+    if len(shape) == 1 and "norm" in name:
         return torch.ones(shape, dtype=torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(seed + index)
     t = torch.randn(shape, generator=g, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     t = t.mul_(std).to(torch.bfloat16)
     return t.cpu() if t.device.type != "cpu" else t
+
+
+def save_shard(path: str, names: list[str], shapes: list[tuple[int, ...]], make, zero) -> int:
+    """Write one bf16 safetensors file (the format: 8-byte little-endian header size, the JSON header, the data);
+    tensor ``i`` is ``make(i)``, or, where ``zero(i)``, a hole of the sparse file (reads as zeros). Returns the
+    data bytes. ``safetensors.torch.save_file`` needs every tensor in memory and writes every byte; this writes
+    one tensor at a time and skips the zeros."""
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for n, shape in zip(names, shapes):
+        nbytes = 2 * _numel(shape)
+        header[n] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little"))
+        f.write(h)
+        for i, shape in enumerate(shapes):
+            if zero(i):
+                f.seek(2 * _numel(shape), os.SEEK_CUR)
+            else:
+                t = make(i).contiguous()
+                f.write(t.view(torch.int16).numpy().tobytes())
+        f.truncate(8 + len(h) + off)
+    return off
 
 
 def tiny_tokenizer_dir() -> str:
@@ -150,9 +243,10 @@ def copy_tokenizer(dst: str, src: str | None = None) -> list[str]:
 
 
 def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int = 0, std: float = 0.02,
-                     device: str = "cpu", log=sys.stderr) -> dict:
-    """Write the checkpoint into ``out_dir`` (created; must be empty or absent). Returns
-    ``{"path", "bytes", "seconds", "shards", "tensors", "tokenizer_files"}``; ``bytes`` counts the safetensors files."""
+                     device: str = "cpu", log=sys.stderr, zero_experts: bool = False) -> dict:
+    """Write the checkpoint into ``out_dir`` (created; must be empty or absent); ``zero_experts``: routed expert
+    tensors are zeros, holes of sparse files. Returns ``{"path", "bytes", "seconds", "shards", "tensors",
+    "tokenizer_files", "zero_bytes"}``; ``bytes`` counts the safetensors data, ``zero_bytes`` its holes."""
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir}: exists and is not empty")
     os.makedirs(out_dir, exist_ok=True)
@@ -161,15 +255,16 @@ def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int
         json.dump(config_dict(dims), f, indent=2)
     shapes = tensor_shapes(dims)
     shards = plan_shards(shapes, int(shard_gib * 2**30))
-    weight_map, total = {}, 0
+    weight_map, total, zero_bytes = {}, 0, 0
     for k, idx in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {shapes[i][0]: make_tensor(shapes[i][0], shapes[i][1], i, seed, std, device) for i in idx}
-        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        zero = [zero_experts and is_expert_tensor(shapes[i][0]) for i in idx]
+        nbytes = save_shard(os.path.join(out_dir, fname), [shapes[i][0] for i in idx], [shapes[i][1] for i in idx],
+                            lambda j: make_tensor(shapes[idx[j]][0], shapes[idx[j]][1], idx[j], seed, std, device),
+                            lambda j: zero[j])
         total += nbytes
-        weight_map.update({name: fname for name in tensors})
-        del tensors
+        zero_bytes += sum(2 * _numel(shapes[i][1]) for i, z in zip(idx, zero) if z)
+        weight_map.update({shapes[i][0]: fname for i in idx})
         print(f"  {fname}: {nbytes / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s", file=log, flush=True)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
@@ -177,7 +272,7 @@ def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int
     if device != "cpu":
         torch.cuda.empty_cache()  # the caller may go on to run capped jobs in subprocesses
     return {"path": out_dir, "bytes": total, "seconds": time.perf_counter() - t0, "shards": len(shards),
-            "tensors": len(shapes), "tokenizer_files": tok}
+            "tensors": len(shapes), "tokenizer_files": tok, "zero_bytes": zero_bytes}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("out", help="output directory (created; must be empty or absent)")
+    p.add_argument("--preset", default=None, help="a registry model's dims (e.g. qwen3-30b-a3b, olmoe-1b-7b, "
+                   "qwen1.5-moe-a2.7b, mixtral-8x7b); --layers still applies, the other size flags are ignored")
+    p.add_argument("--zero-experts", action="store_true", help="routed experts are zeros: holes of sparse files")
     p.add_argument("--layers", type=int, default=d.layers, help=f"num_hidden_layers (default {d.layers})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden_size (default {d.hidden})")
     p.add_argument("--intermediate", type=int, default=d.intermediate, help=f"expert intermediate_size (default {d.intermediate})")
@@ -203,15 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def dims_from_args(a: argparse.Namespace) -> Dims:
     """Dims from parsed command-line arguments."""
+    if a.preset:
+        return Dims.from_registry(a.preset, a.layers)
     return Dims(layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=a.heads, kv_heads=a.kv_heads,
                 experts=a.experts, top_k=a.top_k, vocab=a.vocab, max_pos=a.max_pos)
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    res = write_checkpoint(a.out, dims_from_args(a), a.shard_gib, a.seed, a.std, a.device)
+    res = write_checkpoint(a.out, dims_from_args(a), a.shard_gib, a.seed, a.std, a.device, zero_experts=a.zero_experts)
     print(f"wrote {res['path']}: {res['bytes']:,} bytes ({res['bytes'] / 2**30:.2f} GiB) in {res['shards']} shards, "
-          f"{res['tensors']} tensors, {res['seconds']:.1f} s ({res['bytes'] / 2**30 / max(res['seconds'], 1e-9):.2f} GiB/s); "
+          f"{res['tensors']} tensors ({res['zero_bytes'] / 2**30:.2f} GiB of zeros as holes), {res['seconds']:.1f} s ({res['bytes'] / 2**30 / max(res['seconds'], 1e-9):.2f} GiB/s); "
           f"tokenizer: {', '.join(res['tokenizer_files'])}")
     return 0
 
