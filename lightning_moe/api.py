@@ -204,6 +204,8 @@ class LLM:
         system_prompt: a system message put before chat messages that do not start with one (data.system_prompt).
         truncate: a prompt longer than the context: ``"error"`` or ``"left"`` (drop its oldest tokens;
             data.truncate).
+        chat_template_kwargs: variables the chat template reads, e.g. ``{"enable_thinking": False}`` for Qwen3
+            (data.chat_template_kwargs; vLLM's name).
         **job_keys: nothing else is taken: any other keyword is a ConfigError naming it (a job key that is set per
             call says where it goes).
 
@@ -219,7 +221,8 @@ class LLM:
                  gpu_memory: Union[int, str, None] = None, cpu_memory: Union[int, str, None] = None,
                  hardware: Optional[str] = None, policy: Union[str, Mapping[str, Any]] = "auto",
                  executor: Optional[str] = None, expert_ffn: str = "auto", batch_size: int = 16,
-                 system_prompt: Optional[str] = None, truncate: str = "error", **job_keys: Any):
+                 system_prompt: Optional[str] = None, truncate: str = "error",
+                 chat_template_kwargs: Optional[Mapping[str, Any]] = None, **job_keys: Any):
         from .app.engine import ModelRunner, check_device
         from .app.gpu import apply_gpu_cap
         from .app.plan import ModelFiles
@@ -239,6 +242,8 @@ class LLM:
         data: dict = {"truncate": truncate}
         if system_prompt is not None:
             data["system_prompt"] = system_prompt
+        if chat_template_kwargs is not None:
+            data["chat_template_kwargs"] = dict(chat_template_kwargs)
         job = job_from_dict({**keys, "data": data}, "LLM", in_memory=True)
         # the validated values (paths made absolute) serve every call's job
         keys.update(model=job.model, policy=job.policy, executor=job.executor)
@@ -429,7 +434,7 @@ class LLM:
 
 
 _LLM_KEYWORDS = ["device", "dtype", "gpu_memory", "cpu_memory", "hardware", "policy", "executor", "expert_ffn",
-                 "batch_size", "system_prompt", "truncate"]
+                 "batch_size", "system_prompt", "truncate", "chat_template_kwargs"]
 
 
 def _is_tokens(p: Any) -> bool:

@@ -58,6 +58,7 @@ class DataSource:
     path: Optional[str] = None  # absolute path of the JSONL file; required for jsonl, optional question.jsonl for mtbench
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template (default: True for mtbench, False for jsonl)
     system_prompt: Optional[str] = None  # system message prepended when chat_template is on
+    chat_template_kwargs: Optional[dict] = None  # variables the chat template reads (Qwen3: {enable_thinking: false})
     limit: Optional[int] = None  # read only the first `limit` requests of the file (None = all)
     truncate: str = "error"  # prompt longer than the context: "error" (or error record) | "left" (drop oldest tokens)
 
@@ -211,6 +212,36 @@ def _p_str(v, key, ctx, *, allow_empty=False):
     if not allow_empty and not v.strip():
         raise ctx.err(key, "expected a non-empty string")
     return v
+
+
+# apply_chat_template's own arguments: a template variable of the same name would be taken by the call instead
+_TEMPLATE_RESERVED = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _p_template_kwargs(v, key, ctx):
+    """A mapping of chat-template variables: identifier names (not apply_chat_template's own arguments) to JSON
+    values (strings, numbers, booleans, null, lists and mappings of them)."""
+    if not isinstance(v, dict):
+        raise ctx.err(key, f"expected a mapping of template variables (e.g. {{enable_thinking: false}}), got "
+                           f"{_describe(v)}")
+
+    def json_like(x):
+        if isinstance(x, (str, int, float, bool)) or x is None:
+            return True
+        if isinstance(x, list):
+            return all(json_like(i) for i in x)
+        return isinstance(x, dict) and all(isinstance(k, str) and json_like(i) for k, i in x.items())
+
+    for k, x in v.items():
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ctx.err(key, f"template variable names must be identifiers, got {k!r}")
+        if k in _TEMPLATE_RESERVED:
+            raise ctx.err(f"{key}.{k}", "an argument of apply_chat_template, not a template variable")
+        if not json_like(x):
+            raise ctx.err(f"{key}.{k}", f"expected a JSON value, got {_describe(x)}")
+    return dict(v)
 
 
 def _p_choice(options):
@@ -389,6 +420,7 @@ _DATA_KEYS: dict[str, _Parser] = {
     "path": _opt(_p_input_file),
     "chat_template": _p_bool,
     "system_prompt": _opt(lambda v, k, c: _p_str(v, k, c, allow_empty=True)),
+    "chat_template_kwargs": _opt(_p_template_kwargs),
     "limit": _opt(_p_int(lo=1)),
     "truncate": _p_choice(TRUNCATE),
 }
@@ -489,7 +521,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ================================================================================================
 # entry points
 # ================================================================================================
-_MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "truncate")  # data keys of an in-memory job
+_MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "chat_template_kwargs", "truncate")  # data keys of an in-memory job
 
 
 def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Optional[str] = None,
@@ -505,7 +537,8 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
         name: job name when ``d`` has no ``name`` key (default: ``"job"``).
         config_path: recorded as :attr:`Job.config_path`.
         in_memory: the caller holds the requests and takes the records (the Python API, ``lightning_moe.api``):
-            ``data`` may hold only chat_template, system_prompt and truncate (``data.source`` becomes IN_MEMORY),
+            ``data`` may hold only chat_template, system_prompt, chat_template_kwargs and truncate (``data.source``
+            becomes IN_MEMORY),
             ``output`` is not allowed (:attr:`Job.output` is None); every other key is checked as for a YAML.
 
     Raises:

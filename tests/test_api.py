@@ -112,6 +112,15 @@ def test_chat_messages_are_rendered_as_the_jobs_chat_template(tmp_path, tiny_dir
     assert len(one) == 1 and one[0].token_ids == outs[0].token_ids
 
 
+def test_chat_template_kwargs_keyword(tiny_dir):
+    """``chat_template_kwargs`` is data.chat_template_kwargs of every call's job; a bad one is named."""
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", chat_template_kwargs={"enable_thinking": False})
+    assert llm.job.data.chat_template_kwargs == {"enable_thinking": False}
+    llm.close()
+    with pytest.raises(ConfigError, match=r"LLM: data\.chat_template_kwargs\.tokenize: an argument of apply_chat"):
+        LLM(tiny_dir, device="cpu", chat_template_kwargs={"tokenize": True})
+
+
 def test_score_loglikelihood_matches_the_cli(tmp_path, tiny_dir):
     pairs = [(f"{a} + {b} =", f" {a + b}") for a, b in [(2, 2), (3, 5), (10, 7), (1, 1), (12, 30), (6, 6)]]
     recs, _ = _cli_run(tmp_path, tiny_dir, [{"id": str(i), "prompt": c, "continuation": x}

@@ -221,7 +221,9 @@ def results_provenance(job: Job) -> dict:
     return {"model": job.model, "dtype": job.dtype, "task": job.task, "generation": gen,
             "score": asdict(job.score) if job.score is not None else None,
             "chat_template": job.data.chat_template, "system_prompt": job.data.system_prompt,
-            "truncate": job.data.truncate}
+            "truncate": job.data.truncate,
+            # only when set, so results written before the key existed still match
+            **({"chat_template_kwargs": job.data.chat_template_kwargs} if job.data.chat_template_kwargs else {})}
 
 
 def check_results_provenance(job: Job) -> None:
