@@ -69,7 +69,7 @@ def check_device(job: Job) -> None:
     if job.device.startswith("cuda") and not torch.cuda.is_available():
         from ..config import ConfigError
 
-        raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
+        raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
 
 
@@ -197,14 +197,21 @@ def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional
     return sorted(sink.records, key=lambda r: order[r["id"]])
 
 
-def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = ()) -> dict:
-    """A generation record; with stop strings the text is cut before the earliest one and the reason is "stop"."""
+def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = (),
+                lps: Optional[list] = None, k: Optional[int] = None) -> dict:
+    """A generation record; with stop strings the text is cut before the earliest one and the reason is "stop".
+    ``lps``: one log-prob entry (``[logprob, top]``, pipeline.serial.token_logprobs) per output token, written as
+    ``logprobs`` (the chosen tokens') and, with ``k >= 1``, ``top_logprobs`` (per token its k best ``[id, logprob]``)."""
     text = tokenizer.decode(out_ids, skip_special_tokens=True)
     if stops:
         text, found = cut_at_stop(text, stops)
         reason = "stop" if found else reason
     rec = {"id": tr.id, "prompt_tokens": tr.prompt_tokens, "text": text, "output_ids": out_ids,
            "output_tokens": len(out_ids), "finish_reason": reason}
+    if lps is not None:
+        rec["logprobs"] = [e[0] for e in lps]
+        if k:
+            rec["top_logprobs"] = [[list(p) for p in e[1]] for e in lps]
     if tr.truncated:
         rec["truncated_tokens"] = tr.truncated
     return rec
@@ -215,9 +222,10 @@ def results_provenance(job: Job) -> dict:
     (generate) or scoring settings, and how prompts are formatted. Device, executor, batch size and policy are left
     out: they change speed, not what a record means."""
     gen = None
-    if job.task == "generate":  # as JSON holds it (lists); stop settings only when set, so older results still match
+    if job.task == "generate":  # as JSON holds it (lists); stop and logprobs settings only when set, so older results
+        #   still match
         gen = {k: v for k, v in json.loads(json.dumps(asdict(job.generation))).items()
-               if not (k in ("stop", "stop_token_ids") and not v)}
+               if not (k in ("stop", "stop_token_ids") and not v) and not (k == "logprobs" and v is None)}
     return {"model": job.model, "dtype": job.dtype, "task": job.task, "generation": gen,
             "score": asdict(job.score) if job.score is not None else None,
             "chat_template": job.data.chat_template, "system_prompt": job.data.system_prompt,
@@ -245,7 +253,7 @@ def check_results_provenance(job: Job) -> None:
         diff = [k for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
         if diff:
             lines = "; ".join(f"{k}: {then.get(k)!r} then, {now.get(k)!r} now" for k in diff)
-            raise ConfigError(f"{job.config_path or job.name}: {job.output.path} holds records of different settings "
+            raise ConfigError(f"{job.label}: {job.output.path} holds records of different settings "
                               f"({lines}; saved in {meta}). Resuming would mix them: set output.path to a new file "
                               f"(e.g. --set output.path=...), or move the old results away")
         return
@@ -513,6 +521,12 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
 
         stops = job.generation.stop
         watch = StopWatch(stops, lambda rows: prep.tokenizer.batch_decode(rows, skip_special_tokens=True))
+        k = params.logprobs  # None: no log-probs (nothing computed, nothing kept)
+        plps: dict = {}  # id -> the log-prob entries of its partial
+        if k is not None:
+            plps = partials_file.logprobs if partials_file is not None else {}
+            # a partial without its log-probs (not written by a job that asked for them) starts over
+            partials = {i: p for i, p in partials.items() if plps.get(i) is not None and len(plps[i]) == len(p)}
 
         def ends(p: list) -> bool:
             return bool(p) and finish_reason(params, eos, p[-1], len(p)) == "stop"
@@ -523,7 +537,7 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
             p = partials.get(t.id, [])
             if p and (len(p) >= G or ends(p) or i in stopped):
                 writer.write(_gen_record(t, p[:G], "stop" if ends(p[:G]) or i in stopped else "length",
-                                         prep.tokenizer, stops))
+                                         prep.tokenizer, stops, plps[t.id][:G] if k is not None else None, k))
                 written += 1
             else:
                 rest.append(t)
@@ -544,15 +558,21 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                 outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
                 saved = [len(o) for o in outs]  # how much of it the sidecar holds
                 finished = [False] * len(chunk)
+                lpss = [list(plps.get(t.id, [])) for t in chunk] if k is not None else None  # log-prob entries
 
-                def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished):
-                    writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops))
+                def on_logprobs(rows, entries, lpss=lpss):
+                    for r, e in zip(rows, entries):
+                        lpss[r].append(e)
+
+                def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished, lpss=lpss):
+                    writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops,
+                                             lpss[idx] if lpss is not None else None, k))
                     finished[idx] = True
                     done[0] += 1
                     if len(out_ids) < G:  # stopped early: its remaining tokens will never come
                         bar.total -= G - len(out_ids)
 
-                def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished):
+                def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished, lpss=lpss):
                     for r, t in zip(rows, toks):
                         if not finished[r]:
                             outs[r].append(t)
@@ -562,7 +582,8 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                     due = stopping or (ck.every_steps is not None and clock["steps"] >= ck.every_steps) or (
                         ck.every_seconds is not None and now - clock["last"] >= ck.every_seconds)
                     if due and ck.enabled and partials_file is not None:
-                        lines = [(chunk[i].id, saved[i], outs[i][saved[i]:]) for i in range(len(chunk))
+                        lines = [(chunk[i].id, saved[i], outs[i][saved[i]:])
+                                 + ((lpss[i][saved[i]:],) if lpss is not None else ()) for i in range(len(chunk))
                                  if not finished[i] and len(outs[i]) > saved[i]]
                         nbytes = partials_file.append(lines)
                         for i in range(len(chunk)):
@@ -581,7 +602,8 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                 executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
                                   seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
                                   eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
-                                  on_tokens=on_tokens, stop_rows=watch.hits if watch else None)
+                                  on_tokens=on_tokens, stop_rows=watch.hits if watch else None,
+                                  on_logprobs=on_logprobs if k is not None else None)
                 written += len(chunk)
             bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
                                 f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")  # the last step's count

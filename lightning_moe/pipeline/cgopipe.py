@@ -46,8 +46,8 @@ from ..policy.batching import group_by_length
 from ..policy.policy import Policy
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .kv_cache import KV_GROUPS, GroupedKVCache
-from .serial import (FinishCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback, TokensCallback,
-                     check_prefixes, finish_reason, sample)
+from .serial import (FinishCallback, LogprobsCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback,
+                     TokensCallback, check_prefixes, finish_reason, sample, token_logprobs)
 from .stage_stats import StageTimer, add_counts
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 from .weight_stream import WeightStream
@@ -90,9 +90,10 @@ class _Outputs:
 
     def __init__(self, outputs: list[list[int]], params: SamplingParams, eos: Optional[int], seeds: Optional[list],
                  stats: RunStats, on_finish: Optional[FinishCallback], on_tokens: Optional[TokensCallback],
-                 stop_rows: Optional[StopRowsCallback]):
+                 stop_rows: Optional[StopRowsCallback], on_logprobs: Optional[LogprobsCallback] = None):
         self.outputs, self.params, self.eos, self.seeds, self.stats = outputs, params, eos, seeds, stats
         self.on_finish, self.on_tokens, self.stop_rows = on_finish, on_tokens, stop_rows
+        self.on_logprobs = on_logprobs if params.logprobs is not None else None  # nothing computed unless asked
         self.results: list = [None] * len(outputs)
         self.step_rows: list[int] = []  # tokens committed in this step, for on_tokens
         self.step_toks: list[int] = []
@@ -113,6 +114,11 @@ class _Outputs:
         outputs, sd = self.outputs, self.seeds
         toks = sample(lg, self.params, [sd[r] for r in mb.rows] if sd else None,
                       [len(outputs[r]) for r in mb.rows] if sd else None)
+        if self.on_logprobs is not None:  # the running rows' entries, before any of them finishes
+            live = [j for j, r in enumerate(mb.rows) if self.results[r] is None]
+            if live:
+                ent = token_logprobs(lg[live] if len(live) < len(mb.rows) else lg, toks[live], self.params.logprobs)
+                self.on_logprobs([mb.rows[j] for j in live], ent)
         for r, t in zip(mb.rows, toks.tolist()):
             if self.results[r] is not None:
                 continue
@@ -568,11 +574,13 @@ class CGOPipeExecutor:
                  seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
                  on_step: Optional[StepCallback] = None, prefixes: Optional[Sequence[Sequence[int]]] = None,
                  on_tokens: Optional[TokensCallback] = None,
-                 stop_rows: Optional[StopRowsCallback] = None) -> list[tuple[list[int], str]]:
+                 stop_rows: Optional[StopRowsCallback] = None,
+                 on_logprobs: Optional[LogprobsCallback] = None) -> list[tuple[list[int], str]]:
         """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call; ``prefixes``:
         resumed sequences, prefilled with their prompt; ``on_tokens(rows, tokens)``: every token committed in a step,
         once per step after all micro-batches; ``stop_rows``: once per step, before ``on_tokens``, over the rows still
-        running: those it returns finish with "stop").
+        running: those it returns finish with "stop"; ``on_logprobs``: per micro-batch as its tokens are committed,
+        before their ``on_finish`` calls).
 
         Finished rows keep their slot until the batch ends (their extra tokens are discarded, never reported), so the
         micro-batch shapes stay fixed for the whole batch.
@@ -590,7 +598,7 @@ class CGOPipeExecutor:
         # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
         t0 = time.perf_counter()
         logits = self._prefill(prompts, mbs)
-        rows = _Outputs(pre, params, eos, sd, self.stats, on_finish, on_tokens, stop_rows)
+        rows = _Outputs(pre, params, eos, sd, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
         tokens = [rows.commit(mb, lg) for mb, lg in zip(mbs, logits)]
         del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
         self._sync()
