@@ -340,8 +340,14 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     native_available()
 
 
-def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[ModelRunner] = None) -> dict:
+def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[ModelRunner] = None,
+            spans: Optional[list] = None) -> dict:
     """Run ``job`` to completion (or resume it) and return the run report (also saved as JSON).
+
+    ``spans``: a list to receive the run's measured stage timeline (``moe-batch run --timeline``): the cgopipe
+    executor's intervals per lane and phase (:meth:`pipeline.stage_stats.StageTimer.take_spans`), appended when the
+    run ends (also after a stop or a failure). Recorded only when given; a serial job is refused (ConfigError,
+    before anything is read).
 
     ``runner``: a :class:`ModelRunner` of the job's model and dtype that outlives this run (``moe-batch run-batch``
     runs one job per group of sampling settings through one): its tokenizer and weights are reused and its executor
@@ -360,6 +366,11 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
+    if spans is not None and job.executor != "cgopipe":
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.label}: executor: the timeline draws the cgopipe executor's stages; this job runs "
+                          f"executor: {job.executor} (--set executor=cgopipe)")
     prep = Prepared(job, files=runner.files if runner is not None else None)
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
@@ -427,6 +438,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
             executor = runner.executor(job, prep, jplan)  # reads the weights
             executor.phase_hook = peaks.enter
             t_load = time.perf_counter() - t0
+            if spans is not None:
+                executor.timer.start_spans()
             report["gpu_memory_fraction"] = cap["fraction"] if cap else None
             if hasattr(executor, "policy_summary"):
                 report["policy"] = executor.policy_summary()
@@ -463,6 +476,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     finally:
         stop.deferred = True  # a signal now only marks the stop: the report below is written whole
         stats = executor.stats if executor is not None else stats
+        if spans is not None and executor is not None and executor.timer.spans_on:
+            spans.extend(executor.timer.take_spans())
         peaks.close()
         writer.close()
         if partials_file is not None:

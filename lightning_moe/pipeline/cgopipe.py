@@ -257,6 +257,7 @@ class CGOPipeExecutor:
         """Start a phase ("prefill", "decode", "scoring"): ``self.phase`` names it (out-of-memory messages) and
         ``phase_hook`` (set by the runner: per-phase peak memory) is told."""
         self.phase = phase
+        self.timer.phase = phase
         if self.phase_hook is not None:
             self.phase_hook(phase)
 
@@ -286,6 +287,8 @@ class CGOPipeExecutor:
         def ffn(h, ew, w, ids):
             if not built:
                 built.append(self.expert_ffn.for_visit(self.weight_stream.wait_pages(visit)))
+            if self.timer.spans_on:  # the timeline's GPU expert FFN lane (moe-batch run --timeline)
+                return self.timer.timed("expert_ffn", self.compute, lambda: built[0](h, ew, w, ids))
             return built[0](h, ew, w, ids)
 
         return visit, ffn
@@ -375,7 +378,8 @@ class CGOPipeExecutor:
         router and the visit's expert FFN (``ffn``); replaces ``ch.x``."""
         fam = self.family
         q, k, v = fam.pre_attention(self.layers[l], ch.x, ch.pos, self.spec, self.inv_freq, ch.rope)  # [T,Hq,hd] [T,Hkv,hd] x2
-        attn = fam.prefill_attention_packed(q, k, v, ch.spans, self.spec.sliding_window, ch.layout)  # [T, Hq*hd]
+        attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
+            q, k, v, ch.spans, self.spec.sliding_window, ch.layout))  # [T, Hq*hd]
         if mb.kv is not None:
             self._store_prefill_kv(l, mb, ch.kv_index, k, v, pending)
         ch.x = fam.post_attention(self.layers[l], None, ch.x, attn, self.spec, ffn)  # [T, D]
@@ -468,6 +472,7 @@ class CGOPipeExecutor:
         self.timer.add_host("cpu_attention_wait_qkv", t1 - t0)
         self.timer.add_host("cpu_attention_pin", t2 - t1)
         self.timer.add_host("cpu_attention_compute", t3 - t2)
+        self.timer.span("cpu_attention", t0, t3)
         n = mb.kv.lengths + 1 if self.spec.sliding_window is None else (mb.kv.lengths + 1).clamp(max=self.spec.sliding_window)
         self._attn_kv_bytes += int(n.sum()) * self._kv_bytes_per_position  # worker thread only
         return out
@@ -519,7 +524,8 @@ class CGOPipeExecutor:
         cpu_pending = None  # (k, micro-batch, Future) whose CPU attention runs on the worker
         for k, mb in enumerate(mbs):
             q, kk, v = self._pre_attention(l, mb)
-            attn = self._gpu_attention(l, mb, q, kk, v) if mb.on_gpu else self._submit_cpu_attention(l, mb, q, kk, v)
+            attn = (self.timer.timed("gpu_attention", self.compute, lambda: self._gpu_attention(l, mb, q, kk, v))
+                    if mb.on_gpu else self._submit_cpu_attention(l, mb, q, kk, v))
             if cpu_pending is not None:  # finish the previous CPU micro-batch while this one's attention runs
                 self._finish_micro_batch(l, visit, len(mbs), *cpu_pending, ffn)
                 cpu_pending = None
@@ -607,6 +613,7 @@ class CGOPipeExecutor:
         t1 = time.perf_counter()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += t1 - t0
+        self.timer.span("phase", t0, t1, "prefill")
         self.timer.collect()  # prefill waits are not decode stage times
         self._attn_kv_bytes = 0
         native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
@@ -615,9 +622,12 @@ class CGOPipeExecutor:
         try:
             while rows.running:
                 alive = rows.running
+                ts = time.perf_counter() if self.timer.spans_on else 0.0
                 logits = self._decode_step(mbs, tokens)
                 tokens = [rows.commit(mb, lg) for mb, lg in zip(mbs, logits)]
                 del logits
+                if self.timer.spans_on:
+                    self.timer.span("step", ts, time.perf_counter())  # host issue of one decode step
                 self.stats.decode_tokens += alive
                 self.stats.decode_steps += 1
                 if on_step is not None:
@@ -631,6 +641,7 @@ class CGOPipeExecutor:
         """Add a batch's decode wall time (since ``t1``) and stage timings to the stats."""
         self._sync()
         dt = time.perf_counter() - t1
+        self.timer.span("phase", t1, t1 + dt, "decode")
         self.stats.decode_seconds += dt
         stages = self.timer.collect()
         stages["decode_wall"] = dt
@@ -655,6 +666,7 @@ class CGOPipeExecutor:
             for r, sc in zip(mb.rows, split_scores(lp, g, [len(seqs[r]) for r in mb.rows])):
                 out[r] = sc
         self._sync()
+        self.timer.span("phase", t0, time.perf_counter(), "scoring")
         self.timer.collect()
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         self.stats.prefill_seconds += time.perf_counter() - t0
