@@ -4,7 +4,6 @@ the cgopipe executor on the CPU; the CLI draws a PNG, refuses a serial job and a
 import json
 import sys
 
-import pytest
 import torch
 
 from lightning_moe import cli
