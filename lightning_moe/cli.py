@@ -85,9 +85,12 @@ def cmd_merge(args) -> int:
         if not paths or len(counts) != 1:
             raise SystemExit(f"moe-batch merge: found shard files {paths or 'none'} for {job.output.path}; pass --shards N")
     expected = [r.id for r in load_requests(job)]
-    out = args.output or job.output.path
+    # --output is a command-line path: relative to the current directory (as JOB.yaml is); the default, the job's
+    # output.path, resolved against the YAML's directory like every path inside the YAML
+    out = os.path.abspath(args.output) if args.output else job.output.path
     info = merge_results(paths, out, expected)
-    print(f"merged {info['records']} records ({info['errors']} error records) from {len(paths)} shards into {out}")
+    print(f"merged {info['records']} records ({info['errors']} error records) from {len(paths)} shards into "
+          f"{args.output or out}")
     return 0
 
 
@@ -109,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge", help="join the shard outputs of a job; every input id must appear exactly once")
     m.add_argument("job", help="job YAML file (the one the shards ran)")
     m.add_argument("--shards", type=int, help="number of shards N (default: discovered from the files)")
-    m.add_argument("--output", help="merged results file (default: the job's output.path)")
+    m.add_argument("--output", help="merged results file; a relative path is relative to the current directory "
+                   "(default: the job's output.path, which resolves against the YAML's directory)")
     m.add_argument("--set", action="append", metavar="KEY=VALUE", help="the same overrides the shards ran with")
     m.set_defaults(func=cmd_merge)
 
