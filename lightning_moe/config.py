@@ -40,6 +40,7 @@ ON_ERROR = ("fail", "record")
 SOURCES = ("jsonl", "mtbench")
 TRUNCATE = ("error", "left")
 SCORE_MODES = ("loglikelihood", "multiple_choice", "perplexity")
+MAX_LOGPROBS = 20  # the most alternatives per token generation.logprobs asks for (vLLM's and OpenAI's limit)
 IN_MEMORY = "memory"  # DataSource.source of a job whose requests the caller holds (the Python API; not a YAML value)
 
 
@@ -74,6 +75,8 @@ class GenerationConfig:
     stop_at_eos: bool = True  # finish a sequence when it emits the tokenizer's EOS id
     stop: tuple[str, ...] = ()  # finish a sequence when its text contains one of these; the text is cut before it
     stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these token ids (kept in output_ids)
+    logprobs: Optional[int] = None  # None: none; k in 0..MAX_LOGPROBS: every generated token's log-prob (fp32
+    #   log-softmax of the raw logits, before temperature / top-p, as vLLM's default) and its k best alternatives
 
     @property
     def greedy(self) -> bool:
@@ -153,6 +156,13 @@ class Job:
     shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
     name: str = "job"  # job name (YAML file stem by default), used in reports
     config_path: Optional[str] = None  # absolute path of the YAML this job came from (None for job_from_dict)
+    source: Optional[str] = None  # the job as error messages name it: the YAML path as the user typed it
+    #   ("jobs/x.yaml"), or job_from_dict's source_name ("LLM", "moe-batch run-batch"); see :attr:`label`
+
+    @property
+    def label(self) -> str:
+        """What every error about this job starts with: :attr:`source` (the path as typed), else the name."""
+        return self.source or self.name
 
     @property
     def torch_dtype(self):
@@ -432,6 +442,7 @@ _GEN_KEYS: dict[str, _Parser] = {
     "stop_at_eos": _p_bool,
     "stop": _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
     "stop_token_ids": _p_list(_p_int(lo=0)),
+    "logprobs": _opt(_p_int(lo=0, hi=MAX_LOGPROBS)),
 }
 _SCORE_KEYS: dict[str, _Parser] = {
     "mode": _p_choice(SCORE_MODES),
@@ -610,6 +621,7 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     top["executor"] = executor
     top.setdefault("name", name or "job")
     return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
+               source=source_name,
                **{k: v for k, v in top.items()})
 
 

@@ -173,8 +173,9 @@ def test_unknown_keyword_and_unsupported_sampling_fields_are_named(tiny_dir, mon
         LLM(tiny_dir, device="cpu", dtype="fp32")
     with pytest.raises(ConfigError, match=r"LLM: model: checkpoint directory not found"):
         LLM(os.path.join(tiny_dir, "nope"), device="cpu")
-    with pytest.raises(NotImplementedError, match=r"SamplingParams\.logprobs: not supported yet"):
-        SamplingParams(logprobs=1)
+    with pytest.raises(ConfigError, match=r"SamplingParams: logprobs \(generation.logprobs\): must be <= 20"):
+        SamplingParams(logprobs=21)
+    assert SamplingParams(logprobs=0).generation()["logprobs"] == 0
     SamplingParams(stop=None, stop_token_ids=[], logprobs=None)  # nothing asked for: fine
     assert SamplingParams(stop="###").generation()["stop"] == ["###"]
     with pytest.raises(ConfigError, match=r"generation.stop_token_ids\[0\]: must be >= 0"):
