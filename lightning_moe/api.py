@@ -52,7 +52,7 @@ class SamplingParams:
     sampled tokens are seeded by ``seed`` and the request id (the same id and seed draw the same tokens, whatever the
     batch, as in ``moe-batch run``). ``stop``: the text is cut before the earliest stop string found (whatever tokens
     it spans) and finish_reason is "stop"; ``stop_token_ids``: the sequence ends at such a token (kept in token_ids).
-    ``logprobs`` is not supported yet: giving it raises NotImplementedError.
+    ``logprobs`` is not supported: giving it raises NotImplementedError.
     """
 
     max_tokens: int = 128  # tokens generated per request at most (generation.max_new_tokens)
@@ -62,7 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False  # true: keep generating after EOS, up to max_tokens (generation.stop_at_eos: false)
     stop: Optional[Union[str, Sequence[str]]] = None  # stop strings (generation.stop)
     stop_token_ids: Optional[Sequence[int]] = None  # stop token ids (generation.stop_token_ids)
-    logprobs: Optional[int] = None  # log-probabilities of the sampled tokens: not supported yet
+    logprobs: Optional[int] = None  # log-probabilities of the sampled tokens: not supported (NotImplementedError)
 
     def __post_init__(self):
         self.generation()  # every check now, not at the first generate()
