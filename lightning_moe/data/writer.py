@@ -2,7 +2,8 @@
 
 Record shapes (the writer checks only that ``id`` is a non-empty string; other keys are the caller's):
 
-* generate: ``{"id", "prompt_tokens", "text", "output_ids", "finish_reason"}`` (finish_reason: "eos"|"length"|...)
+* generate: ``{"id", "prompt_tokens", "text", "output_ids", "output_tokens", "finish_reason"}`` (finish_reason:
+  "stop"|"length"; ``truncated_tokens`` when the prompt was cut)
 * error:    ``{"id", "error": "file:line: field: problem", "finish_reason": "error"}`` (see :func:`error_record`)
 * scoring:  made by the scorer; any JSON-serializable dict with an ``id``.
 
