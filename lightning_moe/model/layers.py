@@ -181,6 +181,84 @@ def route(h: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool =
     return w, ids
 
 
+def check_router_groups(num_experts: int, n_group: int, topk_group: int, top_k: int, family: str,
+                        min_group_size: int = 1) -> None:
+    """Check a group-limited router's numbers (DeepSeek-V2 ``group_limited_greedy``, DeepSeek-V3): ``n_group`` must
+    divide the experts, ``1 <= topk_group <= n_group``, each group must hold ``min_group_size`` experts (V3 scores a
+    group by its top 2) and the kept groups must hold ``top_k`` experts (else transformers' choice among the masked
+    ones depends on torch.topk's order of equal values). Raises ValueError naming the config fields."""
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"config field 'n_group': {n_group!r} must be an int >= 1 that divides the routed experts "
+                         f"(n_routed_experts={num_experts}) for the {family} family's group-limited router")
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"config field 'topk_group': {topk_group!r} must be an int in 1..n_group={n_group} for the "
+                         f"{family} family's group-limited router")
+    size = num_experts // n_group
+    if size < min_group_size:
+        raise ValueError(f"config fields 'n_group' and 'n_routed_experts': {n_group} groups of {num_experts} experts "
+                         f"hold {size} each; the {family} family's router scores a group by its top {min_group_size}")
+    if top_k > topk_group * size:
+        raise ValueError(f"config fields 'num_experts_per_tok' and 'topk_group': top-{top_k} from {topk_group} kept "
+                         f"groups of {size} experts is not implemented by the {family} family (at most "
+                         f"topk_group * n_routed_experts / n_group = {topk_group * size})")
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """bool [T, E]: the experts of each token's ``topk_group`` best groups (group_scores fp32 [T, n_group]), with
+    transformers' ops (topk unsorted, scatter, expand), so ties break as they do there."""
+    n_group = group_scores.shape[-1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores)  # [T, n_group]
+    group_mask.scatter_(1, group_idx, 1)
+    return (group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group)
+            .reshape(-1, num_experts).bool())  # [T, E]
+
+
+def route_softmax_grouped(h: torch.Tensor, router_w: torch.Tensor, top_k: int, n_group: int = 0,
+                          topk_group: int = 0, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's router (transformers' ``DeepseekV2TopkRouter``): softmax over all experts in fp32; with
+    ``n_group`` > 0 (``topk_method: group_limited_greedy``) each group of E / n_group experts is scored by its best
+    expert, the ``topk_group`` best groups are kept and every other expert's score is set to 0; then top-k of the
+    scores (never renormalized) times ``routed_scaling_factor``. n_group 0: ``greedy`` (plain top-k).
+
+    h: [T, D] (any dtype); router_w: [E, D]. Returns (weights fp32 [T, k], expert ids int64 [T, k]) in
+    torch.topk's unsorted order. The numbers are checked by :func:`check_router_groups` (the config reader does).
+    """
+    logits = F_.linear(h.float(), router_w.float())  # [T, E] fp32
+    scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    if n_group:
+        E = scores.shape[-1]
+        group_scores = scores.view(-1, n_group, E // n_group).max(dim=-1).values  # [T, n_group]
+        scores = scores.masked_fill(~_group_mask(group_scores, topk_group, E), 0.0)  # [T, E]
+    w, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)  # [T, k]
+    return w * routed_scaling_factor, ids
+
+
+def route_sigmoid_biased(h: torch.Tensor, router_w: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                         n_group: int, topk_group: int, normalize: bool,
+                         routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``; GLM-4.5's is the same): sigmoid scores in fp32;
+    the choice is made on ``scores + correction_bias`` (``e_score_correction_bias``, for selection only): each of
+    the ``n_group`` groups is scored by the sum of its top 2, the ``topk_group`` best groups are kept (the others at
+    -inf), top-k; the weights are the chosen experts' UNBIASED scores, divided by their sum (+ 1e-20) with
+    ``normalize`` (``norm_topk_prob``), times ``routed_scaling_factor``.
+
+    h: [T, D]; router_w: [E, D]; correction_bias: [E] (any dtype; used in fp32). Returns (weights fp32 [T, k],
+    expert ids int64 [T, k]) in torch.topk's unsorted order.
+    """
+    logits = F_.linear(h.float(), router_w.float())  # [T, E] fp32
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + correction_bias.float()  # [T, E] selection only
+    E = scores.shape[-1]
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+    choice = choice.masked_fill(~_group_mask(group_scores, topk_group, E), float("-inf"))  # [T, E]
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, k]
+    w = scores.gather(1, ids)  # [T, k] unbiased
+    if normalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling_factor, ids
+
+
 ExpertsFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
