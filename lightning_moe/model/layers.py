@@ -64,8 +64,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope_base_freqs(spec: MoESpec, device=None) -> torch.Tensor:
-    """``theta^(2i/hd)`` for i < hd/2: the wavelengths / 2 pi of default RoPE (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]."""
-    hd = spec.head_dim
+    """``theta^(2i/hd)`` for i < hd/2: the wavelengths / 2 pi of default RoPE (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]
+    (hd: ``spec.rope_dim``, the rotated dims: MLA's qk_rope_head_dim)."""
+    hd = spec.rope_dim
     return spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
 
 
@@ -73,7 +74,7 @@ def yarn_correction_range(spec: MoESpec) -> tuple[float, float]:
     """YaRN's ramp ends (Peng et al. 2023, arXiv 2309.00071, eq. 17-18): the dims d where a wavelength fits
     ``beta_fast`` and ``beta_slow`` times into the original context L: ``d(b) = hd ln(L / (2 pi b)) / (2 ln theta)``;
     floored / ceiled with ``rope_truncate``, clamped to [0, hd - 1] (transformers' find_correction_range)."""
-    hd, base, L = spec.head_dim, spec.rope_theta, spec.rope_original_max_position_embeddings
+    hd, base, L = spec.rope_dim, spec.rope_theta, spec.rope_original_max_position_embeddings
 
     def dim(rotations: float) -> float:
         return hd * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -105,7 +106,7 @@ def rope_inv_freq(spec: MoESpec, device=None) -> torch.Tensor:
         low, high = yarn_correction_range(spec)
         if low == high:
             high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
+        ramp = ((torch.arange(spec.rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
         extrap_factor = 1 - ramp.to(device)  # [hd/2] 1: extrapolate, 0: interpolate
         return interp * (1 - extrap_factor) + extrap * extrap_factor
     raise ValueError(f"{spec.name}: rope_type {spec.rope_type!r} is not implemented")
@@ -129,6 +130,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, hd]
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, hd] whose rotary dims are interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek), pair i by
+    frequency i, with cos/sin [T, hd] of :func:`rope_cos_sin` (its first half holds one value per frequency).
+
+    Returns ``cat(x_even * cos - x_odd * sin, x_odd * cos + x_even * sin)`` [T, H, hd]: the rotated pairs
+    de-interleaved (transformers' ``apply_rotary_pos_emb_interleave``, bit for bit). A query and a key rotated alike
+    keep their dot product, so this also serves DeepSeek-V2's complex-number form (which keeps the pairs in place).
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, hd/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, H, hd/2] each
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # [T, H, hd]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,7 +326,7 @@ def prefill_packed_layout(spans: list[tuple[int, int]], T: int, device) -> tuple
 
 def prefill_attention_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None,
-    layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None, scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal GQA attention of several sequences packed token-wise, in one batched call (prefill).
 
@@ -319,7 +334,8 @@ def prefill_attention_packed(
     :func:`prefill_packed_layout` of these spans (built here when None).
     Sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query on its own
     sequence's keys j <= i (and j > i - sliding_window); one fused
-    ``scaled_dot_product_attention`` call (fp32 softmax inside the kernel). Returns [T, Hq*hd] in q's dtype.
+    ``scaled_dot_product_attention`` call (fp32 softmax inside the kernel), logits scaled by ``scale`` (default
+    1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns [T, Hq*v_hd] in q's dtype.
     Equals :func:`prefill_attention` per sequence up to floating-point summation order.
     """
     T, Hq, hd = q.shape
@@ -337,8 +353,8 @@ def prefill_attention_packed(
     vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
     # fused SDPA (flash / memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
     # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
-    o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None])  # [B, Hq, S, hd]
-    out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * hd)  # [B*S, Hq*hd]
+    o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)  # [B, Hq, S, v_hd]
+    out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * v.shape[-1])  # [B*S, Hq*v_hd]
     # packed order (spans are consecutive); an index computed on the host, not out[valid], whose boolean indexing
     # synchronized the host with the GPU once per prefill chunk and layer
     return out.index_select(0, keep)  # [T, Hq*hd]
@@ -346,7 +362,8 @@ def prefill_attention_packed(
 
 def moe_post_attention(lw, ew: Optional[ExpertWeights], x: torch.Tensor, attn: torch.Tensor, spec: MoESpec,
                        ffn: Optional[ExpertsFn] = None,
-                       shared: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+                       shared: Optional[Callable[..., torch.Tensor]] = None,
+                       router: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
     """o_proj + residual, RMSNorm, router (top-k renormalized per ``spec.norm_topk_prob``), experts (+ the shared
     expert), residual: the post-attention half of a decoder layer whose weights carry ``wo``, ``ffn_norm`` and
     ``router``.
@@ -354,12 +371,16 @@ def moe_post_attention(lw, ew: Optional[ExpertWeights], x: torch.Tensor, attn: t
     x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output; ``ffn(h, ew, topk_w,
     topk_ids)``: the expert FFN (default :func:`experts_ffn`; the executors pass theirs; ``ew`` may be None when
     ``ffn`` holds the experts); ``shared(lw, h) -> [T, D]``: the family's always-on shared expert(s) over the normed
-    hidden states, added to the routed output (None: no shared expert). Returns the layer output [T, D].
+    hidden states, added to the routed output (None: no shared expert); ``router(lw, h, spec) -> (topk_w, topk_ids)``:
+    the family's router (None: :func:`route` over ``lw.router``). Returns the layer output [T, D].
     """
     ffn = experts_ffn if ffn is None else ffn
     x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
     h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
-    topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    if router is None:
+        topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    else:
+        topk_w, topk_ids = router(lw, h, spec)  # [T, k] each
     y = ffn(h, ew, topk_w, topk_ids)  # [T, D] routed experts
     if shared is not None:
         y = y + shared(lw, h)  # [T, D]
