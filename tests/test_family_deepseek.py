@@ -12,6 +12,7 @@ latent cache), prompt log-probs equal transformers' log-softmax, MLA decode over
 attention (fp32, 1e-5), the cache holds exactly the planner's KV bytes per token, CGOPipe refuses MLA by name.
 """
 
+import dataclasses
 import json
 import os
 
@@ -306,8 +307,6 @@ def test_plan_each_registry_entry(capsys):
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
 def test_dummy_weights_of_the_registry_shapes_run(name):
     """Benchmark weights (model.weights.dummy_weights) of a registry spec scaled down (q compression with V3) run."""
-    import dataclasses
-
     from lightning_moe.model.weights import dummy_weights
     from lightning_moe.policy.registry import resolve_spec
 
@@ -319,3 +318,101 @@ def test_dummy_weights_of_the_registry_shapes_run(name):
     w = dummy_weights(small, torch.float32, scale=0.3)
     out = SerialExecutor(w, "cpu").generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=3, stop_at_eos=False))
     assert [len(o) for o, _ in out] == [3, 3]
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_every_config_field_is_implemented_refused_or_harmless(version, tmp_path):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    fam = family_for({"model_type": f"deepseek_v{version}"})
+    known = fam.implemented_keys | fam.refused_keys | fam.harmless_keys
+    assert not (fam.implemented_keys & fam.refused_keys)
+    assert not (fam.harmless_keys & (fam.implemented_keys | fam.refused_keys))
+    cls = DeepseekV2Config if version == 2 else DeepseekV3Config
+    fields = set(cls().to_dict())
+    path, _ = make_hf_deepseek(tmp_path / "ckpt", version, n_group=4, topk_group=2)
+    with open(os.path.join(path, "config.json")) as f:
+        fields |= set(json.load(f))
+    fields |= set(HUB_V2_LITE if version == 2 else HUB_V3)
+    assert sorted(fields - known) == []
+
+
+@pytest.fixture(scope="module")
+def ds_dirs(tmp_path_factory):
+    v2 = dict(topk_method="group_limited_greedy")
+    return {v: make_hf_deepseek(tmp_path_factory.mktemp(f"ds{v}_refuse") / "ckpt", v, n_group=4, topk_group=2,
+                                **(v2 if v == 2 else {}))[0] for v in (2, 3)}
+
+
+def _write_config(src: str, dst, **changes) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+REFUSED = [  # (version, changes, the field the message names)
+    (2, dict(topk_method="noaux_tc"), "topk_method': 'noaux_tc"),
+    (2, dict(scoring_func="sigmoid"), "scoring_func': 'sigmoid"),
+    (2, dict(norm_topk_prob=True), "norm_topk_prob': True"),
+    (2, dict(moe_layer_freq=2), "moe_layer_freq': 2"),
+    (2, dict(attention_bias=True), "attention_bias': True"),
+    (2, dict(mlp_bias=True), "mlp_bias': True"),
+    (2, dict(num_key_value_heads=2), "num_key_value_heads': 2"),
+    (2, dict(first_k_dense_replace=3), "first_k_dense_replace': 3"),
+    (2, dict(n_shared_experts=0), "n_shared_experts': 0"),
+    (2, dict(q_lora_rank=0), "q_lora_rank': 0"),
+    (2, dict(qk_rope_head_dim=7), "qk_rope_head_dim': 7"),
+    (2, dict(hidden_act="gelu"), "hidden_act': 'gelu"),
+    (2, dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "rope_(parameters|scaling)'"),
+    (2, dict(quantization_config={"quant_method": "fp8"}), "quantization_config'"),
+    (3, dict(topk_method="greedy"), "topk_method': 'greedy"),
+    (3, dict(scoring_func="softmax"), "scoring_func': 'softmax"),
+    (3, dict(moe_layer_freq=2), "moe_layer_freq': 2"),
+    (3, dict(attention_bias=True), "attention_bias': True"),
+    (3, dict(num_key_value_heads=1), "num_key_value_heads': 1"),
+    (3, dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}), "quantization_config'"),
+]
+
+
+@pytest.mark.parametrize("version, changes, field", REFUSED, ids=[f"v{v}-{f.split(chr(39))[0]}" for v, _, f in REFUSED])
+def test_a_value_that_changes_the_math_is_refused_by_name(ds_dirs, tmp_path, version, changes, field):
+    d = _write_config(ds_dirs[version], tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=rf"m/config\.json: config field '{field}.* is not implemented by the "
+                                         rf"deepseek_v{version} family"):
+        MoESpec.from_pretrained_dir(d)
+
+
+@pytest.mark.parametrize("version, changes, match", [
+    (2, dict(n_group=3), r"config field 'n_group': 3 must be an int >= 1 that divides the routed experts "
+                         r"\(n_routed_experts=8\)"),
+    (2, dict(topk_group=5), r"config field 'topk_group': 5 must be an int in 1..n_group=4"),
+    (3, dict(n_group=3), r"config field 'n_group': 3 must be an int >= 1 that divides the routed experts"),
+    (3, dict(n_group=8, topk_group=2), r"config fields 'n_group' and 'n_routed_experts': 8 groups of 8 experts hold 1"),
+    (3, dict(topk_group=1, num_experts_per_tok=3), r"config fields 'num_experts_per_tok' and 'topk_group': top-3 from "
+                                                   r"1 kept groups of 2 experts"),
+])
+def test_group_limited_routing_numbers_are_checked_by_name(ds_dirs, tmp_path, version, changes, match):
+    d = _write_config(ds_dirs[version], tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=r"m/config\.json: " + match):
+        MoESpec.from_pretrained_dir(d)
+
+
+def test_harmless_values_are_read_alike(ds_dirs, tmp_path):
+    """Training-only and bookkeeping fields change nothing; V2's greedy router ignores n_group / topk_group."""
+    base = MoESpec.from_pretrained_dir(ds_dirs[3])
+    d = _write_config(ds_dirs[3], tmp_path / "m", ep_size=8, aux_loss_alpha=0.5, seq_aux=False, pretraining_tp=4,
+                      attention_dropout=0.3, initializer_range=0.5, output_router_logits=True)
+    assert MoESpec.from_pretrained_dir(d) == dataclasses.replace(base, name="m")
+    base2 = MoESpec.from_pretrained_dir(_write_config(ds_dirs[2], tmp_path / "g", topk_method="greedy"))
+    d2 = _write_config(ds_dirs[2], tmp_path / "g2", topk_method="greedy", n_group=3, topk_group=7)
+    assert MoESpec.from_pretrained_dir(d2) == dataclasses.replace(base2, name="g2") and base2.router_n_group == 0

@@ -44,11 +44,11 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     """
     c = cfg if isinstance(cfg, ConfigView) else ConfigView(cfg)
     get = c.get
-    method = get("topk_method", "noaux_tc")
-    if method != "noaux_tc":
+    method = get("topk_method")
+    if method not in (None, "noaux_tc"):
         raise refuse("topk_method", method, NAME, "'noaux_tc' (transformers' DeepSeek-V3 router)")
-    scoring = get("scoring_func", "sigmoid")
-    if scoring != "sigmoid":
+    scoring = get("scoring_func")
+    if scoring not in (None, "sigmoid"):
         raise refuse("scoring_func", scoring, NAME, "'sigmoid'")
     n_group, topk_group = get("n_group"), get("topk_group")
     L.check_router_groups(c.need("n_routed_experts"), n_group, topk_group, c.need("num_experts_per_tok"), NAME,
