@@ -416,3 +416,23 @@ def test_harmless_values_are_read_alike(ds_dirs, tmp_path):
     base2 = MoESpec.from_pretrained_dir(_write_config(ds_dirs[2], tmp_path / "g", topk_method="greedy"))
     d2 = _write_config(ds_dirs[2], tmp_path / "g2", topk_method="greedy", n_group=3, topk_group=7)
     assert MoESpec.from_pretrained_dir(d2) == dataclasses.replace(base2, name="g2") and base2.router_n_group == 0
+
+
+def test_quantized_checkpoint_keeps_every_non_expert_tensor_and_runs(tmp_path):
+    """``moe-batch quantize`` through the key map: only the routed experts are packed; the MLA projections (q_a / q_b
+    here, no q_proj), the router, its correction bias and the shared experts are kept bit for bit; the quantized
+    checkpoint generates with the serial executor."""
+    from lightning_moe.model.quantize import quantize_checkpoint
+    from lightning_moe.model.quantized import QuantExperts
+
+    path, _ = make_hf_deepseek(tmp_path / "src", 3, n_group=4, topk_group=2, q_lora_rank=12)
+    res = quantize_checkpoint(path, str(tmp_path / "q"), experts="int4", group_size=8)
+    src, w = load_checkpoint(path, torch.float32), load_checkpoint(res.dst, torch.float32)
+    assert w.spec == dataclasses.replace(src.spec, name=w.spec.name)
+    assert w.experts[0] is None and all(isinstance(e, QuantExperts) for e in w.experts[1:])
+    for a, b in zip(w.layers, src.layers):
+        assert a.wq is None and b.wq is None
+        for k, t in b.__dict__.items():
+            assert (t is None and getattr(a, k) is None) or torch.equal(getattr(a, k), t), k
+    out = SerialExecutor(w, "cpu").generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, stop_at_eos=False))
+    assert [len(o) for o, _ in out] == [4, 4]
