@@ -19,7 +19,8 @@
 #                                            # families); the grouped kernel at each family's shapes
 #   bash benchmarks/issue15_gpu_check.sh H   # every GPU test in one pytest process; issue 16's A/B: one explicit-policy
 #                                            # job through the CLI at d649ec2 (.carry/before, the tree before the
-#                                            # refactors) and at this commit, alternating, twice each
+#                                            # refactors) and at this commit, alternating, twice each; then one job's
+#                                            # --timeline PNG
 # Every step <= 10 minutes; at most 8 files come back from $OUT (work files stay in /tmp).
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
@@ -125,7 +126,11 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
       python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'decode tok/s', \
 round(r['decode_tokens_per_s'],1), 'e2e', round(r['end_to_end_tokens_per_s'],1), 'prefill', round(r['prefill_tokens_per_s']))" \
         $W/results/ab-$t.report.json $t 2>&1 | tail -1 | tee -a $OUT/ab.txt
-    done ;;
+    done
+    L=$((590 - (SECONDS - S)))  # the measured stage timeline of one GPU job, looked at as a user would
+    [ $L -gt 40 ] && sed "s#results/suite-explicit-a-bf16-12g#results/timeline#" $J > /tmp/tl.yaml && rm -f $W/results/timeline.* \
+      && timeout $L python3 -m lightning_moe.cli run /tmp/tl.yaml --no-progress --timeline $OUT/timeline-gpu.png > /dev/null 2>&1; \
+      echo "timeline: rc $?" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
 echo "step $1: $((SECONDS - S)) s"

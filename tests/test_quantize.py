@@ -209,9 +209,9 @@ def test_bad_inputs_give_clear_errors(tiny_dir, quant_dirs, tmp_path):
     cases = [
         (dict(src_dir=str(tmp_path / "nope")), r"nope: source checkpoint directory not found"),
         (dict(src_dir=str(tmp_path)), r"config\.json: not found"),
-        (dict(src_dir=_copy_src(tiny_dir, tmp_path / "dsv2", model_type="deepseek_v2")),
-         r"dsv2/config\.json: model_type 'deepseek_v2' is not supported by quantize "
-         r"\(only 'mixtral', 'qwen3_moe', 'olmoe', 'qwen2_moe'\)"),
+        (dict(src_dir=_copy_src(tiny_dir, tmp_path / "dbrx", model_type="dbrx")),
+         r"dbrx/config\.json: model_type 'dbrx' is not supported by quantize "
+         r"\(only 'mixtral', 'qwen3_moe', 'olmoe', 'qwen2_moe', 'deepseek_v2', 'deepseek_v3'\)"),
         (dict(src_dir=quant_dirs["int4"]), r"config\.json: the source is already quantized"),
         (dict(experts="int8"), r"unsupported combination experts='int8'"),
         (dict(experts="int2", up="int4"), r"unsupported combination experts='int2', up='int4'"),

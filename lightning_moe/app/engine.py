@@ -76,6 +76,12 @@ def check_device(job: Job) -> None:
 def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
     """The plan a run executes with, before any weight is read: a cgopipe job's :func:`plan_job` (None when no request
     is valid); None for the serial executor, which runs no policy -- though a malformed one is still an error."""
+    if job.executor == "cgopipe" and prep.spec.is_mla:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: multi-head latent "
+                          f"attention (kv_lora_rank={prep.spec.kv_lora_rank}) is not implemented in CGOPipe yet; set "
+                          f"executor: serial")
     valid = any(t.error is None for t in prep.treqs)
     jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
     if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":

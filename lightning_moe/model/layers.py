@@ -64,8 +64,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope_base_freqs(spec: MoESpec, device=None) -> torch.Tensor:
-    """``theta^(2i/hd)`` for i < hd/2: the wavelengths / 2 pi of default RoPE (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]."""
-    hd = spec.head_dim
+    """``theta^(2i/hd)`` for i < hd/2: the wavelengths / 2 pi of default RoPE (Su et al. 2021, RoFormer eq. 15). fp32 [hd/2]
+    (hd: ``spec.rope_dim``, the rotated dims: MLA's qk_rope_head_dim)."""
+    hd = spec.rope_dim
     return spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
 
 
@@ -73,7 +74,7 @@ def yarn_correction_range(spec: MoESpec) -> tuple[float, float]:
     """YaRN's ramp ends (Peng et al. 2023, arXiv 2309.00071, eq. 17-18): the dims d where a wavelength fits
     ``beta_fast`` and ``beta_slow`` times into the original context L: ``d(b) = hd ln(L / (2 pi b)) / (2 ln theta)``;
     floored / ceiled with ``rope_truncate``, clamped to [0, hd - 1] (transformers' find_correction_range)."""
-    hd, base, L = spec.head_dim, spec.rope_theta, spec.rope_original_max_position_embeddings
+    hd, base, L = spec.rope_dim, spec.rope_theta, spec.rope_original_max_position_embeddings
 
     def dim(rotations: float) -> float:
         return hd * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -105,7 +106,7 @@ def rope_inv_freq(spec: MoESpec, device=None) -> torch.Tensor:
         low, high = yarn_correction_range(spec)
         if low == high:
             high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
+        ramp = ((torch.arange(spec.rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
         extrap_factor = 1 - ramp.to(device)  # [hd/2] 1: extrapolate, 0: interpolate
         return interp * (1 - extrap_factor) + extrap * extrap_factor
     raise ValueError(f"{spec.name}: rope_type {spec.rope_type!r} is not implemented")
@@ -129,6 +130,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, hd]
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, hd] whose rotary dims are interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek), pair i by
+    frequency i, with cos/sin [T, hd] of :func:`rope_cos_sin` (its first half holds one value per frequency).
+
+    Returns ``cat(x_even * cos - x_odd * sin, x_odd * cos + x_even * sin)`` [T, H, hd]: the rotated pairs
+    de-interleaved (transformers' ``apply_rotary_pos_emb_interleave``, bit for bit). A query and a key rotated alike
+    keep their dot product, so this also serves DeepSeek-V2's complex-number form (which keeps the pairs in place).
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, hd/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, H, hd/2] each
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # [T, H, hd]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,6 +194,84 @@ def route(h: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool =
     if normalize:
         w = w / w.sum(dim=-1, keepdim=True)
     return w, ids
+
+
+def check_router_groups(num_experts: int, n_group: int, topk_group: int, top_k: int, family: str,
+                        min_group_size: int = 1) -> None:
+    """Check a group-limited router's numbers (DeepSeek-V2 ``group_limited_greedy``, DeepSeek-V3): ``n_group`` must
+    divide the experts, ``1 <= topk_group <= n_group``, each group must hold ``min_group_size`` experts (V3 scores a
+    group by its top 2) and the kept groups must hold ``top_k`` experts (else transformers' choice among the masked
+    ones depends on torch.topk's order of equal values). Raises ValueError naming the config fields."""
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"config field 'n_group': {n_group!r} must be an int >= 1 that divides the routed experts "
+                         f"(n_routed_experts={num_experts}) for the {family} family's group-limited router")
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"config field 'topk_group': {topk_group!r} must be an int in 1..n_group={n_group} for the "
+                         f"{family} family's group-limited router")
+    size = num_experts // n_group
+    if size < min_group_size:
+        raise ValueError(f"config fields 'n_group' and 'n_routed_experts': {n_group} groups of {num_experts} experts "
+                         f"hold {size} each; the {family} family's router scores a group by its top {min_group_size}")
+    if top_k > topk_group * size:
+        raise ValueError(f"config fields 'num_experts_per_tok' and 'topk_group': top-{top_k} from {topk_group} kept "
+                         f"groups of {size} experts is not implemented by the {family} family (at most "
+                         f"topk_group * n_routed_experts / n_group = {topk_group * size})")
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """bool [T, E]: the experts of each token's ``topk_group`` best groups (group_scores fp32 [T, n_group]), with
+    transformers' ops (topk unsorted, scatter, expand), so ties break as they do there."""
+    n_group = group_scores.shape[-1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores)  # [T, n_group]
+    group_mask.scatter_(1, group_idx, 1)
+    return (group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group)
+            .reshape(-1, num_experts).bool())  # [T, E]
+
+
+def route_softmax_grouped(h: torch.Tensor, router_w: torch.Tensor, top_k: int, n_group: int = 0,
+                          topk_group: int = 0, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's router (transformers' ``DeepseekV2TopkRouter``): softmax over all experts in fp32; with
+    ``n_group`` > 0 (``topk_method: group_limited_greedy``) each group of E / n_group experts is scored by its best
+    expert, the ``topk_group`` best groups are kept and every other expert's score is set to 0; then top-k of the
+    scores (never renormalized) times ``routed_scaling_factor``. n_group 0: ``greedy`` (plain top-k).
+
+    h: [T, D] (any dtype); router_w: [E, D]. Returns (weights fp32 [T, k], expert ids int64 [T, k]) in
+    torch.topk's unsorted order. The numbers are checked by :func:`check_router_groups` (the config reader does).
+    """
+    logits = F_.linear(h.float(), router_w.float())  # [T, E] fp32
+    scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    if n_group:
+        E = scores.shape[-1]
+        group_scores = scores.view(-1, n_group, E // n_group).max(dim=-1).values  # [T, n_group]
+        scores = scores.masked_fill(~_group_mask(group_scores, topk_group, E), 0.0)  # [T, E]
+    w, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)  # [T, k]
+    return w * routed_scaling_factor, ids
+
+
+def route_sigmoid_biased(h: torch.Tensor, router_w: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                         n_group: int, topk_group: int, normalize: bool,
+                         routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``; GLM-4.5's is the same): sigmoid scores in fp32;
+    the choice is made on ``scores + correction_bias`` (``e_score_correction_bias``, for selection only): each of
+    the ``n_group`` groups is scored by the sum of its top 2, the ``topk_group`` best groups are kept (the others at
+    -inf), top-k; the weights are the chosen experts' UNBIASED scores, divided by their sum (+ 1e-20) with
+    ``normalize`` (``norm_topk_prob``), times ``routed_scaling_factor``.
+
+    h: [T, D]; router_w: [E, D]; correction_bias: [E] (any dtype; used in fp32). Returns (weights fp32 [T, k],
+    expert ids int64 [T, k]) in torch.topk's unsorted order.
+    """
+    logits = F_.linear(h.float(), router_w.float())  # [T, E] fp32
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + correction_bias.float()  # [T, E] selection only
+    E = scores.shape[-1]
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+    choice = choice.masked_fill(~_group_mask(group_scores, topk_group, E), float("-inf"))  # [T, E]
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, k]
+    w = scores.gather(1, ids)  # [T, k] unbiased
+    if normalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling_factor, ids
 
 
 ExpertsFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -233,7 +326,7 @@ def prefill_packed_layout(spans: list[tuple[int, int]], T: int, device) -> tuple
 
 def prefill_attention_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None,
-    layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None, scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal GQA attention of several sequences packed token-wise, in one batched call (prefill).
 
@@ -241,7 +334,8 @@ def prefill_attention_packed(
     :func:`prefill_packed_layout` of these spans (built here when None).
     Sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query on its own
     sequence's keys j <= i (and j > i - sliding_window); one fused
-    ``scaled_dot_product_attention`` call (fp32 softmax inside the kernel). Returns [T, Hq*hd] in q's dtype.
+    ``scaled_dot_product_attention`` call (fp32 softmax inside the kernel), logits scaled by ``scale`` (default
+    1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns [T, Hq*v_hd] in q's dtype.
     Equals :func:`prefill_attention` per sequence up to floating-point summation order.
     """
     T, Hq, hd = q.shape
@@ -259,8 +353,8 @@ def prefill_attention_packed(
     vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
     # fused SDPA (flash / memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
     # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
-    o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None])  # [B, Hq, S, hd]
-    out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * hd)  # [B*S, Hq*hd]
+    o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)  # [B, Hq, S, v_hd]
+    out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * v.shape[-1])  # [B*S, Hq*v_hd]
     # packed order (spans are consecutive); an index computed on the host, not out[valid], whose boolean indexing
     # synchronized the host with the GPU once per prefill chunk and layer
     return out.index_select(0, keep)  # [T, Hq*hd]
@@ -268,7 +362,8 @@ def prefill_attention_packed(
 
 def moe_post_attention(lw, ew: Optional[ExpertWeights], x: torch.Tensor, attn: torch.Tensor, spec: MoESpec,
                        ffn: Optional[ExpertsFn] = None,
-                       shared: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+                       shared: Optional[Callable[..., torch.Tensor]] = None,
+                       router: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
     """o_proj + residual, RMSNorm, router (top-k renormalized per ``spec.norm_topk_prob``), experts (+ the shared
     expert), residual: the post-attention half of a decoder layer whose weights carry ``wo``, ``ffn_norm`` and
     ``router``.
@@ -276,12 +371,16 @@ def moe_post_attention(lw, ew: Optional[ExpertWeights], x: torch.Tensor, attn: t
     x: [T, D] the layer input (residual stream); attn: [T, Hq*hd] attention output; ``ffn(h, ew, topk_w,
     topk_ids)``: the expert FFN (default :func:`experts_ffn`; the executors pass theirs; ``ew`` may be None when
     ``ffn`` holds the experts); ``shared(lw, h) -> [T, D]``: the family's always-on shared expert(s) over the normed
-    hidden states, added to the routed output (None: no shared expert). Returns the layer output [T, D].
+    hidden states, added to the routed output (None: no shared expert); ``router(lw, h, spec) -> (topk_w, topk_ids)``:
+    the family's router (None: :func:`route` over ``lw.router``). Returns the layer output [T, D].
     """
     ffn = experts_ffn if ffn is None else ffn
     x = x + F_.linear(attn.to(x.dtype), lw.wo)  # [T, D]
     h = rms_norm(x, lw.ffn_norm, spec.rms_norm_eps)  # [T, D]
-    topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    if router is None:
+        topk_w, topk_ids = route(h, lw.router, spec.top_k, spec.norm_topk_prob)  # [T, k] each
+    else:
+        topk_w, topk_ids = router(lw, h, spec)  # [T, k] each
     y = ffn(h, ew, topk_w, topk_ids)  # [T, D] routed experts
     if shared is not None:
         y = y + shared(lw, h)  # [T, D]

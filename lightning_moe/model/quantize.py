@@ -175,7 +175,7 @@ def quantize_checkpoint(
         for l in range(L):
             lw = w.layers[l]
             if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
-                write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items()})
+                write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
                 if progress is not None:
                     progress(l + 1, L)
                 continue
@@ -186,7 +186,8 @@ def quantize_checkpoint(
                 raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
             w.experts[l] = None  # release the source copy of this layer's experts
             layout = qe.layout
-            write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items()}, moe + PACKED_NAME: qe.pages})
+            write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items() if getattr(lw, f) is not None},
+                      moe + PACKED_NAME: qe.pages})
             if progress is not None:
                 progress(l + 1, L)
         last = {keys.embed: w.embed, keys.norm: w.norm}

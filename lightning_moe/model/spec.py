@@ -10,6 +10,7 @@ of real configs in ``policy``'s model registry.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -91,6 +92,18 @@ class MoESpec:
     rope_attention_factor: float = 1.0  # multiplies cos and sin ("yarn": attention_factor or its mscale formula)
     # -- model math of some families (no bytes or FLOPs) --
     clip_qkv: Optional[float] = None  # q, k, v projections clamped to [-clip_qkv, clip_qkv] (OLMoE); None = not
+    # -- DeepSeek-V2/V3 (MLA attention, grouped / biased routers; read by model/families/deepseek_v2.py) --
+    q_lora_rank: int = 0  # MLA query compression width (q_a_proj -> RMSNorm -> q_b_proj); 0 = one q_proj
+    rope_interleave: bool = False  # RoPE over interleaved pairs (x0, x1), (x2, x3), ... instead of rotate-half
+    rope_mscale_all_dim: float = 0.0  # yarn's mscale_all_dim as MLA reads it: the softmax scale is multiplied by
+    #   (0.1 mscale_all_dim ln(rope_factor) + 1)^2 (:attr:`softmax_scale`); 0 = not
+    router_scoring: str = "softmax"  # "softmax" (Mixtral ... DeepSeek-V2) or "sigmoid" (DeepSeek-V3 / GLM-4.5: scores
+    #   + e_score_correction_bias choose, the unbiased scores weigh)
+    router_n_group: int = 0  # expert groups of a group-limited router (V2 group_limited_greedy, V3); 0 = no groups
+    router_topk_group: int = 0  # groups kept per token (with router_n_group)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek)
+    num_mtp_layers: int = 0  # multi-token-prediction layers after the decoder layers in the checkpoint
+    #   (num_nextn_predict_layers): never loaded, never run, no bytes
 
     def __post_init__(self) -> None:
         dense = tuple(sorted({int(i) for i in self.dense_layers}))
@@ -103,6 +116,12 @@ class MoESpec:
             raise ValueError(f"{self.name}: top_k={self.top_k} outside 1..num_experts={self.num_experts}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"{self.name}: rope_type={self.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"{self.name}: router_scoring={self.router_scoring!r} is not softmax or sigmoid")
+        if self.router_n_group and (self.num_experts % self.router_n_group
+                                    or not 1 <= self.router_topk_group <= self.router_n_group):
+            raise ValueError(f"{self.name}: router_n_group={self.router_n_group} must divide num_experts="
+                             f"{self.num_experts}, router_topk_group={self.router_topk_group} in 1..router_n_group")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
@@ -114,6 +133,27 @@ class MoESpec:
     def kv_size(self) -> int:
         """Width of the key (or value) projection output: num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims RoPE rotates per head: qk_rope_head_dim with MLA (the decoupled rope part), else head_dim."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the per-head query/key dims without RoPE (head_dim - qk_rope_head_dim); 0 without MLA."""
+        return self.head_dim - self.qk_rope_head_dim if self.is_mla else 0
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention logits scale: ``head_dim ** -0.5``, times ``mscale ** 2`` with ``mscale = 0.1 *
+        rope_mscale_all_dim * ln(rope_factor) + 1`` when rope_mscale_all_dim is set, rope is scaled and rope_factor
+        > 1 (transformers' DeepSeek ``yarn_apply_mscale``, same float operations)."""
+        scale = self.head_dim ** (-0.5)
+        if self.rope_mscale_all_dim and self.rope_type != "default" and self.rope_factor > 1:
+            mscale = 0.1 * self.rope_mscale_all_dim * math.log(self.rope_factor) + 1.0
+            scale = scale * mscale * mscale
+        return scale
 
     def with_layers(self, num_layers: int) -> "MoESpec":
         """The same architecture with a different number of decoder layers (for scaled benchmarks)."""
@@ -194,14 +234,15 @@ class MoESpec:
     def attn_in_params(self) -> int:
         """Elements of the projections before attention (per layer).
 
-        GQA: wq [Hq*hd, D] + wk, wv [Hkv*hd, D]. MLA (DeepSeek-V2-Lite, no q LoRA): q_proj [Hq*hd, D] +
-        kv_a_proj [(kv_lora + rope), D] + kv_b_proj [Hq*(hd - rope + v_hd), kv_lora].
+        GQA: wq [Hq*hd, D] + wk, wv [Hkv*hd, D]. MLA: q_proj [Hq*hd, D] (with q_lora_rank r: q_a_proj [r, D] +
+        q_b_proj [Hq*hd, r]) + kv_a_proj [(kv_lora + rope), D] + kv_b_proj [Hq*(hd - rope + v_hd), kv_lora].
         """
         D = self.hidden_size
         if self.is_mla:
             nope = self.head_dim - self.qk_rope_head_dim
+            q = self.q_lora_rank * (D + self.q_size) if self.q_lora_rank else D * self.q_size
             return (
-                D * self.q_size
+                q
                 + D * (self.kv_lora_rank + self.qk_rope_head_dim)
                 + self.kv_lora_rank * self.num_heads * (nope + self.value_head_dim)
             )

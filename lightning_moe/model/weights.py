@@ -14,6 +14,7 @@ Also builds deterministic dummy weights for a spec (speed benchmarks of real con
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,7 +56,7 @@ class ModelWeights:
         experts, dense layers' MLPs)."""
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for lw in self.layers:
-            tensors += list(lw.__dict__.values())
+            tensors += [t for t in lw.__dict__.values() if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -79,15 +80,24 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     fam = family_of(spec)
     keys = fam.keys
     r = _Reader(path, dtype)
+    if spec.num_mtp_layers:
+        L0 = spec.num_layers
+        print(f"moe-batch: {path}: skipping {spec.num_mtp_layers} multi-token-prediction layer(s) (model.layers."
+              f"{L0}{'' if spec.num_mtp_layers == 1 else f'..{L0 + spec.num_mtp_layers - 1}'}.*, "
+              f"num_nextn_predict_layers): generation here uses the decoder layers only", file=sys.stderr)
+
+    def read(names: dict[str, str]) -> dict:  # field -> tensor; an optional tensor the checkpoint lacks is left out
+        return {f: r.get(n) for f, n in names.items() if f not in keys.optional_tensors or r.has(n)}
+
     page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
     layers, experts = [], []
     for i in range(spec.num_layers):
         if spec.is_dense_layer(i):  # one dense MLP, resident with the layer's other weights; nothing to page
-            layers.append(fam.dense_layer_weights(**{f: r.get(n) for f, n in keys.dense_layer_names(i).items()}))
+            layers.append(fam.dense_layer_weights(**read(keys.dense_layer_names(i))))
             experts.append(None)
             continue
         p, block = keys.layer_prefix(i), keys.moe_prefix(r.has, i)
-        layers.append(fam.layer_weights(**{f: r.get(n) for f, n in keys.layer_names(i, block).items()}))
+        layers.append(fam.layer_weights(**read(keys.layer_names(i, block))))
         gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
         if page_layout is not None:  # quantized checkpoint: keep the packed pages
             experts.append(read_packed_experts(r, p + block, page_layout, spec.num_experts))

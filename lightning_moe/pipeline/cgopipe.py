@@ -196,6 +196,9 @@ class CGOPipeExecutor:
             raise ValueError(f"CGOPipeExecutor: cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.spec = spec = weights.spec
         self.family = fam = family_of(spec)  # the model family's layer math (model/families/)
+        if fam.attention == "mla":
+            raise ValueError(f"CGOPipeExecutor: {fam.name}: multi-head latent attention (kv_lora_rank="
+                             f"{self.spec.kv_lora_rank}) is not implemented in CGOPipe yet; use executor: serial")
         if fam.attention != "gqa":
             raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa only)")
         self.policy = policy

@@ -75,6 +75,61 @@ class KVCache:
         return k.index_select(0, r), v.index_select(0, r)
 
 
+class LatentKVCache:
+    """Per-layer MLA latent storage for ``batch`` sequences on one device (multi-head latent attention, DeepSeek).
+
+    Each layer holds ``[B, S_max, kv_lora_rank + qk_rope_head_dim]``: per token the normed latent c and the rotated
+    rope key k_pe, shared by every head (decode attends over it with the projections absorbed,
+    ``Family.latent_attention``). The interface is :class:`KVCache`'s, with c and k_pe in place of k and v.
+    Memory: ``L * B * S_max * (kv_lora_rank + qk_rope_head_dim) * itemsize`` bytes = ``B * S_max *
+    spec.kv_bytes_per_token(dtype)`` (the planner's count), see :attr:`nbytes`.
+    """
+
+    def __init__(self, spec: MoESpec, batch: int, max_len: int, dtype: torch.dtype, device="cpu", pin: bool = False):
+        if not spec.is_mla:
+            raise ValueError(f"LatentKVCache: {spec.name} has no kv_lora_rank (not multi-head latent attention)")
+        pin = pin and torch.device(device).type == "cpu" and torch.cuda.is_available()
+        shape = (batch, max_len, spec.kv_lora_rank + spec.qk_rope_head_dim)
+        self.lat = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin) for _ in range(spec.num_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.int64)  # valid positions per row (host tensor)
+        self.max_len = max_len
+        self.sliding_window = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all latent storage."""
+        return sum(t.numel() * t.element_size() for t in self.lat)
+
+    def write_prefill(self, layer: int, row: int, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store a prompt's latents for ``row``: c [S, kv_lora], k_pe [S, rope] at positions 0..S-1."""
+        S = c.shape[0]
+        if S > self.max_len:
+            raise ValueError(f"prompt of {S} tokens exceeds the cache's {self.max_len} positions")
+        dev = self.lat[layer].device
+        self.lat[layer][row, :S] = torch.cat([c, k_pe], dim=-1).to(dev)
+
+    def append(self, layer: int, rows: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Append one decode token per row: c [B', kv_lora], k_pe [B', rope] at position lengths[rows] (no length
+        update)."""
+        pos = self.lengths[rows]
+        if int(pos.max()) >= self.max_len:
+            raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
+        dev = self.lat[layer].device
+        r, p = rows.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
+        self.lat[layer][r, p] = torch.cat([c, k_pe], dim=-1).to(dev)
+
+    def view(self, layer: int, rows: torch.Tensor | None, upto: int) -> torch.Tensor:
+        """The latents [B', upto, kv_lora + rope] of ``rows`` (all rows when None; a gather copy otherwise)."""
+        t = self.lat[layer][:, :upto]
+        return t if rows is None else t.index_select(0, rows.to(t.device, non_blocking=True))
+
+
+def make_kv_cache(spec: MoESpec, batch: int, max_len: int, dtype: torch.dtype, device="cpu", pin: bool = False):
+    """The cache of the spec's attention: :class:`LatentKVCache` for MLA (``spec.is_mla``), else :class:`KVCache`."""
+    cls = LatentKVCache if spec.is_mla else KVCache
+    return cls(spec, batch, max_len, dtype, device, pin)
+
+
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -23,7 +23,7 @@ from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from .cpu_attention import bucket_len, cpu_decode_attention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, LatentKVCache, make_kv_cache
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
 FinishCallback = Callable[[int, list[int], str], None]
@@ -185,8 +185,9 @@ class SerialExecutor:
         self.w = weights
         self.spec = weights.spec
         self.family = fam = family_of(self.spec)  # the model family's layer math (model/families/)
-        if fam.attention != "gqa":
-            raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa only)")
+        if fam.attention not in ("gqa", "mla"):
+            raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa, mla)")
+        self.mla = fam.attention == "mla"
         self.device = torch.device(device)
         self.dtype = dtype or weights.dtype
         self.on_host = self.device.type == "cpu"
@@ -231,17 +232,23 @@ class SerialExecutor:
         self.stats.h2d_bytes += ew.nbytes
         return ew.to(self.device, non_blocking=False)
 
-    def _prefill_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]], kv: Optional[KVCache]) -> torch.Tensor:
+    def _prefill_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]],
+                       kv: Optional[KVCache | LatentKVCache]) -> torch.Tensor:
         """One decoder layer over a packed ragged batch. x: [T, D]; spans: (start, end) per sequence."""
         lw, fam = self.layers[layer], self.family
         q, k, v = fam.pre_attention(lw, x, positions, self.spec, self.inv_freq)  # [T,Hq,hd], [T,Hkv,hd] x2
-        attn = fam.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd], one fused call
+        #   (MLA: q [T, Hq, hd], the latent c [T, kv_lora] and the rope key k_pe [T, rope] as k and v)
+        if self.mla:
+            attn = fam.prefill_attention_packed(lw, q, k, v, spans, self.spec)  # [T, Hq*v_hd]
+        else:
+            attn = fam.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd], one fused call
         if kv is not None:
             for row, (s, e) in enumerate(spans):
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
         return fam.post_attention(lw, self._experts(layer), x, attn, self.spec, fam.experts_ffn)
 
-    def _forward_prefill(self, prompts: Sequence[Sequence[int]], kv: Optional[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_prefill(self, prompts: Sequence[Sequence[int]],
+                         kv: Optional[KVCache | LatentKVCache]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill a ragged batch; returns the final hidden states [T, D] (before the final norm) and the
         packed end of each prompt (int64 [B], on the host)."""
         lens = [len(p) for p in prompts]
@@ -266,6 +273,9 @@ class SerialExecutor:
         fam = self.family
         for layer in range(self.spec.num_layers):
             lw = self.layers[layer]
+            if self.mla:
+                x = self._decode_layer_mla(layer, x, pos_dev, rows, kv, all_rows, upto, new_len)
+                continue
             q, k, v = fam.pre_attention(lw, x, pos_dev, self.spec, self.inv_freq)  # [B',Hq,hd], [B',Hkv,hd]
             q, k, v = q.cpu(), k.cpu(), v.cpu()  # D2H: attention runs on the CPU cache
             if not self.on_host:
@@ -278,6 +288,23 @@ class SerialExecutor:
             x = fam.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec, fam.experts_ffn)  # [B', D]
         kv.lengths[rows] += 1
         return fam.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
+
+    def _decode_layer_mla(self, layer: int, x: torch.Tensor, pos_dev: torch.Tensor, rows: torch.Tensor,
+                          kv: LatentKVCache, all_rows: bool, upto: int, new_len: torch.Tensor) -> torch.Tensor:
+        """One MLA decode layer: the absorbed query on the compute device, attention over the CPU latent cache, the
+        values (W_UV) back on the device. x: [B', D] -> [B', D]."""
+        lw, fam, spec = self.layers[layer], self.family, self.spec
+        q, c, k_pe = fam.pre_attention(lw, x, pos_dev, spec, self.inv_freq)  # [B', Hq, hd], [B', Dl], [B', rope]
+        q_lat = fam.mla_absorb(lw, q, spec)  # [B', Hq, Dl + rope]
+        q_lat, c, k_pe = q_lat.cpu(), c.cpu(), k_pe.cpu()  # D2H: attention runs on the CPU cache
+        if not self.on_host:
+            self.stats.d2h_bytes += (q_lat.numel() + c.numel() + k_pe.numel()) * q_lat.element_size()
+        kv.append(layer, rows, c, k_pe)
+        o_lat = fam.latent_attention(q_lat, kv.view(layer, None if all_rows else rows, upto), new_len, spec)  # [B', Hq, Dl]
+        if not self.on_host:
+            self.stats.h2d_bytes += o_lat.numel() * o_lat.element_size()
+        attn = fam.mla_unabsorb(lw, o_lat.to(self.device), spec)  # [B', Hq*v_hd]
+        return fam.post_attention(lw, self._experts(layer), x, attn, spec, fam.experts_ffn)  # [B', D]
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -325,7 +352,7 @@ class SerialExecutor:
         sd = list(seeds) if (seeds is not None and not params.greedy) else None
         max_len = max(len(p) for p in prompts) + params.max_new_tokens
         prompts = [list(p) + q for p, q in zip(prompts, pre)]
-        kv = KVCache(self.spec, B, max_len, self.dtype, "cpu")
+        kv = make_kv_cache(self.spec, B, max_len, self.dtype, "cpu")  # MLA: the latent cache
 
         self._enter("prefill")
         t0 = time.perf_counter()

@@ -2,9 +2,9 @@
 
 Each entry copies the fields of the model's Hugging Face ``config.json`` that matter for bytes and FLOPs
 (the config file named in the comment). Non-Mixtral families use MoESpec's optional fields: shared
-experts (Qwen1.5-MoE, DeepSeek-V2-Lite), MLA attention and a leading dense layer (DeepSeek-V2-Lite).
-The model code (``model/``) supports only what MoESpec.from_hf_config supports; these specs are for the
-planner.
+experts (Qwen1.5-MoE, DeepSeek, GLM-4.5), MLA attention and leading dense layers (DeepSeek), the DeepSeek-V3 router
+(DeepSeek-V3, GLM-4.5-Air). The model code (``model/``) runs only the families of ``model/families/`` (not dbrx,
+glm4_moe); these specs are for the planner.
 """
 
 from __future__ import annotations
@@ -56,14 +56,45 @@ REGISTRY: dict[str, MoESpec] = {
         rms_norm_eps=1e-6, max_position_embeddings=40960, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645,
     ),
     # deepseek-ai/DeepSeek-V2-Lite config.json: MLA (q_lora_rank null, kv_lora_rank 512, qk_nope_head_dim 128,
-    # qk_rope_head_dim 64, v_head_dim 128), 64 routed experts top-6 of width 1408, 2 shared experts,
-    # first_k_dense_replace 1 with intermediate_size 10944, norm_topk_prob false
+    # qk_rope_head_dim 64, v_head_dim 128), 64 routed experts top-6 of width 1408 (topk_method greedy,
+    # routed_scaling_factor 1.0, norm_topk_prob false), 2 shared experts, first_k_dense_replace 1 with
+    # intermediate_size 10944, rope_scaling yarn (factor 40, original_max_position_embeddings 4096, beta 32 / 1,
+    # mscale = mscale_all_dim = 0.707: attention factor 1, softmax scale x (0.1 * 0.707 * ln 40 + 1)^2)
     "deepseek-v2-lite": MoESpec(
         name="deepseek-v2-lite", model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=1408,
         num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, num_experts=64, top_k=6, rope_theta=10000.0,
         rms_norm_eps=1e-6, max_position_embeddings=163840, norm_topk_prob=False, bos_token_id=100000, eos_token_id=100001,
         num_shared_experts=2, shared_intermediate_size=1408,
         kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, dense_layers=(0,), dense_intermediate_size=10944,
+        rope_type="yarn", rope_factor=40.0, rope_original_max_position_embeddings=4096, rope_attention_factor=1.0,
+        rope_mscale_all_dim=0.707, rope_interleave=True, router_scoring="softmax", routed_scaling_factor=1.0,
+    ),
+    # deepseek-ai/DeepSeek-V3 config.json (its fp8 quantization_config aside: a bf16 conversion's numbers): MLA with
+    # q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; 256 routed experts top-8 of width 2048,
+    # sigmoid router (noaux_tc: n_group 8, topk_group 4, norm_topk_prob true, routed_scaling_factor 2.5), 1 shared
+    # expert, first_k_dense_replace 3 with intermediate_size 18432, 1 multi-token-prediction layer (not run),
+    # rope_scaling yarn (factor 40, original 4096, mscale = mscale_all_dim = 1.0)
+    "deepseek-v3": MoESpec(
+        name="deepseek-v3", model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=2048,
+        num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192, num_experts=256, top_k=8, rope_theta=10000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=163840, norm_topk_prob=True, bos_token_id=0, eos_token_id=1,
+        num_shared_experts=1, shared_intermediate_size=2048,
+        kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, dense_layers=(0, 1, 2), dense_intermediate_size=18432,
+        q_lora_rank=1536, rope_type="yarn", rope_factor=40.0, rope_original_max_position_embeddings=4096,
+        rope_attention_factor=1.0, rope_mscale_all_dim=1.0, rope_interleave=True, router_scoring="sigmoid",
+        router_n_group=8, router_topk_group=4, routed_scaling_factor=2.5, num_mtp_layers=1,
+    ),
+    # zai-org/GLM-4.5-Air config.json (model_type glm4_moe: planned, not run here): GQA 96 query / 8 KV heads of 128
+    # (partial rotary 0.5 and q/k/v biases, neither counted in bytes), 128 routed experts top-8 of width 1408 behind
+    # transformers' Glm4MoeTopkRouter, which is DeepSeek-V3's (sigmoid, e_score_correction_bias; n_group 1, topk_group
+    # 1, norm_topk_prob true, routed_scaling_factor 1.0), 1 shared expert, first_k_dense_replace 1 with
+    # intermediate_size 10944, 1 multi-token-prediction layer
+    "glm-4.5-air": MoESpec(
+        name="glm-4.5-air", model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=1408,
+        num_layers=46, num_heads=96, num_kv_heads=8, head_dim=128, num_experts=128, top_k=8, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, norm_topk_prob=True, bos_token_id=None, eos_token_id=151329,
+        num_shared_experts=1, shared_intermediate_size=1408, dense_layers=(0,), dense_intermediate_size=10944,
+        router_scoring="sigmoid", router_n_group=1, router_topk_group=1, routed_scaling_factor=1.0, num_mtp_layers=1,
     ),
     # allenai/OLMoE-1B-7B-0924 config.json: 64 experts top-8 of width 1024, norm_topk_prob false
     "olmoe-1b-7b": MoESpec(
@@ -74,8 +105,10 @@ REGISTRY: dict[str, MoESpec] = {
 }
 ALIASES = {
     "mixtral-8x7b-instruct": "mixtral-8x7b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b",
-    "dbrx-base": "dbrx", "dbrx-instruct": "dbrx", "qwen1.5-moe": "qwen1.5-moe-a2.7b", "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b",
-    "deepseek-v2-lite-chat": "deepseek-v2-lite", "olmoe": "olmoe-1b-7b", "olmoe-1b-7b-0924": "olmoe-1b-7b",
+    "dbrx-base": "dbrx", "dbrx-instruct": "dbrx", "qwen1.5-moe": "qwen1.5-moe-a2.7b", "qwen3-30b": "qwen3-30b-a3b",
+    "qwen3-235b": "qwen3-235b-a22b",
+    "deepseek-v2-lite-chat": "deepseek-v2-lite", "deepseek-v3-base": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3",
+    "glm-4.5-air-base": "glm-4.5-air", "olmoe": "olmoe-1b-7b", "olmoe-1b-7b-0924": "olmoe-1b-7b",
 }
 
 

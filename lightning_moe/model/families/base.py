@@ -159,6 +159,8 @@ class KeyMap:
     fused_down: str = ""  # ... and down [E, D, F]
     dense_layer_tensors: Mapping[str, str] = field(default_factory=dict)  # field of the family's DenseLayerWeights ->
     #   name, for the dense (MLP-only) layers of MoESpec.dense_layers; empty: the family has none
+    optional_tensors: frozenset[str] = frozenset()  # fields of layer_tensors / dense_layer_tensors a checkpoint may
+    #   lack (left at their dataclass default, None: DeepSeek's q_proj or q_a/q_b by q_lora_rank); the rest must exist
 
     def layer_prefix(self, layer: int) -> str:
         """Prefix of every tensor of decoder layer ``layer``."""
@@ -233,7 +235,16 @@ class Family:
     experts_ffn_from: Callable = experts_ffn_reference_from  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w,
     #   topk_ids) -> [T, D] (reference)
     final_logits: Callable = L.final_logits  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]
-    attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache)
+    attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache) or "mla" (below)
     expert_activation: str = "silu"  # the gate activation inside experts_ffn (fused kernels check they compute it)
     dense_layer_weights: Optional[type] = None  # dataclass of a dense (MLP-only) layer's weights; fields =
     #   keys.dense_layer_tensors; has .to(); None: the family has no dense layers (read_spec gives none)
+    # ---- attention "mla" (multi-head latent attention, DeepSeek): the variant's own signatures ---------------
+    #   pre_attention -> (q [T, Hq, hd], c [T, kv_lora], k_pe [T, rope]); the KV cache holds [c, k_pe] per token;
+    #   prefill_attention_packed(lw, q, c, k_pe, spans, spec, layout=None) -> [T, Hq*v_hd];
+    #   decode_attention(lw, q, cache [B, S, kv_lora + rope], lengths, spec) -> [B, Hq*v_hd] (the torch reference of
+    #   the three below, which the executors compose across devices)
+    mla_absorb: Optional[Callable] = None  # (lw, q [B, Hq, hd], spec) -> q over the latent [B, Hq, kv_lora + rope]
+    latent_attention: Optional[Callable] = None  # (q_lat, cache [B, S, kv_lora + rope], lengths [B], spec) ->
+    #   attention-weighted latents [B, Hq, kv_lora]
+    mla_unabsorb: Optional[Callable] = None  # (lw, o_lat [B, Hq, kv_lora], spec) -> [B, Hq*v_hd]
