@@ -114,13 +114,18 @@ def gpu_router_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: st
 def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16", quant: str = "bf16") -> float:
     """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b.
 
-    The FLOP rate is the profile's ``gpu_expert_flops`` (what the grouped Triton kernel reaches) when measured,
-    capped by the dtype's GEMM peak (the grouped kernel runs well below the cuBLAS peak; a prefill predicted at the
-    peak is optimistic).
+    The FLOP rate, capped by the dtype's GEMM peak: the profile's measured rate of the faster expert-FFN kernel for
+    this expert shape (D, F, E, k) and dtype at ``tokens`` tokens per call
+    (:meth:`HardwareProfile.expert_ffn_rate`: ``expert_ffn_rates``, log-T interpolated between measured buckets),
+    where the profile has that shape; else its ``gpu_expert_flops`` (the grouped Triton kernel's rate at one
+    prefill size) when measured; else the GEMM peak (optimistic: the grouped kernels run below the cuBLAS peak).
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
-    if hw.gpu_expert_flops > 0:
+    rate = hw.expert_ffn_rate(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, dtype, tokens)
+    if rate > 0:
+        P = min(P, rate)
+    elif hw.gpu_expert_flops > 0:
         P = min(P, hw.gpu_expert_flops)
     k = spec.top_k
     nbytes = active_experts(tokens, spec.num_experts, k) * spec.expert_bytes(quant) + tokens * k * 2 * spec.hidden_size * b
