@@ -681,7 +681,8 @@ def grouped_mm_unsupported(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, 
     [E, F, D]`` with leading stride F); each expert's matrix 16-byte aligned (data pointer and expert stride), which
     the page buffers' 256-byte aligned regions and the dense scratch give. The weights need the innermost dimension
     contiguous (``w.stride(2) == 1``): the page buffers' ``[E, F, D]`` views are. On the CPU torch's fallback takes
-    fp32, bf16 and fp16 and any such strides.
+    fp32, bf16 and fp16, with the same 16-byte stride rule (torch 2.13 checks it there too: "strides should be
+    multiple of 16 bytes").
     """
     if _grouped_mm_fn() is None:
         return f"torch {torch.__version__} has no grouped_mm"
@@ -695,14 +696,14 @@ def grouped_mm_unsupported(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, 
             return f"CUDA grouped_mm takes bfloat16 only, got {x.dtype}"
         if not grouped_mm_available(x.device):
             return f"CUDA device {x.device} has compute capability < 8.0"
-        for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-            if not _aligned16(w, (0, 1)):
-                return f"{name} is not 16-byte aligned (data pointer or strides {tuple(w.stride())})"
-        D, Fd = x.shape[1], w1.shape[1]
-        if (D * x.element_size()) % 16 or (Fd * x.element_size()) % 16:
-            return f"D = {D} and F = {Fd} must be multiples of {16 // x.element_size()}"
     elif x.device.type != "cpu":
         return f"device {x.device}"
+    D, Fd = x.shape[1], w1.shape[1]
+    if (D * x.element_size()) % 16 or (Fd * x.element_size()) % 16:
+        return f"D = {D} and F = {Fd} must be multiples of {16 // x.element_size()} in {x.dtype} (16-byte strides)"
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not _aligned16(w, (0, 1)):
+            return f"{name} is not 16-byte aligned (data pointer or strides {tuple(w.stride())})"
     return None
 
 
