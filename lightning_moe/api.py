@@ -41,7 +41,8 @@ Prompt = Union[str, Messages, TokensPrompt]  # a plain prompt, a conversation re
 # ================================================================================================
 # sampling parameters
 # ================================================================================================
-_GEN_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+_GEN_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+              "stop_token_ids": "stop_token_ids", "logprobs": "logprobs"}
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,11 @@ class SamplingParams:
     Checked when made, with the job's rules (a ConfigError names the field). Greedy when ``temperature`` is 0;
     sampled tokens are seeded by ``seed`` and the request id (the same id and seed draw the same tokens, whatever the
     batch, as in ``moe-batch run``). ``stop``: the text is cut before the earliest stop string found (whatever tokens
-    it spans) and finish_reason is "stop"; ``stop_token_ids``: the sequence ends at such a token (kept in token_ids).
-    ``logprobs`` is not supported yet: giving it raises NotImplementedError.
+    it spans) and finish_reason is "stop"; ``stop_token_ids``: the sequence ends at such a token (kept in token_ids;
+    every id must be in the model's vocabulary, checked by generate(): ValueError naming the field). ``logprobs``
+    (vLLM's): None returns none; k >= 0 (at most 20) returns, per generated token, its log-probability and those of
+    the k most likely tokens, as vLLM does by default: the fp32 log-softmax of the model's raw logits (before
+    temperature and top-p), whatever the sampling settings. Nothing is computed when it is None.
     """
 
     max_tokens: int = 128  # tokens generated per request at most (generation.max_new_tokens)
@@ -62,7 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False  # true: keep generating after EOS, up to max_tokens (generation.stop_at_eos: false)
     stop: Optional[Union[str, Sequence[str]]] = None  # stop strings (generation.stop)
     stop_token_ids: Optional[Sequence[int]] = None  # stop token ids (generation.stop_token_ids)
-    logprobs: Optional[int] = None  # log-probabilities of the sampled tokens: not supported yet
+    logprobs: Optional[int] = None  # per generated token: its log-prob and those of the k best (generation.logprobs)
 
     def __post_init__(self):
         self.generation()  # every check now, not at the first generate()
@@ -72,9 +76,6 @@ class SamplingParams:
 
         The one place a SamplingParams becomes job keys.
         """
-        if self.logprobs is not None:
-            raise NotImplementedError("SamplingParams.logprobs: not supported yet (records carry token ids and text); "
-                                      "leave logprobs unset")
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"SamplingParams: ignore_eos: expected true or false, got {self.ignore_eos!r}")
         gen = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -83,6 +84,8 @@ class SamplingParams:
             gen["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:
             gen["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logprobs is not None:
+            gen["logprobs"] = self.logprobs
         try:
             generation_from_dict(gen, "SamplingParams")
         except ConfigError as e:  # name the field as the caller wrote it: "SamplingParams: max_tokens (generation...)"
@@ -110,6 +113,23 @@ class RequestOutput:
     token_ids: list[int]  # the generated token ids (EOS included when it ended the sequence)
     finish_reason: str  # "stop" (EOS, a stop token id or a stop string) | "length" (max_tokens reached)
     truncated_tokens: int = 0  # prompt tokens dropped from the left (LLM(truncate="left"))
+    logprobs: Optional[list[dict[int, float]]] = None  # SamplingParams(logprobs=k): per generated token (vLLM's shape)
+    #   {token id: log-prob} of the token chosen (first) and the k most likely ones; None when not asked
+    cumulative_logprob: Optional[float] = None  # the sum of the chosen tokens' log-probs (when logprobs is asked)
+
+
+def _logprob_dicts(rec: dict) -> Optional[list[dict[int, float]]]:
+    """A record's ``logprobs`` / ``top_logprobs`` as vLLM's per-token dicts (the chosen token first)."""
+    if "logprobs" not in rec:
+        return None
+    tops = rec.get("top_logprobs") or [[] for _ in rec["logprobs"]]
+    out = []
+    for tok, lp, top in zip(rec["output_ids"], rec["logprobs"], tops):
+        d = {tok: lp}
+        for i, v in top:
+            d.setdefault(i, v)
+        out.append(d)
+    return out
 
 
 @dataclass(frozen=True)
@@ -205,6 +225,8 @@ class LLM:
         system_prompt: a system message put before chat messages that do not start with one (data.system_prompt).
         truncate: a prompt longer than the context: ``"error"`` or ``"left"`` (drop its oldest tokens;
             data.truncate).
+        chat_template_kwargs: variables the chat template reads, e.g. ``{"enable_thinking": False}`` for Qwen3
+            (data.chat_template_kwargs; vLLM's name).
         **job_keys: nothing else is taken: any other keyword is a ConfigError naming it (a job key that is set per
             call says where it goes).
 
@@ -220,7 +242,8 @@ class LLM:
                  gpu_memory: Union[int, str, None] = None, cpu_memory: Union[int, str, None] = None,
                  hardware: Optional[str] = None, policy: Union[str, Mapping[str, Any]] = "auto",
                  executor: Optional[str] = None, expert_ffn: str = "auto", batch_size: int = 16,
-                 system_prompt: Optional[str] = None, truncate: str = "error", **job_keys: Any):
+                 system_prompt: Optional[str] = None, truncate: str = "error",
+                 chat_template_kwargs: Optional[Mapping[str, Any]] = None, **job_keys: Any):
         from .app.engine import ModelRunner, check_device
         from .app.gpu import apply_gpu_cap
         from .app.plan import ModelFiles
@@ -240,6 +263,8 @@ class LLM:
         data: dict = {"truncate": truncate}
         if system_prompt is not None:
             data["system_prompt"] = system_prompt
+        if chat_template_kwargs is not None:
+            data["chat_template_kwargs"] = dict(chat_template_kwargs)
         job = job_from_dict({**keys, "data": data}, "LLM", in_memory=True)
         # the validated values (paths made absolute) serve every call's job
         keys.update(model=job.model, policy=job.policy, executor=job.executor)
@@ -264,7 +289,8 @@ class LLM:
         return self._files.spec
 
     # ---- calls --------------------------------------------------------------------------------
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Optional[SamplingParams] = None,
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  *, request_ids: Optional[Sequence[Union[str, int]]] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate a continuation of every prompt.
@@ -276,7 +302,9 @@ class LLM:
                 is. Strings and conversations do not mix in one call. A prompt may also be token ids,
                 ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt), fed as they are (nothing added); these mix
                 with strings.
-            sampling_params: how to decode (default ``SamplingParams()``: greedy, 128 tokens).
+            sampling_params: how to decode: one SamplingParams for every prompt, or a list of them, one per prompt
+                (vLLM's rule: as long as ``prompts``); default ``SamplingParams()``: greedy, 128 tokens. Prompts with
+                equal parameters run as one job (one plan, batched together), the groups one after the other.
             request_ids: one id per prompt (strings, or integers written as strings; unique), the ids a JSONL file
                 would give them: they seed sampling. Default ``"0"``, ``"1"``, ... in input order.
             use_tqdm: show a progress bar (generated tokens) on stderr.
@@ -286,25 +314,38 @@ class LLM:
 
         Raises:
             DataError: a bad prompt (empty, too long for the context with max_tokens, a bad chat role), named as
-                ``prompts[i]``; TypeError: a prompt of another type.
+                ``prompts[i]``; ValueError: a list of sampling_params of another length than prompts, a stop token id
+                outside the vocabulary (``sampling_params[i].stop_token_ids``); TypeError: a prompt or a
+                sampling_params of another type. Every prompt is checked before any is run.
         """
         from .app.engine import plan_for_job, run_in_memory
 
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"generate: sampling_params: expected one SamplingParams, got "
-                            f"{type(sampling_params).__name__}")
         items, chat = _prompts(prompts)
-        job = self._job("generate", chat, generation=sampling_params.generation())
-        prep = self._prepare(job, [_prompt_record(p, chat) for p in items], request_ids, "prompts")
-        records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm)
-        out = []
-        for item, tr, rec in zip(items, prep.treqs, records):
-            out.append(RequestOutput(request_id=rec["id"], prompt=item, prompt_token_ids=list(tr.prompt_ids),
-                                     text=rec["text"], token_ids=list(rec["output_ids"]),
-                                     finish_reason=rec["finish_reason"],
-                                     truncated_tokens=rec.get("truncated_tokens", 0)))
+        per = _sampling_list(sampling_params, len(items))
+        groups: dict[str, list[int]] = {}  # prompts with equal parameters, in order of first appearance
+        gens = [sp.generation() for sp in per]
+        for i, gen in enumerate(gens):
+            groups.setdefault(repr(sorted(gen.items())), []).append(i)
+        ids = _request_ids(request_ids, len(items), "prompts")
+        runs = []  # every group checked and tokenized before any runs
+        for idx in groups.values():
+            job = self._job("generate", chat, generation=gens[idx[0]])
+            where = "sampling_params" if len(groups) == 1 and not isinstance(sampling_params, (list, tuple)) \
+                else f"sampling_params[{idx[0]}]"
+            _check_stop_ids(job, self.spec, where)
+            prep = self._prepare(job, [_prompt_record(items[i], chat) for i in idx], [ids[i] for i in idx],
+                                 "prompts", idx)
+            runs.append((idx, job, prep))
+        out: list = [None] * len(items)
+        for idx, job, prep in runs:
+            records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm)
+            for i, tr, rec in zip(idx, prep.treqs, records):
+                lps = _logprob_dicts(rec)
+                out[i] = RequestOutput(request_id=rec["id"], prompt=items[i], prompt_token_ids=list(tr.prompt_ids),
+                                       text=rec["text"], token_ids=list(rec["output_ids"]),
+                                       finish_reason=rec["finish_reason"],
+                                       truncated_tokens=rec.get("truncated_tokens", 0), logprobs=lps,
+                                       cumulative_logprob=float(sum(rec["logprobs"])) if lps is not None else None)
         return out
 
     def score(self, requests: Sequence[Any], mode: str, *, stride: Optional[int] = None,
@@ -404,33 +445,77 @@ class LLM:
         score = {"mode": mode, **({"stride": stride} if stride is not None else {})}
         return self._job("score", chat, score=score), recs
 
-    def _prepare(self, job, recs: list[dict], request_ids, label: str):
-        """The call's requests checked (as a JSONL file's lines are) and tokenized: app.plan.Prepared."""
+    def _prepare(self, job, recs: list[dict], request_ids, label: str, indexes: Optional[list[int]] = None):
+        """The call's requests checked (as a JSONL file's lines are) and tokenized: app.plan.Prepared. ``indexes``:
+        each record's index in the call (errors name ``label[index]``; default 0, 1, ...)."""
         from .app.plan import Prepared
-        from .data.sources import DataError, request_from_record
+        from .data.sources import request_from_record
 
-        if request_ids is not None:
-            request_ids = list(request_ids)
-            if len(request_ids) != len(recs):
-                raise ValueError(f"request_ids: {len(request_ids)} ids for {len(recs)} prompts")
-        seen: dict[str, int] = {}
-        reqs = []
-        for i, rec in enumerate(recs):
-            where = f"{label}[{i}]"
-            rid = rec.pop("id", None) if request_ids is None else request_ids[i]
-            rid = str(i) if rid is None else rid
-            if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
-                raise DataError(f"{where}: id: expected a non-empty string or an integer, got {rid!r}")
-            rid = str(rid)
-            if rid in seen:
-                raise DataError(f"{where}: id: duplicate id {rid!r} (first at {label}[{seen[rid]}])")
-            seen[rid] = i
-            reqs.append(request_from_record(rec, rid, job, where, 0))
+        indexes = list(range(len(recs))) if indexes is None else indexes
+        if request_ids is None:
+            request_ids = _request_ids(None, len(recs), label, [r.pop("id", None) for r in recs], indexes)
+        reqs = [request_from_record(rec, str(request_ids[j]), job, f"{label}[{indexes[j]}]", 0)
+                for j, rec in enumerate(recs)]
         return Prepared(job, reqs, files=self._files)
 
 
+def _request_ids(request_ids, n: int, label: str, given: Optional[list] = None,
+                 indexes: Optional[list[int]] = None) -> list[str]:
+    """The ids of ``n`` requests: ``request_ids`` (one per prompt), else the records' own (``given``: None where
+    absent), else the index; checked (non-empty strings or integers, unique). DataError / ValueError name them."""
+    from .data.sources import DataError
+
+    indexes = list(range(n)) if indexes is None else indexes
+    if request_ids is not None:
+        request_ids = list(request_ids)
+        if len(request_ids) != n:
+            raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
+        given = request_ids
+    given = given if given is not None else [None] * n
+    seen: dict[str, int] = {}
+    out = []
+    for j, rid in enumerate(given):
+        where = f"{label}[{indexes[j]}]"
+        rid = str(indexes[j]) if rid is None else rid
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
+            raise DataError(f"{where}: id: expected a non-empty string or an integer, got {rid!r}")
+        rid = str(rid)
+        if rid in seen:
+            raise DataError(f"{where}: id: duplicate id {rid!r} (first at {label}[{seen[rid]}])")
+        seen[rid] = indexes[j]
+        out.append(rid)
+    return out
+
+
+def _sampling_list(sp: Any, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: ``sp`` for all, or a list of n (vLLM's rule); TypeError / ValueError name the
+    entry at fault."""
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    if not isinstance(sp, (list, tuple)):
+        raise TypeError(f"generate: sampling_params: expected a SamplingParams or a list of them, got "
+                        f"{type(sp).__name__}")
+    for i, p in enumerate(sp):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"generate: sampling_params[{i}]: expected a SamplingParams, got {type(p).__name__}")
+    if len(sp) != n:
+        what = (f"prompts[{len(sp)}] has none" if len(sp) < n else f"sampling_params[{n}] has no prompt")
+        raise ValueError(f"generate: sampling_params: {len(sp)} SamplingParams for {n} prompts ({what}); give one "
+                         f"SamplingParams for all prompts or a list of one per prompt")
+    return list(sp)
+
+
+def _check_stop_ids(job, spec, where: str) -> None:
+    """ValueError (a ConfigError) when a stop token id is outside the model's vocabulary [0, vocab_size)."""
+    from .app.plan import check_stop_token_ids
+
+    check_stop_token_ids(job, spec, f"{where}.stop_token_ids")
+
+
 _LLM_KEYWORDS = ["device", "dtype", "gpu_memory", "cpu_memory", "hardware", "policy", "executor", "expert_ffn",
-                 "batch_size", "system_prompt", "truncate"]
+                 "batch_size", "system_prompt", "truncate", "chat_template_kwargs"]
 
 
 def _is_tokens(p: Any) -> bool:

@@ -37,13 +37,37 @@ def _load(args) -> "object":
 def cmd_run(args) -> int:
     from .app.engine import run_job
     from .app.report import format_report
+    from .config import ConfigError
 
     job = _load(args)
-    report = run_job(job, progress=not args.no_progress)
+    spans = None
+    if args.timeline:  # checked before the run: a missing matplotlib must not cost the run
+        from .plot import PlotError, check_matplotlib
+
+        try:
+            check_matplotlib("--timeline")
+        except PlotError as e:
+            raise ConfigError(str(e)) from None
+        spans = []
+    report = run_job(job, progress=not args.no_progress, spans=spans)
     if report.get("nothing_to_do"):
         print("nothing to do; the earlier run that finished this job reported:")
     print(format_report(report))
     print(f"  report: {job.output.report_path}")
+    if spans:
+        from .plot import PlotError, save_timeline
+
+        pol = report.get("policy") or {}
+        title = (f"{job.name}: measured stage timeline, {os.path.basename(str(report.get('model_path') or job.model))} "
+                 f"on {job.device} ({job.dtype}), cgopipe mu {pol.get('mu')} x n {pol.get('n')}, "
+                 f"{pol.get('resident_experts')} resident experts"
+                 + (" -- on the CPU the GPU lanes run on the CPU, synchronously" if job.device == "cpu" else ""))
+        try:
+            print(f"  timeline: {save_timeline(args.timeline, spans, title)}")
+        except PlotError as e:
+            raise ConfigError(str(e)) from None
+    elif spans is not None:
+        print("  timeline: nothing ran (no batch), nothing drawn")
     return 0
 
 
@@ -61,9 +85,12 @@ def cmd_merge(args) -> int:
         if not paths or len(counts) != 1:
             raise SystemExit(f"moe-batch merge: found shard files {paths or 'none'} for {job.output.path}; pass --shards N")
     expected = [r.id for r in load_requests(job)]
-    out = args.output or job.output.path
+    # --output is a command-line path: relative to the current directory (as JOB.yaml is); the default, the job's
+    # output.path, resolved against the YAML's directory like every path inside the YAML
+    out = os.path.abspath(args.output) if args.output else job.output.path
     info = merge_results(paths, out, expected)
-    print(f"merged {info['records']} records ({info['errors']} error records) from {len(paths)} shards into {out}")
+    print(f"merged {info['records']} records ({info['errors']} error records) from {len(paths)} shards into "
+          f"{args.output or out}")
     return 0
 
 
@@ -77,12 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job key, e.g. generation.max_new_tokens=8")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors (also MOE_BATCH_DEBUG=1)")
+    r.add_argument("--timeline", metavar="FILE.png", help="draw the run's measured stage timeline (cgopipe executor: "
+                   "H2D pages, GPU attention, expert FFN, CPU attention per lane over wall time; needs matplotlib: "
+                   "pip install 'lightning-moe[plot]')")
     r.set_defaults(func=cmd_run)
 
     m = sub.add_parser("merge", help="join the shard outputs of a job; every input id must appear exactly once")
     m.add_argument("job", help="job YAML file (the one the shards ran)")
     m.add_argument("--shards", type=int, help="number of shards N (default: discovered from the files)")
-    m.add_argument("--output", help="merged results file (default: the job's output.path)")
+    m.add_argument("--output", help="merged results file; a relative path is relative to the current directory "
+                   "(default: the job's output.path, which resolves against the YAML's directory)")
     m.add_argument("--set", action="append", metavar="KEY=VALUE", help="the same overrides the shards ran with")
     m.set_defaults(func=cmd_merge)
 

@@ -40,6 +40,7 @@ ON_ERROR = ("fail", "record")
 SOURCES = ("jsonl", "mtbench")
 TRUNCATE = ("error", "left")
 SCORE_MODES = ("loglikelihood", "multiple_choice", "perplexity")
+MAX_LOGPROBS = 20  # the most alternatives per token generation.logprobs asks for (vLLM's and OpenAI's limit)
 IN_MEMORY = "memory"  # DataSource.source of a job whose requests the caller holds (the Python API; not a YAML value)
 
 
@@ -58,6 +59,7 @@ class DataSource:
     path: Optional[str] = None  # absolute path of the JSONL file; required for jsonl, optional question.jsonl for mtbench
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template (default: True for mtbench, False for jsonl)
     system_prompt: Optional[str] = None  # system message prepended when chat_template is on
+    chat_template_kwargs: Optional[dict] = None  # variables the chat template reads (Qwen3: {enable_thinking: false})
     limit: Optional[int] = None  # read only the first `limit` requests of the file (None = all)
     truncate: str = "error"  # prompt longer than the context: "error" (or error record) | "left" (drop oldest tokens)
 
@@ -73,6 +75,8 @@ class GenerationConfig:
     stop_at_eos: bool = True  # finish a sequence when it emits the tokenizer's EOS id
     stop: tuple[str, ...] = ()  # finish a sequence when its text contains one of these; the text is cut before it
     stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these token ids (kept in output_ids)
+    logprobs: Optional[int] = None  # None: none; k in 0..MAX_LOGPROBS: every generated token's log-prob (fp32
+    #   log-softmax of the raw logits, before temperature / top-p, as vLLM's default) and its k best alternatives
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +158,13 @@ class Job:
     shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
     name: str = "job"  # job name (YAML file stem by default), used in reports
     config_path: Optional[str] = None  # absolute path of the YAML this job came from (None for job_from_dict)
+    source: Optional[str] = None  # the job as error messages name it: the YAML path as the user typed it
+    #   ("jobs/x.yaml"), or job_from_dict's source_name ("LLM", "moe-batch run-batch"); see :attr:`label`
+
+    @property
+    def label(self) -> str:
+        """What every error about this job starts with: :attr:`source` (the path as typed), else the name."""
+        return self.source or self.name
 
     @property
     def torch_dtype(self):
@@ -213,6 +224,36 @@ def _p_str(v, key, ctx, *, allow_empty=False):
     if not allow_empty and not v.strip():
         raise ctx.err(key, "expected a non-empty string")
     return v
+
+
+# apply_chat_template's own arguments: a template variable of the same name would be taken by the call instead
+_TEMPLATE_RESERVED = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _p_template_kwargs(v, key, ctx):
+    """A mapping of chat-template variables: identifier names (not apply_chat_template's own arguments) to JSON
+    values (strings, numbers, booleans, null, lists and mappings of them)."""
+    if not isinstance(v, dict):
+        raise ctx.err(key, f"expected a mapping of template variables (e.g. {{enable_thinking: false}}), got "
+                           f"{_describe(v)}")
+
+    def json_like(x):
+        if isinstance(x, (str, int, float, bool)) or x is None:
+            return True
+        if isinstance(x, list):
+            return all(json_like(i) for i in x)
+        return isinstance(x, dict) and all(isinstance(k, str) and json_like(i) for k, i in x.items())
+
+    for k, x in v.items():
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ctx.err(key, f"template variable names must be identifiers, got {k!r}")
+        if k in _TEMPLATE_RESERVED:
+            raise ctx.err(f"{key}.{k}", "an argument of apply_chat_template, not a template variable")
+        if not json_like(x):
+            raise ctx.err(f"{key}.{k}", f"expected a JSON value, got {_describe(x)}")
+    return dict(v)
 
 
 def _p_choice(options):
@@ -391,6 +432,7 @@ _DATA_KEYS: dict[str, _Parser] = {
     "path": _opt(_p_input_file),
     "chat_template": _p_bool,
     "system_prompt": _opt(lambda v, k, c: _p_str(v, k, c, allow_empty=True)),
+    "chat_template_kwargs": _opt(_p_template_kwargs),
     "limit": _opt(_p_int(lo=1)),
     "truncate": _p_choice(TRUNCATE),
 }
@@ -402,6 +444,7 @@ _GEN_KEYS: dict[str, _Parser] = {
     "stop_at_eos": _p_bool,
     "stop": _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
     "stop_token_ids": _p_list(_p_int(lo=0)),
+    "logprobs": _opt(_p_int(lo=0, hi=MAX_LOGPROBS)),
 }
 _SCORE_KEYS: dict[str, _Parser] = {
     "mode": _p_choice(SCORE_MODES),
@@ -491,7 +534,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ================================================================================================
 # entry points
 # ================================================================================================
-_MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "truncate")  # data keys of an in-memory job
+_MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "chat_template_kwargs", "truncate")  # data keys of an in-memory job
 
 
 def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Optional[str] = None,
@@ -507,7 +550,8 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
         name: job name when ``d`` has no ``name`` key (default: ``"job"``).
         config_path: recorded as :attr:`Job.config_path`.
         in_memory: the caller holds the requests and takes the records (the Python API, ``lightning_moe.api``):
-            ``data`` may hold only chat_template, system_prompt and truncate (``data.source`` becomes IN_MEMORY),
+            ``data`` may hold only chat_template, system_prompt, chat_template_kwargs and truncate (``data.source``
+            becomes IN_MEMORY),
             ``output`` is not allowed (:attr:`Job.output` is None); every other key is checked as for a YAML.
 
     Raises:
@@ -579,6 +623,7 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     top["executor"] = executor
     top.setdefault("name", name or "job")
     return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
+               source=source_name,
                **{k: v for k, v in top.items()})
 
 

@@ -16,6 +16,10 @@ A point's height is what its roofs allow, min(peak, intensity x bandwidth). Righ
 stream (PCIe both ways, CPU, GPU, host issue) for prefill and decode, the binding one marked (the overlapped streams
 take the longest one's time; the head is added to it, not overlapped).
 matplotlib is an optional dependency (``pip install 'lightning-moe[plot]'``).
+
+:func:`save_timeline` draws a run's measured stage timeline (``moe-batch run --timeline FILE.png``): the spans the
+cgopipe executor recorded (pipeline.stage_stats.StageTimer.take_spans) as horizontal bars, one lane per stage, the
+phases (prefill, decode, scoring) shaded behind them; below, one decode step zoomed in.
 """
 
 from __future__ import annotations
@@ -136,6 +140,92 @@ def save_plan_plot(path: str, spec: MoESpec, hw: HardwareProfile, policy: Policy
     title = f"policy mu {policy.mu} x n {policy.n}, {sum(policy.resident_counts(spec))} resident, g {policy.n_gpu_attn}"
     sub = f"prefill {est.prefill_tok_s:,.0f} tok/s" + ("" if workload.scoring else f", decode {est.decode_tok_s:,.1f} tok/s")
     bx.set_title(f"{title}\n{sub}", fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise PlotError(f"cannot write {path}: {e}") from e
+    finally:
+        plt.close(fig)
+    return path
+
+
+_LANE_COLORS = {"H2D expert pages": "tab:red", "GPU waits for pages": "tab:gray", "GPU attention": "tab:green",
+                "GPU expert FFN": "tab:purple", "CPU attention (worker)": "tab:blue"}
+_PHASE_COLORS = {"prefill": "#fff2cc", "decode": "#deebf7", "scoring": "#e2f0d9"}
+
+
+def check_matplotlib(flag: str) -> None:
+    """PlotError naming ``flag`` unless matplotlib can be imported (checked before a run, not after it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise PlotError(f"{flag} needs matplotlib: pip install 'lightning-moe[plot]'") from e
+
+
+def _draw_lanes(ax, spans: list[dict], lanes: list[str], t0: float, t1: float) -> None:
+    for ph in (s for s in spans if s["stage"] == "phase"):
+        if ph["end"] > t0 and ph["start"] < t1:
+            ax.axvspan(max(ph["start"], t0), min(ph["end"], t1), color=_PHASE_COLORS.get(ph["phase"], "#eeeeee"),
+                       zorder=0)
+    for y, lane in enumerate(lanes):
+        for phase, hatch, alpha in (("prefill", "///", 0.6), ("decode", None, 0.95), ("scoring", "///", 0.6)):
+            bars = [(s["start"], max(s["end"] - s["start"], 0.0)) for s in spans
+                    if s["lane"] == lane and s["phase"] == phase and s["end"] > t0 and s["start"] < t1]
+            if bars:
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=_LANE_COLORS.get(lane, "tab:olive"), alpha=alpha,
+                               hatch=hatch, edgecolor="black" if hatch else "none", linewidth=0.2, zorder=2)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(t0, t1)
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+def save_timeline(path: str, spans: list[dict], title: str) -> str:
+    """Draw a run's measured stage timeline to ``path`` (PNG or any format matplotlib infers from the suffix).
+
+    ``spans``: ``{"stage", "lane", "phase", "start", "end"}`` (seconds from the run's start; stage ``"phase"``: a
+    phase's own interval, ``"step"``: one decode step's host issue). Top: the whole run, one lane per stage, bars
+    hatched in prefill, solid in decode, the phases shaded, each lane's busy seconds and share of the wall time at
+    the right. Bottom: one decode step (the middle one), to see what overlaps. Returns ``path``. Raises PlotError."""
+    check_matplotlib("--timeline")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from .pipeline.stage_stats import SPAN_LANES
+
+    lanes = list(SPAN_LANES.values())
+    work = [s for s in spans if s["stage"] not in ("phase", "step")]
+    phases = [s for s in spans if s["stage"] == "phase"]
+    steps = [s for s in spans if s["stage"] == "step"]
+    end = max([s["end"] for s in spans] or [1.0])
+    fig, axes = plt.subplots(2 if steps else 1, 1, figsize=(14, 7.5 if steps else 4.2), squeeze=False)
+    ax = axes[0][0]
+    _draw_lanes(ax, spans, lanes, 0.0, end * 1.01)
+    for y, lane in enumerate(lanes):
+        busy = sum(s["end"] - s["start"] for s in work if s["lane"] == lane)
+        ax.text(1.005, y, f"{busy:.3g} s busy ({100 * busy / end:.0f}%)", transform=ax.get_yaxis_transform(),
+                va="center", fontsize=8)
+    for ph in phases:
+        ax.text((ph["start"] + ph["end"]) / 2, -0.45, ph["phase"], ha="center", va="top", fontsize=8, zorder=3)
+    ax.set_xlabel("wall seconds since the run's first batch")
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(facecolor=_PHASE_COLORS[p], label=f"{p} (shaded)") for p in ("prefill", "decode")
+               if any(ph["phase"] == p for ph in phases)]
+    handles += [Patch(facecolor="white", edgecolor="black", hatch="///", label="prefill work (hatched)"),
+                Patch(facecolor="tab:gray", label="decode work (solid)")]
+    ax.legend(handles=handles, fontsize=7, loc="upper right", bbox_to_anchor=(1.0, -0.14), ncol=4, frameon=False)
+    if steps:
+        st = steps[len(steps) // 2]
+        bx = axes[1][0]
+        pad = 0.02 * (st["end"] - st["start"])
+        _draw_lanes(bx, spans, lanes, st["start"] - pad, st["end"] + pad)
+        bx.set_xlabel("wall seconds since the run's first batch")
+        bx.set_title(f"decode step {len(steps) // 2 + 1} of {len(steps)}, zoomed ({1e3 * (st['end'] - st['start']):.1f} ms "
+                     f"of host issue)", fontsize=10)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)

@@ -112,6 +112,15 @@ def test_chat_messages_are_rendered_as_the_jobs_chat_template(tmp_path, tiny_dir
     assert len(one) == 1 and one[0].token_ids == outs[0].token_ids
 
 
+def test_chat_template_kwargs_keyword(tiny_dir):
+    """``chat_template_kwargs`` is data.chat_template_kwargs of every call's job; a bad one is named."""
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", chat_template_kwargs={"enable_thinking": False})
+    assert llm.job.data.chat_template_kwargs == {"enable_thinking": False}
+    llm.close()
+    with pytest.raises(ConfigError, match=r"LLM: data\.chat_template_kwargs\.tokenize: an argument of apply_chat"):
+        LLM(tiny_dir, device="cpu", chat_template_kwargs={"tokenize": True})
+
+
 def test_score_loglikelihood_matches_the_cli(tmp_path, tiny_dir):
     pairs = [(f"{a} + {b} =", f" {a + b}") for a, b in [(2, 2), (3, 5), (10, 7), (1, 1), (12, 30), (6, 6)]]
     recs, _ = _cli_run(tmp_path, tiny_dir, [{"id": str(i), "prompt": c, "continuation": x}
@@ -164,8 +173,9 @@ def test_unknown_keyword_and_unsupported_sampling_fields_are_named(tiny_dir, mon
         LLM(tiny_dir, device="cpu", dtype="fp32")
     with pytest.raises(ConfigError, match=r"LLM: model: checkpoint directory not found"):
         LLM(os.path.join(tiny_dir, "nope"), device="cpu")
-    with pytest.raises(NotImplementedError, match=r"SamplingParams\.logprobs: not supported yet"):
-        SamplingParams(logprobs=1)
+    with pytest.raises(ConfigError, match=r"SamplingParams: logprobs \(generation.logprobs\): must be <= 20"):
+        SamplingParams(logprobs=21)
+    assert SamplingParams(logprobs=0).generation()["logprobs"] == 0
     SamplingParams(stop=None, stop_token_ids=[], logprobs=None)  # nothing asked for: fine
     assert SamplingParams(stop="###").generation()["stop"] == ["###"]
     with pytest.raises(ConfigError, match=r"generation.stop_token_ids\[0\]: must be >= 0"):

@@ -361,3 +361,41 @@ def test_malformed_json_column_is_on_the_line(tmp_path):
     job = make_job(tmp_path, [J(id="a", prompt="ok"), '{"id":3,"prompt":"c"'])
     with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 21\)"):
         load_requests(job)
+
+
+# A Qwen3-style switch (the real template's test: ``enable_thinking is defined and enable_thinking is false``)
+_THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+                      "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                      "{% if style is defined %}[{{ style }}]{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tok_dir):
+    from transformers import AutoTokenizer
+
+    from lightning_moe.data.tokenize import encode_requests
+
+    t = AutoTokenizer.from_pretrained(tok_dir)
+    t.chat_template = _THINKING_TEMPLATE
+    recs = [J(id="a", prompt="Hi"), J(id="b", continuation=" yes", prompt="Q?")]
+    plain = make_job(tmp_path, recs[:1], data={"chat_template": True})
+    off = make_job(tmp_path, recs[:1], data={"chat_template": True,
+                                             "chat_template_kwargs": {"enable_thinking": False, "style": "terse"}})
+    (p,), (q,) = encode_requests(load_requests(plain), t, plain, 512), encode_requests(load_requests(off), t, off, 512)
+    assert t.decode(p.prompt_ids) == "<|user|>Hi\n<|assistant|>"
+    assert t.decode(q.prompt_ids) == "<|user|>Hi\n<|assistant|><think></think>[terse]"
+    # scoring renders the same context text, and the continuation follows it
+    sc = make_job(tmp_path, recs[1:], task="score", score={"mode": "loglikelihood"},
+                  data={"chat_template": True, "chat_template_kwargs": {"enable_thinking": False}})
+    (s,) = encode_requests(load_requests(sc), t, sc, 512)
+    assert t.decode(s.prompt_ids) == "<|user|>Q?\n<|assistant|><think></think>"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("yes", r"data\.chat_template_kwargs: expected a mapping of template variables"),
+    ({"1x": True}, r"data\.chat_template_kwargs: template variable names must be identifiers, got '1x'"),
+    ({"tokenize": False}, r"data\.chat_template_kwargs\.tokenize: an argument of apply_chat_template"),
+    ({"x": {1, 2}}, r"data\.chat_template_kwargs\.x: expected a JSON value"),
+])
+def test_chat_template_kwargs_bad_values_name_the_key(tmp_path, value, message):
+    with pytest.raises(ConfigError, match=message):
+        make_job(tmp_path, [J(id="a", prompt="Hi")], data={"chat_template": True, "chat_template_kwargs": value})

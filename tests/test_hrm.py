@@ -209,7 +209,8 @@ def test_mixtral_bytes_by_hand():
 
 @pytest.mark.parametrize("name,total_b,tol", [
     ("mixtral-8x7b", 46.7, 0.01), ("mixtral-8x22b", 141, 0.01), ("dbrx", 132, 0.01), ("qwen1.5-moe-a2.7b", 14.3, 0.01),
-    ("qwen3-30b-a3b", 30.5, 0.01), ("deepseek-v2-lite", 15.7, 0.01), ("olmoe-1b-7b", 6.9, 0.01),
+    ("qwen3-30b-a3b", 30.5, 0.01), ("qwen3-235b-a22b", 235.1, 0.01), ("deepseek-v2-lite", 15.7, 0.01),
+    ("olmoe-1b-7b", 6.9, 0.01),
 ])
 def test_registry_totals_match_published(name, total_b, tol):
     s = resolve_spec(name)

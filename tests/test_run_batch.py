@@ -130,7 +130,7 @@ def test_bad_lines_become_error_records(tmp_path, tiny_dir):
         _line("e4", "/v1/embeddings", {"input": "x"}),                             # 4 unknown url
         _cmpl("e5", "x", max_tokens=4, frobnicate=1),                              # 5 unknown body field
         _cmpl("e6", "x", max_tokens=4, n=2),                                       # 6 n must be 1
-        _chat("e7", [{"role": "user", "content": "x"}], logprobs=True),            # 7 unsupported
+        _chat("e7", [{"role": "user", "content": "x"}], logprobs=1),               # 7 chat's logprobs is a bool
         _cmpl("e8", "x", max_tokens="ten"),                                        # 8 bad type
         _cmpl("e9", "x", temperature=-1),                                          # 9 bad value
         _chat("e10", [{"role": "user", "content": "x"}], prompt="y"),              # 10 a completions field
@@ -149,7 +149,7 @@ def test_bad_lines_become_error_records(tmp_path, tiny_dir):
     errs = {r["error"]["message"].split(": ", 1)[0]: r for r in recs if r["error"] is not None}
     expect = {2: (None, "malformed JSON"), 3: (None, "custom_id: missing"), 4: ("e4", 'url: "/v1/embeddings"'),
               5: ("e5", "body.frobnicate: unknown field"), 6: ("e6", "body.n: 2 is not supported"),
-              7: ("e7", "body.logprobs: true is not supported"), 8: ("e8", "body.max_tokens: expected an integer"),
+              7: ("e7", "body.logprobs: expected true or false, got an integer"), 8: ("e8", "body.max_tokens: expected an integer"),
               9: ("e9", "body.temperature: must be >= 0"),
               10: ("e10", "body.prompt: unknown field for /v1/chat/completions (a field of /v1/completions)"),
               11: ("e11", "body.prompt: "), 12: ("e12", "body.max_tokens: 5000 leaves no room for a prompt"),

@@ -25,10 +25,13 @@ Body fields. Used: ``messages`` (chat; ``content`` a string or a list of ``{"typ
 with newlines; roles system, user, assistant, tool) or ``prompt`` (completions; one string), ``max_tokens`` (chat also
 ``max_completion_tokens``; default ``--max-tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p`` (default 1),
 ``stop`` (a string or a list), ``seed`` (default 0; sampling is seeded by the seed and the custom_id, so a re-run draws
-the same tokens), and vLLM's ``stop_token_ids`` and ``ignore_eos``. Accepted and not used: ``model`` (the checkpoint
-that runs is ``--model``; the response's ``model`` names it) and ``user``. Accepted only at their default value, an
-error record otherwise: ``n`` (1), ``stream`` (false), ``stream_options``, ``logprobs`` (false / null),
-``top_logprobs``, ``presence_penalty`` and ``frequency_penalty`` (0), ``logit_bias`` ({}), chat's
+the same tokens), and vLLM's ``stop_token_ids`` (each in the model's vocabulary) and ``ignore_eos``. Log-probs:
+chat's ``logprobs`` (true / false) and ``top_logprobs`` (0..20, with ``logprobs: true``), completions' ``logprobs``
+(0..20 alternatives); the choice's ``logprobs`` is then filled in the endpoint's format (:func:`_choice_logprobs`),
+from the fp32 log-softmax of the raw logits (vLLM's default: before temperature and top-p). Accepted and not used:
+``model`` (the checkpoint that runs is ``--model``; the response's ``model`` names it) and ``user``. Accepted only at
+their default value, an error record otherwise: ``n`` (1), ``stream`` (false), ``stream_options``,
+``presence_penalty`` and ``frequency_penalty`` (0), ``logit_bias`` ({}), chat's
 ``response_format`` ({"type": "text"}), completions' ``echo`` (false), ``best_of`` (1) and ``suffix``. Any other field
 is an error record naming it; null counts as absent everywhere.
 
@@ -66,7 +69,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import ConfigError, generation_from_dict, job_from_dict
+from ..config import MAX_LOGPROBS, ConfigError, generation_from_dict, job_from_dict
 from ..data.sources import CHAT_ROLES, DataError
 from ..data.writer import ResultsWriter, atomic_write, read_results, write_json_atomic
 
@@ -76,14 +79,12 @@ BODY_IDS = {"chat": "chatcmpl-", "completion": "cmpl-"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (sampling); give "temperature": 0 for greedy decoding
 _LINE_KEYS = ("custom_id", "method", "url", "body")
 _USED = {"model", "user", "max_tokens", "temperature", "top_p", "stop", "seed", "stop_token_ids", "ignore_eos"}
-_USED_BY = {"chat": {"messages", "max_completion_tokens"}, "completion": {"prompt"}}
+_USED_BY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}, "completion": {"prompt", "logprobs"}}
 # fields taken only at their default: (endpoints, allowed values besides null, why another value is refused)
 _DEFAULT_ONLY = {
     "n": (("chat", "completion"), (1,), "one choice per request (repeat the line with another custom_id and seed)"),
     "stream": (("chat", "completion"), (False,), "batch responses are not streamed"),
     "stream_options": (("chat", "completion"), (), "batch responses are not streamed"),
-    "logprobs": (("chat", "completion"), (False,), "log-probabilities are not returned"),
-    "top_logprobs": (("chat",), (0,), "log-probabilities are not returned"),
     "presence_penalty": (("chat", "completion"), (0,), "presence and frequency penalties are not implemented"),
     "frequency_penalty": (("chat", "completion"), (0,), "presence and frequency penalties are not implemented"),
     "logit_bias": (("chat", "completion"), ({},), "logit biases are not implemented"),
@@ -93,7 +94,7 @@ _DEFAULT_ONLY = {
     "suffix": (("completion",), (), "insertion (a suffix) is not implemented"),
 }
 _GEN_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-               "stop": "stop", "stop_token_ids": "stop_token_ids", "stop_at_eos": "ignore_eos"}
+               "stop": "stop", "stop_token_ids": "stop_token_ids", "stop_at_eos": "ignore_eos", "logprobs": "logprobs"}
 
 
 class BatchFileError(DataError):
@@ -234,6 +235,7 @@ def _body(body: Any, kind: str, default_max_tokens: int) -> tuple[Any, dict, str
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
         raise _Bad(f"body.stop_token_ids: expected a list of integers, got {_tname(ids)}")
+    logprobs = _logprobs_field(body, kind)
     gen: dict = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
                  "temperature": float(DEFAULT_TEMPERATURE if body.get("temperature") is None else body["temperature"]),
                  "top_p": float(1.0 if body.get("top_p") is None else body["top_p"]),
@@ -243,6 +245,8 @@ def _body(body: Any, kind: str, default_max_tokens: int) -> tuple[Any, dict, str
         gen["stop"] = [stop] if isinstance(stop, str) else list(stop)
     if ids:
         gen["stop_token_ids"] = list(ids)
+    if logprobs is not None:
+        gen["logprobs"] = logprobs
     try:
         generation_from_dict(gen, "body")
     except ConfigError as e:  # "body: generation.max_new_tokens: must be >= 1" -> "body.max_tokens: must be >= 1"
@@ -255,6 +259,27 @@ def _body(body: Any, kind: str, default_max_tokens: int) -> tuple[Any, dict, str
     if gen["temperature"] == 0:  # greedy: the seed and top_p change nothing, so they do not split groups
         gen.update(seed=0, top_p=1.0)
     return prompt, gen, "--max-tokens" if max_tokens is None else f"body.{name}"
+
+
+def _logprobs_field(body: dict, kind: str) -> Optional[int]:
+    """The job's ``generation.logprobs`` (None: none asked) from OpenAI's fields: chat ``logprobs`` (true / false) with
+    ``top_logprobs`` (0..20 alternatives; only with ``logprobs: true``), completions ``logprobs`` (0..20: the
+    alternatives; vLLM's limit, OpenAI's is 5). _Bad names the field."""
+    lp = body.get("logprobs")
+    if kind == "chat":
+        top = body.get("top_logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise _Bad(f"body.logprobs: expected true or false, got {_tname(lp)}")
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise _Bad(f"body.top_logprobs: expected an integer in 0..{MAX_LOGPROBS}, got "
+                       f"{top if _is_int(top) else _tname(top)}")
+        if top and not lp:
+            raise _Bad("body.top_logprobs: needs \"logprobs\": true")
+        return (top or 0) if lp else None
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise _Bad(f"body.logprobs: expected an integer in 0..{MAX_LOGPROBS} (the alternatives per token), got "
+                   f"{lp if _is_int(lp) else _tname(lp)}")
+    return lp
 
 
 def parse_line(text: str, line: int, label: str, default_max_tokens: int) -> Entry:
@@ -336,15 +361,54 @@ def error_line(ent: Entry, message: str) -> dict:
             "error": {"code": "invalid_request", "message": message}}
 
 
-def response_line(ent: Entry, rec: dict, model_name: str, created: int) -> dict:
-    """The output line of the engine's generation record ``rec`` for ``ent``."""
+def _choice_logprobs(kind: str, rec: dict, tokenizer) -> Optional[dict]:
+    """A choice's ``logprobs`` in the endpoint's format from the record's ``logprobs`` / ``top_logprobs`` (None when
+    the request asked for none). Tokens are spelled by ``tokenizer.decode([id])``. Chat: ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}], "refusal": null}``; completions:
+    ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob} of the chosen token and the k best], "text_offset"}``
+    (vLLM's)."""
+    if "logprobs" not in rec:
+        return None
+    cache: dict[int, str] = {}
+
+    def tok(i: int) -> str:
+        if i not in cache:
+            cache[i] = tokenizer.decode([i])
+        return cache[i]
+
+    ids, lps = rec["output_ids"], rec["logprobs"]
+    tops = rec.get("top_logprobs") or [[] for _ in ids]
+    if kind == "chat":
+        def entry(i: int, lp: float) -> dict:
+            return {"token": tok(i), "logprob": lp, "bytes": list(tok(i).encode("utf-8"))}
+
+        return {"content": [{**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]}
+                            for i, lp, top in zip(ids, lps, tops)], "refusal": None}
+    offsets, at = [], 0
+    for i in ids:
+        offsets.append(at)
+        at += len(tok(i))
+    top_dicts = []
+    for i, lp, top in zip(ids, lps, tops):
+        d = {tok(i): lp}
+        for j, v in top:
+            d.setdefault(tok(j), v)
+        top_dicts.append(d)
+    return {"tokens": [tok(i) for i in ids], "token_logprobs": list(lps), "top_logprobs": top_dicts,
+            "text_offset": offsets}
+
+
+def response_line(ent: Entry, rec: dict, model_name: str, created: int, tokenizer=None) -> dict:
+    """The output line of the engine's generation record ``rec`` for ``ent`` (``tokenizer`` spells the tokens of
+    log-probs, when the request asked for them)."""
     h = _hex(ent.key)
     choice: dict = {"index": 0}
     if ent.kind == "chat":
         choice["message"] = {"role": "assistant", "content": rec["text"]}
     else:
         choice["text"] = rec["text"]
-    choice.update(logprobs=None, finish_reason=rec["finish_reason"])
+    choice.update(logprobs=_choice_logprobs(ent.kind, rec, tokenizer) if tokenizer is not None else None,
+                  finish_reason=rec["finish_reason"])
     usage = {"prompt_tokens": rec["prompt_tokens"], "completion_tokens": rec["output_tokens"],
              "total_tokens": rec["prompt_tokens"] + rec["output_tokens"]}
     body = {"id": BODY_IDS[ent.kind] + h, "object": OBJECTS[ent.kind], "created": created, "model": model_name,
@@ -490,6 +554,11 @@ def run_batch(input_path: str, output_path: str, model: str, *, device: str = "c
         elif e.generation["max_new_tokens"] >= context:
             e.error = (f"{label}:{e.line}: {e.max_tokens_from}: {e.generation['max_new_tokens']} leaves no room for "
                        f"a prompt in the model context of {context} tokens")
+        else:
+            bad = [(j, t) for j, t in enumerate(e.generation.get("stop_token_ids", ())) if t >= files.spec.vocab_size]
+            if bad:
+                e.error = (f"{label}:{e.line}: body.stop_token_ids[{bad[0][0]}]: {bad[0][1]} is outside the model's "
+                           f"vocabulary [0, {files.spec.vocab_size}) (the ids it can generate)")
 
     state = state_dir(out)
     done = _done_keys(out, entries) if os.path.exists(out) else set()  # a torn last line does not count
@@ -539,6 +608,8 @@ def _describe_group(kind: str, gen: dict) -> str:
         parts.append(f"stop_token_ids {gen['stop_token_ids']}")
     if not gen["stop_at_eos"]:
         parts.append("ignore_eos")
+    if gen.get("logprobs") is not None:
+        parts.append(f"logprobs {gen['logprobs']}")
     return f"{'chat' if kind == 'chat' else 'completions'}, " + ", ".join(parts)
 
 
@@ -562,7 +633,7 @@ def _run_group(i: int, count: int, gid: str, ents: list[Entry], base: dict, ckpt
             if rec.get("error") is not None:
                 writer.write(error_line(e, engine_error(rec["error"], req_path, e, label)))
             else:
-                writer.write(response_line(e, rec, model_name, created))
+                writer.write(response_line(e, rec, model_name, created, runner.files.tokenizer))
             n += 1
         return n
 

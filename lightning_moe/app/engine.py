@@ -72,7 +72,7 @@ def check_device(job: Job) -> None:
     if job.device.startswith("cuda") and not torch.cuda.is_available():
         from ..config import ConfigError
 
-        raise ConfigError(f"{job.config_path or job.name}: device: {job.device} asked for, but torch sees no CUDA device "
+        raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
 
 
@@ -200,14 +200,21 @@ def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional
     return sorted(sink.records, key=lambda r: order[r["id"]])
 
 
-def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = ()) -> dict:
-    """A generation record; with stop strings the text is cut before the earliest one and the reason is "stop"."""
+def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = (),
+                lps: Optional[list] = None, k: Optional[int] = None) -> dict:
+    """A generation record; with stop strings the text is cut before the earliest one and the reason is "stop".
+    ``lps``: one log-prob entry (``[logprob, top]``, pipeline.serial.token_logprobs) per output token, written as
+    ``logprobs`` (the chosen tokens') and, with ``k >= 1``, ``top_logprobs`` (per token its k best ``[id, logprob]``)."""
     text = tokenizer.decode(out_ids, skip_special_tokens=True)
     if stops:
         text, found = cut_at_stop(text, stops)
         reason = "stop" if found else reason
     rec = {"id": tr.id, "prompt_tokens": tr.prompt_tokens, "text": text, "output_ids": out_ids,
            "output_tokens": len(out_ids), "finish_reason": reason}
+    if lps is not None:
+        rec["logprobs"] = [e[0] for e in lps]
+        if k:
+            rec["top_logprobs"] = [[list(p) for p in e[1]] for e in lps]
     if tr.truncated:
         rec["truncated_tokens"] = tr.truncated
     return rec
@@ -218,13 +225,16 @@ def results_provenance(job: Job) -> dict:
     (generate) or scoring settings, and how prompts are formatted. Device, executor, batch size and policy are left
     out: they change speed, not what a record means."""
     gen = None
-    if job.task == "generate":  # as JSON holds it (lists); stop settings only when set, so older results still match
+    if job.task == "generate":  # as JSON holds it (lists); stop and logprobs settings only when set, so older results
+        #   still match
         gen = {k: v for k, v in json.loads(json.dumps(asdict(job.generation))).items()
-               if not (k in ("stop", "stop_token_ids") and not v)}
+               if not (k in ("stop", "stop_token_ids") and not v) and not (k == "logprobs" and v is None)}
     return {"model": job.model, "dtype": job.dtype, "task": job.task, "generation": gen,
             "score": asdict(job.score) if job.score is not None else None,
             "chat_template": job.data.chat_template, "system_prompt": job.data.system_prompt,
-            "truncate": job.data.truncate}
+            "truncate": job.data.truncate,
+            # only when set, so results written before the key existed still match
+            **({"chat_template_kwargs": job.data.chat_template_kwargs} if job.data.chat_template_kwargs else {})}
 
 
 def check_results_provenance(job: Job) -> None:
@@ -248,7 +258,7 @@ def check_results_provenance(job: Job) -> None:
         diff = [k for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
         if diff:
             lines = "; ".join(f"{k}: {then.get(k)!r} then, {now.get(k)!r} now" for k in diff)
-            raise ConfigError(f"{job.config_path or job.name}: {job.output.path} holds records of different settings "
+            raise ConfigError(f"{job.label}: {job.output.path} holds records of different settings "
                               f"({lines}; saved in {meta}). Resuming would mix them: set output.path to a new file "
                               f"(e.g. --set output.path=...), or move the old results away")
         return
@@ -335,8 +345,14 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     native_available()
 
 
-def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[ModelRunner] = None) -> dict:
+def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[ModelRunner] = None,
+            spans: Optional[list] = None) -> dict:
     """Run ``job`` to completion (or resume it) and return the run report (also saved as JSON).
+
+    ``spans``: a list to receive the run's measured stage timeline (``moe-batch run --timeline``): the cgopipe
+    executor's intervals per lane and phase (:meth:`pipeline.stage_stats.StageTimer.take_spans`), appended when the
+    run ends (also after a stop or a failure). Recorded only when given; a serial job is refused (ConfigError,
+    before anything is read).
 
     ``runner``: a :class:`ModelRunner` of the job's model and dtype that outlives this run (``moe-batch run-batch``
     runs one job per group of sampling settings through one): its tokenizer and weights are reused and its executor
@@ -355,6 +371,18 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
+    t_setup = 0.0  # one-time setup: the embedded model's creation on first use, the native kernel's build or load
+    if runner is None:
+        from ..model.tiny import resolve_model_path
+
+        t = time.perf_counter()
+        resolve_model_path(job.model)  # creates tiny-mixtral on first use (instant otherwise)
+        t_setup += time.perf_counter() - t
+    if spans is not None and job.executor != "cgopipe":
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.label}: executor: the timeline draws the cgopipe executor's stages; this job runs "
+                          f"executor: {job.executor} (--set executor=cgopipe)")
     prep = Prepared(job, files=runner.files if runner is not None else None)
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
@@ -416,12 +444,16 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     try:
         if work:
             cap = apply_gpu_cap(job.device, job.gpu_memory)
+            t = time.perf_counter()
             _prepare_cpu_attention(job, jplan, log)  # a first-run compile is not timed as load or decode
+            t_setup += time.perf_counter() - t
             peaks.enter("load")
             t0 = time.perf_counter()
             executor = runner.executor(job, prep, jplan)  # reads the weights
             executor.phase_hook = peaks.enter
             t_load = time.perf_counter() - t0
+            if spans is not None:
+                executor.timer.start_spans()
             report["gpu_memory_fraction"] = cap["fraction"] if cap else None
             if hasattr(executor, "policy_summary"):
                 report["policy"] = executor.policy_summary()
@@ -458,12 +490,14 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     finally:
         stop.deferred = True  # a signal now only marks the stop: the report below is written whole
         stats = executor.stats if executor is not None else stats
+        if spans is not None and executor is not None and executor.timer.spans_on:
+            spans.extend(executor.timer.take_spans())
         peaks.close()
         writer.close()
         if partials_file is not None:
             partials_file.close()
         total = time.perf_counter() - t_start
-        report.update(timing(stats, t_load, total, job.task))
+        report.update(timing(stats, t_load, total, job.task, t_setup))
         report["records_written_this_run"] = writer.written
         report["errors_recorded"] = len(errors)
         report["peak_host_memory_bytes"] = peak_host_bytes()
@@ -516,6 +550,12 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
 
         stops = job.generation.stop
         watch = StopWatch(stops, lambda rows: prep.tokenizer.batch_decode(rows, skip_special_tokens=True))
+        k = params.logprobs  # None: no log-probs (nothing computed, nothing kept)
+        plps: dict = {}  # id -> the log-prob entries of its partial
+        if k is not None:
+            plps = partials_file.logprobs if partials_file is not None else {}
+            # a partial without its log-probs (not written by a job that asked for them) starts over
+            partials = {i: p for i, p in partials.items() if plps.get(i) is not None and len(plps[i]) == len(p)}
 
         def ends(p: list) -> bool:
             return bool(p) and finish_reason(params, eos, p[-1], len(p)) == "stop"
@@ -526,7 +566,7 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
             p = partials.get(t.id, [])
             if p and (len(p) >= G or ends(p) or i in stopped):
                 writer.write(_gen_record(t, p[:G], "stop" if ends(p[:G]) or i in stopped else "length",
-                                         prep.tokenizer, stops))
+                                         prep.tokenizer, stops, plps[t.id][:G] if k is not None else None, k))
                 written += 1
             else:
                 rest.append(t)
@@ -547,15 +587,21 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                 outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
                 saved = [len(o) for o in outs]  # how much of it the sidecar holds
                 finished = [False] * len(chunk)
+                lpss = [list(plps.get(t.id, [])) for t in chunk] if k is not None else None  # log-prob entries
 
-                def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished):
-                    writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops))
+                def on_logprobs(rows, entries, lpss=lpss):
+                    for r, e in zip(rows, entries):
+                        lpss[r].append(e)
+
+                def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished, lpss=lpss):
+                    writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops,
+                                             lpss[idx] if lpss is not None else None, k))
                     finished[idx] = True
                     done[0] += 1
                     if len(out_ids) < G:  # stopped early: its remaining tokens will never come
                         bar.total -= G - len(out_ids)
 
-                def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished):
+                def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished, lpss=lpss):
                     for r, t in zip(rows, toks):
                         if not finished[r]:
                             outs[r].append(t)
@@ -565,7 +611,8 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                     due = stopping or (ck.every_steps is not None and clock["steps"] >= ck.every_steps) or (
                         ck.every_seconds is not None and now - clock["last"] >= ck.every_seconds)
                     if due and ck.enabled and partials_file is not None:
-                        lines = [(chunk[i].id, saved[i], outs[i][saved[i]:]) for i in range(len(chunk))
+                        lines = [(chunk[i].id, saved[i], outs[i][saved[i]:])
+                                 + ((lpss[i][saved[i]:],) if lpss is not None else ()) for i in range(len(chunk))
                                  if not finished[i] and len(outs[i]) > saved[i]]
                         nbytes = partials_file.append(lines)
                         for i in range(len(chunk)):
@@ -584,7 +631,8 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                 executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
                                   seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
                                   eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
-                                  on_tokens=on_tokens, stop_rows=watch.hits if watch else None)
+                                  on_tokens=on_tokens, stop_rows=watch.hits if watch else None,
+                                  on_logprobs=on_logprobs if k is not None else None)
                 written += len(chunk)
             bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
                                 f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")  # the last step's count

@@ -43,6 +43,7 @@ class Prepared:
         self.model_path = self.files.model_path
         self.spec = self.files.spec
         self.tokenizer = self.files.tokenizer
+        check_stop_token_ids(job, self.spec)  # before any request is read or any weight
         if requests is None:
             requests = load_requests(job)
             self.n_input = len(requests)
@@ -81,8 +82,23 @@ _DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _named(job, msg: str) -> str:
-    path = getattr(job, "config_path", None)
-    return f"{path}: {msg}" if path else msg
+    label = getattr(job, "source", None) or getattr(job, "config_path", None)
+    return f"{label}: {msg}" if label else msg
+
+
+def check_stop_token_ids(job, spec, where: Optional[str] = None) -> None:
+    """ConfigError (a ValueError) naming the field when a generate job's ``generation.stop_token_ids`` holds an id
+    outside the model's vocabulary ``[0, spec.vocab_size)`` (the ids its logits can give); before any weight is read.
+    ``where``: the field as the caller names it (default ``<job>: generation.stop_token_ids``)."""
+    from ..config import ConfigError
+
+    if job.task != "generate":
+        return
+    V = spec.vocab_size
+    for i, t in enumerate(job.generation.stop_token_ids):
+        if not 0 <= t < V:
+            field = f"{where}[{i}]" if where else _named(job, f"generation.stop_token_ids[{i}]")
+            raise ConfigError(f"{field}: {t} is outside the model's vocabulary [0, {V}) (the ids it can generate)")
 
 
 def policy_for_job(job, prep):

@@ -92,11 +92,16 @@ def job_totals(runs: list[dict], records: int) -> dict:
             "generated_tokens": total("generated_tokens"), "records": records}
 
 
-def timing(s: RunStats, t_load: float, total: float, task: str) -> dict:
-    """Throughput figures (tokens/s) and wall times (s) for the report."""
+def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float = 0.0) -> dict:
+    """Throughput figures (tokens/s) and wall times (s) for the report. ``wall_seconds`` adds up: ``total`` = ``setup``
+    (one-time: the embedded model's creation on first use, building or loading the native CPU attention kernel) +
+    ``load`` (the weights, the executor) + ``prefill`` + ``decode`` + ``other`` (the rest: reading and tokenizing
+    the requests, planning, writing records, checkpoints and the report)."""
     busy = s.prefill_seconds + s.decode_seconds
+    other = max(0.0, total - t_setup - t_load - busy)
     return {
-        "wall_seconds": {"total": total, "load": t_load, "prefill": s.prefill_seconds, "decode": s.decode_seconds},
+        "wall_seconds": {"total": total, "setup": t_setup, "load": t_load, "prefill": s.prefill_seconds,
+                         "decode": s.decode_seconds, "other": other},
         "prompt_tokens": s.prefill_tokens, "generated_tokens": s.generated_tokens,
         "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
         "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
@@ -167,6 +172,10 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
                      "wall s": num(w.get(wall), "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
     lines += [_table(rows), ""]
+    if "setup" in w:
+        lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "
+                  f"kernel) + load {w['load']:,.2f} + prefill {w['prefill']:,.2f} + decode {w['decode']:,.2f} + other "
+                  f"{w['other']:,.2f}", ""]
     pol = r.get("policy")
     if pol:
         fields = [f"{_POLICY_NAMES.get(k, k)} {format_bytes(v) if k.endswith('_bytes') else v}" for k, v in pol.items()]

@@ -6,7 +6,8 @@ Rules (one place, so generation and scoring agree):
   Llama/Mistral tokenizers).
 * Chat (``data.chat_template: true``): ``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
   tokenize=True)``; a plain ``prompt`` becomes ``[{"role": "user", "content": prompt}]``, and
-  ``data.system_prompt`` is prepended as a ``system`` message unless the messages already start with one.
+  ``data.system_prompt`` is prepended as a ``system`` message unless the messages already start with one;
+  ``data.chat_template_kwargs`` are passed to the template as its variables (Qwen3's ``enable_thinking``).
   (The template itself supplies BOS; no extra special tokens are added.)
 * Loglikelihood / multiple choice (lm-eval-harness's split): ``context = encode(prompt)``; the
   continuation's ids are ``encode(prompt + continuation)[len(context):]`` when that encoding starts with
@@ -122,12 +123,15 @@ def _messages_for(req: Request, system_prompt: Optional[str]) -> list:
     return msgs
 
 
-def _chat(tokenizer, req: Request, system_prompt: Optional[str], render: bool = False):
+def _chat(tokenizer, req: Request, system_prompt: Optional[str], render: bool = False,
+          template_kwargs: Optional[dict] = None):
     msgs = _messages_for(req, system_prompt)
     field = "messages" if req.messages is not None else "prompt"
+    kw = template_kwargs or {}
     try:
-        ids = _ids(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) if render else None
+        ids = _ids(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                 **kw))
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw) if render else None
     except Exception as e:  # jinja TemplateError, e.g. "roles must alternate user/assistant"
         raise _Failure(f"{req.where}: {field}: chat template failed: {e}") from None
     return ids, text
@@ -244,7 +248,8 @@ def _one(r: Request, i: int, tokenizer, job, task, mode, chat, truncate, bos, bu
                                f"(vocabulary of {vocab})")
         ctx_ids, ctx_text, special = list(r.prompt_ids), None, False
     elif chat:
-        ctx_ids, ctx_text = _chat(tokenizer, r, job.data.system_prompt, render=task == "score")
+        ctx_ids, ctx_text = _chat(tokenizer, r, job.data.system_prompt, render=task == "score",
+                                  template_kwargs=job.data.chat_template_kwargs)
         special = False
     else:
         ctx_ids, ctx_text, special = batch_ids[i], r.prompt, True

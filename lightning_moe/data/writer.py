@@ -2,7 +2,8 @@
 
 Record shapes (the writer checks only that ``id`` is a non-empty string; other keys are the caller's):
 
-* generate: ``{"id", "prompt_tokens", "text", "output_ids", "finish_reason"}`` (finish_reason: "eos"|"length"|...)
+* generate: ``{"id", "prompt_tokens", "text", "output_ids", "output_tokens", "finish_reason"}`` (finish_reason:
+  "stop"|"length"; ``truncated_tokens`` when the prompt was cut)
 * error:    ``{"id", "error": "file:line: field: problem", "finish_reason": "error"}`` (see :func:`error_record`)
 * scoring:  made by the scorer; any JSON-serializable dict with an ``id``.
 
@@ -271,7 +272,8 @@ class PartialsFile:
     sequences that have no record yet, so a killed or stopped run loses at most one checkpoint interval.
 
     Each line is ``{"id": str, "start": int, "ids": [int, ...]}``: the output tokens of request ``id`` from output
-    position ``start`` on. A sequence's partial is its lines joined in file order (a line whose ``start`` is below the
+    position ``start`` on; a job that asks for log-probs (``generation.logprobs``) adds ``"logprobs": [...]``, one
+    entry per token of ``ids`` (``[logprob, top or null]``, kept as written: :attr:`logprobs`). A sequence's partial is its lines joined in file order (a line whose ``start`` is below the
     length so far replaces the tokens from there). :meth:`append` writes all lines of one checkpoint with one
     ``os.write`` on an ``O_APPEND`` descriptor, then ``fsync``, so a kill leaves at most a torn last line.
 
@@ -284,6 +286,8 @@ class PartialsFile:
         self._lock = threading.Lock()
         self._fd: Optional[int] = None
         self.partials: dict[str, list[int]] = {}  # id -> tokens, every id of the file (before load's filtering)
+        self.logprobs: dict[str, Optional[list]] = {}  # id -> one log-prob entry per token of its partial; None when a
+        #   line of it had none (a job without logprobs wrote it)
         self.repaired_bytes = 0  # bytes of a torn last line removed on open (0 = none)
         self.bytes_written = 0  # bytes this object appended
         if not os.path.exists(self.path):
@@ -298,6 +302,10 @@ class PartialsFile:
                 raise WriterError(f"{self.path}:{lineno}: start: expected an integer >= 0, got {start!r}")
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise WriterError(f"{self.path}:{lineno}: ids: expected a list of token ids")
+            lps = rec.get("logprobs")
+            if lps is not None and (not isinstance(lps, list) or len(lps) != len(ids)):
+                raise WriterError(f"{self.path}:{lineno}: logprobs: expected a list of {len(ids)} entries (one per "
+                                  f"token of ids)")
             cur = self.partials.setdefault(rid, [])
             if start > len(cur):
                 raise WriterError(f"{self.path}:{lineno}: start: {start} leaves a gap after the {len(cur)} tokens of "
@@ -305,6 +313,13 @@ class PartialsFile:
                                   f"sequences over)")
             del cur[start:]
             cur.extend(ids)
+            lp = self.logprobs.setdefault(rid, [])
+            if lp is not None:
+                if lps is None and ids:
+                    self.logprobs[rid] = None
+                else:
+                    del lp[start:]
+                    lp.extend(lps or [])
 
     def load(self, todo_ids, done_ids) -> dict[str, list[int]]:
         """The partials of ``todo_ids`` (ids to generate this run), then rewrite the file atomically with exactly those
@@ -317,20 +332,28 @@ class PartialsFile:
         if stale:
             print(f"moe-batch: {self.path}: ignoring the partial generations of {len(stale)} ids not in the input "
                   f"({', '.join(map(repr, stale[:3]))}{', ...' if len(stale) > 3 else ''})", file=sys.stderr)
+        def line(i: str, t: list) -> dict:
+            lp = self.logprobs.get(i)
+            return {"id": i, "start": 0, "ids": t, **({"logprobs": lp} if lp is not None else {})}
+
         if keep:
-            atomic_write(self.path, lambda f: f.write(b"".join(_dumps({"id": i, "start": 0, "ids": t})
-                                                               for i, t in keep.items())))
+            atomic_write(self.path, lambda f: f.write(b"".join(_dumps(line(i, t)) for i, t in keep.items())))
         elif os.path.exists(self.path):
             self.remove()
         self.partials = dict(keep)
+        self.logprobs = {i: self.logprobs.get(i) for i in keep}
         return {i: list(t) for i, t in keep.items()}
 
-    def append(self, lines: list[tuple[str, int, list[int]]]) -> int:
-        """Append ``(id, start, ids)`` lines with one write, then fsync; returns the bytes written (the file and its
-        parent directory are created on the first append)."""
+    def append(self, lines: list[tuple]) -> int:
+        """Append ``(id, start, ids)`` or ``(id, start, ids, logprobs)`` lines with one write, then fsync; returns the
+        bytes written (the file and its parent directory are created on the first append)."""
         if not lines:
             return 0
-        data = b"".join(_dumps({"id": i, "start": s, "ids": list(t)}) for i, s, t in lines)
+
+        def line(i, s, t, lp=None) -> dict:
+            return {"id": i, "start": s, "ids": list(t), **({"logprobs": list(lp)} if lp is not None else {})}
+
+        data = b"".join(_dumps(line(*ln)) for ln in lines)
         with self._lock:
             if self._fd is None:
                 parent = os.path.dirname(self.path)

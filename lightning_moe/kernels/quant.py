@@ -41,10 +41,9 @@ weight), ``NG = cdiv(C, G)`` groups per row, ``RB = cdiv(C * bits, 8)`` packed b
    :func:`fused_experts_paged_triton`) takes ``mode="dequant" | "fused"``: "dequant" (the default) decodes the
    experts of the call into a dense scratch and runs the bf16 grouped kernel
    :func:`~lightning_moe.kernels.fused_moe.fused_experts_triton` on it; "fused" dequantizes in registers inside the
-   GEMM and reads only the packed bytes, but repeats the dequantization for every M-block (measured on an H200,
-   Mixtral experts, E = 8: 56 ms vs 1.56 ms per gate/up call at ~2600 tokens; the fused kernel took 9.4 ms at T = 8
-   and 188 ms at T = 4096, the bf16 kernel on dense weights 0.8-7.5 ms, so with the dequantization near HBM bandwidth
-   dequantize + dense wins at every T: benchmarks/bench_quant_ffn.py).
+   GEMM and reads only the packed bytes, but repeats the dequantization for every M-block; with the dequantization
+   near HBM bandwidth, dequantize + dense is faster at every T on Mixtral-size experts (benchmarks/bench_quant_ffn.py;
+   the measured times are in docs/CHANGELOG.md).
 
 Triton is imported lazily (kernels in :mod:`lightning_moe.kernels._triton_kernels`); importing this
 module needs only torch.

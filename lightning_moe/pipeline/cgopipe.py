@@ -46,8 +46,8 @@ from ..policy.batching import group_by_length
 from ..policy.policy import Policy
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .kv_cache import KV_GROUPS, GroupedKVCache
-from .serial import (FinishCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback, TokensCallback,
-                     check_prefixes, finish_reason, sample)
+from .serial import (FinishCallback, LogprobsCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback,
+                     TokensCallback, check_prefixes, finish_reason, sample, token_logprobs)
 from .stage_stats import StageTimer, add_counts
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 from .weight_stream import WeightStream
@@ -90,9 +90,10 @@ class _Outputs:
 
     def __init__(self, outputs: list[list[int]], params: SamplingParams, eos: Optional[int], seeds: Optional[list],
                  stats: RunStats, on_finish: Optional[FinishCallback], on_tokens: Optional[TokensCallback],
-                 stop_rows: Optional[StopRowsCallback]):
+                 stop_rows: Optional[StopRowsCallback], on_logprobs: Optional[LogprobsCallback] = None):
         self.outputs, self.params, self.eos, self.seeds, self.stats = outputs, params, eos, seeds, stats
         self.on_finish, self.on_tokens, self.stop_rows = on_finish, on_tokens, stop_rows
+        self.on_logprobs = on_logprobs if params.logprobs is not None else None  # nothing computed unless asked
         self.results: list = [None] * len(outputs)
         self.step_rows: list[int] = []  # tokens committed in this step, for on_tokens
         self.step_toks: list[int] = []
@@ -113,6 +114,11 @@ class _Outputs:
         outputs, sd = self.outputs, self.seeds
         toks = sample(lg, self.params, [sd[r] for r in mb.rows] if sd else None,
                       [len(outputs[r]) for r in mb.rows] if sd else None)
+        if self.on_logprobs is not None:  # the running rows' entries, before any of them finishes
+            live = [j for j, r in enumerate(mb.rows) if self.results[r] is None]
+            if live:
+                ent = token_logprobs(lg[live] if len(live) < len(mb.rows) else lg, toks[live], self.params.logprobs)
+                self.on_logprobs([mb.rows[j] for j in live], ent)
         for r, t in zip(mb.rows, toks.tolist()):
             if self.results[r] is not None:
                 continue
@@ -259,6 +265,7 @@ class CGOPipeExecutor:
         """Start a phase ("prefill", "decode", "scoring"): ``self.phase`` names it (out-of-memory messages) and
         ``phase_hook`` (set by the runner: per-phase peak memory) is told."""
         self.phase = phase
+        self.timer.phase = phase
         if self.phase_hook is not None:
             self.phase_hook(phase)
 
@@ -297,6 +304,8 @@ class CGOPipeExecutor:
         def ffn(h, ew, w, ids):
             if not built:
                 built.append(self.expert_ffn.for_visit(self.weight_stream.wait_pages(visit)))
+            if self.timer.spans_on:  # the timeline's GPU expert FFN lane (moe-batch run --timeline)
+                return self.timer.timed("expert_ffn", self.compute, lambda: built[0](h, ew, w, ids))
             return built[0](h, ew, w, ids)
 
         return visit, ffn
@@ -386,7 +395,8 @@ class CGOPipeExecutor:
         router and the visit's expert FFN (``ffn``); replaces ``ch.x``."""
         fam = self.family
         q, k, v = fam.pre_attention(self.layers[l], ch.x, ch.pos, self.spec, self.inv_freq, ch.rope)  # [T,Hq,hd] [T,Hkv,hd] x2
-        attn = fam.prefill_attention_packed(q, k, v, ch.spans, self.spec.sliding_window, ch.layout)  # [T, Hq*hd]
+        attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
+            q, k, v, ch.spans, self.spec.sliding_window, ch.layout))  # [T, Hq*hd]
         if mb.kv is not None:
             self._store_prefill_kv(l, mb, ch.kv_index, k, v, pending)
         ch.x = fam.post_attention(self.layers[l], None, ch.x, attn, self.spec, ffn)  # [T, D]
@@ -480,6 +490,7 @@ class CGOPipeExecutor:
         self.timer.add_host("cpu_attention_wait_qkv", t1 - t0)
         self.timer.add_host("cpu_attention_pin", t2 - t1)
         self.timer.add_host("cpu_attention_compute", t3 - t2)
+        self.timer.span("cpu_attention", t0, t3)
         n = mb.kv.lengths + 1 if self.spec.sliding_window is None else (mb.kv.lengths + 1).clamp(max=self.spec.sliding_window)
         self._attn_kv_bytes += int(n.sum()) * self._kv_bytes_per_position  # worker thread only
         return out
@@ -531,7 +542,8 @@ class CGOPipeExecutor:
         cpu_pending = None  # (k, micro-batch, Future) whose CPU attention runs on the worker
         for k, mb in enumerate(mbs):
             q, kk, v = self._pre_attention(l, mb)
-            attn = self._gpu_attention(l, mb, q, kk, v) if mb.on_gpu else self._submit_cpu_attention(l, mb, q, kk, v)
+            attn = (self.timer.timed("gpu_attention", self.compute, lambda: self._gpu_attention(l, mb, q, kk, v))
+                    if mb.on_gpu else self._submit_cpu_attention(l, mb, q, kk, v))
             if cpu_pending is not None:  # finish the previous CPU micro-batch while this one's attention runs
                 self._finish_micro_batch(l, visit, len(mbs), *cpu_pending, ffn)
                 cpu_pending = None
@@ -586,11 +598,13 @@ class CGOPipeExecutor:
                  seeds: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
                  on_step: Optional[StepCallback] = None, prefixes: Optional[Sequence[Sequence[int]]] = None,
                  on_tokens: Optional[TokensCallback] = None,
-                 stop_rows: Optional[StopRowsCallback] = None) -> list[tuple[list[int], str]]:
+                 stop_rows: Optional[StopRowsCallback] = None,
+                 on_logprobs: Optional[LogprobsCallback] = None) -> list[tuple[list[int], str]]:
         """Same contract as :meth:`SerialExecutor.generate` (at most ``policy.N`` prompts per call; ``prefixes``:
         resumed sequences, prefilled with their prompt; ``on_tokens(rows, tokens)``: every token committed in a step,
         once per step after all micro-batches; ``stop_rows``: once per step, before ``on_tokens``, over the rows still
-        running: those it returns finish with "stop").
+        running: those it returns finish with "stop"; ``on_logprobs``: per micro-batch as its tokens are committed,
+        before their ``on_finish`` calls).
 
         Finished rows keep their slot until the batch ends (their extra tokens are discarded, never reported), so the
         micro-batch shapes stay fixed for the whole batch.
@@ -608,7 +622,7 @@ class CGOPipeExecutor:
         # prefill uses micro-batches of prefill_mu rows; KV lands in the decode micro-batch's cache
         t0 = time.perf_counter()
         logits = self._prefill(prompts, mbs)
-        rows = _Outputs(pre, params, eos, sd, self.stats, on_finish, on_tokens, stop_rows)
+        rows = _Outputs(pre, params, eos, sd, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
         tokens = [rows.commit(mb, lg) for mb, lg in zip(mbs, logits)]
         del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
         self._sync()
@@ -617,6 +631,7 @@ class CGOPipeExecutor:
         t1 = time.perf_counter()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += t1 - t0
+        self.timer.span("phase", t0, t1, "prefill")
         self.timer.collect()  # prefill waits are not decode stage times
         self._attn_kv_bytes = 0
         native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
@@ -625,9 +640,12 @@ class CGOPipeExecutor:
         try:
             while rows.running:
                 alive = rows.running
+                ts = time.perf_counter() if self.timer.spans_on else 0.0
                 logits = self._decode_step(mbs, tokens)
                 tokens = [rows.commit(mb, lg) for mb, lg in zip(mbs, logits)]
                 del logits
+                if self.timer.spans_on:
+                    self.timer.span("step", ts, time.perf_counter())  # host issue of one decode step
                 self.stats.decode_tokens += alive
                 self.stats.decode_steps += 1
                 if on_step is not None:
@@ -641,6 +659,7 @@ class CGOPipeExecutor:
         """Add a batch's decode wall time (since ``t1``) and stage timings to the stats."""
         self._sync()
         dt = time.perf_counter() - t1
+        self.timer.span("phase", t1, t1 + dt, "decode")
         self.stats.decode_seconds += dt
         stages = self.timer.collect()
         stages["decode_wall"] = dt
@@ -666,6 +685,7 @@ class CGOPipeExecutor:
             for r, sc in zip(mb.rows, split_scores(lp, g, [len(seqs[r]) for r in mb.rows])):
                 out[r] = sc
         self._sync()
+        self.timer.span("phase", t0, time.perf_counter(), "scoring")
         self.timer.collect()
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         self.stats.prefill_seconds += time.perf_counter() - t0

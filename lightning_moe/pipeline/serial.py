@@ -31,6 +31,10 @@ StepCallback = Callable[[int], None]  # called after prefill and after every dec
 TokensCallback = Callable[[list[int], list[int]], None]  # (rows, tokens): the tokens committed to rows' outputs this step
 StopRowsCallback = Callable[[dict[int, list[int]]], set[int]]  # {row: output so far} of the rows still running ->
 #   the rows whose text now holds a stop string (data.stops.StopWatch.hits)
+TokenLogprobs = tuple  # (log-prob of the token chosen: float, its top-k alternatives [[id, log-prob], ...] best first,
+#   or None when k = 0): one generated token's entry (token_logprobs)
+LogprobsCallback = Callable[[list[int], list], None]  # (rows, [TokenLogprobs per row]): the entries of the tokens about
+#   to be committed to those rows, called before that step's on_finish calls of them
 
 
 @dataclass
@@ -65,6 +69,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling mass
     stop_at_eos: bool = True  # finish a sequence when it emits EOS
     stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these (kept in its output)
+    logprobs: Optional[int] = None  # None: no log-probs; k >= 0: each token's log-prob and its k best alternatives
 
     @property
     def greedy(self) -> bool:
@@ -75,7 +80,7 @@ class SamplingParams:
     def from_config(cls, gen) -> "SamplingParams":
         """From a config.GenerationConfig (or anything with the same attribute names)."""
         return cls(gen.max_new_tokens, float(gen.temperature), float(gen.top_p), bool(gen.stop_at_eos),
-                   tuple(getattr(gen, "stop_token_ids", ())))
+                   tuple(getattr(gen, "stop_token_ids", ())), getattr(gen, "logprobs", None))
 
 
 def finish_reason(params: SamplingParams, eos: Optional[int], token: int, n_out: int) -> Optional[str]:
@@ -130,6 +135,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, seeds: Optional[Sequenc
         g = torch.Generator().manual_seed(position_seed(seeds[b], positions[b])) if seeds is not None else None
         out[b] = torch.multinomial(probs[b], 1, generator=g)[0]
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list:
+    """Per row, the :data:`TokenLogprobs` of ``tokens`` [B] under ``logits`` [B, V]: the fp32 log-softmax of the raw
+    logits (before temperature and top-p, as vLLM's default ``raw_logprobs``), the chosen token's value and, with
+    ``k >= 1``, the k largest ``[id, log-prob]`` pairs, best first. Computed on the logits' device; only B + 2Bk numbers
+    cross to the host. Called only when log-probs are asked for."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = lp.gather(-1, tokens.to(lp.device, torch.int64).view(-1, 1)).view(-1).cpu().tolist()
+    if not k:
+        return [(c, None) for c in chosen]
+    vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)  # [B, k] each
+    return [(c, [[i, v] for i, v in zip(ii, vv)]) for c, ii, vv in zip(chosen, ids.cpu().tolist(), vals.cpu().tolist())]
 
 
 def check_prefixes(prompts: Sequence[Sequence[int]], prefixes: Optional[Sequence[Sequence[int]]],
@@ -274,6 +292,7 @@ class SerialExecutor:
         prefixes: Optional[Sequence[Sequence[int]]] = None,
         on_tokens: Optional[TokensCallback] = None,
         stop_rows: Optional[StopRowsCallback] = None,
+        on_logprobs: Optional[LogprobsCallback] = None,
     ) -> list[tuple[list[int], str]]:
         """Generate continuations for a ragged batch of token-id prompts.
 
@@ -294,6 +313,9 @@ class SerialExecutor:
                 ``on_finish`` calls, with every token appended to a row's output in that step.
             stop_rows: called after prefill and after each decode step with ``{row: output}`` of the rows still
                 running; the rows it returns finish with "stop" (stop strings).
+            on_logprobs: with ``params.logprobs`` set, called as ``on_logprobs(rows, entries)`` after prefill and after
+                each decode step, before its ``on_finish`` calls, with the :func:`token_logprobs` entry of every token
+                about to be appended to those rows (nothing is computed otherwise).
         Returns:
             [(output_ids, finish_reason)] per prompt, in input order.
         """
@@ -313,6 +335,9 @@ class SerialExecutor:
         kv.lengths[:] = torch.tensor([len(p) for p in prompts])
         outputs: list[list[int]] = pre
         nxt = sample(logits, params, sd, [len(o) for o in outputs] if sd else None)  # [B]
+        want_lp = on_logprobs is not None and params.logprobs is not None
+        if want_lp:
+            on_logprobs(list(range(B)), token_logprobs(logits, nxt, params.logprobs))
         self._sync()
         t1 = time.perf_counter()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
@@ -357,6 +382,8 @@ class SerialExecutor:
                 logits = self._decode_step(toks, rows, kv, all_rows=len(alive) == B)
                 nxt = sample(logits, params, [sd[r] for r in alive] if sd else None,
                              [len(outputs[r]) for r in alive] if sd else None)
+                if want_lp:
+                    on_logprobs(list(alive), token_logprobs(logits, nxt, params.logprobs))
                 self.stats.decode_tokens += len(alive)
                 self.stats.decode_steps += 1
                 if on_step is not None:

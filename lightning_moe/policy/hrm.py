@@ -42,7 +42,7 @@ micro-batch workspace) + allocator reserve; CPU = pinned non-resident experts + 
 length + pinned staging + reserve. Quantized experts change expert_bytes and add the dequantization
 scratch and time (T_deq); the other formulas are the same.
 
-Modelling choices (stated so a measured run can be compared): routing is uniform (no traces yet);
+Modelling choices (stated so a measured run can be compared): routing is uniform (no routing traces);
 prefill attention is a fused kernel (no S^2 score matrix in memory); element-wise kernels (norms, RoPE,
 SiLU) are folded into the GEMMs' activation bytes; CPU attention threads do not slow the GPU feeder.
 """

@@ -48,6 +48,13 @@ REGISTRY: dict[str, MoESpec] = {
         num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, rope_theta=1e6,
         rms_norm_eps=1e-6, max_position_embeddings=40960, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645,
     ),
+    # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 heads over 4 KV heads of 128, 128 experts top-8
+    # of width 1536, norm_topk_prob true, no shared expert, no dense layer
+    "qwen3-235b-a22b": MoESpec(
+        name="qwen3-235b-a22b", model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=1536,
+        num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645,
+    ),
     # deepseek-ai/DeepSeek-V2-Lite config.json: MLA (q_lora_rank null, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128), 64 routed experts top-6 of width 1408, 2 shared experts,
     # first_k_dense_replace 1 with intermediate_size 10944, norm_topk_prob false
@@ -67,7 +74,7 @@ REGISTRY: dict[str, MoESpec] = {
 }
 ALIASES = {
     "mixtral-8x7b-instruct": "mixtral-8x7b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b",
-    "dbrx-base": "dbrx", "dbrx-instruct": "dbrx", "qwen1.5-moe": "qwen1.5-moe-a2.7b", "qwen3-30b": "qwen3-30b-a3b",
+    "dbrx-base": "dbrx", "dbrx-instruct": "dbrx", "qwen1.5-moe": "qwen1.5-moe-a2.7b", "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b",
     "deepseek-v2-lite-chat": "deepseek-v2-lite", "olmoe": "olmoe-1b-7b", "olmoe-1b-7b-0924": "olmoe-1b-7b",
 }
 

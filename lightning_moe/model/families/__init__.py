@@ -78,7 +78,7 @@ def family_of(spec: "MoESpec") -> Family:
 
     Raises:
         ValueError: no family implements the spec's model_type (the planner's registry holds specs of families the
-            executors do not run yet).
+            executors do not run).
     """
     fam = _REGISTRY.get(spec.model_type)
     if fam is None:

@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from ...kernels.fused_moe import experts_ffn_reference_from
+from .. import layers as L
+
 if TYPE_CHECKING:
     from ..spec import MoESpec
 
@@ -212,17 +215,24 @@ class Family:
     layer_weights: type  # dataclass of one MoE layer's non-expert weights; fields = keys.layer_tensors; has .to()
     dummy_layer: Callable  # (spec, rnd(*shape) -> tensor, dtype, layer) -> layer ``layer``'s weights (layer_weights,
     #   or dense_layer_weights for a dense layer), deterministic order
-    # ---- layer math -------------------------------------------------------------------------------------
-    rope_inv_freq: Callable  # (spec, device) -> fp32 [hd/2] (spec.rope_type's frequencies)
-    rope_cos_sin: Callable  # (spec, positions [T], inv_freq, dtype) -> (cos, sin) [T, hd] (x spec.rope_attention_factor)
+    # ---- layer math: the family's own pieces ------------------------------------------------------------
     pre_attention: Callable  # (lw, x [T, D], positions [T], spec, inv_freq, rope=None) -> q, k, v
-    prefill_packed_layout: Callable  # (spans, T, device) -> index tensors for prefill_attention_packed
-    prefill_attention_packed: Callable  # (q, k, v, spans, sliding_window, layout=None) -> [T, Hq*hd]
-    decode_attention: Callable  # (q [B, Hq, hd], K, V [B, Hkv, S, hd], lengths [B], sliding_window) -> [B, Hq*hd]
     post_attention: Callable  # (lw, ew, x, attn, spec, ffn) -> layer output [T, D] (a dense layer: ew, ffn unused)
-    experts_ffn: Callable  # (x [T, D], ExpertWeights, topk_w [T, k], topk_ids [T, k]) -> [T, D] (reference)
-    experts_ffn_from: Callable  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w, topk_ids) -> [T, D] (reference)
-    final_logits: Callable  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]
+    # ---- layer math every family shares unless it says otherwise (model/layers.py) ---------------------
+    rope_inv_freq: Callable = L.rope_inv_freq  # (spec, device) -> fp32 [hd/2] (spec.rope_type's frequencies)
+    rope_cos_sin: Callable = L.rope_cos_sin  # (spec, positions [T], inv_freq, dtype) -> (cos, sin) [T, hd]
+    #   (x spec.rope_attention_factor)
+    prefill_packed_layout: Callable = L.prefill_packed_layout  # (spans, T, device) -> index tensors for
+    #   prefill_attention_packed
+    prefill_attention_packed: Callable = L.prefill_attention_packed  # (q, k, v, spans, sliding_window, layout=None)
+    #   -> [T, Hq*hd]
+    decode_attention: Callable = L.decode_attention  # (q [B, Hq, hd], K, V [B, Hkv, S, hd], lengths [B],
+    #   sliding_window) -> [B, Hq*hd]
+    experts_ffn: Callable = L.experts_ffn  # (x [T, D], ExpertWeights, topk_w [T, k], topk_ids [T, k]) -> [T, D]
+    #   (reference)
+    experts_ffn_from: Callable = experts_ffn_reference_from  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w,
+    #   topk_ids) -> [T, D] (reference)
+    final_logits: Callable = L.final_logits  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]
     attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache)
     expert_activation: str = "silu"  # the gate activation inside experts_ffn (fused kernels check they compute it)
     dense_layer_weights: Optional[type] = None  # dataclass of a dense (MLP-only) layer's weights; fields =

@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F_
 
-from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
 from ..spec import MoESpec
 from .base import ConfigView, Family, KeyMap, read_rope, refuse
@@ -236,16 +235,6 @@ FAMILY = Family(
     keys=KEYS,
     layer_weights=LayerWeights,
     dummy_layer=dummy_layer,
-    rope_inv_freq=L.rope_inv_freq,
-    rope_cos_sin=L.rope_cos_sin,
     pre_attention=pre_attention,
-    prefill_packed_layout=L.prefill_packed_layout,
-    prefill_attention_packed=L.prefill_attention_packed,
-    decode_attention=L.decode_attention,
     post_attention=post_attention,
-    experts_ffn=L.experts_ffn,
-    experts_ffn_from=experts_ffn_reference_from,
-    final_logits=L.final_logits,
-    attention="gqa",
-    expert_activation="silu",
 )

@@ -1,0 +1,68 @@
+"""Fresh-user leftovers: the report's wall_seconds add up with one-time setup apart; errors name the job file as
+typed; merge --output resolves against the current directory, its default against the YAML's."""
+
+import json
+import os
+
+from lightning_moe import cli
+from lightning_moe.app import engine
+from lightning_moe.config import job_from_dict
+
+
+def test_wall_seconds_add_up_with_setup(tiny_dir, tmp_path, monkeypatch):
+    import time
+
+    from lightning_moe.model import tiny
+
+    real, first = tiny.ensure_tiny_mixtral, []
+
+    def slow_first_use(cache_dir=None):  # the embedded model's creation on first use: 0.3 s, once
+        if not first:
+            first.append(1)
+            time.sleep(0.3)
+        return tiny_dir
+
+    monkeypatch.setattr(tiny, "ensure_tiny_mixtral", slow_first_use)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": "alpha"}) + "\n")
+    job = job_from_dict({"model": "tiny-mixtral", "device": "cpu", "dtype": "float32",
+                         "data": {"source": "jsonl", "path": str(data)}, "output": {"path": str(tmp_path / "o.jsonl")},
+                         "generation": {"max_new_tokens": 3}}, "job")
+    assert real is not slow_first_use
+    w = engine.run_job(job, progress=False)["wall_seconds"]
+    assert set(w) == {"total", "setup", "load", "prefill", "decode", "other"}
+    assert w["setup"] >= 0.3 and w["load"] < w["total"] - 0.3
+    assert abs(w["setup"] + w["load"] + w["prefill"] + w["decode"] + w["other"] - w["total"]) < 1e-9
+    from lightning_moe.app.report import format_report
+
+    rep = json.loads((tmp_path / "o.report.json").read_text())
+    assert f"wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f}" in format_report(rep)
+
+
+def test_merge_output_relative_to_cwd(tmp_path, monkeypatch, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "p.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt": "x"}) + "\n" for i in range(4)))
+    (a / "job.yaml").write_text("model: tiny-mixtral\ndata: {path: p.jsonl}\noutput: {path: out.jsonl}\n")
+    for s, ids in ((0, ["0", "2"]), (1, ["1", "3"])):
+        (a / f"out.shard-{s}-of-2.jsonl").write_text("".join(json.dumps({"id": i, "text": ""}) + "\n" for i in ids))
+    monkeypatch.chdir(b)
+    assert cli.main(["merge", "../a/job.yaml", "--shards", "2", "--output", "merged.jsonl"]) == 0
+    assert "into merged.jsonl" in capsys.readouterr().out
+    assert [json.loads(x)["id"] for x in (b / "merged.jsonl").read_text().splitlines()] == ["0", "1", "2", "3"]
+    assert not (a / "merged.jsonl").exists()
+    assert cli.main(["merge", "../a/job.yaml", "--shards", "2"]) == 0  # default: output.path, beside the YAML
+    assert (a / "out.jsonl").exists() and not (b / "out.jsonl").exists()
+
+
+def test_job_errors_name_the_yaml_as_typed(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A policy error (checked against the job before weights) names the YAML as the user typed it."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    (tmp_path / "job.yaml").write_text(f"model: {tiny_dir}\ndevice: cpu\nexecutor: cgopipe\n"
+                                       f"policy: {{mu: 2, n: 1, bogus: 3}}\ndata: {{path: p.jsonl}}\n"
+                                       f"output: {{path: o.jsonl}}\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "job.yaml", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-batch: error: job.yaml: policy") and os.path.abspath("job.yaml") not in err
