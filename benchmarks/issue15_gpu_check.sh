@@ -15,13 +15,20 @@
 #                                            # zero experts (sparse file: ~3 GB on disk), the planner's full N; then the
 #                                            # checkpoint cost at N 2048 with the time left
 #   bash benchmarks/issue15_gpu_check.sh G   # issue 17: Qwen3-30B-A3B (8 layers), OLMoE-1B-7B (all 16), Qwen1.5-MoE
-#                                            # (8 layers) at real width through the CLI at 12 GiB (cli_sweep --preset
-#                                            # families); the grouped kernel at each family's shapes
-#   bash benchmarks/issue15_gpu_check.sh H   # every GPU test in one pytest process; issue 16's A/B: one explicit-policy
-#                                            # job through the CLI at d649ec2 (.carry/before, the tree before the
-#                                            # refactors) and at this commit, alternating, twice each; then one job's
-#                                            # --timeline PNG
-# Every step <= 10 minutes; at most 8 files come back from $OUT (work files stay in /tmp).
+#                                            # (8 layers) at real width through the CLI at 12 GiB, generation and
+#                                            # perplexity in bf16 (cli_sweep --preset families); the grouped kernel at
+#                                            # each family's shapes
+#   bash benchmarks/issue15_gpu_check.sh H   # every GPU test in one pytest process
+#   bash benchmarks/issue15_gpu_check.sh J   # issue 16's A/B: one explicit-policy job through the CLI at d649ec2
+#                                            # (.carry/before, the tree before the refactors) and at this commit,
+#                                            # alternating, twice each; then one job's --timeline PNG (G's time left)
+#   bash benchmarks/issue15_gpu_check.sh I   # issue 22: tests/gpu/test_grouped_mm_gpu.py; the choice table the profile
+#                                            # records (bench_grouped_ffn.py --choice-table: Triton vs grouped_mm per
+#                                            # T bucket, Mixtral-8x7B and Qwen3-30B-A3B shapes) merged into a copy of
+#                                            # h200-host.yaml; a perplexity job (256 texts x 300 tokens, bf16, 12 GiB)
+#                                            # through the CLI with expert_ffn triton / grouped_mm / auto on that profile
+#                                            # (same policy: same profile), alternating, prefill tok/s vs predicted
+# Every step <= 10 minutes (J: LIMIT=seconds to share a call with another step); at most 8 files come back from $OUT (work files stay in /tmp).
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +37,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 W=/tmp/lmoe-suite
 S=$SECONDS
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -107,30 +114,57 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
     for f in qwen3-30b-a3b:8 olmoe-1b-7b:16 qwen1.5-moe-a2.7b:8; do
       name=${f%%:*}; L=${f##*:}; WF=/tmp/lmoe-fam-$name
       python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L --work $WF --out $WF/out \
-        --time-budget $((150 - 0)) 2>&1 | grep -E "^fam|passed|checkpoint|quantized" | cut -c1-200
+        --cases fam-gen-bf16,fam-ppl-bf16 --time-budget 130 2>&1 | grep -E "^fam|passed|checkpoint" | cut -c1-200
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done
-    timeout $((590 - (SECONDS - S))) python3 benchmarks/bench_grouped_ffn.py --out $OUT/grouped_ffn.md 2>&1 | tail -22 ;;
+    timeout $((590 - (SECONDS - S))) python3 benchmarks/bench_grouped_ffn.py --models mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b,qwen1.5-moe-a2.7b \
+      --out $OUT/grouped_ffn.md 2>&1 | tail -22 ;;
   H)
-    timeout 430 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu > $OUT/tests_gpu.txt 2>&1
-    echo "tests/gpu: rc $?"; tail -4 $OUT/tests_gpu.txt
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu > $OUT/tests_gpu.txt 2>&1
+    echo "tests/gpu: rc $?"; tail -4 $OUT/tests_gpu.txt ;;
+  J)
     CK=$(ls -d $W/ckpt-bf16-L4-h4096-f14336 2>/dev/null | head -1)
     if [ -z "$CK" ]; then python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
       --gen-device cuda 2>&1 | tail -1; fi
     J=$W/jobs/suite-explicit-a-bf16-12g.yaml
     for t in before now before now; do
       P=$PWD; [ $t = before ] && P=$PWD/.carry/before
-      L=$((585 - (SECONDS - S))); [ $L -lt 40 ] && { echo "A/B stopped: $L s left"; break; }
+      L=$((${LIMIT:-585} - (SECONDS - S))); [ $L -lt 40 ] && { echo "A/B stopped: $L s left"; break; }
       sed "s#results/suite-explicit-a-bf16-12g#results/ab-$t#" $J > /tmp/ab-$t.yaml; rm -f $W/results/ab-$t.*
       PYTHONPATH=/tmp/site:$P timeout $L python3 -m lightning_moe.cli run /tmp/ab-$t.yaml --no-progress > /dev/null 2>&1
       python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'decode tok/s', \
 round(r['decode_tokens_per_s'],1), 'e2e', round(r['end_to_end_tokens_per_s'],1), 'prefill', round(r['prefill_tokens_per_s']))" \
         $W/results/ab-$t.report.json $t 2>&1 | tail -1 | tee -a $OUT/ab.txt
     done
-    L=$((590 - (SECONDS - S)))  # the measured stage timeline of one GPU job, looked at as a user would
+    L=$((${LIMIT:-585} + 5 - (SECONDS - S)))  # the measured stage timeline of one GPU job, looked at as a user would
     [ $L -gt 40 ] && sed "s#results/suite-explicit-a-bf16-12g#results/timeline#" $J > /tmp/tl.yaml && rm -f $W/results/timeline.* \
       && timeout $L python3 -m lightning_moe.cli run /tmp/tl.yaml --no-progress --timeline $OUT/timeline-gpu.png > /dev/null 2>&1; \
       echo "timeline: rc $?" ;;
+  I)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_grouped_mm_gpu.py \
+      tests/gpu/test_cgopipe_triton_gpu.py > $OUT/test_grouped_mm_gpu.txt 2>&1
+    echo "grouped_mm GPU tests: rc $?"; tail -4 $OUT/test_grouped_mm_gpu.txt
+    timeout 150 python3 benchmarks/bench_grouped_ffn.py --choice-table --models mixtral-8x7b,qwen3-30b-a3b \
+      --rates-yaml $OUT/expert_ffn_rates.yaml --out $OUT/choice_table.md 2>&1 | tail -16
+    HW=/tmp/h200-rates.yaml
+    python3 -c "import sys, yaml; from lightning_moe.policy.hardware import HardwareProfile as H; \
+p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(open(sys.argv[1]))['expert_ffn_rates']; \
+p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + step I rates')" \
+      $OUT/expert_ffn_rates.yaml $HW || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    CK=$(ls -d $W/ckpt-bf16-L4-* 2>/dev/null | head -1)
+    if [ -z "$CK" ]; then python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
+      --gen-device cuda 2>&1 | tail -1; fi
+    J=$W/jobs/suite-ppl-bf16-12g.yaml
+    for k in triton grouped_mm auto triton grouped_mm auto; do
+      L=$((585 - (SECONDS - S))); [ $L -lt 60 ] && { echo "A/B stopped: $L s left"; break; }
+      R=$W/results/i22-$k.jsonl; rm -f $W/results/i22-$k.*
+      timeout $L python3 -m lightning_moe.cli run $J --no-progress --set expert_ffn=$k --set hardware=$HW \
+        --set output.path=$R > /dev/null 2>&1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); p=r.get('predicted') or {}; \
+st={a: b for a, b in (r.get('stages') or {}).items() if a.startswith('expert_ffn_')}; \
+print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted', round(p.get('prefill_tokens_per_s') or 0), st)" \
+        ${R%.jsonl}.report.json $k 2>&1 | tail -1 | tee -a $OUT/i22_ab.txt
+    done ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
 echo "step $1: $((SECONDS - S)) s"

@@ -50,7 +50,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--hardware", help="hardware preset (h200, l4, ...) or profile YAML (default h200)")
     b.add_argument("--policy", default="auto", help="auto (the planner, per group) or a policy YAML")
     b.add_argument("--executor", help="cgopipe or serial (default: cgopipe on cuda, serial on cpu)")
-    b.add_argument("--expert-ffn", default="auto", help="cgopipe's expert FFN: auto, torch or triton")
+    b.add_argument("--expert-ffn", default="auto", help="cgopipe's expert FFN: auto, torch, triton or grouped_mm")
     b.add_argument("--batch-size", type=int, default=16, help="sequences per batch of the serial executor")
     b.add_argument("--max-tokens", type=int, default=128,
                    help="max_tokens of requests whose body gives none (default 128)")

@@ -35,7 +35,7 @@ TASKS = ("generate", "score")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 EXECUTORS = ("serial", "cgopipe")
-EXPERT_FFNS = ("auto", "torch", "triton")
+EXPERT_FFNS = ("auto", "torch", "triton", "grouped_mm")
 ON_ERROR = ("fail", "record")
 SOURCES = ("jsonl", "mtbench")
 TRUNCATE = ("error", "left")
@@ -147,7 +147,9 @@ class Job:
     executor: str = "serial"  # "serial" | "cgopipe" (YAML default: cgopipe on cuda, serial on cpu)
     batch_size: int = 16  # sequences per batch of the serial executor (>= 1)
     expert_ffn: str = "auto"  # cgopipe's expert FFN: "torch" (reference loop, tokens identical to serial), "triton"
-    #   (fused grouped kernel, no host syncs, ~1e-2 relative in bf16), "auto" = triton on cuda when importable
+    #   (fused grouped kernel, no host syncs, ~1e-2 relative in bf16), "grouped_mm" (torch's grouped GEMM, the same
+    #   contract), "auto" = on cuda with triton importable, per call the kernel the hardware profile measured faster
+    #   at that call's token count (triton where it has no measurement); on the cpu the torch loop
     policy: Any = "auto"  # "auto" | absolute path of a policy YAML | dict of explicit policy fields | None
     hardware: Optional[str] = None  # hardware preset name (e.g. "h200") or absolute path of a profile YAML
     gpu_memory: Optional[int] = None  # GPU memory the planner may use, bytes (YAML accepts "24GiB")

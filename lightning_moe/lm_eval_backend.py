@@ -42,7 +42,7 @@ Model arguments (``--model_args key=value,...``):
 ``hardware``           hardware preset (``h200``, ``l4``, ...) or profile YAML
 ``policy``             ``auto`` (the planner, default) or a policy YAML
 ``executor``           ``cgopipe`` (default on CUDA) or ``serial`` (default on the CPU)
-``expert_ffn``         ``auto``, ``torch``, ``triton``
+``expert_ffn``         ``auto``, ``torch``, ``triton``, ``grouped_mm``
 ``serial_batch_size``  sequences per batch of the serial executor (default 16)
 ``max_length``         context length in tokens (default and upper bound: the model's)
 ``max_gen_toks``       default tokens per generation when a task gives none (256, as HFLM)

@@ -77,6 +77,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--gpu-preset", default="h200", help="preset for the GPU fields when there is no CUDA device (default h200)")
     q.add_argument("--gpu-memory", type=_bytes_arg, help="record this GPU memory instead of the device total")
     q.add_argument("--quick", action="store_true", help="small sizes: seconds, noisier")
+    q.add_argument("--expert-shapes", type=lambda v: [x for x in v.split(",") if x], default=None, metavar="MODEL[,MODEL]",
+                   help="models (registry names or checkpoint directories) whose expert shape the expert-FFN kernel "
+                        "probe rates on CUDA, Triton vs grouped_mm per tokens-per-call bucket (default mixtral-8x7b)")
     q.set_defaults(func=cmd_profile)
 
 
@@ -209,7 +212,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .pipeline.profiler import profile_host
 
     try:
-        prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick)
+        kw = {} if args.expert_shapes is None else {"expert_shapes": args.expert_shapes}
+        prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick,
+                            **kw)
         prof.save(args.output, header=f"moe-batch profile, {prof.date}\nhost: {prof.host}\n{prof.source}")
     except (HardwareError, ValueError, OSError) as e:
         print(f"moe-batch profile: error: {e}", file=sys.stderr)

@@ -58,7 +58,10 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
     if job.executor == "cgopipe":
         from ..pipeline.cgopipe import CGOPipeExecutor, expert_ffn_for
 
-        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job))
+        from ..policy.hardware import get_preset, resolve_hardware
+
+        hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")  # the planner's profile
+        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job), hardware=hw)
         ex.estimate = jplan.estimate
         return ex
     return SerialExecutor(weights, job.device, dtype)

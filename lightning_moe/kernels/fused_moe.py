@@ -25,6 +25,9 @@ Contents, Triton-tutorial style (kernel, wrapper that checks / allocates / launc
   GEMM with the routing weight fused; the k slot outputs of a token are summed in fp32 by a
   deterministic reduction (no atomics, so repeated runs are bit-identical).
 * :func:`fused_moe_workspace_bytes` -- the workspace the Triton path allocates (for the memory model).
+* :func:`fused_experts_grouped_mm` -- the same FFN on ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped GEMMs: the
+  pairs sorted by expert on the device, offsets int32 on the device, no host sync), with the Triton path's skip id,
+  fp32 weighting and deterministic fp32 slot sum; :func:`grouped_mm_unsupported` says why a call cannot take it.
 
 The ``@triton.jit`` kernels live in :mod:`lightning_moe.kernels._triton_kernels`, imported lazily by
 :func:`_triton_kernels`: importing this module needs only torch.
@@ -48,8 +51,12 @@ __all__ = [
     "experts_ffn_reference",
     "experts_ffn_reference_from",
     "experts_ffn_hf_grouped",
+    "fused_experts_grouped_mm",
     "fused_experts_triton",
     "fused_moe_workspace_bytes",
+    "grouped_mm_available",
+    "grouped_mm_gate_up_chunks",
+    "grouped_mm_unsupported",
     "moe_align",
     "triton_available",
 ]
@@ -632,3 +639,179 @@ def fused_experts_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _sum_slots(y, T, k, D, x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch._grouped_mm (library grouped GEMMs)
+# --------------------------------------------------------------------------------------------------
+
+
+def _grouped_mm_fn() -> Optional[Callable]:
+    """``torch.nn.functional.grouped_mm`` (torch >= 2.10), else ``torch._grouped_mm``, else None."""
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available(device: torch.device | str = "cuda") -> bool:
+    """True when this torch has a grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``) that runs on ``device``: on
+    the CPU any build that has it; on CUDA a device of compute capability >= 8.0 (torch's grouped GEMM needs SM80+;
+    its bf16 fast path is SM90+)."""
+    if _grouped_mm_fn() is None:
+        return False
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def _aligned16(t: torch.Tensor, dims: tuple) -> bool:
+    """The data pointer and the strides of ``dims`` are multiples of 16 bytes."""
+    b = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((t.stride(d) * b) % 16 == 0 for d in dims)
+
+
+def grouped_mm_unsupported(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> Optional[str]:
+    """Why :func:`fused_experts_grouped_mm` cannot run these operands (None: it can).
+
+    torch's grouped GEMM (``aten/src/ATen/native/cuda/Blas.cpp`` ``_grouped_mm_cuda``; its meta function in
+    ``torch/_meta_registrations.py`` repeats the checks): on CUDA both operands bf16; every operand's leading stride
+    a multiple of 16 bytes (``x [T, D]`` and ``h [P, F]`` row-major: D and F multiples of 8 in bf16; the weights are
+    passed transposed, ``w1.transpose(1, 2) [E, D, F]`` column-major with leading stride D, ``w2.transpose(1, 2)
+    [E, F, D]`` with leading stride F); each expert's matrix 16-byte aligned (data pointer and expert stride), which
+    the page buffers' 256-byte aligned regions and the dense scratch give. The weights need the innermost dimension
+    contiguous (``w.stride(2) == 1``): the page buffers' ``[E, F, D]`` views are. On the CPU torch's fallback takes
+    fp32, bf16 and fp16, with the same 16-byte stride rule (torch 2.13 checks it there too: "strides should be
+    multiple of 16 bytes").
+    """
+    if _grouped_mm_fn() is None:
+        return f"torch {torch.__version__} has no grouped_mm"
+    if x.dtype not in _TRITON_DTYPES:
+        return f"dtype {x.dtype}"
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if w.stride(2) != 1:
+            return f"{name} innermost stride {w.stride(2)} != 1"
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16:
+            return f"CUDA grouped_mm takes bfloat16 only, got {x.dtype}"
+        if not grouped_mm_available(x.device):
+            return f"CUDA device {x.device} has compute capability < 8.0"
+    elif x.device.type != "cpu":
+        return f"device {x.device}"
+    D, Fd = x.shape[1], w1.shape[1]
+    if (D * x.element_size()) % 16 or (Fd * x.element_size()) % 16:
+        return f"D = {D} and F = {Fd} must be multiples of {16 // x.element_size()} in {x.dtype} (16-byte strides)"
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not _aligned16(w, (0, 1)):
+            return f"{name} is not 16-byte aligned (data pointer or strides {tuple(w.stride())})"
+    return None
+
+
+def grouped_mm_gate_up_chunks(hidden_size: int, intermediate_size: int, top_k: int, dtype_bytes: int = 2) -> int:
+    """Column chunks of the gate/up grouped GEMMs of :func:`fused_experts_grouped_mm`, so its temporaries stay within
+    what the planner counts for the grouped Triton kernel (hrm ``_ffn_stage_bytes``: per pair ``F b`` for the gate|up
+    product, ``4 D`` fp32 slot output and ``4 D / k`` for the fp32 sum).
+
+    Per pair the grouped_mm path holds the expert-sorted input row (``D b``) and the SwiGLU product ``h`` (``F b``),
+    and while h is formed, the gate and up products of one chunk of ``F / n`` columns (``2 F b / n``); with n = 1 the
+    gate and up products are the whole width and h is formed in place in the gate product (``2 F b + D b``). Returns
+    the fewest of 1, 4, 8, 16 chunks whose bytes fit ``F b + 4 D + 4 D / k`` (16 if none).
+    """
+    D, Fd, b = hidden_size, intermediate_size, dtype_bytes
+    budget = Fd * b + 4 * D + 4 * D / max(top_k, 1)
+    if 2 * Fd * b + D * b <= budget:
+        return 1
+    for n in (4, 8):
+        if Fd * b + 2 * Fd * b / n + D * b <= budget:
+            return n
+    return 16
+
+
+def fused_experts_grouped_mm(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    validate: bool = True,
+    skip: bool = False,
+    gate_up_chunks: Optional[int] = None,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU FFN with torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``): the arguments,
+    the result and the skip id of :func:`fused_experts_triton`.
+
+    Steps, all on the device with no host sync: (1) :func:`moe_align` sorts the P = T*k pairs by expert (stable;
+    with ``skip`` the skipped pairs form a last bucket, id E); the E group ends ``offs`` are int32 on the device and
+    the skipped pairs lie past ``offs[E-1]``, where grouped_mm writes nothing; (2) ``xs = x[sorted tokens]`` [P, D];
+    (3) per column chunk (:func:`grouped_mm_gate_up_chunks`) ``gate = xs W1_e^T``, ``up = xs W3_e^T`` (grouped GEMMs
+    over the transposed weight views, no copy) and ``h = silu(gate) * up`` [P, F] in ``x.dtype``; (4) ``yd = h W2_e^T``
+    [P, D] in ``x.dtype``; (5) per slot j (increasing): ``out += topk_weight[:, j] * yd[rank of pair (t, j)]`` in fp32
+    (skipped pairs add 0), one cast to ``x.dtype``. Deterministic (no atomics). Differs from the Triton kernel in
+    roundings only: gate/up/down products are rounded to ``x.dtype`` before SwiGLU and before the fp32 weighting (as
+    transformers' grouped_mm path does).
+
+    Args:
+        x: ``[T, D]``; bf16 on CUDA (compute capability >= 8.0), fp32 / bf16 / fp16 on the CPU.
+        w1, w3: ``[E, F, D]``; w2: ``[E, D, F]``; same dtype and device as ``x``, innermost dim contiguous (strided
+            views of a page buffer are fine: :func:`grouped_mm_unsupported` lists the alignment rules).
+        topk_weights: ``[T, k]`` floating. topk_ids: ``[T, k]`` integer ids in ``[0, E)`` (``[0, E]`` with ``skip``).
+        validate: check the id range (one host sync); pass False in a pipelined loop.
+        skip: ids equal to ``E`` mark pairs this call does not compute (their slot adds 0).
+        gate_up_chunks: column chunks of the gate/up GEMMs (default :func:`grouped_mm_gate_up_chunks`: the planner's
+            FFN workspace); 1 = two full-width GEMMs.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, operands grouped_mm cannot take (the reason), out-of-range ids
+        (when ``validate``), ``gate_up_chunks`` < 1.
+    """
+    fn = "fused_experts_grouped_mm"
+    E, D, Fd = _check_experts(fn, x, w1, w3, w2)
+    T = x.shape[0]
+    k = _check_routing(fn, T, topk_weights, topk_ids)
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
+    why = grouped_mm_unsupported(x, w1, w3, w2)
+    if why is not None:
+        raise ValueError(f"{fn}: grouped_mm cannot take these operands: {why}")
+    n_chunks = gate_up_chunks or grouped_mm_gate_up_chunks(D, Fd, k, x.element_size())
+    if n_chunks < 1:
+        raise ValueError(f"{fn}: gate_up_chunks must be >= 1, got {gate_up_chunks}")
+    if validate:
+        _check_id_range(fn, topk_ids, E + 1 if skip else E)
+    if T == 0:
+        return torch.empty((0, D), dtype=x.dtype, device=x.device)
+    gmm = _grouped_mm_fn()
+    al = moe_align(topk_ids, E + 1 if skip else E)  # stable sort by expert; the skip bucket (id E) last
+    offs = al.expert_offsets[1:E + 1].to(torch.int32)  # [E] end of each expert's rows; skipped pairs lie beyond
+    xs = x[al.sorted_token_idx]  # [P, D] rows sorted by expert
+    if n_chunks == 1:
+        h = gmm(xs, w1.transpose(1, 2), offs=offs)  # [P, F] gate
+        h = F.silu(h, inplace=True).mul_(gmm(xs, w3.transpose(1, 2), offs=offs))  # [P, F] silu(gate) * up
+    else:
+        h = torch.empty((xs.shape[0], Fd), dtype=x.dtype, device=x.device)  # [P, F]
+        step = _cdiv(_cdiv(Fd, n_chunks), 8) * 8  # chunk width: a multiple of 8 keeps 16-byte strides in bf16
+        for f0 in range(0, Fd, step):
+            f1 = min(Fd, f0 + step)
+            g = gmm(xs, w1[:, f0:f1].transpose(1, 2), offs=offs)  # [P, f1-f0]
+            torch.mul(F.silu(g, inplace=True), gmm(xs, w3[:, f0:f1].transpose(1, 2), offs=offs), out=h[:, f0:f1])
+            g = None
+    xs = None
+    yd = gmm(h, w2.transpose(1, 2), offs=offs)  # [P, D] in x.dtype; rows of skipped pairs unwritten
+    h = None
+    rank = torch.empty_like(al.sorted_pair_idx)  # [P] row of pair p = t*k + j in the sorted order
+    rank[al.sorted_pair_idx] = torch.arange(rank.numel(), device=x.device)
+    rank = rank.view(T, k)
+    rw = topk_weights.to(torch.float32)  # [T, k]
+    out = torch.zeros((T, D), dtype=torch.float32, device=x.device)  # [T, D] fp32 slot sum
+    for j in range(k):
+        yj = yd[rank[:, j]].float()  # [T, D]
+        if skip:  # a skipped pair's row of yd was never written (it may hold NaN): select, never multiply
+            yj = torch.where((topk_ids[:, j] == E)[:, None], 0.0, yj)
+        out.addcmul_(yj, rw[:, j:j + 1])
+    return out.to(x.dtype)

@@ -156,8 +156,11 @@ class CGOPipeExecutor:
         device: "cuda[:i]" (or "cpu": same loop, synchronous copies; for tests).
         dtype: compute dtype (default: the weights').
         ffn: the expert FFN (:mod:`~.expert_ffn`): "torch" (the reference expert loop, bit-identical to the serial
-            executor) or "triton" (the grouped kernel over dense pages, or over packed pages dequantized once per
-            layer visit; CUDA only: on the CPU "triton" runs the torch loop).
+            executor), or grouped calls over dense pages, or over packed pages dequantized once per layer visit,
+            with the kernel "triton" (CUDA only: on the CPU "triton" runs the torch loop), "grouped_mm" (torch's
+            grouped GEMM; CUDA bf16, or the CPU), or "auto" (per call by ``hardware``'s measured rates, Triton where
+            the profile has none; CUDA only: on the CPU "auto" runs the torch loop). Raises ValueError on another.
+        hardware: the hardware profile whose ``expert_ffn_rates`` drive ``ffn="auto"`` (None: Triton everywhere).
         kv_groups: length groups per micro-batch KV cache (:class:`GroupedKVCache`; default KV_GROUPS = 8,
             the number the planner's memory model assumes).
         cpu_threads: None (default): CPU attention uses torch's intra-op thread count. An int n >= 1: the
@@ -183,7 +186,7 @@ class CGOPipeExecutor:
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
                  cpu_threads: Optional[int] = None, attention_h2d: str = "auto", gpu_attention: str = "torch",
-                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, hardware=None):
         if isinstance(score_chunk_tokens, bool) or not isinstance(score_chunk_tokens, int) or score_chunk_tokens < 1:
             raise ValueError(f"CGOPipeExecutor: score_chunk_tokens must be an int >= 1, got {score_chunk_tokens!r}")
         self.score_chunk_tokens = score_chunk_tokens
@@ -205,10 +208,14 @@ class CGOPipeExecutor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype or weights.dtype
+        if ffn not in ("torch", "auto", "triton", "grouped_mm"):
+            raise ValueError(f"CGOPipeExecutor: ffn must be torch, auto, triton or grouped_mm, got {ffn!r}")
         self.ffn = ffn
-        if ffn == "triton" and self.cuda and fam.expert_activation not in TRITON_ACTIVATIONS:
-            raise ValueError(f"CGOPipeExecutor: the Triton expert FFN computes {', '.join(TRITON_ACTIVATIONS)}, not the "
-                             f"{fam.name} family's {fam.expert_activation!r} (use expert_ffn: torch)")
+        # the strategy: "triton" and "auto" need CUDA (the CPU runs the torch loop); grouped_mm runs on both
+        kind = ffn if (ffn in ("torch", "grouped_mm") or self.cuda) else "torch"
+        if kind != "torch" and fam.expert_activation not in TRITON_ACTIVATIONS:
+            raise ValueError(f"CGOPipeExecutor: the grouped expert kernels compute {', '.join(TRITON_ACTIVATIONS)}, not "
+                             f"the {fam.name} family's {fam.expert_activation!r} (use expert_ffn: torch)")
         self.kv_groups = kv_groups
         self.batch_size = policy.N
         dev, dt = self.device, self.dtype
@@ -223,8 +230,9 @@ class CGOPipeExecutor:
         self.weight_stream = WeightStream(weights.experts, spec, policy, dev, dt, self.compute, self.timer,
                                           self._count_h2d)
         ws = self.weight_stream
-        self.expert_ffn = expert_ffn("triton" if ffn == "triton" and self.cuda else "torch", fam.experts_ffn_from,
-                                     ws.paging, ws.page_layout, spec.num_experts, dt, dev)
+        self.expert_ffn = expert_ffn(kind, fam.experts_ffn_from, ws.paging, ws.page_layout, spec.num_experts, dt, dev,
+                                     hardware=hardware,
+                                     shape=(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k))
         if self.cuda:
             self.h2d_a = torch.cuda.Stream(dev)  # attention outputs
             self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
@@ -272,6 +280,15 @@ class CGOPipeExecutor:
                 "n_gpu_attn": p.n_gpu_attn if self.cuda else 0,  # on the CPU every micro-batch attends on the CPU
                 "expert_pages": ws.page_layout.scheme if ws.page_layout is not None else str(self.dtype).replace("torch.", ""),
                 "host_pool_bytes": ws.pool.nbytes, "page_buffer_bytes": ws.buffers.nbytes, "resident_bytes": ws.resident.nbytes}
+
+    def _count_kernel_calls(self, phase: str) -> None:
+        """Move the grouped expert calls per kernel since the last count into ``stats.extra``
+        (``expert_ffn_<phase>_calls_<kernel>``: which kernel the profile picked, per phase)."""
+        choice = getattr(self.expert_ffn, "choice", None)
+        if choice is None:
+            return
+        add_counts(self.stats.extra, {k: v for k, v in choice.calls.items() if v}, prefix=f"expert_ffn_{phase}_calls_")
+        choice.calls = dict.fromkeys(choice.calls, 0)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -408,6 +425,7 @@ class CGOPipeExecutor:
             self.weight_stream.end_visit(visit)
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
+        self._count_kernel_calls("prefill")
         if score:
             return self._score_chunks(prompts, mbs, chunks)
         per_mb: list[list[torch.Tensor]] = [[] for _ in mbs]
@@ -649,6 +667,7 @@ class CGOPipeExecutor:
         stages = self.timer.collect()
         stages["decode_wall"] = dt
         add_counts(self.stats.extra, stages)
+        self._count_kernel_calls("decode")
         # bytes, not seconds: with cpu_attention_compute it gives the CPU attention rate the HRM's (H5) assumes
         add_counts(self.stats.extra, {"cpu_attention_valid_kv_bytes": self._attn_kv_bytes})
         # inside the kernel's parallel regions (kernels.cpu_attention.native_stats): region wall time vs the worker's

@@ -9,14 +9,18 @@ chunk, of the visit calls the same one):
 * :class:`TorchExpertFFN` -- the reference expert loop, the serial executor's per-expert ops (tokens identical to
   it; one host sync per expert to gather its tokens). Packed pages are dequantized per expert on the device as the
   serial executor does.
-* :class:`TritonExpertFFN` -- dense pages: the sync-free grouped kernel
-  (:func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`) once over the paged stack and once over the
-  resident one; each call marks the other group's (token, slot) pairs with the skip id, so the kernel aligns them
-  into a bucket it never computes (no host sync, no pair computed twice).
-* :class:`TritonQuantExpertFFN` -- packed pages: the visit's first call dequantizes ALL the layer's experts, paged
-  and resident, once into a dense scratch ``[E, ...]`` (:func:`~lightning_moe.kernels.quant.dequantize_pages_triton`),
-  and every call of the visit runs ONE dense grouped kernel over it (the planner counts the scratch and the
-  dequantization time: hrm "dequantized expert scratch", T_deq).
+* :class:`GroupedExpertFFN` (was ``TritonExpertFFN``) -- dense pages: a sync-free grouped call once over the paged
+  stack and once over the resident one; each call marks the other group's (token, slot) pairs with the skip id, so
+  the kernel aligns them into a bucket it never computes (no host sync, no pair computed twice).
+* :class:`GroupedQuantExpertFFN` (was ``TritonQuantExpertFFN``) -- packed pages: the visit's first call dequantizes
+  ALL the layer's experts, paged and resident, once into a dense scratch ``[E, ...]``
+  (:func:`~lightning_moe.kernels.quant.dequantize_pages_triton`), and every call of the visit runs ONE dense grouped
+  call over it (the planner counts the scratch and the dequantization time: hrm "dequantized expert scratch", T_deq).
+
+Each grouped call runs one of two kernels, picked per call from its token count by :class:`KernelChoice`: the Triton
+grouped kernel (:func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`) or torch's library grouped GEMM
+(:func:`~lightning_moe.kernels.fused_moe.fused_experts_grouped_mm`); ``expert_ffn: triton`` / ``grouped_mm`` force
+one, ``auto`` follows the hardware profile's measurements (``expert_ffn_rates``), Triton where it has none.
 
 :func:`expert_ffn` picks one; :func:`expert_ffn_for` resolves a job's ``expert_ffn`` setting.
 """
@@ -28,9 +32,11 @@ from typing import Callable, Optional
 import torch
 
 from ..kernels import quant as Q
-from ..kernels.fused_moe import fused_experts_triton
+from ..kernels.fused_moe import (_interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
+                                 grouped_mm_unsupported)
 from ..kernels.quant import ExpertPageLayout, unpack_expert_page
 from .pager import ExpertPaging, LayerExperts
+from ..policy.hardware import EXPERT_FFN_KERNELS
 from .weight_stream import PAGE
 ExpertFFN = Callable[..., torch.Tensor]  # ffn(h [T, D], ew, topk_weights [T, k], topk_ids [T, k]) -> [T, D]
 
@@ -69,40 +75,100 @@ class TorchExpertFFN:
         return get
 
 
-class TritonExpertFFN:
-    """Dense pages: one grouped Triton call over the paged stack and one over the resident stack, each skipping
-    the other's (token, slot) pairs (CUDA, or Triton's interpreter).
+class KernelChoice:
+    """Which grouped kernel ("triton" | "grouped_mm") a call of T tokens runs, and how many calls each ran.
+
+    ``forced`` ("triton" or "grouped_mm", the job's ``expert_ffn``) runs that kernel for every call. Otherwise
+    (``expert_ffn: auto``) the hardware profile decides by measured shape: the faster kernel at the profile's bucket
+    nearest T (:meth:`~lightning_moe.policy.hardware.HardwareProfile.expert_ffn_kernel`, for the layer's ``(D, F, E,
+    k)`` and the compute dtype); with no measurement of the shape (presets, older profiles), or operands grouped_mm
+    cannot take (:func:`~lightning_moe.kernels.fused_moe.grouped_mm_unsupported`), the Triton kernel -- today's
+    behaviour. Resolved on the host from T (a shape), so no host sync.
+
+    Args:
+        forced: None (by the profile), "triton" or "grouped_mm".
+        hardware: the profile (None: no measurements).
+        shape: ``(hidden, intermediate, experts, top_k)`` of the model's routed experts.
+        dtype: the compute dtype.
+    """
+
+    def __init__(self, forced: Optional[str] = None, hardware=None, shape: Optional[tuple] = None,
+                 dtype: torch.dtype = torch.bfloat16):
+        if forced not in (None,) + EXPERT_FFN_KERNELS:
+            raise ValueError(f"KernelChoice: forced must be None or one of {EXPERT_FFN_KERNELS}, got {forced!r}")
+        if forced is None and hardware is not None and shape is None:
+            raise ValueError("KernelChoice: a profile-driven choice needs the expert shape")
+        self.forced, self.hardware, self.shape = forced, hardware, shape
+        self.dtype_name = str(dtype).replace("torch.", "")
+        self.calls = {k: 0 for k in EXPERT_FFN_KERNELS}  # grouped-kernel calls per kernel (the run report's stages)
+        self._by_tokens: dict = {}
+
+    def __call__(self, tokens: int, grouped_mm_ok: bool = True) -> str:
+        """The kernel of a call of ``tokens`` tokens; ``grouped_mm_ok``: the operands suit grouped_mm."""
+        if self.forced is not None:
+            kind = self.forced
+        else:
+            kind = self._by_tokens.get(tokens)
+            if kind is None:
+                kind = "triton"
+                if self.hardware is not None:
+                    kind = self.hardware.expert_ffn_kernel(*self.shape, self.dtype_name, tokens) or "triton"
+                self._by_tokens[tokens] = kind
+            if kind == "grouped_mm" and not grouped_mm_ok:
+                kind = "triton"
+        self.calls[kind] += 1
+        return kind
+
+
+def _grouped_call(kind: str, h, w1, w3, w2, w, ids, skip: bool = False):
+    """One grouped expert call with the kernel ``kind`` (a forced grouped_mm over operands it cannot take raises
+    ValueError naming why; the profile-driven choice never picks it for them)."""
+    if kind == "grouped_mm":
+        return fused_experts_grouped_mm(h, w1, w3, w2, w, ids, validate=False, skip=skip)
+    return fused_experts_triton(h, w1, w3, w2, w, ids, validate=False, skip=skip)
+
+
+class GroupedExpertFFN:
+    """Dense pages: one grouped call over the paged stack and one over the resident stack, each skipping the other's
+    (token, slot) pairs; each call's kernel (Triton, or torch's grouped_mm) picked by :class:`KernelChoice` from its
+    token count (Triton on CUDA, or Triton's interpreter; grouped_mm on CUDA or the CPU).
 
     Args:
         paging: where each expert of a layer lives (``ExpertPaging.index_tensors``).
         device: the compute device.
+        choice: the kernel per call (default: Triton for every call).
     """
 
-    def __init__(self, paging: ExpertPaging, device: torch.device):
+    def __init__(self, paging: ExpertPaging, device: torch.device, choice: Optional[KernelChoice] = None):
         self.paging, self.device = paging, device
+        self.choice = choice or KernelChoice("triton")
 
     def for_visit(self, lx: LayerExperts) -> ExpertFFN:
         """The FFN over ``lx``'s experts."""
         is_paged, row = self.paging.index_tensors(lx.layer, self.device)  # [E] bool, [E] row in its group
         groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g["w1"].shape[0] > 0]
+        choice, gmm_ok = self.choice, {}
 
         def ffn(h, ew, w, ids):
             out = None
-            for g, member in groups:
+            for i, (g, member) in enumerate(groups):
+                if i not in gmm_ok:  # once per visit and group: can grouped_mm take these operands?
+                    gmm_ok[i] = grouped_mm_unsupported(h, g["w1"], g["w3"], g["w2"]) is None
+                kind = choice(h.shape[0], gmm_ok[i])
                 sel = member[ids]  # [T, k] expert of this slot lives in group g
                 # the group's row, or its expert count: the slot's expert is in the other group (skip: not computed)
                 local = torch.where(sel, row[ids], torch.full_like(ids, g["w1"].shape[0]))  # [T, k]
-                y = fused_experts_triton(h, g["w1"], g["w3"], g["w2"], w, local, validate=False, skip=True)
+                y = _grouped_call(kind, h, g["w1"], g["w3"], g["w2"], w, local, skip=True)
                 out = y if out is None else out + y
             return out
 
         return ffn
 
 
-class TritonQuantExpertFFN:
+class GroupedQuantExpertFFN:
     """Packed pages: the visit's first call dequantizes every expert of the layer (the P paged ones to rows
     ``[0, P)`` of the scratch, the R resident ones to rows ``[P, P + R)``), and every call runs one dense grouped
-    Triton kernel over them (CUDA, or Triton's interpreter).
+    call over them, its kernel (Triton or grouped_mm) picked by :class:`KernelChoice` from its token count.
 
     Args:
         paging: where each expert of a layer lives.
@@ -111,12 +177,14 @@ class TritonQuantExpertFFN:
         dtype: the compute dtype (the scratch's).
         device: the compute device; on CUDA the scratch is allocated here (the planner counts it for every
             phase), elsewhere on first use.
+        choice: the kernel per call (default: Triton for every call).
     """
 
     def __init__(self, paging: ExpertPaging, page_layout: ExpertPageLayout, num_experts: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, choice: Optional[KernelChoice] = None):
         self.paging, self.page_layout, self.num_experts, self.dtype, self.device = (paging, page_layout, num_experts,
                                                                                     dtype, device)
+        self.choice = choice or KernelChoice("triton")
         self.scratch: Optional[tuple] = None  # dense (w1, w3, w2) [E, F, D], [E, F, D], [E, D, F], compute dtype
         if device.type == "cuda":
             self._scratch()
@@ -131,11 +199,20 @@ class TritonQuantExpertFFN:
 
     def _dequantize_visit(self, lx: LayerExperts, dtype: torch.dtype) -> tuple:
         """Dequantize every packed expert of ``lx`` into the scratch: the P paged experts to rows ``[0, P)``, the R
-        resident ones to rows ``[P, P + R)``. Returns ``(w1, w3, w2)`` views ``[P + R, ...]``."""
+        resident ones to rows ``[P, P + R)``. Returns ``(w1, w3, w2)`` views ``[P + R, ...]``. On CUDA (or under
+        Triton's interpreter) with the Triton dequantization kernel; on the CPU with its torch reference
+        (``unpack_expert_page``, bit-identical to the kernel) copied into the scratch."""
         scratch, P, R = self._scratch(), lx.paged[PAGE].shape[0], lx.resident[PAGE].shape[0]
+        triton_ok = self.device.type == "cuda" or _interpret_mode()
         for pages, first, count in ((lx.paged[PAGE], 0, P), (lx.resident[PAGE], P, R)):
-            if count:
-                Q.dequantize_pages_triton(pages, self.page_layout, dtype, out=tuple(w[first:] for w in scratch))
+            if not count:
+                continue
+            out = tuple(w[first:first + count] for w in scratch)
+            if triton_ok:
+                Q.dequantize_pages_triton(pages, self.page_layout, dtype, out=out)
+            else:
+                for o, v in zip(out, unpack_expert_page(pages, self.page_layout, dtype)):
+                    o.copy_(v)
         return tuple(w[: P + R] for w in scratch)
 
     def for_visit(self, lx: LayerExperts) -> ExpertFFN:
@@ -143,34 +220,47 @@ class TritonQuantExpertFFN:
         is_paged, row = self.paging.index_tensors(lx.layer, self.device)  # [E] bool, [E] row in its group
         dense: list = []  # this visit's dequantized experts (w1, w3, w2), views of the scratch
         dense_row = torch.where(is_paged, row, row + lx.paged[PAGE].shape[0])  # [E] expert -> its row in the scratch
+        choice, gmm_ok = self.choice, []
 
         def ffn(h, ew, w, ids):
             if not dense:  # first call of the visit: dequantize the layer's experts once
                 dense.extend(self._dequantize_visit(lx, h.dtype))
-            return fused_experts_triton(h, *dense, w, dense_row[ids], validate=False)
+                gmm_ok.append(grouped_mm_unsupported(h, *dense) is None)
+            kind = choice(h.shape[0], gmm_ok[0])
+            return _grouped_call(kind, h, *dense, w, dense_row[ids])
 
         return ffn
 
 
+TritonExpertFFN = GroupedExpertFFN  # the names before the grouped_mm kernel (Triton is still the default kernel)
+TritonQuantExpertFFN = GroupedQuantExpertFFN
+
+
 def expert_ffn(kind: str, experts_ffn_from: Callable, paging: ExpertPaging, page_layout: Optional[ExpertPageLayout],
-               num_experts: int, dtype: torch.dtype, device: torch.device):
-    """The strategy named ``kind``: "torch" (:class:`TorchExpertFFN`) or "triton" (:class:`TritonExpertFFN` for
-    dense pages, :class:`TritonQuantExpertFFN` for packed ones). Raises ValueError on another kind."""
+               num_experts: int, dtype: torch.dtype, device: torch.device, hardware=None,
+               shape: Optional[tuple] = None):
+    """The strategy named ``kind``: "torch" (:class:`TorchExpertFFN`); "triton", "grouped_mm" (that kernel for every
+    call) or "auto" (per call by the profile ``hardware`` for the experts' ``shape`` = (D, F, E, k):
+    :class:`KernelChoice`) as :class:`GroupedExpertFFN` over dense pages or :class:`GroupedQuantExpertFFN` over packed
+    ones. Raises ValueError on another kind."""
     if kind == "torch":
         return TorchExpertFFN(experts_ffn_from, num_experts, page_layout, dtype)
-    if kind != "triton":
-        raise ValueError(f"expert FFN must be torch or triton, got {kind!r}")
+    if kind not in ("auto",) + EXPERT_FFN_KERNELS:
+        raise ValueError(f"expert FFN must be torch, auto, triton or grouped_mm, got {kind!r}")
+    choice = KernelChoice(None if kind == "auto" else kind, hardware, shape, dtype)
     if page_layout is None:
-        return TritonExpertFFN(paging, device)
-    return TritonQuantExpertFFN(paging, page_layout, num_experts, dtype, device)
+        return GroupedExpertFFN(paging, device, choice)
+    return GroupedQuantExpertFFN(paging, page_layout, num_experts, dtype, device, choice)
 
 
 def expert_ffn_for(job) -> str:
-    """The job's ``expert_ffn``: "auto" is "triton" on CUDA when triton imports, else "torch"."""
+    """The job's ``expert_ffn`` for the executor: "torch", "triton" and "grouped_mm" as given; "auto" is "auto" on
+    CUDA when triton imports (each call's kernel by the hardware profile's measurements, Triton where it has none),
+    else "torch"."""
     if job.expert_ffn != "auto":
         return job.expert_ffn
     if job.device.startswith("cuda"):
         from ..kernels.fused_moe import triton_available
 
-        return "triton" if triton_available() else "torch"
+        return "auto" if triton_available() else "torch"
     return "torch"

@@ -266,6 +266,92 @@ def measure_expert_kernel_flops(tokens: int = 4096, hidden: int = 4096, intermed
     return 2 * tokens * top_k * 3 * hidden * intermediate / seconds
 
 
+EXPERT_FFN_SHAPES = ("mixtral-8x7b",)  # registry models whose expert shape `moe-batch profile` rates by default
+EXPERT_FFN_TOKENS = (16, 64, 256, 1024, 4096, 16384)  # tokens-per-call buckets: decode micro-batches to prefill chunks
+
+
+def measure_expert_ffn_rates(shapes: Sequence[tuple] = ((4096, 14336, 8, 2),), tokens: Sequence[int] = EXPERT_FFN_TOKENS,
+                             dtype: Optional[torch.dtype] = None, device: str = "cuda", repeats: int = 5,
+                             seed: int = 0, log: Callable[[str], None] = lambda _: None) -> tuple:
+    """The profile's ``expert_ffn_rates``: FLOP/s of each grouped expert-FFN kernel CGOPipe can run
+    (kernels.fused_moe.fused_experts_triton and fused_experts_grouped_mm, the whole call: token sort, gate/up and
+    down GEMMs, slot sum) per expert shape ``(hidden, intermediate, experts, top_k)`` and per tokens-per-call bucket
+    T in ``tokens``, uniformly random top-k routing, in ``dtype`` (default bf16, fp16 where the GPU has no bf16;
+    fp32 on the CPU). FLOPs 2 T k 3 D F per call; the best of ``repeats`` timed calls after a warm-up. A kernel that
+    fails, or cannot run here (Triton off CUDA without its interpreter; grouped_mm where torch has none or the
+    operands do not suit it), gets rate 0 for that entry and a log line; the other kernel's rate stands.
+
+    Returns a tuple of :class:`~lightning_moe.policy.hardware.ExpertFFNRate`.
+
+    Raises:
+        ValueError: a size < 1, top_k > experts, or an empty ``shapes`` / ``tokens``.
+    """
+    from ..kernels.fused_moe import (_interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
+                                     grouped_mm_unsupported, triton_available)
+    from ..policy.hardware import ExpertFFNRate
+
+    if not shapes or not tokens or repeats < 1 or min(tokens) < 1:
+        raise ValueError(f"measure_expert_ffn_rates: need shapes, tokens >= 1 and repeats >= 1, got shapes={shapes}, "
+                         f"tokens={tokens}, repeats={repeats}")
+    for D, Fd, E, k in shapes:
+        if min(D, Fd, E, k) < 1 or k > E:
+            raise ValueError(f"measure_expert_ffn_rates: bad shape (hidden={D}, intermediate={Fd}, experts={E}, "
+                             f"top_k={k}): sizes >= 1 and top_k <= experts")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if dtype is None:
+        dtype = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    triton_ok = triton_available() and (cuda or _interpret_mode())
+    out = []
+    for D, Fd, E, k in shapes:
+        g = torch.Generator(device=dev).manual_seed(seed)
+        w1 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dtype)  # [E, F, D]
+        w3 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dtype)  # [E, F, D]
+        w2 = (torch.randn(E, D, Fd, device=dev, generator=g) * 0.02).to(dtype)  # [E, D, F]
+        for T in tokens:
+            x = torch.randn(T, D, device=dev, generator=g).to(dtype)  # [T, D]
+            logits = torch.randn(T, E, device=dev, generator=g)  # [T, E] random router: balanced experts
+            wts, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)  # [T, k] fp32, int64
+            rates = {}
+            kernels = {"triton": fused_experts_triton if triton_ok else None,
+                       "grouped_mm": fused_experts_grouped_mm if grouped_mm_unsupported(x, w1, w3, w2) is None else None}
+            for kname, fn in kernels.items():
+                if fn is None:
+                    rates[kname] = 0.0
+                    continue
+                try:
+                    sec = _best_time(lambda: fn(x, w1, w3, w2, wts, ids, validate=False), repeats, sync)
+                except Exception as e:  # noqa: BLE001 - the other kernel's rate stands
+                    log(f"  expert FFN {kname} at D={D} F={Fd} E={E} k={k} T={T} failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else ''}); rate 0")
+                    rates[kname] = 0.0
+                else:
+                    rates[kname] = 2 * T * k * 3 * D * Fd / sec
+            out.append(ExpertFFNRate(D, Fd, E, k, name, int(T), **rates))
+            log(f"  expert FFN D={D} F={Fd} E={E} top-{k} {name}, T={T}: triton {rates['triton'] / 1e12:.1f}, "
+                f"grouped_mm {rates['grouped_mm'] / 1e12:.1f} TFLOP/s -> {out[-1].best}")
+        w1 = w3 = w2 = None
+        if cuda:
+            torch.cuda.empty_cache()
+    return tuple(out)
+
+
+def expert_shapes_of(names: Sequence[str]) -> tuple:
+    """``(hidden, intermediate, experts, top_k)`` of registry models (``policy.registry.resolve_spec``: a name or a
+    checkpoint directory). Raises ValueError on an unknown name."""
+    from ..policy.registry import resolve_spec
+
+    out = []
+    for n in names:
+        s = resolve_spec(n)
+        shape = (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k)
+        if shape not in out:
+            out.append(shape)
+    return tuple(out)
+
+
 def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, steps: int = 8) -> tuple[float, float]:
     """Host-thread seconds per micro-batch per decode layer as CGOPipe runs it: (CPU-attention micro-batch,
     GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py).
@@ -335,12 +421,17 @@ def host_description() -> tuple[str, int, int]:
 
 
 def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: Optional[int] = None, quick: bool = False,
-                 log: Callable[[str], None] = print) -> HardwareProfile:
+                 log: Callable[[str], None] = print,
+                 expert_shapes: Sequence[str] = EXPERT_FFN_SHAPES) -> HardwareProfile:
     """Measure this host. GPU fields come from CUDA measurements, or from ``gpu_preset`` when there is no GPU.
 
     quick: small sizes (seconds instead of tens of seconds; noisier). ``gpu_memory`` overrides the GPU
-    memory field (e.g. a share of the device). ``log`` receives one line per measurement.
+    memory field (e.g. a share of the device). ``log`` receives one line per measurement. ``expert_shapes``: the
+    models (registry names or checkpoint directories) whose expert shape the expert-FFN kernel probe rates on CUDA
+    (:func:`measure_expert_ffn_rates`; the profile's ``expert_ffn_rates``); unknown names are an error before
+    anything is measured.
     """
+    shapes = expert_shapes_of(expert_shapes)
     desc, cores, mem = host_description()
     sizes = dict(nbytes=64 * MiB, repeats=2) if quick else {}
     host_bw = measure_host_bandwidth(**sizes)
@@ -386,6 +477,16 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
         else:
             log(f"grouped expert kernel (fused_experts_triton), 4096 tokens top-2 of 8 Mixtral-8x7B experts: "
                 f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
+        if shapes:
+            try:
+                toks = EXPERT_FFN_TOKENS[:4] if quick else EXPERT_FFN_TOKENS
+                fields["expert_ffn_rates"] = measure_expert_ffn_rates(shapes, toks, repeats=2 if quick else 5, log=log)
+            except Exception as e:  # noqa: BLE001 - the rest of the profile stands; CGOPipe then runs Triton
+                log(f"expert FFN kernel probe failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); expert_ffn_rates left empty (Triton everywhere)")
+            else:
+                picks = ", ".join(f"T={r.tokens}: {r.best}" for r in fields["expert_ffn_rates"])
+                log(f"expert FFN kernels by measured shape (the profile's expert_ffn_rates): {picks}")
         try:
             h_c, h_g = measure_host_issue()
         except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then has no host stage
@@ -396,7 +497,7 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
             log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
                 f"{h_g * 1e3:.2f} ms (GPU attention)")
         notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
-                     "kernel, CGOPipe host issue)")
+                     "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
     else:
         log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
         notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")

@@ -70,6 +70,58 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+EXPERT_FFN_KERNELS = ("triton", "grouped_mm")  # the grouped expert-FFN kernels a profile can rate and CGOPipe can pick
+
+
+def _dtype_key(dtype: str) -> str:
+    """"bfloat16" / "bf16" -> "bf16" (also fp16, fp32)."""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
+@dataclass(frozen=True)
+class ExpertFFNRate:
+    """One measurement of the grouped expert FFN: a call of ``tokens`` tokens routed top-``top_k`` over ``experts``
+    experts of width ``intermediate`` (hidden ``hidden``), in ``dtype``; FLOP/s (2 T k 3 D F per call, the whole call)
+    of each kernel, 0 = not measured (the kernel failed or does not run here). ``moe-batch profile`` measures them on
+    CUDA (``pipeline.profiler.measure_expert_ffn_rates``)."""
+
+    hidden: int  # D
+    intermediate: int  # F, one expert's width
+    experts: int  # E routed experts of the layer
+    top_k: int  # k
+    dtype: str  # compute dtype: "bf16" | "fp16" | "fp32"
+    tokens: int  # T, tokens per call (the bucket)
+    triton: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_triton; 0 = not measured
+    grouped_mm: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_grouped_mm; 0 = not measured
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "experts", "top_k", "tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise HardwareError(f"expert_ffn_rates: {name}: expected an integer >= 1, got {v!r}")
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise HardwareError(f"expert_ffn_rates: dtype: expected bf16, fp16 or fp32, got {self.dtype!r}")
+        for name in EXPERT_FFN_KERNELS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise HardwareError(f"expert_ffn_rates: {name}: expected a non-negative number (FLOP/s), got {v!r}")
+
+    @property
+    def shape(self) -> tuple:
+        """(hidden, intermediate, experts, top_k, dtype)."""
+        return (self.hidden, self.intermediate, self.experts, self.top_k, self.dtype)
+
+    @property
+    def best(self) -> str:
+        """The faster measured kernel; "triton" when neither is measured or on a tie (today's kernel)."""
+        return "grouped_mm" if self.grouped_mm > self.triton else "triton"
+
+    @property
+    def best_rate(self) -> float:
+        """FLOP/s of :attr:`best` (0 when neither is measured)."""
+        return max(self.triton, self.grouped_mm)
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """One host: GPU, PCIe link, host DRAM, CPU attention throughput. Units: bytes, bytes/s, FLOP/s.
@@ -102,12 +154,17 @@ class HardwareProfile:
     gpu_expert_flops: float = 0.0  # FLOP/s CGOPipe's grouped expert kernel (kernels.fused_moe.fused_experts_triton) reaches
     #   at prefill sizes in the compute dtype; the HRM's routed-expert term uses min(this, the GEMM peak). `moe-batch
     #   profile` measures it on CUDA (profiler.measure_expert_kernel_flops); 0 = unmeasured: the GEMM peak
+    expert_ffn_rates: tuple = ()  # ExpertFFNRate per (expert shape, dtype, tokens-per-call bucket): the measured FLOP/s
+    #   of the Triton and the grouped_mm expert FFN; CGOPipe's expert_ffn "auto" picks the faster at the bucket nearest a
+    #   call's T, and the HRM's routed-expert term uses the faster rate (log-T interpolated) for that shape. Empty
+    #   (presets, older profiles): the Triton kernel everywhere, gpu_expert_flops in the HRM
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles
     date: str = ""  # ISO date of the measurement (measured profiles)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_ffn_rates", _read_rates(self.expert_ffn_rates, self.name))  # a hashable tuple
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in ("int", "float") and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0):
@@ -115,6 +172,40 @@ class HardwareProfile:
         for key in ("gpu_hbm_bandwidth", "gpu_flops_bf16", "pcie_h2d", "pcie_d2h", "cpu_attention_bandwidth", "cpu_attention_flops"):
             if getattr(self, key) <= 0:
                 raise HardwareError(f"{self.name}: {key}: must be > 0, got {getattr(self, key)!r}")
+
+    def expert_ffn_table(self, hidden: int, intermediate: int, experts: int, top_k: int,
+                         dtype: str) -> tuple:
+        """The profile's :class:`ExpertFFNRate` entries of one expert shape and dtype, by increasing ``tokens``."""
+        key = (hidden, intermediate, experts, top_k, _dtype_key(dtype))
+        return tuple(sorted((r for r in self.expert_ffn_rates if r.shape == key and r.best_rate > 0),
+                            key=lambda r: r.tokens))
+
+    def expert_ffn_kernel(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
+                          tokens: int) -> "str | None":
+        """The faster kernel ("triton" | "grouped_mm") measured at the bucket nearest ``tokens`` (in log T; a tie goes
+        to the smaller bucket) for this shape; None when the profile has no measurement of the shape."""
+        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype)
+        if not table:
+            return None
+        lt = math.log(max(tokens, 1))
+        return min(table, key=lambda r: (abs(math.log(r.tokens) - lt), r.tokens)).best
+
+    def expert_ffn_rate(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
+                        tokens: float) -> float:
+        """FLOP/s of the faster measured kernel at ``tokens`` tokens per call for this shape: piecewise linear in
+        log T between the measured buckets, the end buckets' rates outside them; 0.0 when the profile has no
+        measurement of the shape."""
+        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype)
+        if not table:
+            return 0.0
+        t = max(float(tokens), 1.0)
+        if t <= table[0].tokens:
+            return table[0].best_rate
+        for lo, hi in zip(table, table[1:]):
+            if t <= hi.tokens:
+                a = (math.log(t) - math.log(lo.tokens)) / (math.log(hi.tokens) - math.log(lo.tokens))
+                return lo.best_rate + a * (hi.best_rate - lo.best_rate)
+        return table[-1].best_rate
 
     def gpu_flops(self, dtype: str) -> float:
         """Peak dense matmul FLOP/s for a dtype name ("bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32")."""
@@ -126,7 +217,9 @@ class HardwareProfile:
     # ---- YAML ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain dict in field order (what :meth:`save` writes)."""
-        return asdict(self)
+        d = asdict(self)
+        d["expert_ffn_rates"] = [asdict(r) for r in self.expert_ffn_rates]  # YAML has no tuples
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "<dict>") -> "HardwareProfile":
@@ -149,6 +242,9 @@ class HardwareProfile:
                     continue
                 raise HardwareError(f"{where}: {name}: missing")
             v = d[name]
+            if name == "expert_ffn_rates":
+                kw[name] = _read_rates(v, where)
+                continue
             if f.type == "str":
                 if not isinstance(v, str):
                     raise HardwareError(f"{where}: {name}: expected a string, got {v!r} ({type(v).__name__})")
@@ -190,6 +286,39 @@ class HardwareProfile:
     def with_overrides(self, **kw: Any) -> "HardwareProfile":
         """A copy with some fields replaced (e.g. ``gpu_memory``)."""
         return replace(self, **kw)
+
+
+def _read_rates(v: Any, where: str) -> tuple:
+    """``expert_ffn_rates`` of a profile mapping: a list of mappings of :class:`ExpertFFNRate` fields (null: none)."""
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)):
+        raise HardwareError(f"{where}: expert_ffn_rates: expected a list of mappings, got {type(v).__name__}")
+    known = [f.name for f in fields(ExpertFFNRate)]
+    out = []
+    for i, r in enumerate(v):
+        if isinstance(r, ExpertFFNRate):
+            out.append(r)
+            continue
+        if not isinstance(r, dict):
+            raise HardwareError(f"{where}: expert_ffn_rates[{i}]: expected a mapping, got {type(r).__name__}")
+        unknown = sorted(set(r) - set(known))
+        missing = [k for k in ("hidden", "intermediate", "experts", "top_k", "dtype", "tokens") if k not in r]
+        if unknown or missing:
+            raise HardwareError(f"{where}: expert_ffn_rates[{i}]: " + (f"unknown key(s) {', '.join(map(str, unknown))}"
+                                if unknown else f"missing {', '.join(missing)}") + f" (known: {', '.join(known)})")
+        r = dict(r)
+        for k in EXPERT_FFN_KERNELS:
+            if isinstance(r.get(k), str):
+                try:
+                    r[k] = float(r[k])
+                except ValueError:
+                    raise HardwareError(f"{where}: expert_ffn_rates[{i}]: {k}: expected a number, got {r[k]!r}") from None
+        try:
+            out.append(ExpertFFNRate(**r))
+        except HardwareError as e:
+            raise HardwareError(f"{where}: expert_ffn_rates[{i}]: {str(e).split(': ', 1)[1]}") from None
+    return tuple(out)
 
 
 # ---- presets ------------------------------------------------------------------------------------

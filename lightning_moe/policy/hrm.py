@@ -18,7 +18,9 @@ against its text here, so "Sec." citations are the reliable ones.
   (H6) T_gpu = n * [qkv + o_proj + router + experts + shared] (each (H1) on the GPU for mu tokens)
                + n_g * attention(mu, c) on the GPU;  experts read E * (1 - (1 - k/E)^T) distinct experts
                + T_deq: quantized experts are dequantized once per layer visit, all E of the layer (paged and
-               resident), memory-bound: E (packed + dense expert bytes) / B_gpu
+               resident), memory-bound: E (packed + dense expert bytes) / B_gpu; the experts' FLOP rate is the
+               profile's measured rate for the expert shape at T tokens per call (expert_ffn_rates, the faster of
+               the Triton and grouped_mm kernels, log-T interpolated), else gpu_expert_flops, capped by the peak
   (H6') T_host = (n - n_g) h_c + n_g h_g [+ one CPU micro-batch's attention when n - n_g >= 1]: the host thread
                issues every micro-batch's work (h_c, h_g: the profile's host_issue_cpu_attn / _gpu_attn, measured by
                running CGOPipe's own decode on a tiny model) and, having nothing left to issue, waits for the
@@ -114,13 +116,18 @@ def gpu_router_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: st
 def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16", quant: str = "bf16") -> float:
     """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b.
 
-    The FLOP rate is the profile's ``gpu_expert_flops`` (what the grouped Triton kernel reaches) when measured,
-    capped by the dtype's GEMM peak (the grouped kernel runs well below the cuBLAS peak; a prefill predicted at the
-    peak is optimistic).
+    The FLOP rate, capped by the dtype's GEMM peak: the profile's measured rate of the faster expert-FFN kernel for
+    this expert shape (D, F, E, k) and dtype at ``tokens`` tokens per call
+    (:meth:`HardwareProfile.expert_ffn_rate`: ``expert_ffn_rates``, log-T interpolated between measured buckets),
+    where the profile has that shape; else its ``gpu_expert_flops`` (the grouped Triton kernel's rate at one
+    prefill size) when measured; else the GEMM peak (optimistic: the grouped kernels run below the cuBLAS peak).
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
-    if hw.gpu_expert_flops > 0:
+    rate = hw.expert_ffn_rate(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, dtype, tokens)
+    if rate > 0:
+        P = min(P, rate)
+    elif hw.gpu_expert_flops > 0:
         P = min(P, hw.gpu_expert_flops)
     k = spec.top_k
     nbytes = active_experts(tokens, spec.num_experts, k) * spec.expert_bytes(quant) + tokens * k * 2 * spec.hidden_size * b
@@ -377,7 +384,8 @@ def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
     probabilities, top-k weights and ids), the kernel's pair indexes, gate|up product [T k, F] in the dtype, slot
     outputs [T k, D] fp32, their fp32 sum and its cast; with ``groups`` = 2 (paged and resident experts in separate
     calls: :func:`expert_groups`) the first group's result beside the second's; the shared / dense FFN
-    intermediate."""
+    intermediate. The grouped_mm kernel (kernels.fused_moe.fused_experts_grouped_mm) holds no more: its gate/up GEMMs
+    run in column chunks chosen to fit these per-pair bytes (grouped_mm_gate_up_chunks)."""
     b = dtype_bytes(dtype)
     D, F, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_experts
     P = T * k
@@ -388,7 +396,7 @@ def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
 
 def expert_groups(weight_quant: str) -> int:
     """Grouped-kernel calls per MoE layer whose results coexist: 1 for quantized pages (every expert is dequantized
-    into one dense scratch: pipeline.expert_ffn.TritonQuantExpertFFN), 2 for dense pages (TritonExpertFFN calls the
+    into one dense scratch: pipeline.expert_ffn.GroupedQuantExpertFFN), 2 for dense pages (GroupedExpertFFN calls the
     kernel once for the paged and once for the resident experts; counted for every policy, also one without resident
     experts, since the MILP's linear rows cannot tell a layer's mix)."""
     return 1 if weight_quant in QUANT_FORMATS else 2
