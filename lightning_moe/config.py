@@ -384,7 +384,11 @@ def _p_model(v, key, ctx):
         return s
     p = ctx.resolve(s)
     if not os.path.isdir(p):
-        raise ctx.err(key, f"checkpoint directory not found: {p} (use {TINY_MODEL!r} for the embedded tiny model)")
+        from .policy.registry import REGISTRY  # registry names are configs for `plan`, not weights
+
+        hint = (f"; {s!r} is a registry config that `moe-batch plan --model` takes, while run needs a checkpoint "
+                f"directory" if s.lower() in REGISTRY else "")
+        raise ctx.err(key, f"checkpoint directory not found: {p} (use {TINY_MODEL!r} for the embedded tiny model{hint})")
     if not os.path.isfile(os.path.join(p, "config.json")):
         raise ctx.err(key, f"not a Hugging Face checkpoint directory (no config.json): {p}")
     return p

@@ -132,6 +132,8 @@ def test_missing_files_named(jobdir):
         load_job(write_job(jobdir, BASE.replace("data/p.jsonl", "data/nope.jsonl")))
     with pytest.raises(ConfigError, match=r"x\.yaml: model: checkpoint directory not found: .*no_such_model"):
         load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "no_such_model")))
+    with pytest.raises(ConfigError, match=r"'mixtral-8x7b' is a registry config that `moe-batch plan --model` takes"):
+        load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "mixtral-8x7b")))
     (jobdir / "ckpt").mkdir()
     with pytest.raises(ConfigError, match=r"model: not a Hugging Face checkpoint directory \(no config.json\)"):
         load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "ckpt")))

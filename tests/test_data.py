@@ -264,7 +264,7 @@ def test_too_long_prompt_error_truncate_and_record(tmp_path, tok):
     job = make_job(tmp_path, lines, generation=gen, on_error="record")
     a, b = encode_requests(load_requests(job), tok, job, max_context=32)
     assert a.error is None and b.error is not None and "d.jsonl:2: prompt:" in b.error and b.prompt_ids == []
-    with pytest.raises(ConfigError, match=r"generation\.max_new_tokens: 8 leaves no room"):
+    with pytest.raises(ConfigError, match=r"^t: generation\.max_new_tokens: 8 leaves no room"):  # names the job
         encode_requests(load_requests(job), tok, job, max_context=8)
 
 

@@ -190,7 +190,7 @@ def encode_requests(requests: Sequence[Request], tokenizer, job, max_context: in
     if task == "generate":
         budget = max_context - job.generation.max_new_tokens
         if budget < 1:
-            raise ConfigError(f"generation.max_new_tokens: {job.generation.max_new_tokens} leaves no room for a "
+            raise ConfigError(f"{job.label}: generation.max_new_tokens: {job.generation.max_new_tokens} leaves no room for a "
                               f"prompt in the model context of {max_context} tokens")
     else:
         budget = max_context
