@@ -21,7 +21,8 @@
 #   bash benchmarks/issue15_gpu_check.sh H   # every GPU test in one pytest process
 #   bash benchmarks/issue15_gpu_check.sh J   # issue 16's A/B: one explicit-policy job through the CLI at d649ec2
 #                                            # (.carry/before, the tree before the refactors) and at this commit,
-#                                            # alternating, twice each; then one job's --timeline PNG (G's time left)
+#                                            # alternating, twice each; then one job's --timeline PNG and the Python
+#                                            # API on the GPU (G's time left)
 #   bash benchmarks/issue15_gpu_check.sh I   # issue 22: tests/gpu/test_grouped_mm_gpu.py; the choice table the profile
 #                                            # records (bench_grouped_ffn.py --choice-table: Triton vs grouped_mm per
 #                                            # T bucket, Mixtral-8x7B and Qwen3-30B-A3B shapes) merged into a copy of
@@ -139,7 +140,13 @@ round(r['decode_tokens_per_s'],1), 'e2e', round(r['end_to_end_tokens_per_s'],1),
     L=$((${LIMIT:-585} + 5 - (SECONDS - S)))  # the measured stage timeline of one GPU job, looked at as a user would
     [ $L -gt 40 ] && sed "s#results/suite-explicit-a-bf16-12g#results/timeline#" $J > /tmp/tl.yaml && rm -f $W/results/timeline.* \
       && timeout $L python3 -m lightning_moe.cli run /tmp/tl.yaml --no-progress --timeline $OUT/timeline-gpu.png > /dev/null 2>&1; \
-      echo "timeline: rc $?" ;;
+      echo "timeline: rc $?"
+    L=$((${LIMIT:-585} + 5 - (SECONDS - S)))  # the Python API on the GPU, as its README example (issue 20)
+    [ $L -gt 40 ] && timeout $L python3 -c "import sys; from lightning_moe import LLM, SamplingParams; \
+llm = LLM(sys.argv[1], device='cuda', gpu_memory='12GiB', hardware=sys.argv[2]); \
+o = llm.generate(['The capital of France is', 'One, two,'], SamplingParams(max_tokens=8, logprobs=2)); \
+print('API on cuda:', [(x.finish_reason, len(x.token_ids), round(x.cumulative_logprob, 2)) for x in o])" \
+      $CK $PWD/lightning_moe/policy/profiles/h200-host.yaml 2>&1 | tail -2 ;;
   I)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_grouped_mm_gpu.py \
       tests/gpu/test_cgopipe_triton_gpu.py > $OUT/test_grouped_mm_gpu.txt 2>&1
