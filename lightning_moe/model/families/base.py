@@ -105,6 +105,31 @@ def _read_rope_mapping(key: str, rp: Mapping, c: ConfigView, family: str, defaul
             "rope_truncate": bool(rp.get("truncate", True)), "rope_attention_factor": float(attention_factor)}
 
 
+def decoder_fields(c: ConfigView, name: Optional[str], family: str, *, default_theta: float, default_max_pos: int,
+                   default_eps: float) -> dict[str, Any]:
+    """MoESpec fields every GQA family reads alike from its config: name and model_type, vocabulary, hidden size,
+    layers, heads and KV heads, ``head_dim`` (the config's, else hidden / heads), top-k, rope (:func:`read_rope`),
+    ``rms_norm_eps``, ``max_position_embeddings``, tied embeddings, BOS and EOS (the first of an EOS list).
+    Defaults are the family's config class's. Raises ValueError naming a missing field."""
+    get, need = c.get, c.need
+    model_type = get("model_type") or family  # a config found by its architectures alone
+    max_pos = int(get("max_position_embeddings", default_max_pos))
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    eos = get("eos_token_id")
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return dict(
+        name=name or str(get("_name_or_path") or model_type), model_type=model_type,
+        vocab_size=int(need("vocab_size")), hidden_size=hidden, num_layers=int(need("num_hidden_layers")),
+        num_heads=heads, num_kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or hidden // heads), top_k=int(need("num_experts_per_tok")),
+        **read_rope(c, family, default_theta, max_pos),  # rope_theta, rope_type and its parameters
+        rms_norm_eps=float(get("rms_norm_eps", default_eps)), max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)), bos_token_id=get("bos_token_id"),
+        eos_token_id=eos,
+    )
+
+
 def read_rope(c: ConfigView, family: str, default_theta: float, max_position_embeddings: int) -> dict[str, Any]:
     """MoESpec's rope fields (``rope_theta``, ``rope_type``, ``rope_factor``, the yarn ones) of a config, as
     transformers 5 reads it: the legacy ``rope_scaling`` mapping (``type`` or ``rope_type``; Hub config.json files)

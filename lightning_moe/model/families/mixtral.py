@@ -17,7 +17,7 @@ import torch.nn.functional as F_
 
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, read_rope, refuse
+from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
 
 NAME = "mixtral"
 
@@ -127,34 +127,12 @@ def read_spec(cfg, name: Optional[str] = None, *, hidden_acts: tuple[str, ...] =
     c = cfg if isinstance(cfg, ConfigView) else ConfigView(cfg)
     get, need = c.get, c.need
     _check_math_fields(get, hidden_acts)
-    model_type = get("model_type") or "mixtral"  # a config found by its architectures alone
-    max_pos = int(get("max_position_embeddings", 4096))
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    head_dim = get("head_dim") or hidden // heads
-    eos = get("eos_token_id")
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
     return MoESpec(
-        name=name or str(get("_name_or_path") or model_type),
-        model_type=model_type,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
+        **decoder_fields(c, name, NAME, default_theta=DEFAULT_THETA, default_max_pos=4096, default_eps=1e-5),
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
         num_experts=int(need("num_local_experts")),
-        top_k=int(need("num_experts_per_tok")),
-        **read_rope(c, NAME, DEFAULT_THETA, max_pos),  # rope_theta, rope_type and its parameters
-        rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=max_pos,
         sliding_window=get("sliding_window"),
         norm_topk_prob=True,
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        bos_token_id=get("bos_token_id"),
-        eos_token_id=eos,
     )
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F_
 
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, read_rope, refuse
+from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
 
 NAME = "olmoe"
 
@@ -163,32 +163,13 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     num_experts = int(need(experts_key))
     if num_experts < 1:
         raise refuse(experts_key, num_experts, NAME, ">= 1 routed experts")
-    model_type = get("model_type") or NAME  # a config found by its architectures alone
-    max_pos = int(get("max_position_embeddings", 4096))
-    eos = get("eos_token_id")
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
     clip = get("clip_qkv")
     return MoESpec(
-        name=name or str(get("_name_or_path") or model_type),
-        model_type=model_type,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
+        **decoder_fields(c, name, NAME, default_theta=DEFAULT_THETA, default_max_pos=4096, default_eps=1e-5),
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=hidden // heads,
         num_experts=num_experts,
-        top_k=int(need("num_experts_per_tok")),
-        **read_rope(c, NAME, DEFAULT_THETA, max_pos),  # rope_theta, rope_type and its parameters
-        rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=max_pos,
         sliding_window=None,
         norm_topk_prob=bool(get("norm_topk_prob", False)),  # OlmoeConfig's default
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        bos_token_id=get("bos_token_id"),
-        eos_token_id=eos,
         clip_qkv=None if clip is None else float(clip),
     )
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F_
 
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, read_rope, refuse
+from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
 
 NAME = "qwen2_moe"
 
@@ -217,34 +217,12 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     if shared < 1:
         raise refuse("shared_expert_intermediate_size", shared, NAME, ">= 1 (one shared expert in every MoE layer)")
     dense = dense_layer_indices(get, num_layers, NAME)
-    model_type = get("model_type") or NAME  # a config found by its architectures alone
-    max_pos = int(get("max_position_embeddings", 32768))
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    head_dim = get("head_dim") or hidden // heads  # Qwen2MoeAttention: getattr(config, "head_dim", D // Hq)
-    eos = get("eos_token_id")
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
     return MoESpec(
-        name=name or str(get("_name_or_path") or model_type),
-        model_type=model_type,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
+        **decoder_fields(c, name, NAME, default_theta=DEFAULT_THETA, default_max_pos=32768, default_eps=1e-6),
         intermediate_size=int(need("moe_intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
         num_experts=num_experts,
-        top_k=int(need("num_experts_per_tok")),
-        **read_rope(c, NAME, DEFAULT_THETA, max_pos),  # rope_theta, rope_type and its parameters
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=max_pos,
         sliding_window=None,
         norm_topk_prob=bool(get("norm_topk_prob", False)),  # Qwen2MoeConfig's default
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        bos_token_id=get("bos_token_id"),
-        eos_token_id=eos,
         num_shared_experts=1,
         shared_intermediate_size=shared,
         dense_layers=dense,

@@ -22,7 +22,7 @@ import torch.nn.functional as F_
 
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, read_rope, refuse
+from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
 from .qwen2_moe import dense_layer_indices
 
 NAME = "qwen3_moe"
@@ -179,34 +179,12 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     if num_experts < 1:  # transformers: every layer a dense MLP
         raise refuse(experts_key, num_experts, NAME, ">= 1 routed experts (a model of dense layers only is not an MoE)")
     dense = dense_layer_indices(get, num_layers, NAME)
-    model_type = get("model_type") or NAME  # a config found by its architectures alone
-    max_pos = int(get("max_position_embeddings", 32768))
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    head_dim = get("head_dim") or hidden // heads
-    eos = get("eos_token_id")
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
     return MoESpec(
-        name=name or str(get("_name_or_path") or model_type),
-        model_type=model_type,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
+        **decoder_fields(c, name, NAME, default_theta=DEFAULT_THETA, default_max_pos=32768, default_eps=1e-6),
         intermediate_size=int(need("moe_intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
         num_experts=num_experts,
-        top_k=int(need("num_experts_per_tok")),
-        **read_rope(c, NAME, DEFAULT_THETA, max_pos),  # rope_theta, rope_type and its parameters
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=max_pos,
         sliding_window=None,
         norm_topk_prob=bool(get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        bos_token_id=get("bos_token_id"),
-        eos_token_id=eos,
         dense_layers=dense,
         dense_intermediate_size=int(need("intermediate_size")) if dense else 0,
     )
