@@ -10,10 +10,10 @@ import dataclasses
 import functools
 import json
 import os
-import shutil
 
 import pytest
 import torch
+from hf_checkpoints import write_config as _write_config  # noqa: E402
 import torch.nn.functional as F
 
 from test_layering import project_imports
@@ -28,21 +28,6 @@ from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
 from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
 from lightning_moe.policy.policy import Policy
 from lightning_moe.policy.registry import resolve_spec
-
-
-def _write_config(src: str, dst, **changes) -> str:
-    """A copy of checkpoint ``src`` in ``dst`` whose config.json has ``changes`` (value None: key removed)."""
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
 
 
 def test_registry_finds_mixtral_by_model_type_or_architectures(tiny_dir):

@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from hf_checkpoints import hf_greedy as _hf_greedy  # noqa: E402
 
 from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
@@ -83,15 +84,6 @@ def hf_ds(request, tmp_path_factory):
     version, kw = CASES[request.param]
     path, model = make_hf_deepseek(tmp_path_factory.mktemp("hf_ds") / "ckpt", version, seed=3 + len(request.param), **kw)
     return path, model, request.param
-
-
-def _hf_greedy(model, prompts, steps):
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            out.append(model.generate(torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
-    return out
 
 
 def test_spec(hf_ds):

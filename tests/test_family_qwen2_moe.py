@@ -15,10 +15,10 @@ import copy
 import dataclasses
 import json
 import os
-import shutil
 
 import pytest
 import torch
+from hf_checkpoints import hf_greedy as _hf_greedy, write_config as _write_config  # noqa: E402
 
 from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
@@ -73,30 +73,6 @@ def hf_qwen2(request, tmp_path_factory):
     kw, dense = CASES[request.param]
     path, model = make_hf_qwen2_moe(tmp_path_factory.mktemp("hf_qwen2") / "ckpt", seed=5 + len(request.param), **kw)
     return path, model, dense
-
-
-def _write_config(src: str, dst, **changes) -> str:
-    """A copy of checkpoint ``src`` in ``dst`` whose config.json has ``changes`` (value None: key removed)."""
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
-
-
-def _hf_greedy(model, prompts, steps):
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            out.append(model.generate(torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
-    return out
 
 
 def test_spec_and_registry(hf_qwen2):

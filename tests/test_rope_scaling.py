@@ -13,10 +13,10 @@ same spec; every other rope type and ``partial_rotary_factor`` != 1 are refused 
 import dataclasses
 import json
 import os
-import shutil
 
 import pytest
 import torch
+from hf_checkpoints import hf_greedy as _hf_greedy, write_config as _write_config  # noqa: E402
 
 from lightning_moe.model import layers as L
 from lightning_moe.model.families import read_spec
@@ -87,21 +87,6 @@ def hf_rope(request, tmp_path_factory):
     return path, model, rope
 
 
-def _write_config(src: str, dst, **changes) -> str:
-    """A copy of checkpoint ``src`` in ``dst`` whose config.json has ``changes`` (value None: key removed)."""
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
-
-
 def test_spec_carries_the_rope_and_transformers_frequencies(hf_rope):
     """The spec holds the rope type and its resolved parameters; its inverse frequencies and attention factor are
     transformers' own (the rotary embedding module of the model)."""
@@ -138,15 +123,6 @@ def test_logits_equal_transformers_past_the_original_context(hf_rope):
     default = dataclasses.replace(w.spec, rope_type="default", rope_attention_factor=1.0)
     plain = SerialExecutor(load_checkpoint(path, torch.float32, default), "cpu")
     assert max((a - b).abs().max().item() for a, b in zip(plain.logits(PROMPTS), ref)) > 1e-2
-
-
-def _hf_greedy(model, prompts, steps):
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            out.append(model.generate(torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
-    return out
 
 
 def test_greedy_20_steps_equal_transformers_both_executors(hf_rope):
