@@ -105,6 +105,10 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
     timeout $((560 - (SECONDS - S))) python3 -m lightning_moe.cli run $J/job.yaml --no-progress > $OUT/full32-run.log 2>&1
     echo "full32 run: rc $?"; tail -25 $OUT/full32-run.log | cut -c1-200
     cp $J/results.report.json $OUT/full32.report.json 2>/dev/null; cp $J/plan.yaml $OUT/full32-plan.yaml
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); m=r.get('memory') or {}; \
+print('host peak measured', round(r['peak_host_memory_bytes'] / 2**30, 2), 'GiB, predicted', \
+round((m.get('predicted_host_bytes') or 0) / 2**30, 2), 'GiB')" $J/results.report.json 2>&1 | tail -1
+    [ -n "${NO_CKCOST:-}" ] && { echo "step F: $((SECONDS - S)) s"; exit 0; }
     W4=$W/ckpt-bf16-L4-h4096-f14336  # the suite's 4-layer checkpoint, written here when missing and time is left
     [ -f $W4/config.json ] || { [ $((585 - (SECONDS - S))) -gt 220 ] && python3 benchmarks/make_checkpoint.py $W4 \
       --layers 4 --device cuda 2>&1 | tail -1; }
@@ -127,10 +131,10 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
     timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu > $OUT/tests_gpu.txt 2>&1
     echo "tests/gpu: rc $?"; tail -4 $OUT/tests_gpu.txt ;;
   J)
-    CK=$(ls -d $W/ckpt-bf16-L4-h4096-f14336 2>/dev/null | head -1)
-    if [ -z "$CK" ]; then python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
-      --gen-device cuda 2>&1 | tail -1; fi
     J=$W/jobs/suite-explicit-a-bf16-12g.yaml
+    [ -f $J ] || python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
+      --cases suite-explicit-a-bf16-12g --gen-device cuda 2>&1 | tail -1
+    CK=$(ls -d $W/ckpt-bf16-L4-h4096-f14336 2>/dev/null | head -1)
     for t in before now before now; do
       P=$PWD; [ $t = before ] && P=$PWD/.carry/before
       L=$((${LIMIT:-585} - (SECONDS - S))); [ $L -lt 40 ] && { echo "A/B stopped: $L s left"; break; }

@@ -131,7 +131,11 @@ def test_two_layer_hand_computed():
     # reserve 0; allocated leaves out the fragmentation allowance and adds the library workspaces
     assert m.gpu_peak_allocated == m.gpu_peak - chunk // 2 + 64 * 2**20
     assert set(m.gpu_phases) == {"prefill", "decode"}
-    assert m.cpu_peak == 4 * We + 4 * 7 * 2 * 8 * 2 + 2 * 4 * 24 * 2 + 2 * 2 * 4 * 8 * 2
+    run = 4 * We + 4 * 7 * 2 * 8 * 2 + 2 * 4 * 24 * 2 + 2 * 2 * 4 * 8 * 2  # pinned 4 experts + CPU KV + staging
+    assert sum(m.cpu.values()) == run
+    # reading the checkpoint: all 2 x 4 experts on the host (before the pool takes the 4 paged ones) + the rest
+    assert sum(m.cpu_load.values()) == 8 * We + ne
+    assert m.cpu_peak == max(run, 8 * We + ne) and m.cpu_peak_phase == ("load" if 8 * We + ne > run else "run")
     assert est.gpu_peak == max(sum(m.gpu_decode.values()), sum(m.gpu_prefill.values()))
 
 

@@ -32,7 +32,8 @@ def memory_report(jplan: Optional[JobPlan], cap: Optional[dict], peaks: PhasePea
                    predicted_budget_bytes=m.gpu_peak, gpu_budget_bytes=jplan.gpu_budget,
                    predicted_by_phase={ph: m.phase_allocated(ph) for ph in m.gpu_phases},
                    predicted_components={ph: dict(c) for ph, c in m.gpu_phases.items()},
-                   predicted_host_bytes=m.cpu_peak)
+                   predicted_host_bytes=m.cpu_peak, predicted_host_phase=m.cpu_peak_phase,
+                   predicted_host_components={"run": dict(m.cpu), "load": dict(m.cpu_load)})
     if peaks.cuda:
         out.update(measured_peak_allocated_bytes=peaks.overall("allocated"),
                    measured_peak_reserved_bytes=peaks.overall("reserved"), measured_by_phase=dict(peaks.peaks))

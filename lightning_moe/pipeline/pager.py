@@ -331,6 +331,12 @@ class HostPagePool:
         return cls(layout, paging.pages_per_layer, pin=pin, paging=paging)
 
     # ---- pinning -------------------------------------------------------------------------------
+    def pin(self) -> None:
+        """Register the buffer with CUDA now (after filling it: registering faults in every page of the buffer,
+        so a pool pinned before the host copies it takes are released holds both at once). Idempotent."""
+        if not self.registered:
+            self._register()
+
     def _register(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("HostPagePool(pin=True) needs CUDA, and torch.cuda.is_available() is False")

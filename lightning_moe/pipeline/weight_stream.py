@@ -99,7 +99,9 @@ class WeightStream:
         else:  # one packed page per expert, moved as it is (dequantized on the device)
             specs = [(PAGE, torch.uint8, (self.page_layout.page_bytes,))]
         names = tuple(n for n, _, _ in specs)
-        self.pool = HostPagePool.for_experts(self.paging, specs, pin=self.cuda)
+        # pinned only once filled: registering faults in the whole pool, and until the loop below has released the
+        # host copies layer by layer that would hold every expert twice (the host peak the planner budgets is one)
+        self.pool = HostPagePool.for_experts(self.paging, specs, pin=False)
         self.resident = ResidentExperts(self.paging, [self._expert_tensors(e) for e in experts], device, names)
         for l in range(spec.num_layers):  # stream layer by layer into the pool, releasing host copies
             if experts[l] is None:  # a dense layer
@@ -112,6 +114,8 @@ class WeightStream:
                 else:
                     self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
             experts[l] = None  # the pool now holds this layer's experts
+        if self.cuda:
+            self.pool.pin()
         self.buffers = GpuPageBuffers(self.pool, device, 2)
         self.visit = 0  # layer visits so far: buffer = visit % 2, continuing across steps
         self._issued = -1  # last visit whose pages were all issued

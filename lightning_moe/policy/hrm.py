@@ -50,7 +50,7 @@ SiLU) are folded into the GEMMs' activation bytes; CPU attention threads do not 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..model.spec import QUANT_FORMATS, MoESpec, dtype_bytes
@@ -452,10 +452,12 @@ _SLACK = ("allocator reserve", "fragmentation allowance")  # budgeted components
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Peak bytes by component: GPU per phase ("prefill" and "decode" for generation, "scoring" for prefill-only
-    scoring), and host."""
+    scoring), and host in two phases: the run ("cpu") and the weight load before it ("cpu_load")."""
 
     gpu_phases: dict  # phase -> {component: bytes}
-    cpu: dict  # component -> bytes on the host (whole run)
+    cpu: dict  # component -> bytes on the host while the executor runs (pool, KV, staging, reserve)
+    cpu_load: dict = field(default_factory=dict)  # component -> host bytes while the checkpoint is read (every expert
+    #   in memory before the page pool takes them layer by layer), empty when not modelled
 
     @property
     def gpu_prefill(self) -> dict:
@@ -498,9 +500,19 @@ class MemoryEstimate:
         return self.gpu_phases[self.gpu_peak_phase]
 
     @property
+    def cpu_peak_phase(self) -> str:
+        """The host phase with the larger total: "run" or "load"."""
+        return "load" if sum(self.cpu_load.values()) > sum(self.cpu.values()) else "run"
+
+    @property
     def cpu_peak(self) -> int:
-        """Host total in bytes."""
-        return sum(self.cpu.values())
+        """Host peak in bytes: max of the run's and the weight load's totals."""
+        return max(sum(self.cpu.values()), sum(self.cpu_load.values()))
+
+    @property
+    def cpu_breakdown(self) -> dict:
+        """Components of the host peak phase."""
+        return self.cpu_load if self.cpu_peak_phase == "load" else self.cpu
 
 
 def kv_bytes_per_position(spec: MoESpec, dtype: str = "bf16") -> int:
@@ -659,7 +671,14 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
                            + 2 * tp * spec.kv_elems_per_token * b),
         "host reserve": policy.cpu_reserve,
     }
-    return MemoryEstimate(gpu_phases=phases, cpu=cpu)
+    # the weight load: the checkpoint's experts all in host memory (the executor's pool then takes them layer by layer,
+    # releasing each layer's host copy: the pool never holds more than what was released)
+    cpu_load = {
+        "checkpoint experts (host, before paging)": spec.num_moe_layers * spec.num_experts * We,
+        "non-expert weights (host, before the GPU copy)": spec.non_expert_bytes(policy.dtype),
+        "host reserve": policy.cpu_reserve,
+    }
+    return MemoryEstimate(gpu_phases=phases, cpu=cpu, cpu_load=cpu_load)
 
 
 def _less_than(have: int, need: int) -> str:
@@ -682,8 +701,9 @@ def memory_violations(policy: Policy, spec: MoESpec, workload: Workload) -> list
         out.append(f"GPU memory {_less_than(policy.gpu_budget, m.gpu_peak)} needed ({m.gpu_peak_phase}: "
                    + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.gpu_breakdown.items() if v) + ")")
     if policy.cpu_budget and m.cpu_peak > policy.cpu_budget:
-        out.append(f"host memory {_less_than(policy.cpu_budget, m.cpu_peak)} needed ("
-                   + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.cpu.items() if v) + ")")
+        what = "reading the checkpoint: " if m.cpu_peak_phase == "load" else ""
+        out.append(f"host memory {_less_than(policy.cpu_budget, m.cpu_peak)} needed ({what}"
+                   + ", ".join(f"{k} {format_bytes(v)}" for k, v in m.cpu_breakdown.items() if v) + ")")
     return out
 
 
@@ -758,7 +778,7 @@ class Estimate:
 
     @property
     def cpu_breakdown(self) -> dict:
-        """Host components."""
+        """Host components while the executor runs (the weight load's: ``memory.cpu_load``)."""
         return self.memory.cpu
 
 

@@ -197,6 +197,12 @@ def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> No
             if m.gpu_peak <= _cap(budgets.gpu_memory) and (best_cpu is None or m.cpu_peak < best_cpu.cpu_peak):
                 best_cpu = m
     assert best_cpu is not None  # R = 0, g = 0 fits the GPU (checked above)
+    if best_cpu.cpu_peak > _cap(budgets.cpu_memory) and best_cpu.cpu_peak_phase == "load":
+        c = best_cpu.cpu_load
+        raise PlanInfeasible(
+            f"infeasible: host memory {_gib(budgets.cpu_memory)} < {_gib(best_cpu.cpu_peak)} needed to read the checkpoint: "
+            f"its experts ({_gib(c['checkpoint experts (host, before paging)'])}) + the other weights "
+            f"({_gib(c['non-expert weights (host, before the GPU copy)'])}) + reserve ({_gib(c['host reserve'])})")
     if best_cpu.cpu_peak > _cap(budgets.cpu_memory):
         c = best_cpu.cpu
         rest = c["CPU KV cache"] + c["pinned staging"]

@@ -443,9 +443,12 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
         add(f"    {phase:<8} {format_bytes(m.phase_total(phase))}   (tensors {format_bytes(m.phase_allocated(phase))})")
         for k, v in m.gpu_phases[phase].items():
             add(f"         {k:<38} {format_bytes(v)}")
-    add(f"  CPU  {format_bytes(estimate.cpu_peak)}{cb}")
-    for k, v in estimate.cpu_breakdown.items():
-        add(f"         {k:<34} {format_bytes(v)}")
+    add(f"  CPU  {format_bytes(estimate.cpu_peak)}{cb}   ({'weight load' if m.cpu_peak_phase == 'load' else 'run'} peak)")
+    for phase, comps in (("run", m.cpu), ("load", m.cpu_load)):
+        if comps:
+            add(f"    {phase:<8} {format_bytes(sum(comps.values()))}")
+        for k, v in comps.items():
+            add(f"         {k:<46} {format_bytes(v)}")
     add("")
     ne_layer = spec.layer_non_expert_params(spec.moe_layers[0]) * DTYPE_BYTES[policy.dtype]
     paged = spec.num_experts - (min(moe) if moe else 0)
