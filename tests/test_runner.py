@@ -219,3 +219,22 @@ def test_unreadable_meta_file_is_a_clear_error(tmp_path, tiny_dir):
     with pytest.raises(ConfigError, match=r"out\.meta\.json: unreadable record of what .*out\.jsonl depends on"):
         run_job(job, progress=False)
     assert open(job.output.path, "rb").read() == before
+
+
+def test_large_checkpoint_read_and_pool_fill_are_announced(tmp_path, tiny_dir, capfd, monkeypatch):
+    """A checkpoint of at least LOUD_LOAD_BYTES gets one line before and after its read, and a cgopipe job one line
+    before and after filling the page pool (minutes at full size: a user sees where the run is)."""
+    from lightning_moe.app import engine
+
+    monkeypatch.setattr(engine, "LOUD_LOAD_BYTES", 1)
+    job = _job(tmp_path, tiny_dir, _prompts(tmp_path / "in.jsonl"), executor="cgopipe", policy={"mu": 4, "n": 2})
+    run_job(job, progress=False)
+    err = capfd.readouterr().err
+    size = engine.checkpoint_bytes(tiny_dir)
+    assert size > 0 and f"moe-batch: reading {size / 2**30:.1f} GiB of weights from {tiny_dir}" in err, err
+    assert "moe-batch: weights read in " in err
+    assert "GiB of experts into the pinned page pool and 0 resident experts to cpu" in err, err
+    assert "moe-batch: executor ready in " in err
+    monkeypatch.setattr(engine, "LOUD_LOAD_BYTES", 2**40)  # a small checkpoint stays quiet
+    run_job(_job(tmp_path, tiny_dir, _prompts(tmp_path / "in2.jsonl"), out="o2.jsonl"), progress=False)
+    assert "reading" not in capfd.readouterr().err

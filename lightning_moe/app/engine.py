@@ -52,6 +52,18 @@ KEEP_POLICY_SPEED = 0.9  # ModelRunner keeps its cgopipe executor for a job whos
 #   policy fits and is predicted at >= this fraction of the planner's end-to-end tokens/s for that job
 
 
+LOUD_LOAD_BYTES = 2**30  # checkpoints at least this large get a line before and after their read
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """Bytes of the checkpoint's ``*.safetensors`` files (their apparent sizes)."""
+    try:
+        names = os.listdir(model_dir)
+    except OSError:
+        return 0
+    return sum(os.path.getsize(os.path.join(model_dir, n)) for n in names if n.endswith(".safetensors"))
+
+
 def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
     """The executor named by ``job.executor``: "cgopipe" with ``jplan``'s policy, or "serial"."""
     dtype = DTYPES[job.dtype]
@@ -125,8 +137,17 @@ class ModelRunner:
             if self.weight_loads:
                 print(f"moe-batch: reading the weights of {self.files.model_path} again (the previous executor's page "
                       f"pool held them)", file=self.log or sys.stderr, flush=True)
+            size = checkpoint_bytes(self.files.model_path)
+            loud = size >= LOUD_LOAD_BYTES  # a large read takes minutes: say so before and after
+            if loud:
+                print(f"moe-batch: reading {size / 2**30:.1f} GiB of weights from {self.files.model_path}",
+                      file=self.log or sys.stderr, flush=True)
+            t0 = time.perf_counter()
             self._weights = load_checkpoint(self.files.model_path, DTYPES[self.dtype], self.files.spec)
             self.weight_loads += 1
+            if loud:
+                print(f"moe-batch: weights read in {time.perf_counter() - t0:.1f} s", file=self.log or sys.stderr,
+                      flush=True)
         return self._weights
 
     def executor(self, job: Job, prep: Prepared, jplan: Optional[JobPlan]):
@@ -162,7 +183,16 @@ class ModelRunner:
         ex = None  # the old executor's GPU tensors go before the new one's are made
         self.close()
         weights = self.load_weights()
+        pool = jplan.estimate.memory.cpu.get("pinned experts (not resident)", 0) if jplan is not None else 0
+        if pool >= LOUD_LOAD_BYTES:
+            print(f"moe-batch: copying {pool / 2**30:.1f} GiB of experts into the pinned page pool and "
+                  f"{jplan.policy.total_resident(prep.spec)} resident experts to {job.device}",
+                  file=self.log or sys.stderr, flush=True)
+        t0 = time.perf_counter()
         ex = make_executor(job, prep, weights, jplan)
+        if pool >= LOUD_LOAD_BYTES:
+            print(f"moe-batch: executor ready in {time.perf_counter() - t0:.1f} s", file=self.log or sys.stderr,
+                  flush=True)
         if job.executor == "cgopipe":
             self._weights = None  # its page pool holds the experts now (the host copies are released)
         self._executor, self._key = ex, key
@@ -351,9 +381,11 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     native_available()
 
 
-def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[ModelRunner] = None,
+def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRunner] = None,
             spans: Optional[list] = None) -> dict:
     """Run ``job`` to completion (or resume it) and return the run report (also saved as JSON).
+
+    ``log``: where its messages go (None: ``sys.stderr`` at the time of the call).
 
     ``spans``: a list to receive the run's measured stage timeline (``moe-batch run --timeline``): the cgopipe
     executor's intervals per lane and phase (:meth:`pipeline.stage_stats.StageTimer.take_spans`), appended when the
@@ -374,6 +406,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     """
     from tqdm import tqdm
 
+    log = log if log is not None else sys.stderr
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
