@@ -133,9 +133,11 @@ def test_two_layer_hand_computed():
     assert set(m.gpu_phases) == {"prefill", "decode"}
     run = 4 * We + 4 * 7 * 2 * 8 * 2 + 2 * 4 * 24 * 2 + 2 * 2 * 4 * 8 * 2  # pinned 4 experts + CPU KV + staging
     assert sum(m.cpu.values()) == run
-    # reading the checkpoint: all 2 x 4 experts on the host (before the pool takes the 4 paged ones) + the rest
-    assert sum(m.cpu_load.values()) == 8 * We + ne
-    assert m.cpu_peak == max(run, 8 * We + ne) and m.cpu_peak_phase == ("load" if 8 * We + ne > run else "run")
+    # reading the checkpoint: the pool of the 4 paged experts as filled + one layer's 4 experts as read (the other
+    # weights are on the GPU by then)
+    assert m.cpu_load == {"page pool (filled layer by layer)": 4 * We, "one layer's experts (host, as read)": 4 * We,
+                          "host reserve": 0}
+    assert m.cpu_peak == max(run, 8 * We) and m.cpu_peak_phase == ("load" if 8 * We > run else "run")
     assert est.gpu_peak == max(sum(m.gpu_decode.values()), sum(m.gpu_prefill.values()))
 
 

@@ -107,8 +107,8 @@ def test_throughput_monotone_in_gpu_memory_pcie_and_host_memory():
     pcie = [_plan_tps(spec, hw.with_overrides(pcie_h2d=bw * 1e9, pcie_d2h=bw * 1e9), wl, Budgets(gpu_memory=24 * GiB, cpu_memory=192 * GiB))
             for bw in (4, 8, 16, 32, 64)]
     assert all(b >= a * (1 - 1e-9) for a, b in zip(pcie, pcie[1:])) and pcie[-1] > pcie[0], pcie
-    host = [_plan_tps(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=c * GiB)) for c in (48, 96, 128, 192, 384)]
-    assert host[0] == 0.0 and host[-1] > host[1] > 0  # 48 GiB cannot read the 87 GiB of experts before paging
+    host = [_plan_tps(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=c * GiB)) for c in (48, 76, 96, 192, 384)]
+    assert host[0] == 0.0 and host[-1] > host[1] > 0  # 72 GiB: the pool + one layer as read need 73.5 GiB to load
     assert all(b >= a * (1 - 1e-9) for a, b in zip(host, host[1:])), host
 
 
@@ -138,8 +138,7 @@ def test_infeasible_host_budget_message():
         milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=32 * GiB))
     msg = str(e.value)
     assert "\n" not in msg
-    # 32 GiB cannot even read the checkpoint: its 84 GiB of experts are all on the host before the pool takes them
-    assert msg.startswith("infeasible: host memory 32.00 GiB < ") and "needed to read the checkpoint: its experts (84.00 GiB)" in msg, msg
+    assert msg.startswith("infeasible: host memory 32.00 GiB < ") and "experts that do not fit on the GPU" in msg, msg
     # the named shortfall is real: with that much host memory a plan exists
     need = float(msg.split("< ")[1].split(" GiB")[0])
     milp.plan(spec, hw, wl, Budgets(gpu_memory=24 * GiB, cpu_memory=int((need + 0.2) * GiB)))
@@ -197,7 +196,7 @@ def test_milp_equals_brute_force_with_large_fixed_costs(field):
 
     cands, n_max = [2, 4, 8], 4
     checked = 0
-    for seed in range(16):  # of the cases the brute force finds feasible (some cannot hold the checkpoint on the host)
+    for seed in range(12):
         spec, hw, wl, budgets = random_case(seed)
         hw = dataclasses.replace(hw, **{field: 10 ** random.Random(seed).uniform(-2, 0)})
         bf = brute_force(spec, hw, wl, budgets, cands, n_max)

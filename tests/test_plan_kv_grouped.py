@@ -137,7 +137,7 @@ def test_kv_fixed_point_never_worse_and_always_fits(tiny_dir):
     """Random skewed jobs: the grouped sizing's plan fits exactly and is never slower than the max-prompt plan
     (pass 1 is that plan)."""
     spec = MoESpec.from_pretrained_dir(tiny_dir)
-    for seed in (11, 12, 14, 25, 28, 30, 33):  # cases whose host budget holds the checkpoint while it is read
+    for seed in (1, 2, 5, 10, 18, 28, 37):
         rng = random.Random(seed)
         wl = Workload.from_lengths(_skewed(seed, rng.randint(50, 600), rng.randint(1, 60)), gen_len=rng.choice([4, 8, 16]))
         b = Budgets(gpu_memory=rng.randint(40, 120) * MiB, cpu_memory=rng.randint(8, 40) * MiB, dtype="fp32",

@@ -128,11 +128,16 @@ class ModelRunner:
         self.log = log  # where its messages go (None: sys.stderr at the time)
         self.weight_loads = 0  # checkpoint reads so far
         self._weights = None  # host weights not yet given to a cgopipe executor
+        self._weights_lazy = False  # whether _weights left the routed experts in the files (ExpertsOnDisk)
         self._executor = None
         self._key: Optional[tuple] = None  # (executor, device, expert FFN) of the executor held
 
-    def load_weights(self):
-        """The host weights, read from the checkpoint unless already held."""
+    def load_weights(self, lazy_experts: bool = False):
+        """The host weights, read from the checkpoint unless already held. ``lazy_experts``: the routed experts stay
+        in the files (``ExpertsOnDisk``) for an executor that reads them layer by layer (CGOPipe's page pool); held
+        lazy weights are read again in full for a caller that needs the experts in memory."""
+        if self._weights is not None and self._weights_lazy and not lazy_experts:
+            self._weights = None
         if self._weights is None:
             if self.weight_loads:
                 print(f"moe-batch: reading the weights of {self.files.model_path} again (the previous executor's page "
@@ -143,7 +148,9 @@ class ModelRunner:
                 print(f"moe-batch: reading {size / 2**30:.1f} GiB of weights from {self.files.model_path}",
                       file=self.log or sys.stderr, flush=True)
             t0 = time.perf_counter()
-            self._weights = load_checkpoint(self.files.model_path, DTYPES[self.dtype], self.files.spec)
+            self._weights = load_checkpoint(self.files.model_path, DTYPES[self.dtype], self.files.spec,
+                                            lazy_experts=lazy_experts)
+            self._weights_lazy = lazy_experts
             self.weight_loads += 1
             if loud:
                 print(f"moe-batch: weights read in {time.perf_counter() - t0:.1f} s", file=self.log or sys.stderr,
@@ -182,7 +189,7 @@ class ModelRunner:
                   file=self.log or sys.stderr, flush=True)
         ex = None  # the old executor's GPU tensors go before the new one's are made
         self.close()
-        weights = self.load_weights()
+        weights = self.load_weights(lazy_experts=job.executor == "cgopipe")
         pool = jplan.estimate.memory.cpu.get("pinned experts (not resident)", 0) if jplan is not None else 0
         if pool >= LOUD_LOAD_BYTES:
             print(f"moe-batch: copying {pool / 2**30:.1f} GiB of experts into the pinned page pool and "

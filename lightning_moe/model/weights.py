@@ -14,16 +14,17 @@ Also builds deterministic dummy weights for a spec (speed benchmarks of real con
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .checkpoint_io import CheckpointError, _Reader
 from .families import family_of
 from .layers import ExpertWeights
-from .quantized import checkpoint_page_layout, read_packed_experts
+from .quantized import PACKED_NAME, checkpoint_page_layout, read_packed_experts
 from .spec import MoESpec
 
 
@@ -38,12 +39,18 @@ class ModelWeights:
     layers: list  # non-expert weights, one per decoder layer (the family's LayerWeights; DenseLayerWeights for a
     #   dense layer of spec.dense_layers, whose MLP is resident with the rest)
     experts: list[Optional[ExpertWeights]]  # stacked routed experts per decoder layer (QuantExperts: packed pages,
-    #   model/quantized.py); None for a dense layer (no routed experts)
+    #   model/quantized.py; ExpertsOnDisk: not read yet, load_checkpoint(lazy_experts=True)); None for a dense layer
 
     @property
     def dtype(self) -> torch.dtype:
         """Dtype of the weights."""
         return self.embed.dtype
+
+    def release_non_expert(self) -> None:
+        """Drop the references to every non-expert tensor (an executor that copied them to its device: the host
+        copies are freed unless held elsewhere); only ``spec`` and ``experts`` remain usable."""
+        self.embed = self.norm = self.lm_head = None
+        self.layers = [None] * len(self.layers)
 
     @property
     def expert_bytes(self) -> int:
@@ -60,13 +67,27 @@ class ModelWeights:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None) -> ModelWeights:
+@dataclass(frozen=True)
+class ExpertsOnDisk:
+    """A layer's routed experts left in the checkpoint by ``load_checkpoint(lazy_experts=True)``: ``read()`` reads
+    them (``ExpertWeights``, or ``QuantExperts`` for packed pages) each time it is called, so a consumer that takes
+    the experts layer by layer (CGOPipe's page pool) never holds more than one layer's host copy."""
+
+    layer: int  # decoder layer
+    read: Callable[[], Any]  # () -> ExpertWeights | QuantExperts, read from the checkpoint's files
+    layout: Any = None  # the packed pages' kernels.quant.ExpertPageLayout (what read() returns); None: unpacked
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None,
+                    lazy_experts: bool = False) -> ModelWeights:
     """Load a Hugging Face checkpoint directory of a supported model family into host memory.
 
     Args:
         path: directory with config.json and safetensors weights.
         dtype: torch.float32, torch.bfloat16 or torch.float16; tensors are cast on load.
         spec: the spec, when already read (else from ``path/config.json``).
+        lazy_experts: leave each MoE layer's routed experts in the files as :class:`ExpertsOnDisk` (their tensors'
+            presence is checked now); everything else is read.
     Returns:
         ModelWeights with the family's LayerWeights and experts stacked per layer ([E, F, D] / [E, D, F]), or, for
         a quantized checkpoint (config.json has a ``quantization`` section), ``QuantExperts`` (uint8
@@ -90,6 +111,26 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         return {f: r.get(n) for f, n in names.items() if f not in keys.optional_tensors or r.has(n)}
 
     page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
+
+    def expert_names(i: int, p: str, block: str) -> list[str]:  # the tensors read_experts(i, ...) reads
+        if page_layout is not None:
+            return [p + block + PACKED_NAME]
+        gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
+        if gate_up is not None and r.has(gate_up):
+            return [gate_up, p + keys.fused_down.format(moe=block)]
+        return [keys.expert_name(i, block, w, e) for w in ("w1", "w3", "w2") for e in range(spec.num_experts)]
+
+    def read_experts(i: int, p: str, block: str):  # one layer's routed experts
+        if page_layout is not None:  # quantized checkpoint: keep the packed pages
+            return read_packed_experts(r, p + block, page_layout, spec.num_experts)
+        names = expert_names(i, p, block)
+        if len(names) == 2:  # transformers-5 fused layout
+            gu, down = r.get(names[0]), r.get(names[1])  # [E, 2F, D], [E, D, F]
+            F = spec.intermediate_size
+            return ExpertWeights(gu[:, :F].contiguous(), gu[:, F:].contiguous(), down)
+        E = spec.num_experts  # one tensor per expert and projection, stacked: [E, F, D], [E, F, D], [E, D, F]
+        return ExpertWeights(*(torch.stack([r.get(n) for n in names[j * E:(j + 1) * E]]) for j in range(3)))
+
     layers, experts = [], []
     for i in range(spec.num_layers):
         if spec.is_dense_layer(i):  # one dense MLP, resident with the layer's other weights; nothing to page
@@ -98,18 +139,13 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
             continue
         p, block = keys.layer_prefix(i), keys.moe_prefix(r.has, i)
         layers.append(fam.layer_weights(**read(keys.layer_names(i, block))))
-        gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
-        if page_layout is not None:  # quantized checkpoint: keep the packed pages
-            experts.append(read_packed_experts(r, p + block, page_layout, spec.num_experts))
-        elif gate_up is not None and r.has(gate_up):  # transformers-5 fused layout
-            gu = r.get(gate_up)  # [E, 2F, D]
-            F = spec.intermediate_size
-            down = r.get(p + keys.fused_down.format(moe=block))  # [E, D, F]
-            experts.append(ExpertWeights(gu[:, :F].contiguous(), gu[:, F:].contiguous(), down))
-        else:  # one tensor per expert and projection, stacked
-            experts.append(ExpertWeights(*(
-                torch.stack([r.get(keys.expert_name(i, block, w, e)) for e in range(spec.num_experts)])
-                for w in ("w1", "w3", "w2"))))  # [E, F, D], [E, F, D], [E, D, F]
+        if lazy_experts:
+            missing = [n for n in expert_names(i, p, block) if not r.has(n)]
+            if missing:
+                raise CheckpointError(f"{path}: tensor {missing[0]!r} not found in the checkpoint")
+            experts.append(ExpertsOnDisk(i, functools.partial(read_experts, i, p, block), page_layout))
+        else:
+            experts.append(read_experts(i, p, block))
     embed = r.get(keys.embed)
     if r.has(keys.lm_head):
         lm_head = r.get(keys.lm_head)

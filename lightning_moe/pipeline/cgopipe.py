@@ -223,6 +223,8 @@ class CGOPipeExecutor:
         self.embed = weights.embed.to(dev, dt)
         self.norm = weights.norm.to(dev, dt)
         self.lm_head = weights.lm_head.to(dev, dt)
+        if self.cuda:  # the device holds them now: their host copies go before the page pool fills (the host peak)
+            weights.release_non_expert()
         self.inv_freq = fam.rope_inv_freq(spec, dev)
         self.stats = RunStats()
         self.timer = StageTimer(self.cuda)

@@ -751,32 +751,41 @@ class ResidentExperts:
         paging: which experts are resident.
         experts: ``experts[l]`` has tensors ``[E, *per-expert shape]`` named ``names`` (attributes or
             mapping keys), e.g. ``ExpertWeights(w1, w3, w2)``; None for a dense layer (``paging.dense_layers``).
+            None: no layer yet; give them one at a time with :meth:`add_layer`.
         device: where to keep them.
         names: tensor names to keep (default ``("w1", "w3", "w2")``).
-
-    Attributes:
-        nbytes: exact bytes of all resident tensors on ``device``.
     """
 
     def __init__(
-        self, paging: ExpertPaging, experts: Sequence[Any], device: Union[str, torch.device] = "cuda", names: Sequence[str] = FFN_NAMES
+        self, paging: ExpertPaging, experts: Optional[Sequence[Any]], device: Union[str, torch.device] = "cuda",
+        names: Sequence[str] = FFN_NAMES
     ) -> None:
         self.paging = paging
         self.device = torch.device(device)
         self.names = tuple(names)
-        self._layers: list[dict[str, torch.Tensor]] = []
-        for l in range(paging.num_layers):
-            ids = paging.resident_experts(l)
-            if experts[l] is None:  # a dense layer: no routed experts
-                self._layers.append({})
-                continue
-            d = {}
-            for n in self.names:
-                w = _get(experts[l], n)
-                rows = _rows_of(w, ids) if ids else w[:0]
-                d[n] = rows.to(self.device, copy=True).contiguous()
-            self._layers.append(d)
-        self.nbytes = sum(t.numel() * t.element_size() for d in self._layers for t in d.values())
+        self._layers: list[dict[str, torch.Tensor]] = [{} for _ in range(paging.num_layers)]
+        if experts is not None:
+            for l in range(paging.num_layers):
+                self.add_layer(l, experts[l])
+
+    def add_layer(self, layer: int, experts: Any) -> None:
+        """Copy ``layer``'s resident experts (rows of ``experts``, as in the constructor; None for a dense layer) to
+        the device, replacing what the layer had."""
+        ids = self.paging.resident_experts(layer)
+        if experts is None:  # a dense layer: no routed experts
+            self._layers[layer] = {}
+            return
+        d = {}
+        for n in self.names:
+            w = _get(experts, n)
+            rows = _rows_of(w, ids) if ids else w[:0]
+            d[n] = rows.to(self.device, copy=True).contiguous()
+        self._layers[layer] = d
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of all resident tensors on the device."""
+        return sum(t.numel() * t.element_size() for d in self._layers for t in d.values())
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """``{name: [E_res(layer), *per-expert shape]}`` on the device, row ``i`` = i-th resident expert."""

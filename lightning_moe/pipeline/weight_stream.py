@@ -32,6 +32,7 @@ import torch
 from ..kernels.quant import ExpertPageLayout
 from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
+from ..model.weights import ExpertsOnDisk
 from ..model.spec import MoESpec
 from ..policy.policy import Policy
 from .pager import (ExpertPaging, GpuPageBuffers, HostPagePool, LayerExperts, ResidentExperts, ffn_expert_specs,
@@ -42,19 +43,20 @@ PAGE = "page"  # pool tensor of packed (quantized) experts: one uint8 [page_byte
 
 
 def packed_layout(experts: Sequence) -> Optional[ExpertPageLayout]:
-    """The page layout shared by every MoE layer's :class:`QuantExperts`, or None for dense (unpacked) experts.
+    """The page layout shared by every MoE layer's :class:`QuantExperts` (read, or :class:`ExpertsOnDisk` that will
+    read as such), or None for dense (unpacked) experts.
 
     Raises:
         ValueError: some layers packed and others dense, or layers with different page layouts.
     """
     experts = [e for e in experts if e is not None]  # dense (MLP-only) layers have no experts
-    layouts = {e.layout for e in experts if isinstance(e, QuantExperts)}
+    of = [e.layout if isinstance(e, (QuantExperts, ExpertsOnDisk)) else None for e in experts]
+    layouts = {lay for lay in of if lay is not None}
     if not layouts:
         return None
-    if len(layouts) > 1 or any(not isinstance(e, QuantExperts) for e in experts):
+    if len(layouts) > 1 or None in of:
         raise ValueError("cgopipe: every layer's experts must be packed pages of one layout "
-                         f"(got {len(layouts)} layouts, unpacked experts mixed in: "
-                         f"{any(not isinstance(e, QuantExperts) for e in experts)})")
+                         f"(got {len(layouts)} layouts, unpacked experts mixed in: {None in of})")
     return layouts.pop()
 
 
@@ -102,18 +104,19 @@ class WeightStream:
         # pinned only once filled: registering faults in the whole pool, and until the loop below has released the
         # host copies layer by layer that would hold every expert twice (the host peak the planner budgets is one)
         self.pool = HostPagePool.for_experts(self.paging, specs, pin=False)
-        self.resident = ResidentExperts(self.paging, [self._expert_tensors(e) for e in experts], device, names)
-        for l in range(spec.num_layers):  # stream layer by layer into the pool, releasing host copies
+        self.resident = ResidentExperts(self.paging, None, device, names)
+        for l in range(spec.num_layers):  # layer by layer: residents to the device, the rest into the pool, then release
             if experts[l] is None:  # a dense layer
                 continue
-            ew = self._expert_tensors(experts[l])
+            ew = self._expert_tensors(experts[l].read() if isinstance(experts[l], ExpertsOnDisk) else experts[l])
+            self.resident.add_layer(l, ew)
             for p in range(self.paging.layer_pages(l)):
                 ids = list(self.paging.page_experts(l, p))
                 if ids and ids == list(range(ids[0], ids[0] + len(ids))):  # contiguous experts: a view, no gather copy
                     self.pool.write_page(l, p, {n: ew[n][ids[0] : ids[0] + len(ids)] for n in names})
                 else:
                     self.pool.write_page(l, p, {n: ew[n][ids] for n in names})
-            experts[l] = None  # the pool now holds this layer's experts
+            experts[l] = ew = None  # the pool and the device hold this layer's experts now: its host copy goes
         if self.cuda:
             self.pool.pin()
         self.buffers = GpuPageBuffers(self.pool, device, 2)

@@ -456,8 +456,8 @@ class MemoryEstimate:
 
     gpu_phases: dict  # phase -> {component: bytes}
     cpu: dict  # component -> bytes on the host while the executor runs (pool, KV, staging, reserve)
-    cpu_load: dict = field(default_factory=dict)  # component -> host bytes while the checkpoint is read (every expert
-    #   in memory before the page pool takes them layer by layer), empty when not modelled
+    cpu_load: dict = field(default_factory=dict)  # component -> host bytes while the checkpoint is read into the page
+    #   pool layer by layer, empty when not modelled
 
     @property
     def gpu_prefill(self) -> dict:
@@ -671,11 +671,12 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
                            + 2 * tp * spec.kv_elems_per_token * b),
         "host reserve": policy.cpu_reserve,
     }
-    # the weight load: the checkpoint's experts all in host memory (the executor's pool then takes them layer by layer,
-    # releasing each layer's host copy: the pool never holds more than what was released)
+    # the weight load: the executor copies the other weights to the GPU (releasing their host copies), then reads the
+    # experts layer by layer, the resident ones to the GPU and the rest into the pool, so the host holds the pool as
+    # filled so far and one layer's experts as read
     cpu_load = {
-        "checkpoint experts (host, before paging)": spec.num_moe_layers * spec.num_experts * We,
-        "non-expert weights (host, before the GPU copy)": spec.non_expert_bytes(policy.dtype),
+        "page pool (filled layer by layer)": cpu["pinned experts (not resident)"],
+        "one layer's experts (host, as read)": spec.num_experts * We,
         "host reserve": policy.cpu_reserve,
     }
     return MemoryEstimate(gpu_phases=phases, cpu=cpu, cpu_load=cpu_load)

@@ -199,10 +199,11 @@ def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> No
     assert best_cpu is not None  # R = 0, g = 0 fits the GPU (checked above)
     if best_cpu.cpu_peak > _cap(budgets.cpu_memory) and best_cpu.cpu_peak_phase == "load":
         c = best_cpu.cpu_load
+        layer = c["one layer's experts (host, as read)"]
         raise PlanInfeasible(
             f"infeasible: host memory {_gib(budgets.cpu_memory)} < {_gib(best_cpu.cpu_peak)} needed to read the checkpoint: "
-            f"its experts ({_gib(c['checkpoint experts (host, before paging)'])}) + the other weights "
-            f"({_gib(c['non-expert weights (host, before the GPU copy)'])}) + reserve ({_gib(c['host reserve'])})")
+            f"the page pool of the experts that do not fit on the GPU ({_gib(c['page pool (filled layer by layer)'])}) + "
+            f"one layer's experts as read ({_gib(layer)}) + reserve ({_gib(c['host reserve'])})")
     if best_cpu.cpu_peak > _cap(budgets.cpu_memory):
         c = best_cpu.cpu
         rest = c["CPU KV cache"] + c["pinned staging"]
@@ -247,6 +248,7 @@ class _Coeffs:
     # memory in bytes per unit of the variable that multiplies it (rows are divided by their budget)
     mem_fixed_gpu: float  # non-expert weights + reserve
     mem_expert: float  # one expert
+    mem_load_host: float  # host bytes of the weight load besides the pool: one layer's experts as read
     mem_scratch: float  # dense scratch of one layer's E experts (hrm.dequant_scratch_bytes; 0 unquantized)
     mem_kv_seq: float  # one sequence's KV (kv_len positions, all layers)
     mem_hidden_dec: float  # one sequence's decode row (hidden, RoPE, position, fp32 logits)
@@ -282,6 +284,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt),
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
+                mem_load_host=spec.num_experts * spec.expert_bytes(q),
                 mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
                 mem_kv_seq=kv_seq, mem_hidden_dec=hrm.decode_row_bytes(spec, dt),
                 mem_attn_gpu_seq=(1 + hrm.FRAGMENTATION) * hrm.gpu_decode_attention_workspace(spec, 1, s_max + G, dt),
@@ -480,6 +483,8 @@ class _Model:
             return
         self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + (C.mem_kv_seq + C.mem_stage_seq) * self.N_cpu
                        + pulp.lpSum(C.mem_stage_pre[m] * self.z[m] for m in C.cands)) * (1 / C.cpu_cap) <= 1), "cpu_mem"
+        # CPU(load) = (L_moe E - R) We (the pool as filled) + E We (one layer as read) <= budget - reserve
+        self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + C.mem_load_host) * (1 / C.cpu_cap) <= 1), "cpu_mem_load"
 
     def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
         """S = sum over MoE layers of max(H_l, C): L_moe - x layers at H = (E - r) wio + A, x layers at H - wio,
