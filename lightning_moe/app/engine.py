@@ -64,6 +64,12 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
         ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job), hardware=hw)
         ex.estimate = jplan.estimate
         return ex
+    if job.gpus > 1:  # one process of the expert-parallel group (app.expert_parallel started it)
+        from ..pipeline.expert_parallel import ExpertParallelExecutor
+        from .expert_parallel import group_info
+
+        rank, world = group_info()
+        return ExpertParallelExecutor(weights, rank, world, device=job.device, dtype=dtype)
     return SerialExecutor(weights, job.device, dtype)
 
 
@@ -374,6 +380,10 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     """
     from tqdm import tqdm
 
+    from .expert_parallel import in_group, run_expert_parallel, share_work
+
+    if job.gpus > 1 and not in_group():  # start the expert-parallel processes; process 0 comes back here
+        return run_expert_parallel(job, progress, log)
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
@@ -396,6 +406,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
             if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report
                 with open(job.output.report_path) as f:
                     old = json.load(f)
+                share_work([], {})  # the other expert-parallel processes have nothing to do either
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
@@ -411,6 +422,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
         partials_file = PartialsFile(job.output.partial_path)
         partials = partials_file.load([t.id for t in work], done)
+    share_work([t.id for t in work if t.error is None], partials)  # the other expert-parallel processes run the same
     prev_runs = previous_runs(job, bool(done) or bool(partials))
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
@@ -419,6 +431,8 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
         "executor": job.executor, "shard": list(job.shard) if job.shard else None, "host": platform.node(),
         "requests_in_input": prep.n_input, "requests_in_shard": len(prep.treqs), "skipped_already_done": skipped,
         "results": writer.path, "status": "running",
+        "expert_parallel": {"processes": job.gpus, "backend": "nccl" if job.device.startswith("cuda") else "gloo"}
+        if job.gpus > 1 else None,
         "partials": {"path": partials_file.path, "resumed_sequences": len(partials),
                      "resumed_tokens": sum(map(len, partials.values()))} if partials_file is not None else None,
     }
