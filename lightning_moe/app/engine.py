@@ -383,7 +383,7 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
     from .expert_parallel import in_group, run_expert_parallel, share_work
 
     if job.gpus > 1 and not in_group():  # start the expert-parallel processes; process 0 comes back here
-        return run_expert_parallel(job, progress, log)
+        return run_expert_parallel(job, run_job, follow_job, progress, log)
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
@@ -536,6 +536,27 @@ def run_job(job: Job, progress: bool = True, log=sys.stderr, runner: Optional[Mo
         finally:
             stop.__exit__(None, None, None)
     return report
+
+
+def follow_job(job: Job, log=sys.stderr) -> None:
+    """Processes 1..G-1: the work process 0 sends (:func:`share_work`), run batch by batch with the job's executor,
+    nothing written."""
+    from tqdm import tqdm
+
+    from .expert_parallel import NoWriter, share_work
+
+    prep = Prepared(job)
+    ids, partials = share_work([], {})
+    if not ids:
+        return
+    by_id = {t.id: t for t in prep.treqs}
+    work = [by_id[i] for i in ids]
+    runner = ModelRunner(prep.files, job.dtype, log)
+    try:
+        executor = runner.executor(job, prep, None)
+        _run_work(job, prep, executor, work, NoWriter(), [], False, log, tqdm, partials=partials)
+    finally:
+        runner.close()
 
 
 def read_partials_ids(path: str) -> set:

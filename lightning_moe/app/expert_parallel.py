@@ -38,7 +38,7 @@ def share_work(work_ids: list, partials: dict) -> tuple[list, dict]:
     return box[0], box[1]
 
 
-class _NoWriter:
+class NoWriter:
     """The results writer of processes 1..G-1: counts, writes nothing (process 0 writes every record)."""
 
     def __init__(self) -> None:
@@ -54,8 +54,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_expert_parallel(job: Job, progress: bool = True, log=sys.stderr) -> dict:
-    """Start ``job.gpus`` processes for ``job`` and wait for them; returns process 0's report (as saved). A process
+def run_expert_parallel(job: Job, lead, follow, progress: bool = True, log=sys.stderr) -> dict:
+    """Start ``job.gpus`` processes for ``job`` and wait for them; returns process 0's report (as saved). Process 0
+    calls ``lead(job, progress=...)`` (engine.run_job), the others ``follow(job)`` (engine.follow_job). A process
     that fails ends the others (torch.multiprocessing.spawn) and its exception is raised here."""
     import torch.multiprocessing as mp
 
@@ -63,7 +64,7 @@ def run_expert_parallel(job: Job, progress: bool = True, log=sys.stderr) -> dict
 
     resolve_model_path(job.model)  # the embedded model is created once, before the processes read it
     print(f"moe-batch: {job.gpus} expert-parallel processes ({_backend(job)} over localhost)", file=log)
-    mp.spawn(_process, args=(job, _free_port(), progress, torch.get_num_threads()), nprocs=job.gpus, join=True)
+    mp.spawn(_process, args=(job, lead, follow, _free_port(), progress, torch.get_num_threads()), nprocs=job.gpus, join=True)
     with open(job.output.report_path) as f:
         return json.load(f)
 
@@ -72,10 +73,8 @@ def _backend(job: Job) -> str:
     return "nccl" if job.device.startswith("cuda") else "gloo"
 
 
-def _process(rank: int, job: Job, port: int, progress: bool, threads: int) -> None:
-    """One process of the group: process 0 runs the job, the others follow it."""
-    from .engine import run_job
-
+def _process(rank: int, job: Job, lead, follow, port: int, progress: bool, threads: int) -> None:
+    """One process of the group: process 0 runs the job (``lead``), the others follow it (``follow``)."""
     torch.set_num_threads(threads)  # the launcher's (the processes share its cores; a GEMM's rounding may follow it)
     torch.distributed.init_process_group(_backend(job), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=job.gpus)
@@ -83,30 +82,8 @@ def _process(rank: int, job: Job, port: int, progress: bool, threads: int) -> No
         if job.device.startswith("cuda"):
             job = dataclasses.replace(job, device=f"cuda:{rank}")
         if rank == 0:
-            run_job(job, progress=progress)
+            lead(job, progress=progress)
         else:
-            follow_job(job)
+            follow(job)
     finally:
         torch.distributed.destroy_process_group()
-
-
-def follow_job(job: Job, log=sys.stderr) -> None:
-    """Processes 1..G-1: the work process 0 sends (:func:`share_work`), run batch by batch with the job's executor,
-    nothing written."""
-    from tqdm import tqdm
-
-    from .engine import ModelRunner, _run_work
-    from .plan import Prepared
-
-    prep = Prepared(job)
-    ids, partials = share_work([], {})
-    if not ids:
-        return
-    by_id = {t.id: t for t in prep.treqs}
-    work = [by_id[i] for i in ids]
-    runner = ModelRunner(prep.files, job.dtype, log)
-    try:
-        executor = runner.executor(job, prep, None)
-        _run_work(job, prep, executor, work, _NoWriter(), [], False, log, tqdm, partials=partials)
-    finally:
-        runner.close()
