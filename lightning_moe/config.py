@@ -154,6 +154,8 @@ class Job:
     hardware: Optional[str] = None  # hardware preset name (e.g. "h200") or absolute path of a profile YAML
     gpu_memory: Optional[int] = None  # GPU memory the planner may use, bytes (YAML accepts "24GiB")
     cpu_memory: Optional[int] = None  # host memory the planner may use, bytes (YAML accepts "64GB")
+    gpus: int = 1  # GPUs of one host (expert parallelism, >= 1): > 1 plans per GPU (gpu_memory is per GPU) and `moe-batch
+    #   run` starts one process per GPU (executor: serial; device cpu runs the processes on the CPU over gloo)
     on_error: str = "fail"  # bad request: "fail" (stop before heavy work) | "record" (write an error record)
     shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
     name: str = "job"  # job name (YAML file stem by default), used in reports
@@ -478,6 +480,7 @@ _TOP_KEYS: dict[str, _Parser] = {
     "hardware": _opt(_p_hardware),
     "gpu_memory": _opt(_p_bytes),
     "cpu_memory": _opt(_p_bytes),
+    "gpus": _p_int(lo=1),
     "on_error": _p_choice(ON_ERROR),
     "shard": _opt(_p_shard),
 }
@@ -623,6 +626,12 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     executor = top.get("executor", "cgopipe" if device.startswith("cuda") else "serial")
     # executor: cgopipe on device: cpu runs the same pipeline with synchronous copies (tests, debugging)
 
+    if top.get("gpus", 1) > 1 and executor != "serial":
+        # the expert-parallel executor is built on the serial executor's math (pipeline/expert_parallel.py)
+        raise ctx.err("gpus", f"gpus > 1 runs the serial executor's expert-parallel form; set executor: serial "
+                              f"(executor is {executor!r}; CGOPipe over several GPUs is not built yet)")
+    if top.get("gpus", 1) > 1 and in_memory:
+        raise ctx.err("gpus", "gpus > 1 starts one process per GPU, which an in-memory job (the Python API) cannot")
     top["device"] = device
     top["executor"] = executor
     top.setdefault("name", name or "job")

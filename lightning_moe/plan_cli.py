@@ -52,6 +52,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="registry name (mixtral-8x7b, ...), tiny-mixtral, or a checkpoint directory")
     p.add_argument("--hardware", help="preset (t4, l4, a100-40g, h100, h200) or a profile .yaml from `moe-batch profile`")
     p.add_argument("--gpu-memory", type=_bytes_arg, help="GPU memory budget, e.g. 24GiB (default: the hardware's)")
+    p.add_argument("--gpus", type=int, help="GPUs of one host, expert parallel (default 1, or the job's gpus): "
+                   "--gpu-memory is per GPU")
     p.add_argument("--cpu-memory", type=_bytes_arg, help="host memory budget, e.g. 192GiB (default: the hardware's)")
     p.add_argument("--prompt-len", type=float, help="mean prompt length in tokens")
     p.add_argument("--max-prompt-len", type=int, help="longest prompt in tokens (sizes the KV cache; default: prompt length)")
@@ -170,9 +172,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
         check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time
         check_cpu_budget(int(cpu_mem), hw)  # nor one for host memory the machine does not have
+        gpus = args.gpus if args.gpus is not None else (getattr(job, "gpus", 1) if job is not None else 1)
         budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
                           gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
-                          cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve)
+                          cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve, gpus=gpus)
         t0 = time.perf_counter()
         policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit)
         elapsed = time.perf_counter() - t0
@@ -195,7 +198,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"moe-batch plan: error: {e}", file=sys.stderr)
             return 2
     if args.output:
-        header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}, host {format_bytes(budgets.cpu_memory)}, "
+        per = f" x {budgets.gpus} GPUs" if budgets.gpus > 1 else ""
+        header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}{per}, host {format_bytes(budgets.cpu_memory)}, "
                   f"{workload.name or 'workload'}\npredicted end-to-end {est.e2e_tok_s:.1f} tok/s (prefill {est.prefill_tok_s:.0f}, "
                   f"decode {est.decode_tok_s:.1f}); binding: prefill {est.prefill_binding}, decode {est.decode_binding}")
         try:

@@ -231,3 +231,12 @@ def test_expert_ffn_key(jobdir):
     assert expert_ffn_for(load_job(write_job(jobdir, BASE + "device: cpu\nexpert_ffn: triton\n"))) == "triton"
     with pytest.raises(ConfigError, match=r"x\.yaml: expert_ffn: .*cuda-graph"):
         load_job(write_job(jobdir, BASE + "expert_ffn: cuda-graph\n"))
+
+
+def test_gpus_key(jobdir):
+    assert load_job(write_job(jobdir, BASE)).gpus == 1
+    assert load_job(write_job(jobdir, BASE + "device: cpu\ngpus: 2\n")).gpus == 2
+    for bad, msg in (("gpus: 0\n", "gpus"), ("gpus: two\n", "gpus"), ("gpus: 2\n", "executor: serial"),
+                     ("gpus: 2\ndevice: cpu\nexecutor: cgopipe\n", "executor: serial")):
+        with pytest.raises(ConfigError, match=msg):
+            load_job(write_job(jobdir, BASE + bad))

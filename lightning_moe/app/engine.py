@@ -76,6 +76,12 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
         ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job), hardware=hw)
         ex.estimate = jplan.estimate
         return ex
+    if job.gpus > 1:  # one process of the expert-parallel group (app.expert_parallel started it)
+        from ..pipeline.expert_parallel import ExpertParallelExecutor
+        from .expert_parallel import group_info
+
+        rank, world = group_info()
+        return ExpertParallelExecutor(weights, rank, world, device=job.device, dtype=dtype)
     return SerialExecutor(weights, job.device, dtype)
 
 
@@ -413,7 +419,11 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     """
     from tqdm import tqdm
 
+    from .expert_parallel import in_group, run_expert_parallel, share_work
+
     log = log if log is not None else sys.stderr
+    if job.gpus > 1 and not in_group():  # start the expert-parallel processes; process 0 comes back here
+        return run_expert_parallel(job, run_job, follow_job, progress, log)
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     check_device(job)
@@ -436,6 +446,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
             if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report
                 with open(job.output.report_path) as f:
                     old = json.load(f)
+                share_work([], {})  # the other expert-parallel processes have nothing to do either
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
@@ -451,6 +462,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
         partials_file = PartialsFile(job.output.partial_path)
         partials = partials_file.load([t.id for t in work], done)
+    share_work([t.id for t in work if t.error is None], partials)  # the other expert-parallel processes run the same
     prev_runs = previous_runs(job, bool(done) or bool(partials))
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
@@ -459,6 +471,8 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
         "executor": job.executor, "shard": list(job.shard) if job.shard else None, "host": platform.node(),
         "requests_in_input": prep.n_input, "requests_in_shard": len(prep.treqs), "skipped_already_done": skipped,
         "results": writer.path, "status": "running",
+        "expert_parallel": {"processes": job.gpus, "backend": "nccl" if job.device.startswith("cuda") else "gloo"}
+        if job.gpus > 1 else None,
         "partials": {"path": partials_file.path, "resumed_sequences": len(partials),
                      "resumed_tokens": sum(map(len, partials.values()))} if partials_file is not None else None,
     }
@@ -562,6 +576,27 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
         finally:
             stop.__exit__(None, None, None)
     return report
+
+
+def follow_job(job: Job, log=sys.stderr) -> None:
+    """Processes 1..G-1: the work process 0 sends (:func:`share_work`), run batch by batch with the job's executor,
+    nothing written."""
+    from tqdm import tqdm
+
+    from .expert_parallel import NoWriter, share_work
+
+    prep = Prepared(job)
+    ids, partials = share_work([], {})
+    if not ids:
+        return
+    by_id = {t.id: t for t in prep.treqs}
+    work = [by_id[i] for i in ids]
+    runner = ModelRunner(prep.files, job.dtype, log)
+    try:
+        executor = runner.executor(job, prep, None)
+        _run_work(job, prep, executor, work, NoWriter(), [], False, log, tqdm, partials=partials)
+    finally:
+        runner.close()
 
 
 def read_partials_ids(path: str) -> set:

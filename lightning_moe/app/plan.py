@@ -121,6 +121,7 @@ def policy_for_job(job, prep):
         fields.setdefault("dtype", dt)
         fields.setdefault("weight_quant", wq)
         fields.setdefault("prefill_mu", fields.get("mu", 1))
+        fields.setdefault("gpus", getattr(job, "gpus", 1))
         return Policy.from_dict(fields, where=_named(job, "policy")), None
     if isinstance(job.policy, str) and job.policy != "auto":
         return Policy.load(job.policy), None
@@ -132,7 +133,7 @@ def policy_for_job(job, prep):
             check_cpu_budget(job.cpu_memory, hw)
     except ValueError as e:  # name the job file, as the config errors do
         raise ValueError(_named(job, str(e))) from None
-    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq,
+    budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq, gpus=getattr(job, "gpus", 1),
                                    **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
     return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -225,6 +225,50 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: Optional[int] =
 # --------------------------------------------------------------------------------------------------
 
 
+def _slot_outputs(x: torch.Tensor, expert_out: Callable[[int, torch.Tensor], torch.Tensor], experts: Sequence[int],
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``order="hf"``'s per-(token, slot) products ``expert_out(e, tokens) * w`` of the pairs routed to ``experts``
+    (ascending ids), in a zero ``[T*k, D]`` buffer of the promoted dtype (fp32 with fp32 weights); pairs routed
+    elsewhere stay 0."""
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)  # [P]
+    rw = topk_weights.reshape(-1)  # [P]
+    y = torch.zeros((T * k, D), dtype=torch.promote_types(x.dtype, rw.dtype), device=x.device)  # [P, D]
+    for e in experts:
+        pairs = torch.where(flat == e)[0]  # [n_e] pair ids p = t*k + slot, ascending
+        tok = torch.div(pairs, k, rounding_mode="floor")
+        y[pairs] = expert_out(int(e), tok) * rw[pairs, None]
+    return y
+
+
+def expert_slot_outputs_from(
+    x: torch.Tensor,
+    get_expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    owned: Sequence[int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """The weighted per-slot outputs ``[T, k, D]`` (fp32 with fp32 weights) of :func:`experts_ffn_reference_from`'s
+    ``order="hf"`` for the experts in ``owned`` only (``get_expert`` is asked for those that receive tokens, ascending);
+    the slots routed to other experts are 0. Expert parallelism: the sum of these tensors over disjoint ``owned`` sets
+    that cover every expert, then ``.sum(dim=1).to(x.dtype)``, is bit for bit the reference's result (each slot is
+    non-zero in one tensor only, so the sum adds zeros)."""
+    T, D = x.shape
+    k = _check_routing("expert_slot_outputs_from", T, topk_weights, topk_ids)
+
+    def expert_out(e: int, tok: torch.Tensor) -> torch.Tensor:
+        w1e, w3e, w2e = get_expert(e)
+        xs = x[tok]  # [n_e, D]
+        return F.linear(act(F.linear(xs, w1e)) * F.linear(xs, w3e), w2e)  # [n_e, D]
+
+    mine = set(owned)
+    hit = [e for e in torch.unique(topk_ids).tolist() if e in mine]  # this part's experts with tokens, ascending
+    return _slot_outputs(x, expert_out, hit, topk_weights, topk_ids).view(T, k, D)
+
+
 def experts_ffn_reference_from(
     x: torch.Tensor,
     get_expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -272,13 +316,7 @@ def experts_ffn_reference_from(
     hit = torch.unique(topk_ids).tolist()  # experts with tokens, ascending (one host sync)
     if order == "hf":
         # transformers >= 5 grouped_mm / batched_mm: per pair y * w (fp32), sum over the k slots in fp32
-        flat = topk_ids.reshape(-1)  # [P]
-        rw = topk_weights.reshape(-1)  # [P]
-        y = torch.zeros((T * k, D), dtype=torch.promote_types(x.dtype, rw.dtype), device=x.device)  # [P, D]
-        for e in hit:
-            pairs = torch.where(flat == e)[0]  # [n_e] pair ids p = t*k + slot, ascending
-            tok = torch.div(pairs, k, rounding_mode="floor")
-            y[pairs] = expert_out(int(e), tok) * rw[pairs, None]
+        y = _slot_outputs(x, expert_out, hit, topk_weights, topk_ids)  # [P, D]
         return y.view(T, k, D).sum(dim=1).to(x.dtype)
 
     # transformers eager loops: rows of an expert ordered by (slot, token) (torch.where over the [k, T]

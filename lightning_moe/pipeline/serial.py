@@ -185,6 +185,7 @@ class SerialExecutor:
         self.w = weights
         self.spec = weights.spec
         self.family = fam = family_of(self.spec)  # the model family's layer math (model/families/)
+        self.experts_ffn = fam.experts_ffn  # the routed expert FFN post_attention calls (expert parallelism sets its own)
         if fam.attention not in ("gqa", "mla"):
             raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa, mla)")
         self.mla = fam.attention == "mla"
@@ -245,7 +246,7 @@ class SerialExecutor:
         if kv is not None:
             for row, (s, e) in enumerate(spans):
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
-        return fam.post_attention(lw, self._experts(layer), x, attn, self.spec, fam.experts_ffn)
+        return fam.post_attention(lw, self._experts(layer), x, attn, self.spec, self.experts_ffn)
 
     def _forward_prefill(self, prompts: Sequence[Sequence[int]],
                          kv: Optional[KVCache | LatentKVCache]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +286,7 @@ class SerialExecutor:
             attn = cpu_decode_attention(q, K, V, new_len, self.spec.sliding_window)  # [B', Hq*hd]
             if not self.on_host:
                 self.stats.h2d_bytes += attn.numel() * attn.element_size()
-            x = fam.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec, fam.experts_ffn)  # [B', D]
+            x = fam.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec, self.experts_ffn)  # [B', D]
         kv.lengths[rows] += 1
         return fam.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
 
@@ -304,7 +305,7 @@ class SerialExecutor:
         if not self.on_host:
             self.stats.h2d_bytes += o_lat.numel() * o_lat.element_size()
         attn = fam.mla_unabsorb(lw, o_lat.to(self.device), spec)  # [B', Hq*v_hd]
-        return fam.post_attention(lw, self._experts(layer), x, attn, spec, fam.experts_ffn)  # [B', D]
+        return fam.post_attention(lw, self._experts(layer), x, attn, spec, self.experts_ffn)  # [B', D]
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -158,6 +158,9 @@ class HardwareProfile:
     #   of the Triton and the grouped_mm expert FFN; CGOPipe's expert_ffn "auto" picks the faster at the bucket nearest a
     #   call's T, and the HRM's routed-expert term uses the faster rate (log-T interpolated) for that shape. Empty
     #   (presets, older profiles): the Triton kernel everywhere, gpu_expert_flops in the HRM
+    gpu_link: float = 0.0  # bytes/s one GPU sends to the others during an all-reduce (NVLink, or PCIe peer-to-peer) with
+    #   several GPUs of the host (expert parallelism, Budgets.gpus); 0 = unmeasured: pcie_h2d (peer copies over PCIe,
+    #   the link of hosts without NVLink; pessimistic for NVLink hosts)
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles
@@ -172,6 +175,11 @@ class HardwareProfile:
         for key in ("gpu_hbm_bandwidth", "gpu_flops_bf16", "pcie_h2d", "pcie_d2h", "cpu_attention_bandwidth", "cpu_attention_flops"):
             if getattr(self, key) <= 0:
                 raise HardwareError(f"{self.name}: {key}: must be > 0, got {getattr(self, key)!r}")
+
+    @property
+    def gpu_link_bandwidth(self) -> float:
+        """bytes/s of the GPU-to-GPU link the HRM's token exchange uses: ``gpu_link``, or ``pcie_h2d`` when 0."""
+        return self.gpu_link if self.gpu_link > 0 else self.pcie_h2d
 
     def expert_ffn_table(self, hidden: int, intermediate: int, experts: int, top_k: int,
                          dtype: str) -> tuple:

@@ -33,6 +33,18 @@ against its text here, so "Sec." citations are the reliable ones.
                pages), + head for the last token of each sequence
   (H9) throughput: prefill N * prompt_len / T_prefill; decode N * (G - 1) / T_decode;
                end-to-end N * G / (T_prefill + T_decode)  (the planner's objective)
+  (H10) g GPUs of one host (Policy.gpus, expert parallelism; g = 1 is everything above, bit for bit): expert e of
+               each layer lives on GPU e % g (resident experts are 0..r-1 of a layer, so a GPU holds at most
+               ceil(r / g) of them and pages at most ceil((E - r) / g)); each GPU pages its share over its own PCIe
+               link: T_h2d's expert term is ceil((E - r) / g) expert_bytes / B_h2d. Attention, the dense parts and the
+               shared experts run replicated (data-identical) on every GPU; each GPU computes its experts' share of the
+               routed FFN (the experts term / g; dequantization of ceil(E / g) experts) and the per-layer token
+               exchange is an all-reduce (sum) of the routed experts' fp32 slot outputs [T, k, D] over the
+               GPU-to-GPU link (ring: 2 (g - 1) / g of the bytes per GPU, HardwareProfile.gpu_link), on the GPU
+               stream. Every process runs its own CPU attention over the same CPU rows on one shared host: T_cpu x g,
+               and the host holds g CPU KV caches, g staging buffers and g process reserves (the pinned expert pool
+               once: each process pins its own experts). Memory per GPU: the non-expert weights, its resident
+               experts, two page buffers of ceil((E - r) / g) experts.
 
 Memory (real byte counts, DESIGN.md): GPU = non-expert weights + resident experts + 2 page buffers (each
 the largest non-resident set of one layer) + for quantized pages a dense scratch of one layer's E experts
@@ -161,19 +173,36 @@ def gpu_dense_ffn_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype:
     return roofline(2 * tokens * p, p * b + tokens * 2 * spec.hidden_size * b, P, B)
 
 
-def gpu_layer_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dense: bool, dtype: str = "bf16", quant: str = "bf16") -> float:
+def token_exchange_time(spec: MoESpec, hw: HardwareProfile, tokens: float, gpus: int = 1) -> float:
+    """(H10) The per-layer token exchange of ``gpus`` expert-parallel GPUs for ``tokens`` tokens: a ring all-reduce
+    (sum) of the routed experts' fp32 slot outputs [T, k, D] (each slot non-zero on the one GPU holding its expert,
+    so the sum is exact), 2 (g - 1) / g * T k D 4 bytes per GPU over ``hw.gpu_link_bandwidth``; 0 for one GPU."""
+    if gpus <= 1:
+        return 0.0
+    return 2 * (gpus - 1) / gpus * tokens * spec.top_k * spec.hidden_size * 4 / hw.gpu_link_bandwidth
+
+
+def paged_per_gpu(non_resident: int, gpus: int = 1) -> int:
+    """(H10) Paged experts of one layer on the busiest of ``gpus`` GPUs (expert e on GPU e % g): ceil(non_resident / g).
+    The same bound holds for a layer's resident experts."""
+    return -(-non_resident // gpus)
+
+
+def gpu_layer_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dense: bool, dtype: str = "bf16", quant: str = "bf16",
+                   gpus: int = 1) -> float:
     """GPU time of one layer for one micro-batch of ``tokens`` tokens, attention itself excluded.
 
     MoE layer: qkv + o_proj + router + experts + shared; dense layer: qkv + o_proj + dense FFN; plus the
     profile's fixed ``microbatch_overhead`` (host issue cost of one micro-batch's kernels): at decode sizes
     the kernels are tiny and the GPU stream runs no faster than the host issues them, which the
-    roofline terms alone would miss (it is what makes many small micro-batches slow).
+    roofline terms alone would miss (it is what makes many small micro-batches slow). With ``gpus`` > 1 (H10):
+    the experts term / g on each GPU, + the token exchange (:func:`token_exchange_time`).
     """
     t = hw.microbatch_overhead + gpu_qkv_time(spec, hw, tokens, dtype) + gpu_o_proj_time(spec, hw, tokens, dtype)
     if dense:
         return t + gpu_dense_ffn_time(spec, hw, tokens, dtype)
-    return (t + gpu_router_time(spec, hw, tokens, dtype) + gpu_experts_time(spec, hw, tokens, dtype, quant)
-            + gpu_shared_experts_time(spec, hw, tokens, dtype))
+    return (t + gpu_router_time(spec, hw, tokens, dtype) + gpu_experts_time(spec, hw, tokens, dtype, quant) / gpus
+            + gpu_shared_experts_time(spec, hw, tokens, dtype) + token_exchange_time(spec, hw, tokens, gpus))
 
 
 def gpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
@@ -298,19 +327,21 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     micro-batch's GPU and CPU time): each stage also pays the other's first/last micro-batch. With n = 1
     this is G + C, no overlap, which is what the executor does.
     """
-    dt, q = policy.dtype, policy.weight_quant
+    dt, q, g = policy.dtype, policy.weight_quant, policy.gpus
     dense = spec.is_dense_layer(layer)
     cpu_seqs = policy.n_cpu_attn * policy.mu
-    h2d = (0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)) + decode_h2d_act_time(spec, hw, cpu_seqs, dt)
-    gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q)  # one micro-batch, attention excluded
+    h2d = ((0.0 if dense else expert_h2d_time(spec, hw, paged_per_gpu(non_resident, g), q))
+           + decode_h2d_act_time(spec, hw, cpu_seqs, dt))
+    gpu_mb = gpu_layer_time(spec, hw, policy.mu, dense, dt, q, g)  # one micro-batch, attention excluded
     gpu = policy.n * gpu_mb + policy.n_gpu_attn * gpu_decode_attention_time(spec, hw, policy.mu, context + gpu_offset, dt)
-    if not dense and q in QUANT_FORMATS:  # all E experts dequantized once per layer visit
-        gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
+    if not dense and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
+        gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
-    cpu = policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)
+    # (H10) every process attends over the same CPU rows on one shared host: x g
+    cpu = (policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)) * g
     host = decode_host_issue_time(hw, policy)
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
-        cpu_mb = call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)
+        cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)) * g
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
         if hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0:  # the host waits for the layer's last CPU
             host += cpu_mb  # attention with nothing left to issue (the MILP's host row has the same term)
@@ -328,16 +359,16 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     """(H8) one prefill layer: experts paged the same way, attention on the GPU per prefill micro-batch; quantized
     pages add T_deq once (CGOPipe dequantizes the layer's experts on the visit's first FFN call and reuses the dense
     experts for the rest of the layer visit)."""
-    dt, q = policy.dtype, policy.weight_quant
+    dt, q, g = policy.dtype, policy.weight_quant, policy.gpus
     dense = spec.is_dense_layer(layer)
     gpu = 0.0
     mbs = prefill_micro_batches(policy.N, policy.prefill_mu)
     for count, size in mbs:
         tokens = size * prompt_len
-        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt))
-    if not dense and mbs and q in QUANT_FORMATS:  # all E experts dequantized once per layer visit
-        gpu += gpu_dequant_time(spec, hw, spec.num_experts, q, dt)
-    h2d = 0.0 if dense else expert_h2d_time(spec, hw, non_resident, q)
+        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt))
+    if not dense and mbs and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
+        gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)
+    h2d = 0.0 if dense else expert_h2d_time(spec, hw, paged_per_gpu(non_resident, g), q)
     return StageTimes(h2d=h2d, d2h=prefill_d2h_time(spec, hw, policy.n_cpu_attn * policy.mu, prompt_len, dt), cpu=0.0, gpu=gpu)
 
 
@@ -540,10 +571,11 @@ def kv_cache_bytes(policy: Policy, spec: MoESpec, workload: Workload) -> tuple[i
     return total(n_gpu, policy.N), total(n_cpu, n_cpu)
 
 
-def dequant_scratch_bytes(spec: MoESpec, quant: str, dtype: str = "bf16") -> int:
+def dequant_scratch_bytes(spec: MoESpec, quant: str, dtype: str = "bf16", gpus: int = 1) -> int:
     """Bytes of CGOPipe's dense scratch for one layer's dequantized experts (paged and resident):
-    ``E * expert_bytes(dtype)`` when ``quant`` is a quantized format, else 0."""
-    return spec.num_experts * spec.expert_bytes(dtype) if quant in QUANT_FORMATS else 0
+    ``E * expert_bytes(dtype)`` when ``quant`` is a quantized format, else 0 (with ``gpus`` > 1: ceil(E / g) experts,
+    one GPU's share, H10)."""
+    return paged_per_gpu(spec.num_experts, gpus) * spec.expert_bytes(dtype) if quant in QUANT_FORMATS else 0
 
 
 PREFILL_INDEX_BYTES = 34  # per prompt token: position (8 B) and prefill attention's src / keep / valid indexes (17 B per padded token, <= 2x)
@@ -619,14 +651,19 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     as the MILP's linear rows do). Decode: GPU KV, N decode rows (hidden, RoPE, logits), two micro-batches'
     temporaries in flight, and attention scores for every GPU-attention row (linear in those rows, as in the MILP;
     one micro-batch's are alive at a time). Scoring (``workload.scoring``): no KV; the batch's packed rows and the larger of
-    one chunk's layer temporaries and the chunked scoring head.
+    one chunk's layer temporaries and the chunked scoring head. With ``policy.gpus`` g > 1 (H10) the GPU phases are
+    one GPU's (ceil(r / g) resident and ceil((E - r) / g) paged experts per layer) and the host holds g processes' CPU
+    KV, staging, reserves and non-expert weights at load (each process reads only its own experts).
     Raises PolicyError if the resident experts do not fit the spec.
     """
     b = dtype_bytes(policy.dtype)
     We = spec.expert_bytes(policy.weight_quant)
     counts = policy.resident_counts(spec)
     R = sum(counts)
-    max_paged = max((spec.num_experts - c for i, c in enumerate(counts) if not spec.is_dense_layer(i)), default=0)
+    g = policy.gpus  # (H10) GPU components are per GPU; host components of the processes add up
+    max_paged = max((paged_per_gpu(spec.num_experts - c, g) for i, c in enumerate(counts) if not spec.is_dense_layer(i)),
+                    default=0)
+    R_gpu = sum(paged_per_gpu(c, g) for c in counts)  # resident experts on the GPU holding the most (GPU 0)
     mu = policy.mu
     # sequences of the largest batch: the policy's N, or every sequence of a smaller job (the runner's batches hold
     # no more than the job has)
@@ -635,9 +672,9 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     tp, padded, longest = prefill_chunk_shape(policy, workload)
     common = {
         "non-expert weights": spec.non_expert_bytes(policy.dtype),
-        "resident experts": R * We,
+        "resident experts": R_gpu * We,
         "expert page buffers (2)": 2 * max_paged * We,
-        "dequantized expert scratch": dequant_scratch_bytes(spec, policy.weight_quant, policy.dtype),
+        "dequantized expert scratch": dequant_scratch_bytes(spec, policy.weight_quant, policy.dtype, g),
     }
     rows = workload.prompt_tokens(N) * prefill_token_bytes(spec, policy.dtype)
     chunk = prefill_chunk_workspace(spec, tp, padded, longest, policy.dtype,
@@ -666,18 +703,18 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
     cpu_seqs = policy.n_cpu_attn * mu
     cpu = {
         "pinned experts (not resident)": (spec.num_moe_layers * spec.num_experts - R) * We,
-        "CPU KV cache": kv_cpu,
+        "CPU KV cache": kv_cpu * g,
         "pinned staging": (2 * cpu_seqs * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b
-                           + 2 * tp * spec.kv_elems_per_token * b),
-        "host reserve": policy.cpu_reserve,
+                           + 2 * tp * spec.kv_elems_per_token * b) * g,
+        "host reserve": policy.cpu_reserve * g,
     }
     # the weight load: the executor copies the other weights to the GPU (releasing their host copies), then reads the
     # experts layer by layer, the resident ones to the GPU and the rest into the pool, so the host holds the pool as
     # filled so far and one layer's experts as read
     cpu_load = {
         "page pool (filled layer by layer)": cpu["pinned experts (not resident)"],
-        "one layer's experts (host, as read)": spec.num_experts * We,
-        "host reserve": policy.cpu_reserve,
+        "one layer's experts (host, as read)": spec.num_experts * We * g,
+        "host reserve": policy.cpu_reserve * g,
     }
     return MemoryEstimate(gpu_phases=phases, cpu=cpu, cpu_load=cpu_load)
 

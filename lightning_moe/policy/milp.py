@@ -124,7 +124,7 @@ def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, m
     return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.prompt_len), resident_experts=counts,
                   n_gpu_attn=n_gpu_attn, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
                   gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
-                  gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
+                  gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve, gpus=budgets.gpus)
 
 
 def max_micro_batches(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, kv_len: Optional[float] = None) -> int:
@@ -260,7 +260,8 @@ class _Coeffs:
     mem_stage_seq: float  # pinned staging per CPU-attention sequence
     mem_stage_pre: dict  # m -> pinned prefill KV staging
     gpu_cap: float  # GPU bytes the MILP may fill (budget minus margin)
-    cpu_cap: float  # host bytes the MILP may fill (budget minus margin, minus reserve)
+    cpu_cap: float  # host bytes the MILP may fill (budget minus margin, minus the reserve of every process)
+    gpus: int = 1  # expert-parallel GPUs (hrm H10): per-GPU paging and memory rows, the CPU stage and host KV x gpus
 
 
 def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
@@ -270,7 +271,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     packed prefill hidden rows, which hrm.memory_estimate counts exactly (Workload.prompt_tokens);
     ``offsets`` (cpu, gpu) shift the decode context of the CPU / GPU attention rows (constants per solve: plan()
     iterates them to a fixed point, since the true offsets depend on the policy)."""
-    dt, q = budgets.dtype, budgets.weight_quant
+    dt, q, g = budgets.dtype, budgets.weight_quant, budgets.gpus
     b = dtype_bytes(dt)
     s, s_max, G = workload.prompt_len, workload.max_prompt, workload.gen_len
     contexts = [s + t for t in range(1, G)]
@@ -278,32 +279,33 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     C = _Coeffs(cands=list(cands), calls={m: hrm.cpu_attention_calls(m) for m in cands}, pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c + offsets[1], dt) for c in contexts},
                 cpu_off=offsets[0],
-                cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt), cpu_call=hw.cpu_attention_overhead,
+                cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt) * g, cpu_call=hw.cpu_attention_overhead * g,
                 host_c=hw.host_issue_cpu_attn, host_g=hw.host_issue_gpu_attn,
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt),
                 mem_fixed_gpu=spec.non_expert_bytes(dt) + budgets.gpu_reserve, mem_expert=spec.expert_bytes(q),
-                mem_load_host=spec.num_experts * spec.expert_bytes(q),
-                mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt),
+                mem_load_host=spec.num_experts * spec.expert_bytes(q) * g,
+                mem_scratch=hrm.dequant_scratch_bytes(spec, q, dt, g),
                 mem_kv_seq=kv_seq, mem_hidden_dec=hrm.decode_row_bytes(spec, dt),
                 mem_attn_gpu_seq=(1 + hrm.FRAGMENTATION) * hrm.gpu_decode_attention_workspace(spec, 1, s_max + G, dt),
                 mem_hidden_pre=max(1.0, kv_len - G) * hrm.prefill_token_bytes(spec, dt) + hrm.prefill_logit_bytes(spec, dt),
                 mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
-                mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b, mem_stage_pre={},
-                gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve)
+                mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b * g,
+                mem_stage_pre={}, gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve * g,
+                gpus=g)
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p
         tp = prefill_chunk_tokens(p, s_max)  # padded tokens of the largest prefill micro-batch
         nmax = max_micro_batches(spec, workload, budgets, m, kv_len)
         C.nmax[m] = nmax if n_cap is None else min(n_cap, nmax)
-        C.mb_moe[m] = hrm.gpu_layer_time(spec, hw, m, False, dt, q)
-        C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q)
+        C.mb_moe[m] = hrm.gpu_layer_time(spec, hw, m, False, dt, q, g)
+        C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q, g)
         C.head[m] = hrm.gpu_head_time(spec, hw, m, m, dt)
         k = m // p  # prefill micro-batches per decode micro-batch
-        C.pre_moe[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, False, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
-        C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
+        C.pre_moe[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, False, dt, q, g) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
+        C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q, g) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
         slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
         C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q))
@@ -312,10 +314,10 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.mem_ws_pre[m] = (slack * hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False,
                                                           groups=hrm.expert_groups(q))
                            + p * (spec.hidden_size + spec.vocab_size) * b)
-        C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b
+        C.mem_stage_pre[m] = 2 * tp * spec.kv_elems_per_token * b * g
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
         c = contexts[-1] if contexts else s + 1
-        for got, want in ((hrm.cpu_decode_attention_time(spec, hw, m, c, dt), m * c * C.cpu_rate),
+        for got, want in ((hrm.cpu_decode_attention_time(spec, hw, m, c, dt) * g, m * c * C.cpu_rate),
                           (hrm.gpu_decode_attention_time(spec, hw, m, c, dt), m * hrm.gpu_decode_attention_time(spec, hw, 1, c, dt)),
                           (hrm.decode_d2h_time(spec, hw, m, dt), m * C.d2h_seq), (hrm.prefill_d2h_time(spec, hw, m, s, dt), m * C.pre_d2h_seq),
                           (hrm.gpu_dequant_time(spec, hw, m, q, dt), m * C.wdq)):
@@ -396,6 +398,14 @@ class _Model:
         self.N = pulp.lpSum(m * self.w[m] for m in C.cands)  # N = mu * n
         self.x = pulp.lpSum((1 << i) * bt for i, bt in enumerate(self.beta))  # MoE layers holding r + 1 experts
         self.R = self.L_moe * self.r + self.x  # resident experts in total
+        g = C.gpus
+        if g == 1:  # one GPU: it pages E - r experts of an r-layer (E - r - 1 of an (r + 1)-layer) and holds all R
+            self.paged, self.paged_extra, self.R_gpu = self.E - self.r, self.E - self.r - 1, self.R
+        else:  # (H10) the busiest GPU: integers >= (E - r) / g, (E - r - 1) / g, r / g (pushed down to the ceilings)
+            self.paged = P("paged", lowBound=0, upBound=self.E, cat="Integer")
+            self.paged_extra = P("paged_extra", lowBound=0, upBound=self.E, cat="Integer")
+            self.r_gpu = P("r_gpu", lowBound=0, upBound=self.E, cat="Integer")
+            self.R_gpu = self.L_moe * self.r_gpu + self.x  # resident on one GPU (an upper bound: hrm re-checks exactly)
 
     # -- constraint groups --
     def _mu_choice(self) -> None:
@@ -420,6 +430,12 @@ class _Model:
         self.prob += self.y_cpu <= self.n_cpu, "y_cpu_le"
 
     def _residency(self) -> None:
+        if self.C.gpus > 1:
+            g = self.C.gpus
+            # g paged >= E - r, g paged_extra >= E - r - 1, g r_gpu >= r: one GPU's share of a layer (expert e on GPU e % g)
+            self.prob += g * self.paged >= self.E - self.r, "paged_per_gpu"
+            self.prob += g * self.paged_extra >= self.E - self.r - 1, "paged_extra_per_gpu"
+            self.prob += g * self.r_gpu >= self.r, "resident_per_gpu"
         # x <= L_moe - 1: at most L_moe - 1 layers hold the extra expert (all L_moe would be r + 1 everywhere)
         self.prob += self.x <= self.L_moe - 1, "x_le_L"
         # x <= (L_moe - 1) x_pos and r + x_pos <= E: a layer can hold r + 1 only if r + 1 <= E
@@ -459,7 +475,7 @@ class _Model:
         C = self.C
         # non-expert weights + reserve + E Ws (dense dequantization scratch, quantized pages) + R We (resident)
         # + 2 (E - r) We (page buffers sized for the r-layers) + N_gpu kv_seq
-        return (C.mem_fixed_gpu + C.mem_scratch + C.mem_expert * self.R + 2 * C.mem_expert * (self.E - self.r)
+        return (C.mem_fixed_gpu + C.mem_scratch + C.mem_expert * self.R_gpu + 2 * C.mem_expert * self.paged
                 + C.mem_kv_seq * self.N_gpu)
 
     def _gpu_memory_decode(self) -> None:
@@ -481,9 +497,10 @@ class _Model:
         if C.cpu_cap <= 0:
             self.prob += self.z[C.cands[0]] >= 2, "cpu_reserve_exceeds_budget"  # infeasible on purpose
             return
-        self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + (C.mem_kv_seq + C.mem_stage_seq) * self.N_cpu
+        # (H10) g processes: g CPU KV caches and staging buffers (mem_stage_seq, mem_stage_pre are x g already)
+        self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + (C.mem_kv_seq * C.gpus + C.mem_stage_seq) * self.N_cpu
                        + pulp.lpSum(C.mem_stage_pre[m] * self.z[m] for m in C.cands)) * (1 / C.cpu_cap) <= 1), "cpu_mem"
-        # CPU(load) = (L_moe E - R) We (the pool as filled) + E We (one layer as read) <= budget - reserve
+        # CPU(load) = (L_moe E - R) We (the pool as filled) + g E We (one layer as read per process) <= budget - reserve
         self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + C.mem_load_host) * (1 / C.cpu_cap) <= 1), "cpu_mem_load"
 
     def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
@@ -495,12 +512,12 @@ class _Model:
         bounded above by q_i <= wio beta_i, q_i <= V - U:  S >= L V - sum_i 2^i q_i.  At the optimum V, U are the
         true maxima (raising V costs L, gains at most x < L) so S is exact.
         """
-        L, E, wio = self.L_moe, self.E, self.C.wio
+        L, wio = self.L_moe, self.C.wio
         P = self._var
         V, U, S = P(f"V_{name}", lowBound=0), P(f"U_{name}", lowBound=0), P(f"S_{name}", lowBound=0)
-        self.prob += V >= (E - self.r) * wio + A, f"V_{name}_h2d"
+        self.prob += V >= self.paged * wio + A, f"V_{name}_h2d"
         self.prob += V >= Cvar, f"V_{name}_rest"
-        self.prob += U >= (E - self.r - 1) * wio + A, f"U_{name}_h2d"
+        self.prob += U >= self.paged_extra * wio + A, f"U_{name}_h2d"
         self.prob += U >= Cvar, f"U_{name}_rest"
         q = []
         for i, bt in enumerate(self.beta):
@@ -523,7 +540,8 @@ class _Model:
         MoE layer dequantizes all its E experts once per visit, whatever it holds resident, in both phases). None
         for unquantized pages (wdq = 0)."""
         C = self.C
-        self.deq = C.wdq * self.E * pulp.lpSum(self.z[m] for m in C.cands) if C.wdq > 0 else None
+        E = hrm.paged_per_gpu(self.E, C.gpus)  # (H10) one GPU's share of the layer's experts
+        self.deq = C.wdq * E * pulp.lpSum(self.z[m] for m in C.cands) if C.wdq > 0 else None
 
     def _stage_max(self, name: str, gpu: pulp.LpAffineExpression, rest: list) -> pulp.LpVariable:
         """C >= the GPU row ``gpu`` (+ the dequantization time) and >= every row of ``rest``: the non-H2D stage
@@ -802,7 +820,7 @@ def scoring_policy(spec: MoESpec, workload: Workload, budgets: Budgets, N: int, 
     return Policy(mu=N, n=1, prefill_mu=rows, prefill_tokens=prefill_tokens,
                   resident_experts=resident, n_gpu_attn=1, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
                   gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
-                  gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve)
+                  gpu_reserve=budgets.gpu_reserve, cpu_reserve=budgets.cpu_reserve, gpus=budgets.gpus)
 
 
 def plan_scoring(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets) -> tuple[Policy, "hrm.Estimate"]:

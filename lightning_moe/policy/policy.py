@@ -211,9 +211,11 @@ class Budgets:
     dtype: str = "bf16"  # model dtype: non-expert weights, activations, KV cache
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes kept free on the GPU (context, workspaces, fragmentation)
     cpu_reserve: int = DEFAULT_CPU_RESERVE  # bytes kept free on the host (process, temporaries)
+    gpus: int = 1  # GPUs of one host (expert parallelism): gpu_memory and gpu_reserve are per GPU, cpu_reserve per process
 
     def __post_init__(self) -> None:
         _check_formats(self.weight_quant, self.dtype, "budgets")
+        _check_gpus(self.gpus, "budgets", ValueError)
         for k in ("gpu_memory", "cpu_memory", "gpu_reserve", "cpu_reserve"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -243,6 +245,11 @@ def check_cpu_budget(cpu_memory: int, hw: HardwareProfile) -> None:
     """Raises ValueError when a host memory budget (bytes) is larger than the DRAM of the hardware profile ``hw``
     (``host_memory``): the pinned expert pool and the CPU KV cache of such a plan would not fit the machine."""
     _check_fits("cpu_memory", cpu_memory, hw.host_memory, "host memory", hw)
+
+
+def _check_gpus(gpus: Any, where: str, error: type) -> None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise error(f"{where}: gpus must be an int >= 1, got {gpus!r}")
 
 
 def _check_formats(weight_quant: str, dtype: str, where: str) -> None:
@@ -277,8 +284,11 @@ class Policy:
     cpu_reserve: int = DEFAULT_CPU_RESERVE  # bytes of the host budget kept free (counted in the CPU peak)
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # at most this many padded tokens (rows x longest row) per prefill
     # micro-batch; a single longer prompt runs alone. Bounds the prefill workspace whatever the length mix.
+    gpus: int = 1  # GPUs of one host the policy runs on (expert parallelism: expert e of each layer on GPU e % gpus,
+    #   attention and dense parts replicated); gpu_budget and gpu_reserve are per GPU
 
     def __post_init__(self) -> None:
+        _check_gpus(self.gpus, "policy", PolicyError)
         for k in ("mu", "n", "prefill_mu", "prefill_tokens"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -433,6 +443,9 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     Wd = spec.expert_bytes(policy.dtype)  # an expert's bytes before quantization (the model dtype)
     before = (lambda n: f" ({format_bytes(n * Wd)} in {policy.dtype})") if We != Wd else (lambda n: "")
     add(f"  expert pages                     {policy.weight_quant}, {format_bytes(We)} per expert{before(1)}")
+    if policy.gpus > 1:
+        add(f"  GPUs (expert parallel)           {policy.gpus}: expert e on GPU e % {policy.gpus}, each its own PCIe link; "
+            f"memory below is per GPU; GPU-to-GPU link {hw.gpu_link_bandwidth / 1e9:.1f} GB/s")
     add("")
     add("memory (peak)")
     gb = f" / budget {format_bytes(policy.gpu_budget)}" if policy.gpu_budget else ""
@@ -452,8 +465,10 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add("")
     ne_layer = spec.layer_non_expert_params(spec.moe_layers[0]) * DTYPE_BYTES[policy.dtype]
     paged = spec.num_experts - (min(moe) if moe else 0)
+    g = policy.gpus
+    per_gpu = f", {format_bytes(-(-paged // g) * We)} per GPU over its own link" if g > 1 else ""
     add(f"bytes per MoE layer: non-expert {format_bytes(ne_layer)}, experts {format_bytes(spec.num_experts * We)}"
-        f"{before(spec.num_experts)}, paged per layer {format_bytes(paged * We)}{before(paged)} (max)")
+        f"{before(spec.num_experts)}, paged per layer {format_bytes(paged * We)}{before(paged)} (max){per_gpu}")
     add("")
     add(f"stage times (summed over layers{', and decode steps' if estimate.gen_len > 1 else ''}; * = binds)")
     add(f"  {'':8} {'h2d':>10} {'d2h':>10} {'cpu':>10} {'gpu':>10} {'host':>10} {'head':>10} {'total':>10}")
