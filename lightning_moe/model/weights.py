@@ -101,6 +101,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
         if page_layout is not None:  # quantized checkpoint: keep the packed pages
             experts.append(read_packed_experts(r, p + block, page_layout, spec.num_experts))
+        elif fam.load_experts is not None:  # the family's own expert layout (gpt-oss: interleaved, biased, MXFP4)
+            experts.append(fam.load_experts(r, p + block, spec, dtype))
         elif gate_up is not None and r.has(gate_up):  # transformers-5 fused layout
             gu = r.get(gate_up)  # [E, 2F, D]
             F = spec.intermediate_size
