@@ -103,6 +103,17 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
         raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: multi-head latent "
                           f"attention (kv_lora_rank={prep.spec.kv_lora_rank}) is not implemented in CGOPipe yet; set "
                           f"executor: serial")
+    if job.executor == "cgopipe":
+        from ..pipeline.cgopipe import cgopipe_refusal
+
+        why = cgopipe_refusal(prep.spec)
+    else:
+        why = None
+    if why is not None:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: {why}; set "
+                          f"executor: serial")
     valid = any(t.error is None for t in prep.treqs)
     jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
     if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":

@@ -33,20 +33,33 @@ from .spec import MoESpec
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class ExpertWeights:
-    """The routed experts of one layer, stacked: expert e is ``w1[e], w3[e], w2[e]``."""
+    """The routed experts of one layer, stacked: expert e is ``w1[e], w3[e], w2[e]`` (and, for a family whose experts
+    carry biases, ``MoESpec.expert_bias``: ``b1[e], b3[e], b2[e]``; None otherwise)."""
 
     w1: torch.Tensor  # [E, F, D] gate_proj
     w3: torch.Tensor  # [E, F, D] up_proj
     w2: torch.Tensor  # [E, D, F] down_proj
+    b1: Optional[torch.Tensor] = None  # [E, F] gate bias (gpt-oss)
+    b3: Optional[torch.Tensor] = None  # [E, F] up bias
+    b2: Optional[torch.Tensor] = None  # [E, D] down bias
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2) if t is not None]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the three stacked tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.w1, self.w3, self.w2))
+        """Bytes of the stacked tensors (the biases too, when present)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def cast(self, dtype: torch.dtype) -> "ExpertWeights":
+        """The same experts in ``dtype`` (biases included)."""
+        return ExpertWeights(*(None if t is None else t.to(dtype)
+                               for t in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)))
 
     def to(self, device, non_blocking: bool = False) -> "ExpertWeights":
         """Copy to ``device`` (the serial executor's layer-by-layer host->device transfer)."""
-        return ExpertWeights(*(t.to(device, non_blocking=non_blocking) for t in (self.w1, self.w3, self.w2)))
+        return ExpertWeights(*(None if t is None else t.to(device, non_blocking=non_blocking)
+                               for t in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -133,10 +133,14 @@ def quantize_checkpoint(
         raise QuantizeError(f"quantize: scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}")
     cfg_path, raw = _read_config(src_dir, "source")
     try:
-        keys = family_for(raw).keys
+        fam = family_for(raw)
     except ValueError:
         raise QuantizeError(f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported by quantize "
                             f"(only {', '.join(repr(t) for t in supported_model_types())})") from None
+    if fam.load_experts is not None or fam.expert_activation != "silu":
+        raise QuantizeError(f"{cfg_path}: the {fam.name} family's experts ({fam.expert_activation}, their own "
+                            f"checkpoint layout) are not implemented by quantize's packed pages")
+    keys = fam.keys
     if "quantization" in raw:
         raise QuantizeError(f"{cfg_path}: the source is already quantized ({raw['quantization']}); "
                             f"quantize the original checkpoint")

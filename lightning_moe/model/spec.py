@@ -104,12 +104,25 @@ class MoESpec:
     routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek)
     num_mtp_layers: int = 0  # multi-token-prediction layers after the decoder layers in the checkpoint
     #   (num_nextn_predict_layers): never loaded, never run, no bytes
+    # -- gpt-oss (read by model/families/gpt_oss.py; model math, no bytes or FLOPs) --
+    full_attention_layers: tuple[int, ...] = ()  # layers that attend to the whole causal context although
+    #   sliding_window is set (gpt-oss layer_types "full_attention"); () = sliding_window holds in every layer
+    attention_sinks: bool = False  # one learned logit per query head joins each softmax and is dropped (gpt-oss)
+    swiglu_limit: float = 0.0  # > 0: the experts' clamped SwiGLU (gpt-oss: gate <= limit, |up| <= limit,
+    #   (up + 1) * gate * sigmoid(swiglu_alpha * gate)); 0 = plain SwiGLU
+    swiglu_alpha: float = 1.702  # the clamped SwiGLU's sigmoid gain (with swiglu_limit)
+    expert_bias: bool = False  # routed experts carry biases (gate, up, down; gpt-oss); vectors, not counted in bytes
 
     def __post_init__(self) -> None:
         dense = tuple(sorted({int(i) for i in self.dense_layers}))
         if any(not 0 <= i < self.num_layers for i in dense):
             raise ValueError(f"{self.name}: dense_layers={self.dense_layers} outside 0..num_layers-1={self.num_layers - 1}")
         object.__setattr__(self, "dense_layers", dense)  # a list from a caller becomes a sorted tuple
+        full = tuple(sorted({int(i) for i in self.full_attention_layers}))
+        if any(not 0 <= i < self.num_layers for i in full):
+            raise ValueError(f"{self.name}: full_attention_layers={self.full_attention_layers} outside "
+                             f"0..num_layers-1={self.num_layers - 1}")
+        object.__setattr__(self, "full_attention_layers", full)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:
@@ -155,9 +168,15 @@ class MoESpec:
             scale = scale * mscale * mscale
         return scale
 
+    def layer_sliding_window(self, layer: int) -> Optional[int]:
+        """The attention window of decoder layer ``layer``: ``sliding_window``, or None (full causal attention) when
+        the spec has none or the layer is one of ``full_attention_layers``."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
     def with_layers(self, num_layers: int) -> "MoESpec":
         """The same architecture with a different number of decoder layers (for scaled benchmarks)."""
-        return replace(self, num_layers=num_layers, name=f"{self.name}[{num_layers}L]")
+        return replace(self, num_layers=num_layers, name=f"{self.name}[{num_layers}L]",
+                       full_attention_layers=tuple(i for i in self.full_attention_layers if i < num_layers))
 
     # ---- bytes and FLOPs (planner; added by the policy helper) -----------------------------------
     # Element counts are exact for the weights each family has; vectors smaller than one hidden row per

@@ -115,6 +115,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     def expert_names(i: int, p: str, block: str) -> list[str]:  # the tensors read_experts(i, ...) reads
         if page_layout is not None:
             return [p + block + PACKED_NAME]
+        if fam.load_experts is not None:  # a family's own layout: its load_experts names what is missing
+            return []
         gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
         if gate_up is not None and r.has(gate_up):
             return [gate_up, p + keys.fused_down.format(moe=block)]
@@ -123,6 +125,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     def read_experts(i: int, p: str, block: str):  # one layer's routed experts
         if page_layout is not None:  # quantized checkpoint: keep the packed pages
             return read_packed_experts(r, p + block, page_layout, spec.num_experts)
+        if fam.load_experts is not None:  # the family's own expert layout (gpt-oss: interleaved, biased, MXFP4)
+            return fam.load_experts(r, p + block, spec, dtype)
         names = expert_names(i, p, block)
         if len(names) == 2:  # transformers-5 fused layout
             gu, down = r.get(names[0]), r.get(names[1])  # [E, 2F, D], [E, D, F]

@@ -143,6 +143,21 @@ class _Outputs:
         self.step_toks.clear()
 
 
+def cgopipe_refusal(spec) -> Optional[str]:
+    """Why CGOPipe cannot run ``spec`` although the serial executor can (the family's math its caches, CPU kernel and
+    expert kernels do not compute), naming the family; None when it can. Multi-head latent attention has its own
+    messages (``kv_lora_rank``). Checked by the executor and, before any weight is read, by the engine."""
+    missing = [what for flag, what in (
+        (spec.attention_sinks, "attention sinks"),
+        (bool(spec.full_attention_layers), "sliding windows in some layers only (layer_types)"),
+        (spec.expert_bias, "expert biases"),
+        (spec.swiglu_limit > 0, "the clamped SwiGLU (swiglu_limit)"),
+    ) if flag]
+    if not missing:
+        return None
+    return f"the {spec.model_type} family's {', '.join(missing)} are not implemented in CGOPipe yet"
+
+
 class CGOPipeExecutor:
     """Pipelined executor driven by a :class:`Policy`.
 
@@ -202,6 +217,9 @@ class CGOPipeExecutor:
         if fam.attention == "mla":
             raise ValueError(f"CGOPipeExecutor: {fam.name}: multi-head latent attention (kv_lora_rank="
                              f"{self.spec.kv_lora_rank}) is not implemented in CGOPipe yet; use executor: serial")
+        why = cgopipe_refusal(spec)
+        if why is not None:
+            raise ValueError(f"CGOPipeExecutor: {fam.name}: {why}; use executor: serial")
         if fam.attention != "gqa":
             raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa only)")
         self.policy = policy

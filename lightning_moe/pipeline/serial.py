@@ -186,9 +186,11 @@ class SerialExecutor:
         self.spec = weights.spec
         self.family = fam = family_of(self.spec)  # the model family's layer math (model/families/)
         self.experts_ffn = fam.experts_ffn  # the routed expert FFN post_attention calls (expert parallelism sets its own)
-        if fam.attention not in ("gqa", "mla"):
-            raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa, mla)")
+        if fam.attention not in ("gqa", "gqa_sinks", "mla"):
+            raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented "
+                             f"(gqa, gqa_sinks, mla)")
         self.mla = fam.attention == "mla"
+        self.sinks = fam.attention == "gqa_sinks"  # the family's attention functions take the layer's weights
         self.device = torch.device(device)
         self.dtype = dtype or weights.dtype
         self.on_host = self.device.type == "cpu"
@@ -227,7 +229,7 @@ class SerialExecutor:
                 ew = ew.to(self.device)
             return ew.dequantize(self.dtype)
         if ew.w1.dtype != self.dtype:
-            ew = ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
+            ew = ew.cast(self.dtype)
         if self.on_host:
             return ew
         self.stats.h2d_bytes += ew.nbytes
@@ -239,10 +241,13 @@ class SerialExecutor:
         lw, fam = self.layers[layer], self.family
         q, k, v = fam.pre_attention(lw, x, positions, self.spec, self.inv_freq)  # [T,Hq,hd], [T,Hkv,hd] x2
         #   (MLA: q [T, Hq, hd], the latent c [T, kv_lora] and the rope key k_pe [T, rope] as k and v)
+        window = self.spec.layer_sliding_window(layer)
         if self.mla:
             attn = fam.prefill_attention_packed(lw, q, k, v, spans, self.spec)  # [T, Hq*v_hd]
+        elif self.sinks:
+            attn = fam.prefill_attention_packed(lw, q, k, v, spans, window)  # [T, Hq*hd] (the layer's sinks)
         else:
-            attn = fam.prefill_attention_packed(q, k, v, spans, self.spec.sliding_window)  # [T, Hq*hd], one fused call
+            attn = fam.prefill_attention_packed(q, k, v, spans, window)  # [T, Hq*hd], one fused call
         if kv is not None:
             for row, (s, e) in enumerate(spans):
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
@@ -283,7 +288,11 @@ class SerialExecutor:
                 self.stats.d2h_bytes += (q.numel() + k.numel() + v.numel()) * q.element_size()
             kv.append(layer, rows, k, v)
             K, V = kv.view(layer, None if all_rows else rows, upto)  # [B', Hkv, upto, hd]
-            attn = cpu_decode_attention(q, K, V, new_len, self.spec.sliding_window)  # [B', Hq*hd]
+            window = self.spec.layer_sliding_window(layer)
+            if self.sinks:  # the family's torch attention over the CPU cache, with the layer's sinks
+                attn = fam.decode_attention(lw, q, K, V, new_len, window)  # [B', Hq*hd]
+            else:
+                attn = cpu_decode_attention(q, K, V, new_len, window)  # [B', Hq*hd]
             if not self.on_host:
                 self.stats.h2d_bytes += attn.numel() * attn.element_size()
             x = fam.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec, self.experts_ffn)  # [B', D]

@@ -9,6 +9,8 @@ glm4_moe); these specs are for the planner.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 from ..model.spec import MoESpec
@@ -102,13 +104,31 @@ REGISTRY: dict[str, MoESpec] = {
         num_layers=16, num_heads=16, num_kv_heads=16, head_dim=128, num_experts=64, top_k=8, rope_theta=10000.0,
         rms_norm_eps=1e-5, max_position_embeddings=4096, norm_topk_prob=False, bos_token_id=None, eos_token_id=50279,
     ),
+    # openai/gpt-oss-20b config.json: 24 layers alternating sliding_attention (window 128) and full_attention, GQA 64
+    # query / 8 KV heads of 64 (q_size 4096 > hidden 2880), q/k/v/o biases and per-head attention sinks (vectors, not
+    # counted in bytes), 32 experts top-4 of width 2880 with biases and the clamped SwiGLU (swiglu_limit 7.0), router
+    # with bias (top-k, then softmax over the k), rope_scaling yarn (factor 32 over 4096, beta 32 / 1, truncate
+    # false), rope_theta 150000. Its experts are MXFP4 on the Hub (~4.25 bits per weight, the bytes the int4 format's
+    # 128-groups count); planned here in the model dtype unless --quant says otherwise
+    "gpt-oss-20b": MoESpec(
+        name="gpt-oss-20b", model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, rope_theta=150000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, sliding_window=128, norm_topk_prob=True,
+        bos_token_id=None, eos_token_id=200002, rope_type="yarn", rope_factor=32.0,
+        rope_original_max_position_embeddings=4096, rope_truncate=False, rope_attention_factor=0.1 * math.log(32.0) + 1,
+        full_attention_layers=tuple(range(1, 24, 2)), attention_sinks=True, swiglu_limit=7.0, expert_bias=True,
+    ),
 }
+# openai/gpt-oss-120b config.json: gpt-oss-20b's with 36 layers and 128 experts
+REGISTRY["gpt-oss-120b"] = dataclasses.replace(REGISTRY["gpt-oss-20b"], name="gpt-oss-120b", num_layers=36,
+                                               num_experts=128, full_attention_layers=tuple(range(1, 36, 2)))
 ALIASES = {
     "mixtral-8x7b-instruct": "mixtral-8x7b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b",
     "dbrx-base": "dbrx", "dbrx-instruct": "dbrx", "qwen1.5-moe": "qwen1.5-moe-a2.7b", "qwen3-30b": "qwen3-30b-a3b",
     "qwen3-235b": "qwen3-235b-a22b",
     "deepseek-v2-lite-chat": "deepseek-v2-lite", "deepseek-v3-base": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3",
     "glm-4.5-air-base": "glm-4.5-air", "olmoe": "olmoe-1b-7b", "olmoe-1b-7b-0924": "olmoe-1b-7b",
+    "gpt-oss-20b-bf16": "gpt-oss-20b", "gpt-oss-120b-bf16": "gpt-oss-120b",
 }
 
 

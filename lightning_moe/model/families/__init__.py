@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import deepseek_v2, deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from .base import ConfigView, Family, KeyMap
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ register(olmoe.FAMILY)
 register(qwen2_moe.FAMILY)
 register(deepseek_v2.FAMILY)
 register(deepseek_v3.FAMILY)
+register(gpt_oss.FAMILY)
 
 
 def families() -> list[Family]:

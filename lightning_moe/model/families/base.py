@@ -260,10 +260,17 @@ class Family:
     experts_ffn_from: Callable = experts_ffn_reference_from  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w,
     #   topk_ids) -> [T, D] (reference)
     final_logits: Callable = L.final_logits  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]
-    attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache) or "mla" (below)
+    attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache), "gqa_sinks" (the
+    #   same cache, per-head attention sinks: below) or "mla" (below)
     expert_activation: str = "silu"  # the gate activation inside experts_ffn (fused kernels check they compute it)
+    load_experts: Optional[Callable] = None  # (reader, prefix of the layer's MoE block, spec, dtype) -> ExpertWeights:
+    #   a family whose checkpoints store experts in a layout of its own (gpt-oss: interleaved gate/up, biases, MXFP4
+    #   blocks); None: the key map's per-expert or fused tensors
     dense_layer_weights: Optional[type] = None  # dataclass of a dense (MLP-only) layer's weights; fields =
     #   keys.dense_layer_tensors; has .to(); None: the family has no dense layers (read_spec gives none)
+    # ---- attention "gqa_sinks" (gpt-oss): the GQA K/V cache, and functions that take the layer's weights (its
+    #   per-head sink logits): prefill_attention_packed(lw, q, k, v, spans, sliding_window, layout=None) -> [T, Hq*hd];
+    #   decode_attention(lw, q [B, Hq, hd], K, V [B, Hkv, S, hd], lengths [B], sliding_window) -> [B, Hq*hd]
     # ---- attention "mla" (multi-head latent attention, DeepSeek): the variant's own signatures ---------------
     #   pre_attention -> (q [T, Hq, hd], c [T, kv_lora], k_pe [T, rope]); the KV cache holds [c, k_pe] per token;
     #   prefill_attention_packed(lw, q, c, k_pe, spans, spec, layout=None) -> [T, Hq*v_hd];
