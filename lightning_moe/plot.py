@@ -102,12 +102,12 @@ def save_plan_plot(path: str, spec: MoESpec, hw: HardwareProfile, policy: Policy
                    label=f"grouped expert kernel: {min(gpu_peak, hw.gpu_expert_flops) / 1e12:,.0f} TFLOP/s")
     ax.axhline(hw.cpu_attention_flops, color="tab:blue", ls="--", lw=1,
                label=f"CPU attention: {hw.cpu_attention_flops / 1e9:,.0f} GFLOP/s")
-    place = {"GPU": ((-8, 6), "right"), "PCIe": ((8, -14), "left"), "CPU": ((8, -14), "left")}  # label offset, side
-    for p in roofline_points(spec, hw, policy, workload):
-        ax.scatter([p["intensity"]], [p["flops_per_s"]], s=70, zorder=5, color=colors[p["roof"]], edgecolor="black")
-        off, ha = place[p["roof"]]
-        ax.annotate(p["label"], (p["intensity"], p["flops_per_s"]), textcoords="offset points", xytext=off, ha=ha,
-                    fontsize=8)
+    # each point carries its number; the legend says what it is (long labels beside the points overlap the roofs)
+    for i, p in enumerate(roofline_points(spec, hw, policy, workload), 1):
+        ax.scatter([p["intensity"]], [p["flops_per_s"]], s=70, zorder=5, color=colors[p["roof"]], edgecolor="black",
+                   label=f"({i}) {p['label']}")
+        ax.annotate(f"{i}", (p["intensity"], p["flops_per_s"]), textcoords="offset points", xytext=(-7, -15),
+                    ha="center", fontsize=9, fontweight="bold")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(1e-2, 1e6)
@@ -137,7 +137,8 @@ def save_plan_plot(path: str, spec: MoESpec, hw: HardwareProfile, policy: Policy
     bx.set_yticks(ticks, labels, fontsize=8)
     bx.invert_yaxis()
     bx.set_xlabel("predicted seconds (summed over layers and steps)")
-    title = f"policy mu {policy.mu} x n {policy.n}, {sum(policy.resident_counts(spec))} resident, g {policy.n_gpu_attn}"
+    title = (f"policy mu {policy.mu} x n {policy.n}, {sum(policy.resident_counts(spec))} resident experts\n"
+             f"attention of {policy.n_gpu_attn} of {policy.n} micro-batches on the GPU")
     sub = f"prefill {est.prefill_tok_s:,.0f} tok/s" + ("" if workload.scoring else f", decode {est.decode_tok_s:,.1f} tok/s")
     bx.set_title(f"{title}\n{sub}", fontsize=10)
     fig.tight_layout()

@@ -156,6 +156,40 @@ def test_cgopipe_prompt_logprobs_equal_serial(hf_qwen3):
         assert (a - b).abs().max().item() < 1e-4 and torch.equal(ga, gb)
 
 
+def test_prompt_logprobs_equal_transformers_log_softmax_both_executors(hf_qwen3):
+    """Scoring (loglikelihood of every next token) equals transformers' log_softmax of its logits, in both executors;
+    the greedy flags equal transformers' argmax."""
+    path, model = hf_qwen3
+    seqs = [p + [5, 6] for p in PROMPTS]
+    with torch.no_grad():
+        ref = []
+        for s in seqs:
+            lp = torch.log_softmax(model(torch.tensor([s])).logits[0].float(), dim=-1)[:-1]  # [len-1, V]
+            tgt = torch.tensor(s[1:])
+            ref.append((lp.gather(1, tgt[:, None])[:, 0], lp.argmax(-1) == tgt))
+    serial = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").prompt_logprobs(seqs)
+    pipe = CGOPipeExecutor(load_checkpoint(path, torch.float32),
+                           Policy(mu=2, n=2, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
+    try:
+        piped = pipe.prompt_logprobs(seqs)
+    finally:
+        pipe.close()
+    for out in (serial, piped):
+        assert len(out) == len(ref)
+        for (a, ga), (b, gb) in zip(out, ref):
+            assert (a - b).abs().max().item() < 1e-4 and torch.equal(ga, gb)
+
+
+def test_ragged_batch_equals_each_prompt_alone(hf_qwen3):
+    """Our executor's logits for a ragged batch equal its logits for each prompt run alone (fp32, 1e-5)."""
+    path, _ = hf_qwen3
+    ex = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
+    batch = ex.logits(PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        alone = ex.logits([p])[0]
+        assert (batch[i] - alone).abs().max().item() < 1e-5
+
+
 def test_every_qwen3_moe_config_field_is_implemented_refused_or_harmless(hf_qwen3):
     from transformers import Qwen3MoeConfig
 

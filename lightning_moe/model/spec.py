@@ -427,4 +427,8 @@ class MoESpec:
         try:
             return cls.from_hf_config(cfg, name=os.path.basename(os.path.normpath(path)))
         except ValueError as e:
-            raise ValueError(f"{cfg_path}: {e}") from None
+            msg = str(e)
+            if cfg is not raw and "rope_parameters" not in raw and raw.get("rope_scaling"):
+                # transformers moved the file's legacy rope_scaling into rope_parameters: name the field as written
+                msg = msg.replace("config field 'rope_parameters'", "config field 'rope_scaling'")
+            raise ValueError(f"{cfg_path}: {msg}") from None
