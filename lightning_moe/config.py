@@ -215,9 +215,12 @@ class _Ctx:
         where = f"{key} (from override)" if key in self.overridden else key
         return ConfigError(f"{self.source}: {where}: {msg}")
 
-    def resolve(self, p: str) -> str:
+    def resolve(self, p: str, key: str = "") -> str:
+        """``p`` as an absolute path: relative to the current directory when ``key`` came from a command-line
+        override (every command-line path is), else to the job file's directory."""
         p = os.path.expanduser(p)
-        return os.path.normpath(p if os.path.isabs(p) else os.path.join(self.base_dir, p))
+        base = os.getcwd() if key in self.overridden else self.base_dir
+        return os.path.normpath(p if os.path.isabs(p) else os.path.join(base, p))
 
 
 def _p_str(v, key, ctx, *, allow_empty=False):
@@ -365,7 +368,7 @@ def _p_shard(v, key, ctx):
 
 
 def _p_input_file(v, key, ctx):
-    p = ctx.resolve(_p_str(v, key, ctx))
+    p = ctx.resolve(_p_str(v, key, ctx), key)
     if not os.path.exists(p):
         raise ctx.err(key, f"file not found: {p}")
     if not os.path.isfile(p):
@@ -374,7 +377,7 @@ def _p_input_file(v, key, ctx):
 
 
 def _p_output_file(v, key, ctx):
-    p = ctx.resolve(_p_str(v, key, ctx))
+    p = ctx.resolve(_p_str(v, key, ctx), key)
     if os.path.isdir(p):
         raise ctx.err(key, f"is a directory, expected a results file path: {p}")
     return p
@@ -384,7 +387,7 @@ def _p_model(v, key, ctx):
     s = _p_str(v, key, ctx)
     if s == TINY_MODEL:
         return s
-    p = ctx.resolve(s)
+    p = ctx.resolve(s, key)
     if not os.path.isdir(p):
         from .policy.registry import REGISTRY  # registry names are configs for `plan`, not weights
 

@@ -240,3 +240,16 @@ def test_gpus_key(jobdir):
                      ("gpus: 2\ndevice: cpu\nexecutor: cgopipe\n", "executor: serial")):
         with pytest.raises(ConfigError, match=msg):
             load_job(write_job(jobdir, BASE + bad))
+
+
+def test_overridden_paths_resolve_against_the_current_directory(jobdir, tmp_path_factory, monkeypatch):
+    """A path in the YAML is relative to the YAML's directory; a path given on the command line (--set) is relative
+    to the current directory, as every command-line path."""
+    p = write_job(jobdir, BASE)
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    (elsewhere / "q.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    monkeypatch.chdir(elsewhere)
+    j = load_job(p)
+    assert j.output.path == str(jobdir / "out" / "r.jsonl") and j.data.path == str(jobdir / "data" / "p.jsonl")
+    j = load_job(p, {"output.path": "res/t.jsonl", "data.path": "q.jsonl"})
+    assert j.output.path == str(elsewhere / "res" / "t.jsonl") and j.data.path == str(elsewhere / "q.jsonl")
