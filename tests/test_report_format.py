@@ -18,7 +18,8 @@ def _report(**kw):
          "memory": {"cap_bytes": 12 * GiB, "predicted_by_phase": {"prefill": 10 * GiB, "decode": 9 * GiB},
                     "measured_by_phase": {"prefill": {"allocated": int(9.5 * GiB), "reserved": 10 * GiB}}},
          "peak_host_memory_bytes": 3 * GiB, "peak_gpu_memory_bytes": int(9.5 * GiB),
-         "stages": {f"s{i}": float(i) for i in range(12)} | {"x_calls": 99.0, "y_bytes": 1e9},
+         "stages": {f"s{i}": float(i) for i in range(12)} | {"x_calls": 99.0, "y_bytes": 1e9,
+                                                                  "cpu_attention_native_team_thread_s": 99.0},
          "results": "/tmp/r.jsonl"}
     r.update(kw)
     return r
@@ -43,7 +44,7 @@ def test_policy_memory_and_stages():
     mem = [line.split() for line in text.splitlines() if line.split()[:1] in (["prefill"], ["decode"])]
     assert ["prefill", "10.00", "9.50", "10.00", "12.00"] in mem and ["decode", "9.00", "-", "-", "12.00"] in mem
     assert "largest 3 of 12" in text and "s11 11.000, s10 10.000, s9 9.000" in text
-    assert "x_calls" not in text and "y_bytes" not in text
+    assert "x_calls" not in text and "y_bytes" not in text and "native" not in text  # counters: in the JSON only
 
 
 def test_scoring_has_one_phase_and_no_prediction():

@@ -111,6 +111,7 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
 
 
 _COUNTERS = ("_calls", "_threads", "_bytes")  # stage entries that count things, not seconds
+_DIAGNOSTICS = ("cpu_attention_native_",)  # the native kernel's own counters (thread-seconds, lag): JSON only
 _POLICY_NAMES = {"mu": "micro-batch rows (mu)", "n": "micro-batches (n)", "N": "sequences per batch (N)",
                  "prefill_mu": "prefill rows per chunk", "prefill_tokens": "prefill tokens per chunk",
                  "resident_experts": "resident experts", "n_gpu_attn": "GPU-attention micro-batches",
@@ -195,7 +196,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
     lines.append(f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
                  + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
     st = r.get("stages") or {}
-    secs = {k: v for k, v in st.items() if isinstance(v, float) and not k.endswith(_COUNTERS)}
+    secs = {k: v for k, v in st.items()
+            if isinstance(v, float) and not k.endswith(_COUNTERS) and not k.startswith(_DIAGNOSTICS)}
     if secs:
         top = sorted(secs.items(), key=lambda kv: -kv[1])[:top_stages]
         lines += _wrap_fields(f"stages (s, largest {len(top)} of {len(secs)}; all in the JSON):",
