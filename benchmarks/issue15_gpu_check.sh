@@ -105,9 +105,12 @@ a,b=L(sys.argv[1]),L(sys.argv[2]); print('control (uninterrupted, other micro-ba
     timeout $((560 - (SECONDS - S))) python3 -m lightning_moe.cli run $J/job.yaml --no-progress > $OUT/full32-run.log 2>&1
     echo "full32 run: rc $?"; tail -25 $OUT/full32-run.log | cut -c1-200
     cp $J/results.report.json $OUT/full32.report.json 2>/dev/null; cp $J/plan.yaml $OUT/full32-plan.yaml
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); m=r.get('memory') or {}; \
-print('host peak measured', round(r['peak_host_memory_bytes'] / 2**30, 2), 'GiB, predicted', \
-round((m.get('predicted_host_bytes') or 0) / 2**30, 2), 'GiB')" $J/results.report.json 2>&1 | tail -1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); m=r.get('memory') or {}; st=r.get('stages') or {}; \
+w=r.get('wall_seconds') or {}; print('host peak measured', round(r['peak_host_memory_bytes'] / 2**30, 2), \
+'GiB, predicted', round((m.get('predicted_host_bytes') or 0) / 2**30, 2), 'GiB', m.get('predicted_host_phase'), \
+'| checkpoint writes', round(st.get('checkpoint_write_s', 0), 3), 's of decode', round(w.get('decode', 0), 1), 's, calls', \
+st.get('checkpoint_write_calls'), '| e2e tok/s', round(r.get('end_to_end_tokens_per_s') or 0, 1), 'predicted', \
+round((r.get('predicted') or {}).get('end_to_end_tokens_per_s') or 0, 1))" $J/results.report.json 2>&1 | tail -1
     [ -n "${NO_CKCOST:-}" ] && { echo "step F: $((SECONDS - S)) s"; exit 0; }
     W4=$W/ckpt-bf16-L4-h4096-f14336  # the suite's 4-layer checkpoint, written here when missing and time is left
     [ -f $W4/config.json ] || { [ $((585 - (SECONDS - S))) -gt 220 ] && python3 benchmarks/make_checkpoint.py $W4 \
