@@ -301,6 +301,7 @@ def row_from(case: Case, machine: Machine, rc, wall: float, msg: str, records: i
         "prefill_tokens_per_s": report.get("prefill_tokens_per_s"), "decode_tokens_per_s": report.get("decode_tokens_per_s"),
         "end_to_end_tokens_per_s": report.get("end_to_end_tokens_per_s"),
         "peak_gpu_memory_bytes": report.get("peak_gpu_memory_bytes"), "memory": mem,
+        "peak_host_memory_bytes": report.get("peak_host_memory_bytes"),
         "wall_seconds": report.get("wall_seconds"),
         # the executor's stage counters (partial-generation checkpoints, copies, CPU attention, expert FFN)
         "stages": report.get("stages"), "stats": report.get("stats"),
@@ -333,8 +334,8 @@ def _policy_cell(r: dict) -> str:
 def markdown(rows: list[dict], title: str) -> str:
     """The sweep table (one row per case)."""
     head = ["case", "model/layers", "dtype", "task", "cap GiB", "N", "prompt", "gen", "policy (mu x n, resident, g)",
-            "pred peak GiB", "meas alloc / reserved GiB", "pred/meas", "pred tok/s", "meas tok/s", "pred/meas", "wall s",
-            "status"]
+            "pred peak GiB", "meas alloc / reserved GiB", "pred/meas", "host pred / meas GiB", "pred tok/s", "meas tok/s",
+            "pred/meas", "wall s", "status"]
     lines = [f"# {title}", "",
              "tok/s: end-to-end for generate, prefill for scoring; pred/meas peak = predicted / measured reserved "
              "(allocated when no reserved figure); `-`: not in the report.", "",
@@ -348,7 +349,10 @@ def markdown(rows: list[dict], title: str) -> str:
         cells = [r["case"], f"{r.get('family', 'mixtral')}-w{r['hidden']}/{r['layers']}L", r["ckpt"], r["mode"], f"{r['cap_bytes'] / GiB:g}",
                  str(r["n"]), "mtbench" if r["prompt_len"] == 0 else str(r["prompt_len"]), str(r["gen"] or "-"),
                  _policy_cell(r), _gib(pred) + (f" ({phase})" if phase else ""), f"{_gib(alloc)} / {_gib(res)}",
-                 _ratio(pred, res or alloc), _num(r.get("predicted_tok_s")), _num(r.get("measured_tok_s")),
+                 _ratio(pred, res or alloc),
+                 f"{_gib(mem.get('predicted_host_bytes'))} / {_gib(r.get('peak_host_memory_bytes'))}"
+                 + (f" ({mem['predicted_host_phase']})" if mem.get("predicted_host_phase") else ""),
+                 _num(r.get("predicted_tok_s")), _num(r.get("measured_tok_s")),
                  _ratio(r.get("predicted_tok_s"), r.get("measured_tok_s")), f"{r['wall_s']:.1f}",
                  r["status"].replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")

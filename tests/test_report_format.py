@@ -16,7 +16,8 @@ def _report(**kw):
                        "decode_binding": "h2d", "prefill_binding": "gpu"},
          "policy": {"mu": 4, "n": 3, "N": 12, "n_gpu_attn": 1, "page_buffer_bytes": 3 * GiB},
          "memory": {"cap_bytes": 12 * GiB, "predicted_by_phase": {"prefill": 10 * GiB, "decode": 9 * GiB},
-                    "measured_by_phase": {"prefill": {"allocated": int(9.5 * GiB), "reserved": 10 * GiB}}},
+                    "measured_by_phase": {"prefill": {"allocated": int(9.5 * GiB), "reserved": 10 * GiB}},
+                    "predicted_host_bytes": 4 * GiB, "predicted_host_phase": "load"},
          "peak_host_memory_bytes": 3 * GiB, "peak_gpu_memory_bytes": int(9.5 * GiB),
          "stages": {f"s{i}": float(i) for i in range(12)} | {"x_calls": 99.0, "y_bytes": 1e9,
                                                                   "cpu_attention_native_team_thread_s": 99.0},
@@ -40,6 +41,7 @@ def test_policy_memory_and_stages():
     text = format_report(_report(), top_stages=3)
     assert "micro-batch rows (mu) 4" in text and "GPU-attention micro-batches 1" in text
     assert "GPU page buffers 3.0 GiB" in text
+    assert "peak memory: host 3.00 GiB (predicted 4.00 GiB, load phase), GPU 9.50 GiB" in text
     assert _row(text, "prefill")[:1] == ["prefill"]
     mem = [line.split() for line in text.splitlines() if line.split()[:1] in (["prefill"], ["decode"])]
     assert ["prefill", "10.00", "9.50", "10.00", "12.00"] in mem and ["decode", "9.00", "-", "-", "12.00"] in mem

@@ -193,7 +193,10 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                          "measured reserved": _gib(mb.get("reserved")), "cap": _gib(cap)})
         lines += ["", _table(rows)]
     peak_gpu = r.get("peak_gpu_memory_bytes")
+    host_pred = (r.get("memory") or {}).get("predicted_host_bytes")
     lines.append(f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
+                 + (f" (predicted {host_pred / 2**30:.2f} GiB, {r['memory'].get('predicted_host_phase', 'run')} phase)"
+                    if host_pred else "")
                  + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
     st = r.get("stages") or {}
     secs = {k: v for k, v in st.items()
