@@ -97,3 +97,15 @@ def test_cgopipe_takes_lazy_experts_one_layer_at_a_time(tiny_dir, resident):
     out = ex.generate(prompts, sp)
     ex.close()
     assert [o for o, _ in out] == [o for o, _ in ref]
+
+
+def test_expert_parallel_process_reads_lazy_experts_and_keeps_its_own(tiny_dir):
+    """An expert-parallel process cuts each layer to its experts as it reads it: the same tensors as cutting eager
+    weights."""
+    from lightning_moe.pipeline.expert_parallel import _own_experts
+
+    owned = [1, 4, 6]
+    a = _own_experts(load_checkpoint(tiny_dir, torch.float32), owned)
+    b = _own_experts(load_checkpoint(tiny_dir, torch.float32, lazy_experts=True), owned)
+    for ea, eb in zip(a.experts, b.experts):
+        assert all(torch.equal(getattr(ea, w), getattr(eb, w)) for w in ("w1", "w3", "w2")) and ea.w1.shape[0] == 3

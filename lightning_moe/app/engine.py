@@ -206,7 +206,8 @@ class ModelRunner:
                   file=self.log or sys.stderr, flush=True)
         ex = None  # the old executor's GPU tensors go before the new one's are made
         self.close()
-        weights = self.load_weights(lazy_experts=job.executor == "cgopipe")
+        # cgopipe's pool and each expert-parallel process take the experts a layer at a time from the files
+        weights = self.load_weights(lazy_experts=job.executor == "cgopipe" or job.gpus > 1)
         pool = jplan.estimate.memory.cpu.get("pinned experts (not resident)", 0) if jplan is not None else 0
         if pool >= LOUD_LOAD_BYTES:
             print(f"moe-batch: copying {pool / 2**30:.1f} GiB of experts into the pinned page pool and "

@@ -21,7 +21,7 @@ import torch.nn.functional as F_
 
 from ..kernels.fused_moe import expert_slot_outputs_from
 from ..model.layers import ExpertWeights
-from ..model.weights import ModelWeights
+from ..model.weights import ExpertsOnDisk, ModelWeights
 from .serial import SerialExecutor
 
 
@@ -43,13 +43,16 @@ def expert_owners(num_experts: int, parts: int, split: Optional[Sequence[int]] =
 
 def _own_experts(weights: ModelWeights, owned: Sequence[int]) -> ModelWeights:
     """``weights`` with each MoE layer's experts cut to ``owned`` (stacked in that order; the other layers as they
-    are). Raises ValueError for quantized pages (not cut yet)."""
+    are); experts still in the files (``ExpertsOnDisk``) are read a layer at a time and cut at once, so a process
+    holds its own experts and one layer. Raises ValueError for quantized pages (not cut yet)."""
     idx = torch.tensor(list(owned), dtype=torch.int64)
     experts = []
     for layer, ew in enumerate(weights.experts):
         if ew is None:
             experts.append(None)
             continue
+        if isinstance(ew, ExpertsOnDisk):
+            ew = ew.read()
         if not isinstance(ew, ExpertWeights):
             raise ValueError(f"expert parallelism: layer {layer}: {type(ew).__name__} pages are not split yet "
                              f"(dense expert weights only)")
