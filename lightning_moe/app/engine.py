@@ -43,11 +43,10 @@ from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, plan_job, policy_for_job
-from .report import job_totals, memory_report, oom_message, peak_host_bytes, previous_runs, timing
+from .report import REPORT_EVERY_S, job_totals, memory_report, oom_message, peak_host_bytes, previous_runs, timing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often
 KEEP_POLICY_SPEED = 0.9  # ModelRunner keeps its cgopipe executor for a job whose plan differs while the executor's
 #   policy fits and is predicted at >= this fraction of the planner's end-to-end tokens/s for that job
 

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from .plan import JobPlan
 
 
+REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often
+
+
 def peak_host_bytes() -> int:
     """Peak resident set size of this process in bytes (Linux ru_maxrss is KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -81,7 +84,9 @@ def previous_runs(job: Job, resumed: bool) -> list[dict]:
         runs = [{"started": None, "wall_seconds": w.get("total"), "prompt_tokens": old.get("prompt_tokens"),
                  "generated_tokens": old.get("generated_tokens"),
                  "records_written": old.get("records_written_this_run"), "status": old.get("status")}]
-    return [dict(r, status="killed") if r.get("status") == "running" else dict(r) for r in runs if isinstance(r, dict)]
+    killed = {"status": "killed", "counts": f"as of its last report save (at most {REPORT_EVERY_S:.0f} s before it "
+                                            f"ended; its records are all in the results)"}
+    return [dict(r, **killed) if r.get("status") == "running" else dict(r) for r in runs if isinstance(r, dict)]
 
 
 def job_totals(runs: list[dict], records: int) -> dict:
