@@ -273,6 +273,30 @@ def test_cgopipe_refuses_gpu_attention_micro_batches_by_name(hf_ds):
     ex.close()
 
 
+def test_a_cgopipe_job_is_planned_and_gpu_attention_refused_before_any_weight(hf_ds, monkeypatch):
+    """plan_for_job no longer refuses an MLA model under executor: cgopipe; a generation policy with n_gpu_attn > 0
+    on CUDA is refused by name (the planner plans none; a policy file could)."""
+    import types
+
+    from lightning_moe.app import engine
+    from lightning_moe.config import ConfigError
+    from lightning_moe.policy.policy import Policy
+
+    path, _, _ = hf_ds
+    job = types.SimpleNamespace(executor="cgopipe", config_path="job.yaml", name="j", policy="auto", task="generate",
+                                device="cuda")
+    prep = types.SimpleNamespace(spec=MoESpec.from_pretrained_dir(path), treqs=[types.SimpleNamespace(error=None)])
+    for g in (0, 1):
+        pol = Policy(mu=2, n=2, prefill_mu=2, n_gpu_attn=g, dtype="fp32", weight_quant="fp32")
+        monkeypatch.setattr(engine, "plan_job", lambda j, p, pol=pol: types.SimpleNamespace(policy=pol))
+        if g == 0:
+            assert engine.plan_for_job(job, prep).policy is pol
+        else:
+            with pytest.raises(ConfigError, match=r"job\.yaml: executor: cgopipe: ckpt: n_gpu_attn > 0 with multi-head "
+                                                  r"latent attention is not implemented \(policy n_gpu_attn=1; set it to 0\)"):
+                engine.plan_for_job(job, prep)
+
+
 def test_mtp_layers_are_skipped_at_load_with_a_message(hf_ds, capsys):
     path, model, case = hf_ds
     w = load_checkpoint(path, torch.float32)
