@@ -9,7 +9,9 @@ with a random correction bias, ``routed_scaling_factor`` != 1, V3 with ``rope_in
 with ``mscale_all_dim`` (DeepSeek-V2-Lite's and V3's rope_scaling in small). Logits equal transformers' on a ragged
 batch (max abs < 1e-4), greedy tokens equal transformers' ``generate`` for 20 steps (the decode attends over the
 latent cache), prompt log-probs equal transformers' log-softmax, MLA decode over the latent equals the uncompressed
-attention (fp32, 1e-5), the cache holds exactly the planner's KV bytes per token, CGOPipe refuses MLA by name.
+attention (fp32, 1e-5), the cache holds exactly the planner's KV bytes per token; CGOPipe on the CPU (the latent cache
+on the worker) gives the serial executor's and transformers' tokens and the serial executor's prompt log-probs, and
+refuses GPU-attention micro-batches by name.
 """
 
 import dataclasses
@@ -186,15 +188,113 @@ def test_the_cache_holds_the_planners_kv_bytes_per_token(hf_ds):
         assert kv.nbytes == 5 * 37 * spec.kv_bytes_per_token(name) == 5 * 37 * 3 * (16 + 8) * dtype.itemsize
 
 
-def test_cgopipe_refuses_mla_by_name(hf_ds):
+# a ragged batch of 7 prompts: with mu=2, 4 micro-batches, several KV length groups in some of them
+CGO_PROMPTS = PROMPTS + [[1, 5, 9, 13, 17], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 50], [8, 6]]
+
+
+def _cgopipe(path, resident=0, mu=2, n=4, **kw):
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
     from lightning_moe.policy.policy import Policy
 
+    pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=resident, dtype="fp32", weight_quant="fp32", **kw)
+    return CGOPipeExecutor(load_checkpoint(path, torch.float32), pol, "cpu")
+
+
+@pytest.mark.parametrize("resident", [0, 3])
+def test_cgopipe_greedy_20_steps_equal_serial_and_transformers(hf_ds, resident):
+    """CGOPipe on the CPU (decode attention over the grouped latent cache on the worker, the absorbed query and the
+    un-absorb on the compute device, experts paged or partly resident): 20 greedy tokens per row of a ragged batch of
+    4 micro-batches equal the serial executor's and transformers' (each prompt alone)."""
+    path, model, _ = hf_ds
+    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    want = _hf_greedy(model, CGO_PROMPTS, 20)
+    ref = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(CGO_PROMPTS, sp)
+    assert [o for o, _ in ref] == want
+    ex = _cgopipe(path, resident)
+    mbs = ex._micro_batches(CGO_PROMPTS, 20, True, ex.policy.mu)
+    assert len(mbs) >= 3 and all(type(mb.kv).__name__ == "GroupedLatentKVCache" for mb in mbs)
+    out = ex.generate(CGO_PROMPTS, sp)
+    ex.close()
+    assert [o for o, _ in out] == want and all(r == "length" for _, r in out)
+    assert ex.weight_stream.resident_count() == 2 * resident and ex.stats.decode_steps == 19
+    # the worker read every valid latent position of every layer and step
+    lens = [len(p) for p in CGO_PROMPTS]
+    per_pos = ex.spec.num_layers * (ex.spec.kv_lora_rank + ex.spec.qk_rope_head_dim) * 4
+    assert ex.stats.extra["cpu_attention_valid_kv_bytes"] == sum(n + s for n in lens for s in range(1, 20)) * per_pos
+
+
+def test_cgopipe_prompt_logprobs_equal_serial(hf_ds):
     path, _, _ = hf_ds
-    with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank=16\) is not implemented in "
-                                         r"CGOPipe yet; use executor: serial"):
-        CGOPipeExecutor(load_checkpoint(path, torch.float32), Policy(mu=2, n=2, prefill_mu=2, dtype="fp32",
-                                                                     weight_quant="fp32"), "cpu")
+    seqs = [p + [5, 6] for p in CGO_PROMPTS]
+    ref = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").prompt_logprobs(seqs)
+    ex = _cgopipe(path, 2)
+    out = ex.prompt_logprobs(seqs)
+    ex.close()
+    for (a, ga), (b, gb) in zip(out, ref):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+        assert torch.equal(ga, gb)
+
+
+def test_the_grouped_latent_cache_holds_the_planners_kv_bytes(hf_ds):
+    """CGOPipe's grouped latent cache allocates exactly the planner's KV bytes per padded position
+    (hrm.kv_bytes_per_position: L * (kv_lora_rank + qk_rope_head_dim) * itemsize), and the planner's CPU KV bytes
+    (hrm.kv_cache_bytes) of a batch of one length are what its micro-batches' caches allocate."""
+    from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.policy import Policy
+    from lightning_moe.policy.policy import Workload
+
+    path, _, _ = hf_ds
+    spec = MoESpec.from_pretrained_dir(path)
+    assert hrm.kv_bytes_per_position(spec, "fp32") == spec.num_layers * (16 + 8) * 4
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        kv = GroupedLatentKVCache(spec, [5, 9, 30, 31, 2], dtype, max_groups=3)
+        assert kv.num_groups == 3
+        assert kv.nbytes == kv.padded_positions * hrm.kv_bytes_per_position(spec, name)
+        assert kv.nbytes == kv.padded_positions * spec.kv_bytes_per_token(name)
+    pol = Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32")
+    wl = Workload(prompt_len=12, gen_len=20)
+    ex = _cgopipe(path, mu=2, n=3)
+    mbs = ex._micro_batches([[1] * 12] * 6, 20, True, 2)
+    ex.close()
+    assert hrm.kv_cache_bytes(pol, spec, wl) == (0, sum(mb.kv.nbytes for mb in mbs)) == (0, 6 * 32 * 3 * 24 * 4)
+
+
+def test_cgopipe_refuses_gpu_attention_micro_batches_by_name(hf_ds):
+    """GPU-attention micro-batches keeping a latent KV cache are not implemented: refused by name (on the CPU every
+    micro-batch attends on the CPU, so the refusal is checked where the micro-batches are built)."""
+    path, _, _ = hf_ds
+    ex = _cgopipe(path, n_gpu_attn=1)
+    ex.cuda = True  # as on a CUDA device: the first micro-batch would keep its KV on the GPU
+    with pytest.raises(ValueError, match=r"n_gpu_attn > 0 with multi-head latent attention is not implemented"):
+        ex._micro_batches(CGO_PROMPTS, 4, True, 2)
+    assert len(ex._micro_batches(CGO_PROMPTS, 0, False, 2)) == 4  # scoring keeps no KV: nothing refused
+    ex.cuda = False
+    ex.close()
+
+
+def test_a_cgopipe_job_is_planned_and_gpu_attention_refused_before_any_weight(hf_ds, monkeypatch):
+    """plan_for_job no longer refuses an MLA model under executor: cgopipe; a generation policy with n_gpu_attn > 0
+    on CUDA is refused by name (the planner plans none; a policy file could)."""
+    import types
+
+    from lightning_moe.app import engine
+    from lightning_moe.config import ConfigError
+    from lightning_moe.policy.policy import Policy
+
+    path, _, _ = hf_ds
+    job = types.SimpleNamespace(executor="cgopipe", config_path="job.yaml", name="j", policy="auto", task="generate",
+                                device="cuda")
+    prep = types.SimpleNamespace(spec=MoESpec.from_pretrained_dir(path), treqs=[types.SimpleNamespace(error=None)])
+    for g in (0, 1):
+        pol = Policy(mu=2, n=2, prefill_mu=2, n_gpu_attn=g, dtype="fp32", weight_quant="fp32")
+        monkeypatch.setattr(engine, "plan_job", lambda j, p, pol=pol: types.SimpleNamespace(policy=pol))
+        if g == 0:
+            assert engine.plan_for_job(job, prep).policy is pol
+        else:
+            with pytest.raises(ConfigError, match=r"job\.yaml: executor: cgopipe: ckpt: n_gpu_attn > 0 with multi-head "
+                                                  r"latent attention is not implemented \(policy n_gpu_attn=1; set it to 0\)"):
+                engine.plan_for_job(job, prep)
 
 
 def test_mtp_layers_are_skipped_at_load_with_a_message(hf_ds, capsys):
@@ -288,7 +388,8 @@ def _plan(argv):
 
 def test_plan_each_registry_entry(capsys):
     assert _plan(["--model", "deepseek-v2-lite", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 0
-    assert "predicted:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "predicted:" in out and "attention split                  0 micro-batch(es) on GPU" in out  # MLA: CPU only
     assert _plan(["--model", "glm-4.5-air", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB", "--quant", "int4"]) == 0
     assert "predicted:" in capsys.readouterr().out
     # DeepSeek-V3 does not fit one H200 host (128 GiB) even at int4: the planner says what it needs

@@ -96,12 +96,6 @@ def check_device(job: Job) -> None:
 def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
     """The plan a run executes with, before any weight is read: a cgopipe job's :func:`plan_job` (None when no request
     is valid); None for the serial executor, which runs no policy -- though a malformed one is still an error."""
-    if job.executor == "cgopipe" and prep.spec.is_mla:
-        from ..config import ConfigError
-
-        raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: multi-head latent "
-                          f"attention (kv_lora_rank={prep.spec.kv_lora_rank}) is not implemented in CGOPipe yet; set "
-                          f"executor: serial")
     if job.executor == "cgopipe":
         from ..pipeline.cgopipe import cgopipe_refusal
 
@@ -115,6 +109,13 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
                           f"executor: serial")
     valid = any(t.error is None for t in prep.treqs)
     jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
+    if (jplan is not None and prep.spec.is_mla and job.task != "score" and jplan.policy.n_gpu_attn > 0
+            and job.device.startswith("cuda")):  # the planner plans none; a policy file or inline policy may
+        from ..config import ConfigError
+        from ..pipeline.cgopipe import MLA_GPU_ATTENTION_REFUSAL
+
+        raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: "
+                          f"{MLA_GPU_ATTENTION_REFUSAL} (policy n_gpu_attn={jplan.policy.n_gpu_attn}; set it to 0)")
     if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
         policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
     return jplan

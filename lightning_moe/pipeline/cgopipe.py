@@ -45,7 +45,7 @@ from ..model.weights import ModelWeights
 from ..policy.batching import group_by_length
 from ..policy.policy import Policy
 from .expert_ffn import expert_ffn, expert_ffn_for
-from .kv_cache import KV_GROUPS, GroupedKVCache
+from .kv_cache import KV_GROUPS, GroupedKVCache, GroupedLatentKVCache
 from .serial import (FinishCallback, LogprobsCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback,
                      TokensCallback, check_prefixes, finish_reason, sample, token_logprobs)
 from .stage_stats import StageTimer, add_counts
@@ -61,11 +61,14 @@ class MicroBatch:
 
     rows: list[int]  # indices into the batch's prompt list
     kv: Optional[GroupedKVCache]  # this micro-batch's cache (rows 0..len(rows)-1, length groups), CPU or GPU; None: no KV
+    #   (MLA: a GroupedLatentKVCache on the CPU)
     on_gpu: bool  # attention + KV on the GPU (policy.n_gpu_attn) instead of the CPU
     x: Optional[torch.Tensor] = None  # [mu_k, D] hidden states on the GPU during a decode step
     pos: Optional[torch.Tensor] = None  # int64 [mu_k] on the GPU: position of the next token of each row
     rope: Optional[tuple] = None  # RoPE (cos, sin) [mu_k, hd] of ``pos``, computed once per decode step for every layer
+    #   (MLA: None, the family's pre_attention makes its own tables in its RoPE dtype)
     attn_out: Optional[torch.Tensor] = None  # [mu_k, Hq*hd] host buffer CPU attention writes every layer (pinned on CUDA)
+    #   (MLA: the attention-weighted latents [mu_k, Hq, kv_lora])
 
 
 @dataclass
@@ -80,7 +83,7 @@ class PrefillChunk:
     pos: torch.Tensor  # int64 [T] position of each token in its row
     spans: list[tuple[int, int]]  # (start, end) of each row in the packed tokens
     ends: torch.Tensor  # int64 [rows] packed end of each row (host)
-    rope: tuple  # RoPE (cos, sin) [T, hd], for every layer
+    rope: Optional[tuple]  # RoPE (cos, sin) [T, hd], for every layer (MLA: None, as MicroBatch.rope)
     layout: Any  # the family's packed-attention layout (prefill_packed_layout), for every layer
 
 
@@ -143,10 +146,14 @@ class _Outputs:
         self.step_toks.clear()
 
 
+MLA_GPU_ATTENTION_REFUSAL = "n_gpu_attn > 0 with multi-head latent attention is not implemented"
+
+
 def cgopipe_refusal(spec) -> Optional[str]:
     """Why CGOPipe cannot run ``spec`` although the serial executor can (the family's math its caches, CPU kernel and
-    expert kernels do not compute), naming the family; None when it can. Multi-head latent attention has its own
-    messages (``kv_lora_rank``). Checked by the executor and, before any weight is read, by the engine."""
+    expert kernels do not compute), naming the family; None when it can. Multi-head latent attention runs with CPU
+    attention only (:data:`MLA_GPU_ATTENTION_REFUSAL` for GPU-attention micro-batches that keep KV). Checked by the
+    executor and, before any weight is read, by the engine."""
     missing = [what for flag, what in (
         (spec.attention_sinks, "attention sinks"),
         (bool(spec.full_attention_layers), "sliding windows in some layers only (layer_types)"),
@@ -214,14 +221,12 @@ class CGOPipeExecutor:
             raise ValueError(f"CGOPipeExecutor: cpu_threads must be None or an int >= 1, got {cpu_threads!r}")
         self.spec = spec = weights.spec
         self.family = fam = family_of(spec)  # the model family's layer math (model/families/)
-        if fam.attention == "mla":
-            raise ValueError(f"CGOPipeExecutor: {fam.name}: multi-head latent attention (kv_lora_rank="
-                             f"{self.spec.kv_lora_rank}) is not implemented in CGOPipe yet; use executor: serial")
         why = cgopipe_refusal(spec)
         if why is not None:
             raise ValueError(f"CGOPipeExecutor: {fam.name}: {why}; use executor: serial")
-        if fam.attention != "gqa":
-            raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa only)")
+        if fam.attention not in ("gqa", "mla"):
+            raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa, mla)")
+        self.mla = fam.attention == "mla"  # decode attention over a CPU latent cache, absorbed on the device
         self.policy = policy
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -258,7 +263,7 @@ class CGOPipeExecutor:
             self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
         else:
             self.h2d_a = self.d2h = None
-        if not self.cuda or policy.n_gpu_attn < max(1, policy.n):  # some micro-batch attends on the CPU
+        if not self.mla and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
             from ..kernels.cpu_attention import native_available
 
             native_available()  # builds the native CPU attention kernel now (once; cached), not in the first decode step
@@ -270,7 +275,8 @@ class CGOPipeExecutor:
         self.attention_h2d = attention_h2d if self.cuda else "dma"
         self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
-        self._kv_bytes_per_position = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        # K and V (MLA: the latent and the rope key) of one position and layer
+        self._kv_bytes_per_position = spec.kv_elems_per_token * torch.empty((), dtype=self.dtype).element_size()
         self._attn_kv_bytes = 0  # valid K and V bytes read by CPU attention in this decode (worker thread)
 
     # ---- setup, phases, report -----------------------------------------------------------------
@@ -363,7 +369,7 @@ class CGOPipeExecutor:
         spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device, non_blocking=True)
         x = self.embed[ids.to(self.device, non_blocking=True)]  # [T, D]
-        rope = self.family.rope_cos_sin(self.spec, pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2, every layer
+        rope = None if self.mla else self.family.rope_cos_sin(self.spec, pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2
         layout = self.family.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
         return PrefillChunk(i, rows, self._prefill_kv_index(mb, off, spans), x, pos, spans, ends, rope, layout)
 
@@ -376,8 +382,9 @@ class CGOPipeExecutor:
         return mb.kv.prefill_index(range(off, off + len(spans)), spans, src)
 
     def _store_prefill_kv(self, l: int, mb: MicroBatch, index: list, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
-        """Write a prefill chunk's k, v [T, Hkv, hd] into its micro-batch's cache (one scatter per length group, by
-        ``index`` from :meth:`_prefill_kv_index`, not a copy per sequence).
+        """Write a prefill chunk's k, v [T, Hkv, hd] (MLA: the latent c [T, kv_lora] and the rope key k_pe [T, rope])
+        into its micro-batch's cache (one scatter per length group, by ``index`` from :meth:`_prefill_kv_index`, not a
+        copy per sequence).
 
         GPU caches are written in place. For CPU caches on CUDA the copy is asynchronous: k/v go to pinned
         host buffers on the D2H stream and the worker thread writes them into the cache once they landed,
@@ -416,13 +423,18 @@ class CGOPipeExecutor:
     def _prefill_layer(self, l: int, ch: PrefillChunk, mb: MicroBatch, ffn, pending: list) -> None:
         """Layer ``l`` over one chunk: attention on the device, its KV to the micro-batch's cache, then o_proj,
         router and the visit's expert FFN (``ffn``); replaces ``ch.x``."""
-        fam = self.family
-        q, k, v = fam.pre_attention(self.layers[l], ch.x, ch.pos, self.spec, self.inv_freq, ch.rope)  # [T,Hq,hd] [T,Hkv,hd] x2
-        attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
-            q, k, v, ch.spans, self.spec.sliding_window, ch.layout))  # [T, Hq*hd]
+        fam, lw = self.family, self.layers[l]
+        q, k, v = fam.pre_attention(lw, ch.x, ch.pos, self.spec, self.inv_freq, ch.rope)  # [T,Hq,hd] [T,Hkv,hd] x2
+        #   (MLA: q [T, Hq, hd], the latent c [T, kv_lora] and the rope key k_pe [T, rope] as k and v)
+        if self.mla:  # the latent expanded per head, as the serial executor
+            attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
+                lw, q, k, v, ch.spans, self.spec, ch.layout))  # [T, Hq*v_hd]
+        else:
+            attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
+                q, k, v, ch.spans, self.spec.sliding_window, ch.layout))  # [T, Hq*hd]
         if mb.kv is not None:
             self._store_prefill_kv(l, mb, ch.kv_index, k, v, pending)
-        ch.x = fam.post_attention(self.layers[l], None, ch.x, attn, self.spec, ffn)  # [T, D]
+        ch.x = fam.post_attention(lw, None, ch.x, attn, self.spec, ffn)  # [T, D]
 
     def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], score: bool = False) -> list:
         """Prefill every micro-batch layer by layer (weights streamed once per layer for the whole batch).
@@ -469,9 +481,21 @@ class CGOPipeExecutor:
 
     # ---- decode: one micro-batch's attention ----------------------------------------------------
     def _pre_attention(self, l: int, mb: MicroBatch):
+        """Norm, q/k/v, RoPE of micro-batch ``mb`` on the device: q [mu, Hq, hd], k / v [mu, Hkv, hd]. MLA: the
+        absorbed query q_lat [mu, Hq, kv_lora + rope] (:meth:`_mla_query`), the latent c [mu, kv_lora] and the rope
+        key k_pe [mu, rope] in their place."""
+        if self.mla:
+            return self._mla_query(l, mb)
         if mb.rope is None:  # once per decode step: the same positions in every layer
             mb.rope = self.family.rope_cos_sin(self.spec, mb.pos, self.inv_freq.to(self.device), mb.x.dtype)  # [mu, hd] x2
         return self.family.pre_attention(self.layers[l], mb.x, mb.pos, self.spec, self.inv_freq, mb.rope)  # [mu,Hq,hd] [mu,Hkv,hd] x2
+
+    def _mla_query(self, l: int, mb: MicroBatch):
+        """MLA pre-attention on the device, the query absorbed (q_nope W_UK per head) so the CPU worker attends over
+        the latent cache: q_lat [mu, Hq, kv_lora + rope], c [mu, kv_lora], k_pe [mu, rope]."""
+        lw = self.layers[l]
+        q, c, k_pe = self.family.pre_attention(lw, mb.x, mb.pos, self.spec, self.inv_freq)  # [mu,Hq,hd] [mu,Dl] [mu,rd]
+        return self.family.mla_absorb(lw, q, self.spec), c, k_pe
 
     def _gpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
         """Append k/v to the micro-batch's GPU cache and attend, one family ``decode_attention`` per length group.
@@ -491,14 +515,15 @@ class CGOPipeExecutor:
         return self.workers.submit(self._cpu_attention, l, mb, qkv, ready)
 
     def _cpu_attention(self, l: int, mb: MicroBatch, qkv, ready) -> torch.Tensor:
-        """Worker thread: wait for q/k/v to land, append k/v to the CPU cache, attend. Returns [mu, Hq*hd]."""
+        """Worker thread: wait for q/k/v to land, append k/v to the CPU cache, attend. Returns [mu, Hq*hd] (MLA:
+        q_lat, c, k_pe in, the family's torch latent attention, the attention-weighted latents [mu, Hq, kv_lora])."""
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
         t1 = time.perf_counter()
         with torch.inference_mode():  # thread-local: the cache is an inference tensor
             q, k, v = qkv
-            shape = (q.shape[0], q.shape[1] * q.shape[2])
+            shape = (q.shape[0], q.shape[1], self.spec.kv_lora_rank) if self.mla else (q.shape[0], q.shape[1] * q.shape[2])
             if mb.attn_out is None or mb.attn_out.shape != shape or mb.attn_out.dtype != q.dtype:
                 # one buffer per micro-batch, rewritten every layer. Safe: this layer's q/k/v copy (``ready``) was
                 # ordered after the previous layer's read of the buffer on the GPU (kernel or DMA, before that
@@ -506,7 +531,10 @@ class CGOPipeExecutor:
                 mb.attn_out = torch.empty(shape, dtype=q.dtype, pin_memory=self.cuda)
             out = mb.attn_out
             t2 = time.perf_counter()
-            mb.kv.append_attend(l, q, k, v, out)  # one native call over the length groups (or append + SDPA per group)
+            if self.mla:  # the native kernel is GQA-only: torch latent attention per length group
+                mb.kv.append_attend(l, q, k, v, self._latent_attention, out)
+            else:
+                mb.kv.append_attend(l, q, k, v, out)  # one native call over the length groups (or append + SDPA per group)
         t3 = time.perf_counter()
         # the stage and its parts: waiting for q/k/v to land, the pinned output buffer, KV append + attention
         self.timer.add_host("cpu_attention", t3 - t0)
@@ -517,6 +545,10 @@ class CGOPipeExecutor:
         n = mb.kv.lengths + 1 if self.spec.sliding_window is None else (mb.kv.lengths + 1).clamp(max=self.spec.sliding_window)
         self._attn_kv_bytes += int(n.sum()) * self._kv_bytes_per_position  # worker thread only
         return out
+
+    def _latent_attention(self, q_lat: torch.Tensor, lat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The family's latent attention of one length group (worker thread): [B_g, Hq, kv_lora]."""
+        return self.family.latent_attention(q_lat, lat, lengths, self.spec)
 
     def _recv_attention(self, fut: Future) -> torch.Tensor:
         """Host waits for the worker, then H2D of the attention output; the compute stream waits on it."""
@@ -548,6 +580,8 @@ class CGOPipeExecutor:
         if isinstance(attn, Future):
             attn = self._recv_attention(attn)
         self.weight_stream.prefetch_slot(visit + 1, k, slots)
+        if self.mla:  # the values from the attention-weighted latents (W_UV per head), on the device
+            attn = self.family.mla_unabsorb(self.layers[l], attn, self.spec)  # [mu_k, Hq*v_hd]
         mb.x = self.family.post_attention(self.layers[l], None, mb.x, attn, self.spec, ffn)  # [mu_k, D]
 
     # ---- decode: the CGOPipe schedule -----------------------------------------------------------
@@ -606,12 +640,16 @@ class CGOPipeExecutor:
         n = -(-len(prompts) // mu)
         groups = [g for g in group_by_length(lens, mu, n) if g]
         mbs = []
+        cache = GroupedLatentKVCache if self.mla else GroupedKVCache
         for k, rows in enumerate(groups):
             on_gpu = self.cuda and k < self.policy.n_gpu_attn
             kv = None
             if with_kv:
-                kv = GroupedKVCache(self.spec, [lens[r] + extra for r in rows], self.dtype,
-                                    self.device if on_gpu else "cpu", max_groups=kv_groups or self.kv_groups)
+                if on_gpu and self.mla:
+                    raise ValueError(f"CGOPipeExecutor: {self.family.name}: {MLA_GPU_ATTENTION_REFUSAL} (policy "
+                                     f"n_gpu_attn={self.policy.n_gpu_attn}; set it to 0)")
+                kv = cache(self.spec, [lens[r] + extra for r in rows], self.dtype,
+                           self.device if on_gpu else "cpu", max_groups=kv_groups or self.kv_groups)
                 kv.lengths[:] = torch.tensor([lens[r] for r in rows])
             mbs.append(MicroBatch(rows, kv, on_gpu))
         return mbs

@@ -168,18 +168,42 @@ class GroupedKVCache:
 
     def __init__(self, spec: MoESpec, final_lengths: Sequence[int], dtype: torch.dtype, device="cpu",
                  pin: bool = False, max_groups: int = KV_GROUPS):
+        dev, pin = self._group_rows(final_lengths, device, pin, max_groups)
+        L, Hkv, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.num_kv_heads = Hkv
+        # one flat array of hd-vectors per layer for K (and V): group g's block [B_g, Hkv, S_g, hd] from vector
+        # group_base[g]; k[layer][g], v[layer][g] are views of it (one kernel can address every group:
+        # append_attend_triton)
+        blocks = [len(r) * Hkv * S for r, S in zip(self.rows, self.sizes)]  # hd-vectors per group
+        group_base = [sum(blocks[:g]) for g in range(len(blocks))]
+        self.k_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
+        self.v_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
+        self.k = [self._group_views(f, group_base, hd) for f in self.k_flat]  # k[layer][g]: [B_g, Hkv, S_g, hd]
+        self.v = [self._group_views(f, group_base, hd) for f in self.v_flat]
+        # per caller row: first hd-vector of its block and its capacity S_g (int64 [B], host; device copies lazily)
+        B = self.lengths.shape[0]
+        self.row_base = torch.empty(B, dtype=torch.int64)
+        self.row_cap = torch.empty(B, dtype=torch.int64)
+        for gi, (r, S) in enumerate(zip(self.rows, self.sizes)):
+            self.row_base[r] = group_base[gi] + torch.arange(len(r)) * Hkv * S
+            self.row_cap[r] = S
+        self._row_meta_dev: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.sliding_window = spec.sliding_window
+
+    def _group_rows(self, final_lengths: Sequence[int], device, pin: bool, max_groups: int) -> tuple[torch.device, bool]:
+        """The length groups of the rows and their indexes (shared by :class:`GroupedLatentKVCache`); returns the
+        cache's device and whether to pin its storage."""
         lens = [int(x) for x in final_lengths]
         if not lens or min(lens) < 1:
-            raise ValueError(f"GroupedKVCache: need >= 1 row, each with a final length >= 1 (got {len(lens)} rows, "
-                             f"min {min(lens) if lens else None})")
+            raise ValueError(f"{type(self).__name__}: need >= 1 row, each with a final length >= 1 (got {len(lens)} "
+                             f"rows, min {min(lens) if lens else None})")
         groups = length_groups(lens, max_groups)
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:  # compare equal to tensors' devices (cuda:i)
             dev = torch.device("cuda", torch.cuda.current_device())
         pin = pin and dev.type == "cpu" and torch.cuda.is_available()
-        B, L, Hkv, hd = len(lens), spec.num_layers, spec.num_kv_heads, spec.head_dim
+        B = len(lens)
         self.device = dev
-        self.num_kv_heads = Hkv
         self.sizes = [max(lens[r] for r in g) for g in groups]  # S_g per group
         # caller rows of each group (host), ascending: with one group the cache is in the caller's order
         self.rows = [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
@@ -192,25 +216,9 @@ class GroupedKVCache:
             self.group_of[r] = gi
             self.slot_of[r] = torch.arange(len(r))
         self._identity = len(groups) == 1 and torch.equal(self.rows[0], torch.arange(B))  # one group, caller order
-        # one flat array of hd-vectors per layer for K (and V): group g's block [B_g, Hkv, S_g, hd] from vector
-        # group_base[g]; k[layer][g], v[layer][g] are views of it (one kernel can address every group:
-        # append_attend_triton)
-        blocks = [len(r) * Hkv * S for r, S in zip(self.rows, self.sizes)]  # hd-vectors per group
-        group_base = [sum(blocks[:g]) for g in range(len(blocks))]
-        self.k_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
-        self.v_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
-        self.k = [self._group_views(f, group_base, hd) for f in self.k_flat]  # k[layer][g]: [B_g, Hkv, S_g, hd]
-        self.v = [self._group_views(f, group_base, hd) for f in self.v_flat]
-        # per caller row: first hd-vector of its block and its capacity S_g (int64 [B], host; device copies lazily)
-        self.row_base = torch.empty(B, dtype=torch.int64)
-        self.row_cap = torch.empty(B, dtype=torch.int64)
-        for gi, (r, S) in enumerate(zip(self.rows, self.sizes)):
-            self.row_base[r] = group_base[gi] + torch.arange(len(r)) * Hkv * S
-            self.row_cap[r] = S
-        self._row_meta_dev: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.lengths = torch.zeros(B, dtype=torch.int64)  # valid positions per row, caller order (host tensor)
         self.max_len = max(self.sizes)  # longest final length of any row
-        self.sliding_window = spec.sliding_window
+        return dev, pin
 
     def _group_views(self, flat: torch.Tensor, group_base: list[int], hd: int) -> list[torch.Tensor]:
         """Group g's ``[B_g, Hkv, S_g, hd]`` view of one layer's flat array (contiguous)."""
@@ -295,9 +303,16 @@ class GroupedKVCache:
         """Append one decode token per row: k, v [B', Hkv, hd] for caller rows ``rows`` (int64 [B']), each at
         position lengths[row] (no length update). ``rows`` = all rows in order is the common (fast) case.
         Raises ValueError if a row's group is full."""
+        for g, sel, slots, p in self._append_parts(rows, k.device):
+            self.k[layer][g][slots, :, p] = k.index_select(0, sel).to(self.device)
+            self.v[layer][g][slots, :, p] = v.index_select(0, sel).to(self.device)
+
+    def _append_parts(self, rows: torch.Tensor, src: torch.device) -> list:
+        """Per group g holding some of ``rows``: (g, the rows' indexes into the appended tensors (on ``src``), their
+        slots and positions in group g (on the cache's device)). Raises ValueError if a row's group is full."""
         rows = rows.cpu()
         if rows.shape[0] == self.lengths.shape[0] and torch.equal(rows, self._all):  # every row, caller order
-            on_dev = k.device == self.device
+            on_dev = src == self.device
             parts = [(g, self._rows_dev[g] if on_dev else self.rows[g], self._slots_dev[g], self.lengths[self.rows[g]])
                      for g in range(self.num_groups)]
         else:
@@ -306,15 +321,14 @@ class GroupedKVCache:
             for g in torch.unique(groups).tolist():
                 sel = (groups == g).nonzero().flatten()
                 parts.append((g, sel, self.slot_of[rows[sel]].to(self.device, non_blocking=True), self.lengths[rows[sel]]))
+        out = []
         for g, sel, slots, pos in parts:
             if int(pos.max()) >= self.sizes[g]:
                 raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
             # host index tensors to the device without a stream sync (a blocking copy of a pageable tensor waits for
             # the GPU; CUDA stages a pageable source before the call returns, so non_blocking is safe)
-            p = pos.to(self.device, non_blocking=True)
-            sel = sel.to(k.device, non_blocking=True)
-            self.k[layer][g][slots, :, p] = k.index_select(0, sel).to(self.device)
-            self.v[layer][g][slots, :, p] = v.index_select(0, sel).to(self.device)
+            out.append((g, sel.to(src, non_blocking=True), slots, pos.to(self.device, non_blocking=True)))
+        return out
 
     def append_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -385,22 +399,111 @@ class GroupedKVCache:
         Raises:
             ValueError: q or new_lengths do not have B rows.
         """
+        K, V = self.k[layer], self.v[layer]
+        return self._attend_groups(q, new_lengths, lambda g, qg, upto, n: fn(qg, K[g][:, :, :upto], V[g][:, :, :upto], n))
+
+    def _attend_groups(self, q: torch.Tensor, new_lengths: torch.Tensor, fn_g: Callable) -> torch.Tensor:
+        """:meth:`attend`'s loop over the groups: ``fn_g(g, q_g, upto_g, len_g)`` per group, rows back in the caller's
+        order (one call over every row when one group holds them in order)."""
         B = self.lengths.shape[0]
         if q.shape[0] != B or new_lengths.shape != (B,):
-            raise ValueError(f"GroupedKVCache.attend: q {tuple(q.shape)} / new_lengths {tuple(new_lengths.shape)} "
-                             f"do not have the cache's {B} rows")
+            raise ValueError(f"{type(self).__name__}.attend: q {tuple(q.shape)} / new_lengths "
+                             f"{tuple(new_lengths.shape)} do not have the cache's {B} rows")
         new_lengths = new_lengths.cpu()
         if self._identity:
-            upto = bucket_len(int(new_lengths.max()), self.sizes[0])
-            return fn(q, self.k[layer][0][:, :, :upto], self.v[layer][0][:, :, :upto], new_lengths)
+            return fn_g(0, q, bucket_len(int(new_lengths.max()), self.sizes[0]), new_lengths)
         out: Optional[torch.Tensor] = None
         for g, (rows, S) in enumerate(zip(self.rows, self.sizes)):
             len_g = new_lengths[rows]
             upto = bucket_len(int(len_g.max()), S)
             idx = self._rows_dev[g] if q.device == self.device else rows.to(q.device)
-            o = fn(q.index_select(0, idx), self.k[layer][g][:, :, :upto], self.v[layer][g][:, :, :upto], len_g)
+            o = fn_g(g, q.index_select(0, idx), upto, len_g)
             if out is None:
                 out = torch.empty((B,) + tuple(o.shape[1:]), dtype=o.dtype, device=o.device)
             out[idx.to(o.device)] = o
         assert out is not None
         return out
+
+
+LatentAttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class GroupedLatentKVCache(GroupedKVCache):
+    """:class:`GroupedKVCache`'s length groups holding MLA latents (multi-head latent attention, DeepSeek; CGOPipe's
+    micro-batches): group g stores ``[B_g, S_g, kv_lora_rank + qk_rope_head_dim]`` per layer, per token the normed
+    latent c and the rotated rope key k_pe (:class:`LatentKVCache`'s layout), with c and k_pe in place of k and v.
+    The rows, groups, :meth:`prefill_index` and :attr:`lengths` are GroupedKVCache's; attention takes the family's
+    ``latent_attention`` (the absorbed query in, the attention-weighted latents out); no Triton kernel.
+
+    Memory: ``L * (kv_lora_rank + qk_rope_head_dim) * itemsize * sum_g B_g * S_g`` bytes = ``padded_positions *
+    spec.kv_bytes_per_token(dtype)`` (the planner's count per position), see :attr:`nbytes`.
+    Raises:
+        ValueError: the spec is not MLA, no rows, a final length < 1, or ``max_groups`` not a positive int.
+    """
+
+    def __init__(self, spec: MoESpec, final_lengths: Sequence[int], dtype: torch.dtype, device="cpu",
+                 pin: bool = False, max_groups: int = KV_GROUPS):
+        if not spec.is_mla:
+            raise ValueError(f"GroupedLatentKVCache: {spec.name} has no kv_lora_rank (not multi-head latent attention)")
+        dev, pin = self._group_rows(final_lengths, device, pin, max_groups)
+        width = spec.kv_lora_rank + spec.qk_rope_head_dim
+        self.lat = [[torch.zeros((len(r), S, width), dtype=dtype, device=dev, pin_memory=pin)
+                     for r, S in zip(self.rows, self.sizes)] for _ in range(spec.num_layers)]  # lat[layer][g]
+        self.sliding_window = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all latent storage."""
+        return sum(t.numel() * t.element_size() for layer in self.lat for t in layer)
+
+    def write_prefill(self, layer: int, row: int, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store a prompt's latents for caller row ``row``: c [S, kv_lora], k_pe [S, rope] at positions 0..S-1.
+        Raises ValueError if S exceeds the row's group size S_g."""
+        g, slot = int(self.group_of[row]), int(self.slot_of[row])
+        S = c.shape[0]
+        if S > self.sizes[g]:
+            raise ValueError(f"prompt of {S} tokens exceeds row {row}'s cache of {self.sizes[g]} positions")
+        self.lat[layer][g][slot, :S] = torch.cat([c, k_pe], dim=-1).to(self.device)
+
+    def write_prefill_index(self, layer: int, index: Sequence[PrefillIndex], c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store a packed prefill chunk's latents: c [T, kv_lora], k_pe [T, rope], scattered by :meth:`prefill_index`
+        (one index_put per group). Equal to :meth:`write_prefill` per sequence."""
+        lat = torch.cat([c, k_pe], dim=-1)  # [T, kv_lora + rope]
+        for g, tok, slot, pos in index:
+            t = self.lat[layer][g]  # [B_g, S_g, kv_lora + rope]
+            t[slot, pos] = lat.index_select(0, tok).to(t.device, t.dtype)
+
+    def append(self, layer: int, rows: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Append one decode token per row: c [B', kv_lora], k_pe [B', rope] for caller rows ``rows`` (int64 [B']),
+        each at position lengths[row] (no length update). Raises ValueError if a row's group is full."""
+        lat = torch.cat([c, k_pe], dim=-1)  # [B', kv_lora + rope]
+        for g, sel, slots, p in self._append_parts(rows, lat.device):
+            self.lat[layer][g][slots, p] = lat.index_select(0, sel).to(self.device)
+
+    def attend(self, layer: int, q_lat: torch.Tensor, new_lengths: torch.Tensor, fn: LatentAttendFn) -> torch.Tensor:
+        """Latent decode attention of every row, group by group, back in the caller's row order: per group
+        ``fn(q_g, lat_g[:, :upto_g], len_g)`` (the family's ``latent_attention`` with the spec bound) with q_g the
+        group's rows of q_lat [B_g, Hq, kv_lora + rope], lat_g its latents [B_g, upto_g, kv_lora + rope] (a view) and
+        len_g int64 [B_g] (host). Returns [B, Hq, kv_lora] (``fn``'s output rows in the caller's order)."""
+        lat = self.lat[layer]
+        return self._attend_groups(q_lat, new_lengths, lambda g, qg, upto, n: fn(qg, lat[g][:, :upto], n))
+
+    def append_attend(self, layer: int, q_lat: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, fn: LatentAttendFn,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Decode step of one layer for every row: append c / k_pe at position lengths[row], attend over lengths + 1
+        positions with ``fn`` (:meth:`attend`; no length update), into ``out`` [B, Hq, kv_lora] (e.g. pinned) or a new
+        tensor. q_lat [B, Hq, kv_lora + rope], c [B, kv_lora], k_pe [B, rope] on the cache's device. Returns ``out``.
+        Raises ValueError on a full row or mismatched shapes."""
+        B = self.lengths.shape[0]
+        if q_lat.shape[0] != B or c.shape[0] != B or k_pe.shape[0] != B:
+            raise ValueError(f"GroupedLatentKVCache.append_attend: q_lat {tuple(q_lat.shape)} / c {tuple(c.shape)} / "
+                             f"k_pe {tuple(k_pe.shape)} do not have the cache's {B} rows")
+        self.append(layer, self._all, c, k_pe)
+        o = self.attend(layer, q_lat, self.lengths + 1, fn)  # [B, Hq, kv_lora]
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+
+    def append_attend_triton(self, *args, **kwargs):
+        raise NotImplementedError("GroupedLatentKVCache: no Triton decode kernel for multi-head latent attention")

@@ -262,6 +262,7 @@ class _Coeffs:
     gpu_cap: float  # GPU bytes the MILP may fill (budget minus margin)
     cpu_cap: float  # host bytes the MILP may fill (budget minus margin, minus the reserve of every process)
     gpus: int = 1  # expert-parallel GPUs (hrm H10): per-GPU paging and memory rows, the CPU stage and host KV x gpus
+    gpu_attn: bool = True  # GPU-attention micro-batches allowed (not for multi-head latent attention: CGOPipe refuses them)
 
 
 def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
@@ -293,7 +294,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b * g,
                 mem_stage_pre={}, gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve * g,
-                gpus=g)
+                gpus=g, gpu_attn=not spec.is_mla)
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p
@@ -374,7 +375,8 @@ class _Model:
         self.z = {m: P(f"z_{m}", cat="Binary") for m in C.cands}  # z_m = 1 iff mu = m
         # disaggregated products (no big-M on n): w_m = z_m n, v_m = z_m g, integer
         self.w = {m: P(f"w_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
-        self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
+        # (no GPU-attention micro-batches for multi-head latent attention: CGOPipe attends over its latent on the CPU)
+        self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m] if C.gpu_attn else 0, cat="Integer") for m in C.cands}
         self.r = P("r", lowBound=0, upBound=self.E, cat="Integer")  # experts resident in every MoE layer
         self.nbits = _bits(self.L_moe - 1)
         self.beta = [P(f"beta_{i}", cat="Binary") for i in range(self.nbits)]  # binary digits of x
