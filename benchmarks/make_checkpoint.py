@@ -66,6 +66,21 @@ class Dims:
     shared: int = 0  # width of the shared expert (qwen2_moe); 0 = none
     dense: int = 0  # width of a dense layer's MLP (config intermediate_size of the Qwen families; 0 = 4 x expert width)
     norm_topk_prob: bool = True  # renormalize the top-k router weights (Qwen / OLMoE config field; Mixtral always)
+    # DeepSeek-V2 / V3 (MLA; ``hd`` is qk_nope_head_dim + qk_rope_head_dim, ``intermediate`` moe_intermediate_size,
+    # ``dense`` the dense layers' intermediate_size, ``shared`` n_shared * moe_intermediate_size)
+    kv_lora: int = 0  # kv_lora_rank
+    q_lora: int = 0  # q_lora_rank; 0 = null (one q_proj)
+    rope_dim: int = 0  # qk_rope_head_dim
+    v_hd: int = 0  # v_head_dim
+    n_shared: int = 0  # n_shared_experts
+    first_dense: int = 0  # first_k_dense_replace
+    n_group: int = 0  # router groups (0: greedy / one group)
+    topk_group: int = 0
+    routed_scaling: float = 1.0  # routed_scaling_factor
+    # gpt-oss
+    sliding_window: int = 0  # the sliding_attention layers' window; layer_types alternate sliding / full from layer 0
+    swiglu_limit: float = 7.0
+    rope: tuple = ()  # rope scaling items ((key, value), ...) without rope_theta; () = the default rope
 
     @property
     def head_dim(self) -> int:
@@ -81,17 +96,70 @@ class Dims:
         if s.model_type not in CONFIG_CLASSES:
             raise ValueError(f"{name}: model_type {s.model_type!r} is not one make_checkpoint writes "
                              f"({', '.join(CONFIG_CLASSES)})")
+        rope = ()
+        if s.rope_type == "yarn":
+            rope = (("rope_type", "yarn"), ("factor", s.rope_factor),
+                    ("original_max_position_embeddings", s.rope_original_max_position_embeddings),
+                    ("beta_fast", s.rope_beta_fast), ("beta_slow", s.rope_beta_slow))
+            if s.kv_lora_rank:  # DeepSeek: attention factor 1 = mscale equal to mscale_all_dim
+                rope += (("mscale", s.rope_mscale_all_dim), ("mscale_all_dim", s.rope_mscale_all_dim))
+            else:
+                rope += (("truncate", s.rope_truncate),)
+        elif s.rope_type != "default":
+            raise ValueError(f"{name}: rope_type {s.rope_type!r}: make_checkpoint writes default and yarn")
+        if s.kv_lora_rank:  # MLA
+            first_dense = len(s.dense_layers)
+            if s.dense_layers != tuple(range(first_dense)):
+                raise ValueError(f"{name}: dense layers {s.dense_layers} are not the first ones")
+            return cls(family=s.model_type, layers=layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
+                       heads=s.num_heads, kv_heads=s.num_kv_heads, experts=s.num_experts, top_k=s.top_k,
+                       vocab=s.vocab_size, rope_theta=s.rope_theta, max_pos=s.max_position_embeddings, hd=s.head_dim,
+                       shared=s.shared_intermediate_size * s.num_shared_experts, n_shared=s.num_shared_experts,
+                       dense=s.dense_intermediate_size, norm_topk_prob=bool(s.norm_topk_prob), kv_lora=s.kv_lora_rank,
+                       q_lora=s.q_lora_rank, rope_dim=s.qk_rope_head_dim, v_hd=s.v_head_dim,
+                       first_dense=min(first_dense, layers - 1), n_group=s.router_n_group,
+                       topk_group=s.router_topk_group, routed_scaling=s.routed_scaling_factor, rope=rope)
+        if s.model_type == "gpt_oss":
+            full = tuple(i for i in s.full_attention_layers if i < layers)
+            if full != tuple(range(1, layers, 2)):
+                raise ValueError(f"{name}: full_attention_layers {s.full_attention_layers} do not alternate")
+            return cls(family=s.model_type, layers=layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
+                       heads=s.num_heads, kv_heads=s.num_kv_heads, experts=s.num_experts, top_k=s.top_k,
+                       vocab=s.vocab_size, rope_theta=s.rope_theta, max_pos=s.max_position_embeddings, hd=s.head_dim,
+                       sliding_window=s.sliding_window or 0, swiglu_limit=s.swiglu_limit, rope=rope)
         return cls(family=s.model_type, layers=layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
                    heads=s.num_heads, kv_heads=s.num_kv_heads, experts=s.num_experts, top_k=s.top_k,
                    vocab=s.vocab_size, rope_theta=s.rope_theta, max_pos=s.max_position_embeddings,
                    hd=0 if s.head_dim == s.hidden_size // s.num_heads else s.head_dim,
                    shared=s.shared_intermediate_size * s.num_shared_experts, norm_topk_prob=bool(s.norm_topk_prob))
 
+    def tiny(self) -> "Dims":
+        """This family's checkpoint at a tiny width (2 layers, hidden 64, 8 experts top-2; CPU checks): the same
+        family and the same kind of each choice (shared experts, a dense first layer, q_lora_rank set or null,
+        grouped routing, yarn, sliding / full layers), the vocabulary kept."""
+        base = dict(family=self.family, layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, experts=8, top_k=2,
+                    vocab=self.vocab, max_pos=min(self.max_pos, 4096), rope_theta=self.rope_theta,
+                    norm_topk_prob=self.norm_topk_prob)
+        rope = tuple((k, 64 if k == "original_max_position_embeddings" else v) for k, v in self.rope)
+        if rope:  # max_position_embeddings = factor x original (transformers warns otherwise)
+            base["max_pos"] = int(64 * dict(rope)["factor"])
+        if self.kv_lora:
+            n_group = 4 if self.n_group > 1 else 0
+            return Dims(**{**base, "kv_heads": 4, "intermediate": 48}, hd=24, rope_dim=8, v_hd=16, kv_lora=32,
+                        q_lora=24 if self.q_lora else 0, n_shared=self.n_shared, shared=48 * self.n_shared, dense=80,
+                        first_dense=min(self.first_dense, 1), n_group=n_group, topk_group=2 if n_group else 0,
+                        routed_scaling=self.routed_scaling, rope=rope)
+        if self.family == "gpt_oss":
+            return Dims(**base, hd=16, sliding_window=4, swiglu_limit=self.swiglu_limit, rope=rope)
+        return Dims(**base, hd=32 if self.hd else 0, shared=64 if self.shared else 0)
+
 
 CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
-                  "qwen2_moe": "Qwen2MoeConfig"}
+                  "qwen2_moe": "Qwen2MoeConfig", "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config",
+                  "gpt_oss": "GptOssConfig"}
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def config_dict(d: Dims) -> dict:
@@ -121,8 +189,38 @@ def config_dict(d: Dims) -> dict:
             if not d.shared:
                 raise ValueError("qwen2_moe: the shared expert's width (Dims.shared) must be > 0")
             kw["shared_expert_intermediate_size"] = d.shared
+    elif d.family in ("deepseek_v2", "deepseek_v3"):
+        if not (d.kv_lora and d.rope_dim and d.v_hd and d.n_shared and d.hd > d.rope_dim):
+            raise ValueError(f"{d.family}: kv_lora, rope_dim, v_hd, n_shared and hd > rope_dim must be set")
+        if d.kv_heads != d.heads:
+            raise ValueError(f"{d.family}: kv_heads must equal heads (MLA)")
+        kw = dict(intermediate_size=d.dense or 4 * d.intermediate, moe_intermediate_size=d.intermediate,
+                  n_routed_experts=d.experts, n_shared_experts=d.n_shared, first_k_dense_replace=d.first_dense,
+                  kv_lora_rank=d.kv_lora, q_lora_rank=d.q_lora or None, qk_nope_head_dim=d.hd - d.rope_dim,
+                  qk_rope_head_dim=d.rope_dim, v_head_dim=d.v_hd, n_group=d.n_group or 1,
+                  topk_group=d.topk_group or 1, routed_scaling_factor=d.routed_scaling, norm_topk_prob=d.norm_topk_prob,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False)
+        if d.family == "deepseek_v2":
+            kw["topk_method"] = "group_limited_greedy" if d.n_group > 1 else "greedy"
+            if d.norm_topk_prob:
+                raise ValueError("deepseek_v2: norm_topk_prob must be False")
+        else:
+            kw.update(topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0)  # MTP: never run
+    elif d.family == "gpt_oss":
+        if not d.sliding_window:
+            raise ValueError("gpt_oss: sliding_window must be > 0")
+        kw = dict(intermediate_size=d.intermediate, head_dim=d.head_dim, num_local_experts=d.experts,
+                  sliding_window=d.sliding_window, swiglu_limit=d.swiglu_limit, attention_bias=True,
+                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(d.layers)],
+                  rms_norm_eps=1e-5)
     else:
         raise ValueError(f"family {d.family!r}: make_checkpoint writes {', '.join(CONFIG_CLASSES)}")
+    if d.rope:
+        common["rope_parameters"] = {**dict(d.rope), "rope_theta": d.rope_theta}
+        del common["rope_theta"]
+    elif d.family in ("deepseek_v2", "deepseek_v3", "gpt_oss"):  # gpt-oss's config class defaults to yarn
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": d.rope_theta}
+        del common["rope_theta"]
     cfg = getattr(transformers, CONFIG_CLASSES[d.family])(**common, **kw)
     out = cfg.to_dict()
     out["architectures"] = [ARCHITECTURES[d.family]]
@@ -135,7 +233,9 @@ def config_dict(d: Dims) -> dict:
 def tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor, in file order: embeddings, layer by layer (its non-expert tensors, then its
     experts w1, w2, w3 each), final norm, lm_head. Names from the family's key map (the first MoE block prefix,
-    per-expert layout), shapes from its ``dummy_layer``."""
+    per-expert layout; gpt-oss: transformers' fused ``experts.gate_up_proj`` [E, D, 2F] (gate / up interleaved),
+    ``down_proj`` [E, F, D] and their biases, the only layout its transformers class loads), shapes from its
+    ``dummy_layer`` (the tensors it leaves None, DeepSeek's q_proj or q_a / q_b by q_lora_rank, are not written)."""
     from lightning_moe.model.families import family_of, read_spec
 
     spec = read_spec(config_dict(d))
@@ -147,8 +247,12 @@ def tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
         lw = fam.dummy_layer(spec, lambda *shape: torch.empty(shape, device="meta"), torch.bfloat16, i)
         dense = spec.is_dense_layer(i)
         names = keys.dense_layer_names(i) if dense else keys.layer_names(i, moe)
-        out += [(names[f], tuple(getattr(lw, f).shape)) for f in names]
-        if not dense:
+        out += [(names[f], tuple(getattr(lw, f).shape)) for f in names if getattr(lw, f, None) is not None]
+        if not dense and fam.load_experts is not None:  # gpt-oss: transformers' fused tensors, gate/up interleaved
+            p, E = keys.layer_prefix(i) + moe + "experts.", spec.num_experts
+            out += [(p + "gate_up_proj", (E, D, 2 * F)), (p + "gate_up_proj_bias", (E, 2 * F)),
+                    (p + "down_proj", (E, F, D)), (p + "down_proj_bias", (E, D))]
+        elif not dense:
             for e in range(spec.num_experts):
                 out += [(keys.expert_name(i, moe, f, e), shape) for f, shape in (("w1", (F, D)), ("w2", (D, F)),
                                                                                  ("w3", (F, D)))]
