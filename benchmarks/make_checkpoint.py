@@ -136,10 +136,10 @@ class Dims:
     def tiny(self) -> "Dims":
         """This family's checkpoint at a tiny width (2 layers, hidden 64, 8 experts top-2; CPU checks): the same
         family and the same kind of each choice (shared experts, a dense first layer, q_lora_rank set or null,
-        grouped routing, yarn, sliding / full layers), the vocabulary kept."""
+        grouped routing, yarn, sliding / full layers), the tokenizer's 32000 ids (Mixtral / Qwen / OLMoE: the
+        width cli_sweep --check-on-cpu always used)."""
         base = dict(family=self.family, layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, experts=8, top_k=2,
-                    vocab=self.vocab, max_pos=min(self.max_pos, 4096), rope_theta=self.rope_theta,
-                    norm_topk_prob=self.norm_topk_prob)
+                    vocab=32000, rope_theta=self.rope_theta, norm_topk_prob=self.norm_topk_prob)
         rope = tuple((k, 64 if k == "original_max_position_embeddings" else v) for k, v in self.rope)
         if rope:  # max_position_embeddings = factor x original (transformers warns otherwise)
             base["max_pos"] = int(64 * dict(rope)["factor"])
@@ -151,7 +151,7 @@ class Dims:
                         routed_scaling=self.routed_scaling, rope=rope)
         if self.family == "gpt_oss":
             return Dims(**base, hd=16, sliding_window=4, swiglu_limit=self.swiglu_limit, rope=rope)
-        return Dims(**base, hd=32 if self.hd else 0, shared=64 if self.shared else 0)
+        return Dims(**{**base, "rope_theta": MIXTRAL_8X7B["rope_theta"]}, shared=64 if self.shared else 0)
 
 
 CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
