@@ -29,6 +29,10 @@
 #                                            # h200-host.yaml; a perplexity job (256 texts x 300 tokens, bf16, 12 GiB)
 #                                            # through the CLI with expert_ffn triton / grouped_mm / auto on that profile
 #                                            # (same policy: same profile), alternating, prefill tok/s vs predicted
+#   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
+#                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
+#                                            # the CLI (cli_sweep --preset families; gpt-oss runs executor: serial when
+#                                            # CGOPipe refuses its family); the full-size gpt-oss-120b int4 plan printed
 # Every step <= 10 minutes (J: LIMIT=seconds to share a call with another step); at most 8 files come back from $OUT (work files stay in /tmp).
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
@@ -38,7 +42,7 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 W=/tmp/lmoe-suite
 S=$SECONDS
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -181,6 +185,18 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
 st={a: b for a, b in (r.get('stages') or {}).items() if a.startswith('expert_ffn_')}; \
 print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted', round(p.get('prefill_tokens_per_s') or 0), st)" \
         ${R%.jsonl}.report.json $k 2>&1 | tail -1 | tee -a $OUT/i22_ab.txt
+    done ;;
+  K)
+    HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    timeout 60 python3 -m lightning_moe.cli plan --model gpt-oss-120b --hardware $HW --gpu-memory 24GiB \
+      --cpu-memory 120GiB --prompt-len 200 --gen-len 128 --quant int4 > $OUT/plan-gpt-oss-120b.txt 2>&1
+    echo "plan gpt-oss-120b: rc $?"; cat $OUT/plan-gpt-oss-120b.txt
+    for f in deepseek-v2-lite:4:200 gpt-oss-120b:4:330; do  # name:layers:seconds (gpt-oss: a ~26 GiB checkpoint)
+      name=${f%%:*}; r=${f#*:}; L=${r%%:*}; T=${r##*:}; WF=/tmp/lmoe-fam-$name
+      T=$((T < 575 - (SECONDS - S) ? T : 575 - (SECONDS - S)))
+      python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L --work $WF --out $WF/out \
+        --cases fam-gen-bf16,fam-ppl-bf16 --cap 16 --time-budget $T 2>&1 | grep -E "^fam|passed|checkpoint" | cut -c1-220
+      cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
