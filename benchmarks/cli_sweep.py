@@ -22,6 +22,10 @@ Presets:
          that fit, one oversized explicit policy and one with an unknown key, both to be refused.
   sweep  GPU: 24 auto-planned cases over caps 8/12/16/24 GiB, gen 8-256, prompts 20-2000 tokens, N up to 2048,
          bf16 and int4, generation and scoring.
+  families  GPU: one family's real-width checkpoint (``--dims-preset``, any preset make_checkpoint writes), bf16 and
+         int4 generation / scoring at 12 GiB (``--cap`` changes it). A case CGOPipe refuses for the family (its
+         ``executor: cgopipe: ...; set executor: serial`` refusal) runs again, and the later cases run, with
+         ``executor: serial``; int4 cases are ``skipped`` when ``moe-batch quantize`` refuses the family (gpt-oss).
 
 GPU cases use ``--hardware`` (default: the committed h200-host profile) and ``cpu_memory: 100GiB``.
 The tiny model's tokenizer comes from ``$LIGHTNING_MOE_CACHE``/tiny-mixtral-v1.

@@ -2,9 +2,10 @@
 """Write an MoE checkpoint with random weights (few layers) in Hugging Face layout, of any family ``run`` executes.
 
 The directory gets ``config.json`` (the family's transformers config class: ``MixtralConfig``, ``Qwen3MoeConfig``,
-``OlmoeConfig``, ``Qwen2MoeConfig``; defaults are the real Mixtral-8x7B dimensions, ``--preset`` takes a registry
+``OlmoeConfig``, ``Qwen2MoeConfig``, ``DeepseekV2Config``, ``DeepseekV3Config``, ``GptOssConfig``; defaults are the real Mixtral-8x7B dimensions, ``--preset`` takes a registry
 model's, only ``num_hidden_layers`` is small), sharded ``model-0000x-of-0000y.safetensors`` with
-``model.safetensors.index.json`` under the family's HF key names (the per-expert layout), all in bf16, and the
+``model.safetensors.index.json`` under the family's HF key names (the per-expert layout; gpt-oss: transformers'
+fused, interleaved one), all in bf16, and the
 tokenizer files of the embedded tiny model (``tiny-mixtral-v1`` in ``$LIGHTNING_MOE_CACHE``, default
 ``~/.cache/lightning-moe``; created on first use when missing; its 32000 ids are below every preset's vocabulary),
 so ``moe-batch run`` and ``transformers`` both load it.
@@ -21,6 +22,7 @@ Mixtral-8x7B is ~93 GB): the bytes paged, copied and multiplied are the same; th
 Usage:
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 4 [--device cuda]            # Mixtral-width
   python3 benchmarks/make_checkpoint.py OUT_DIR --preset qwen3-30b-a3b --layers 4      # Qwen3-30B-A3B width
+  python3 benchmarks/make_checkpoint.py OUT_DIR --preset deepseek-v2-lite --layers 4   # also deepseek-v3, gpt-oss-*
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 32 --zero-experts              # full size, sparse file
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 2 --hidden 64 --intermediate 96 --heads 4 --kv-heads 2
 """
@@ -51,7 +53,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 class Dims:
     """Architecture numbers of the checkpoint (defaults: Mixtral-8x7B with 4 layers)."""
 
-    family: str = "mixtral"  # model_type: mixtral, qwen3_moe, olmoe or qwen2_moe
+    family: str = "mixtral"  # model_type: mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v2, deepseek_v3, gpt_oss
     layers: int = 4
     hidden: int = MIXTRAL_8X7B["hidden"]
     intermediate: int = MIXTRAL_8X7B["intermediate"]
@@ -385,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("out", help="output directory (created; must be empty or absent)")
     p.add_argument("--preset", default=None, help="a registry model's dims (e.g. qwen3-30b-a3b, olmoe-1b-7b, "
-                   "qwen1.5-moe-a2.7b, mixtral-8x7b); --layers still applies, the other size flags are ignored")
+                   "qwen1.5-moe-a2.7b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3, gpt-oss-20b, gpt-oss-120b); "
+                   "--layers still applies, the other size flags are ignored")
     p.add_argument("--zero-experts", action="store_true", help="routed experts are zeros: holes of sparse files")
     p.add_argument("--layers", type=int, default=d.layers, help=f"num_hidden_layers (default {d.layers})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden_size (default {d.hidden})")
