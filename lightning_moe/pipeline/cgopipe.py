@@ -279,8 +279,8 @@ class CGOPipeExecutor:
         else:
             self.h2d_a = self.d2h = None
         # the layers' sinks on the host, for the worker's torch attention (no device read per layer and step)
-        self._cpu_sinks = [SimpleNamespace(sinks=lw.sinks.to("cpu", torch.float32)) for lw in weights.layers] \
-            if self.sinks else None
+        self._cpu_sinks = [SimpleNamespace(sinks=lw.sinks.to("cpu", torch.float32)) for lw in self.layers] \
+            if self.sinks else None  # (from the device copies: on CUDA the host layers were released above)
         if not self.mla and not self.sinks and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
             from ..kernels.cpu_attention import native_available
 
@@ -558,7 +558,7 @@ class CGOPipeExecutor:
             if self.mla:  # the native kernel is GQA-only: torch latent attention per length group
                 mb.kv.append_attend(l, q, k, v, self._latent_attention, out)
             elif self.sinks:  # the native kernel has no sinks: the family's torch attention per length group
-                mb.kv.append(l, mb.kv._all, k, v)
+                mb.kv.append(l, torch.arange(q.shape[0]), k, v)
                 sinks, attend = self._cpu_sinks[l], self.family.decode_attention
                 out.copy_(mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(sinks, qg, K, V, n, window)))
             else:  # one native call over the length groups (or append + SDPA per group)
