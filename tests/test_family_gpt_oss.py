@@ -8,8 +8,10 @@ Logits equal transformers' on a ragged batch (max abs < 1e-4), greedy tokens equ
 steps, a ragged batch equals each prompt alone, prompt log-probs equal transformers' log-softmax. MXFP4: our
 dequantization equals transformers' bit for bit on random blocks and scales, and an MXFP4 checkpoint (random blocks)
 gives the logits of transformers' model holding transformers' dequantization. Every GptOssConfig field (and the Hub
-gpt-oss-20b config's) is implemented, refused or harmless, each refused value's error names its field, CGOPipe and a
-cgopipe job refuse the family by name, the Hub config reads as the planner's registry spec and ``plan`` plans both.
+gpt-oss-20b config's) is implemented, refused or harmless, each refused value's error names its field. CGOPipe on the
+CPU gives the serial executor's and transformers' greedy tokens and the serial executor's prompt log-probs (experts
+paged with their biases, or partly resident), refusing by name what it does not compute (GPU-attention micro-batches
+with sinks, the grouped expert kernels); the Hub config reads as the planner's registry spec and ``plan`` plans both.
 """
 
 import dataclasses
@@ -287,32 +289,115 @@ def test_a_raw_config_without_the_defaulted_fields_reads_as_transformers_fills_t
     assert read_spec(raw, "m") == read_spec(hf, "m")
 
 
-def test_cgopipe_and_a_cgopipe_job_refuse_gpt_oss_by_name(hf_oss):
-    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor, cgopipe_refusal
+# a ragged batch of 7 prompts (most longer than the sliding window of 4): with mu=2, 4 micro-batches, several KV
+# length groups in some of them
+CGO_PROMPTS = PROMPTS + [[1, 5, 9, 13, 17], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 50], [8, 6]]
+
+
+def _cgopipe(path, resident=0, mu=2, n=4, ffn="torch", **kw):
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
     from lightning_moe.policy.policy import Policy
+
+    pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=resident, dtype="fp32", weight_quant="fp32", **kw)
+    return CGOPipeExecutor(load_checkpoint(path, torch.float32), pol, "cpu", ffn=ffn)
+
+
+@pytest.mark.parametrize("resident", [0, 3])
+def test_cgopipe_greedy_20_steps_equal_serial_and_transformers(hf_oss, resident):
+    """CGOPipe on the CPU (decode attention with the layer's sinks and window over the grouped CPU cache on the
+    worker, experts paged with their biases through the host pool, or partly resident): 20 greedy tokens per row of
+    a ragged batch of 4 micro-batches equal the serial executor's and transformers' (each prompt alone)."""
+    path, model = hf_oss
+    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    want = _hf_greedy(model, CGO_PROMPTS, 20)
+    ref = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(CGO_PROMPTS, sp)
+    assert [o for o, _ in ref] == want
+    ex = _cgopipe(path, resident)
+    assert {e.name for e in ex.weight_stream.pool.layout.entries} == {"w1", "w3", "w2", "b1", "b3", "b2"}
+    mbs = ex._micro_batches(CGO_PROMPTS, 20, True, ex.policy.mu)
+    assert len(mbs) >= 3
+    out = ex.generate(CGO_PROMPTS, sp)
+    ex.close()
+    assert [o for o, _ in out] == want and all(r == "length" for _, r in out)
+    assert ex.weight_stream.resident_count() == 3 * resident and ex.stats.decode_steps == 19
+    # the worker read the valid positions of each layer: its window (sliding layers 0, 2) or all of them (layer 1)
+    lens = [len(p) for p in CGO_PROMPTS]
+    per_pos = 2 * ex.spec.num_kv_heads * ex.spec.head_dim * 4
+    full = sum(n + s for n in lens for s in range(1, 20))
+    window = sum(min(n + s, 4) for n in lens for s in range(1, 20))
+    assert ex.stats.extra["cpu_attention_valid_kv_bytes"] == (full + 2 * window) * per_pos
+
+
+def test_cgopipe_prompt_logprobs_equal_serial(hf_oss):
+    path, _ = hf_oss
+    seqs = [p + [5, 6] for p in CGO_PROMPTS]
+    ref = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").prompt_logprobs(seqs)
+    ex = _cgopipe(path, 2)
+    out = ex.prompt_logprobs(seqs)
+    ex.close()
+    for (a, ga), (b, gb) in zip(out, ref):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+        assert torch.equal(ga, gb)
+
+
+def test_cgopipe_runs_gpt_oss_and_refuses_what_it_does_not_compute_by_name(hf_oss):
+    """CGOPipe runs the family (no refusal); the grouped expert kernels (silu, no biases) are refused by name, and a
+    job's expert_ffn auto resolves to the torch loop for it; GPU-attention micro-batches with sinks are refused by name
+    where the micro-batches are built (on the CPU every micro-batch attends on the CPU)."""
+    from types import SimpleNamespace
+
+    from lightning_moe.pipeline.cgopipe import cgopipe_refusal, expert_ffn_for
 
     path, _ = hf_oss
     spec = MoESpec.from_pretrained_dir(path)
-    why = cgopipe_refusal(spec)
-    assert why == ("the gpt_oss family's attention sinks, sliding windows in some layers only (layer_types), expert "
-                   "biases, the clamped SwiGLU (swiglu_limit) are not implemented in CGOPipe yet")
-    with pytest.raises(ValueError, match=r"CGOPipeExecutor: gpt_oss: the gpt_oss family's attention sinks.* use "
-                                         r"executor: serial"):
-        CGOPipeExecutor(load_checkpoint(path, torch.float32), Policy(mu=2, n=2, prefill_mu=2, dtype="fp32",
-                                                                     weight_quant="fp32"), "cpu")
+    assert cgopipe_refusal(spec) is None
+    assert expert_ffn_for(SimpleNamespace(expert_ffn="auto", device="cuda"), spec) == "torch"  # even on CUDA
+    assert expert_ffn_for(SimpleNamespace(expert_ffn="triton", device="cuda"), spec) == "triton"  # as given: refused
+    # grouped_mm runs on the CPU too (triton and auto run the torch loop there): refused by name
+    with pytest.raises(ValueError, match=r"expert_ffn grouped_mm: the grouped expert kernels compute silu experts "
+                                         r"without biases, not the gpt_oss family's 'clamped_swiglu' gate activation "
+                                         r"and expert biases \(use expert_ffn: torch\)"):
+        _cgopipe(path, ffn="grouped_mm")
+    ex = _cgopipe(path, n_gpu_attn=1)
+    ex.cuda = True  # as on a CUDA device: the first micro-batch would keep its KV on the GPU
+    with pytest.raises(ValueError, match=r"gpt_oss: n_gpu_attn > 0 with attention sinks is not implemented \(policy "
+                                         r"n_gpu_attn=1; set it to 0\)"):
+        ex._micro_batches(CGO_PROMPTS, 4, True, 2)
+    assert len(ex._micro_batches(CGO_PROMPTS, 0, False, 2)) == 4  # scoring keeps no KV: nothing refused
+    ex.cuda = False
+    ex.close()
+
+
+def test_a_cgopipe_job_is_planned_and_what_is_not_implemented_refused_before_any_weight(hf_oss, monkeypatch):
+    """plan_for_job plans gpt-oss under executor: cgopipe; a generation policy with n_gpu_attn > 0 on CUDA, and
+    expert_ffn triton or grouped_mm, are refused by name before any weight is read."""
+    import types
+
+    from lightning_moe.app import engine
     from lightning_moe.config import ConfigError
-    from lightning_moe.app.engine import plan_for_job
+    from lightning_moe.policy.policy import Policy
 
-    class _Job:  # what plan_for_job reads before any weight
-        executor, config_path, name, policy = "cgopipe", "job.yaml", "j", "auto"
+    path, _ = hf_oss
+    prep = types.SimpleNamespace(spec=MoESpec.from_pretrained_dir(path), treqs=[types.SimpleNamespace(error=None)])
 
-    class _Prep:
-        treqs = []
+    def job(**kw):
+        return types.SimpleNamespace(**dict(dict(executor="cgopipe", config_path="job.yaml", name="j", policy="auto",
+                                                 task="generate", device="cuda", expert_ffn="auto"), **kw))
 
-    _Prep.spec = spec
-    with pytest.raises(ConfigError, match=r"job\.yaml: executor: cgopipe: ckpt: the gpt_oss family's attention "
-                                          r"sinks.*; set executor: serial"):
-        plan_for_job(_Job(), _Prep())
+    for g in (0, 1):
+        pol = Policy(mu=2, n=2, prefill_mu=2, n_gpu_attn=g, dtype="fp32", weight_quant="fp32")
+        monkeypatch.setattr(engine, "plan_job", lambda j, p, pol=pol: types.SimpleNamespace(policy=pol))
+        if g == 0:
+            assert engine.plan_for_job(job(), prep).policy is pol
+            assert engine.plan_for_job(job(expert_ffn="torch"), prep).policy is pol
+            for k in ("triton", "grouped_mm"):
+                with pytest.raises(ConfigError, match=rf"job\.yaml: executor: cgopipe: ckpt: expert_ffn {k}: the "
+                                                      r"grouped expert kernels compute silu.*\(use expert_ffn: torch\)"):
+                    engine.plan_for_job(job(expert_ffn=k), prep)
+        else:
+            with pytest.raises(ConfigError, match=r"job\.yaml: executor: cgopipe: ckpt: n_gpu_attn > 0 with attention "
+                                                  r"sinks is not implemented \(policy n_gpu_attn=1; set it to 0\)"):
+                engine.plan_for_job(job(), prep)
 
 
 def test_quantize_refuses_gpt_oss_by_name(hf_oss, tmp_path):

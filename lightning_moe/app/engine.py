@@ -72,7 +72,8 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
         from ..policy.hardware import get_preset, resolve_hardware
 
         hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")  # the planner's profile
-        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job), hardware=hw)
+        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job, prep.spec),
+                             hardware=hw)
         ex.estimate = jplan.estimate
         return ex
     if job.gpus > 1:  # one process of the expert-parallel group (app.expert_parallel started it)
@@ -109,13 +110,24 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
                           f"executor: serial")
     valid = any(t.error is None for t in prep.treqs)
     jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
-    if (jplan is not None and prep.spec.is_mla and job.task != "score" and jplan.policy.n_gpu_attn > 0
-            and job.device.startswith("cuda")):  # the planner plans none; a policy file or inline policy may
-        from ..config import ConfigError
-        from ..pipeline.cgopipe import MLA_GPU_ATTENTION_REFUSAL
+    if job.executor == "cgopipe" and getattr(job, "expert_ffn", "torch") in ("triton", "grouped_mm"):
+        from ..pipeline.expert_ffn import grouped_kernels_refusal
 
-        raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: "
-                          f"{MLA_GPU_ATTENTION_REFUSAL} (policy n_gpu_attn={jplan.policy.n_gpu_attn}; set it to 0)")
+        why = grouped_kernels_refusal(prep.spec)  # auto picks torch for such a model (expert_ffn_for)
+        if why is not None:
+            from ..config import ConfigError
+
+            raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: expert_ffn "
+                              f"{job.expert_ffn}: {why}")
+    if jplan is not None and job.task != "score" and jplan.policy.n_gpu_attn > 0 and job.device.startswith("cuda"):
+        from ..pipeline.cgopipe import gpu_attention_refusal
+
+        why = gpu_attention_refusal(prep.spec)  # MLA, sinks: the planner plans none; a policy file or inline one may
+        if why is not None:
+            from ..config import ConfigError
+
+            raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: {why} (policy "
+                              f"n_gpu_attn={jplan.policy.n_gpu_attn}; set it to 0)")
     if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
         policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
     return jplan
@@ -183,7 +195,7 @@ class ModelRunner:
         if job.executor == "cgopipe":
             from ..pipeline.cgopipe import expert_ffn_for
 
-            key = (job.executor, job.device, expert_ffn_for(job))
+            key = (job.executor, job.device, expert_ffn_for(job, prep.spec))
         ex = self._executor
         if ex is not None and key == self._key:
             if jplan is None or ex.policy == jplan.policy:

@@ -38,13 +38,15 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..kernels.cpu_attention import native_stats
-from ..kernels.fused_moe import TRITON_ACTIVATIONS
+import functools
+from types import SimpleNamespace
+
 from ..kernels.host_read import copy_from_host_triton, host_read_available
 from ..model.families import family_of
 from ..model.weights import ModelWeights
 from ..policy.batching import group_by_length
 from ..policy.policy import Policy
-from .expert_ffn import expert_ffn, expert_ffn_for
+from .expert_ffn import expert_ffn, expert_ffn_for, grouped_kernels_refusal
 from .kv_cache import KV_GROUPS, GroupedKVCache, GroupedLatentKVCache
 from .serial import (FinishCallback, LogprobsCallback, RunStats, SamplingParams, StepCallback, StopRowsCallback,
                      TokensCallback, check_prefixes, finish_reason, sample, token_logprobs)
@@ -147,22 +149,29 @@ class _Outputs:
 
 
 MLA_GPU_ATTENTION_REFUSAL = "n_gpu_attn > 0 with multi-head latent attention is not implemented"
+SINKS_GPU_ATTENTION_REFUSAL = "n_gpu_attn > 0 with attention sinks is not implemented"
+
+
+def gpu_attention_refusal(spec) -> Optional[str]:
+    """Why GPU-attention micro-batches (``policy.n_gpu_attn > 0`` keeping KV on the GPU) cannot run ``spec``:
+    :data:`MLA_GPU_ATTENTION_REFUSAL` (multi-head latent attention), :data:`SINKS_GPU_ATTENTION_REFUSAL` (gpt-oss's
+    per-head sinks); None when they can. Checked where the micro-batches are built and, before any weight is read,
+    by the engine."""
+    if spec.is_mla:
+        return MLA_GPU_ATTENTION_REFUSAL
+    if spec.attention_sinks:
+        return SINKS_GPU_ATTENTION_REFUSAL
+    return None
 
 
 def cgopipe_refusal(spec) -> Optional[str]:
     """Why CGOPipe cannot run ``spec`` although the serial executor can (the family's math its caches, CPU kernel and
-    expert kernels do not compute), naming the family; None when it can. Multi-head latent attention runs with CPU
-    attention only (:data:`MLA_GPU_ATTENTION_REFUSAL` for GPU-attention micro-batches that keep KV). Checked by the
-    executor and, before any weight is read, by the engine."""
-    missing = [what for flag, what in (
-        (spec.attention_sinks, "attention sinks"),
-        (bool(spec.full_attention_layers), "sliding windows in some layers only (layer_types)"),
-        (spec.expert_bias, "expert biases"),
-        (spec.swiglu_limit > 0, "the clamped SwiGLU (swiglu_limit)"),
-    ) if flag]
-    if not missing:
-        return None
-    return f"the {spec.model_type} family's {', '.join(missing)} are not implemented in CGOPipe yet"
+    expert kernels do not compute), naming the family; None when it can (every family today). What CGOPipe runs only
+    in part is refused where it is asked for, by name: GPU-attention micro-batches of multi-head latent attention or
+    with attention sinks (:func:`gpu_attention_refusal`), and the grouped expert kernels for experts they do not
+    compute (``expert_ffn.grouped_kernels_refusal``: gpt-oss runs ``expert_ffn: torch``, which ``auto`` picks).
+    Checked by the executor and, before any weight is read, by the engine."""
+    return None
 
 
 class CGOPipeExecutor:
@@ -224,9 +233,13 @@ class CGOPipeExecutor:
         why = cgopipe_refusal(spec)
         if why is not None:
             raise ValueError(f"CGOPipeExecutor: {fam.name}: {why}; use executor: serial")
-        if fam.attention not in ("gqa", "mla"):
-            raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented (gqa, mla)")
+        if fam.attention not in ("gqa", "gqa_sinks", "mla"):
+            raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented "
+                             f"(gqa, gqa_sinks, mla)")
         self.mla = fam.attention == "mla"  # decode attention over a CPU latent cache, absorbed on the device
+        # per-head sinks (gpt-oss): CPU decode attention in the family's torch function (the native kernel has no
+        # sinks), each layer with its own window (spec.layer_sliding_window)
+        self.sinks = fam.attention == "gqa_sinks"
         self.policy = policy
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -236,9 +249,8 @@ class CGOPipeExecutor:
         self.ffn = ffn
         # the strategy: "triton" and "auto" need CUDA (the CPU runs the torch loop); grouped_mm runs on both
         kind = ffn if (ffn in ("torch", "grouped_mm") or self.cuda) else "torch"
-        if kind != "torch" and fam.expert_activation not in TRITON_ACTIVATIONS:
-            raise ValueError(f"CGOPipeExecutor: the grouped expert kernels compute {', '.join(TRITON_ACTIVATIONS)}, not "
-                             f"the {fam.name} family's {fam.expert_activation!r} (use expert_ffn: torch)")
+        if kind != "torch" and grouped_kernels_refusal(spec) is not None:
+            raise ValueError(f"CGOPipeExecutor: expert_ffn {ffn}: {grouped_kernels_refusal(spec)}")
         self.kv_groups = kv_groups
         self.batch_size = policy.N
         dev, dt = self.device, self.dtype
@@ -255,7 +267,10 @@ class CGOPipeExecutor:
         self.weight_stream = WeightStream(weights.experts, spec, policy, dev, dt, self.compute, self.timer,
                                           self._count_h2d)
         ws = self.weight_stream
-        self.expert_ffn = expert_ffn(kind, fam.experts_ffn_from, ws.paging, ws.page_layout, spec.num_experts, dt, dev,
+        ffn_from = fam.experts_ffn_from
+        if spec.swiglu_limit > 0:  # the clamped SwiGLU's numbers (gpt-oss; the family's experts_ffn_from takes them)
+            ffn_from = functools.partial(ffn_from, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+        self.expert_ffn = expert_ffn(kind, ffn_from, ws.paging, ws.page_layout, spec.num_experts, dt, dev,
                                      hardware=hardware,
                                      shape=(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k))
         if self.cuda:
@@ -263,7 +278,10 @@ class CGOPipeExecutor:
             self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
         else:
             self.h2d_a = self.d2h = None
-        if not self.mla and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
+        # the layers' sinks on the host, for the worker's torch attention (no device read per layer and step)
+        self._cpu_sinks = [SimpleNamespace(sinks=lw.sinks.to("cpu", torch.float32)) for lw in self.layers] \
+            if self.sinks else None  # (from the device copies: on CUDA the host layers were released above)
+        if not self.mla and not self.sinks and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
             from ..kernels.cpu_attention import native_available
 
             native_available()  # builds the native CPU attention kernel now (once; cached), not in the first decode step
@@ -426,12 +444,16 @@ class CGOPipeExecutor:
         fam, lw = self.family, self.layers[l]
         q, k, v = fam.pre_attention(lw, ch.x, ch.pos, self.spec, self.inv_freq, ch.rope)  # [T,Hq,hd] [T,Hkv,hd] x2
         #   (MLA: q [T, Hq, hd], the latent c [T, kv_lora] and the rope key k_pe [T, rope] as k and v)
+        window = self.spec.layer_sliding_window(l)
         if self.mla:  # the latent expanded per head, as the serial executor
             attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
                 lw, q, k, v, ch.spans, self.spec, ch.layout))  # [T, Hq*v_hd]
+        elif self.sinks:  # the layer's sinks, as the serial executor
+            attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
+                lw, q, k, v, ch.spans, window, ch.layout))  # [T, Hq*hd]
         else:
             attn = self.timer.timed("gpu_attention", self.compute, lambda: fam.prefill_attention_packed(
-                q, k, v, ch.spans, self.spec.sliding_window, ch.layout))  # [T, Hq*hd]
+                q, k, v, ch.spans, window, ch.layout))  # [T, Hq*hd]
         if mb.kv is not None:
             self._store_prefill_kv(l, mb, ch.kv_index, k, v, pending)
         ch.x = fam.post_attention(lw, None, ch.x, attn, self.spec, ffn)  # [T, D]
@@ -501,11 +523,12 @@ class CGOPipeExecutor:
         """Append k/v to the micro-batch's GPU cache and attend, one family ``decode_attention`` per length group.
         q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU. With gpu_attention="triton" one
         kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy)."""
+        sw = self.spec.layer_sliding_window(l)
         if self.gpu_attention == "triton":
-            return mb.kv.append_attend_triton(l, q, k, v, mb.pos)
+            return mb.kv.append_attend_triton(l, q, k, v, mb.pos, sliding_window=sw)
         rows = torch.arange(len(mb.rows))
         mb.kv.append(l, rows, k, v)
-        sw, attend = self.spec.sliding_window, self.family.decode_attention
+        attend = self.family.decode_attention
         return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(qg, K, V, n, sw))
 
     def _submit_cpu_attention(self, l: int, mb: MicroBatch, q, k, v) -> Future:
@@ -531,10 +554,15 @@ class CGOPipeExecutor:
                 mb.attn_out = torch.empty(shape, dtype=q.dtype, pin_memory=self.cuda)
             out = mb.attn_out
             t2 = time.perf_counter()
+            window = self.spec.layer_sliding_window(l)
             if self.mla:  # the native kernel is GQA-only: torch latent attention per length group
                 mb.kv.append_attend(l, q, k, v, self._latent_attention, out)
-            else:
-                mb.kv.append_attend(l, q, k, v, out)  # one native call over the length groups (or append + SDPA per group)
+            elif self.sinks:  # the native kernel has no sinks: the family's torch attention per length group
+                mb.kv.append(l, torch.arange(q.shape[0]), k, v)
+                sinks, attend = self._cpu_sinks[l], self.family.decode_attention
+                out.copy_(mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(sinks, qg, K, V, n, window)))
+            else:  # one native call over the length groups (or append + SDPA per group)
+                mb.kv.append_attend(l, q, k, v, out, sliding_window=window)
         t3 = time.perf_counter()
         # the stage and its parts: waiting for q/k/v to land, the pinned output buffer, KV append + attention
         self.timer.add_host("cpu_attention", t3 - t0)
@@ -542,7 +570,7 @@ class CGOPipeExecutor:
         self.timer.add_host("cpu_attention_pin", t2 - t1)
         self.timer.add_host("cpu_attention_compute", t3 - t2)
         self.timer.span("cpu_attention", t0, t3)
-        n = mb.kv.lengths + 1 if self.spec.sliding_window is None else (mb.kv.lengths + 1).clamp(max=self.spec.sliding_window)
+        n = mb.kv.lengths + 1 if window is None else (mb.kv.lengths + 1).clamp(max=window)
         self._attn_kv_bytes += int(n.sum()) * self._kv_bytes_per_position  # worker thread only
         return out
 
@@ -645,8 +673,8 @@ class CGOPipeExecutor:
             on_gpu = self.cuda and k < self.policy.n_gpu_attn
             kv = None
             if with_kv:
-                if on_gpu and self.mla:
-                    raise ValueError(f"CGOPipeExecutor: {self.family.name}: {MLA_GPU_ATTENTION_REFUSAL} (policy "
+                if on_gpu and gpu_attention_refusal(self.spec) is not None:
+                    raise ValueError(f"CGOPipeExecutor: {self.family.name}: {gpu_attention_refusal(self.spec)} (policy "
                                      f"n_gpu_attn={self.policy.n_gpu_attn}; set it to 0)")
                 kv = cache(self.spec, [lens[r] + extra for r in rows], self.dtype,
                            self.device if on_gpu else "cpu", max_groups=kv_groups or self.kv_groups)

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from ..kernels import quant as Q
-from ..kernels.fused_moe import (_interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
+from ..kernels.fused_moe import (TRITON_ACTIVATIONS, _interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
                                  grouped_mm_unsupported)
 from ..kernels.quant import ExpertPageLayout, unpack_expert_page
 from .pager import ExpertPaging, LayerExperts
@@ -62,10 +62,14 @@ class TorchExpertFFN:
         return lambda h, ew, w, ids: ffn_from(h, get, E, w, ids)
 
     def _expert_getter(self, lx: LayerExperts):
-        """``get(e) -> (w1 [F, D], w3 [F, D], w2 [D, F])`` of expert ``e`` in the compute dtype."""
+        """``get(e) -> (w1 [F, D], w3 [F, D], w2 [D, F])`` of expert ``e`` in the compute dtype; for experts with
+        biases (the pages hold ``b1 / b3 / b2``: ``MoESpec.expert_bias``) ``(w1, w3, w2, b1 [F], b3 [F], b2 [D])``,
+        what such a family's ``experts_ffn_from`` takes."""
         if self.page_layout is None:
             def get(e):
                 t = lx.expert(e)
+                if "b1" in t:
+                    return t["w1"], t["w3"], t["w2"], t["b1"], t["b3"], t["b2"]
                 return t["w1"], t["w3"], t["w2"]
         else:
             lay, dt = self.page_layout, self.dtype
@@ -253,12 +257,30 @@ def expert_ffn(kind: str, experts_ffn_from: Callable, paging: ExpertPaging, page
     return GroupedQuantExpertFFN(paging, page_layout, num_experts, dtype, device, choice)
 
 
-def expert_ffn_for(job) -> str:
-    """The job's ``expert_ffn`` for the executor: "torch", "triton" and "grouped_mm" as given; "auto" is "auto" on
-    CUDA when triton imports (each call's kernel by the hardware profile's measurements, Triton where it has none),
-    else "torch"."""
+def grouped_kernels_refusal(spec) -> Optional[str]:
+    """Why the grouped expert kernels (``expert_ffn``: triton, grouped_mm, auto's picks) cannot compute ``spec``'s
+    experts, naming what they lack (a gate activation other than ``TRITON_ACTIVATIONS``' silu, expert biases); None
+    when they can. Such a model runs CGOPipe with ``expert_ffn: torch`` (the reference loop)."""
+    from ..model.families import family_of
+
+    act = family_of(spec).expert_activation
+    missing = ([f"{act!r} gate activation"] if act not in TRITON_ACTIVATIONS else []) + (
+        ["expert biases"] if spec.expert_bias else [])
+    if not missing:
+        return None
+    return (f"the grouped expert kernels compute {', '.join(TRITON_ACTIVATIONS)} experts without biases, not the "
+            f"{spec.model_type} family's {' and '.join(missing)} (use expert_ffn: torch)")
+
+
+def expert_ffn_for(job, spec=None) -> str:
+    """The job's ``expert_ffn`` for the executor: "torch", "triton" and "grouped_mm" as given; "auto" is "torch" for a
+    ``spec`` the grouped kernels cannot compute (:func:`grouped_kernels_refusal`: gpt-oss's clamped SwiGLU with
+    biases), else "auto" on CUDA when triton imports (each call's kernel by the hardware profile's measurements,
+    Triton where it has none), else "torch"."""
     if job.expert_ffn != "auto":
         return job.expert_ffn
+    if spec is not None and grouped_kernels_refusal(spec) is not None:
+        return "torch"
     if job.device.startswith("cuda"):
         from ..kernels.fused_moe import triton_available
 

@@ -130,6 +130,7 @@ def make_kv_cache(spec: MoESpec, batch: int, max_len: int, dtype: torch.dtype, d
     return cls(spec, batch, max_len, dtype, device, pin)
 
 
+SPEC_WINDOW = object()  # GroupedKVCache.append_attend's default window: the spec's sliding_window (every layer)
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -331,7 +332,7 @@ class GroupedKVCache:
         return out
 
     def append_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, sliding_window=SPEC_WINDOW) -> torch.Tensor:
         """CPU decode step of one layer for every row: append k/v at position lengths[row], attend over lengths + 1
         positions (no length update), output rows in the caller's order.
 
@@ -339,10 +340,13 @@ class GroupedKVCache:
         in one pass, output rows written straight into ``out``) when the kernel is available for these operands; else
         :meth:`append` + :meth:`attend` with ``pipeline.cpu_attention.cpu_decode_attention``.
         q [B, Hq, hd], k / v [B, Hkv, hd] in the cache dtype on the CPU; ``out`` [B, Hq*hd] (e.g. pinned) or None
-        (allocated). Returns ``out``. Raises ValueError on a full row or mismatched shapes.
+        (allocated); ``sliding_window``: the layer's window (``MoESpec.layer_sliding_window``; None: full attention;
+        default the spec's ``sliding_window``, :attr:`sliding_window`). Returns ``out``. Raises ValueError on a full
+        row or mismatched shapes.
         """
         from .cpu_attention import _native_ok, cpu_decode_attention
 
+        sw = self.sliding_window if sliding_window is SPEC_WINDOW else sliding_window
         B = self.lengths.shape[0]
         if q.shape[0] != B or k.shape[0] != B or v.shape[0] != B:
             raise ValueError(f"GroupedKVCache.append_attend: q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} "
@@ -354,22 +358,21 @@ class GroupedKVCache:
 
             # one native call for all groups (one parallel region, longest rows first)
             return decode_attention_append_groups(q, k, v, self.rows, self.k[layer], self.v[layer],
-                                                  [self.lengths[r] for r in self.rows], out, self.sliding_window)
+                                                  [self.lengths[r] for r in self.rows], out, sw)
         self.append(layer, torch.arange(B), k, v)
-        sw = self.sliding_window
         out.copy_(self.attend(layer, q, self.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)))
         return out
 
     def append_attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             pos: torch.Tensor) -> torch.Tensor:
+                             pos: torch.Tensor, sliding_window=SPEC_WINDOW) -> torch.Tensor:
         """GPU decode step of one layer for every row in ONE kernel launch (kernels.decode_attention): append k/v at
         position lengths[row], attend over lengths + 1 positions (no length update), rows in the caller's order.
 
         Same result as :meth:`append` + :meth:`attend` with ``model.layers.decode_attention`` (fp32: to rounding;
         bf16: ~1e-2 relative, the kernel keeps scores in fp32), without a torch op per length group.
         q [B, Hq, hd], k / v [B, Hkv, hd] on the cache's device; ``pos`` int64 [B] on that device: the rows'
-        positions, equal to :attr:`lengths` (CGOPipe's ``MicroBatch.pos``; no host-to-device copy per layer).
-        Returns [B, Hq*hd]. Raises ValueError if a row is full (checked on the host lengths) or on a shape mismatch.
+        positions, equal to :attr:`lengths` (CGOPipe's ``MicroBatch.pos``; no host-to-device copy per layer);
+        ``sliding_window`` as in :meth:`append_attend`. Returns [B, Hq*hd]. Raises ValueError if a row is full (checked on the host lengths) or on a shape mismatch.
         """
         from ..kernels.decode_attention import decode_append_attention_triton
 
@@ -378,8 +381,8 @@ class GroupedKVCache:
         if self._row_meta_dev is None:
             self._row_meta_dev = (self.row_base.to(self.device), self.row_cap.to(self.device))
         base, cap = self._row_meta_dev
-        return decode_append_attention_triton(q, k, v, self.k_flat[layer], self.v_flat[layer], base, cap, pos,
-                                              self.sliding_window)
+        sw = self.sliding_window if sliding_window is SPEC_WINDOW else sliding_window
+        return decode_append_attention_triton(q, k, v, self.k_flat[layer], self.v_flat[layer], base, cap, pos, sw)
 
     def attend(self, layer: int, q: torch.Tensor, new_lengths: torch.Tensor, fn: AttendFn) -> torch.Tensor:
         """Decode attention of every row, group by group, back in the caller's row order.

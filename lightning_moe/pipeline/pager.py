@@ -52,10 +52,15 @@ def _align(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
-def ffn_expert_specs(intermediate_size: int, hidden_size: int, dtype: torch.dtype) -> list[TensorSpec]:
-    """Per-expert tensors of a SwiGLU expert: ``w1 [F, D]`` (gate), ``w3 [F, D]`` (up), ``w2 [D, F]`` (down)."""
+def ffn_expert_specs(intermediate_size: int, hidden_size: int, dtype: torch.dtype,
+                     bias: bool = False) -> list[TensorSpec]:
+    """Per-expert tensors of a SwiGLU expert: ``w1 [F, D]`` (gate), ``w3 [F, D]`` (up), ``w2 [D, F]`` (down); with
+    ``bias`` (experts that carry biases, ``MoESpec.expert_bias``: gpt-oss) also ``b1 [F]``, ``b3 [F]``, ``b2 [D]``."""
     F, D = int(intermediate_size), int(hidden_size)
-    return [("w1", dtype, (F, D)), ("w3", dtype, (F, D)), ("w2", dtype, (D, F))]
+    specs = [("w1", dtype, (F, D)), ("w3", dtype, (F, D)), ("w2", dtype, (D, F))]
+    if bias:
+        specs += [("b1", dtype, (F,)), ("b3", dtype, (F,)), ("b2", dtype, (D,))]
+    return specs
 
 
 def pool_page_layout(experts_per_page: int, expert_specs: Sequence[TensorSpec]) -> PageLayout:

@@ -30,7 +30,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels.quant import ExpertPageLayout
-from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
 from ..model.weights import ExpertsOnDisk
 from ..model.spec import MoESpec
@@ -97,7 +96,7 @@ class WeightStream:
         self.paging = ExpertPaging(spec.num_layers, spec.num_experts, pages, resident, dense)
         self.page_layout = packed_layout(experts)  # kernels.quant layout of packed pages, or None (dense)
         if self.page_layout is None:
-            specs = ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dtype)
+            specs = ffn_expert_specs(spec.intermediate_size, spec.hidden_size, dtype, bias=spec.expert_bias)
         else:  # one packed page per expert, moved as it is (dequantized on the device)
             specs = [(PAGE, torch.uint8, (self.page_layout.page_bytes,))]
         names = tuple(n for n, _, _ in specs)
@@ -125,15 +124,22 @@ class WeightStream:
 
     def _expert_tensors(self, ew) -> Optional[dict[str, torch.Tensor]]:
         """A layer's experts as the pool's named tensors: ``{"page": uint8 [E, page_bytes]}`` for packed
-        experts (no dequantization on the host), else ``{"w1", "w3", "w2"}`` in the compute dtype; None for a dense
-        layer."""
+        experts (no dequantization on the host), else ``{"w1", "w3", "w2"}`` in the compute dtype (and ``{"b1", "b3",
+        "b2"}`` for experts with biases, ``spec.expert_bias``); None for a dense layer. Raises ValueError when the spec
+        says biases and a layer holds none."""
         if ew is None:
             return None
         if isinstance(ew, QuantExperts):
             return {PAGE: ew.pages}
+        if self.spec.expert_bias and (ew.b1 is None or ew.b3 is None or ew.b2 is None):
+            raise ValueError(f"WeightStream: {self.spec.name}'s experts carry biases (expert_bias) but a layer's "
+                             f"ExpertWeights has b1 / b3 / b2 None")
         if ew.w1.dtype != self.dtype:
-            ew = ExpertWeights(ew.w1.to(self.dtype), ew.w3.to(self.dtype), ew.w2.to(self.dtype))
-        return {"w1": ew.w1, "w3": ew.w3, "w2": ew.w2}
+            ew = ew.cast(self.dtype)
+        out = {"w1": ew.w1, "w3": ew.w3, "w2": ew.w2}
+        if self.spec.expert_bias:  # paged and resident with their expert's weights (the pool's b1 / b3 / b2)
+            out.update(b1=ew.b1, b3=ew.b3, b2=ew.b2)
+        return out
 
     def resident_count(self) -> int:
         """Resident experts over all layers."""

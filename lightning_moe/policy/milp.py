@@ -294,7 +294,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b * g,
                 mem_stage_pre={}, gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve * g,
-                gpus=g, gpu_attn=not spec.is_mla)
+                gpus=g, gpu_attn=not (spec.is_mla or spec.attention_sinks))  # CGOPipe: CPU attention only
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p

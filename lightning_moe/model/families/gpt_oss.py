@@ -25,8 +25,9 @@ dequantization); keeping the packed MXFP4 pages through the executors is a later
 ``layers.ExpertWeights`` [E, F, D] / [E, D, F] with their biases (``b1``, ``b3``, ``b2``).
 
 Attention variant ``"gqa_sinks"``: the GQA K/V cache, and attention functions that take the layer's weights (its
-sinks); the serial executor runs them (decode in torch over the CPU cache). CGOPipe refuses the family by name (its
-kernels compute no sinks, its expert kernels no biases nor the clamped activation). Refused by name: ``layer_types``
+sinks); both executors run them (decode in torch over the CPU cache: the native CPU kernel has no sinks). CGOPipe pages
+the experts with their biases and computes them with :func:`experts_ffn_from` (``expert_ffn: torch``; its grouped
+kernels compute silu without biases and are refused by name, as are its GPU-attention micro-batches). Refused by name: ``layer_types``
 entries other than sliding_attention / full_attention (or a list of another length), sliding layers without a
 ``sliding_window``, ``swiglu_limit`` <= 0, a ``quantization_config`` other than mxfp4, this package's own
 ``quantization`` pages, rope types other than default, linear and yarn. The shared pieces are in ``model/layers.py``
@@ -38,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F_
@@ -369,22 +370,35 @@ def experts_ffn(x: torch.Tensor, ew: L.ExpertWeights, topk_w: torch.Tensor, topk
     """Routed experts with biases and the clamped SwiGLU, in transformers' order (GptOssExperts.forward): expert by
     expert in ascending id over the tokens routed to it, ``y = clamped_swiglu(x W1^T + b1, x W3^T + b3) W2^T + b2``,
     times the routing weight, accumulated into the output in x's dtype. x: [T, D]; ew on x's device (biases None:
-    zero); topk_w fp32 [T, k]; topk_ids int64 [T, k]. Returns [T, D] in x's dtype."""
+    zero); topk_w fp32 [T, k]; topk_ids int64 [T, k]. Returns [T, D] in x's dtype. (:func:`experts_ffn_from` over
+    the stacked tensors: the same ops.)"""
+    def get(e: int):
+        return (ew.w1[e], ew.w3[e], ew.w2[e], None if ew.b1 is None else ew.b1[e], None if ew.b3 is None else ew.b3[e],
+                None if ew.b2 is None else ew.b2[e])
+
+    return experts_ffn_from(x, get, ew.w1.shape[0], topk_w, topk_ids, limit=limit, alpha=alpha)
+
+
+def experts_ffn_from(x: torch.Tensor, get_expert, num_experts: int, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+                     limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """:func:`experts_ffn` with expert ``e``'s tensors from ``get_expert(e) -> (w1 [F, D], w3 [F, D], w2 [D, F], b1
+    [F], b3 [F], b2 [D])`` (biases may be None: zero; a 3-tuple: no biases), called once per expert that receives
+    tokens, in ascending id (CGOPipe's torch expert FFN over paged and resident experts, whose pages carry the
+    biases). ``limit`` / ``alpha``: the spec's ``swiglu_limit`` / ``swiglu_alpha`` (the executor binds them).
+    Returns [T, D] in x's dtype, bit-identical to :func:`experts_ffn` over the same tensors."""
     out = torch.zeros_like(x)  # [T, D]
     for e in torch.unique(topk_ids).tolist():  # ascending
+        if not 0 <= e < num_experts:
+            raise ValueError(f"experts_ffn_from: expert id {e} outside 0..{num_experts - 1}")
+        w1, w3, w2, *b = get_expert(e)
+        b1, b3, b2 = b if b else (None, None, None)
         tok, slot = torch.where(topk_ids == e)  # [n] each
         h = x[tok]  # [n, D]
-        gate = F_.linear(h, ew.w1[e], None if ew.b1 is None else ew.b1[e])  # [n, F]
-        up = F_.linear(h, ew.w3[e], None if ew.b3 is None else ew.b3[e])  # [n, F]
-        y = F_.linear(clamped_swiglu(gate, up, limit, alpha), ew.w2[e], None if ew.b2 is None else ew.b2[e])  # [n, D]
+        gate = F_.linear(h, w1, b1)  # [n, F]
+        up = F_.linear(h, w3, b3)  # [n, F]
+        y = F_.linear(clamped_swiglu(gate, up, limit, alpha), w2, b2)  # [n, D]
         out.index_add_(0, tok, (y * topk_w[tok, slot, None]).to(x.dtype))
     return out
-
-
-def experts_ffn_from(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """Not implemented: the expert FFN over paged experts (CGOPipe's) would drop the biases and the clamp."""
-    raise NotImplementedError(f"the {NAME} family's experts (biases, clamped SwiGLU) are not implemented over paged "
-                              f"experts (CGOPipe); use executor: serial")
 
 
 def post_attention(lw: LayerWeights, ew: Optional[L.ExpertWeights], x: torch.Tensor, attn: torch.Tensor,
