@@ -54,3 +54,15 @@ def test_scoring_has_one_phase_and_no_prediction():
     text = format_report(r)
     assert _row(text, "prefill")[:4] == ["prefill", "500.0", "-", "-"]
     assert not any(line.split()[:1] == ["decode"] for line in text.splitlines())
+
+
+def test_killed_runs_get_the_records_no_entry_counts():
+    from lightning_moe.app.report import reconcile_killed_runs
+
+    runs = [{"records_written": 5, "status": "stopped (resumable)"}, {"records_written": 0, "status": "killed"}]
+    got = reconcile_killed_runs(runs, 12)
+    assert [r["records_written"] for r in got] == [5, 7] and "results file" in got[1]["counts"]
+    assert runs[1]["records_written"] == 0  # the input is not changed
+    got = reconcile_killed_runs([{"records_written": 5, "status": "done"}], 9)  # killed before any report save
+    assert [r["records_written"] for r in got] == [5, 4] and got[1]["status"] == "killed"
+    assert reconcile_killed_runs(runs, 5) == runs  # nothing missing

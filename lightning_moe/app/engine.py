@@ -43,7 +43,8 @@ from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, plan_job, policy_for_job
-from .report import REPORT_EVERY_S, job_totals, memory_report, oom_message, peak_host_bytes, previous_runs, timing
+from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, peak_host_bytes, previous_runs,
+                     reconcile_killed_runs, timing)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -487,7 +488,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
         partials_file = PartialsFile(job.output.partial_path)
         partials = partials_file.load([t.id for t in work], done)
     share_work([t.id for t in work if t.error is None], partials)  # the other expert-parallel processes run the same
-    prev_runs = previous_runs(job, bool(done) or bool(partials))
+    prev_runs = reconcile_killed_runs(previous_runs(job, bool(done) or bool(partials)), len(done))
     skipped = len(prep.treqs) - len(todo)
     report: dict = {
         "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
@@ -527,6 +528,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     stop.__enter__()
     try:
         if work:
+            save_progress()  # this run is in the report's runs from its start: killed before a checkpoint, it still shows
             cap = apply_gpu_cap(job.device, job.gpu_memory)
             t = time.perf_counter()
             _prepare_cpu_attention(job, jplan, log)  # a first-run compile is not timed as load or decode

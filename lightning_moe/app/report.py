@@ -89,6 +89,25 @@ def previous_runs(job: Job, resumed: bool) -> list[dict]:
     return [dict(r, **killed) if r.get("status") == "running" else dict(r) for r in runs if isinstance(r, dict)]
 
 
+def reconcile_killed_runs(runs: list[dict], records: int) -> list[dict]:
+    """``runs`` with the records of the results file (``records`` at this run's start) that no entry counts given to
+    the last killed run (its entry was saved before it wrote them), or to a new killed entry when there is none (a
+    run killed before any report was saved)."""
+    missing = records - sum(r.get("records_written") or 0 for r in runs)
+    if missing <= 0:
+        return runs
+    runs = [dict(r) for r in runs]
+    killed = [r for r in runs if r.get("status") == "killed"]
+    if killed:
+        killed[-1]["records_written"] = (killed[-1].get("records_written") or 0) + missing
+        killed[-1]["counts"] = "records from the results file; times and tokens as of its last report save"
+    else:
+        runs.append({"started": None, "wall_seconds": None, "prompt_tokens": None, "generated_tokens": None,
+                     "records_written": missing, "status": "killed",
+                     "counts": "records from the results file; no report of this run was saved"})
+    return runs
+
+
 def job_totals(runs: list[dict], records: int) -> dict:
     """Sums over a job's runs: how many, wall seconds, prompt (prefilled) and generated tokens; records in the file."""
     def total(k):
