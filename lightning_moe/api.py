@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -36,6 +37,22 @@ Messages = Sequence[Mapping[str, str]]  # one chat conversation: [{"role": "user
 TokensPrompt = Mapping[str, Sequence[int]]  # {"prompt_token_ids": [...]}: token ids fed as they are (vLLM's name)
 Prompt = Union[str, Messages, TokensPrompt]  # a plain prompt, a conversation rendered with the tokenizer's chat
 #   template, or token ids
+
+
+class _LibraryLog:
+    """Standard error (as it is at each write) for the engine's messages, which start with the command's name
+    (``moe-batch: ``): from the library they start with ``lightning_moe: ``."""
+
+    def write(self, text: str) -> int:
+        if text.startswith("moe-batch: "):
+            text = "lightning_moe: " + text[len("moe-batch: "):]
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_LIBRARY_LOG = _LibraryLog()
 
 
 # ================================================================================================
@@ -275,8 +292,9 @@ class LLM:
         check_device(job)
         self._files = ModelFiles(job.model)  # spec and tokenizer
         self.gpu_cap = apply_gpu_cap(job.device, job.gpu_memory)  # None on the CPU or without a cap
-        self._runner = ModelRunner(self._files, job.dtype)
-        self._runner.load_weights()
+        self._runner = ModelRunner(self._files, job.dtype, log=_LIBRARY_LOG)
+        # cgopipe's page pool reads the experts from the files a layer at a time (the host peak the planner budgets)
+        self._runner.load_weights(lazy_experts=job.executor == "cgopipe" or job.gpus > 1)
 
     # ---- properties ---------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -338,7 +356,8 @@ class LLM:
             runs.append((idx, job, prep))
         out: list = [None] * len(items)
         for idx, job, prep in runs:
-            records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm)
+            records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm,
+                                    log=_LIBRARY_LOG)
             for i, tr, rec in zip(idx, prep.treqs, records):
                 lps = _logprob_dicts(rec)
                 out[i] = RequestOutput(request_id=rec["id"], prompt=items[i], prompt_token_ids=list(tr.prompt_ids),
@@ -378,7 +397,8 @@ class LLM:
 
         job, recs = self._score_job(requests, mode, stride)
         prep = self._prepare(job, recs, None, "requests")
-        records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm)
+        records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm,
+                                log=_LIBRARY_LOG)
         return [_score_output(job.score.mode, r) for r in records]
 
     def plan(self, prompts: Union[Prompt, Sequence[Any]], sampling_params: Optional[SamplingParams] = None, *,

@@ -262,3 +262,21 @@ def test_import_stays_light():
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
                           text=True, timeout=120)
     assert "AttributeError: module 'lightning_moe' has no attribute 'nothing'" in proc.stderr, proc.stderr
+
+
+def test_library_messages_are_named_for_the_library_and_cgopipe_reads_lazily(tiny_dir, capfd, monkeypatch):
+    """The engine's messages from the API start with ``lightning_moe:`` (not the command's name), and an LLM for cgopipe
+    leaves the experts in the files until its page pool takes them (the host peak the planner budgets)."""
+    from lightning_moe.app import engine
+    from lightning_moe.model.weights import ExpertsOnDisk
+
+    monkeypatch.setattr(engine, "LOUD_LOAD_BYTES", 1)
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", executor="cgopipe", policy={"mu": 2, "n": 2})
+    assert all(isinstance(e, ExpertsOnDisk) for e in llm._runner._weights.experts)
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3))
+    assert len(out[0].token_ids) == 3
+    err = capfd.readouterr().err
+    assert "lightning_moe: reading " in err and "lightning_moe: executor ready in " in err, err
+    assert "moe-batch:" not in err
+    serial = LLM(tiny_dir, device="cpu", dtype="float32")
+    assert not any(isinstance(e, ExpertsOnDisk) for e in serial._runner._weights.experts)
