@@ -337,6 +337,24 @@ def prefill_packed_layout(spans: list[tuple[int, int]], T: int, device) -> tuple
     return tuple(t.to(device, non_blocking=True) for t in (src, keep, valid))
 
 
+def packed_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
+                              sliding_window: Optional[int], layout=None):
+    """The padded operands of packed prefill attention: (qp, kp, vp [B, Hq, S, *] with k, v repeated to every query
+    head, allowed [B, S(q), S(k)]: causal, within the sequence and the sliding window, keep [T]: the packed rows of
+    the [B*S] output). q: [T, Hq, hd]; k, v: [T, Hkv, *]; ``layout``: :func:`prefill_packed_layout` of the spans."""
+    G = q.shape[1] // k.shape[1]
+    src, keep, valid = layout if layout is not None else prefill_packed_layout(spans, q.shape[0], q.device)
+    S = src.shape[1]
+    i = torch.arange(S, device=q.device)
+    allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
+    if sliding_window is not None:
+        allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
+    qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
+    kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
+    vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, v_hd]
+    return qp, kp, vp, allowed, keep
+
+
 def prefill_attention_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None,
     layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None, scale: Optional[float] = None,
@@ -351,19 +369,9 @@ def prefill_attention_packed(
     1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns [T, Hq*v_hd] in q's dtype.
     Equals :func:`prefill_attention` per sequence up to floating-point summation order.
     """
-    T, Hq, hd = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    B = len(spans)
-    src, keep, valid = layout if layout is not None else prefill_packed_layout(spans, T, q.device)
-    S = src.shape[1]
-    i = torch.arange(S, device=q.device)
-    allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
-    if sliding_window is not None:
-        allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
-    qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
-    kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
-    vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
+    Hq = q.shape[1]
+    qp, kp, vp, allowed, keep = packed_attention_operands(q, k, v, spans, sliding_window, layout)
+    B, _, S, _ = qp.shape
     # fused SDPA (flash / memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
     # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
     o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)  # [B, Hq, S, v_hd]

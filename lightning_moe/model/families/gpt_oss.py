@@ -309,16 +309,8 @@ def prefill_attention_packed(
     The [B, Hq, S, S] scores are materialized (the serial executor's reference). Returns [T, Hq*hd] in q's dtype.
     """
     T, Hq, hd = q.shape
-    G = Hq // k.shape[1]
-    src, keep, valid = layout if layout is not None else L.prefill_packed_layout(spans, T, q.device)
-    B, S = src.shape
-    i = torch.arange(S, device=q.device)
-    allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
-    if sliding_window is not None:
-        allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
-    qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
-    kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
-    vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
+    qp, kp, vp, allowed, keep = L.packed_attention_operands(q, k, v, spans, sliding_window, layout)
+    B, _, S, _ = qp.shape
     scores = torch.matmul(qp, kp.transpose(2, 3)) * hd ** -0.5  # [B, Hq, S, S]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = _softmax_with_sinks(scores, lw.sinks.to(q.device)).to(q.dtype)  # [B, Hq, S, S]
