@@ -340,3 +340,15 @@ def test_expert_kernel_probe_argument_errors():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             measure_expert_kernel_flops(tokens=4, hidden=8, intermediate=8)
+
+
+def test_sinks_attention_counts_its_materialized_scores():
+    """gpt-oss's prefill attention (sinks: no fused kernel) materializes [rows, Hq, S, S] scores: the memory model's
+    attention stage grows by (3 b + 12) bytes per score."""
+    import dataclasses
+
+    spec = two_layer_spec()
+    sinks = dataclasses.replace(spec, attention_sinks=True)
+    rows, S = 3, 40
+    base = hrm._packed_attention_stage_bytes(spec, 100, rows * S, S, "bf16")
+    assert hrm._packed_attention_stage_bytes(sinks, 100, rows * S, S, "bf16") - base == rows * S * S * spec.num_heads * 18
