@@ -66,3 +66,13 @@ def test_killed_runs_get_the_records_no_entry_counts():
     got = reconcile_killed_runs([{"records_written": 5, "status": "done"}], 9)  # killed before any report save
     assert [r["records_written"] for r in got] == [5, 4] and got[1]["status"] == "killed"
     assert reconcile_killed_runs(runs, 5) == runs  # nothing missing
+
+
+def test_host_memory_by_phase_line():
+    mem = _report()["memory"] | {"measured_host_by_phase": {
+        "load": {"peak_rss": 78 * GiB, "anon": 76 * GiB, "file": int(1.5 * GiB)},
+        "decode": {"peak_rss": 124 * GiB, "anon": 88 * GiB, "file": 35 * GiB}}}
+    text = format_report(_report(memory=mem))
+    assert "host GiB by phase: peak rss (anon, mapped files at its end): load 78.00 (anon 76.00, file 1.50), " \
+           "decode 124.00 (anon 88.00, file 35.00)" in " ".join(text.split())
+    assert "host GiB by phase" not in format_report(_report())  # nothing measured: no line

@@ -175,15 +175,17 @@ class ModelRunner:
             size = checkpoint_bytes(self.files.model_path)
             loud = size >= LOUD_LOAD_BYTES  # a large read takes minutes: say so before and after
             if loud:
-                print(f"moe-batch: reading {size / 2**30:.1f} GiB of weights from {self.files.model_path}",
-                      file=self.log or sys.stderr, flush=True)
+                what = (f"the non-expert weights of {self.files.model_path} ({size / 2**30:.1f} GiB in all; the "
+                        f"experts are read a layer at a time as the page pool fills)" if lazy_experts else
+                        f"{size / 2**30:.1f} GiB of weights from {self.files.model_path}")
+                print(f"moe-batch: reading {what}", file=self.log or sys.stderr, flush=True)
             t0 = time.perf_counter()
             self._weights = load_checkpoint(self.files.model_path, DTYPES[self.dtype], self.files.spec,
                                             lazy_experts=lazy_experts)
             self._weights_lazy = lazy_experts
             self.weight_loads += 1
             if loud:
-                print(f"moe-batch: weights read in {time.perf_counter() - t0:.1f} s", file=self.log or sys.stderr,
+                print(f"moe-batch: {'non-expert ' if lazy_experts else ''}weights read in {time.perf_counter() - t0:.1f} s", file=self.log or sys.stderr,
                       flush=True)
         return self._weights
 
@@ -586,7 +588,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
         report.update(timing(stats, t_load, total, job.task, t_setup))
         report["records_written_this_run"] = writer.written
         report["errors_recorded"] = len(errors)
-        report["peak_host_memory_bytes"] = peak_host_bytes()
+        report["peak_host_memory_bytes"] = peaks.host_overall() or peak_host_bytes()
         report["peak_gpu_memory_bytes"] = peaks.overall("allocated")
         report["memory"] = memory_report(jplan, cap, peaks, prep.spec, job)
         if job.task == "score":

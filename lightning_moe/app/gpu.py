@@ -1,4 +1,5 @@
-"""The job's GPU: its CUDA index, the ``gpu_memory`` cap on torch's allocator, per-phase peak memory."""
+"""The job's GPU: its CUDA index, the ``gpu_memory`` cap on torch's allocator, per-phase peak memory (the GPU's, and
+the host's resident set)."""
 
 from __future__ import annotations
 
@@ -82,26 +83,71 @@ def device_memory(device: str) -> Optional[int]:
     return None
 
 
+_STATUS_FIELDS = {"VmHWM": "peak_rss", "VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+
+
+def host_memory() -> dict[str, int]:
+    """This process's resident memory now, bytes, from Linux's /proc/self/status: ``rss``, its parts ``anon``
+    (heap, the page pool, the KV cache), ``file`` (mapped files: libraries, mmapped checkpoints; clean pages the
+    kernel can reclaim) and ``shmem``, and ``peak_rss`` (VmHWM: the largest rss since the process started or since
+    :func:`reset_host_peak`). Empty where /proc is unavailable."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in _STATUS_FIELDS:
+                    out[_STATUS_FIELDS[key]] = int(rest.split()[0]) * 1024  # kB
+    except OSError:
+        return {}
+    return out
+
+
+def reset_host_peak() -> bool:
+    """Restart the kernel's peak-rss counter (VmHWM) at the current rss (``5`` into /proc/self/clear_refs, Linux >=
+    4.0); False where that is not possible (then a phase's ``peak_rss`` is the peak since the process started)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class PhasePeaks:
-    """Peak GPU memory (allocated and reserved, bytes) per phase of a run: the executor calls :meth:`enter` at each
-    phase boundary ("load", "prefill", "decode", "scoring"); a phase seen again keeps its largest peak."""
+    """Peak memory per phase of a run: the executor calls :meth:`enter` at each phase boundary ("load", "prefill",
+    "decode", "scoring"); a phase seen again keeps its largest peak. GPU: allocated and reserved bytes (CUDA only).
+    Host: the phase's peak resident set (``peak_rss``) and, at the phase's end, its ``anon`` and ``file`` parts
+    (:func:`host_memory`); ``host_overall`` is the largest peak over the run, the time before the first phase too."""
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
         self.idx = cuda_index(device) if self.cuda else None
         self.phase: Optional[str] = None
         self.peaks: dict[str, dict[str, int]] = {}
+        self.host: dict[str, dict[str, int]] = {}
+        self._host_before = 0  # the largest rss before the first phase (the peak counter restarts at each phase)
 
     def enter(self, phase: str) -> None:
-        """Close the current phase and start ``phase`` (the allocator's peak counters restart)."""
+        """Close the current phase and start ``phase`` (the allocator's and the host's peak counters restart)."""
+        if self.phase is None:
+            self._host_before = host_memory().get("peak_rss", 0)
         self.close()
         self.phase = phase
+        reset_host_peak()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.idx)
 
     def close(self) -> None:
         """Record the current phase's peaks."""
-        if self.phase is None or not self.cuda:
+        if self.phase is None:
+            return
+        now = host_memory()
+        if now:
+            h = self.host.setdefault(self.phase, {"peak_rss": 0})
+            h["peak_rss"] = max(h["peak_rss"], now.get("peak_rss", 0))
+            h.update({k: now[k] for k in ("anon", "file") if k in now})  # at the phase's (last) end
+        if not self.cuda:
             return
         p = self.peaks.setdefault(self.phase, {"allocated": 0, "reserved": 0})
         p["allocated"] = max(p["allocated"], torch.cuda.max_memory_allocated(self.idx))
@@ -110,3 +156,10 @@ class PhasePeaks:
     def overall(self, key: str) -> Optional[int]:
         """Largest peak of ``key`` ("allocated" | "reserved") over the phases (None without CUDA)."""
         return max((p[key] for p in self.peaks.values()), default=0) if self.cuda else None
+
+    def host_overall(self) -> Optional[int]:
+        """The run's peak resident set in bytes: the largest phase peak or the peak before the first phase; None
+        where /proc is unavailable."""
+        if not self.host and not self._host_before:
+            return None
+        return max([self._host_before] + [h["peak_rss"] for h in self.host.values()])

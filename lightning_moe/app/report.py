@@ -37,6 +37,8 @@ def memory_report(jplan: Optional[JobPlan], cap: Optional[dict], peaks: PhasePea
                    predicted_components={ph: dict(c) for ph, c in m.gpu_phases.items()},
                    predicted_host_bytes=m.cpu_peak, predicted_host_phase=m.cpu_peak_phase,
                    predicted_host_components={"run": dict(m.cpu), "load": dict(m.cpu_load)})
+    if peaks.host:
+        out["measured_host_by_phase"] = {ph: dict(h) for ph, h in peaks.host.items()}
     if peaks.cuda:
         out.update(measured_peak_allocated_bytes=peaks.overall("allocated"),
                    measured_peak_reserved_bytes=peaks.overall("reserved"), measured_by_phase=dict(peaks.peaks))
@@ -222,6 +224,11 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                  + (f" (predicted {host_pred / 2**30:.2f} GiB, {r['memory'].get('predicted_host_phase', 'run')} phase)"
                     if host_pred else "")
                  + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
+    host_phases = mem.get("measured_host_by_phase") or {}
+    if host_phases:  # where the host peak is, and how much of it is mapped files (reclaimable) rather than anon
+        fields = [f"{ph} {_gib(h.get('peak_rss'))} (anon {_gib(h.get('anon'))}, file {_gib(h.get('file'))})"
+                  for ph, h in host_phases.items()]
+        lines += _wrap_fields("host GiB by phase: peak rss (anon, mapped files at its end):", fields)
     st = r.get("stages") or {}
     secs = {k: v for k, v in st.items()
             if isinstance(v, float) and not k.endswith(_COUNTERS) and not k.startswith(_DIAGNOSTICS)}

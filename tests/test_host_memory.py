@@ -1,0 +1,66 @@
+"""The host side of the per-phase memory peaks (app/gpu.py PhasePeaks): each phase's peak resident set restarts
+at the phase's start (Linux clear_refs), so a phase that allocates nothing does not inherit an earlier phase's
+peak; the run's overall peak is the largest of them; the engine's report carries them."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from lightning_moe import cli
+from lightning_moe.app.gpu import PhasePeaks, host_memory, reset_host_peak
+
+MiB = 2**20
+linux = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+
+
+def _touch(nbytes: int) -> torch.Tensor:
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    t.fill_(1)  # fault every page in: resident, not just reserved
+    return t
+
+
+@linux
+def test_host_memory_fields():
+    m = host_memory()
+    assert {"rss", "anon", "file", "peak_rss"} <= set(m)
+    assert m["peak_rss"] >= m["rss"] > 0 and m["anon"] + m["file"] <= m["rss"] + m.get("shmem", 0) + MiB
+
+
+@linux
+def test_phase_peak_restarts_at_each_phase():
+    if not reset_host_peak():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    peaks = PhasePeaks("cpu")
+    peaks.enter("big")
+    t = _touch(256 * MiB)
+    big_now = host_memory()["rss"]
+    del t  # returned to the OS (a large allocation is its own mapping)
+    peaks.enter("small")
+    _touch(4 * MiB)
+    peaks.close()
+    big, small = peaks.host["big"]["peak_rss"], peaks.host["small"]["peak_rss"]
+    assert big >= big_now - 4 * MiB  # the kernel batches its rss counters: a few pages of slack
+    assert small < big - 200 * MiB  # "small" does not carry "big"'s 256 MiB
+    assert peaks.host_overall() == max(big, small, peaks._host_before)
+    assert {"anon", "file"} <= set(peaks.host["small"])
+
+
+@linux
+def test_report_has_host_memory_by_phase(tmp_path, tiny_dir):
+    import yaml
+
+    from prompt_files import jsonl_prompts
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": tiny_dir, "data": {"source": "jsonl", "path": jsonl_prompts(tmp_path / "in.jsonl")},
+        "output": {"path": str(tmp_path / "out.jsonl")}, "device": "cpu", "dtype": "float32", "executor": "cgopipe",
+        "policy": {"mu": 4, "n": 3}, "generation": {"max_new_tokens": 3, "stop_at_eos": False}}))
+    assert cli.main(["run", str(job), "--no-progress"]) == 0
+    rep = json.load(open(tmp_path / "out.report.json"))
+    by_phase = rep["memory"]["measured_host_by_phase"]
+    assert {"load", "prefill", "decode"} <= set(by_phase)
+    assert all(h["peak_rss"] >= h["anon"] > 0 for h in by_phase.values())
+    assert rep["peak_host_memory_bytes"] >= max(h["peak_rss"] for h in by_phase.values())
