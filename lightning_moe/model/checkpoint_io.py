@@ -54,3 +54,9 @@ class _Reader:
             self._open[file] = safe_open(file, framework="pt")
         t = self._open[file].get_tensor(name)
         return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
+
+    def close(self) -> None:
+        """Drop the open files. A file's mapped pages that were read stay in this process's resident set while it
+        is open (a lazy reader of every layer's experts would end up holding the whole checkpoint's pages);
+        tensors already returned stay valid, and a later :meth:`get` opens the file again."""
+        self._open.clear()

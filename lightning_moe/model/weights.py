@@ -135,6 +135,12 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         E = spec.num_experts  # one tensor per expert and projection, stacked: [E, F, D], [E, F, D], [E, D, F]
         return ExpertWeights(*(torch.stack([r.get(n) for n in names[j * E:(j + 1) * E]]) for j in range(3)))
 
+    def read_and_close(i: int, p: str, block: str):  # a lazy layer read: its files' mapped pages go with it
+        try:
+            return read_experts(i, p, block)
+        finally:
+            r.close()
+
     layers, experts = [], []
     for i in range(spec.num_layers):
         if spec.is_dense_layer(i):  # one dense MLP, resident with the layer's other weights; nothing to page
@@ -147,7 +153,7 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
             missing = [n for n in expert_names(i, p, block) if not r.has(n)]
             if missing:
                 raise CheckpointError(f"{path}: tensor {missing[0]!r} not found in the checkpoint")
-            experts.append(ExpertsOnDisk(i, functools.partial(read_experts, i, p, block), page_layout))
+            experts.append(ExpertsOnDisk(i, functools.partial(read_and_close, i, p, block), page_layout))
         else:
             experts.append(read_experts(i, p, block))
     embed = r.get(keys.embed)
@@ -157,7 +163,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         lm_head = embed
     else:
         raise CheckpointError(f"{path}: tensor {keys.lm_head!r} not found and tie_word_embeddings is false")
-    return ModelWeights(spec, embed, r.get(keys.norm), lm_head, layers, experts)
+    weights = ModelWeights(spec, embed, r.get(keys.norm), lm_head, layers, experts)
+    r.close()
+    return weights
 
 
 def dummy_weights(spec: MoESpec, dtype: torch.dtype = torch.bfloat16, seed: int = 0, scale: float = 0.02) -> ModelWeights:
