@@ -52,7 +52,7 @@ from .serial import (FinishCallback, LogprobsCallback, RunStats, SamplingParams,
                      TokensCallback, check_prefixes, finish_reason, sample, token_logprobs)
 from .stage_stats import StageTimer, add_counts
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
-from .weight_stream import WeightStream
+from .weight_stream import WeightStream, packed_layout
 
 __all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "expert_ffn_for"]
 
@@ -249,8 +249,10 @@ class CGOPipeExecutor:
         self.ffn = ffn
         # the strategy: "triton" and "auto" need CUDA (the CPU runs the torch loop); grouped_mm runs on both
         kind = ffn if (ffn in ("torch", "grouped_mm") or self.cuda) else "torch"
-        if kind != "torch" and grouped_kernels_refusal(spec) is not None:
-            raise ValueError(f"CGOPipeExecutor: expert_ffn {ffn}: {grouped_kernels_refusal(spec)}")
+        lay = packed_layout(weights.experts)  # packed pages' layout (MXFP4 pages: the MXFP4 kernel), or None
+        why = grouped_kernels_refusal(spec, kind, lay.scheme if lay is not None else None) if kind != "torch" else None
+        if why is not None:
+            raise ValueError(f"CGOPipeExecutor: expert_ffn {ffn}: {why}")
         self.kv_groups = kv_groups
         self.batch_size = policy.N
         dev, dt = self.device, self.dtype
@@ -271,7 +273,7 @@ class CGOPipeExecutor:
         if spec.swiglu_limit > 0:  # the clamped SwiGLU's numbers (gpt-oss; the family's experts_ffn_from takes them)
             ffn_from = functools.partial(ffn_from, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         self.expert_ffn = expert_ffn(kind, ffn_from, ws.paging, ws.page_layout, spec.num_experts, dt, dev,
-                                     hardware=hardware,
+                                     hardware=hardware, swiglu=(spec.swiglu_limit, spec.swiglu_alpha),
                                      shape=(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k))
         if self.cuda:
             self.h2d_a = torch.cuda.Stream(dev)  # attention outputs

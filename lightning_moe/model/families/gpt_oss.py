@@ -20,8 +20,10 @@ Checkpoints: transformers' ``save_pretrained`` writes the experts fused as its p
 ``mlp.experts.gate_up_proj`` [E, D, 2F] (input dim first; gate = columns 0::2, up = 1::2), ``gate_up_proj_bias``
 [E, 2F], ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]; the Hub's MXFP4 checkpoints (``quantization_config``
 ``quant_method: mxfp4``) store ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` instead,
-dequantized here on load into the compute dtype (``kernels.mxfp4.mxfp4_dequantize``, bit for bit transformers'
-dequantization); keeping the packed MXFP4 pages through the executors is a later step. The experts are stored as
+either kept packed (``load_checkpoint(packed_experts=True)``, what the serial and CGOPipe executors take: one MXFP4
+page per expert, ``model.quantized.MXFP4Experts``, computed on CUDA by ``kernels.mxfp4.fused_experts_mxfp4_triton``)
+or dequantized on load into the compute dtype (``kernels.mxfp4.mxfp4_dequantize``, bit for bit transformers'
+dequantization; the expert-parallel executor, which cuts no packed pages). Dense experts are stored as
 ``layers.ExpertWeights`` [E, F, D] / [E, D, F] with their biases (``b1``, ``b3``, ``b2``).
 
 Attention variant ``"gqa_sinks"``: the GQA K/V cache, and attention functions that take the layer's weights (its
@@ -44,7 +46,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn.functional as F_
 
-from ...kernels.mxfp4 import mxfp4_dequantize
+from ...kernels.mxfp4 import mxfp4_dequantize, mxfp4_page_layout, pack_mxfp4_pages
 from .. import layers as L
 from ..checkpoint_io import CheckpointError
 from ..spec import MoESpec
@@ -112,13 +114,37 @@ KEYS = KeyMap(
 )
 
 
-def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype) -> L.ExpertWeights:
+def packed_expert_layout(r, prefix: str, spec: MoESpec, dtype: torch.dtype):
+    """The MXFP4 page layout (``kernels.mxfp4.mxfp4_page_layout``, biases in ``dtype``) of a layer whose experts the
+    checkpoint stores as MXFP4 ``*_blocks`` / ``*_scales`` (``prefix``: the layer's ``mlp.``), else None."""
+    if not r.has(prefix + "experts.gate_up_proj_blocks"):
+        return None
+    return mxfp4_page_layout(spec.hidden_size, spec.intermediate_size, dtype)
+
+
+def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype, packed: bool = False):
     """The routed experts of one layer from a checkpoint reader ``r`` (``prefix``: the layer's ``mlp.``): the fused
     tensors transformers saves, or the MXFP4 ``*_blocks`` / ``*_scales`` of the Hub checkpoints, dequantized into
     ``dtype``; gate and up de-interleaved (columns 0::2 and 1::2 of gate_up_proj), every projection transposed to
     [out, in]. Returns ExpertWeights w1, w3 [E, F, D], w2 [E, D, F], b1, b3 [E, F], b2 [E, D].
+    ``packed`` (an executor that computes MXFP4 pages): MXFP4 tensors stay packed instead, as
+    ``model.quantized.MXFP4Experts`` (the blocks and scales as stored, the biases in ``dtype``; layout
+    :func:`packed_expert_layout`); fused (unquantized) tensors load as above.
     Raises CheckpointError naming a missing tensor or a tensor of another shape."""
     E, D, F = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    lay = packed_expert_layout(r, prefix, spec, dtype) if packed else None
+    if lay is not None:
+        from ..quantized import MXFP4Experts
+
+        ex = prefix + "experts."
+        parts = [r.get(ex + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                                         "down_proj_blocks", "down_proj_scales", "down_proj_bias")]
+        try:
+            pages, _ = pack_mxfp4_pages(*parts, layout=lay)
+        except ValueError as exc:
+            raise CheckpointError(f"{r.path}: the MXFP4 experts under {ex!r} do not fit num_local_experts={E}, "
+                                  f"hidden_size={D}, intermediate_size={F}: {exc}") from None
+        return MXFP4Experts(pages, lay)
 
     def dense(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         full = prefix + "experts." + name
@@ -432,4 +458,5 @@ FAMILY = Family(
     attention="gqa_sinks",
     expert_activation="clamped_swiglu",
     load_experts=load_experts,
+    packed_expert_layout=packed_expert_layout,
 )
