@@ -138,3 +138,51 @@ def test_cgopipe_with_the_mxfp4_kernel_in_the_interpreter_equals_the_torch_loop(
     for (a, _), (b, _) in zip(lp, ref):
         assert (a - b).abs().max().item() < 1e-4
     assert [o for o, _ in out] == hf_greedy(deq, prompts, 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the planner counts MXFP4 bytes
+# ---------------------------------------------------------------------------------------------------
+def test_planner_bytes_per_mxfp4_expert_equal_the_page_layout(mx):
+    """MoESpec.expert_bytes("mxfp4") (what the HRM, the MILP and the memory model count) equals the bytes of the page
+    the loader makes (kernels.mxfp4.mxfp4_page_layout with fp32 biases), for the registry's gpt-oss-20b / -120b and
+    the tiny checkpoint; the memory model's host pool counts those bytes for every non-resident expert."""
+    from lightning_moe.kernels.mxfp4 import mxfp4_page_layout
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.policy import Policy, Workload
+    from lightning_moe.policy.registry import resolve_spec
+
+    qdir, _ = mx
+    w = load_checkpoint(qdir, torch.bfloat16, packed_experts=True)
+    tiny = w.spec
+    assert tiny.expert_bytes("mxfp4") == w.experts[0].layout.page_bytes
+    for spec in (resolve_spec("gpt-oss-20b"), resolve_spec("gpt-oss-120b"), tiny):
+        lay = mxfp4_page_layout(spec.hidden_size, spec.intermediate_size, torch.float32)
+        assert spec.expert_bytes("mxfp4") == lay.page_bytes
+    big = resolve_spec("gpt-oss-120b")
+    assert big.expert_bytes("mxfp4") == 13254656  # 3 * 2880^2 * 17 / 32 + 8640 fp32 biases, padded to 4096
+    pol = Policy(mu=8, n=2, prefill_mu=8, resident_experts=4, dtype="bf16", weight_quant="mxfp4")
+    mem = hrm.memory_estimate(pol, big, Workload(prompt_len=128, gen_len=16))
+    paged = big.num_moe_layers * (big.num_experts - 4)
+    assert mem.cpu["pinned experts (not resident)"] == paged * big.expert_bytes("mxfp4")
+    assert all(ph["dequantized expert scratch"] == 0 for ph in mem.gpu_phases.values())  # dequantized in registers
+
+
+def test_plan_counts_mxfp4_for_the_hub_names_and_mxfp4_checkpoints(mx, capsys):
+    """`moe-batch plan --model gpt-oss-120b` plans MXFP4 pages (the Hub's format; 120 GiB of host hold them), the -bf16
+    alias and --quant bf16 plan bf16 experts (which do not fit); an MXFP4 checkpoint directory plans mxfp4 and refuses
+    --quant int4 by name."""
+    from test_family_gpt_oss import _plan
+
+    args = ["--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]
+    assert _plan(["--model", "gpt-oss-120b"] + args) == 0
+    assert "expert pages                     mxfp4, 12.6 MiB per expert" in capsys.readouterr().out
+    assert _plan(["--model", "gpt-oss-120b-bf16"] + args) == 2
+    assert "infeasible: host memory 120.00 GiB < " in capsys.readouterr().err
+    assert _plan(["--model", "gpt-oss-120b", "--quant", "bf16"] + args) == 2
+    capsys.readouterr()
+    qdir, _ = mx
+    assert _plan(["--model", qdir] + args) == 0
+    assert "expert pages                     mxfp4," in capsys.readouterr().out
+    assert _plan(["--model", qdir, "--quant", "int4"] + args) != 0
+    assert f"--quant int4 but {qdir} holds mxfp4 expert pages" in capsys.readouterr().err

@@ -115,11 +115,13 @@ KEYS = KeyMap(
 
 
 def packed_expert_layout(r, prefix: str, spec: MoESpec, dtype: torch.dtype):
-    """The MXFP4 page layout (``kernels.mxfp4.mxfp4_page_layout``, biases in ``dtype``) of a layer whose experts the
-    checkpoint stores as MXFP4 ``*_blocks`` / ``*_scales`` (``prefix``: the layer's ``mlp.``), else None."""
+    """The MXFP4 page layout (``kernels.mxfp4.mxfp4_page_layout``) of a layer whose experts the checkpoint stores as
+    MXFP4 ``*_blocks`` / ``*_scales`` (``prefix``: the layer's ``mlp.``), else None. The biases are stored fp32 whatever
+    ``dtype`` (they hold the load dtype's values exactly, and the page size is one per model: ``MoESpec.expert_bytes(
+    "mxfp4")``, what the planner counts)."""
     if not r.has(prefix + "experts.gate_up_proj_blocks"):
         return None
-    return mxfp4_page_layout(spec.hidden_size, spec.intermediate_size, dtype)
+    return mxfp4_page_layout(spec.hidden_size, spec.intermediate_size, torch.float32)
 
 
 def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype, packed: bool = False):
@@ -128,7 +130,7 @@ def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype, packed: bool
     ``dtype``; gate and up de-interleaved (columns 0::2 and 1::2 of gate_up_proj), every projection transposed to
     [out, in]. Returns ExpertWeights w1, w3 [E, F, D], w2 [E, D, F], b1, b3 [E, F], b2 [E, D].
     ``packed`` (an executor that computes MXFP4 pages): MXFP4 tensors stay packed instead, as
-    ``model.quantized.MXFP4Experts`` (the blocks and scales as stored, the biases in ``dtype``; layout
+    ``model.quantized.MXFP4Experts`` (the blocks and scales as stored, the biases read in ``dtype`` and kept fp32; layout
     :func:`packed_expert_layout`); fused (unquantized) tensors load as above.
     Raises CheckpointError naming a missing tensor or a tensor of another shape."""
     E, D, F = spec.num_experts, spec.hidden_size, spec.intermediate_size
