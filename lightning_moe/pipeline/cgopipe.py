@@ -169,7 +169,8 @@ def cgopipe_refusal(spec) -> Optional[str]:
     expert kernels do not compute), naming the family; None when it can (every family today). What CGOPipe runs only
     in part is refused where it is asked for, by name: GPU-attention micro-batches of multi-head latent attention or
     with attention sinks (:func:`gpu_attention_refusal`), and the grouped expert kernels for experts they do not
-    compute (``expert_ffn.grouped_kernels_refusal``: gpt-oss runs ``expert_ffn: torch``, which ``auto`` picks).
+    compute (``expert_ffn.grouped_kernels_refusal``: dense gpt-oss experts run ``expert_ffn: torch``, which ``auto``
+    picks; its MXFP4 pages also run the MXFP4 kernel, grouped_mm refused).
     Checked by the executor and, before any weight is read, by the engine."""
     return None
 
@@ -181,13 +182,14 @@ class CGOPipeExecutor:
         weights: host weights. Their experts go to the weight stream (:class:`~.weight_stream.WeightStream`:
             resident on the device, or one exact-size pinned page pool; the per-layer expert tensors are released
             from ``weights`` as they are copied, so host memory holds each expert once). Quantized checkpoints
-            (:class:`~lightning_moe.model.quantized.QuantExperts`) stay packed: pages cross PCIe as packed bytes and
-            are dequantized on the device.
+            (:class:`~lightning_moe.model.quantized.QuantExperts`, and gpt-oss's ``MXFP4Experts``) stay packed: pages
+            cross PCIe as packed bytes and are dequantized on the device (MXFP4: in the kernel's registers).
         policy: mu, n, prefill micro-batch, resident experts, GPU-attention micro-batches.
         device: "cuda[:i]" (or "cpu": same loop, synchronous copies; for tests).
         dtype: compute dtype (default: the weights').
         ffn: the expert FFN (:mod:`~.expert_ffn`): "torch" (the reference expert loop, bit-identical to the serial
-            executor), or grouped calls over dense pages, or over packed pages dequantized once per layer visit,
+            executor), or grouped calls over dense pages, or over packed pages dequantized once per layer visit (MXFP4
+            pages: two MXFP4 kernel calls per visit, ``expert_ffn.GroupedMXFP4ExpertFFN``),
             with the kernel "triton" (CUDA only: on the CPU "triton" runs the torch loop), "grouped_mm" (torch's
             grouped GEMM; CUDA bf16, or the CPU), or "auto" (per call by ``hardware``'s measured rates, Triton where
             the profile has none; CUDA only: on the CPU "auto" runs the torch loop). Raises ValueError on another.

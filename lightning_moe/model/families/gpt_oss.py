@@ -29,7 +29,8 @@ dequantization; the expert-parallel executor, which cuts no packed pages). Dense
 Attention variant ``"gqa_sinks"``: the GQA K/V cache, and attention functions that take the layer's weights (its
 sinks); both executors run them (decode in torch over the CPU cache: the native CPU kernel has no sinks). CGOPipe pages
 the experts with their biases and computes them with :func:`experts_ffn_from` (``expert_ffn: torch``; its grouped
-kernels compute silu without biases and are refused by name, as are its GPU-attention micro-batches). Refused by name: ``layer_types``
+kernels compute silu without biases and are refused by name, as are its GPU-attention micro-batches; MXFP4 pages on
+CUDA run the MXFP4 kernel, ``expert_ffn: triton`` / ``auto``, grouped_mm refused by name). Refused by name: ``layer_types``
 entries other than sliding_attention / full_attention (or a list of another length), sliding layers without a
 ``sliding_window``, ``swiglu_limit`` <= 0, a ``quantization_config`` other than mxfp4, this package's own
 ``quantization`` pages, rope types other than default, linear and yarn. The shared pieces are in ``model/layers.py``
@@ -204,7 +205,7 @@ IMPLEMENTED_KEYS = frozenset({
     "rope_theta",  # Hub configs: top level; transformers 5: in rope_parameters
     "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
     "original_max_position_embeddings",  # top-level name (wins over rope_parameters' for yarn, as in transformers)
-    "quantization_config",  # quant_method mxfp4 only: the experts' MXFP4 blocks, dequantized on load
+    "quantization_config",  # quant_method mxfp4 only: the experts' MXFP4 blocks, kept packed or dequantized on load
 })
 REFUSED_KEYS = frozenset({"quantization"})  # moe-batch quantize's packed pages carry no expert biases
 HARMLESS_KEYS = frozenset({
