@@ -294,7 +294,7 @@ class LLM:
         self.gpu_cap = apply_gpu_cap(job.device, job.gpu_memory)  # None on the CPU or without a cap
         self._runner = ModelRunner(self._files, job.dtype, log=_LIBRARY_LOG)
         # cgopipe's page pool reads the experts from the files a layer at a time (the host peak the planner budgets)
-        self._runner.load_weights(lazy_experts=job.executor == "cgopipe" or job.gpus > 1)
+        self._runner.load_weights(lazy_experts=job.executor == "cgopipe" or job.gpus > 1, packed_experts=job.gpus <= 1)
 
     # ---- properties ---------------------------------------------------------------------------
     def get_tokenizer(self):

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .model.spec import QUANT_FORMATS
+from .model.spec import PACKED_FORMATS, QUANT_FORMATS
 from .policy.hardware import HardwareError, format_bytes, parse_bytes, resolve_hardware
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
@@ -59,7 +59,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-len", type=int, help="longest prompt in tokens (sizes the KV cache; default: prompt length)")
     p.add_argument("--gen-len", type=int, help="tokens generated per sequence")
     p.add_argument("--num-prompts", type=int, help="sequences in the job (caps N = mu * n)")
-    p.add_argument("--quant", default=None, choices=["bf16", "fp16", "fp32", *QUANT_FORMATS], help="expert page format (default: the model dtype)")
+    p.add_argument("--quant", default=None, choices=["bf16", "fp16", "fp32", *QUANT_FORMATS, *PACKED_FORMATS],
+                   help="expert page format (default: the checkpoint's packed format, e.g. gpt-oss's mxfp4, else the "
+                        "model dtype)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPE_NAMES), help="model dtype (default bf16, or the job's)")
     p.add_argument("--gpu-reserve", type=_bytes_arg, help="GPU bytes kept free (default 1GiB)")
     p.add_argument("--cpu-reserve", type=_bytes_arg, help="host bytes kept free (default 2GiB)")
@@ -165,9 +167,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu_mem = args.gpu_memory or (getattr(job, "gpu_memory", None) if job is not None else None) or hw.gpu_memory
         cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
         dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
-        from .model.quantized import checkpoint_scheme  # a quantized checkpoint declares its page format
+        # a quantized checkpoint declares its page format (gpt-oss's MXFP4: "mxfp4"); so does a registry name whose Hub
+        # checkpoint holds MXFP4 experts (gpt-oss-20b / -120b; --quant overrides it for a name, not for a directory)
+        from .model.quantized import checkpoint_expert_scheme
+        from .policy.registry import registry_expert_format
 
-        ckpt_q = checkpoint_scheme(model) if os.path.isdir(model) else None
+        ckpt_q = checkpoint_expert_scheme(model) if os.path.isdir(model) else None
+        if not args.quant and ckpt_q is None:
+            ckpt_q = registry_expert_format(model)
         if args.quant and ckpt_q and args.quant != ckpt_q:
             raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
         check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time

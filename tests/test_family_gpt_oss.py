@@ -419,11 +419,14 @@ def _plan(argv):
 
 
 def test_plan_both_registry_entries(capsys):
-    """gpt-oss-20b plans at bf16 under 24 GiB of GPU and 120 GiB of host; gpt-oss-120b's bf16 experts (214 GiB) do not
-    fit the host, at int4's bytes (4.25 bits per weight, MXFP4's) it plans."""
+    """gpt-oss-20b plans (its Hub format, mxfp4) under 24 GiB of GPU and 120 GiB of host, and at bf16; gpt-oss-120b's
+    bf16 experts (214 GiB: the -bf16 alias) do not fit the host, at int4's bytes it plans (and at mxfp4's:
+    tests/test_mxfp4_pages.py)."""
     assert _plan(["--model", "gpt-oss-20b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 0
     assert "predicted:" in capsys.readouterr().out
-    assert _plan(["--model", "gpt-oss-120b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 2
+    assert _plan(["--model", "gpt-oss-20b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB", "--quant", "bf16"]) == 0
+    assert "predicted:" in capsys.readouterr().out
+    assert _plan(["--model", "gpt-oss-120b-bf16", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 2
     assert "moe-batch plan: infeasible: host memory 120.00 GiB < " in capsys.readouterr().err
     assert _plan(["--model", "gpt-oss-120b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB", "--quant", "int4"]) == 0
     assert "predicted:" in capsys.readouterr().out

@@ -38,6 +38,7 @@ import torch
 from ..config import Job
 from ..data.stops import StopWatch, cut_at_stop
 from ..data.writer import PartialsFile, ResultsWriter, error_record, write_json_atomic
+from ..model.quantized import checkpoint_expert_scheme
 from ..model.weights import load_checkpoint
 from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
@@ -64,6 +65,13 @@ def checkpoint_bytes(model_dir: str) -> int:
     return sum(os.path.getsize(os.path.join(model_dir, n)) for n in names if n.endswith(".safetensors"))
 
 
+def _expert_scheme(prep) -> Optional[str]:
+    """The checkpoint's packed expert scheme ("mxfp4" for gpt-oss's MXFP4, which the loader keeps packed for a
+    single-process executor; model.quantized.checkpoint_expert_scheme), None for dense experts or no directory."""
+    path = getattr(prep, "model_path", None)
+    return checkpoint_expert_scheme(path) if path else None
+
+
 def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
     """The executor named by ``job.executor``: "cgopipe" with ``jplan``'s policy, or "serial"."""
     dtype = DTYPES[job.dtype]
@@ -73,8 +81,8 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
         from ..policy.hardware import get_preset, resolve_hardware
 
         hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")  # the planner's profile
-        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype, ffn=expert_ffn_for(job, prep.spec),
-                             hardware=hw)
+        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype,
+                             ffn=expert_ffn_for(job, prep.spec, _expert_scheme(prep)), hardware=hw)
         ex.estimate = jplan.estimate
         return ex
     if job.gpus > 1:  # one process of the expert-parallel group (app.expert_parallel started it)
@@ -114,7 +122,8 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
     if job.executor == "cgopipe" and getattr(job, "expert_ffn", "torch") in ("triton", "grouped_mm"):
         from ..pipeline.expert_ffn import grouped_kernels_refusal
 
-        why = grouped_kernels_refusal(prep.spec)  # auto picks torch for such a model (expert_ffn_for)
+        # auto picks torch for such a model (expert_ffn_for); MXFP4 pages kept packed: the MXFP4 kernel
+        why = grouped_kernels_refusal(prep.spec, job.expert_ffn, _expert_scheme(prep))
         if why is not None:
             from ..config import ConfigError
 
@@ -159,14 +168,19 @@ class ModelRunner:
         self.weight_loads = 0  # checkpoint reads so far
         self._weights = None  # host weights not yet given to a cgopipe executor
         self._weights_lazy = False  # whether _weights left the routed experts in the files (ExpertsOnDisk)
+        self._weights_packed = True  # whether _weights kept a family's packed experts packed (gpt-oss MXFP4)
         self._executor = None
         self._key: Optional[tuple] = None  # (executor, device, expert FFN) of the executor held
 
-    def load_weights(self, lazy_experts: bool = False):
+    def load_weights(self, lazy_experts: bool = False, packed_experts: bool = True):
         """The host weights, read from the checkpoint unless already held. ``lazy_experts``: the routed experts stay
         in the files (``ExpertsOnDisk``) for an executor that reads them layer by layer (CGOPipe's page pool); held
-        lazy weights are read again in full for a caller that needs the experts in memory."""
-        if self._weights is not None and self._weights_lazy and not lazy_experts:
+        lazy weights are read again in full for a caller that needs the experts in memory. ``packed_experts``: experts
+        a family stores packed (gpt-oss's MXFP4) stay packed (the serial and CGOPipe executors compute MXFP4 pages;
+        the expert-parallel executor, which cuts no packed pages, reads them dequantized); held weights of the other
+        kind are read again."""
+        if self._weights is not None and ((self._weights_lazy and not lazy_experts)
+                                          or self._weights_packed != packed_experts):
             self._weights = None
         if self._weights is None:
             if self.weight_loads:
@@ -181,8 +195,9 @@ class ModelRunner:
                 print(f"moe-batch: reading {what}", file=self.log or sys.stderr, flush=True)
             t0 = time.perf_counter()
             self._weights = load_checkpoint(self.files.model_path, DTYPES[self.dtype], self.files.spec,
-                                            lazy_experts=lazy_experts)
+                                            lazy_experts=lazy_experts, packed_experts=packed_experts)
             self._weights_lazy = lazy_experts
+            self._weights_packed = packed_experts
             self.weight_loads += 1
             if loud:
                 print(f"moe-batch: {'non-expert ' if lazy_experts else ''}weights read in {time.perf_counter() - t0:.1f} s", file=self.log or sys.stderr,
@@ -198,7 +213,7 @@ class ModelRunner:
         if job.executor == "cgopipe":
             from ..pipeline.cgopipe import expert_ffn_for
 
-            key = (job.executor, job.device, expert_ffn_for(job, prep.spec))
+            key = (job.executor, job.device, expert_ffn_for(job, prep.spec, _expert_scheme(prep)))
         ex = self._executor
         if ex is not None and key == self._key:
             if jplan is None or ex.policy == jplan.policy:
@@ -222,7 +237,7 @@ class ModelRunner:
         ex = None  # the old executor's GPU tensors go before the new one's are made
         self.close()
         # cgopipe's pool and each expert-parallel process take the experts a layer at a time from the files
-        weights = self.load_weights(lazy_experts=job.executor == "cgopipe" or job.gpus > 1)
+        weights = self.load_weights(lazy_experts=job.executor == "cgopipe" or job.gpus > 1, packed_experts=job.gpus <= 1)
         pool = jplan.estimate.memory.cpu.get("pinned experts (not resident)", 0) if jplan is not None else 0
         if pool >= LOUD_LOAD_BYTES:
             print(f"moe-batch: copying {pool / 2**30:.1f} GiB of experts into the pinned page pool and "

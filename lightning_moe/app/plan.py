@@ -109,13 +109,18 @@ def policy_for_job(job, prep):
 
     Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
     """
-    from ..model.quantized import checkpoint_scheme
+    from ..model.quantized import checkpoint_expert_scheme
     from ..policy.hardware import get_preset, resolve_hardware
     from ..policy.milp import plan
     from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
 
     dt = _DT[job.dtype]
-    wq = checkpoint_scheme(prep.model_path) or dt  # a quantized checkpoint's pages move packed
+    # a quantized checkpoint's pages move packed; so do gpt-oss's MXFP4 experts, for a single-process executor (the
+    # expert-parallel one reads them dequantized: ModelRunner.load_weights(packed_experts=False))
+    wq = checkpoint_expert_scheme(prep.model_path)
+    if wq == "mxfp4" and getattr(job, "gpus", 1) > 1:
+        wq = None
+    wq = wq or dt
     if isinstance(job.policy, dict):
         fields = dict(job.policy)
         fields.setdefault("dtype", dt)

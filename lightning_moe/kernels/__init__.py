@@ -15,6 +15,10 @@ Triton is imported lazily, the first time a ``*_triton`` function is called.
   :func:`experts_ffn_qt_reference`), and the Triton dequantization of packed experts into dense weights
   (:func:`dequantize_triton`, :func:`dequantize_pages_triton`; references :func:`dequantize`,
   :func:`unpack_expert_page`) that their default "dequant" mode uses.
+* :mod:`.mxfp4` -- MXFP4 (gpt-oss's E2M1 blocks with E8M0 scales): :func:`mxfp4_dequantize` (transformers' bit for
+  bit), packed MXFP4 expert pages (:func:`mxfp4_page_layout` -> :class:`MXFP4PageLayout`, :func:`pack_mxfp4_pages`,
+  :func:`unpack_mxfp4_page`), and gpt-oss's expert FFN from them (:func:`fused_experts_mxfp4_triton`, dequantizing
+  in registers; reference :func:`experts_ffn_mxfp4_reference`).
 """
 
 from .fused_moe import (
@@ -29,6 +33,16 @@ from .fused_moe import (
     fused_moe_workspace_bytes,
     moe_align,
     triton_available,
+)
+from .mxfp4 import (
+    MXFP4PageLayout,
+    experts_ffn_mxfp4_reference,
+    fused_experts_mxfp4_triton,
+    mxfp4_dequantize,
+    mxfp4_expert_bytes,
+    mxfp4_page_layout,
+    pack_mxfp4_pages,
+    unpack_mxfp4_page,
 )
 from .pages import PageEntry, PageLayout
 from .quant import (
@@ -66,4 +80,6 @@ __all__ = [
     "page_weight_views", "quant_error_bound", "quantize_groupwise", "triton_available", "unpack_expert_page",
     "expert_tensor_specs", "experts_ffn_qt_reference", "fused_experts_quant_triton", "quant_tensors_from_views",
     "dense_expert_scratch", "dequantize_pages_triton", "dequantize_triton",
+    "MXFP4PageLayout", "experts_ffn_mxfp4_reference", "fused_experts_mxfp4_triton", "mxfp4_dequantize",
+    "mxfp4_expert_bytes", "mxfp4_page_layout", "pack_mxfp4_pages", "unpack_mxfp4_page",
 ]

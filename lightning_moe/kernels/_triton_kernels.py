@@ -383,3 +383,124 @@ def decode_append_attention_kernel(
     o = acc / l_i[:, None]
     o_ptrs = out_ptr + r64 * stride_ob + (h * G + offs_g)[:, None] * HD + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mg[:, None] & md[None, :])
+
+
+@triton.jit
+def mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, rows, offs_k, mask):
+    """MXFP4 weight tile ``[BK, BN]`` fp32 of expert ``e64``: (k, n) = E2M1(code of row ``rows[n]``, column k) *
+    2^(scale - 127), dequantized in registers.
+
+    ``blk_ptr``: uint8 blocks ``[E, R, C / 32, 16]`` (strides ``stride_be``, ``stride_br``, 16, 1: column k of a row
+    in byte ``k // 2``, the low nibble for even k); ``sc_ptr``: uint8 E8M0 scales ``[E, R, C / 32]`` (last stride 1).
+    ``rows``: ``[BN]`` output rows; ``offs_k``: ``[BK]`` input columns; ``mask`` ``[BK, BN]``: elements that exist.
+    E2M1 (code: sign bit, 2 exponent bits, 1 mantissa bit): exponent 0 -> mantissa * 0.5, else
+    (1 + mantissa / 2) * 2^(exponent - 1); the power of two is built as fp32 bits (``scale << 23``; scale 0 is the
+    subnormal 2^-127), so value * 2^(scale - 127) is exact, as transformers' ``ldexp``.
+    """
+    r = rows[None, :].to(tl.int64)
+    k = offs_k[:, None]
+    byte = tl.load(blk_ptr + e64 * stride_be + r * stride_br + k // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((k % 2) * 4)) & 15  # [BK, BN]
+    ex = (code >> 1) & 3
+    man = (code & 1).to(tl.float32)
+    mag = tl.where(ex == 0, man * 0.5, (1.0 + man * 0.5) * (1 << ex).to(tl.float32) * 0.5)
+    val = tl.where(code >= 8, -mag, mag)
+    s = tl.load(sc_ptr + e64 * stride_se + r * stride_sr + k // 32, mask=mask, other=127).to(tl.int32)
+    pow2 = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) as fp32 bits
+    return tl.where(mask, val * pow2, 0.0)
+
+
+@triton.jit
+def gate_up_mx_kernel(
+    x_ptr, blk_ptr, sc_ptr, bias_ptr, h_ptr, pair_ptr, block_expert_ptr,
+    num_pairs, D, F, top_k, limit, alpha,
+    stride_xt, stride_xd, stride_hp, stride_hf,
+    stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """h[p, n] = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(x[t] . W[e, 2n] + b[e, 2n], limit),
+    u = x[t] . W[e, 2n + 1] + b[e, 2n + 1] (gpt-oss: gate and up interleaved in the 2F rows of gate_up), for the
+    BLOCK_M pairs p of this block; W dequantized from MXFP4 in registers (:func:`mxfp4_tile`)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    row_mask = pair < num_pairs
+    token = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < F
+    g_rows = 2 * offs_n  # gate: even rows of gate_up
+    u_rows = 2 * offs_n + 1  # up: odd rows
+    acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < D
+        a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        wmask = k_mask[:, None] & n_mask[None, :]
+        bg = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows, offs_k, wmask)
+        bu = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, u_rows, offs_k, wmask)
+        bg = bg.to(x_ptr.dtype.element_ty)  # the dequantized weight in the activation dtype, as the reference
+        bu = bu.to(x_ptr.dtype.element_ty)
+        if UPCAST_DOT:  # Triton interpreter: its tl.dot mishandles bf16; same values, fp32 products
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc=acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, bu, acc=acc_u, input_precision=DOT_PRECISION)
+    b_row = bias_ptr + e64 * stride_bias_e
+    g = acc_g + tl.load(b_row + g_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    u = acc_u + tl.load(b_row + u_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))  # clamped SwiGLU in fp32
+    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_mx_kernel(
+    h_ptr, blk_ptr, sc_ptr, bias_ptr, y_ptr, pair_ptr, block_expert_ptr, rw_ptr,
+    num_pairs, D, F,
+    stride_hp, stride_hf, stride_yp, stride_yd,
+    stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """y[p, n] = topk_weight[p] * (h[p] . W2[e, n] + b2[e, n]) in fp32 for the pairs p of this block (W2 MXFP4)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    row_mask = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < F
+        a = tl.load(h_ptr + pair64[:, None] * stride_hp + offs_k[None, :] * stride_hf,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, offs_n, offs_k,
+                       k_mask[:, None] & n_mask[None, :])
+        b = b.to(h_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+    acc = acc + tl.load(bias_ptr + e64 * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
+    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.mxfp4 import MXFP4_SCHEME, MXFP4PageLayout, unpack_mxfp4_page
 from ..kernels.quant import ExpertPageLayout, expert_page_layout, pack_expert_pages, unpack_expert_page
 from .checkpoint_io import CheckpointError, _Reader
 from .layers import ExpertWeights
@@ -49,7 +50,8 @@ _FILE_SCHEMES = ("int4", "int2", "int2-up")  # schemes a quantized checkpoint ma
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
-__all__ = ["METHOD", "QuantExperts", "checkpoint_page_layout", "checkpoint_scheme", "read_packed_experts"]
+__all__ = ["METHOD", "MXFP4Experts", "QuantExperts", "checkpoint_expert_scheme", "checkpoint_page_layout",
+           "checkpoint_scheme", "read_packed_experts"]
 
 
 @dataclass
@@ -103,6 +105,45 @@ class QuantExperts:
         per element within ``scale / 2`` of the original weight (plus the rounding to ``dtype``).
         """
         return ExpertWeights(*unpack_expert_page(self.pages, self.layout, dtype))
+
+
+@dataclass
+class MXFP4Experts(QuantExperts):
+    """The routed experts of one layer as MXFP4 pages (gpt-oss's Hub checkpoints kept packed): ``pages`` uint8
+    ``[E, page_bytes]`` laid out by a :class:`~lightning_moe.kernels.mxfp4.MXFP4PageLayout` (the checkpoint's E2M1
+    blocks and E8M0 scales of gate_up and down, and the expert biases). Travels wherever :class:`QuantExperts` does
+    (the pool's ``"page"`` tensor, the serial executor's per-layer copy)."""
+
+    layout: MXFP4PageLayout  # byte layout of one page
+
+    def __post_init__(self):
+        if not isinstance(self.layout, MXFP4PageLayout):
+            raise ValueError(f"MXFP4Experts: layout must be an MXFP4PageLayout, got {type(self.layout).__name__}")
+        if self.pages.dtype != torch.uint8 or self.pages.dim() != 2 or self.pages.shape[1] != self.layout.page_bytes:
+            raise ValueError(f"MXFP4Experts: pages must be uint8 [E, page_bytes={self.layout.page_bytes}], "
+                             f"got {self.pages.dtype} {tuple(self.pages.shape)}")
+
+    def to(self, device, non_blocking: bool = False) -> "MXFP4Experts":
+        """The packed pages on ``device`` (a host->device copy of ``nbytes`` bytes)."""
+        return MXFP4Experts(self.pages.to(device, non_blocking=non_blocking), self.layout)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        """Dense stacked experts with their biases in ``dtype`` (:func:`~lightning_moe.kernels.mxfp4.
+        unpack_mxfp4_page`: bit for bit gpt_oss's dequantize-on-load)."""
+        return ExpertWeights(*unpack_mxfp4_page(self.pages, self.layout, dtype))
+
+
+def checkpoint_expert_scheme(path: str) -> Optional[str]:
+    """The packed expert scheme of a checkpoint directory: "mxfp4" for a ``quantization_config`` with ``quant_method:
+    mxfp4`` (the Hub's gpt-oss), else :func:`checkpoint_scheme` (this package's pages), None for an ordinary one."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        return None
+    with open(cfg_path) as f:
+        qc = json.load(f).get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == MXFP4_SCHEME:
+        return MXFP4_SCHEME
+    return checkpoint_scheme(path)
 
 
 def checkpoint_scheme(path: str) -> Optional[str]:

@@ -24,6 +24,11 @@ QUANT_FORMATS = {"int4": (4, 4, 4), "int2": (2, 2, 2), "int2-up": (4, 2, 4)}
 QUANT_GROUP = 128  # elements per quantization group, along a projection's input dimension
 QUANT_GROUP_META_BYTES = 4  # fp16 scale + fp16 zero point per group
 ROPE_TYPES = ("default", "linear", "yarn")  # RoPE frequency variants the model math implements (layers.rope_inv_freq)
+# packed formats of a family's own checkpoints that the executors compute packed (no dequantized scratch): gpt-oss's
+# MXFP4 (E2M1 values with one E8M0 scale per 32: 17 bytes per 32 weights; the expert biases stored fp32 in the page:
+# kernels.mxfp4.mxfp4_page_layout as model/families/gpt_oss.py builds it)
+PACKED_FORMATS = ("mxfp4",)
+MXFP4_BIAS_BYTES = 4  # the page's biases are fp32 (lossless for any checkpoint dtype)
 EXPERT_PAGE_ALIGN = 4096  # bytes; each expert page is padded to a multiple of this (one page size per model)
 
 
@@ -225,9 +230,17 @@ class MoESpec:
         (fp16 scale + fp16 zero) = 4 bytes per group; groups run along the input dimension. The sum of
         the three projections is rounded up to a multiple of EXPERT_PAGE_ALIGN so every expert page has
         one size (CommitMoE's padded quantization pages; DESIGN.md "kernels/quant.py").
+        "mxfp4" (gpt-oss's MXFP4 pages, PACKED_FORMATS): per projection [out, in] ``out * in / 2`` block bytes +
+        ``out * in / 32`` E8M0 scales (4.25 bits per weight), plus the biases (2F + D fp32), each of the six
+        segments rounded up to 16 bytes -- the bytes of ``kernels.mxfp4.mxfp4_page_layout(D, F, torch.float32)``.
         Raises ValueError for an unknown format.
         """
         D, F = self.hidden_size, self.intermediate_size
+        if quant == "mxfp4":
+            segs = (2 * F * D // 2, 2 * F * D // 32, D * F // 2, D * F // 32, 2 * F * MXFP4_BIAS_BYTES,
+                    D * MXFP4_BIAS_BYTES)  # gate_up blocks, scales; down blocks, scales; biases
+            raw = sum(-(-s // 16) * 16 for s in segs)
+            return -(-raw // EXPERT_PAGE_ALIGN) * EXPERT_PAGE_ALIGN
         if quant in DTYPE_BYTES:
             raw = 3 * D * F * DTYPE_BYTES[quant]
         elif quant in QUANT_FORMATS:
@@ -238,7 +251,8 @@ class MoESpec:
                 + _quant_proj_bytes(D, F, d_bits)  # down [D, F]
             )
         else:
-            raise ValueError(f"unknown weight format {quant!r} (known: {', '.join(list(DTYPE_BYTES) + list(QUANT_FORMATS))})")
+            raise ValueError(f"unknown weight format {quant!r} (known: "
+                             f"{', '.join(list(DTYPE_BYTES) + list(QUANT_FORMATS) + list(PACKED_FORMATS))})")
         return -(-raw // EXPERT_PAGE_ALIGN) * EXPERT_PAGE_ALIGN
 
     def layer_expert_bytes(self, quant: str = "bf16") -> int:

@@ -79,7 +79,7 @@ class ExpertsOnDisk:
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None,
-                    lazy_experts: bool = False) -> ModelWeights:
+                    lazy_experts: bool = False, packed_experts: bool = False) -> ModelWeights:
     """Load a Hugging Face checkpoint directory of a supported model family into host memory.
 
     Args:
@@ -88,6 +88,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         spec: the spec, when already read (else from ``path/config.json``).
         lazy_experts: leave each MoE layer's routed experts in the files as :class:`ExpertsOnDisk` (their tensors'
             presence is checked now); everything else is read.
+        packed_experts: keep experts that a family stores packed in a format of its own packed
+            (``Family.packed_expert_layout``; gpt-oss's MXFP4: ``QuantExperts``' subclass ``MXFP4Experts``) instead of
+            dequantizing them into ``dtype``: for an executor that computes packed pages (serial, CGOPipe).
     Returns:
         ModelWeights with the family's LayerWeights and experts stacked per layer ([E, F, D] / [E, D, F]), or, for
         a quantized checkpoint (config.json has a ``quantization`` section), ``QuantExperts`` (uint8
@@ -122,10 +125,17 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
             return [gate_up, p + keys.fused_down.format(moe=block)]
         return [keys.expert_name(i, block, w, e) for w in ("w1", "w3", "w2") for e in range(spec.num_experts)]
 
+    def family_layout(p: str, block: str):  # the page layout of a layer the family keeps packed, or None
+        if not packed_experts or fam.packed_expert_layout is None:
+            return None
+        return fam.packed_expert_layout(r, p + block, spec, dtype)
+
     def read_experts(i: int, p: str, block: str):  # one layer's routed experts
         if page_layout is not None:  # quantized checkpoint: keep the packed pages
             return read_packed_experts(r, p + block, page_layout, spec.num_experts)
         if fam.load_experts is not None:  # the family's own expert layout (gpt-oss: interleaved, biased, MXFP4)
+            if family_layout(p, block) is not None:
+                return fam.load_experts(r, p + block, spec, dtype, packed=True)
             return fam.load_experts(r, p + block, spec, dtype)
         names = expert_names(i, p, block)
         if len(names) == 2:  # transformers-5 fused layout
@@ -153,7 +163,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
             missing = [n for n in expert_names(i, p, block) if not r.has(n)]
             if missing:
                 raise CheckpointError(f"{path}: tensor {missing[0]!r} not found in the checkpoint")
-            experts.append(ExpertsOnDisk(i, functools.partial(read_and_close, i, p, block), page_layout))
+            lay = page_layout if page_layout is not None else family_layout(p, block)
+            experts.append(ExpertsOnDisk(i, functools.partial(read_and_close, i, p, block), lay))
         else:
             experts.append(read_experts(i, p, block))
     embed = r.get(keys.embed)

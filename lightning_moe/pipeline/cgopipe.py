@@ -52,7 +52,7 @@ from .serial import (FinishCallback, LogprobsCallback, RunStats, SamplingParams,
                      TokensCallback, check_prefixes, finish_reason, sample, token_logprobs)
 from .stage_stats import StageTimer, add_counts
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
-from .weight_stream import WeightStream
+from .weight_stream import WeightStream, packed_layout
 
 __all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "expert_ffn_for"]
 
@@ -169,7 +169,8 @@ def cgopipe_refusal(spec) -> Optional[str]:
     expert kernels do not compute), naming the family; None when it can (every family today). What CGOPipe runs only
     in part is refused where it is asked for, by name: GPU-attention micro-batches of multi-head latent attention or
     with attention sinks (:func:`gpu_attention_refusal`), and the grouped expert kernels for experts they do not
-    compute (``expert_ffn.grouped_kernels_refusal``: gpt-oss runs ``expert_ffn: torch``, which ``auto`` picks).
+    compute (``expert_ffn.grouped_kernels_refusal``: dense gpt-oss experts run ``expert_ffn: torch``, which ``auto``
+    picks; its MXFP4 pages also run the MXFP4 kernel, grouped_mm refused).
     Checked by the executor and, before any weight is read, by the engine."""
     return None
 
@@ -181,13 +182,14 @@ class CGOPipeExecutor:
         weights: host weights. Their experts go to the weight stream (:class:`~.weight_stream.WeightStream`:
             resident on the device, or one exact-size pinned page pool; the per-layer expert tensors are released
             from ``weights`` as they are copied, so host memory holds each expert once). Quantized checkpoints
-            (:class:`~lightning_moe.model.quantized.QuantExperts`) stay packed: pages cross PCIe as packed bytes and
-            are dequantized on the device.
+            (:class:`~lightning_moe.model.quantized.QuantExperts`, and gpt-oss's ``MXFP4Experts``) stay packed: pages
+            cross PCIe as packed bytes and are dequantized on the device (MXFP4: in the kernel's registers).
         policy: mu, n, prefill micro-batch, resident experts, GPU-attention micro-batches.
         device: "cuda[:i]" (or "cpu": same loop, synchronous copies; for tests).
         dtype: compute dtype (default: the weights').
         ffn: the expert FFN (:mod:`~.expert_ffn`): "torch" (the reference expert loop, bit-identical to the serial
-            executor), or grouped calls over dense pages, or over packed pages dequantized once per layer visit,
+            executor), or grouped calls over dense pages, or over packed pages dequantized once per layer visit (MXFP4
+            pages: two MXFP4 kernel calls per visit, ``expert_ffn.GroupedMXFP4ExpertFFN``),
             with the kernel "triton" (CUDA only: on the CPU "triton" runs the torch loop), "grouped_mm" (torch's
             grouped GEMM; CUDA bf16, or the CPU), or "auto" (per call by ``hardware``'s measured rates, Triton where
             the profile has none; CUDA only: on the CPU "auto" runs the torch loop). Raises ValueError on another.
@@ -249,8 +251,10 @@ class CGOPipeExecutor:
         self.ffn = ffn
         # the strategy: "triton" and "auto" need CUDA (the CPU runs the torch loop); grouped_mm runs on both
         kind = ffn if (ffn in ("torch", "grouped_mm") or self.cuda) else "torch"
-        if kind != "torch" and grouped_kernels_refusal(spec) is not None:
-            raise ValueError(f"CGOPipeExecutor: expert_ffn {ffn}: {grouped_kernels_refusal(spec)}")
+        lay = packed_layout(weights.experts)  # packed pages' layout (MXFP4 pages: the MXFP4 kernel), or None
+        why = grouped_kernels_refusal(spec, kind, lay.scheme if lay is not None else None) if kind != "torch" else None
+        if why is not None:
+            raise ValueError(f"CGOPipeExecutor: expert_ffn {ffn}: {why}")
         self.kv_groups = kv_groups
         self.batch_size = policy.N
         dev, dt = self.device, self.dtype
@@ -271,7 +275,7 @@ class CGOPipeExecutor:
         if spec.swiglu_limit > 0:  # the clamped SwiGLU's numbers (gpt-oss; the family's experts_ffn_from takes them)
             ffn_from = functools.partial(ffn_from, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         self.expert_ffn = expert_ffn(kind, ffn_from, ws.paging, ws.page_layout, spec.num_experts, dt, dev,
-                                     hardware=hardware,
+                                     hardware=hardware, swiglu=(spec.swiglu_limit, spec.swiglu_alpha),
                                      shape=(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k))
         if self.cuda:
             self.h2d_a = torch.cuda.Stream(dev)  # attention outputs

@@ -34,6 +34,7 @@ import torch
 from ..kernels import quant as Q
 from ..kernels.fused_moe import (TRITON_ACTIVATIONS, _interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
                                  grouped_mm_unsupported)
+from ..kernels.mxfp4 import MXFP4PageLayout, fused_experts_mxfp4_triton, unpack_mxfp4_page
 from ..kernels.quant import ExpertPageLayout, unpack_expert_page
 from .pager import ExpertPaging, LayerExperts
 from ..policy.hardware import EXPERT_FFN_KERNELS
@@ -71,6 +72,11 @@ class TorchExpertFFN:
                 if "b1" in t:
                     return t["w1"], t["w3"], t["w2"], t["b1"], t["b3"], t["b2"]
                 return t["w1"], t["w3"], t["w2"]
+        elif isinstance(self.page_layout, MXFP4PageLayout):  # (w1, w3, w2, b1, b3, b2), as MXFP4Experts.dequantize
+            lay, dt = self.page_layout, self.dtype
+
+            def get(e):
+                return unpack_mxfp4_page(lx.expert(e)[PAGE], lay, dt)
         else:
             lay, dt = self.page_layout, self.dtype
 
@@ -236,32 +242,86 @@ class GroupedQuantExpertFFN:
         return ffn
 
 
+class GroupedMXFP4ExpertFFN:
+    """MXFP4 pages (gpt-oss): one :func:`~lightning_moe.kernels.mxfp4.fused_experts_mxfp4_triton` call over the paged
+    pages and one over the resident ones, each skipping the other's (token, slot) pairs (as
+    :class:`GroupedExpertFFN`); the kernel dequantizes in registers, so there is no dense scratch. On CUDA, or under
+    Triton's interpreter.
+
+    Args:
+        paging: where each expert of a layer lives.
+        page_layout: the pages' :class:`~lightning_moe.kernels.mxfp4.MXFP4PageLayout`.
+        device: the compute device.
+        limit, alpha: the spec's ``swiglu_limit`` / ``swiglu_alpha``.
+    """
+
+    def __init__(self, paging: ExpertPaging, page_layout: MXFP4PageLayout, device: torch.device, limit: float,
+                 alpha: float):
+        self.paging, self.page_layout, self.device, self.limit, self.alpha = paging, page_layout, device, limit, alpha
+        self.choice = KernelChoice("triton")  # counts the kernel's calls (the run report's expert_ffn_*_calls_triton)
+
+    def for_visit(self, lx: LayerExperts) -> ExpertFFN:
+        """The FFN over ``lx``'s experts."""
+        is_paged, row = self.paging.index_tensors(lx.layer, self.device)  # [E] bool, [E] row in its group
+        groups = [(g[PAGE], m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g[PAGE].shape[0] > 0]
+        lay, limit, alpha = self.page_layout, self.limit, self.alpha
+
+        def ffn(h, ew, w, ids):
+            out = None
+            for pages, member in groups:
+                # the group's row, or its page count: the slot's expert is in the other group (skip: not computed)
+                local = torch.where(member[ids], row[ids], torch.full_like(ids, pages.shape[0]))  # [T, k]
+                y = fused_experts_mxfp4_triton(h, pages, lay, w, local, limit=limit, alpha=alpha, validate=False,
+                                               skip=True)
+                self.choice(h.shape[0])
+                out = y if out is None else out + y
+            return out
+
+        return ffn
+
+
 TritonExpertFFN = GroupedExpertFFN  # the names before the grouped_mm kernel (Triton is still the default kernel)
 TritonQuantExpertFFN = GroupedQuantExpertFFN
 
 
 def expert_ffn(kind: str, experts_ffn_from: Callable, paging: ExpertPaging, page_layout: Optional[ExpertPageLayout],
                num_experts: int, dtype: torch.dtype, device: torch.device, hardware=None,
-               shape: Optional[tuple] = None):
+               shape: Optional[tuple] = None, swiglu: Optional[tuple] = None):
     """The strategy named ``kind``: "torch" (:class:`TorchExpertFFN`); "triton", "grouped_mm" (that kernel for every
     call) or "auto" (per call by the profile ``hardware`` for the experts' ``shape`` = (D, F, E, k):
     :class:`KernelChoice`) as :class:`GroupedExpertFFN` over dense pages or :class:`GroupedQuantExpertFFN` over packed
-    ones. Raises ValueError on another kind."""
+    ones; MXFP4 pages (an :class:`~lightning_moe.kernels.mxfp4.MXFP4PageLayout`) with "triton" or "auto":
+    :class:`GroupedMXFP4ExpertFFN` with ``swiglu`` = (limit, alpha). Raises ValueError on another kind, and on
+    "grouped_mm" over MXFP4 pages (no such kernel)."""
     if kind == "torch":
         return TorchExpertFFN(experts_ffn_from, num_experts, page_layout, dtype)
     if kind not in ("auto",) + EXPERT_FFN_KERNELS:
         raise ValueError(f"expert FFN must be torch, auto, triton or grouped_mm, got {kind!r}")
+    if isinstance(page_layout, MXFP4PageLayout):
+        if kind == "grouped_mm":
+            raise ValueError(f"expert FFN grouped_mm: {MXFP4_GROUPED_MM_REFUSAL}")
+        limit, alpha = swiglu if swiglu is not None else (7.0, 1.702)
+        return GroupedMXFP4ExpertFFN(paging, page_layout, device, limit, alpha)
     choice = KernelChoice(None if kind == "auto" else kind, hardware, shape, dtype)
     if page_layout is None:
         return GroupedExpertFFN(paging, device, choice)
     return GroupedQuantExpertFFN(paging, page_layout, num_experts, dtype, device, choice)
 
 
-def grouped_kernels_refusal(spec) -> Optional[str]:
-    """Why the grouped expert kernels (``expert_ffn``: triton, grouped_mm, auto's picks) cannot compute ``spec``'s
-    experts, naming what they lack (a gate activation other than ``TRITON_ACTIVATIONS``' silu, expert biases); None
-    when they can. Such a model runs CGOPipe with ``expert_ffn: torch`` (the reference loop)."""
+MXFP4_GROUPED_MM_REFUSAL = ("torch's grouped_mm has no MXFP4 kernel; MXFP4 expert pages run expert_ffn: triton "
+                            "(kernels.mxfp4), auto or torch")
+
+
+def grouped_kernels_refusal(spec, kind: Optional[str] = None, page_scheme: Optional[str] = None) -> Optional[str]:
+    """Why the grouped expert kernels (``expert_ffn``: triton, grouped_mm, auto's picks; ``kind``: the one asked for,
+    None: any) cannot compute ``spec``'s experts, naming what they lack (a gate activation other than
+    ``TRITON_ACTIVATIONS``' silu, expert biases); None when they can. Such a model runs CGOPipe with ``expert_ffn:
+    torch`` (the reference loop). ``page_scheme`` "mxfp4" (gpt-oss's MXFP4 pages kept packed): the MXFP4 kernel
+    computes the clamped SwiGLU with biases, so only ``kind`` grouped_mm is refused."""
     from ..model.families import family_of
+
+    if page_scheme == "mxfp4":
+        return MXFP4_GROUPED_MM_REFUSAL if kind == "grouped_mm" else None
 
     act = family_of(spec).expert_activation
     missing = ([f"{act!r} gate activation"] if act not in TRITON_ACTIVATIONS else []) + (
@@ -272,14 +332,15 @@ def grouped_kernels_refusal(spec) -> Optional[str]:
             f"{spec.model_type} family's {' and '.join(missing)} (use expert_ffn: torch)")
 
 
-def expert_ffn_for(job, spec=None) -> str:
+def expert_ffn_for(job, spec=None, page_scheme: Optional[str] = None) -> str:
     """The job's ``expert_ffn`` for the executor: "torch", "triton" and "grouped_mm" as given; "auto" is "torch" for a
-    ``spec`` the grouped kernels cannot compute (:func:`grouped_kernels_refusal`: gpt-oss's clamped SwiGLU with
-    biases), else "auto" on CUDA when triton imports (each call's kernel by the hardware profile's measurements,
-    Triton where it has none), else "torch"."""
+    ``spec`` the grouped kernels cannot compute (:func:`grouped_kernels_refusal` with ``page_scheme``: gpt-oss's
+    clamped SwiGLU with biases, unless its MXFP4 pages are kept packed), else "auto" on CUDA when triton imports (each
+    call's kernel by the hardware profile's measurements, Triton where it has none; MXFP4 pages: the MXFP4 kernel),
+    else "torch"."""
     if job.expert_ffn != "auto":
         return job.expert_ffn
-    if spec is not None and grouped_kernels_refusal(spec) is not None:
+    if spec is not None and grouped_kernels_refusal(spec, page_scheme=page_scheme) is not None:
         return "torch"
     if job.device.startswith("cuda"):
         from ..kernels.fused_moe import triton_available

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from .yaml_io import read_yaml, write_yaml
 
-from ..model.spec import DTYPE_BYTES, QUANT_FORMATS, MoESpec
+from ..model.spec import DTYPE_BYTES, PACKED_FORMATS, QUANT_FORMATS, MoESpec
 from .hardware import GiB, HardwareProfile, format_bytes, parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -207,7 +207,7 @@ class Budgets:
 
     gpu_memory: int  # bytes of GPU memory for this process (the reserve below is part of it)
     cpu_memory: int  # bytes of host memory for this process (pinned pool + KV + staging + reserve)
-    weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up
+    weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up | mxfp4
     dtype: str = "bf16"  # model dtype: non-expert weights, activations, KV cache
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes kept free on the GPU (context, workspaces, fragmentation)
     cpu_reserve: int = DEFAULT_CPU_RESERVE  # bytes kept free on the host (process, temporaries)
@@ -253,8 +253,9 @@ def _check_gpus(gpus: Any, where: str, error: type) -> None:
 
 
 def _check_formats(weight_quant: str, dtype: str, where: str) -> None:
-    if weight_quant not in DTYPE_BYTES and weight_quant not in QUANT_FORMATS:
-        raise ValueError(f"{where}: weight_quant {weight_quant!r} unknown (known: bf16, fp16, fp32, {', '.join(QUANT_FORMATS)})")
+    if weight_quant not in DTYPE_BYTES and weight_quant not in QUANT_FORMATS and weight_quant not in PACKED_FORMATS:
+        raise ValueError(f"{where}: weight_quant {weight_quant!r} unknown (known: bf16, fp16, fp32, "
+                         f"{', '.join((*QUANT_FORMATS, *PACKED_FORMATS))})")
     if dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"{where}: dtype {dtype!r} unknown (known: bf16, fp16, fp32)")
 
@@ -276,7 +277,7 @@ class Policy:
     prefill_mu: int  # at most this many sequences per prefill micro-batch (its GEMMs see ~prefill_mu * prompt_len tokens)
     resident_experts: Resident = 0  # experts kept on the GPU (see class docstring for the three forms)
     n_gpu_attn: int = 0  # micro-batches whose KV cache and attention live on the GPU (0..n); the rest on the CPU
-    weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up
+    weight_quant: str = "bf16"  # expert page format: bf16 | fp16 | fp32 | int4 | int2 | int2-up | mxfp4
     dtype: str = "bf16"  # model dtype: non-expert weights, activations, KV cache
     gpu_budget: int = 0  # bytes of GPU memory this policy was planned for (0 = unchecked)
     cpu_budget: int = 0  # bytes of host memory this policy was planned for (0 = unchecked)

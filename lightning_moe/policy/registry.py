@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Optional
 
 from ..model.spec import MoESpec
 
@@ -108,8 +109,8 @@ REGISTRY: dict[str, MoESpec] = {
     # query / 8 KV heads of 64 (q_size 4096 > hidden 2880), q/k/v/o biases and per-head attention sinks (vectors, not
     # counted in bytes), 32 experts top-4 of width 2880 with biases and the clamped SwiGLU (swiglu_limit 7.0), router
     # with bias (top-k, then softmax over the k), rope_scaling yarn (factor 32 over 4096, beta 32 / 1, truncate
-    # false), rope_theta 150000. Its experts are MXFP4 on the Hub (~4.25 bits per weight, the bytes the int4 format's
-    # 128-groups count); planned here in the model dtype unless --quant says otherwise
+    # false), rope_theta 150000. Its experts are MXFP4 on the Hub (4.25 bits per weight), kept packed by the loader:
+    # planned as "mxfp4" pages (EXPERT_FORMATS) unless --quant says otherwise; the "-bf16" aliases plan the model dtype
     "gpt-oss-20b": MoESpec(
         name="gpt-oss-20b", model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
         num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, rope_theta=150000.0,
@@ -130,6 +131,18 @@ ALIASES = {
     "glm-4.5-air-base": "glm-4.5-air", "olmoe": "olmoe-1b-7b", "olmoe-1b-7b-0924": "olmoe-1b-7b",
     "gpt-oss-20b-bf16": "gpt-oss-20b", "gpt-oss-120b-bf16": "gpt-oss-120b",
 }
+
+
+# registry entries whose Hub checkpoints store the experts in a packed format the executors compute packed
+EXPERT_FORMATS = {"gpt-oss-20b": "mxfp4", "gpt-oss-120b": "mxfp4"}
+
+
+def registry_expert_format(name: str) -> Optional[str]:
+    """The expert page format a registry name's Hub checkpoint holds ("mxfp4" for gpt-oss-20b / -120b and their repo
+    ids), None for the others, for aliases that name another format (``gpt-oss-120b-bf16``) and for directories."""
+    if os.path.isdir(name):
+        return None
+    return EXPERT_FORMATS.get(name.lower().rsplit("/", 1)[-1])
 
 
 def resolve_spec(name_or_dir: str) -> MoESpec:

@@ -265,7 +265,10 @@ class Family:
     expert_activation: str = "silu"  # the gate activation inside experts_ffn (fused kernels check they compute it)
     load_experts: Optional[Callable] = None  # (reader, prefix of the layer's MoE block, spec, dtype) -> ExpertWeights:
     #   a family whose checkpoints store experts in a layout of its own (gpt-oss: interleaved gate/up, biases, MXFP4
-    #   blocks); None: the key map's per-expert or fused tensors
+    #   blocks); None: the key map's per-expert or fused tensors. With packed_expert_layout, also called with
+    #   packed=True (load_checkpoint(packed_experts=True)): a packed layer then reads as a model.quantized.QuantExperts
+    packed_expert_layout: Optional[Callable] = None  # (reader, MoE prefix, spec, dtype) -> the page layout of a layer
+    #   the checkpoint stores packed in a format of the family's own (gpt-oss: MXFP4), else None
     dense_layer_weights: Optional[type] = None  # dataclass of a dense (MLP-only) layer's weights; fields =
     #   keys.dense_layer_tensors; has .to(); None: the family has no dense layers (read_spec gives none)
     # ---- attention "gqa_sinks" (gpt-oss): the GQA K/V cache, and functions that take the layer's weights (its

@@ -20,14 +20,17 @@ Checkpoints: transformers' ``save_pretrained`` writes the experts fused as its p
 ``mlp.experts.gate_up_proj`` [E, D, 2F] (input dim first; gate = columns 0::2, up = 1::2), ``gate_up_proj_bias``
 [E, 2F], ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]; the Hub's MXFP4 checkpoints (``quantization_config``
 ``quant_method: mxfp4``) store ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` instead,
-dequantized here on load into the compute dtype (``kernels.mxfp4.mxfp4_dequantize``, bit for bit transformers'
-dequantization); keeping the packed MXFP4 pages through the executors is a later step. The experts are stored as
+either kept packed (``load_checkpoint(packed_experts=True)``, what the serial and CGOPipe executors take: one MXFP4
+page per expert, ``model.quantized.MXFP4Experts``, computed on CUDA by ``kernels.mxfp4.fused_experts_mxfp4_triton``)
+or dequantized on load into the compute dtype (``kernels.mxfp4.mxfp4_dequantize``, bit for bit transformers'
+dequantization; the expert-parallel executor, which cuts no packed pages). Dense experts are stored as
 ``layers.ExpertWeights`` [E, F, D] / [E, D, F] with their biases (``b1``, ``b3``, ``b2``).
 
 Attention variant ``"gqa_sinks"``: the GQA K/V cache, and attention functions that take the layer's weights (its
 sinks); both executors run them (decode in torch over the CPU cache: the native CPU kernel has no sinks). CGOPipe pages
 the experts with their biases and computes them with :func:`experts_ffn_from` (``expert_ffn: torch``; its grouped
-kernels compute silu without biases and are refused by name, as are its GPU-attention micro-batches). Refused by name: ``layer_types``
+kernels compute silu without biases and are refused by name, as are its GPU-attention micro-batches; MXFP4 pages on
+CUDA run the MXFP4 kernel, ``expert_ffn: triton`` / ``auto``, grouped_mm refused by name). Refused by name: ``layer_types``
 entries other than sliding_attention / full_attention (or a list of another length), sliding layers without a
 ``sliding_window``, ``swiglu_limit`` <= 0, a ``quantization_config`` other than mxfp4, this package's own
 ``quantization`` pages, rope types other than default, linear and yarn. The shared pieces are in ``model/layers.py``
@@ -44,7 +47,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn.functional as F_
 
-from ...kernels.mxfp4 import mxfp4_dequantize
+from ...kernels.mxfp4 import mxfp4_dequantize, mxfp4_page_layout, pack_mxfp4_pages
 from .. import layers as L
 from ..checkpoint_io import CheckpointError
 from ..spec import MoESpec
@@ -112,13 +115,39 @@ KEYS = KeyMap(
 )
 
 
-def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype) -> L.ExpertWeights:
+def packed_expert_layout(r, prefix: str, spec: MoESpec, dtype: torch.dtype):
+    """The MXFP4 page layout (``kernels.mxfp4.mxfp4_page_layout``) of a layer whose experts the checkpoint stores as
+    MXFP4 ``*_blocks`` / ``*_scales`` (``prefix``: the layer's ``mlp.``), else None. The biases are stored fp32 whatever
+    ``dtype`` (they hold the load dtype's values exactly, and the page size is one per model: ``MoESpec.expert_bytes(
+    "mxfp4")``, what the planner counts)."""
+    if not r.has(prefix + "experts.gate_up_proj_blocks"):
+        return None
+    return mxfp4_page_layout(spec.hidden_size, spec.intermediate_size, torch.float32)
+
+
+def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype, packed: bool = False):
     """The routed experts of one layer from a checkpoint reader ``r`` (``prefix``: the layer's ``mlp.``): the fused
     tensors transformers saves, or the MXFP4 ``*_blocks`` / ``*_scales`` of the Hub checkpoints, dequantized into
     ``dtype``; gate and up de-interleaved (columns 0::2 and 1::2 of gate_up_proj), every projection transposed to
     [out, in]. Returns ExpertWeights w1, w3 [E, F, D], w2 [E, D, F], b1, b3 [E, F], b2 [E, D].
+    ``packed`` (an executor that computes MXFP4 pages): MXFP4 tensors stay packed instead, as
+    ``model.quantized.MXFP4Experts`` (the blocks and scales as stored, the biases read in ``dtype`` and kept fp32; layout
+    :func:`packed_expert_layout`); fused (unquantized) tensors load as above.
     Raises CheckpointError naming a missing tensor or a tensor of another shape."""
     E, D, F = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    lay = packed_expert_layout(r, prefix, spec, dtype) if packed else None
+    if lay is not None:
+        from ..quantized import MXFP4Experts
+
+        ex = prefix + "experts."
+        parts = [r.get(ex + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                                         "down_proj_blocks", "down_proj_scales", "down_proj_bias")]
+        try:
+            pages, _ = pack_mxfp4_pages(*parts, layout=lay)
+        except ValueError as exc:
+            raise CheckpointError(f"{r.path}: the MXFP4 experts under {ex!r} do not fit num_local_experts={E}, "
+                                  f"hidden_size={D}, intermediate_size={F}: {exc}") from None
+        return MXFP4Experts(pages, lay)
 
     def dense(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         full = prefix + "experts." + name
@@ -176,7 +205,7 @@ IMPLEMENTED_KEYS = frozenset({
     "rope_theta",  # Hub configs: top level; transformers 5: in rope_parameters
     "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
     "original_max_position_embeddings",  # top-level name (wins over rope_parameters' for yarn, as in transformers)
-    "quantization_config",  # quant_method mxfp4 only: the experts' MXFP4 blocks, dequantized on load
+    "quantization_config",  # quant_method mxfp4 only: the experts' MXFP4 blocks, kept packed or dequantized on load
 })
 REFUSED_KEYS = frozenset({"quantization"})  # moe-batch quantize's packed pages carry no expert biases
 HARMLESS_KEYS = frozenset({
@@ -432,4 +461,5 @@ FAMILY = Family(
     attention="gqa_sinks",
     expert_activation="clamped_swiglu",
     load_experts=load_experts,
+    packed_expert_layout=packed_expert_layout,
 )
