@@ -26,6 +26,9 @@ Presets:
          int4 generation / scoring at 12 GiB (``--cap`` changes it). A case CGOPipe refuses for the family (its
          ``executor: cgopipe: ...; set executor: serial`` refusal) runs again, and the later cases run, with
          ``executor: serial``; int4 cases are ``skipped`` when ``moe-batch quantize`` refuses the family (gpt-oss).
+         ``--mxfp4`` (a gpt-oss ``--dims-preset``): the checkpoint's experts are the Hub's MXFP4 blocks / scales
+         (``make_checkpoint --mxfp4``; its own directory, never taken for the bf16 one); the ``*-bf16`` cases run
+         on it (bf16 compute, MXFP4 expert pages).
 
 GPU cases use ``--hardware`` (default: the committed h200-host profile) and ``cpu_memory: 100GiB``.
 The tiny model's tokenizer comes from ``$LIGHTNING_MOE_CACHE``/tiny-mixtral-v1.
@@ -161,7 +164,8 @@ def sweep_cases() -> list[Case]:
 # preparation: checkpoints
 # ------------------------------------------------------------------------------------------------
 def _ckpt_matches(path: str, dims: make_checkpoint.Dims) -> bool:
-    """True when ``path`` holds a finished checkpoint (index written last) of these dims."""
+    """True when ``path`` holds a finished checkpoint (index written last) of these dims, MXFP4 experts (a
+    ``quantization_config`` of quant_method mxfp4) exactly when ``dims.mxfp4``."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             c = json.load(f)
@@ -173,14 +177,17 @@ def _ckpt_matches(path: str, dims: make_checkpoint.Dims) -> bool:
         spec = read_spec(c)
     except ValueError:
         return False
+    mxfp4 = (c.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     return (spec.model_type == dims.family and spec.num_layers == dims.layers and spec.hidden_size == dims.hidden
-            and spec.intermediate_size == dims.intermediate and spec.num_experts == dims.experts)
+            and spec.intermediate_size == dims.intermediate and spec.num_experts == dims.experts
+            and mxfp4 == dims.mxfp4)
 
 
 def ensure_checkpoints(work: str, dims: make_checkpoint.Dims, need_int4: bool, gen_device: str, log) -> dict:
-    """The bf16 checkpoint (written when missing) and, when ``need_int4``, its ``moe-batch quantize`` int4 copy.
-    Returns ``{"bf16": dir, "int4": dir or None}``."""
+    """The bf16 checkpoint (written when missing; ``dims.mxfp4``: its experts MXFP4, in a directory of its own) and,
+    when ``need_int4``, its ``moe-batch quantize`` int4 copy. Returns ``{"bf16": dir, "int4": dir or None}``."""
     tag = ("" if dims.family == "mixtral" else dims.family + "-") + f"L{dims.layers}-h{dims.hidden}-f{dims.intermediate}"
+    tag += "-mxfp4" if dims.mxfp4 else ""
     bf16 = os.path.join(work, f"ckpt-bf16-{tag}")
     if not _ckpt_matches(bf16, dims):
         shutil.rmtree(bf16, ignore_errors=True)
@@ -310,7 +317,7 @@ def row_from(case: Case, machine: Machine, rc, wall: float, msg: str, records: i
     metric = "end_to_end_tokens_per_s" if case.mode == "generate" else "prefill_tokens_per_s"
     return {
         "case": case.name, "family": machine.dims.family, "layers": machine.dims.layers, "hidden": machine.dims.hidden,
-        "ckpt": case.ckpt,
+        "ckpt": case.ckpt, "mxfp4": machine.dims.mxfp4,
         "mode": case.mode, "cap_bytes": int(case.cap_gib * GiB), "n": case.n, "prompt_len": case.prompt_len,
         "gen": case.gen if case.mode == "generate" else None, "policy_asked": case.policy, "expect": case.expect,
         "exit_code": rc, "status": status, "wall_s": round(wall, 2), "message": msg if rc not in (0, None) else "",
@@ -365,7 +372,7 @@ def markdown(rows: list[dict], title: str) -> str:
         res = mem.get("measured_peak_reserved_bytes")
         pred = mem.get("predicted_peak_bytes")
         phase = mem.get("predicted_peak_phase")
-        cells = [r["case"], f"{r.get('family', 'mixtral')}-w{r['hidden']}/{r['layers']}L", r["ckpt"], r["mode"], f"{r['cap_bytes'] / GiB:g}",
+        cells = [r["case"], f"{r.get('family', 'mixtral')}-w{r['hidden']}/{r['layers']}L", r["ckpt"] + ("/mxfp4" if r.get("mxfp4") else ""), r["mode"], f"{r['cap_bytes'] / GiB:g}",
                  str(r["n"]), "mtbench" if r["prompt_len"] == 0 else str(r["prompt_len"]), str(r["gen"] or "-"),
                  _policy_cell(r), _gib(pred) + (f" ({phase})" if phase else ""), f"{_gib(alloc)} / {_gib(res)}",
                  _ratio(pred, res or alloc),
@@ -500,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dims-preset", default=None, help="the checkpoint's dims from a registry model (qwen3-30b-a3b, "
                    "olmoe-1b-7b, qwen1.5-moe-a2.7b, ...) instead of the preset's Mixtral width; with --layers")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of a --dims-preset checkpoint (default 4)")
+    p.add_argument("--mxfp4", action="store_true", help="with a gpt-oss --dims-preset: the checkpoint's experts as the "
+                   "Hub's MXFP4 blocks / scales (make_checkpoint --mxfp4)")
     p.add_argument("--work", required=True, help="work directory: checkpoints, data, jobs, results (reused)")
     p.add_argument("--out", required=True, help="directory for sweep.jsonl, sweep.md, logs/ and reports/")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole sweep (default 540)")
@@ -534,6 +543,11 @@ def main(argv=None) -> int:
     machine = machine_for(a.preset, a.hardware, a.cpu_memory)
     if a.dims_preset:
         machine = dataclasses.replace(machine, dims=make_checkpoint.Dims.from_registry(a.dims_preset, a.layers))
+    if a.mxfp4:
+        if machine.dims.family != "gpt_oss":
+            build_parser().error(f"--mxfp4: MXFP4 experts are gpt_oss's; give a gpt-oss --dims-preset "
+                                 f"(the checkpoint's family is {machine.dims.family})")
+        machine = dataclasses.replace(machine, dims=dataclasses.replace(machine.dims, mxfp4=True))
     if a.check_on_cpu:
         fam = machine.dims
         machine = machine_for("smoke", a.hardware, a.cpu_memory)
@@ -549,7 +563,8 @@ def main(argv=None) -> int:
         return 0
     rows = run_sweep(cases, machine, os.path.abspath(a.work), os.path.abspath(a.out), a.time_budget, gen_device,
                      a.min_case_seconds, a.skip_done,
-                     title=f"cli_sweep --preset {a.preset}" + (f" --dims-preset {a.dims_preset}" if a.dims_preset else ""))
+                     title=f"cli_sweep --preset {a.preset}" + (f" --dims-preset {a.dims_preset}" if a.dims_preset else "")
+                     + (" --mxfp4" if a.mxfp4 else ""))
     ok = sum(r["status"].startswith("ok") for r in rows)
     skipped = sum(r["status"].startswith("skipped") for r in rows)
     print(f"{ok} of {len(rows)} cases passed" + (f", {skipped} skipped (quantize refused)" if skipped else "")

@@ -31,8 +31,10 @@
 #                                            # (same policy: same profile), alternating, prefill tok/s vs predicted
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
-#                                            # the CLI (cli_sweep --preset families; gpt-oss runs executor: serial when
-#                                            # CGOPipe refuses its family); the full-size gpt-oss-120b int4 plan printed
+#                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
+#                                            # Hub, --mxfp4: ~4x fewer expert bytes, CGOPipe on MXFP4 pages; a case runs
+#                                            # executor: serial only if CGOPipe refuses its family); the full-size
+#                                            # gpt-oss-120b int4 plan printed
 # Every step <= 10 minutes (J: LIMIT=seconds to share a call with another step); at most 8 files come back from $OUT (work files stay in /tmp).
 # Tables land in $OUT (suite.md / sweep.md and their .jsonl); append them to benchmarks/RESULTS.md.
 set -uo pipefail
@@ -191,10 +193,11 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     timeout 60 python3 -m lightning_moe.cli plan --model gpt-oss-120b --hardware $HW --gpu-memory 24GiB \
       --cpu-memory 120GiB --prompt-len 200 --gen-len 128 --quant int4 > $OUT/plan-gpt-oss-120b.txt 2>&1
     echo "plan gpt-oss-120b: rc $?"; cat $OUT/plan-gpt-oss-120b.txt
-    for f in deepseek-v2-lite:4:200 gpt-oss-120b:4:330; do  # name:layers:seconds (gpt-oss: a ~26 GiB checkpoint)
-      name=${f%%:*}; r=${f#*:}; L=${r%%:*}; T=${r##*:}; WF=/tmp/lmoe-fam-$name
+    # name:layers:seconds[:cli_sweep flag] (gpt-oss-120b --mxfp4: MXFP4 experts, a ~9 GiB checkpoint, was ~26 in bf16)
+    for f in deepseek-v2-lite:4:200 gpt-oss-120b:4:240:--mxfp4; do
+      IFS=: read -r name L T X <<< "$f"; WF=/tmp/lmoe-fam-$name
       T=$((T < 575 - (SECONDS - S) ? T : 575 - (SECONDS - S)))
-      python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L --work $WF --out $WF/out \
+      python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L ${X:+$X} --work $WF --out $WF/out \
         --cases fam-gen-bf16,fam-ppl-bf16 --cap 16 --time-budget $T 2>&1 | grep -E "^fam|passed|checkpoint" | cut -c1-220
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done ;;

@@ -5,7 +5,7 @@ The directory gets ``config.json`` (the family's transformers config class: ``Mi
 ``OlmoeConfig``, ``Qwen2MoeConfig``, ``DeepseekV2Config``, ``DeepseekV3Config``, ``GptOssConfig``; defaults are the real Mixtral-8x7B dimensions, ``--preset`` takes a registry
 model's, only ``num_hidden_layers`` is small), sharded ``model-0000x-of-0000y.safetensors`` with
 ``model.safetensors.index.json`` under the family's HF key names (the per-expert layout; gpt-oss: transformers'
-fused, interleaved one), all in bf16, and the
+fused, interleaved one), all in bf16 (``--mxfp4``, gpt-oss only: the experts as the Hub stores them, below), and the
 tokenizer files of the embedded tiny model (``tiny-mixtral-v1`` in ``$LIGHTNING_MOE_CACHE``, default
 ``~/.cache/lightning-moe``; created on first use when missing; its 32000 ids are below every preset's vocabulary),
 so ``moe-batch run`` and ``transformers`` both load it.
@@ -19,18 +19,32 @@ GPU (faster) and copies each tensor to the host. A 4-layer Mixtral-8x7B-width ch
 time), everything else random. For speed and memory runs of checkpoints larger than the disk (the full 32-layer
 Mixtral-8x7B is ~93 GB): the bytes paged, copied and multiplied are the same; the outputs are not meaningful.
 
+``--mxfp4`` (gpt_oss only; refused by name for other families): the routed experts are written as the Hub's gpt-oss
+checkpoints hold them, MXFP4 (``kernels.mxfp4``): ``experts.gate_up_proj_blocks`` uint8 [E, 2F, D/32, 16],
+``gate_up_proj_scales`` uint8 [E, 2F, D/32], ``down_proj_blocks`` uint8 [E, D, F/32, 16], ``down_proj_scales`` uint8
+[E, D, F/32], the biases ``gate_up_proj_bias`` [E, 2F] / ``down_proj_bias`` [E, D] bf16, and config.json gets the Hub's
+``quantization_config`` (``quant_method: mxfp4``, ``modules_to_not_convert``). The blocks are uniform random bytes
+(every E2M1 code equally likely: values of mean square 8.5625); each E8M0 scale is ``c`` or ``c + 1`` (``c + 1`` with
+probability ``p``), ``c`` and ``p`` solved so that the dequantized weights' mean square is ``std^2`` exactly
+(``--std`` 0.02: scales 119 / 120, i.e. 127 - 8 / 127 - 7, p ~ 0.69). gpt-oss-120b's experts are then ~4x smaller
+(4.25 bits per weight). ``--zero-experts`` with ``--mxfp4``: blocks, scales and biases are holes (zero blocks
+dequantize to zeros).
+
 Usage:
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 4 [--device cuda]            # Mixtral-width
   python3 benchmarks/make_checkpoint.py OUT_DIR --preset qwen3-30b-a3b --layers 4      # Qwen3-30B-A3B width
   python3 benchmarks/make_checkpoint.py OUT_DIR --preset deepseek-v2-lite --layers 4   # also deepseek-v3, gpt-oss-*
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 32 --zero-experts              # full size, sparse file
+  python3 benchmarks/make_checkpoint.py OUT_DIR --preset gpt-oss-120b --layers 4 --mxfp4  # the Hub's MXFP4 experts
   python3 benchmarks/make_checkpoint.py OUT_DIR --layers 2 --hidden 64 --intermediate 96 --heads 4 --kv-heads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -83,6 +97,7 @@ class Dims:
     sliding_window: int = 0  # the sliding_attention layers' window; layer_types alternate sliding / full from layer 0
     swiglu_limit: float = 7.0
     rope: tuple = ()  # rope scaling items ((key, value), ...) without rope_theta; () = the default rope
+    mxfp4: bool = False  # gpt_oss only: the experts as MXFP4 blocks / scales (the Hub's layout; module docstring)
 
     @property
     def head_dim(self) -> int:
@@ -152,7 +167,7 @@ class Dims:
                         first_dense=min(self.first_dense, 1), n_group=n_group, topk_group=2 if n_group else 0,
                         routed_scaling=self.routed_scaling, rope=rope)
         if self.family == "gpt_oss":
-            return Dims(**base, hd=16, sliding_window=4, swiglu_limit=self.swiglu_limit, rope=rope)
+            return Dims(**base, hd=16, sliding_window=4, swiglu_limit=self.swiglu_limit, rope=rope, mxfp4=self.mxfp4)
         return Dims(**{**base, "rope_theta": MIXTRAL_8X7B["rope_theta"]}, shared=64 if self.shared else 0)
 
 
@@ -164,10 +179,21 @@ ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausa
                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
+# the Hub's gpt-oss quantization_config (openai/gpt-oss-20b / -120b config.json)
+MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
 def config_dict(d: Dims) -> dict:
     """The config.json content: the family's transformers config ``.to_dict()`` plus top-level ``rope_theta`` /
-    ``torch_dtype`` (read by transformers 4 and 5 alike)."""
+    ``torch_dtype`` (read by transformers 4 and 5 alike); ``d.mxfp4``: the Hub's ``quantization_config``.
+    Raises ValueError: ``mxfp4`` for a family other than gpt_oss, or widths not multiples of 32."""
     import transformers
+
+    if d.mxfp4 and d.family != "gpt_oss":
+        raise ValueError(f"mxfp4: MXFP4 experts are gpt_oss's (the Hub's gpt-oss checkpoints), not {d.family}'s")
+    if d.mxfp4 and (d.hidden % 32 or d.intermediate % 32):
+        raise ValueError(f"mxfp4: hidden {d.hidden} and intermediate {d.intermediate} must be multiples of 32")
 
     common = dict(vocab_size=d.vocab, hidden_size=d.hidden, num_hidden_layers=d.layers,
                   num_attention_heads=d.heads, num_key_value_heads=d.kv_heads, num_experts_per_tok=d.top_k,
@@ -229,6 +255,8 @@ def config_dict(d: Dims) -> dict:
     out["rope_theta"] = d.rope_theta
     out["torch_dtype"] = "bfloat16"
     out["dtype"] = "bfloat16"
+    if d.mxfp4:
+        out["quantization_config"] = json.loads(json.dumps(MXFP4_QUANTIZATION_CONFIG))
     return out
 
 
@@ -236,7 +264,8 @@ def tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor, in file order: embeddings, layer by layer (its non-expert tensors, then its
     experts w1, w2, w3 each), final norm, lm_head. Names from the family's key map (the first MoE block prefix,
     per-expert layout; gpt-oss: transformers' fused ``experts.gate_up_proj`` [E, D, 2F] (gate / up interleaved),
-    ``down_proj`` [E, F, D] and their biases, the only layout its transformers class loads), shapes from its
+    ``down_proj`` [E, F, D] and their biases, the only layout its transformers class loads; ``d.mxfp4``: the Hub's
+    ``*_blocks`` / ``*_scales`` and the biases, module docstring), shapes from its
     ``dummy_layer`` (the tensors it leaves None, DeepSeek's q_proj or q_a / q_b by q_lora_rank, are not written)."""
     from lightning_moe.model.families import family_of, read_spec
 
@@ -250,7 +279,12 @@ def tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
         dense = spec.is_dense_layer(i)
         names = keys.dense_layer_names(i) if dense else keys.layer_names(i, moe)
         out += [(names[f], tuple(getattr(lw, f).shape)) for f in names if getattr(lw, f, None) is not None]
-        if not dense and fam.load_experts is not None:  # gpt-oss: transformers' fused tensors, gate/up interleaved
+        if not dense and fam.load_experts is not None and d.mxfp4:  # gpt-oss, the Hub's MXFP4: [E, rows, C/32, 16]
+            p, E = keys.layer_prefix(i) + moe + "experts.", spec.num_experts
+            out += [(p + "gate_up_proj_blocks", (E, 2 * F, D // 32, 16)), (p + "gate_up_proj_scales", (E, 2 * F, D // 32)),
+                    (p + "gate_up_proj_bias", (E, 2 * F)), (p + "down_proj_blocks", (E, D, F // 32, 16)),
+                    (p + "down_proj_scales", (E, D, F // 32)), (p + "down_proj_bias", (E, D))]
+        elif not dense and fam.load_experts is not None:  # gpt-oss: transformers' fused tensors, gate/up interleaved
             p, E = keys.layer_prefix(i) + moe + "experts.", spec.num_experts
             out += [(p + "gate_up_proj", (E, D, 2 * F)), (p + "gate_up_proj_bias", (E, 2 * F)),
                     (p + "down_proj", (E, F, D)), (p + "down_proj_bias", (E, D))]
@@ -267,12 +301,26 @@ def is_expert_tensor(name: str) -> bool:
     return ".experts." in name
 
 
+def tensor_dtype(name: str) -> torch.dtype:
+    """The stored dtype of a tensor: uint8 for MXFP4 ``*_blocks`` / ``*_scales``, else bf16."""
+    return torch.uint8 if name.endswith(("_blocks", "_scales")) else torch.bfloat16
+
+
+def tensor_nbytes(name: str, shape: tuple[int, ...]) -> int:
+    """The bytes of tensor ``name`` of ``shape`` in the file (its :func:`tensor_dtype`)."""
+    return _numel(shape) * (1 if tensor_dtype(name) == torch.uint8 else 2)
+
+
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.uint8: "U8"}
+
+
 def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> list[list[int]]:
-    """Indices of ``shapes`` per shard: consecutive tensors, a new shard when the next would pass ``shard_bytes``."""
+    """Indices of ``shapes`` per shard: consecutive tensors, a new shard when the next would pass ``shard_bytes``
+    (each tensor's bytes in its stored dtype, :func:`tensor_nbytes`)."""
     shards: list[list[int]] = [[]]
     size = 0
-    for i, (_, shape) in enumerate(shapes):
-        nbytes = 2 * _numel(shape)
+    for i, (name, shape) in enumerate(shapes):
+        nbytes = tensor_nbytes(name, shape)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -288,38 +336,62 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+FP4_MEAN_SQUARE = 8.5625  # mean of the 16 E2M1 values squared (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives)
+
+
+def mxfp4_scale_choice(std: float) -> tuple[int, float]:
+    """(c, p): E8M0 scales ``c`` or ``c + 1`` (``c + 1`` with probability p) give uniform random E2M1 codes a mean
+    square of ``std^2``: ``4^(c - 127) * (1 + 3p) * 8.5625 = std^2``, c clamped to [1, 253]."""
+    x = math.log(std * std / FP4_MEAN_SQUARE, 4)
+    c = math.floor(x)
+    p = (4 ** (x - c) - 1) / 3
+    c += 127
+    if not 1 <= c <= 253:
+        c, p = min(max(c, 1), 253), 0.5
+    return c, p
+
+
 def make_tensor(name: str, shape: tuple[int, ...], index: int, seed: int, std: float, device: str) -> torch.Tensor:
-    """One bf16 host tensor: ones for norm weights, else N(0, std^2) from a generator seeded with seed + index
-    (the same bytes whatever the sharding; cpu and cuda generators give different numbers)."""
+    """One host tensor from a generator seeded with seed + index (the same bytes whatever the sharding; cpu and cuda
+    generators give different numbers): bf16 ones for norm weights, MXFP4 ``*_blocks`` uniform random uint8,
+    ``*_scales`` uint8 ``c`` or ``c + 1`` (:func:`mxfp4_scale_choice`: dequantized std ``std``), else bf16 N(0, std^2)."""
     if len(shape) == 1 and "norm" in name:
         return torch.ones(shape, dtype=torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(seed + index)
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8).cpu()
+    if name.endswith("_scales"):
+        c, p = mxfp4_scale_choice(std)
+        up = torch.rand(shape, generator=g, device=device) < p
+        return (up.to(torch.uint8) + c).cpu()
     t = torch.randn(shape, generator=g, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     t = t.mul_(std).to(torch.bfloat16)
     return t.cpu() if t.device.type != "cpu" else t
 
 
 def save_shard(path: str, names: list[str], shapes: list[tuple[int, ...]], make, zero) -> int:
-    """Write one bf16 safetensors file (the format: 8-byte little-endian header size, the JSON header, the data);
-    tensor ``i`` is ``make(i)``, or, where ``zero(i)``, a hole of the sparse file (reads as zeros). Returns the
+    """Write one safetensors file (the format: 8-byte little-endian header size, the JSON header, the data), each
+    tensor in its :func:`tensor_dtype` (bf16, or uint8 MXFP4 blocks / scales); tensor ``i`` is ``make(i)``, or, where ``zero(i)``, a hole of the sparse file (reads as zeros). Returns the
     data bytes. ``safetensors.torch.save_file`` needs every tensor in memory and writes every byte; this writes
     one tensor at a time and skips the zeros."""
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for n, shape in zip(names, shapes):
-        nbytes = 2 * _numel(shape)
-        header[n] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        nbytes = tensor_nbytes(n, shape)
+        header[n] = {"dtype": SAFETENSORS_DTYPES[tensor_dtype(n)], "shape": list(shape), "data_offsets": [off, off + nbytes]}
         off += nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(h).to_bytes(8, "little"))
         f.write(h)
-        for i, shape in enumerate(shapes):
+        for i, (n, shape) in enumerate(zip(names, shapes)):
             if zero(i):
-                f.seek(2 * _numel(shape), os.SEEK_CUR)
+                f.seek(tensor_nbytes(n, shape), os.SEEK_CUR)
             else:
                 t = make(i).contiguous()
-                f.write(t.view(torch.int16).numpy().tobytes())
+                if t.dtype != tensor_dtype(n) or tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{n}: made {t.dtype} {tuple(t.shape)}, expected {tensor_dtype(n)} {tuple(shape)}")
+                f.write((t if t.dtype == torch.uint8 else t.view(torch.int16)).numpy().tobytes())
         f.truncate(8 + len(h) + off)
     return off
 
@@ -369,7 +441,7 @@ def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int
                             lambda j: make_tensor(shapes[idx[j]][0], shapes[idx[j]][1], idx[j], seed, std, device),
                             lambda j: zero[j])
         total += nbytes
-        zero_bytes += sum(2 * _numel(shapes[i][1]) for i, z in zip(idx, zero) if z)
+        zero_bytes += sum(tensor_nbytes(*shapes[i]) for i, z in zip(idx, zero) if z)
         weight_map.update({shapes[i][0]: fname for i in idx})
         print(f"  {fname}: {nbytes / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s", file=log, flush=True)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
@@ -390,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "qwen1.5-moe-a2.7b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3, gpt-oss-20b, gpt-oss-120b); "
                    "--layers still applies, the other size flags are ignored")
     p.add_argument("--zero-experts", action="store_true", help="routed experts are zeros: holes of sparse files")
+    p.add_argument("--mxfp4", action="store_true", help="gpt_oss only: the experts as the Hub's MXFP4 blocks / scales "
+                   "(bf16 biases, quantization_config mxfp4; scales give the dequantized weights std --std)")
     p.add_argument("--layers", type=int, default=d.layers, help=f"num_hidden_layers (default {d.layers})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden_size (default {d.hidden})")
     p.add_argument("--intermediate", type=int, default=d.intermediate, help=f"expert intermediate_size (default {d.intermediate})")
@@ -407,16 +481,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dims_from_args(a: argparse.Namespace) -> Dims:
-    """Dims from parsed command-line arguments."""
-    if a.preset:
-        return Dims.from_registry(a.preset, a.layers)
-    return Dims(layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=a.heads, kv_heads=a.kv_heads,
-                experts=a.experts, top_k=a.top_k, vocab=a.vocab, max_pos=a.max_pos)
+    """Dims from parsed command-line arguments (``--mxfp4``: gpt_oss only, ValueError naming the family else)."""
+    d = Dims.from_registry(a.preset, a.layers) if a.preset else Dims(layers=a.layers, hidden=a.hidden,
+                                                                    intermediate=a.intermediate, heads=a.heads,
+                                                                    kv_heads=a.kv_heads, experts=a.experts,
+                                                                    top_k=a.top_k, vocab=a.vocab, max_pos=a.max_pos)
+    if getattr(a, "mxfp4", False):
+        if d.family != "gpt_oss":
+            raise ValueError(f"--mxfp4: MXFP4 experts are gpt_oss's (the Hub's gpt-oss checkpoints); "
+                             f"{'--preset ' + a.preset if a.preset else 'the default dims'} is family {d.family}")
+        d = dataclasses.replace(d, mxfp4=True)
+    return d
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
-    res = write_checkpoint(a.out, dims_from_args(a), a.shard_gib, a.seed, a.std, a.device, zero_experts=a.zero_experts)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        dims = dims_from_args(a)
+    except ValueError as e:
+        parser.error(str(e))
+    res = write_checkpoint(a.out, dims, a.shard_gib, a.seed, a.std, a.device, zero_experts=a.zero_experts)
     print(f"wrote {res['path']}: {res['bytes']:,} bytes ({res['bytes'] / 2**30:.2f} GiB) in {res['shards']} shards, "
           f"{res['tensors']} tensors ({res['zero_bytes'] / 2**30:.2f} GiB of zeros as holes), {res['seconds']:.1f} s ({res['bytes'] / 2**30 / max(res['seconds'], 1e-9):.2f} GiB/s); "
           f"tokenizer: {', '.join(res['tokenizer_files'])}")

@@ -184,3 +184,156 @@ def test_new_presets_zero_experts_and_shapes(tmp_path):
     v3 = dict(mk.tensor_shapes(mk.Dims.from_registry("deepseek-v3", layers=4)))
     assert v3["model.layers.3.self_attn.q_b_proj.weight"] == (128 * 192, 1536)
     assert v3["model.layers.3.mlp.gate.e_score_correction_bias"] == (256,)
+
+
+# gpt-oss --mxfp4: the experts as the Hub's MXFP4 blocks / scales (uint8), bf16 biases, quantization_config mxfp4
+def _safetensors_header(path: str) -> tuple[int, dict]:
+    """(data bytes, header) of one safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return os.path.getsize(path) - 8 - n, header
+
+
+@pytest.fixture(scope="module")
+def written_mxfp4(tmp_path_factory):
+    """(dims, checkpoint dir): gpt-oss-120b's tiny width (hidden 64, F 96: multiples of 32) with --mxfp4, std 0.125,
+    sharded into several files."""
+    dims = dataclasses.replace(mk.Dims.from_registry("gpt-oss-120b", layers=4).tiny(), mxfp4=True)
+    out = str(tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt")
+    mk.write_checkpoint(out, dims, shard_gib=0.5 / 1024, std=0.125, log=open(os.devnull, "w"))
+    return dims, out
+
+
+def test_mxfp4_experts_are_the_hubs_tensors_and_load_eagerly_and_packed(written_mxfp4):
+    """The Hub's tensor names, shapes and dtypes (uint8 blocks / scales, bf16 biases), quantization_config mxfp4; our
+    loader reads them dequantized on load and kept packed (MXFP4 pages), both exactly mxfp4_dequantize of the
+    written blocks (gate / up de-interleaved); the dequantized weights' std is near --std."""
+    from safetensors import safe_open
+
+    from lightning_moe.kernels.mxfp4 import mxfp4_dequantize
+    from lightning_moe.model.quantized import MXFP4Experts, checkpoint_expert_scheme
+
+    dims, path = written_mxfp4
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == mk.MXFP4_QUANTIZATION_CONFIG
+    assert checkpoint_expert_scheme(path) == "mxfp4"
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        wmap = json.load(f)["weight_map"]
+    p = "model.layers.1.mlp.experts."
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in wmap)
+    t = {}
+    for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks",
+              "down_proj_scales", "down_proj_bias"):
+        with safe_open(os.path.join(path, wmap[p + n]), "pt") as f:
+            t[n] = f.get_tensor(p + n)
+    E, D, F = 8, dims.hidden, dims.intermediate
+    assert t["gate_up_proj_blocks"].shape == (E, 2 * F, D // 32, 16) and t["gate_up_proj_blocks"].dtype == torch.uint8
+    assert t["gate_up_proj_scales"].shape == (E, 2 * F, D // 32) and t["gate_up_proj_scales"].dtype == torch.uint8
+    assert t["down_proj_blocks"].shape == (E, D, F // 32, 16) and t["down_proj_scales"].shape == (E, D, F // 32)
+    assert t["gate_up_proj_bias"].dtype == torch.bfloat16 and t["down_proj_bias"].shape == (E, D)
+    c, _ = mk.mxfp4_scale_choice(0.125)
+    assert set(t["gate_up_proj_scales"].unique().tolist()) == {c, c + 1}
+    gu = mxfp4_dequantize(t["gate_up_proj_blocks"], t["gate_up_proj_scales"], torch.float32)  # [E, D, 2F]
+    down = mxfp4_dequantize(t["down_proj_blocks"], t["down_proj_scales"], torch.float32)  # [E, F, D]
+    eager = load_checkpoint(path, torch.float32).experts[1]
+    packed = load_checkpoint(path, torch.float32, packed_experts=True).experts[1]
+    assert isinstance(packed, MXFP4Experts)
+    got = packed.dequantize(torch.float32)
+    for w in (eager, got):
+        assert torch.equal(w.w1, gu[..., 0::2].transpose(1, 2)) and torch.equal(w.w3, gu[..., 1::2].transpose(1, 2))
+        assert torch.equal(w.w2, down.transpose(1, 2))
+        assert torch.equal(w.b1, t["gate_up_proj_bias"][:, 0::2].float()) and torch.equal(w.b2, t["down_proj_bias"].float())
+    for std in (0.125, 0.02):  # the scale choice: dequantized std within a factor 2 of --std (in fact a few %)
+        b = mk.make_tensor("x_blocks", (E, 2 * F, D // 32, 16), 0, 0, std, "cpu")
+        s = mk.make_tensor("x_scales", (E, 2 * F, D // 32), 1, 0, std, "cpu")
+        got_std = mxfp4_dequantize(b, s, torch.float32).std().item()
+        assert std / 2 < got_std < 2 * std and abs(got_std / std - 1) < 0.1, (std, got_std)
+    assert mk.mxfp4_scale_choice(0.02)[0] == 119  # 127 - 8 or 127 - 7
+
+
+def test_mxfp4_index_and_shards_count_each_tensors_real_bytes(written_mxfp4):
+    """The index's total_size is the files' tensor data bytes, each tensor's span is its dtype's bytes (uint8
+    blocks / scales: 1 per element), the shard plan is dtype-aware (gpt-oss-120b's MXFP4 experts ~4x smaller)."""
+    _, path = written_mxfp4
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    total = 0
+    for name in files:
+        nbytes, header = _safetensors_header(os.path.join(path, name))
+        total += nbytes
+        spans = {n: h["data_offsets"][1] - h["data_offsets"][0] for n, h in header.items() if n != "__metadata__"}
+        assert sum(spans.values()) == nbytes and all(index["weight_map"][n] == name for n in spans)
+        for n, h in header.items():
+            if n != "__metadata__":
+                assert h["dtype"] == ("U8" if n.endswith(("_blocks", "_scales")) else "BF16")
+                assert spans[n] == mk.tensor_nbytes(n, tuple(h["shape"]))
+    assert index["metadata"]["total_size"] == total
+    big = mk.Dims.from_registry("gpt-oss-120b", layers=2)
+    shapes = {m: mk.tensor_shapes(dataclasses.replace(big, mxfp4=m)) for m in (False, True)}
+    experts = {m: sum(mk.tensor_nbytes(n, s) for n, s in shapes[m] if mk.is_expert_tensor(n)) for m in shapes}
+    assert 0.26 < experts[True] / experts[False] < 0.27  # 4.25 bits of 16 (+ bf16 biases)
+    shard = 2**30
+    for m in shapes:
+        plan = mk.plan_shards(shapes[m], shard)
+        sizes = [sum(mk.tensor_nbytes(*shapes[m][i]) for i in idx) for idx in plan]
+        assert all(s <= shard or len(idx) == 1 for s, idx in zip(sizes, plan)), sizes
+    n = 1000  # two uint8 tensors of n elements fill one 2n-byte shard; two bf16 ones need two
+    assert mk.plan_shards([("a_blocks", (n,)), ("b_scales", (n,))], 2 * n) == [[0, 1]]
+    assert mk.plan_shards([("a.weight", (n,)), ("b.weight", (n,))], 2 * n) == [[0], [1]]
+
+
+def test_mxfp4_loads_in_transformers_and_gives_our_serial_logits(written_mxfp4):
+    """transformers' GptOssForCausalLM loads the MXFP4 checkpoint (no missing / unexpected key; on a CPU with no
+    ``kernels`` package it dequantizes the blocks) and its fp32 logits equal our serial executor's, dequantized on
+    load and on packed pages (max abs < 1e-4)."""
+    import transformers
+
+    from lightning_moe.pipeline.serial import SerialExecutor
+
+    _, path = written_mxfp4
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                        output_loading_info=True,
+                                                                        attn_implementation="eager")
+    except (ImportError, ValueError, RuntimeError) as e:  # an environment whose transformers cannot read MXFP4
+        pytest.skip(f"transformers cannot load an MXFP4 checkpoint here: {e}")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.eval()
+    ours = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").logits(PROMPTS)
+    packed = SerialExecutor(load_checkpoint(path, torch.float32, packed_experts=True), "cpu").logits(PROMPTS)
+    worst = 0.0
+    with torch.no_grad():
+        for i, p in enumerate(PROMPTS):
+            ref = model(torch.tensor([p])).logits[0].float()
+            worst = max(worst, (ours[i] - ref).abs().max().item(), (packed[i] - ref).abs().max().item())
+    assert worst < 1e-4, worst
+    assert max(o.abs().max().item() for o in ours) > 0.5  # not a degenerate model
+
+
+def test_mxfp4_zero_experts_and_other_families_refused(tmp_path, capsys):
+    """--zero-experts --mxfp4: blocks, scales and biases are holes (zero blocks dequantize to zeros); --mxfp4 for a
+    family other than gpt_oss is refused by name (the CLI and config_dict); cli_sweep never takes an MXFP4
+    checkpoint for a bf16 one of the same dims, nor the reverse."""
+    import cli_sweep
+
+    dims = dataclasses.replace(mk.Dims.from_registry("gpt-oss-20b", layers=4).tiny(), mxfp4=True)
+    res = mk.write_checkpoint(str(tmp_path / "z"), dims, log=open(os.devnull, "w"), zero_experts=True)
+    assert res["zero_bytes"] > 0
+    w = load_checkpoint(res["path"], torch.float32, packed_experts=True)
+    assert int(torch.count_nonzero(w.experts[1].pages)) == 0
+    deq = w.experts[1].dequantize(torch.float32)
+    assert int(torch.count_nonzero(deq.w1)) == 0 and int(torch.count_nonzero(w.embed)) > 0
+    assert cli_sweep._ckpt_matches(res["path"], dims)
+    assert not cli_sweep._ckpt_matches(res["path"], dataclasses.replace(dims, mxfp4=False))
+    bf16 = mk.write_checkpoint(str(tmp_path / "b"), dataclasses.replace(dims, mxfp4=False), log=open(os.devnull, "w"),
+                               zero_experts=True)
+    assert not cli_sweep._ckpt_matches(bf16["path"], dims)
+    with pytest.raises(SystemExit) as e:
+        mk.main([str(tmp_path / "q"), "--preset", "qwen3-30b-a3b", "--layers", "2", "--mxfp4"])
+    assert e.value.code == 2 and "--mxfp4: MXFP4 experts are gpt_oss's" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "q")
+    with pytest.raises(ValueError, match="MXFP4 experts are gpt_oss's"):
+        mk.config_dict(dataclasses.replace(FAMILIES["mixtral"], mxfp4=True))
