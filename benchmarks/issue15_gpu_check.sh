@@ -144,14 +144,22 @@ round((r.get('predicted') or {}).get('end_to_end_tokens_per_s') or 0, 1))" $J/re
     [ -f $J ] || python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only \
       --cases suite-explicit-a-bf16-12g --gen-device cuda 2>&1 | tail -1
     CK=$(ls -d $W/ckpt-bf16-L4-h4096-f14336 2>/dev/null | head -1)
-    for t in before now before now; do
+    # each run imports ITS tree: "python3 -m" from the repo root puts the current directory ahead of PYTHONPATH, so
+    # the old loop (PYTHONPATH=/tmp/site:.carry/before python3 -m lightning_moe.cli) ran this commit's tree as "before"
+    for t in ${AB_ORDER:-before now before now}; do
       P=$PWD; [ $t = before ] && P=$PWD/.carry/before
       L=$((${LIMIT:-585} - (SECONDS - S))); [ $L -lt 40 ] && { echo "A/B stopped: $L s left"; break; }
       sed "s#results/suite-explicit-a-bf16-12g#results/ab-$t#" $J > /tmp/ab-$t.yaml; rm -f $W/results/ab-$t.*
-      PYTHONPATH=/tmp/site:$P timeout $L python3 -m lightning_moe.cli run /tmp/ab-$t.yaml --no-progress > /dev/null 2>&1
-      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'decode tok/s', \
-round(r['decode_tokens_per_s'],1), 'e2e', round(r['end_to_end_tokens_per_s'],1), 'prefill', round(r['prefill_tokens_per_s']))" \
-        $W/results/ab-$t.report.json $t 2>&1 | tail -1 | tee -a $OUT/ab.txt
+      FROM=$(PYTHONPATH=/tmp/site python3 benchmarks/run_from_tree.py $P --where)
+      [ "$FROM" = "$P/lightning_moe" ] || { echo "A/B stopped: $t imports lightning_moe from $FROM, not $P"; break; }
+      PYTHONPATH=/tmp/site timeout $L python3 benchmarks/run_from_tree.py $P run /tmp/ab-$t.yaml --no-progress > /dev/null 2>&1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); st=r['stages']; s=r['stats']; print(sys.argv[2], \
+'decode tok/s', round(r['decode_tokens_per_s'],1), 'e2e', round(r['end_to_end_tokens_per_s'],1), 'prefill', \
+round(r['prefill_tokens_per_s']), '| decode_wall', round(st.get('decode_wall',0),3), 'h2d_copy', \
+round(st.get('h2d_copy',0),3), 'wait_h2d', round(st.get('wait_h2d',0),3), 'cpu_attention', \
+round(st.get('cpu_attention',0),3), 'h2d GB', round(s['h2d_bytes']/1e9,3), 'steps', s['decode_steps'], \
+'ffn', r['policy'].get('expert_ffn'), '| from', sys.argv[3])" $W/results/ab-$t.report.json $t $FROM 2>&1 \
+        | tail -1 | tee -a $OUT/ab.txt
     done
     L=$((${LIMIT:-585} + 5 - (SECONDS - S)))  # the measured stage timeline of one GPU job, looked at as a user would
     [ $L -gt 40 ] && sed "s#results/suite-explicit-a-bf16-12g#results/timeline#" $J > /tmp/tl.yaml && rm -f $W/results/timeline.* \
