@@ -199,7 +199,7 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
   K)
     HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
     timeout 60 python3 -m lightning_moe.cli plan --model gpt-oss-120b --hardware $HW --gpu-memory 24GiB \
-      --cpu-memory 120GiB --prompt-len 200 --gen-len 128 --quant int4 > $OUT/plan-gpt-oss-120b.txt 2>&1
+      --cpu-memory 120GiB --prompt-len 200 --gen-len 128 > $OUT/plan-gpt-oss-120b.txt 2>&1  # mxfp4 pages (the registry)
     echo "plan gpt-oss-120b: rc $?"; cat $OUT/plan-gpt-oss-120b.txt
     # name:layers:seconds[:cli_sweep flag] (gpt-oss-120b --mxfp4: MXFP4 experts, a ~9 GiB checkpoint, was ~26 in bf16)
     for f in deepseek-v2-lite:4:200 gpt-oss-120b:4:240:--mxfp4; do
