@@ -480,8 +480,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SIZE_FLAGS = ("hidden", "intermediate", "heads", "kv_heads", "experts", "top_k", "vocab", "max_pos")  # = Dims fields
+
+
 def dims_from_args(a: argparse.Namespace) -> Dims:
     """Dims from parsed command-line arguments (``--mxfp4``: gpt_oss only, ValueError naming the family else)."""
+    if a.preset:  # a preset sets every size but --layers: a size flag beside it would be silently ignored
+        given = [f"--{f.replace('_', '-')}" for f in SIZE_FLAGS if getattr(a, f) != getattr(Dims(), f)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not with --preset {a.preset} (a preset sets every size but "
+                             f"--layers)")
     d = Dims.from_registry(a.preset, a.layers) if a.preset else Dims(layers=a.layers, hidden=a.hidden,
                                                                     intermediate=a.intermediate, heads=a.heads,
                                                                     kv_heads=a.kv_heads, experts=a.experts,
@@ -489,7 +497,8 @@ def dims_from_args(a: argparse.Namespace) -> Dims:
     if getattr(a, "mxfp4", False):
         if d.family != "gpt_oss":
             raise ValueError(f"--mxfp4: MXFP4 experts are gpt_oss's (the Hub's gpt-oss checkpoints); "
-                             f"{'--preset ' + a.preset if a.preset else 'the default dims'} is family {d.family}")
+                             f"{'--preset ' + a.preset if a.preset else 'the default dims'} is family {d.family} "
+                             f"(use --preset gpt-oss-20b or --preset gpt-oss-120b)")
         d = dataclasses.replace(d, mxfp4=True)
     return d
 

@@ -50,7 +50,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="with a job YAML: override a job key, as `moe-batch run --set` does")
     p.add_argument("--model", help="registry name (mixtral-8x7b, ...), tiny-mixtral, or a checkpoint directory")
-    p.add_argument("--hardware", help="preset (t4, l4, a100-40g, h100, h200) or a profile .yaml from `moe-batch profile`")
+    p.add_argument("--hardware", help="preset (t4, l4, a100-40g, h100, h200) or a profile .yaml from `moe-batch profile` "
+                   "(required with --model; with a job YAML: the job's, else h200)")
     p.add_argument("--gpu-memory", type=_bytes_arg, help="GPU memory budget, e.g. 24GiB (default: the hardware's)")
     p.add_argument("--gpus", type=int, help="GPUs of one host, expert parallel (default 1, or the job's gpus): "
                    "--gpu-memory is per GPU")

@@ -124,7 +124,7 @@ def test_greedy_20_steps_equal_transformers_over_the_latent_cache(hf_ds):
     assert len({tuple(w) for w in want}) > 1
     sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
     serial = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
-    assert serial._experts(0) is None  # the dense first layer pages nothing
+    assert serial._experts_and_ffn(0)[0] is None  # the dense first layer pages nothing
     out = serial.generate(PROMPTS, sp)
     assert [o for o, _ in out] == want and all(r == "length" for _, r in out)
     assert [serial.generate([p], sp)[0][0] for p in PROMPTS] == want

@@ -123,7 +123,7 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_qwen2):
     w = load_checkpoint(path, torch.float32)
     assert [i for i, e in enumerate(w.experts) if e is None] == list(dense)
     serial = SerialExecutor(w, "cpu")
-    assert all(serial._experts(i) is None for i in dense)
+    assert all(serial._experts_and_ffn(i)[0] is None for i in dense)
     out = serial.generate(PROMPTS, sp)
     assert [o for o, _ in out] == want and all(r == "length" for _, r in out)
     # each prompt alone gives the tokens it gives in the ragged batch

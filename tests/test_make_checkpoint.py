@@ -337,3 +337,15 @@ def test_mxfp4_zero_experts_and_other_families_refused(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "q")
     with pytest.raises(ValueError, match="MXFP4 experts are gpt_oss's"):
         mk.config_dict(dataclasses.replace(FAMILIES["mixtral"], mxfp4=True))
+
+
+def test_size_flags_with_a_preset_are_refused(tmp_path, capsys):
+    """A preset sets every size but --layers: a size flag beside it is an error naming the flags (it was silently
+    ignored: a user asking for a small gpt-oss got the full-width one), before anything is written."""
+    with pytest.raises(SystemExit) as e:
+        mk.main([str(tmp_path / "p"), "--preset", "gpt-oss-20b", "--layers", "2", "--hidden", "64", "--top-k", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--hidden, --top-k: not with --preset gpt-oss-20b" in err, err
+    assert not os.path.exists(tmp_path / "p")
+    a = mk.build_parser().parse_args([str(tmp_path / "p"), "--preset", "gpt-oss-20b", "--layers", "2"])
+    assert mk.dims_from_args(a).hidden == 2880  # the preset's width, --layers applied

@@ -107,9 +107,11 @@ def test_serial_executor_dequantizes_packed_pages_exactly(quant_dirs):
 
     ex = SerialExecutor(w, "cpu", torch.bfloat16)
     ex.on_host = False  # take the copy branch (a CPU "device"): the packed pages are what is counted
-    ew = ex._experts(2)
+    pages, _ = ex._experts_and_ffn(2)  # the packed pages; the FFN dequantizes each routed expert alone
     assert ex.stats.h2d_bytes == w.experts[2].nbytes == 8 * PAGE_BYTES["int2-up"]
-    assert ew.w1.dtype == torch.bfloat16 and tuple(ew.w2.shape) == (8, 64, 128)
+    w1, _, w2 = pages.expert(5, torch.bfloat16)
+    assert w1.dtype == torch.bfloat16 and tuple(w2.shape) == (64, 128)
+    assert torch.equal(w2, pages.dequantize(torch.bfloat16).w2[5])  # one expert = its row of the whole layer
 
 
 # ---------------------------------------------------------------------------- (b) KL on MT-Bench

@@ -76,3 +76,13 @@ def test_host_memory_by_phase_line():
     assert "host GiB by phase: peak rss (anon, mapped files at its end): load 78.00 (anon 76.00, file 1.50), " \
            "decode 124.00 (anon 88.00, file 35.00)" in " ".join(text.split())
     assert "host GiB by phase" not in format_report(_report())  # nothing measured: no line
+
+
+def test_cpu_device_host_prediction_names_the_device_tensors():
+    """On device cpu the GPU memory model's tensors live in host memory: the host line says so (a user read 7.07
+    measured vs 2.40 predicted as a 3x miss)."""
+    mem = _report()["memory"] | {"predicted_peak_bytes": int(5.5 * GiB)}
+    text = format_report(_report(device="cpu", memory=mem))
+    assert "peak memory: host 3.00 GiB (predicted 4.00 GiB, load phase, + 5.50 GiB the GPU model counts, which " \
+           "device cpu holds in host memory)" in " ".join(text.split())
+    assert "device cpu holds" not in format_report(_report(memory=mem))  # cuda: the GPU's own memory

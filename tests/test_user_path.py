@@ -212,3 +212,20 @@ def test_serial_executor_still_refuses_a_malformed_policy(tmp_path, tiny_dir, no
     job = _write_job(tmp_path, tiny_dir, {"mu": 4, "nn": 2}, executor="serial")
     assert cli.main(["run", job, "--no-progress"]) == 2
     assert "policy: unknown key(s) nn" in capsys.readouterr().err
+
+
+def test_vocab_larger_than_tokenizer_is_announced(tmp_path, tiny_dir, capsys):
+    """A model whose vocab_size exceeds its tokenizer (a speed-work checkpoint with a borrowed tokenizer): one line
+    says generated ids past the tokenizer have no text; a matching tokenizer says nothing."""
+    from hf_checkpoints import write_config
+
+    from lightning_moe.app.plan import ModelFiles
+
+    ModelFiles(tiny_dir)
+    assert "exceeds its tokenizer" not in capsys.readouterr().err
+    n = len(ModelFiles(tiny_dir).tokenizer)
+    big = write_config(tiny_dir, tmp_path / "big", vocab_size=n + 1000)
+    ModelFiles(big)
+    err = capsys.readouterr().err
+    assert f"the model's vocab_size {n + 1000:,} exceeds its tokenizer's {n:,} tokens: generated ids >= {n:,} " \
+           f"have no text" in err, err

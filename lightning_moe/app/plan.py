@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +27,11 @@ class ModelFiles:
         self.model_path = resolve_model_path(model)
         self.spec = MoESpec.from_pretrained_dir(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
+        n_tok = len(self.tokenizer)
+        if self.spec.vocab_size > n_tok:  # e.g. a speed-work checkpoint with a borrowed tokenizer
+            print(f"moe-batch: {self.model_path}: the model's vocab_size {self.spec.vocab_size:,} exceeds its "
+                  f"tokenizer's {n_tok:,} tokens: generated ids >= {n_tok:,} have no text (output_ids keep them)",
+                  file=sys.stderr, flush=True)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else self.spec.eos_token_id
 

@@ -220,9 +220,11 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         lines += ["", _table(rows)]
     peak_gpu = r.get("peak_gpu_memory_bytes")
     host_pred = (r.get("memory") or {}).get("predicted_host_bytes")
+    dev_pred = mem.get("predicted_peak_bytes") if str(r.get("device", "")).startswith("cpu") else None
     lines.append(f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
-                 + (f" (predicted {host_pred / 2**30:.2f} GiB, {r['memory'].get('predicted_host_phase', 'run')} phase)"
-                    if host_pred else "")
+                 + (f" (predicted {host_pred / 2**30:.2f} GiB, {r['memory'].get('predicted_host_phase', 'run')} phase"
+                    + (f", + {dev_pred / 2**30:.2f} GiB the GPU model counts, which device cpu holds in host memory"
+                       if dev_pred else "") + ")" if host_pred else "")
                  + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
     host_phases = mem.get("measured_host_by_phase") or {}
     if host_phases:  # where the host peak is, and how much of it is mapped files (reclaimable) rather than anon

@@ -106,6 +106,11 @@ class QuantExperts:
         """
         return ExpertWeights(*unpack_expert_page(self.pages, self.layout, dtype))
 
+    def expert(self, e: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+        """Expert ``e`` alone, dense in ``dtype``: ``(w1 [F, D], w3 [F, D], w2 [D, F])``, the same values as row
+        ``e`` of :meth:`dequantize` (an elementwise decode of its page only)."""
+        return unpack_expert_page(self.pages[e], self.layout, dtype)
+
 
 @dataclass
 class MXFP4Experts(QuantExperts):
@@ -131,6 +136,10 @@ class MXFP4Experts(QuantExperts):
         """Dense stacked experts with their biases in ``dtype`` (:func:`~lightning_moe.kernels.mxfp4.
         unpack_mxfp4_page`: bit for bit gpt_oss's dequantize-on-load)."""
         return ExpertWeights(*unpack_mxfp4_page(self.pages, self.layout, dtype))
+
+    def expert(self, e: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+        """Expert ``e`` alone: ``(w1, w3, w2, b1, b3, b2)`` in ``dtype``, row ``e`` of :meth:`dequantize`."""
+        return unpack_mxfp4_page(self.pages[e], self.layout, dtype)
 
 
 def checkpoint_expert_scheme(path: str) -> Optional[str]:

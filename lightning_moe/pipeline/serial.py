@@ -11,6 +11,7 @@ the pipelined executor (cgopipe.py) must produce exactly its tokens.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -186,6 +187,10 @@ class SerialExecutor:
         self.spec = weights.spec
         self.family = fam = family_of(self.spec)  # the model family's layer math (model/families/)
         self.experts_ffn = fam.experts_ffn  # the routed expert FFN post_attention calls (expert parallelism sets its own)
+        ffn_from = fam.experts_ffn_from  # over packed pages, expert by expert (:meth:`_experts_and_ffn`)
+        if self.spec.swiglu_limit > 0:  # the clamped SwiGLU's numbers (gpt-oss)
+            ffn_from = functools.partial(ffn_from, limit=self.spec.swiglu_limit, alpha=self.spec.swiglu_alpha)
+        self._ffn_from = ffn_from
         if fam.attention not in ("gqa", "gqa_sinks", "mla"):
             raise ValueError(f"SerialExecutor: {fam.name}: attention {fam.attention!r} is not implemented "
                              f"(gqa, gqa_sinks, mla)")
@@ -214,26 +219,31 @@ class SerialExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _experts(self, layer: int) -> Optional[ExpertWeights]:
-        """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU); None for a dense
-        layer (``spec.dense_layers``: its MLP is resident with its other weights, nothing is copied).
+    def _experts_and_ffn(self, layer: int) -> tuple[Optional[ExpertWeights | QuantExperts], Callable]:
+        """Layer ``layer``'s experts on the compute device (a host->device copy unless on CPU) and the expert FFN
+        its ``post_attention`` calls over them; experts None for a dense layer (``spec.dense_layers``: its MLP is
+        resident with its other weights, nothing is copied).
 
-        Packed pages (:class:`QuantExperts`) are copied as they are and dequantized on the device.
+        Packed pages (:class:`QuantExperts`: int4 or MXFP4) are copied as they are; the FFN is the family's
+        ``experts_ffn_from`` over them, each expert the tokens route to dequantized on the device as the loop
+        reaches it (:meth:`QuantExperts.expert`: the values of a whole-layer dequantization, bit for bit), so a
+        step never dequantizes the experts no token chose.
         """
         if self.spec.is_dense_layer(layer):
-            return None
+            return None, self.experts_ffn
         ew = self.w.experts[layer]
         if isinstance(ew, QuantExperts):
             if not self.on_host:
                 self.stats.h2d_bytes += ew.nbytes
                 ew = ew.to(self.device)
-            return ew.dequantize(self.dtype)
+            dt, ffn_from = self.dtype, self._ffn_from
+            return ew, lambda h, pages, w, ids: ffn_from(h, lambda e: pages.expert(e, dt), pages.num_experts, w, ids)
         if ew.w1.dtype != self.dtype:
             ew = ew.cast(self.dtype)
         if self.on_host:
-            return ew
+            return ew, self.experts_ffn
         self.stats.h2d_bytes += ew.nbytes
-        return ew.to(self.device, non_blocking=False)
+        return ew.to(self.device, non_blocking=False), self.experts_ffn
 
     def _prefill_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]],
                        kv: Optional[KVCache | LatentKVCache]) -> torch.Tensor:
@@ -251,7 +261,8 @@ class SerialExecutor:
         if kv is not None:
             for row, (s, e) in enumerate(spans):
                 kv.write_prefill(layer, row, k[s:e], v[s:e])
-        return fam.post_attention(lw, self._experts(layer), x, attn, self.spec, self.experts_ffn)
+        ew, ffn = self._experts_and_ffn(layer)
+        return fam.post_attention(lw, ew, x, attn, self.spec, ffn)
 
     def _forward_prefill(self, prompts: Sequence[Sequence[int]],
                          kv: Optional[KVCache | LatentKVCache]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +306,8 @@ class SerialExecutor:
                 attn = cpu_decode_attention(q, K, V, new_len, window)  # [B', Hq*hd]
             if not self.on_host:
                 self.stats.h2d_bytes += attn.numel() * attn.element_size()
-            x = fam.post_attention(lw, self._experts(layer), x, attn.to(self.device), self.spec, self.experts_ffn)  # [B', D]
+            ew, ffn = self._experts_and_ffn(layer)
+            x = fam.post_attention(lw, ew, x, attn.to(self.device), self.spec, ffn)  # [B', D]
         kv.lengths[rows] += 1
         return fam.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
 
@@ -314,7 +326,8 @@ class SerialExecutor:
         if not self.on_host:
             self.stats.h2d_bytes += o_lat.numel() * o_lat.element_size()
         attn = fam.mla_unabsorb(lw, o_lat.to(self.device), spec)  # [B', Hq*v_hd]
-        return fam.post_attention(lw, self._experts(layer), x, attn, spec, self.experts_ffn)  # [B', D]
+        ew, ffn = self._experts_and_ffn(layer)
+        return fam.post_attention(lw, ew, x, attn, spec, ffn)  # [B', D]
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
