@@ -29,6 +29,8 @@
 #                                            # h200-host.yaml; a perplexity job (256 texts x 300 tokens, bf16, 12 GiB)
 #                                            # through the CLI with expert_ffn triton / grouped_mm / auto on that profile
 #                                            # (same policy: same profile), alternating, prefill tok/s vs predicted
+#   bash benchmarks/issue15_gpu_check.sh M   # the MXFP4 kernel's GPU tests (tests/gpu/test_mxfp4*.py), then step K
+#                                            # with the time left
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -44,7 +46,21 @@ export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNB
 OUT=${OUT:-/tmp/out}
 W=/tmp/lmoe-suite
 S=$SECONDS
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K}" in
+step_k() {  # step K, with what is left of the 575 s since the script started
+    HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    timeout 60 python3 -m lightning_moe.cli plan --model gpt-oss-120b --hardware $HW --gpu-memory 24GiB \
+      --cpu-memory 120GiB --prompt-len 200 --gen-len 128 > $OUT/plan-gpt-oss-120b.txt 2>&1  # mxfp4 pages (the registry)
+    echo "plan gpt-oss-120b: rc $?"; cat $OUT/plan-gpt-oss-120b.txt
+    # name:layers:seconds[:cli_sweep flag] (gpt-oss-120b --mxfp4: MXFP4 experts, a ~9 GiB checkpoint, was ~26 in bf16)
+    for f in deepseek-v2-lite:4:200 gpt-oss-120b:4:240:--mxfp4; do
+      IFS=: read -r name L T X <<< "$f"; WF=/tmp/lmoe-fam-$name
+      T=$((T < 575 - (SECONDS - S) ? T : 575 - (SECONDS - S)))
+      python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L ${X:+$X} --work $WF --out $WF/out \
+        --cases fam-gen-bf16,fam-ppl-bf16 --cap 16 --time-budget $T 2>&1 | grep -E "^fam|passed|checkpoint" | cut -c1-220
+      cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
+    done
+}
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -196,19 +212,12 @@ st={a: b for a, b in (r.get('stages') or {}).items() if a.startswith('expert_ffn
 print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted', round(p.get('prefill_tokens_per_s') or 0), st)" \
         ${R%.jsonl}.report.json $k 2>&1 | tail -1 | tee -a $OUT/i22_ab.txt
     done ;;
-  K)
-    HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
-    timeout 60 python3 -m lightning_moe.cli plan --model gpt-oss-120b --hardware $HW --gpu-memory 24GiB \
-      --cpu-memory 120GiB --prompt-len 200 --gen-len 128 > $OUT/plan-gpt-oss-120b.txt 2>&1  # mxfp4 pages (the registry)
-    echo "plan gpt-oss-120b: rc $?"; cat $OUT/plan-gpt-oss-120b.txt
-    # name:layers:seconds[:cli_sweep flag] (gpt-oss-120b --mxfp4: MXFP4 experts, a ~9 GiB checkpoint, was ~26 in bf16)
-    for f in deepseek-v2-lite:4:200 gpt-oss-120b:4:240:--mxfp4; do
-      IFS=: read -r name L T X <<< "$f"; WF=/tmp/lmoe-fam-$name
-      T=$((T < 575 - (SECONDS - S) ? T : 575 - (SECONDS - S)))
-      python3 benchmarks/cli_sweep.py --preset families --dims-preset $name --layers $L ${X:+$X} --work $WF --out $WF/out \
-        --cases fam-gen-bf16,fam-ppl-bf16 --cap 16 --time-budget $T 2>&1 | grep -E "^fam|passed|checkpoint" | cut -c1-220
-      cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
-    done ;;
+  K) step_k ;;
+  M)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \
+      tests/gpu/test_mxfp4_cgopipe_gpu.py > $OUT/test_mxfp4_gpu.txt 2>&1
+    echo "MXFP4 GPU tests: rc $?"; tail -3 $OUT/test_mxfp4_gpu.txt
+    step_k ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
 echo "step $1: $((SECONDS - S)) s"
