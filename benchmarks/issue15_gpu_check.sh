@@ -208,7 +208,7 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
       timeout $L python3 -m lightning_moe.cli run $J --no-progress --set expert_ffn=$k --set hardware=$HW \
         --set output.path=$R > /dev/null 2>&1
       python3 -c "import json,sys; r=json.load(open(sys.argv[1])); p=r.get('predicted') or {}; \
-st={a: b for a, b in (r.get('stages') or {}).items() if a.startswith('expert_ffn_')}; \
+st={a: (round(b, 3) if isinstance(b, float) else b) for a, b in (r.get('stages') or {}).items() if a.startswith(('expert_ffn_', 'prefill_'))}; \
 print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted', round(p.get('prefill_tokens_per_s') or 0), st)" \
         ${R%.jsonl}.report.json $k 2>&1 | tail -1 | tee -a $OUT/i22_ab.txt
     done ;;

@@ -123,3 +123,28 @@ def test_cgopipe_cpu_threads(tiny_dir):
     for bad in (0, -2, 1.5, "4"):
         with pytest.raises(ValueError, match="cpu_threads"):
             CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", cpu_threads=bad)
+
+
+def test_cgopipe_prefill_stage_times(tiny_dir):
+    """A prefill's stage times are reported apart from the decode's, as prefill_<stage>: its wall time and the KV
+    scatter into the CPU caches (kv_write, every chunk and layer); a scoring pass (no KV) has a wall time and no
+    KV writes. The timeline has the KV writes' lane."""
+    from lightning_moe.pipeline.stage_stats import SPAN_LANES
+
+    w = load_checkpoint(tiny_dir, torch.float32)
+    ex = CGOPipeExecutor(w, Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
+    try:
+        ex.timer.start_spans()
+        ex.generate(_prompts(5, seed=3), SamplingParams(max_new_tokens=3, stop_at_eos=False))
+        spans = ex.timer.take_spans()
+        st = dict(ex.stats.extra)
+        assert 0 < st["prefill_kv_write"] < st["prefill_wall"] <= ex.stats.prefill_seconds + 1e-6
+        assert "decode_wall" in st and "kv_write" not in st  # decode's own stages keep their names
+        kv = [s for s in spans if s["stage"] == "kv_write"]
+        assert kv and all(s["phase"] == "prefill" and s["lane"] == SPAN_LANES["kv_write"] for s in kv)
+        assert len(kv) == w.spec.num_layers * 3  # 3 prefill chunks (5 rows, 2 per chunk) x layers
+        ex.prompt_logprobs(_prompts(3, seed=4))
+        assert ex.stats.extra["prefill_wall"] > st["prefill_wall"]
+        assert ex.stats.extra["prefill_kv_write"] == st["prefill_kv_write"]  # scoring writes no KV
+    finally:
+        ex.close()

@@ -414,18 +414,31 @@ class CGOPipeExecutor:
         At most two chunks are in flight (bounded pinned staging, as the planner counts).
         """
         if mb.on_gpu or not self.cuda:
+            t0 = time.perf_counter()
             mb.kv.write_prefill_index(l, index, k, v)
+            if not mb.on_gpu:  # the CPU cache's scatter (host seconds; a GPU cache's write is enqueued, not timed)
+                self._host_stage("kv_write", t0)
             return
         (kh, vh), ready = self._to_host(k, v)
 
         def write():
             ready.synchronize()
+            t0 = time.perf_counter()
             with torch.inference_mode():  # thread-local: the caches are inference tensors
                 mb.kv.write_prefill_index(l, index, kh, vh)
+            self._host_stage("kv_write", t0)  # the worker's scatter into the CPU cache
 
         while len(pending) >= 2:
+            t0 = time.perf_counter()
             pending.pop(0).result()
+            self._host_stage("host_wait_kv_write", t0)  # the host thread held back by the bounded staging
         pending.append(self.workers.submit(write))
+
+    def _host_stage(self, name: str, t0: float) -> None:
+        """Host seconds since ``t0`` into stage ``name`` (and the timeline's lane while spans are kept)."""
+        t1 = time.perf_counter()
+        self.timer.add_host(name, t1 - t0)
+        self.timer.span(name, t0, t1)
 
     def _to_host(self, *tensors: torch.Tensor):
         """Asynchronous D2H of ``tensors`` into pinned host tensors (after the compute stream produced them).
@@ -725,7 +738,7 @@ class CGOPipeExecutor:
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += t1 - t0
         self.timer.span("phase", t0, t1, "prefill")
-        self.timer.collect()  # prefill waits are not decode stage times
+        self._prefill_done(t1 - t0)  # the prefill's stage times, apart from the decode's
         self._attn_kv_bytes = 0
         native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
         rows.end_step()
@@ -747,6 +760,14 @@ class CGOPipeExecutor:
         finally:  # a callback that stops the run still leaves this batch's decode time in the stats
             self._decode_done(t1)
         return rows.results
+
+    def _prefill_done(self, wall: float) -> None:
+        """Add a prefill's (or a scoring pass's) stage times to the stats as ``prefill_<stage>`` with its wall time
+        ``prefill_wall``: the page copies and the waits for them, the KV scatter into CPU caches (``kv_write``) and
+        the host thread's waits for it (``host_wait_kv_write``)."""
+        stages = {f"prefill_{k}": v for k, v in self.timer.collect().items()}
+        stages["prefill_wall"] = wall
+        add_counts(self.stats.extra, stages)
 
     def _decode_done(self, t1: float) -> None:
         """Add a batch's decode wall time (since ``t1``) and stage timings to the stats."""
@@ -779,7 +800,7 @@ class CGOPipeExecutor:
                 out[r] = sc
         self._sync()
         self.timer.span("phase", t0, time.perf_counter(), "scoring")
-        self.timer.collect()
+        self._prefill_done(time.perf_counter() - t0)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         self.stats.prefill_seconds += time.perf_counter() - t0
         return out

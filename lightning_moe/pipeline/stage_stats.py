@@ -8,12 +8,14 @@ numbers into ``RunStats.extra``, which the run report prints (its "stages" block
 Stage names: ``h2d_copy`` (expert pages on the weight stream), ``wait_h2d`` (the compute stream waiting for a
 visit's pages), ``wait_attention`` (for a CPU attention output copied by DMA), ``cpu_attention`` and its parts
 ``cpu_attention_wait_qkv`` / ``_pin`` / ``_compute`` (the worker), ``host_wait_cpu_attention`` (the host thread
-waiting for the worker), ``decode_wall``; counters ``cpu_attention_valid_kv_bytes``, ``attention_zero_copy_bytes``
+waiting for the worker), ``decode_wall``; a prefill's as ``prefill_<stage>`` (the page copies and waits, ``kv_write``:
+its KV scattered into CPU caches, ``host_wait_kv_write``: the host thread waiting for those writes, ``prefill_wall``); counters ``cpu_attention_valid_kv_bytes``, ``attention_zero_copy_bytes``
 and the native CPU attention kernel's ``cpu_attention_native_*`` (kernels.cpu_attention.native_stats).
 
 Spans (``moe-batch run --timeline``): only after :meth:`StageTimer.start_spans`, the timer also keeps every interval
 of the timeline's lanes (:data:`SPAN_LANES`: H2D page copies, the compute stream's waits for them, GPU attention, the
-GPU expert FFN, CPU attention on the worker) with the phase it ran in, and the phases themselves. GPU intervals are
+GPU expert FFN, CPU attention on the worker, the prefill's KV writes into CPU caches and the host's waits for them)
+with the phase it ran in, and the phases themselves. GPU intervals are
 the CUDA event pairs of :meth:`StageTimer.around` / :meth:`StageTimer.timed`, placed on the host clock by one reference
 event recorded at a synchronization; on the CPU they are host seconds around the synchronous call.
 :meth:`StageTimer.take_spans` returns them and stops recording. Without ``start_spans`` nothing of this runs.
@@ -35,6 +37,8 @@ SPAN_LANES = {  # stage name -> timeline lane (in drawing order, top to bottom)
     "gpu_attention": "GPU attention",
     "expert_ffn": "GPU expert FFN",
     "cpu_attention": "CPU attention (worker)",
+    "kv_write": "prefill KV into the CPU cache",
+    "host_wait_kv_write": "host waits for KV writes",
 }
 
 
