@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory (created; must be empty or absent)")
     p.add_argument("--preset", default=None, help="a registry model's dims (e.g. qwen3-30b-a3b, olmoe-1b-7b, "
                    "qwen1.5-moe-a2.7b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3, gpt-oss-20b, gpt-oss-120b); "
-                   "--layers still applies, the other size flags are ignored")
+                   "--layers still applies; the other size flags are refused beside it")
     p.add_argument("--zero-experts", action="store_true", help="routed experts are zeros: holes of sparse files")
     p.add_argument("--mxfp4", action="store_true", help="gpt_oss only: the experts as the Hub's MXFP4 blocks / scales "
                    "(bf16 biases, quantization_config mxfp4; scales give the dequantized weights std --std)")
@@ -496,9 +496,9 @@ def dims_from_args(a: argparse.Namespace) -> Dims:
                                                                     top_k=a.top_k, vocab=a.vocab, max_pos=a.max_pos)
     if getattr(a, "mxfp4", False):
         if d.family != "gpt_oss":
-            raise ValueError(f"--mxfp4: MXFP4 experts are gpt_oss's (the Hub's gpt-oss checkpoints); "
-                             f"{'--preset ' + a.preset if a.preset else 'the default dims'} is family {d.family} "
-                             f"(use --preset gpt-oss-20b or --preset gpt-oss-120b)")
+            raise ValueError(f"--mxfp4: MXFP4 experts are gpt_oss's (the Hub's gpt-oss checkpoints), not family "
+                             f"{d.family}'s ({'--preset ' + a.preset if a.preset else 'the default dimensions'}); "
+                             f"use --preset gpt-oss-20b or --preset gpt-oss-120b")
         d = dataclasses.replace(d, mxfp4=True)
     return d
 

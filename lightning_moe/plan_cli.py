@@ -178,9 +178,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ckpt_q = registry_expert_format(model)
         if args.quant and ckpt_q and args.quant != ckpt_q:
             raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
+        if args.quant in QUANT_FORMATS:  # quantize's pages: a plan for pages quantize cannot write is refused
+            from .model.families import family_of
+            from .model.quantize import packed_pages_refusal
+
+            why = packed_pages_refusal(family_of(spec))
+            if why is not None:
+                raise CommandError(f"--quant {args.quant}: {why}")
         check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time
         check_cpu_budget(int(cpu_mem), hw)  # nor one for host memory the machine does not have
         gpus = args.gpus if args.gpus is not None else (getattr(job, "gpus", 1) if job is not None else 1)
+        if gpus > 1:
+            from .pipeline.expert_parallel import expert_parallel_refusal
+
+            why = expert_parallel_refusal(spec)
+            if why is not None:
+                raise CommandError(f"--gpus {gpus}: {why}")
         budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
                           gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
                           cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve, gpus=gpus)

@@ -164,3 +164,18 @@ def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
     assert "/ budget 2.0 GiB" in capsys.readouterr().out
     assert run(["plan", "--model", "mixtral-8x7b", "--set", "gpu_memory=2GiB", "--prompt-len", "8", "--gen-len", "2"]) == 2
     assert "--set overrides a job's keys" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,want", [
+    (["--quant", "int4"], "--quant int4: the gpt_oss family's experts (clamped_swiglu, their own checkpoint layout) "
+                          "are not implemented by quantize's packed pages"),
+    (["--gpus", "2"], "--gpus 2: expert parallelism: gpt_oss: expert activation 'clamped_swiglu' (silu only)"),
+])
+def test_plan_refuses_what_run_cannot_execute_for_gpt_oss(extra, want, capsys):
+    """A registry gpt-oss with quantize's int4 pages or expert parallelism: refused in one line, as `quantize` and
+    the expert-parallel executor refuse them (no plan for a setup `run` cannot execute); mixtral plans both."""
+    args = ["plan", "--model", "gpt-oss-20b", "--hardware", "h200", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB",
+            "--prompt-len", "64", "--gen-len", "16", "--time-limit", "5"]
+    assert run(args + extra) == 2
+    assert f"moe-batch plan: error: {want}" in capsys.readouterr().err
+    assert run(L4_ARGS + extra + ["--time-limit", "5"]) == 0

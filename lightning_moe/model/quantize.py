@@ -43,6 +43,15 @@ class QuantizeResult:
     copied_files: list = field(default_factory=list)  # non-weight files copied from the source (tokenizer, ...)
 
 
+def packed_pages_refusal(fam) -> Optional[str]:
+    """Why quantize's int4 / int2 pages cannot hold family ``fam``'s experts (a layout of their own, or an activation
+    other than silu: gpt-oss), naming it; None when they can. ``quantize`` and ``plan --quant`` check it."""
+    if fam.load_experts is not None or fam.expert_activation != "silu":
+        return (f"the {fam.name} family's experts ({fam.expert_activation}, their own checkpoint layout) are not "
+                f"implemented by quantize's packed pages")
+    return None
+
+
 def _read_config(path: str, what: str) -> tuple[str, dict]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isdir(path):
@@ -137,9 +146,9 @@ def quantize_checkpoint(
     except ValueError:
         raise QuantizeError(f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported by quantize "
                             f"(only {', '.join(repr(t) for t in supported_model_types())})") from None
-    if fam.load_experts is not None or fam.expert_activation != "silu":
-        raise QuantizeError(f"{cfg_path}: the {fam.name} family's experts ({fam.expert_activation}, their own "
-                            f"checkpoint layout) are not implemented by quantize's packed pages")
+    why = packed_pages_refusal(fam)
+    if why is not None:
+        raise QuantizeError(f"{cfg_path}: {why}")
     keys = fam.keys
     if "quantization" in raw:
         raise QuantizeError(f"{cfg_path}: the source is already quantized ({raw['quantization']}); "

@@ -25,6 +25,17 @@ from ..model.weights import ExpertsOnDisk, ModelWeights
 from .serial import SerialExecutor
 
 
+def expert_parallel_refusal(spec) -> Optional[str]:
+    """Why expert parallelism cannot run ``spec``'s family (its experts' activation: silu only), naming it; None when
+    it can. The executor and ``plan --gpus`` check it."""
+    from ..model.families import family_of
+
+    fam = family_of(spec)
+    if fam.expert_activation != "silu":
+        return f"expert parallelism: {fam.name}: expert activation {fam.expert_activation!r} (silu only)"
+    return None
+
+
 def expert_owners(num_experts: int, parts: int, split: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """The process holding each expert of a layer (length ``num_experts``): e % ``parts`` by default (hrm H10's
     placement), or with ``split`` = experts per process (``parts`` counts summing to ``num_experts``, each >= 1: process
@@ -86,9 +97,9 @@ class ExpertParallelExecutor(SerialExecutor):
         if not self.owned:
             raise ValueError(f"expert parallelism: process {rank} holds no expert (owners {owners})")
         super().__init__(_own_experts(weights, self.owned), device, dtype)
-        if self.family.expert_activation != "silu":
-            raise ValueError(f"expert parallelism: {self.family.name}: expert activation {self.family.expert_activation!r} "
-                             f"(silu only)")
+        why = expert_parallel_refusal(weights.spec)
+        if why is not None:
+            raise ValueError(why)
         self.local = {e: i for i, e in enumerate(self.owned)}  # global expert id -> row of this process's stacks
         self.experts_ffn = self._routed_ffn
 
