@@ -178,17 +178,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ckpt_q = registry_expert_format(model)
         if args.quant and ckpt_q and args.quant != ckpt_q:
             raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
-        if args.quant in QUANT_FORMATS:  # quantize's pages: a plan for pages quantize cannot write is refused
-            from .model.families import family_of
+        from .model.families import family_of
+
+        try:
+            fam = family_of(spec)
+        except ValueError:  # a registry model no family runs (planned only): nothing of run's to refuse
+            fam = None
+        if args.quant in QUANT_FORMATS and fam is not None:  # a plan for pages quantize cannot write is refused
             from .model.quantize import packed_pages_refusal
 
-            why = packed_pages_refusal(family_of(spec))
+            why = packed_pages_refusal(fam)
             if why is not None:
                 raise CommandError(f"--quant {args.quant}: {why}")
         check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time
         check_cpu_budget(int(cpu_mem), hw)  # nor one for host memory the machine does not have
         gpus = args.gpus if args.gpus is not None else (getattr(job, "gpus", 1) if job is not None else 1)
-        if gpus > 1:
+        if gpus > 1 and fam is not None:
             from .pipeline.expert_parallel import expert_parallel_refusal
 
             why = expert_parallel_refusal(spec)

@@ -420,13 +420,16 @@ def _plan(argv):
 
 def test_plan_both_registry_entries(capsys):
     """gpt-oss-20b plans (its Hub format, mxfp4) under 24 GiB of GPU and 120 GiB of host, and at bf16; gpt-oss-120b's
-    bf16 experts (214 GiB: the -bf16 alias) do not fit the host, at int4's bytes it plans (and at mxfp4's:
-    tests/test_mxfp4_pages.py)."""
+    bf16 experts (214 GiB: the -bf16 alias) do not fit the host; it plans at mxfp4's bytes (its default, below and
+    tests/test_mxfp4_pages.py), and int4 is refused: quantize's pages cannot hold gpt-oss's experts, so run could not
+    execute that plan."""
     assert _plan(["--model", "gpt-oss-20b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 0
     assert "predicted:" in capsys.readouterr().out
     assert _plan(["--model", "gpt-oss-20b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB", "--quant", "bf16"]) == 0
     assert "predicted:" in capsys.readouterr().out
     assert _plan(["--model", "gpt-oss-120b-bf16", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 2
     assert "moe-batch plan: infeasible: host memory 120.00 GiB < " in capsys.readouterr().err
-    assert _plan(["--model", "gpt-oss-120b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB", "--quant", "int4"]) == 0
-    assert "predicted:" in capsys.readouterr().out
+    assert _plan(["--model", "gpt-oss-120b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB", "--quant", "int4"]) == 2
+    assert "--quant int4: the gpt_oss family's experts" in capsys.readouterr().err
+    assert _plan(["--model", "gpt-oss-120b", "--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]) == 0
+    assert "expert pages                     mxfp4" in capsys.readouterr().out
