@@ -109,3 +109,28 @@ def test_moe_batch_run_with_gpus_2(tmp_path, tiny_dir):
     assert len(b) == 5 and {r["id"]: r["output_ids"] for r in b} == a  # written once, by rank 0
     assert json.load(open(two.output.report_path))["status"] == "done"
     assert not os.path.exists(two.output.partial_path)
+
+
+def test_gpus_2_for_a_family_it_cannot_run_is_one_line_before_any_process(tmp_path, capsys):
+    """gpus: 2 on gpt-oss (clamped SwiGLU: expert parallelism is silu only): exit 2, one line naming the job file and
+    gpus, before a process is started or a weight read (it was a traceback from a spawned process)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import make_checkpoint as mk
+    import yaml
+
+    from lightning_moe import cli
+
+    ck = mk.write_checkpoint(str(tmp_path / "ck"), mk.Dims.from_registry("gpt-oss-20b", 2).tiny(),
+                             log=open(os.devnull, "w"))["path"]
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": ck, "data": {"source": "jsonl", "path": str(data)}, "device": "cpu",
+                                   "output": {"path": str(tmp_path / "out.jsonl")}, "executor": "serial", "gpus": 2}))
+    capsys.readouterr()
+    assert cli.main(["run", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}: gpus: 2: expert parallelism: gpt_oss: expert activation 'clamped_swiglu' (silu only)" in err, err
+    assert "expert-parallel processes" not in err and not os.path.exists(tmp_path / "out.jsonl")

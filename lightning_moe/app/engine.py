@@ -103,6 +103,22 @@ def check_device(job: Job) -> None:
                           f"(set device: cpu, or --set device=cpu)")
 
 
+def check_expert_parallel(job: Job) -> None:
+    """ConfigError naming the job's ``gpus`` when expert parallelism cannot run its model's family (read from the
+    checkpoint's config.json only: before any process is started or weight read)."""
+    if job.gpus <= 1:
+        return
+    from ..model.spec import MoESpec
+    from ..model.tiny import resolve_model_path
+    from ..pipeline.expert_parallel import expert_parallel_refusal
+
+    why = expert_parallel_refusal(MoESpec.from_pretrained_dir(resolve_model_path(job.model)))
+    if why is not None:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.label}: gpus: {job.gpus}: {why} (set gpus: 1)")
+
+
 def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
     """The plan a run executes with, before any weight is read: a cgopipe job's :func:`plan_job` (None when no request
     is valid); None for the serial executor, which runs no policy -- though a malformed one is still an error."""
@@ -465,6 +481,8 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
 
     log = log if log is not None else sys.stderr
     if job.gpus > 1 and not in_group():  # start the expert-parallel processes; process 0 comes back here
+        check_device(job)
+        check_expert_parallel(job)
         return run_expert_parallel(job, run_job, follow_job, progress, log)
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
