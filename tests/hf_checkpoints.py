@@ -60,3 +60,12 @@ def hf_prompt_logprobs(model, seqs):
             tgt = torch.tensor(s[1:])
             ref.append((lp.gather(1, tgt[:, None])[:, 0], lp.argmax(-1) == tgt))
     return ref
+
+
+def assert_scores_match(out, ref, tol: float = 1e-4):
+    """Two executors' (or an executor's and transformers') prompt scores agree: as many sequences, per sequence the
+    same shape, log-probs within ``tol`` (max abs) and identical greedy flags."""
+    assert len(out) == len(ref), (len(out), len(ref))
+    for (a, ga), (b, gb) in zip(out, ref):
+        assert a.shape == b.shape and (a - b).abs().max().item() < tol
+        assert torch.equal(ga, gb)

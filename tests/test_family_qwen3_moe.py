@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from hf_checkpoints import (hf_greedy as _hf_greedy, hf_prompt_logprobs, ragged_logit_diff,  # noqa: E402
+from hf_checkpoints import (assert_scores_match, hf_greedy as _hf_greedy, hf_prompt_logprobs, ragged_logit_diff,  # noqa: E402
                             write_config as _write_config)
 
 from lightning_moe.model.families import family_for, family_of, read_spec
@@ -143,8 +143,7 @@ def test_cgopipe_prompt_logprobs_equal_serial(hf_qwen3):
         out = pipe.prompt_logprobs(seqs)
     finally:
         pipe.close()
-    for (a, ga), (b, gb) in zip(out, ref):
-        assert (a - b).abs().max().item() < 1e-4 and torch.equal(ga, gb)
+    assert_scores_match(out, ref)
 
 
 def test_prompt_logprobs_equal_transformers_log_softmax_both_executors(hf_qwen3):
@@ -162,8 +161,7 @@ def test_prompt_logprobs_equal_transformers_log_softmax_both_executors(hf_qwen3)
         pipe.close()
     for out in (serial, piped):
         assert len(out) == len(ref)
-        for (a, ga), (b, gb) in zip(out, ref):
-            assert (a - b).abs().max().item() < 1e-4 and torch.equal(ga, gb)
+        assert_scores_match(out, ref)
 
 
 def test_ragged_batch_equals_each_prompt_alone(hf_qwen3):
