@@ -203,7 +203,7 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
       --gen-device cuda 2>&1 | tail -1; fi
     J=$W/jobs/suite-ppl-bf16-12g.yaml
     for k in triton grouped_mm auto triton grouped_mm auto; do
-      L=$((585 - (SECONDS - S))); [ $L -lt 60 ] && { echo "A/B stopped: $L s left"; break; }
+      L=$((${LIMIT:-585} - (SECONDS - S))); [ $L -lt 60 ] && { echo "A/B stopped: $L s left"; break; }
       R=$W/results/i22-$k.jsonl; rm -f $W/results/i22-$k.*
       timeout $L python3 -m lightning_moe.cli run $J --no-progress --set expert_ffn=$k --set hardware=$HW \
         --set output.path=$R > /dev/null 2>&1

@@ -44,6 +44,7 @@ def make_hf_gpt_oss(path, *, seed=0, shard="50KB", **kw):
     args.update(kw)
     torch.manual_seed(seed)
     model = GptOssForCausalLM(GptOssConfig(**args)).eval()
+    honor_swiglu_config(model)
     with torch.no_grad():  # larger-than-default init so routing, sinks, clamps and tokens are not degenerate
         for n, p in model.named_parameters():
             if "experts" in n and p.dim() == 3:  # [E, in, out]
@@ -56,6 +57,17 @@ def make_hf_gpt_oss(path, *, seed=0, shard="50KB", **kw):
                 p.normal_(0, 0.5)
     model.save_pretrained(str(path), max_shard_size=shard)
     return str(path), model
+
+
+def honor_swiglu_config(model) -> None:
+    """Make transformers' experts compute the config's clamped SwiGLU: transformers 5.17 (the GPU host's image) sets
+    ``GptOssExperts.limit = 7.0`` and ``alpha = 1.702`` whatever ``swiglu_limit`` says (later releases read the
+    config), so its reference would ignore the ``swiglu_limit=1.0`` these tests set; a no-op where the config is
+    read."""
+    c = model.config
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = c.swiglu_limit
+        layer.mlp.experts.alpha = getattr(c, "swiglu_alpha", 1.702)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def test_wall_seconds_add_up_with_setup(tiny_dir, tmp_path, monkeypatch):
                          "generation": {"max_new_tokens": 3}}, "job")
     assert real is not slow_first_use
     w = engine.run_job(job, progress=False)["wall_seconds"]
-    assert set(w) == {"total", "setup", "load", "prefill", "decode", "other"}
+    assert set(w) == {"total", "setup", "load", "warmup", "prefill", "decode", "other"}
     assert w["setup"] >= 0.3 and w["load"] < w["total"] - 0.3
     assert abs(w["setup"] + w["load"] + w["prefill"] + w["decode"] + w["other"] - w["total"]) < 1e-9
     from lightning_moe.app.report import format_report

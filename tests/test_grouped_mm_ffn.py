@@ -156,7 +156,10 @@ def test_profile_round_trips_expert_ffn_rates(tmp_path):
     d = prof.to_dict()
     del d["expert_ffn_rates"]
     assert HardwareProfile.from_dict(d).expert_ffn_rates == ()
-    assert HardwareProfile.load("lightning_moe/policy/profiles/h200-host.yaml").expert_ffn_rates == ()
+    h200 = HardwareProfile.load("lightning_moe/policy/profiles/h200-host.yaml")  # rates measured on the H200 host
+    assert len(h200.expert_ffn_table(4096, 14336, 8, 2, "bf16")) == 6  # Mixtral-8x7B, T 16 .. 16384
+    assert h200.expert_ffn_kernel(4096, 14336, 8, 2, "bf16", 16) == "triton"  # decode-sized calls
+    assert h200.expert_ffn_kernel(4096, 14336, 8, 2, "bf16", 16384) == "grouped_mm"  # prefill-sized calls
 
 
 @pytest.mark.parametrize("entry,msg", [
@@ -370,3 +373,35 @@ def test_job_key_grouped_mm(tmp_path):
     from lightning_moe.config import EXPERT_FFNS
 
     assert "grouped_mm" in EXPERT_FFNS
+
+
+def test_cgopipe_warmup_runs_once_and_changes_nothing(tiny_dir):
+    """The prefill warm-up (CGOPipe ``warmup=True``; on by default on CUDA): the first prefill runs layer 0 once more
+    over throwaway copies of its distinct chunk shapes. Greedy tokens and prompt log-probs are exactly the run
+    without it (fp32 CPU, ragged batch of 11 in chunks of <= 2: five chunk shapes, four warmed); its seconds are in
+    ``stats.warmup_seconds`` once (the second call does not warm up again), and the per-phase kernel counts are the
+    real calls only."""
+    from lightning_moe.model.weights import load_checkpoint
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.policy.policy import Policy
+
+    prompts = _prompts(11, seed=3)
+    seqs = [p + [5, 6] for p in prompts]
+    sp = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    pol = Policy(mu=3, n=4, prefill_mu=2, resident_experts=0, dtype="fp32", weight_quant="fp32")
+    runs = {}
+    for warm in (False, True):
+        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", ffn="grouped_mm", warmup=warm)
+        out = ex.generate(prompts, sp)
+        first = ex.stats.warmup_seconds
+        lp = ex.prompt_logprobs(seqs)
+        runs[warm] = (out, lp, first, ex.stats.warmup_seconds, dict(ex.stats.extra))
+        ex.close()
+    (out0, lp0, w0, _, st0), (out1, lp1, w1, w1_after, st1) = runs[False], runs[True]
+    assert out1 == out0
+    for (a, ga), (b, gb) in zip(lp1, lp0):
+        assert torch.equal(a, b) and torch.equal(ga, gb)
+    assert w0 == 0.0 and w1 > 0.0 and w1_after == w1
+    L = ex.spec.num_layers  # generate: 7 chunks (micro-batches of 3, 3, 3, 2); scoring: 6 chunks of <= 2 rows
+    assert st1["expert_ffn_prefill_calls_grouped_mm"] == st0["expert_ffn_prefill_calls_grouped_mm"] == L * (7 + 6)

@@ -122,13 +122,14 @@ def job_totals(runs: list[dict], records: int) -> dict:
 def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float = 0.0) -> dict:
     """Throughput figures (tokens/s) and wall times (s) for the report. ``wall_seconds`` adds up: ``total`` = ``setup``
     (one-time: the embedded model's creation on first use, building or loading the native CPU attention kernel) +
-    ``load`` (the weights, the executor) + ``prefill`` + ``decode`` + ``other`` (the rest: reading and tokenizing
-    the requests, planning, writing records, checkpoints and the report)."""
-    busy = s.prefill_seconds + s.decode_seconds
+    ``load`` (the weights, the executor) + ``warmup`` (the kernels' one-time costs before the first prefill: compile,
+    plans; not in prefill tokens/s, in end-to-end) + ``prefill`` + ``decode`` + ``other`` (the rest: reading and
+    tokenizing the requests, planning, writing records, checkpoints and the report)."""
+    busy = s.warmup_seconds + s.prefill_seconds + s.decode_seconds
     other = max(0.0, total - t_setup - t_load - busy)
     return {
-        "wall_seconds": {"total": total, "setup": t_setup, "load": t_load, "prefill": s.prefill_seconds,
-                         "decode": s.decode_seconds, "other": other},
+        "wall_seconds": {"total": total, "setup": t_setup, "load": t_load, "warmup": s.warmup_seconds,
+                         "prefill": s.prefill_seconds, "decode": s.decode_seconds, "other": other},
         "prompt_tokens": s.prefill_tokens, "generated_tokens": s.generated_tokens,
         "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
         "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
@@ -202,8 +203,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
     lines += [_table(rows), ""]
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "
-                  f"kernel) + load {w['load']:,.2f} + prefill {w['prefill']:,.2f} + decode {w['decode']:,.2f} + other "
-                  f"{w['other']:,.2f}", ""]
+                  f"kernel) + load {w['load']:,.2f} + warmup {w.get('warmup', 0.0):,.2f} (one-time: kernel compile, "
+                  f"plans) + prefill {w['prefill']:,.2f} + decode {w['decode']:,.2f} + other {w['other']:,.2f}", ""]
     pol = r.get("policy")
     if pol:
         fields = [f"{_POLICY_NAMES.get(k, k)} {format_bytes(v) if k.endswith('_bytes') else v}" for k, v in pol.items()]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -55,6 +55,9 @@ from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, 
 from .weight_stream import WeightStream, packed_layout
 
 __all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "expert_ffn_for"]
+
+
+WARMUP_SHAPES = 4  # distinct prefill chunk shapes the warm-up runs (later new shapes pay their own first call)
 
 
 @dataclass
@@ -219,7 +222,7 @@ class CGOPipeExecutor:
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, ffn: str = "torch", kv_groups: int = KV_GROUPS,
                  cpu_threads: Optional[int] = None, attention_h2d: str = "auto", gpu_attention: str = "torch",
-                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, hardware=None):
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, hardware=None, warmup: Optional[bool] = None):
         if isinstance(score_chunk_tokens, bool) or not isinstance(score_chunk_tokens, int) or score_chunk_tokens < 1:
             raise ValueError(f"CGOPipeExecutor: score_chunk_tokens must be an int >= 1, got {score_chunk_tokens!r}")
         self.score_chunk_tokens = score_chunk_tokens
@@ -266,6 +269,10 @@ class CGOPipeExecutor:
             weights.release_non_expert()
         self.inv_freq = fam.rope_inv_freq(spec, dev)
         self.stats = RunStats()
+        # one warm-up pass before the first prefill (:meth:`_warm_up`); default: on CUDA (its kernels compile, load
+        # and plan on first use), off on the CPU (nothing to warm)
+        self.warmup = self.cuda if warmup is None else bool(warmup)
+        self._warm_s = 0.0  # seconds of the warm-up inside the running prefill (its callers take them out of its wall)
         self.timer = StageTimer(self.cuda)
         self.compute = torch.cuda.current_stream(dev) if self.cuda else None
         self.weight_stream = WeightStream(weights.experts, spec, policy, dev, dt, self.compute, self.timer,
@@ -488,9 +495,12 @@ class CGOPipeExecutor:
         chunks = [self._prefill_chunk(prompts, i, mb, off, rows)
                   for i, mb in enumerate(mbs) for off, rows in self._prefill_chunks(prompts, mb)]
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
+        self._warm_s = 0.0
         for l in range(self.spec.num_layers):
             visit, ffn = self._begin_visit()
             self.weight_stream.prefetch_slot(visit + 1, 0, 1)
+            if self.warmup and (ffn is not None or l == self.spec.num_layers - 1):
+                self._warm_up(l, chunks, ffn)
             for ch in chunks:
                 self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
             self.weight_stream.end_visit(visit)
@@ -504,6 +514,32 @@ class CGOPipeExecutor:
             x = ch.x[(ch.ends - 1).to(self.device)]
             per_mb[ch.mb].append(self.family.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
         return [torch.cat(parts) for parts in per_mb]
+
+    def _warm_up(self, l: int, chunks: list[PrefillChunk], ffn) -> None:
+        """Once per executor, inside its first prefill's first MoE layer visit (the last layer if none is MoE): layer
+        ``l`` over a throwaway copy of each distinct chunk shape (rows, tokens, longest row; at most
+        ``WARMUP_SHAPES``), no KV written, outputs dropped, kernel-call counts restored. The kernels' one-time costs
+        (Triton compilation or cache load, the attention library's plans, cuBLAS heuristics, lazy module loads) land
+        in ``stats.warmup_seconds`` and ``self._warm_s`` (the callers take them out of the prefill's wall), not in
+        prefill tokens/s; the run's end-to-end time keeps them."""
+        self.warmup = False
+        t0 = time.perf_counter()
+        choice = getattr(self.expert_ffn, "choice", None)
+        calls = dict(choice.calls) if choice is not None else None
+        seen: set = set()
+        for ch in chunks:
+            key = (len(ch.rows), ch.x.shape[0], max(e - s for s, e in ch.spans))
+            if key in seen:
+                continue
+            if len(seen) == WARMUP_SHAPES:
+                break
+            seen.add(key)
+            self._prefill_layer(l, replace(ch), MicroBatch(ch.rows, None, False), ffn, [])
+        self._sync()
+        if choice is not None:
+            choice.calls = calls
+        self._warm_s = time.perf_counter() - t0
+        self.stats.warmup_seconds += self._warm_s
 
     def _score_chunks(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], chunks: list[PrefillChunk]) -> list:
         """The scoring head over each prefill chunk's final hidden states (in :meth:`_prefill`'s chunk order, which
@@ -736,9 +772,9 @@ class CGOPipeExecutor:
             on_step(len(prompts))
         t1 = time.perf_counter()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        self.stats.prefill_seconds += t1 - t0
+        self.stats.prefill_seconds += t1 - t0 - self._warm_s  # a warm-up (_warm_up) is not prefill time
         self.timer.span("phase", t0, t1, "prefill")
-        self._prefill_done(t1 - t0)  # the prefill's stage times, apart from the decode's
+        self._prefill_done(t1 - t0 - self._warm_s)  # the prefill's stage times, apart from the decode's
         self._attn_kv_bytes = 0
         native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
         rows.end_step()
@@ -799,8 +835,9 @@ class CGOPipeExecutor:
             for r, sc in zip(mb.rows, split_scores(lp, g, [len(seqs[r]) for r in mb.rows])):
                 out[r] = sc
         self._sync()
-        self.timer.span("phase", t0, time.perf_counter(), "scoring")
-        self._prefill_done(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.timer.span("phase", t0, t1, "scoring")
+        self._prefill_done(t1 - t0 - self._warm_s)  # a warm-up (_warm_up) is not prefill time
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
-        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_seconds += t1 - t0 - self._warm_s
         return out
