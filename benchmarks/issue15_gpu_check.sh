@@ -31,6 +31,8 @@
 #                                            # (same policy: same profile), alternating, prefill tok/s vs predicted
 #   bash benchmarks/issue15_gpu_check.sh M   # the MXFP4 kernel's GPU tests (tests/gpu/test_mxfp4*.py), then step K
 #                                            # with the time left
+#   bash benchmarks/issue15_gpu_check.sh P   # issue 22: the 1000-text perplexity job before (5dcc895) / after, then
+#                                            # int4 perplexity and bf16 generation, each against the dense-GEMM bound
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -60,7 +62,7 @@ step_k() {  # step K, with what is left of the 575 s since the script started
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -211,6 +213,25 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
 st={a: (round(b, 3) if isinstance(b, float) else b) for a, b in (r.get('stages') or {}).items() if a.startswith(('expert_ffn_', 'prefill_'))}; \
 print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted', round(p.get('prefill_tokens_per_s') or 0), st)" \
         ${R%.jsonl}.report.json $k 2>&1 | tail -1 | tee -a $OUT/i22_ab.txt
+    done ;;
+  P)
+    # issue 22 A/B through the CLI (LIMIT s in all): the CGOPipe-on-CUDA GPU test that compares to the serial
+    # executor and transformers (the warm-up runs in it); then the 1000-text perplexity job (bf16, 12 GiB) at 5dcc895
+    # (.carry/before, its own profile) and at this commit, alternating; then int4 perplexity and bf16 generation at
+    # this commit. Each line: prefill tok/s, predicted, warm-up s, and the dense-GEMM bound (benchmarks/prefill_bound.py)
+    L=${LIMIT:-585}
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_cgopipe_gpu.py > $OUT/tests_p.txt 2>&1
+    echo "mxfp4 cgopipe GPU tests: rc $?"; tail -1 $OUT/tests_p.txt
+    python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda \
+      --cases suite-ppl-accept-bf16-12g,suite-ppl-int4-12g,suite-gen-bf16-12g 2>&1 | tail -1
+    for tc in before:suite-ppl-accept-bf16-12g now:suite-ppl-accept-bf16-12g before:suite-ppl-accept-bf16-12g \
+        now:suite-ppl-accept-bf16-12g now:suite-ppl-int4-12g now:suite-gen-bf16-12g; do
+      IFS=: read -r t c <<< "$tc"; P=$PWD; [ $t = before ] && P=$PWD/.carry/before
+      left=$((L - (SECONDS - S))); [ $left -lt 45 ] && { echo "P stopped: $left s left"; break; }
+      R=$W/results/p-$t-$c.jsonl; rm -f $W/results/p-$t-$c.*
+      PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P run $W/jobs/$c.yaml --no-progress \
+        --set output.path=$R --set hardware=$P/lightning_moe/policy/profiles/h200-host.yaml > /dev/null 2>&1
+      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" 2>&1 | tail -1 | tee -a $OUT/p_ab.txt
     done ;;
   K) step_k ;;
   M)
