@@ -328,6 +328,26 @@ def test_expert_flops_cap_the_routed_expert_term_by_hand():
         toy_hw(gpu_expert_flops=-1.0)
 
 
+def test_prefill_elementwise_traffic_by_hand():
+    """prefill_elementwise_rows adds T * rows * D * b / HBM to each prefill MoE layer's GPU stage for every prefill
+    micro-batch (a dense layer and decode unchanged; 0, older profiles: nothing)."""
+    spec = two_layer_spec(dense_layers=(0,), dense_intermediate_size=16)  # layer 0 dense, layer 1 MoE
+    pol = Policy(mu=6, n=2, prefill_mu=5, resident_experts=0)  # N 12: prefill micro-batches 5, 5, 2
+    s, rows, D, b = 7, 3.5, 8, 2
+    base, meas = toy_hw(), toy_hw(prefill_elementwise_rows=rows)
+    assert hrm.gpu_prefill_elementwise_time(spec, base, 100) == 0.0
+    assert hrm.gpu_prefill_elementwise_time(spec, meas, 100) == pytest.approx(100 * rows * D * b / 1e5)
+    for layer, extra in ((0, 0.0), (1, 12 * s * rows * D * b / 1e5)):
+        a = hrm.prefill_layer_times(spec, base, pol, layer, 4, s)
+        m = hrm.prefill_layer_times(spec, meas, pol, layer, 4, s)
+        assert m.gpu - a.gpu == pytest.approx(extra, abs=1e-12), layer
+        assert (m.h2d, m.d2h, m.cpu) == (a.h2d, a.d2h, a.cpu)
+    d0, d1 = (hrm.decode_layer_times(spec, h, pol, 1, 4, s + 1) for h in (base, meas))
+    assert d0 == d1
+    with pytest.raises(Exception, match="prefill_elementwise_rows"):
+        toy_hw(prefill_elementwise_rows=-1.0)
+
+
 def test_expert_kernel_probe_argument_errors():
     import torch
 

@@ -161,6 +161,11 @@ class HardwareProfile:
     gpu_link: float = 0.0  # bytes/s one GPU sends to the others during an all-reduce (NVLink, or PCIe peer-to-peer) with
     #   several GPUs of the host (expert parallelism, Budgets.gpus); 0 = unmeasured: pcie_h2d (peer copies over PCIe,
     #   the link of hosts without NVLink; pessimistic for NVLink hosts)
+    prefill_elementwise_rows: float = 0.0  # element-wise traffic of one prefill token through one MoE layer, in hidden
+    #   rows (hidden_size x dtype bytes) at gpu_hbm_bandwidth: the kernels around the GEMMs (norms, RoPE, routing's
+    #   top-k / sort / scatter, the expert path's slot buffers, residual adds, packed-attention indexing) that the HRM's
+    #   roofline terms do not count; from a prefill trace's kernel times (benchmarks/prefill_elementwise.py);
+    #   0 = unmeasured: folded into the GEMMs' activation bytes
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles

@@ -29,8 +29,9 @@ against its text here, so "Sec." citations are the reliable ones.
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
-               sum over prefill micro-batches of (H1) kernels incl. causal attention + T_deq for quantized
-               pages), + head for the last token of each sequence
+               sum over prefill micro-batches of (H1) kernels incl. causal attention and the MoE layer's
+               measured element-wise traffic + T_deq for quantized pages), + head for the last token of each
+               sequence
   (H9) throughput: prefill N * prompt_len / T_prefill; decode N * (G - 1) / T_decode;
                end-to-end N * G / (T_prefill + T_decode)  (the planner's objective)
   (H10) g GPUs of one host (Policy.gpus, expert parallelism; g = 1 is everything above, bit for bit): expert e of
@@ -56,7 +57,9 @@ scratch and time (T_deq); the other formulas are the same.
 
 Modelling choices (stated so a measured run can be compared): routing is uniform (no routing traces);
 prefill attention is a fused kernel (no S^2 score matrix in memory); element-wise kernels (norms, RoPE,
-SiLU) are folded into the GEMMs' activation bytes; CPU attention threads do not slow the GPU feeder.
+SiLU) are folded into the GEMMs' activation bytes, except in a prefill MoE layer when the profile measured their
+traffic (``prefill_elementwise_rows``: :func:`gpu_prefill_elementwise_time`); CPU attention threads do not slow the
+GPU feeder.
 """
 
 from __future__ import annotations
@@ -230,6 +233,13 @@ def gpu_prefill_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, 
     return roofline(flops, nbytes, P, B)
 
 
+def gpu_prefill_elementwise_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16") -> float:
+    """The element-wise kernels of ``tokens`` prefill tokens through one MoE layer that the roofline terms leave out:
+    bytes T * prefill_elementwise_rows * D b at the HBM bandwidth (the profile's measured traffic; 0 when
+    unmeasured)."""
+    return tokens * hw.prefill_elementwise_rows * spec.hidden_size * dtype_bytes(dtype) / hw.gpu_hbm_bandwidth
+
+
 def gpu_head_time(spec: MoESpec, hw: HardwareProfile, rows: float, tokens: float, dtype: str = "bf16") -> float:
     """Embedding of ``tokens`` tokens + final norm and lm_head for ``rows`` rows.
 
@@ -365,7 +375,8 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     mbs = prefill_micro_batches(policy.N, policy.prefill_mu)
     for count, size in mbs:
         tokens = size * prompt_len
-        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt))
+        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt)
+                        + (0.0 if dense else gpu_prefill_elementwise_time(spec, hw, tokens, dt)))
     if not dense and mbs and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)
     h2d = 0.0 if dense else expert_h2d_time(spec, hw, paged_per_gpu(non_resident, g), q)

@@ -1,0 +1,67 @@
+"""The profile's ``prefill_elementwise_rows`` from a prefill's kernel trace: the device time of the kernels the HRM's
+roofline terms do not model (everything but the expert FFN kernels, the GEMMs, fused attention, copies, and the
+scoring head after the last expert call), over the prefill's token-layers, as bytes at the HBM bandwidth in hidden
+rows (hidden_size x 2 bytes).
+
+    python3 benchmarks/prefill_elementwise.py TRACE.json.gz RUN.report.json [--hardware PROFILE.yaml]
+
+TRACE: ``benchmarks/profile_prefill.py --trace`` of a scoring job (one prefill pass per batch, every token through
+every layer); RUN.report.json: that job's report (prompt tokens; the checkpoint's config.json for layers and width).
+Kernel durations do not include the first-call gaps (compilation, plans), so a first run's trace serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+EXPERT = re.compile(r"gate_up|down_kernel|grouped_mm|_mx_kernel|dequant")  # the expert FFN's own kernels
+MODELED = re.compile(r"nvjet|gemm|sdpa|flash|fmha|cutlass|xmma|Memcpy|Memset")  # GEMMs, attention, copies: HRM terms
+
+
+def unmodeled_seconds(events: list) -> tuple[float, int]:
+    """Seconds of device kernels from the first GEMM to the end of the last expert kernel that are neither expert,
+    GEMM, attention nor copy kernels, and the number of expert kernel calls (a check that the trace is a prefill)."""
+    ks = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    experts = [e for e in ks if EXPERT.search(e["name"])]
+    if not experts:
+        raise SystemExit("no expert FFN kernels in the trace")
+    lo = next(e["ts"] for e in ks if MODELED.search(e["name"]))
+    hi = experts[-1]["ts"] + experts[-1]["dur"]
+    us = sum(e["dur"] for e in ks if lo <= e["ts"] < hi and not EXPERT.search(e["name"]) and not MODELED.search(e["name"]))
+    return us / 1e6, len(experts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("report")
+    ap.add_argument("--hardware", default=os.path.join(REPO, "lightning_moe", "policy", "profiles", "h200-host.yaml"))
+    a = ap.parse_args()
+    from lightning_moe.policy.hardware import resolve_hardware
+
+    op = gzip.open if a.trace.endswith(".gz") else open
+    with op(a.trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    r = json.load(open(a.report))
+    cfg = json.load(open(os.path.join(r["model_path"], "config.json")))
+    layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+    token_layers = r["prompt_tokens"] * layers
+    secs, calls = unmodeled_seconds(events)
+    bw = resolve_hardware(a.hardware).gpu_hbm_bandwidth
+    rows = secs * bw / token_layers / (cfg["hidden_size"] * 2)
+    print(f"{calls} expert kernel calls; unmodeled kernels {secs * 1e3:.1f} ms over {token_layers:,} token-layers = "
+          f"{secs / token_layers * 1e9:.1f} ns each = {rows:.1f} hidden rows at {bw / 1e12:.2f} TB/s")
+    print(f"prefill_elementwise_rows: {rows:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
