@@ -86,3 +86,20 @@ def test_cpu_device_host_prediction_names_the_device_tensors():
     assert "peak memory: host 3.00 GiB (predicted 4.00 GiB, load phase, + 5.50 GiB the GPU model counts, which " \
            "device cpu holds in host memory)" in " ".join(text.split())
     assert "device cpu holds" not in format_report(_report(memory=mem))  # cuda: the GPU's own memory
+
+
+def test_timing_counts_the_warmup_in_end_to_end_not_in_prefill():
+    """wall_seconds.warmup (the first prefill's warm-up pass) is inside end-to-end and the wall sum, outside prefill
+    tokens/s."""
+    from lightning_moe.app.report import timing
+    from lightning_moe.pipeline.serial import RunStats
+
+    s = RunStats(prefill_tokens=600, prefill_seconds=1.0, decode_tokens=90, generated_tokens=100, decode_seconds=3.0,
+                 warmup_seconds=2.0)
+    t = timing(s, t_load=4.0, total=11.5, task="generate", t_setup=0.5)
+    w = t["wall_seconds"]
+    assert w["warmup"] == 2.0 and w["other"] == 11.5 - 0.5 - 4.0 - 2.0 - 1.0 - 3.0
+    assert t["prefill_tokens_per_s"] == 600.0 and t["decode_tokens_per_s"] == 30.0
+    assert t["end_to_end_tokens_per_s"] == 100 / 6.0
+    sc = RunStats(prefill_tokens=600, prefill_seconds=1.0, warmup_seconds=2.0)  # a scoring job: no decode
+    assert timing(sc, 4.0, 8.0, "score")["end_to_end_tokens_per_s"] == 600 / 3.0
