@@ -61,6 +61,41 @@ def test_append_attend_matches_reference(dtype, Hq, Hkv, hd, window):
     assert _rel(out_k[r], out_r[r]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,hd", [(8, 2, 16), (7, 1, 20), (64, 8, 64), (12, 4, 128)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_the_reference_and_the_family(dtype, Hq, Hkv, hd, window):
+    """Attention sinks (gpt-oss): one fp32 logit per query head in the softmax, its share dropped. The kernel equals
+    the reference (and, fp32, gpt-oss's own torch decode attention) on the awkward shapes above (a row of one
+    position, G = 4 / 7 / 8 / 3 query heads per KV head, hd 128 and odd), with sinks large enough to take most of
+    some heads' probability."""
+    from types import SimpleNamespace
+
+    from lightning_moe.model.families import gpt_oss
+
+    B, S = 9, 21
+    rows, lens = [6, 0, 3, 8, 1], [0, 7, 20, 13, 1]
+    a = _case(dtype, B, Hq, Hkv, hd, S, lens, rows, seed=hash((Hq, hd, str(dtype), window, "sinks")) % 1000)
+    sinks = 3.0 * torch.randn(Hq, generator=torch.Generator().manual_seed(Hq + hd))
+    b = {k: v.clone() for k, v in a.items()}
+    c = {k: v.clone() for k, v in a.items()}
+    out_k = torch.full((B, Hq * hd), float("nan"), dtype=dtype)
+    out_r, out_plain = out_k.clone(), out_k.clone()
+    C.decode_attention_append(**a, out=out_k, sliding_window=window, sinks=sinks)
+    C.decode_attention_append_reference(**b, out=out_r, sliding_window=window, sinks=sinks)
+    C.decode_attention_append(**c, out=out_plain, sliding_window=window)
+    r = a["rows"]
+    assert torch.isfinite(out_k[r]).all()
+    assert _rel(out_k[r], out_r[r]) < TOL[dtype]
+    assert _rel(out_plain[r], out_r[r]) > 10 * TOL[dtype]  # the sinks change the output
+    if dtype == torch.float32:  # the family's own decode attention over the appended cache
+        fam = gpt_oss.decode_attention(SimpleNamespace(sinks=sinks), a["q"][r], a["k_cache"], a["v_cache"],
+                                       a["lengths"] + 1, window)
+        assert _rel(out_k[r], fam) < TOL[dtype]
+    with pytest.raises(ValueError, match="sinks must be"):
+        C.decode_attention_append(**c, out=out_plain, sinks=sinks[:-1])
+
+
 def test_attend_without_append_and_sliced_cache():
     """k_new = v_new = None: attend over ``lengths`` positions of a slice [:, :, :n] of a larger cache."""
     a = _case(torch.float32, 4, 8, 2, 16, 30, [3, 10, 1, 7], [0, 1, 2, 3], seed=5)
@@ -107,10 +142,17 @@ def _spec():
                    max_position_embeddings=4096)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("native", [True, False])
-def test_grouped_cache_append_attend(native, monkeypatch):
+def test_grouped_cache_append_attend(native, sinks, monkeypatch):
     """GroupedKVCache.append_attend (one native call per group, or the torch fallback) equals append + attend with
-    the reference attention, rows back in the caller's order, for ragged lengths in several groups."""
+    the reference attention, rows back in the caller's order, for ragged lengths in several groups; with sinks
+    (gpt-oss), against gpt-oss's own decode attention."""
+    from types import SimpleNamespace
+
+    from lightning_moe.model.families import gpt_oss
+
+    sk = 2.0 * torch.randn(8, generator=torch.Generator().manual_seed(5)) if sinks else None
     if not native:
         monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "sdpa")
     spec = _spec()
@@ -125,9 +167,13 @@ def test_grouped_cache_append_attend(native, monkeypatch):
     assert caches[0].num_groups > 1
     q, k, v = (torch.randn(13, h, 16, generator=g) for h in (8, 2, 2))
     out = torch.full((13, 128), float("nan"))
-    caches[0].append_attend(1, q, k, v, out)
+    caches[0].append_attend(1, q, k, v, out, sinks=sk)
     caches[1].append(1, torch.arange(13), k, v)
-    ref = caches[1].attend(1, q, lens + 1, lambda qg, K, V, n: decode_attention(qg, K, V, n))
+    if sinks:
+        ref = caches[1].attend(1, q, lens + 1, lambda qg, K, V, n: gpt_oss.decode_attention(
+            SimpleNamespace(sinks=sk), qg, K, V, n))
+    else:
+        ref = caches[1].attend(1, q, lens + 1, lambda qg, K, V, n: decode_attention(qg, K, V, n))
     assert _rel(out, ref) < 1e-5
     for a, b in zip(caches[0].k[1] + caches[0].v[1], caches[1].k[1] + caches[1].v[1]):
         assert torch.equal(a, b)

@@ -10,7 +10,7 @@ reads each valid K and V row of the cache exactly once and does everything else 
     for each (row b, KV head h)                   [parallel over B_g * Hkv: OpenMP, dynamic schedule, chunks of 4]
         K[b, h, L_b] = k_new[rows[b], h];  V[b, h, L_b] = v_new[rows[b], h]        (append; L_b = lengths[b])
         s[g, j]  = (q[rows[b], h*G + g] / sqrt(hd)) . K[b, h, j]        j in [max(0, L_b + 1 - W), L_b + 1)
-        p[g, :]  = softmax(s[g, :])                                                     (fp32)
+        p[g, :]  = softmax(s[g, :])          (fp32; with sinks: over s[g, :] and sink[h*G + g], its share dropped)
         out[rows[b], h*G + g] = sum_j p[g, j] V[b, h, j]                               (fp32 accumulate)
 
 in fp32 arithmetic for bf16 / fp16 / fp32 storage (scores and softmax in fp32; the result rounded once to the
@@ -150,18 +150,20 @@ inline void pv(const float* __restrict p, int64_t n, const typename Tr::raw* __r
   }
 }
 
+// sink: nullptr, or the GB heads' sink logits (gpt-oss): each head's softmax also counts exp(sink - m), whose share
+// of the probability goes to no position
 template <typename Tr, int GB, int HD>
 inline void head_block(const typename Tr::raw* q, const typename Tr::raw* Kb, const typename Tr::raw* Vb,
-                       typename Tr::raw* o, int64_t n, int64_t hd, float scale, float* qf, float* scores,
-                       float* acc) {
+                       typename Tr::raw* o, int64_t n, int64_t hd, float scale, const float* sink, float* qf,
+                       float* scores, float* acc) {
   for (int g = 0; g < GB; ++g)
     for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = Tr::f(q[g * hd + d]) * scale;
   qk<Tr, GB, HD>(qf, hd, Kb, n, scores);
   for (int g = 0; g < GB; ++g) {  // softmax in fp32
     float* sg = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sink ? sink[g] : -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    float sum = 0.f;
+    float sum = sink ? std::exp(sink[g] - m) : 0.f;
     for (int64_t j = 0; j < n; ++j) {
       sg[j] = std::exp(sg[j] - m);
       sum += sg[j];
@@ -177,12 +179,13 @@ inline void head_block(const typename Tr::raw* q, const typename Tr::raw* Kb, co
 // the query heads of one KV head in blocks of 4, 2, 1
 template <typename Tr, int HD>
 inline void heads(const typename Tr::raw* q, const typename Tr::raw* Ks, const typename Tr::raw* Vs,
-                  typename Tr::raw* o, int64_t G, int64_t n, int64_t hd, float scale, float* qf, float* scores,
-                  float* acc) {
+                  typename Tr::raw* o, int64_t G, int64_t n, int64_t hd, float scale, const float* sink, float* qf,
+                  float* scores, float* acc) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) head_block<Tr, 4, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
-  for (; g + 2 <= G; g += 2) head_block<Tr, 2, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
-  for (; g < G; ++g) head_block<Tr, 1, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, qf, scores, acc);
+  auto sk = [&](int64_t g0) { return sink ? sink + g0 : nullptr; };
+  for (; g + 4 <= G; g += 4) head_block<Tr, 4, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, sk(g), qf, scores, acc);
+  for (; g + 2 <= G; g += 2) head_block<Tr, 2, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, sk(g), qf, scores, acc);
+  for (; g < G; ++g) head_block<Tr, 1, HD>(q + g * hd, Ks, Vs, o + g * hd, n, hd, scale, sk(g), qf, scores, acc);
 }
 
 // one cache group's pointers and strides (a length group of the grouped KV cache)
@@ -203,7 +206,8 @@ template <typename Tr>
 inline void attend_item(const Group<typename Tr::raw>& gr, int64_t b, int64_t h, const typename Tr::raw* q,
                         const typename Tr::raw* k_new, const typename Tr::raw* v_new, typename Tr::raw* out,
                         int64_t G, int64_t hd, int64_t window, bool append, int64_t q_row, int64_t kn_row,
-                        int64_t out_row, float scale, float* qf, std::vector<float>& scores, float* acc) {
+                        int64_t out_row, float scale, const float* sinks, float* qf, std::vector<float>& scores,
+                        float* acc) {
   using raw = typename Tr::raw;
   const int64_t r = gr.rows[b], L = gr.lens[b];
   raw* Kb = gr.K + b * gr.c_row + h * gr.c_head;
@@ -220,10 +224,11 @@ inline void attend_item(const Group<typename Tr::raw>& gr, int64_t b, int64_t h,
   const raw* Vs = Vb + start * hd;
   const raw* qh = q + r * q_row + h * G * hd;
   raw* oh = out + r * out_row + h * G * hd;
+  const float* sh = sinks ? sinks + h * G : nullptr;  // this KV head's G query heads' sinks
   if (hd == 128)
-    heads<Tr, 128>(qh, Ks, Vs, oh, G, n, hd, scale, qf, scores.data(), acc);
+    heads<Tr, 128>(qh, Ks, Vs, oh, G, n, hd, scale, sh, qf, scores.data(), acc);
   else
-    heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, qf, scores.data(), acc);
+    heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, sh, qf, scores.data(), acc);
 }
 
 // Where the wall time of a call goes (native_stats): one parallel region per call; per team thread the time from
@@ -277,7 +282,7 @@ template <typename Tr>
 void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typename Tr::raw* q,
                    const typename Tr::raw* k_new, const typename Tr::raw* v_new, typename Tr::raw* out, int64_t Hkv,
                    int64_t G, int64_t hd, int64_t window, bool append, int64_t q_row, int64_t kn_row,
-                   int64_t out_row) {
+                   int64_t out_row, const float* sinks) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<std::pair<int64_t, int64_t>> order;  // (-attended length, group << 32 | cache row)
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
@@ -307,7 +312,7 @@ void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typ
     for (int64_t i = 0; i < items; ++i) {
       const int64_t key = order[i / Hkv].second, h = i % Hkv;
       attend_item<Tr>(groups[key >> 32], key & 0xffffffffLL, h, q, k_new, v_new, out, G, hd, window, append, q_row,
-                      kn_row, out_row, scale, qf.data(), scores, acc.data());
+                      kn_row, out_row, scale, sinks, qf.data(), scores, acc.data());
     }
     t_end[tid] = now_ns();
   }
@@ -353,7 +358,7 @@ std::string check_indices(const std::vector<at::Tensor>& rows, const std::vector
 std::string decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                                            std::vector<at::Tensor> rows, std::vector<at::Tensor> K,
                                            std::vector<at::Tensor> V, std::vector<at::Tensor> lens, at::Tensor out,
-                                           int64_t window, bool append) {
+                                           int64_t window, bool append, at::Tensor sinks) {
   TORCH_CHECK(!K.empty() && K.size() == V.size() && K.size() == rows.size() && K.size() == lens.size(),
               "decode_attention_append_groups: one K, V, rows and lengths tensor per group");
   const std::string bad = check_indices(rows, K, lens, q.size(0), append);
@@ -361,6 +366,7 @@ std::string decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::T
   const int64_t Hkv = K[0].size(1), hd = K[0].size(3);
   const int64_t G = q.size(1) / Hkv;
   const int64_t q_row = q.stride(0), kn_row = k_new.stride(0), out_row = out.stride(0);
+  const float* sk = sinks.numel() ? sinks.data_ptr<float>() : nullptr;  // fp32 [Hq] (checked by the wrapper) or none
   auto run = [&](auto tr) {
     using Tr = decltype(tr);
     using raw = typename Tr::raw;
@@ -371,7 +377,7 @@ std::string decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::T
                         K[g].stride(1)});
     attend_groups<Tr>(groups, static_cast<const raw*>(q.data_ptr()), static_cast<const raw*>(k_new.data_ptr()),
                       static_cast<const raw*>(v_new.data_ptr()), static_cast<raw*>(out.data_ptr()), Hkv, G, hd,
-                      window, append, q_row, kn_row, out_row);
+                      window, append, q_row, kn_row, out_row, sk);
   };
   switch (K[0].scalar_type()) {
     case at::kFloat: run(F32()); break;
@@ -499,7 +505,8 @@ def native_stats(reset: bool = False) -> dict[str, float]:
 
 def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
                             rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                            out: torch.Tensor, sliding_window: Optional[int] = None) -> torch.Tensor:
+                            out: torch.Tensor, sliding_window: Optional[int] = None,
+                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Append one decode token's K/V per cache row and attend, writing the output rows in place (native kernel).
 
     Args:
@@ -512,6 +519,8 @@ def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_ne
         lengths: int64 [B_g] positions already cached per cache row; the new token goes to position lengths[i]
             (needs lengths < S), and the row attends over lengths + 1 positions (the last ``sliding_window``).
         out: [B, Hq * hd] written at the ``rows`` (other rows untouched), same dtype as q.
+        sinks: None, or fp32 [Hq] on the CPU: one sink logit per query head (gpt-oss), counted in each head's softmax
+            and dropped from its output.
     Returns ``out``. Dtypes: bf16, fp16 or fp32, the same for q, k_new, v_new, the caches and out; arithmetic
     in fp32. Equals :func:`decode_attention_append_reference` up to summation order (fp32 ~1e-6, bf16 ~1e-2
     relative, one rounding of the output).
@@ -521,18 +530,18 @@ def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_ne
         RuntimeError: the native kernel is not available (:func:`native_available` is False).
     """
     return decode_attention_append_groups(q, k_new, v_new, [rows], [k_cache], [v_cache], [lengths], out, sliding_window,
-                                          fn="decode_attention_append")
+                                          sinks=sinks, fn="decode_attention_append")
 
 
 def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
                                    rows: Sequence[torch.Tensor], k_caches: Sequence[torch.Tensor],
                                    v_caches: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor], out: torch.Tensor,
-                                   sliding_window: Optional[int] = None, fn: str = "decode_attention_append_groups"
-                                   ) -> torch.Tensor:
+                                   sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                                   fn: str = "decode_attention_append_groups") -> torch.Tensor:
     """:func:`decode_attention_append` over several cache groups (the length groups of a grouped KV cache) in ONE
     native call: one parallel region over every (group, cache row, KV head) item, longest rows first, instead of
     one call per group. ``rows[g]``, ``k_caches[g]``, ``v_caches[g]``, ``lengths[g]`` are group g's arguments of
-    :func:`decode_attention_append` (caches ``[B_g, Hkv, S_g, hd]``: the same Hkv, hd and dtype in every group);
+    :func:`decode_attention_append` (``sinks`` as there) (caches ``[B_g, Hkv, S_g, hd]``: the same Hkv, hd and dtype in every group);
     the rows of all groups are distinct. Returns ``out``; the same results as one call per group, bit for bit.
     Raises ValueError (as :func:`decode_attention_append`, naming the group) or RuntimeError without the kernel.
     """
@@ -592,26 +601,33 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
         if r.device.type != "cpu" or n.device.type != "cpu":
             raise ValueError(f"{fn}{where}: rows and lengths must be on the CPU, got {r.device} / {n.device}")
         cleaned.append((r.contiguous(), kc, vc, n.contiguous()))
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (Hq,) or sinks.device.type != "cpu"
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"{fn}: sinks must be a contiguous fp32 CPU tensor [Hq] = [{Hq}], got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    sk = sinks if sinks is not None else torch.empty(0, dtype=torch.float32)
     window = int(sliding_window) if sliding_window else -1
     kn = k_new if append else q.new_empty((0, Hkv, hd))
     vn = v_new if append else q.new_empty((0, Hkv, hd))
     # the index values (rows in range and distinct, lengths within each cache) are checked by the native call
     # before it writes anything; it returns the message of a failed check
     bad = _module.decode_attention_append_groups(q, kn, vn, [c[0] for c in cleaned], [c[1] for c in cleaned],
-                                                 [c[2] for c in cleaned], [c[3] for c in cleaned], out, window, append)
+                                                 [c[2] for c in cleaned], [c[3] for c in cleaned], out, window, append, sk)
     if bad:
         raise ValueError(f"{fn}{bad}")
     return out
 
 
 def decode_attention_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Ragged GQA decode attention: one new query per sequence over its cached keys/values.
 
     q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd] (S >= max(lengths); the new token's k/v already
     written); lengths: int64 [B], the number of valid positions of each row (pad keys beyond a row's
-    length are masked, as are keys outside the sliding window). Softmax in fp32.
+    length are masked, as are keys outside the sliding window). Softmax in fp32; ``sinks`` (None or [Hq]): one
+    extra logit per query head in the softmax, its share dropped (gpt-oss's attention sinks).
     Returns [B, Hq*hd] in q's dtype.
     """
     B, Hq, hd = q.shape
@@ -625,7 +641,11 @@ def decode_attention_torch(
     if sliding_window is not None:
         valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, G, S]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, G, S]
+    else:
+        sk = sinks.float().view(1, Hkv, G, 1).expand(B, Hkv, G, 1)  # [B, Hkv, G, 1]
+        probs = torch.softmax(torch.cat([scores.float(), sk], dim=-1), dim=-1)[..., :-1].to(q.dtype)  # [B, Hkv, G, S]
     out = torch.matmul(probs, v_cache)  # [B, Hkv, G, hd]
     return out.reshape(B, Hq * hd)
 
@@ -634,7 +654,8 @@ def decode_attention_torch(
 def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
                                       rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                       lengths: torch.Tensor, out: torch.Tensor,
-                                      sliding_window: Optional[int] = None) -> torch.Tensor:
+                                      sliding_window: Optional[int] = None,
+                                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_attention_append` (same arguments and effects): the K/V rows are
     written by indexing and the attention is :func:`decode_attention_torch` (scores in the storage dtype, softmax in
     fp32), on the group's rows gathered from q."""
@@ -647,5 +668,6 @@ def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Ten
         n += 1
     S = int(n.max()) if n.numel() else 0
     if rows.numel():
-        out[rows] = decode_attention_torch(q[rows], k_cache[:, :, :S], v_cache[:, :, :S], n, sliding_window).to(out.dtype)
+        out[rows] = decode_attention_torch(q[rows], k_cache[:, :, :S], v_cache[:, :, :S], n, sliding_window,
+                                           sinks).to(out.dtype)
     return out

@@ -39,7 +39,6 @@ import torch
 
 from ..kernels.cpu_attention import native_stats
 import functools
-from types import SimpleNamespace
 
 from ..kernels.host_read import copy_from_host_triton, host_read_available
 from ..model.families import family_of
@@ -242,8 +241,8 @@ class CGOPipeExecutor:
             raise ValueError(f"CGOPipeExecutor: {fam.name}: attention {fam.attention!r} is not implemented "
                              f"(gqa, gqa_sinks, mla)")
         self.mla = fam.attention == "mla"  # decode attention over a CPU latent cache, absorbed on the device
-        # per-head sinks (gpt-oss): CPU decode attention in the family's torch function (the native kernel has no
-        # sinks), each layer with its own window (spec.layer_sliding_window)
+        # per-head sinks (gpt-oss): CPU decode attention with each layer's sinks (the native kernel counts them) and
+        # window (spec.layer_sliding_window)
         self.sinks = fam.attention == "gqa_sinks"
         self.policy = policy
         self.device = torch.device(device)
@@ -289,10 +288,10 @@ class CGOPipeExecutor:
             self.d2h = torch.cuda.Stream(dev)  # q/k/v to the CPU
         else:
             self.h2d_a = self.d2h = None
-        # the layers' sinks on the host, for the worker's torch attention (no device read per layer and step)
-        self._cpu_sinks = [SimpleNamespace(sinks=lw.sinks.to("cpu", torch.float32)) for lw in self.layers] \
+        # the layers' sinks on the host (fp32 [Hq]), for the worker's CPU attention (no device read per layer and step)
+        self._cpu_sinks = [lw.sinks.to("cpu", torch.float32).contiguous() for lw in self.layers] \
             if self.sinks else None  # (from the device copies: on CUDA the host layers were released above)
-        if not self.mla and not self.sinks and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
+        if not self.mla and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
             from ..kernels.cpu_attention import native_available
 
             native_available()  # builds the native CPU attention kernel now (once; cached), not in the first decode step
@@ -610,12 +609,9 @@ class CGOPipeExecutor:
             window = self.spec.layer_sliding_window(l)
             if self.mla:  # the native kernel is GQA-only: torch latent attention per length group
                 mb.kv.append_attend(l, q, k, v, self._latent_attention, out)
-            elif self.sinks:  # the native kernel has no sinks: the family's torch attention per length group
-                mb.kv.append(l, torch.arange(q.shape[0]), k, v)
-                sinks, attend = self._cpu_sinks[l], self.family.decode_attention
-                out.copy_(mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(sinks, qg, K, V, n, window)))
-            else:  # one native call over the length groups (or append + SDPA per group)
-                mb.kv.append_attend(l, q, k, v, out, sliding_window=window)
+            else:  # one native call over the length groups (or append + SDPA per group), with gpt-oss's sinks
+                mb.kv.append_attend(l, q, k, v, out, sliding_window=window,
+                                    sinks=self._cpu_sinks[l] if self.sinks else None)
         t3 = time.perf_counter()
         # the stage and its parts: waiting for q/k/v to land, the pinned output buffer, KV append + attention
         self.timer.add_host("cpu_attention", t3 - t0)

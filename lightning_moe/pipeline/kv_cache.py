@@ -332,7 +332,8 @@ class GroupedKVCache:
         return out
 
     def append_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: Optional[torch.Tensor] = None, sliding_window=SPEC_WINDOW) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, sliding_window=SPEC_WINDOW,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """CPU decode step of one layer for every row: append k/v at position lengths[row], attend over lengths + 1
         positions (no length update), output rows in the caller's order.
 
@@ -341,8 +342,9 @@ class GroupedKVCache:
         :meth:`append` + :meth:`attend` with ``pipeline.cpu_attention.cpu_decode_attention``.
         q [B, Hq, hd], k / v [B, Hkv, hd] in the cache dtype on the CPU; ``out`` [B, Hq*hd] (e.g. pinned) or None
         (allocated); ``sliding_window``: the layer's window (``MoESpec.layer_sliding_window``; None: full attention;
-        default the spec's ``sliding_window``, :attr:`sliding_window`). Returns ``out``. Raises ValueError on a full
-        row or mismatched shapes.
+        default the spec's ``sliding_window``, :attr:`sliding_window`); ``sinks``: None, or the layer's fp32 [Hq]
+        attention sinks (gpt-oss; without the native kernel: kernels.cpu_attention.decode_attention_torch per group).
+        Returns ``out``. Raises ValueError on a full row or mismatched shapes.
         """
         from .cpu_attention import _native_ok, cpu_decode_attention
 
@@ -358,9 +360,15 @@ class GroupedKVCache:
 
             # one native call for all groups (one parallel region, longest rows first)
             return decode_attention_append_groups(q, k, v, self.rows, self.k[layer], self.v[layer],
-                                                  [self.lengths[r] for r in self.rows], out, sw)
+                                                  [self.lengths[r] for r in self.rows], out, sw, sinks=sinks)
         self.append(layer, torch.arange(B), k, v)
-        out.copy_(self.attend(layer, q, self.lengths + 1, lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)))
+        if sinks is None:
+            attend = lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)  # noqa: E731
+        else:
+            from ..kernels.cpu_attention import decode_attention_torch
+
+            attend = lambda qg, K, V, n: decode_attention_torch(qg, K, V, n, sw, sinks)  # noqa: E731
+        out.copy_(self.attend(layer, q, self.lengths + 1, attend))
         return out
 
     def append_attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
