@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install lightning-moe and what it needs into the current Python (idempotent; used by the README and CI).
-# torch is pinned first on purpose: an unpinned install would pull a multi-GB CUDA build on a CPU machine.
+# torch is pinned first on purpose: an unpinned install would pull the newest torch, a multi-GB CUDA build. A pinned
+# torch from PyPI is a CUDA build on Linux too, unless a CPU wheel is on pip's path (the README's --index-url step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -24,7 +24,8 @@ def _need_kernel():
     if os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "").lower() == "sdpa":
         pytest.skip("native CPU attention disabled by LIGHTNING_MOE_CPU_ATTENTION=sdpa")
     if not C.native_available():
-        pytest.fail("the native CPU attention kernel did not build (a C++ compiler with OpenMP is needed)")
+        pytest.fail("the native CPU attention kernel did not build (a C++ compiler with OpenMP and ninja are needed; "
+                    "the warning logged above names what failed)")
 
 
 def _rel(a, b):
