@@ -471,7 +471,10 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add(f"bytes per MoE layer: non-expert {format_bytes(ne_layer)}, experts {format_bytes(spec.num_experts * We)}"
         f"{before(spec.num_experts)}, paged per layer {format_bytes(paged * We)}{before(paged)} (max){per_gpu}")
     add("")
-    add(f"stage times (summed over layers{', and decode steps' if estimate.gen_len > 1 else ''}; * = binds)")
+    add(f"stage times (summed over layers{', and decode steps' if estimate.gen_len > 1 else ''}; * = binds; a layer "
+        f"takes the longest of its overlapped stages)")
+    add("  h2d: expert pages to the GPU, d2h: q/k/v (prefill: KV) to the host, cpu: CPU attention, gpu: GPU kernels, "
+        "host: the host thread's issue time, head: embedding and lm_head (not overlapped)")
     add(f"  {'':8} {'h2d':>10} {'d2h':>10} {'cpu':>10} {'gpu':>10} {'host':>10} {'head':>10} {'total':>10}")
     for phase, st, total, bind in (
         ("prefill", estimate.prefill_stages, estimate.prefill_time, estimate.prefill_binding),
