@@ -1,6 +1,6 @@
 """A run report's prefill against the GPU's dense-GEMM bound (issue 22's yardstick): prompt tokens x the matrix
-FLOPs per prompt token (attention projections, router, the top-k gated experts, every MoE and dense layer of the
-checkpoint's config.json; the lm_head on every token for scoring jobs, which score every position) / the dense GEMM
+FLOPs per prompt token (``MoESpec.flops_per_token`` of the checkpoint: attention projections, router, the top-k
+experts, shared experts and dense layers; the lm_head on every token for scoring jobs, which score every position) / the dense GEMM
 peak (default: the committed h200-host profile's ``gpu_flops_bf16``, measured there by ``moe-batch profile``).
 
     python3 benchmarks/prefill_bound.py RUN.report.json [--label TEXT] [--peak FLOP/s]
@@ -20,19 +20,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def flops_per_token(cfg: dict, scoring: bool) -> float:
-    """Matrix FLOPs per prompt token of a Mixtral-style config (GQA attention, top-k gated experts)."""
-    D, L = cfg["hidden_size"], cfg["num_hidden_layers"]
-    Hq = cfg["num_attention_heads"]
-    Hkv = cfg.get("num_key_value_heads", Hq)
-    hd = cfg.get("head_dim") or D // Hq
-    E = cfg.get("num_local_experts") or cfg.get("num_experts")
-    k = cfg["num_experts_per_tok"]
-    F = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    attn = 2 * D * (2 * Hq * hd + 2 * Hkv * hd)  # q, o and k, v
-    moe = 2 * D * E + k * 3 * 2 * D * F  # router + k gated experts
-    head = 2 * D * cfg["vocab_size"] if scoring else 0
-    return L * (attn + moe) + head
+def flops_per_token(spec, scoring: bool) -> float:
+    """Matrix FLOPs per prompt token: ``MoESpec.flops_per_token`` at no context (attention's own S^2 FLOPs left out),
+    less the lm_head unless every position is scored."""
+    return spec.flops_per_token(0) - (0 if scoring else 2 * spec.vocab_size * spec.hidden_size)
 
 
 def main() -> int:
@@ -47,14 +38,16 @@ def main() -> int:
         print(f"{a.label}: no report at {a.report}")
         return 1
     r = json.load(open(a.report))
-    cfg = json.load(open(os.path.join(r["model_path"], "config.json")))
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec = resolve_spec(r["model_path"])
     peak = a.peak
     if peak is None:
         from lightning_moe.policy.hardware import resolve_hardware
 
         peak = resolve_hardware(a.hardware).gpu_flops_bf16
     scoring = r["task"] == "score"
-    fpt = flops_per_token(cfg, scoring)
+    fpt = flops_per_token(spec, scoring)
     bound = peak / fpt
     m = r.get("prefill_tokens_per_s") or 0.0
     p = (r.get("predicted") or {}).get("prefill_tokens_per_s") or 0.0

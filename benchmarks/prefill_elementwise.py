@@ -6,7 +6,7 @@ rows (hidden_size x 2 bytes).
     python3 benchmarks/prefill_elementwise.py TRACE.json.gz RUN.report.json [--hardware PROFILE.yaml]
 
 TRACE: ``benchmarks/profile_prefill.py --trace`` of a scoring job (one prefill pass per batch, every token through
-every layer); RUN.report.json: that job's report (prompt tokens; the checkpoint's config.json for layers and width).
+every layer); RUN.report.json: that job's report (prompt tokens; the checkpoint's spec for MoE layers and width).
 Kernel durations do not include the first-call gaps (compilation, plans), so a first run's trace serves.
 """
 
@@ -50,13 +50,14 @@ def main() -> int:
     op = gzip.open if a.trace.endswith(".gz") else open
     with op(a.trace, "rt") as f:
         events = json.load(f)["traceEvents"]
+    from lightning_moe.policy.registry import resolve_spec
+
     r = json.load(open(a.report))
-    cfg = json.load(open(os.path.join(r["model_path"], "config.json")))
-    layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
-    token_layers = r["prompt_tokens"] * layers
+    spec = resolve_spec(r["model_path"])
+    token_layers = r["prompt_tokens"] * (spec.num_layers - len(spec.dense_layers))  # MoE layers: the term's layers
     secs, calls = unmodeled_seconds(events)
     bw = resolve_hardware(a.hardware).gpu_hbm_bandwidth
-    rows = secs * bw / token_layers / (cfg["hidden_size"] * 2)
+    rows = secs * bw / token_layers / (spec.hidden_size * 2)
     print(f"{calls} expert kernel calls; unmodeled kernels {secs * 1e3:.1f} ms over {token_layers:,} token-layers = "
           f"{secs / token_layers * 1e9:.1f} ns each = {rows:.1f} hidden rows at {bw / 1e12:.2f} TB/s")
     print(f"prefill_elementwise_rows: {rows:.1f}")

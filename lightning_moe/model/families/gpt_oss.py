@@ -349,25 +349,12 @@ def prefill_attention_packed(
 
 def decode_attention(lw: LayerWeights, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Ragged GQA decode attention with the layer's sinks: one new query per sequence over its cached keys/values.
-
-    q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd] (the new token's k/v already written); lengths: int64 [B] valid
-    positions per row (keys past a row's length, and outside the sliding window, are masked). Softmax in fp32 with
-    the sinks. Returns [B, Hq*hd] in q's dtype, on q's device.
+    """Ragged GQA decode attention with the layer's sinks (:func:`layers.decode_attention` with ``sinks``): one new
+    query per sequence over its cached keys/values. q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd] (the new token's
+    k/v already written); lengths: int64 [B] valid positions per row (keys past a row's length, and outside the
+    sliding window, are masked). Softmax in fp32 with the sinks. Returns [B, Hq*hd] in q's dtype, on q's device.
     """
-    B, Hq, hd = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    qg = q.view(B, Hkv, G, hd)  # [B, Hkv, G, hd]
-    scores = torch.matmul(qg, k_cache.transpose(2, 3)) * hd ** -0.5  # [B, Hkv, G, S]
-    pos = torch.arange(S, device=q.device)  # [S]
-    lengths = lengths.to(q.device)
-    valid = pos[None, :] < lengths[:, None]  # [B, S]
-    if sliding_window is not None:
-        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf")).view(B, Hq, 1, S)  # [B, Hq, 1, S]
-    probs = _softmax_with_sinks(scores, lw.sinks.to(q.device)).to(q.dtype).view(B, Hkv, G, S)  # [B, Hkv, G, S]
-    return torch.matmul(probs, v_cache).reshape(B, Hq * hd)  # [B, Hq*hd]
+    return L.decode_attention(q, k_cache, v_cache, lengths, sliding_window, sinks=lw.sinks.to(q.device))
 
 
 def route(lw: LayerWeights, h: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
