@@ -29,6 +29,10 @@ Presets:
          ``--mxfp4`` (a gpt-oss ``--dims-preset``): the checkpoint's experts are the Hub's MXFP4 blocks / scales
          (``make_checkpoint --mxfp4``; its own directory, never taken for the bf16 one); the ``*-bf16`` cases run
          on it (bf16 compute, MXFP4 expert pages).
+  prefill  GPU, issue 22: an 8-layer Mixtral-8x7B-width checkpoint (22.6 GiB), bf16 and int4, at 12 and 24 GiB:
+         1000 perplexity texts of 300 tokens and 2000 generation prompts of 100 tokens (16 new), one
+         loglikelihood job of 1000 x 200 tokens; each case's prefill against the dense-GEMM bound with
+         ``benchmarks/prefill_bound.py``.
 
 GPU cases use ``--hardware`` (default: the committed h200-host profile) and ``cpu_memory: 100GiB``.
 The tiny model's tokenizer comes from ``$LIGHTNING_MOE_CACHE``/tiny-mixtral-v1.
@@ -61,6 +65,7 @@ from lightning_moe.model.families import read_spec  # noqa: E402
 GiB = 2**30
 TINY_DIMS = make_checkpoint.Dims(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2)
 SUITE_DIMS = make_checkpoint.Dims(layers=4)
+PREFILL_DIMS = make_checkpoint.Dims(layers=8)  # issue 22's checkpoint: 22.6 GiB, twice the 12 GiB cap
 REFUSED_POLICY = {"mu": 1000, "n": 2, "resident_experts": 8}  # 4 x 8 x 336 MiB = 10.5 GiB resident > a 12 GiB cap
 UNKNOWN_KEY_POLICY = {"mu": 4, "nn": 2}
 
@@ -131,6 +136,20 @@ def suite_cases(mtbench: bool) -> list[Case]:
         Case("suite-refuse-unknown-key-bf16-12g", "bf16", "generate", 12, 64, 128, gen=32, expect="refused",
              policy=dict(UNKNOWN_KEY_POLICY), timeout_s=120),
     ]
+    return out
+
+
+def prefill_cases() -> list[Case]:
+    """GPU, issue 22's prefill acceptance on the 8-layer Mixtral-width checkpoint (``PREFILL_DIMS``), ``policy: auto``:
+    a 1000-text perplexity job (300 tokens each) and a 2000-prompt generation job (100-token prompts, 16 new tokens),
+    bf16 and int4, at 12 and 24 GiB; one loglikelihood job of other lengths (1000 x 200 + 8) at 12 GiB."""
+    out = []
+    for cap in (12, 24):
+        for ck in ("bf16", "int4"):
+            t = f"{ck}-{cap}g"
+            out += [Case(f"pf-ppl-{t}", ck, "perplexity", cap, 1000, 300, timeout_s=300),
+                    Case(f"pf-gen-{t}", ck, "generate", cap, 2000, 100, gen=16, timeout_s=300)]
+    out.append(Case("pf-ll-bf16-12g", "bf16", "loglikelihood", 12, 1000, 200, timeout_s=300))
     return out
 
 
@@ -392,9 +411,12 @@ def markdown(rows: list[dict], title: str) -> str:
 # main
 # ------------------------------------------------------------------------------------------------
 def machine_for(preset: str, hardware: Optional[str], cpu_memory: str) -> Machine:
-    """smoke: CPU and the tiny-width dims; suite / sweep: CUDA and the 4-layer Mixtral-width dims."""
+    """smoke: CPU and the tiny-width dims; suite / sweep: CUDA and the 4-layer Mixtral-width dims; prefill: CUDA and
+    the 8-layer Mixtral-width dims."""
     if preset == "smoke":
         return Machine("cpu", TINY_DIMS, hardware or sj.H200_PROFILE, cpu_memory)
+    if preset == "prefill":
+        return Machine("cuda", PREFILL_DIMS, hardware or sj.H200_PROFILE, cpu_memory)
     return Machine("cuda", SUITE_DIMS, hardware or sj.H200_PROFILE, cpu_memory)
 
 
@@ -414,7 +436,7 @@ def _recap(name: str, old: float, new: float) -> str:
 def cases_for(preset: str, mtbench: bool) -> list[Case]:
     """The preset's case list."""
     return {"smoke": smoke_cases, "suite": lambda: suite_cases(mtbench), "sweep": sweep_cases,
-            "families": lambda: families_cases(mtbench)}[preset]()
+            "families": lambda: families_cases(mtbench), "prefill": prefill_cases}[preset]()
 
 
 def run_sweep(cases: list[Case], machine: Machine, work: str, out: str, time_budget: float, gen_device: str,
@@ -503,7 +525,7 @@ def prepare(cases: list[Case], machine: Machine, work: str, gen_device: str, log
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, choices=["smoke", "suite", "sweep", "families"], help="which case list")
+    p.add_argument("--preset", required=True, choices=["smoke", "suite", "sweep", "families", "prefill"], help="which case list")
     p.add_argument("--dims-preset", default=None, help="the checkpoint's dims from a registry model (qwen3-30b-a3b, "
                    "olmoe-1b-7b, qwen1.5-moe-a2.7b, ...) instead of the preset's Mixtral width; with --layers")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of a --dims-preset checkpoint (default 4)")

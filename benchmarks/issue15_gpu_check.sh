@@ -47,6 +47,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD LIGHTNING_MOE_CACHE=$PWD/.carry/cache PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 W=/tmp/lmoe-suite
+WP=/tmp/lmoe-prefill  # the prefill preset's work directory (steps Q1, Q2)
 S=$SECONDS
 step_k() {  # step K, with what is left of the 575 s since the script started
     HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
@@ -62,7 +63,7 @@ step_k() {  # step K, with what is left of the 575 s since the script started
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -233,6 +234,47 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
         --set output.path=$R --set hardware=$P/lightning_moe/policy/profiles/h200-host.yaml > /dev/null 2>&1
       python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" 2>&1 | tail -1 | tee -a $OUT/p_ab.txt
     done ;;
+  Q1)
+    # issue 22, session 16, call 1: the new kernels' GPU tests with the GPU tests they touch; the expert FFN's own rate
+    # vs the dense GEMM peak in one process (bench_prefill_ffn.py); the profile's expert_ffn_rates re-measured
+    # (choice table, merged into /tmp/h200-new.yaml); the 8-layer checkpoints of the prefill preset; one traced
+    # 1000-text perplexity run for prefill_elementwise_rows (into /tmp/h200-new.yaml, a copy comes back in $OUT)
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_norm_rope_gpu.py \
+      tests/gpu/test_moe_epilogue_gpu.py tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_no_host_sync_gpu.py \
+      tests/gpu/test_families_gpu.py tests/gpu/test_cgopipe_gpu.py > $OUT/tests_q1.txt 2>&1
+    echo "GPU tests: rc $?"; tail -3 $OUT/tests_q1.txt
+    timeout 120 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
+    timeout 150 python3 benchmarks/bench_grouped_ffn.py --choice-table --models mixtral-8x7b,qwen3-30b-a3b \
+      --rates-yaml /tmp/rates.yaml --out $OUT/choice_table.md 2>&1 | grep -E "mixtral|qwen" | head -16
+    HW=/tmp/h200-new.yaml
+    python3 -c "import sys, yaml; from lightning_moe.policy.hardware import HardwareProfile as H; \
+p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(open(sys.argv[1]))['expert_ffn_rates']; \
+p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + Q1 rates')" \
+      /tmp/rates.yaml $HW || cp lightning_moe/policy/profiles/h200-host.yaml $HW
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -3
+    J=$WP/jobs/pf-ppl-bf16-12g.yaml; R=/tmp/trace-ppl.jsonl
+    timeout 150 python3 benchmarks/profile_prefill.py $J --set output.path=$R --set hardware=$HW --trace /tmp/t.json.gz \
+      2>&1 | grep -E "prefill tok/s|^\| " | head -24 | tee $OUT/q1_kernels.md
+    python3 benchmarks/prefill_elementwise.py /tmp/t.json.gz ${R%.jsonl}.report.json --hardware $HW --write $HW 2>&1 | tail -3
+    cp $HW $OUT/h200-new.yaml ;;
+  Q2)
+    # issue 22, session 16, call 2 (warm, right after Q1: its checkpoints and /tmp/h200-new.yaml): the 1000-text
+    # perplexity job at 91a7120 (.carry/before, its own profile) and at this commit, alternating; then every case of
+    # the prefill preset at this commit, each line against the dense-GEMM bound (benchmarks/prefill_bound.py)
+    L=${LIMIT:-585}; HW=/tmp/h200-new.yaml; [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    [ -f $WP/jobs/pf-ppl-bf16-12g.yaml ] || python3 benchmarks/cli_sweep.py --preset prefill --work $WP \
+      --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    for tc in ${Q2_CASES:-before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g \
+        now:pf-gen-bf16-12g now:pf-ppl-int4-12g now:pf-gen-int4-12g now:pf-ppl-bf16-24g now:pf-gen-bf16-24g \
+        now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ll-bf16-12g}; do
+      IFS=: read -r t c <<< "$tc"; P=$PWD; H=$HW; [ $t = before ] && P=$PWD/.carry/before && H=$P/lightning_moe/policy/profiles/h200-host.yaml
+      left=$((L - (SECONDS - S))); [ $left -lt 40 ] && { echo "Q2 stopped: $left s left"; break; }
+      R=$WP/results/q2-$t-$c.jsonl; rm -f $WP/results/q2-$t-$c.*
+      PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P run $WP/jobs/$c.yaml --no-progress \
+        --set output.path=$R --set hardware=$H > $WP/results/q2-$t-$c.log 2>&1
+      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/q2.txt
+    done
+    tar czf $OUT/q2-reports.tgz -C $WP/results $(cd $WP/results && ls q2-*.report.json q2-*.log 2>/dev/null) ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

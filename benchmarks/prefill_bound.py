@@ -52,12 +52,18 @@ def main() -> int:
     m = r.get("prefill_tokens_per_s") or 0.0
     p = (r.get("predicted") or {}).get("prefill_tokens_per_s") or 0.0
     w, st = r.get("wall_seconds") or {}, r.get("stages") or {}
+    mem = r.get("memory") or {}
+    gib = 2.0**30
+    peak_mem = (f"GPU peak predicted {mem.get('predicted_peak_bytes', 0) / gib:.2f} / measured "
+                f"{mem.get('measured_peak_allocated_bytes', 0) / gib:.2f} allocated / "
+                f"{mem.get('measured_peak_reserved_bytes', 0) / gib:.2f} reserved GiB (cap "
+                f"{(mem.get('cap_bytes') or 0) / gib:.0f})")
     kern = {k.rsplit("_", 1)[-1]: v for k, v in st.items() if k.startswith("expert_ffn_prefill_calls_")}
     print(f"{a.label}: prefill {m:,.0f} tok/s, predicted {p:,.0f}, bound {bound:,.0f} ({fpt / 1e9:.2f} GFLOP/token at "
           f"{peak / 1e12:.0f} TFLOP/s): measured/bound {m / bound:.2f}, measured/predicted "
           f"{(m / p) if p else float('nan'):.2f}; {r.get('prompt_tokens', 0):,} tokens, prefill {w.get('prefill', 0):.2f} s, "
-          f"warmup {w.get('warmup', 0):.2f} s, status {r.get('status')}, prefill kernels {kern}, policy "
-          f"{ {k: (r.get('policy') or {}).get(k) for k in ('mu', 'n', 'prefill_mu', 'prefill_tokens', 'expert_pages')} }")
+          f"warmup {w.get('warmup', 0):.2f} s, status {r.get('status')}, {peak_mem}, prefill kernels {kern}, policy "
+          f"{ {k: (r.get('policy') or {}).get(k) for k in ('mu', 'n', 'prefill_mu', 'prefill_tokens', 'resident_experts', 'expert_pages')} }")
     return 0
 
 

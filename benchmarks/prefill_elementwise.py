@@ -3,7 +3,7 @@ roofline terms do not model (everything but the expert FFN kernels, the GEMMs, f
 scoring head after the last expert call), over the prefill's token-layers, as bytes at the HBM bandwidth in hidden
 rows (hidden_size x 2 bytes).
 
-    python3 benchmarks/prefill_elementwise.py TRACE.json.gz RUN.report.json [--hardware PROFILE.yaml]
+    python3 benchmarks/prefill_elementwise.py TRACE.json.gz RUN.report.json [--hardware PROFILE.yaml] [--write OUT.yaml]
 
 TRACE: ``benchmarks/profile_prefill.py --trace`` of a scoring job (one prefill pass per batch, every token through
 every layer); RUN.report.json: that job's report (prompt tokens; the checkpoint's spec for MoE layers and width).
@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("trace")
     ap.add_argument("report")
     ap.add_argument("--hardware", default=os.path.join(REPO, "lightning_moe", "policy", "profiles", "h200-host.yaml"))
+    ap.add_argument("--write", default=None, help="also write the value into this profile YAML (a copy of --hardware "
+                    "with prefill_elementwise_rows replaced)")
     a = ap.parse_args()
     from lightning_moe.policy.hardware import resolve_hardware
 
@@ -61,6 +63,13 @@ def main() -> int:
     print(f"{calls} expert kernel calls; unmodeled kernels {secs * 1e3:.1f} ms over {token_layers:,} token-layers = "
           f"{secs / token_layers * 1e9:.1f} ns each = {rows:.1f} hidden rows at {bw / 1e12:.2f} TB/s")
     print(f"prefill_elementwise_rows: {rows:.1f}")
+    if a.write:
+        from dataclasses import replace
+
+        prof = resolve_hardware(a.hardware)
+        replace(prof, prefill_elementwise_rows=round(rows, 1)).save(
+            a.write, header=f"{os.path.basename(a.hardware)} with prefill_elementwise_rows {rows:.1f} from {a.trace}")
+        print(f"wrote {a.write}")
     return 0
 
 

@@ -7,13 +7,17 @@ against 23.9 GiB planned.
 """
 
 import dataclasses
+import os
 
 import pytest
 
 from lightning_moe.policy import hrm, milp
-from lightning_moe.policy.hardware import get_preset
+from lightning_moe.policy.hardware import get_preset, resolve_hardware
 from lightning_moe.policy.policy import Budgets, Policy, Workload
 from lightning_moe.policy.registry import resolve_spec
+
+H200_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_moe", "policy",
+                            "profiles", "h200-host.yaml")
 
 GiB = 1 << 30
 
@@ -84,9 +88,36 @@ def test_grow_prefill_only_touches_the_prefill_micro_batch():
     assert dataclasses.replace(grown, prefill_mu=base.prefill_mu, prefill_tokens=base.prefill_tokens) == base
     assert not hrm.memory_violations(grown, spec, w) and est.e2e_tok_s >= est0.e2e_tok_s
     assert grown.prefill_mu == 64
-    # no room: the policy comes back unchanged
-    tight = dataclasses.replace(base, gpu_budget=hrm.memory_estimate(base, spec, w).gpu_peak)
+    # no room and no resident expert to trade: the policy comes back unchanged
+    bare = dataclasses.replace(base, resident_experts=0)
+    tight = dataclasses.replace(bare, gpu_budget=hrm.memory_estimate(bare, spec, w).gpu_peak)
     assert milp.grow_prefill(tight, spec, hw, w)[0] == tight
+
+
+def test_grow_prefill_trades_resident_experts_only_when_faster():
+    """With no memory left, a larger prefill micro-batch may take resident experts' memory: the result fits, has
+    fewer residents (spread as the MILP spreads them) and is faster end to end by the HRM; where the HRM says the
+    residents are worth more, the policy comes back unchanged."""
+    # the committed H200 profile: its measured expert FFN rates grow with the tokens per call (the presets have none)
+    spec, hw = resolve_spec("mixtral-8x7b"), resolve_hardware(H200_PROFILE)
+    w = Workload.from_lengths([100] * 2000, gen_len=16)  # a long prefill, a short decode: prefill chunks matter
+    base = Policy(mu=2000, n=1, prefill_mu=milp.prefill_micro_batch(2000, 100), resident_experts=1, n_gpu_attn=1,
+                  gpu_budget=40 * GiB, cpu_budget=160 * GiB)
+    tight = dataclasses.replace(base, gpu_budget=hrm.memory_estimate(base, spec, w).gpu_peak)
+    est0 = hrm.evaluate(tight, spec, hw, w)
+    grown, est = milp.grow_prefill(tight, spec, hw, w)
+    assert grown != tight and grown.prefill_tokens > tight.prefill_tokens
+    assert grown.total_resident(spec) < 32 and not hrm.memory_violations(grown, spec, w)
+    counts = [c for i, c in enumerate(grown.resident_counts(spec)) if not spec.is_dense_layer(i)]
+    assert max(counts) - min(counts) <= 1
+    assert est.e2e_tok_s > est0.e2e_tok_s
+    assert dataclasses.replace(grown, prefill_mu=tight.prefill_mu, prefill_tokens=tight.prefill_tokens,
+                               resident_experts=tight.resident_experts) == tight
+    # a long decode: each resident expert saves PCIe time on every step, so none is traded away
+    w_long = Workload.from_lengths([100] * 2000, gen_len=512)
+    tight_long = dataclasses.replace(base, gpu_budget=hrm.memory_estimate(base, spec, w_long).gpu_peak)
+    got, est_long = milp.grow_prefill(tight_long, spec, hw, w_long)
+    assert got == tight_long and est_long.e2e_tok_s == hrm.evaluate(tight_long, spec, hw, w_long).e2e_tok_s
 
 
 def test_prefill_chunk_is_no_larger_than_the_batch():

@@ -87,24 +87,55 @@ def prefill_micro_batch(mu: int, prompt_len: float, prefill_tokens: int = PREFIL
 
 def grow_prefill(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload,
                  sizes: Sequence[int] = PREFILL_GROW_TOKENS) -> tuple[Policy, "hrm.Estimate"]:
-    """The policy with the largest prefill micro-batch of ``sizes`` (padded tokens, rows by
-    :func:`prefill_micro_batch`) that fits its own budgets, when the HRM says it is no slower end to end.
+    """The policy with a larger prefill micro-batch of ``sizes`` (padded tokens, rows by :func:`prefill_micro_batch`)
+    when the HRM says it is faster end to end, paying for its workspace with resident experts if need be.
 
-    The MILP plans with PREFILL_TOKENS; the decode phase often leaves GPU memory that the prefill workspace can
-    use (the GPU peak is the larger of the two phases). Fewer, larger prefill micro-batches cost less host time
-    per token. Only ``prefill_mu`` and ``prefill_tokens`` change. Returns (policy, hrm.evaluate of it).
+    The MILP plans with PREFILL_TOKENS; the decode phase often leaves GPU memory that the prefill workspace can use
+    (the GPU peak is the larger of the two phases), and where it does not, fewer resident experts make room (a
+    larger prefill chunk runs the expert GEMMs at a higher rate; a resident expert saves its pages' PCIe time every
+    decode step). Per size: the most resident experts (spread as the MILP spreads them) with which the policy fits
+    its own budgets. Of these, the fastest end to end (ties: the larger size) when it is no slower than the policy
+    with its own residents, or faster with fewer. Only ``prefill_mu``, ``prefill_tokens`` and the resident
+    experts change. Returns (policy, hrm.evaluate of it).
     """
     best, est = policy, hrm.evaluate(policy, spec, hw, workload)
+    base_e2e, R = est.e2e_tok_s, policy.total_resident(spec)
+
+    def at(tok: int, r: int) -> Policy:
+        res = policy.resident_experts if r == R else _spread_resident(spec, r)
+        return replace(policy, resident_experts=res, prefill_tokens=tok,
+                       prefill_mu=prefill_micro_batch(policy.mu, workload.prompt_len, tok))
+
     for tok in sorted(sizes, reverse=True):
-        if tok <= policy.prefill_tokens:
-            break
-        cand = replace(policy, prefill_tokens=tok, prefill_mu=prefill_micro_batch(policy.mu, workload.prompt_len, tok))
-        if cand.prefill_mu <= policy.prefill_mu or hrm.memory_violations(cand, spec, workload):
+        if tok <= policy.prefill_tokens or at(tok, R).prefill_mu <= policy.prefill_mu:
             continue
+        if not hrm.memory_violations(at(tok, R), spec, workload):
+            r = R
+        elif hrm.memory_violations(at(tok, 0), spec, workload):
+            continue
+        else:  # the most residents that fit (memory grows with r): binary search over [0, R)
+            lo, hi = 0, R - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if not hrm.memory_violations(at(tok, mid), spec, workload) else (lo, mid - 1)
+            r = lo
+        cand = at(tok, r)
         e = hrm.evaluate(cand, spec, hw, workload)
-        if e.e2e_tok_s >= est.e2e_tok_s:
-            return cand, e
+        ok = e.e2e_tok_s >= base_e2e if r == R else e.e2e_tok_s > base_e2e
+        if ok and (best is policy or e.e2e_tok_s > est.e2e_tok_s):
+            best, est = cand, e
     return best, est
+
+
+def _spread_resident(spec: MoESpec, total: int) -> tuple[int, ...]:
+    """``total`` resident experts spread evenly over the MoE layers (the first MoE layers get the extra; dense layers
+    none): the per-layer counts of :func:`policy_from_decisions`."""
+    L_moe, E = spec.num_moe_layers, spec.num_experts
+    r, x = divmod(total, L_moe)
+    if r > E or (r == E and x):
+        raise ValueError(f"{total} resident experts exceed {L_moe} x {E}")
+    rank = {layer: j for j, layer in enumerate(spec.moe_layers)}  # MoE layer -> its rank among the MoE layers
+    return tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
 
 
 def prefill_chunk_tokens(prefill_mu: int, max_prompt_len: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
@@ -115,12 +146,7 @@ def prefill_chunk_tokens(prefill_mu: int, max_prompt_len: int, prefill_tokens: i
 def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, n: int, resident_total: int, n_gpu_attn: int) -> Policy:
     """The Policy of one point of the decision space: R resident experts spread evenly (first MoE layers get the extra;
     dense layers none)."""
-    L_moe, E = spec.num_moe_layers, spec.num_experts
-    r, x = divmod(resident_total, L_moe)
-    if r > E or (r == E and x):
-        raise ValueError(f"{resident_total} resident experts exceed {L_moe} x {E}")
-    rank = {layer: j for j, layer in enumerate(spec.moe_layers)}  # MoE layer -> its rank among the MoE layers
-    counts = tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
+    counts = _spread_resident(spec, resident_total)
     return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.prompt_len), resident_experts=counts,
                   n_gpu_attn=n_gpu_attn, weight_quant=budgets.weight_quant, dtype=budgets.dtype,
                   gpu_budget=budgets.gpu_memory, cpu_budget=budgets.cpu_memory,
