@@ -13,10 +13,16 @@ interpreter (TRITON_INTERPRET=1), whose ``tl.dot`` mishandles bf16 operands: the
 fp32 first (same values, products exact). The kernels call no ``@triton.jit`` helpers of triton's own
 standard library (``tl.cdiv``, ``tl.sigmoid``, ``tl.zeros``, ``tl.max``): those are compiled-mode objects
 if triton was imported before ``TRITON_INTERPRET`` was set, and the interpreter then refuses to call them.
+
+The element-wise epilogue of the grouped_mm FFN (``silu_mul_kernel``, ``moe_combine_kernel``; wrappers
+:func:`lightning_moe.kernels.fused_moe.silu_mul_triton` / ``moe_combine_triton``) reproduces torch's roundings:
+``RNE_BY_HAND`` (interpreter, bf16) rounds fp32 -> bf16 to nearest even by hand, because the interpreter's cast
+truncates; ``LIBDEVICE_EXP`` (compiled only: the interpreter has no libdevice) takes CUDA's ``expf``.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -504,3 +510,86 @@ def down_mx_kernel(
     acc = acc * rw[:, None]
     y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
     tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# element-wise epilogues of the grouped_mm FFN (kernels.fused_moe.silu_mul_triton, moe_combine_triton)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, RNE_BY_HAND: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (round to nearest even) and returned in ``DTYPE``.
+
+    ``RNE_BY_HAND`` (set for bf16 under the Triton interpreter, whose fp32 -> bf16 cast truncates): add half an
+    ulp of bf16 plus the kept last bit to the fp32 bits and clear the 16 low bits, so the interpreter's truncating
+    cast is exact; NaN passes through unchanged (the addition could carry a NaN's payload into the exponent).
+    Compiled code casts with ``.to`` (``cvt.rn``: round to nearest even).
+    """
+    if RNE_BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        r = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r).to(DTYPE)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def silu_mul_kernel(
+    g_ptr, u_ptr, h_ptr, M, N,
+    stride_gm, stride_um, stride_hm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, RNE_BY_HAND: tl.constexpr,
+):
+    """h[m, n] = round(round(silu(g[m, n])) * u[m, n]) for the ``[BLOCK_M, BLOCK_N]`` tile of program (pid_m, pid_n).
+
+    ``g``, ``u``, ``h`` are ``[M, N]`` with row strides ``stride_*m`` and contiguous rows (``h`` may be a column
+    slice of a wider buffer, or ``g`` itself). ``silu(g) = g / (1 + exp(-g))`` in fp32 from ``g``, rounded to the
+    dtype of ``h`` (what ``F.silu`` does on a 16-bit tensor); its product with ``u`` in fp32, rounded once (what
+    ``torch.mul`` does). The division is IEEE (``div_rn``, as CUDA C++'s ``/``); ``LIBDEVICE_EXP`` (compiled
+    code): ``exp`` is libdevice's ``expf`` (CUDA's ``expf``, which torch's CUDA silu calls) rather than
+    ``tl.exp``'s ``ex2.approx``; the interpreter has no libdevice and uses numpy's ``exp``.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs_m[:, None] * stride_um + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-g)
+    else:  # interpreter: exp in fp64, rounded to fp32 (nearest to a correctly rounded expf; numpy's fp32 exp is not)
+        e = tl.exp(-g.to(tl.float64)).to(tl.float32)
+    s = _round_to(tl.math.div_rn(g, 1.0 + e), h_ptr.dtype.element_ty, RNE_BY_HAND).to(tl.float32)
+    h = _round_to(s * u, h_ptr.dtype.element_ty, RNE_BY_HAND)
+    tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], h, mask=mask)
+
+
+@triton.jit
+def moe_combine_kernel(
+    yd_ptr, rank_ptr, w_ptr, ids_ptr, out_ptr, D, top_k, skip_id,
+    stride_yp, stride_rt, stride_rk, stride_wt, stride_wk, stride_it, stride_ik, stride_ot,
+    SKIP: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BY_HAND: tl.constexpr,
+):
+    """out[t, d] = round(sum_j w[t, j] * yd[rank[t, j], d]) for the ``BLOCK_D`` columns of program (t, pid_d).
+
+    fp32 accumulator from 0, slots in increasing j (``w`` converted to fp32, ``yd`` upcast), one rounding to the
+    dtype of ``out``. ``SKIP``: a slot whose id equals ``skip_id`` adds exactly 0 and its row of ``yd`` is not
+    loaded (the grouped GEMM never wrote it: it may hold NaN). Rows of ``yd`` and ``out`` are contiguous.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    acc = tl.full((BLOCK_D,), 0.0, dtype=tl.float32)
+    for j in range(0, top_k):
+        row = tl.load(rank_ptr + t * stride_rt + j * stride_rk).to(tl.int64)
+        w = tl.load(w_ptr + t * stride_wt + j * stride_wk).to(tl.float32)
+        m = d_mask
+        if SKIP:  # one comparison: the interpreter's `&` of a vector and a scalar mask gives integers, not a mask
+            keep = tl.load(ids_ptr + t * stride_it + j * stride_ik) != skip_id
+            m = offs_d < keep.to(tl.int32) * D
+            w = tl.where(keep, w, 0.0)
+        y = tl.load(yd_ptr + row * stride_yp + offs_d, mask=m, other=0.0).to(tl.float32)
+        acc += w * y
+    tl.store(out_ptr + t * stride_ot + offs_d, _round_to(acc, out_ptr.dtype.element_ty, RNE_BY_HAND), mask=d_mask)

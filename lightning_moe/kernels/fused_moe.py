@@ -28,6 +28,9 @@ Contents, Triton-tutorial style (kernel, wrapper that checks / allocates / launc
 * :func:`fused_experts_grouped_mm` -- the same FFN on ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped GEMMs: the
   pairs sorted by expert on the device, offsets int32 on the device, no host sync), with the Triton path's skip id,
   fp32 weighting and deterministic fp32 slot sum; :func:`grouped_mm_unsupported` says why a call cannot take it.
+* :func:`silu_mul_triton` / :func:`moe_combine_triton` -- its element-wise epilogue on CUDA (SwiGLU into the chunk's
+  columns of ``h``; the weighted slot sum in fp32 registers, one cast), references :func:`silu_mul_reference` /
+  :func:`moe_combine_reference` (the torch code it runs on the CPU).
 
 The ``@triton.jit`` kernels live in :mod:`lightning_moe.kernels._triton_kernels`, imported lazily by
 :func:`_triton_kernels`: importing this module needs only torch.
@@ -58,6 +61,10 @@ __all__ = [
     "grouped_mm_gate_up_chunks",
     "grouped_mm_unsupported",
     "moe_align",
+    "moe_combine_reference",
+    "moe_combine_triton",
+    "silu_mul_reference",
+    "silu_mul_triton",
     "triton_available",
 ]
 
@@ -765,6 +772,164 @@ def grouped_mm_gate_up_chunks(hidden_size: int, intermediate_size: int, top_k: i
     return 16
 
 
+# --------------------------------------------------------------------------------------------------
+# element-wise epilogues of fused_experts_grouped_mm: SwiGLU and the slot combine (Triton + torch reference)
+# --------------------------------------------------------------------------------------------------
+
+_EPILOGUE_TILE = 2048  # elements per program of the epilogue kernels (memory-bound: 16-byte vector accesses)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = silu(gate) * up`` as torch computes it in ``gate.dtype``: ``F.silu`` (fp32 from ``gate``, rounded to
+    the dtype) **in place in gate**, then ``torch.mul`` (the product in fp32, rounded once) into ``out`` (default:
+    ``gate`` itself). ``gate`` / ``up`` / ``out`` ``[M, N]``; ``out`` may be a strided view (a column slice of a wider
+    buffer). The torch epilogue of :func:`fused_experts_grouped_mm` (no temporary beyond ``up``); reference of
+    :func:`silu_mul_triton`. Returns ``out``."""
+    out = gate if out is None else out
+    return torch.mul(F.silu(gate, inplace=True), up, out=out)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = round(round(silu(gate)) * up)`` in one Triton pass (``_triton_kernels.silu_mul_kernel``), with the
+    roundings of :func:`silu_mul_reference`: ``silu(g) = g / (1 + exp(-g))`` in fp32 (IEEE division; on CUDA
+    libdevice's ``expf``, which torch's CUDA silu calls) rounded to the dtype, its product with ``up`` in fp32
+    rounded once. ``gate`` is not modified unless it is ``out`` (the default: in place).
+
+    Args:
+        gate, up: ``[M, N]``, bf16 / fp16 / fp32, same dtype and device, rows of any stride, last dim contiguous.
+        out: ``[M, N]`` of the same dtype, rows of any stride (e.g. ``h[:, f0:f1]``), last dim contiguous; ``gate``
+            itself or memory overlapping neither input.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: shape / dtype / device / stride mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``).
+        RuntimeError: triton not installed.
+    """
+    fn = "silu_mul_triton"
+    out = gate if out is None else out
+    for name, t in (("gate", gate), ("up", up), ("out", out)):
+        if t.dim() != 2 or tuple(t.shape) != tuple(gate.shape):
+            raise ValueError(f"{fn}: {name} must be [M, N] = {tuple(gate.shape)}, got shape {tuple(t.shape)}")
+        if t.dtype != gate.dtype:
+            raise ValueError(f"{fn}: {name} dtype {t.dtype} != gate dtype {gate.dtype}")
+        if t.device != gate.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but gate on {gate.device}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{fn}: {name} needs a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
+    if gate.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: dtype must be one of {_TRITON_DTYPES}, got {gate.dtype}")
+    _check_triton_device(fn, gate)
+    M, N = gate.shape
+    if M == 0 or N == 0:
+        return out
+    kern = _triton_kernels()
+    interp = _interpret_mode()
+    block_n = min(1024, _pow2_at_least(N))
+    block_m = max(1, _EPILOGUE_TILE // block_n)
+    grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    kern.silu_mul_kernel[grid](
+        gate, up, out, M, N, gate.stride(0), up.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, LIBDEVICE_EXP=not interp,
+        RNE_BY_HAND=interp and gate.dtype == torch.bfloat16, num_warps=4,
+    )
+    return out
+
+
+def _check_combine(fn: str, yd: torch.Tensor, rank: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: Optional[torch.Tensor], skip: bool) -> tuple[int, int]:
+    """Check the operands of :func:`moe_combine_triton` / :func:`moe_combine_reference`; return (T, k)."""
+    if yd.dim() != 2 or not yd.is_floating_point():
+        raise ValueError(f"{fn}: yd must be a floating [P, D] tensor, got {yd.dtype} {tuple(yd.shape)}")
+    if rank.dim() != 2 or rank.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{fn}: rank must be an int64/int32 [T, k] tensor, got {rank.dtype} {tuple(rank.shape)}")
+    T = rank.shape[0]
+    if topk_ids is None:
+        if skip:
+            raise ValueError(f"{fn}: skip needs topk_ids")
+        topk_ids = rank
+    k = _check_routing(fn, T, topk_weights, topk_ids)
+    if tuple(rank.shape) != (T, k):
+        raise ValueError(f"{fn}: rank shape {tuple(rank.shape)} != topk_ids shape {(T, k)}")
+    for name, t in (("rank", rank), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != yd.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but yd on {yd.device}")
+    return T, k
+
+
+def moe_combine_reference(yd: torch.Tensor, rank: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                          skip: bool = False) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * yd[rank[t, j]]`` in an fp32 ``[T, D]`` buffer from 0, slots in increasing
+    j (``addcmul_``), cast once to ``yd.dtype``; with ``skip`` a pair whose id equals ``num_experts`` adds 0 (its row
+    is gathered, then replaced by 0 with ``torch.where``: it may hold NaN). The torch combine of
+    :func:`fused_experts_grouped_mm`; reference of :func:`moe_combine_triton`. yd ``[P, D]``, rank / topk_weights /
+    topk_ids ``[T, k]`` -> ``[T, D]``."""
+    T, k = _check_combine("moe_combine_reference", yd, rank, topk_weights, topk_ids, skip)
+    rw = topk_weights.to(torch.float32)  # [T, k]
+    out = torch.zeros((T, yd.shape[1]), dtype=torch.float32, device=yd.device)  # [T, D] fp32 slot sum
+    for j in range(k):
+        yj = yd[rank[:, j]].float()  # [T, D]
+        if skip:  # a skipped pair's row of yd was never written (it may hold NaN): select, never multiply
+            yj = torch.where((topk_ids[:, j] == num_experts)[:, None], 0.0, yj)
+        out.addcmul_(yj, rw[:, j:j + 1])
+    return out.to(yd.dtype)
+
+
+def moe_combine_triton(yd: torch.Tensor, rank: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                       skip: bool = False) -> torch.Tensor:
+    """The slot combine of :func:`moe_combine_reference` in one Triton pass (``_triton_kernels.moe_combine_kernel``):
+    per token and column block an fp32 register accumulator from 0, ``+= float(topk_weights[t, j]) *
+    float(yd[rank[t, j]])`` for j = 0 .. k-1, one cast to ``yd.dtype``; with ``skip`` the rows of pairs whose id is
+    ``num_experts`` are never loaded and add exactly 0. No fp32 ``[T, D]`` buffer: it reads ``k`` rows and writes one
+    per token. Differs from the reference only by FMA contraction of the fp32 multiply-add (compiled code): within
+    one ulp of the dtype after the cast.
+
+    Args:
+        yd: ``[P, D]`` bf16 / fp16 / fp32, rows of any stride, last dim contiguous.
+        rank: ``[T, k]`` int64 / int32, values in ``[0, P)`` (not checked: that would sync the device).
+        topk_weights: ``[T, k]`` floating (converted to fp32 in the kernel). topk_ids: ``[T, k]`` integer; read only
+            with ``skip``. num_experts: the skip id.
+
+    Returns:
+        ``[T, D]`` in ``yd.dtype``.
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, CPU tensors (unless ``TRITON_INTERPRET=1``).
+        RuntimeError: triton not installed.
+    """
+    fn = "moe_combine_triton"
+    T, k = _check_combine(fn, yd, rank, topk_weights, topk_ids, skip)
+    if yd.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: yd dtype must be one of {_TRITON_DTYPES}, got {yd.dtype}")
+    D = yd.shape[1]
+    if D > 1 and yd.stride(1) != 1:
+        raise ValueError(f"{fn}: yd needs a contiguous last dim (stride 1), got strides {tuple(yd.stride())}")
+    if skip and num_experts is None:
+        raise ValueError(f"{fn}: skip needs num_experts (the skip id)")
+    _check_triton_device(fn, yd)
+    out = torch.empty((T, D), dtype=yd.dtype, device=yd.device)
+    if T == 0 or D == 0:
+        return out
+    kern = _triton_kernels()
+    interp = _interpret_mode()
+    ids = topk_ids if skip else rank  # not read without skip
+    block_d = min(1024, _pow2_at_least(D))
+    kern.moe_combine_kernel[(T, _cdiv(D, block_d))](
+        yd, rank, topk_weights, ids, out, D, k, int(num_experts) if skip else -1,
+        yd.stride(0), rank.stride(0), rank.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+        ids.stride(0), ids.stride(1), out.stride(0),
+        SKIP=skip, BLOCK_D=block_d, RNE_BY_HAND=interp and yd.dtype == torch.bfloat16, num_warps=4,
+    )
+    return out
+
+
 def fused_experts_grouped_mm(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -776,6 +941,7 @@ def fused_experts_grouped_mm(
     validate: bool = True,
     skip: bool = False,
     gate_up_chunks: Optional[int] = None,
+    _epilogue: Optional[str] = None,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU FFN with torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``): the arguments,
     the result and the skip id of :func:`fused_experts_triton`.
@@ -784,11 +950,16 @@ def fused_experts_grouped_mm(
     with ``skip`` the skipped pairs form a last bucket, id E); the E group ends ``offs`` are int32 on the device and
     the skipped pairs lie past ``offs[E-1]``, where grouped_mm writes nothing; (2) ``xs = x[sorted tokens]`` [P, D];
     (3) per column chunk (:func:`grouped_mm_gate_up_chunks`) ``gate = xs W1_e^T``, ``up = xs W3_e^T`` (grouped GEMMs
-    over the transposed weight views, no copy) and ``h = silu(gate) * up`` [P, F] in ``x.dtype``; (4) ``yd = h W2_e^T``
-    [P, D] in ``x.dtype``; (5) per slot j (increasing): ``out += topk_weight[:, j] * yd[rank of pair (t, j)]`` in fp32
-    (skipped pairs add 0), one cast to ``x.dtype``. Deterministic (no atomics). Differs from the Triton kernel in
-    roundings only: gate/up/down products are rounded to ``x.dtype`` before SwiGLU and before the fp32 weighting (as
-    transformers' grouped_mm path does).
+    over the transposed weight views, no copy) and ``h = silu(gate) * up`` [P, F] in ``x.dtype`` (:func:`silu_mul_triton`
+    / :func:`silu_mul_reference`); (4) ``yd = h W2_e^T`` [P, D] in ``x.dtype``; (5) per slot j (increasing): ``out +=
+    topk_weight[:, j] * yd[rank of pair (t, j)]`` in fp32 (skipped pairs add 0), one cast to ``x.dtype``
+    (:func:`moe_combine_triton`: in registers, no fp32 [T, D] buffer / :func:`moe_combine_reference`). Deterministic
+    (no atomics). Differs from the Triton kernel in roundings only: gate/up/down products are rounded to ``x.dtype``
+    before SwiGLU and before the fp32 weighting (as transformers' grouped_mm path does).
+
+    The epilogue (steps 3's SwiGLU and 5) runs as two Triton kernels on CUDA when triton is installed, else as the
+    torch code of the references; the two agree bit for bit in the SwiGLU (on CUDA; see the kernels' tests) and
+    within one ulp of ``x.dtype`` in the combine (FMA contraction of the fp32 multiply-add).
 
     Args:
         x: ``[T, D]``; bf16 on CUDA (compute capability >= 8.0), fp32 / bf16 / fp16 on the CPU.
@@ -799,13 +970,15 @@ def fused_experts_grouped_mm(
         skip: ids equal to ``E`` mark pairs this call does not compute (their slot adds 0).
         gate_up_chunks: column chunks of the gate/up GEMMs (default :func:`grouped_mm_gate_up_chunks`: the planner's
             FFN workspace); 1 = two full-width GEMMs.
+        _epilogue: tests only: "triton" or "torch" forces the epilogue (None: Triton on CUDA when triton is
+            installed; "triton" on CPU tensors needs ``TRITON_INTERPRET=1``).
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
         ValueError: shape / dtype / device mismatch, operands grouped_mm cannot take (the reason), out-of-range ids
-        (when ``validate``), ``gate_up_chunks`` < 1.
+        (when ``validate``), ``gate_up_chunks`` < 1, an unknown ``_epilogue``.
     """
     fn = "fused_experts_grouped_mm"
     E, D, Fd = _check_experts(fn, x, w1, w3, w2)
@@ -820,24 +993,28 @@ def fused_experts_grouped_mm(
     n_chunks = gate_up_chunks or grouped_mm_gate_up_chunks(D, Fd, k, x.element_size())
     if n_chunks < 1:
         raise ValueError(f"{fn}: gate_up_chunks must be >= 1, got {gate_up_chunks}")
+    epilogue = _epilogue or ("triton" if x.is_cuda and triton_available() else "torch")
+    if epilogue not in ("triton", "torch"):
+        raise ValueError(f"{fn}: _epilogue must be 'triton', 'torch' or None, got {_epilogue!r}")
     if validate:
         _check_id_range(fn, topk_ids, E + 1 if skip else E)
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
     gmm = _grouped_mm_fn()
+    silu_mul = silu_mul_triton if epilogue == "triton" else silu_mul_reference
     al = moe_align(topk_ids, E + 1 if skip else E)  # stable sort by expert; the skip bucket (id E) last
     offs = al.expert_offsets[1:E + 1].to(torch.int32)  # [E] end of each expert's rows; skipped pairs lie beyond
     xs = x[al.sorted_token_idx]  # [P, D] rows sorted by expert
     if n_chunks == 1:
         h = gmm(xs, w1.transpose(1, 2), offs=offs)  # [P, F] gate
-        h = F.silu(h, inplace=True).mul_(gmm(xs, w3.transpose(1, 2), offs=offs))  # [P, F] silu(gate) * up
+        h = silu_mul(h, gmm(xs, w3.transpose(1, 2), offs=offs), h)  # [P, F] silu(gate) * up, in place in the gate
     else:
         h = torch.empty((xs.shape[0], Fd), dtype=x.dtype, device=x.device)  # [P, F]
         step = _cdiv(_cdiv(Fd, n_chunks), 8) * 8  # chunk width: a multiple of 8 keeps 16-byte strides in bf16
         for f0 in range(0, Fd, step):
             f1 = min(Fd, f0 + step)
             g = gmm(xs, w1[:, f0:f1].transpose(1, 2), offs=offs)  # [P, f1-f0]
-            torch.mul(F.silu(g, inplace=True), gmm(xs, w3[:, f0:f1].transpose(1, 2), offs=offs), out=h[:, f0:f1])
+            silu_mul(g, gmm(xs, w3[:, f0:f1].transpose(1, 2), offs=offs), h[:, f0:f1])
             g = None
     xs = None
     yd = gmm(h, w2.transpose(1, 2), offs=offs)  # [P, D] in x.dtype; rows of skipped pairs unwritten
@@ -845,11 +1022,5 @@ def fused_experts_grouped_mm(
     rank = torch.empty_like(al.sorted_pair_idx)  # [P] row of pair p = t*k + j in the sorted order
     rank[al.sorted_pair_idx] = torch.arange(rank.numel(), device=x.device)
     rank = rank.view(T, k)
-    rw = topk_weights.to(torch.float32)  # [T, k]
-    out = torch.zeros((T, D), dtype=torch.float32, device=x.device)  # [T, D] fp32 slot sum
-    for j in range(k):
-        yj = yd[rank[:, j]].float()  # [T, D]
-        if skip:  # a skipped pair's row of yd was never written (it may hold NaN): select, never multiply
-            yj = torch.where((topk_ids[:, j] == E)[:, None], 0.0, yj)
-        out.addcmul_(yj, rw[:, j:j + 1])
-    return out.to(x.dtype)
+    combine = moe_combine_triton if epilogue == "triton" else moe_combine_reference
+    return combine(yd, rank, topk_weights, topk_ids, E, skip)
