@@ -21,6 +21,9 @@ Triton is imported lazily, the first time a ``*_triton`` function is called.
   bit), packed MXFP4 expert pages (:func:`mxfp4_page_layout` -> :class:`MXFP4PageLayout`, :func:`pack_mxfp4_pages`,
   :func:`unpack_mxfp4_page`), and gpt-oss's expert FFN from them (:func:`fused_experts_mxfp4_triton`, dequantizing
   in registers; reference :func:`experts_ffn_mxfp4_reference`).
+* :mod:`.norm_rope` -- RMSNorm and rotate-half RoPE in one Triton launch each (:func:`~.norm_rope.rms_norm_triton`,
+  :func:`~.norm_rope.apply_rope_triton`; references :func:`~.norm_rope.rms_norm_torch`,
+  :func:`~.norm_rope.apply_rope_torch`), which ``model.layers`` takes on CUDA.
 """
 
 from .fused_moe import (

@@ -524,11 +524,12 @@ def fused_moe_workspace_bytes(num_tokens: int, top_k: int, hidden_size: int, int
             + max_blocks * 4 + 5 * P * 8 + 4 * (num_experts + 1) * 8)
 
 
-_KERNEL_MODULES: dict = {}  # interpret flag -> the imported lightning_moe.kernels._triton_kernels
+_KERNEL_MODULES: dict = {}  # (module name, interpret flag) -> the imported kernels module
 
 
-def _triton_kernels():
-    """Import (lazily) and return the module holding the ``@triton.jit`` kernels.
+def _triton_kernels(module: str = "_triton_kernels"):
+    """Import (lazily) and return the module holding the ``@triton.jit`` kernels: ``module`` of this package,
+    ``_triton_kernels`` (the expert FFN, dequantization and decode attention) unless told otherwise.
 
     ``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted, so under
     ``TRITON_INTERPRET=1`` a second, separately named copy of the module is loaded from the same file.
@@ -537,27 +538,27 @@ def _triton_kernels():
         RuntimeError: triton is not installed.
     """
     interp = _interpret_mode()
-    if interp in _KERNEL_MODULES:
-        return _KERNEL_MODULES[interp]
+    if (module, interp) in _KERNEL_MODULES:
+        return _KERNEL_MODULES[module, interp]
     try:
         import triton  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the host
-        raise RuntimeError("the Triton expert kernels need the `triton` package (pip install triton)") from exc
+        raise RuntimeError("the Triton kernels need the `triton` package (pip install triton)") from exc
     import importlib
     import importlib.util
     import sys
 
-    name = __package__ + "._triton_kernels"
+    name = __package__ + "." + module
     if not interp:
         mod = importlib.import_module(name)
     else:
         iname = name + "_interpret"
-        path = os.path.join(os.path.dirname(__file__), "_triton_kernels.py")
+        path = os.path.join(os.path.dirname(__file__), module + ".py")
         spec = importlib.util.spec_from_file_location(iname, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[iname] = mod
         spec.loader.exec_module(mod)
-    _KERNEL_MODULES[interp] = mod
+    _KERNEL_MODULES[module, interp] = mod
     return mod
 
 

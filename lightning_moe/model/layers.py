@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F_
 
+from ..kernels import norm_rope as _nr
 from ..kernels.cpu_attention import decode_attention_torch
 from .spec import MoESpec
 
@@ -68,12 +69,14 @@ class ExpertWeights:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): ``w * x / sqrt(mean(x^2) + eps)``, statistics in fp32.
 
-    x: [..., D] any float dtype; weight: [D]. Returns x's dtype (as transformers' MixtralRMSNorm).
+    x: [..., D] any float dtype; weight: [D]. Returns x's dtype (as transformers' MixtralRMSNorm). On CUDA, with triton
+    installed and x / weight one dtype of bf16 / fp16 / fp32, one fused Triton launch
+    (``kernels.norm_rope.rms_norm_triton``: the same roundings, the fp32 mean summed in another order); else the torch
+    reference ``kernels.norm_rope.rms_norm_torch``.
     """
-    dtype = x.dtype
-    xf = x.float()  # [..., D] fp32
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    if _nr.rms_norm_uses_triton(x, weight):
+        return _nr.rms_norm_triton(x, weight, eps)
+    return _nr.rms_norm_torch(x, weight, eps)
 
 
 def _rope_base_freqs(spec: MoESpec, device=None) -> torch.Tensor:
@@ -139,10 +142,14 @@ def rope_cos_sin(spec: MoESpec, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, H, hd] by per-token cos/sin [T, hd] (rotate-half convention, as HF Mixtral)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, hd]
-    return x * cos[:, None, :] + rot * sin[:, None, :]
+    """Rotate ``x`` [T, H, hd] by per-token cos/sin [T, hd] (rotate-half convention, as HF Mixtral).
+
+    On CUDA, with triton installed and x / cos / sin one dtype of bf16 / fp16 / fp32, one fused Triton launch
+    (``kernels.norm_rope.apply_rope_triton``, bitwise equal); else the torch reference ``kernels.norm_rope.apply_rope_torch``.
+    """
+    if _nr.apply_rope_uses_triton(x, cos, sin):
+        return _nr.apply_rope_triton(x, cos, sin)
+    return _nr.apply_rope_torch(x, cos, sin)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
