@@ -22,7 +22,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-EXPERT = re.compile(r"gate_up|down_kernel|grouped_mm|_mx_kernel|dequant")  # the expert FFN's own kernels
+EXPERT = re.compile(r"gate_up|down_kernel|grouped_mm|_mx_kernel|dequant|silu_mul|moe_combine|RadixSort")  # the expert FFN's own kernels (its sort too)
 MODELED = re.compile(r"nvjet|gemm|sdpa|flash|fmha|cutlass|xmma|Memcpy|Memset")  # GEMMs, attention, copies: HRM terms
 
 
