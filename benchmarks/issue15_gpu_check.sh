@@ -33,6 +33,11 @@
 #                                            # with the time left
 #   bash benchmarks/issue15_gpu_check.sh P   # issue 22: the 1000-text perplexity job before (5dcc895) / after, then
 #                                            # int4 perplexity and bf16 generation, each against the dense-GEMM bound
+#   bash benchmarks/issue15_gpu_check.sh Q1  # issue 22 (session 16): the expert FFN vs the dense GEMM peak, the profile's
+#                                            # rates and element-wise rows re-measured into /tmp/h200-new.yaml, the
+#                                            # 8-layer checkpoints (cli_sweep --preset prefill), the new kernels' GPU tests
+#   bash benchmarks/issue15_gpu_check.sh Q2  # (warm, after Q1) the 1000-text perplexity before (91a7120) / after, then
+#                                            # every prefill-preset case against the dense-GEMM bound
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -235,14 +240,10 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
       python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" 2>&1 | tail -1 | tee -a $OUT/p_ab.txt
     done ;;
   Q1)
-    # issue 22, session 16, call 1: the new kernels' GPU tests with the GPU tests they touch; the expert FFN's own rate
-    # vs the dense GEMM peak in one process (bench_prefill_ffn.py); the profile's expert_ffn_rates re-measured
-    # (choice table, merged into /tmp/h200-new.yaml); the 8-layer checkpoints of the prefill preset; one traced
-    # 1000-text perplexity run for prefill_elementwise_rows (into /tmp/h200-new.yaml, a copy comes back in $OUT)
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_norm_rope_gpu.py \
-      tests/gpu/test_moe_epilogue_gpu.py tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_no_host_sync_gpu.py \
-      tests/gpu/test_families_gpu.py tests/gpu/test_cgopipe_gpu.py > $OUT/tests_q1.txt 2>&1
-    echo "GPU tests: rc $?"; tail -3 $OUT/tests_q1.txt
+    # issue 22, session 16, call 1: the expert FFN's own rate vs the dense GEMM peak in one process
+    # (bench_prefill_ffn.py); the profile's expert_ffn_rates re-measured (choice table, merged into /tmp/h200-new.yaml);
+    # the 8-layer checkpoints of the prefill preset; one traced 1000-text perplexity run for prefill_elementwise_rows
+    # (into /tmp/h200-new.yaml, a copy comes back in $OUT); then the new kernels' GPU tests with the time left
     timeout 120 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
     timeout 150 python3 benchmarks/bench_grouped_ffn.py --choice-table --models mixtral-8x7b,qwen3-30b-a3b \
       --rates-yaml /tmp/rates.yaml --out $OUT/choice_table.md 2>&1 | grep -E "mixtral|qwen" | head -16
@@ -251,12 +252,19 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
 p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(open(sys.argv[1]))['expert_ffn_rates']; \
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + Q1 rates')" \
       /tmp/rates.yaml $HW || cp lightning_moe/policy/profiles/h200-host.yaml $HW
+    echo "Q1 at $((SECONDS - S)) s: rates merged"
     python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -3
+    echo "Q1 at $((SECONDS - S)) s: checkpoints written"
     J=$WP/jobs/pf-ppl-bf16-12g.yaml; R=/tmp/trace-ppl.jsonl
     timeout 150 python3 benchmarks/profile_prefill.py $J --set output.path=$R --set hardware=$HW --trace /tmp/t.json.gz \
-      2>&1 | grep -E "prefill tok/s|^\| " | head -24 | tee $OUT/q1_kernels.md
+      2>&1 | grep -E "prefill tok/s|^\| " | head -24 > $OUT/q1_kernels.md; head -3 $OUT/q1_kernels.md
     python3 benchmarks/prefill_elementwise.py /tmp/t.json.gz ${R%.jsonl}.report.json --hardware $HW --write $HW 2>&1 | tail -3
-    cp $HW $OUT/h200-new.yaml ;;
+    cp $HW $OUT/h200-new.yaml
+    left=$((${LIMIT:-585} - (SECONDS - S))); echo "Q1 at $((SECONDS - S)) s: GPU tests with $left s"
+    [ $left -gt 30 ] && timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_norm_rope_gpu.py \
+      tests/gpu/test_moe_epilogue_gpu.py tests/gpu/test_no_host_sync_gpu.py tests/gpu/test_grouped_mm_gpu.py \
+      tests/gpu/test_families_gpu.py tests/gpu/test_cgopipe_gpu.py > $OUT/tests_q1.txt 2>&1
+    echo "GPU tests: rc $?"; tail -3 $OUT/tests_q1.txt ;;
   Q2)
     # issue 22, session 16, call 2 (warm, right after Q1: its checkpoints and /tmp/h200-new.yaml): the 1000-text
     # perplexity job at 91a7120 (.carry/before, its own profile) and at this commit, alternating; then every case of
