@@ -11,6 +11,8 @@ best of ``--repeats`` timed calls after a warm-up (the profiler's ``_best_time``
   >= 0.8 of ``dense``;
 * ``ffn_torch_epilogue``: the same with the torch SwiGLU / slot sum (``_epilogue="torch"``), where the build has
   that switch;
+* ``ffn_1chunk``: the same with ``gate_up_chunks=1`` (two full-width gate/up GEMMs: more workspace than the planner
+  counts);
 * ``gemms``: the three grouped GEMMs alone over rows already sorted by expert (the ceiling of any epilogue work);
 * ``loop``: the same GEMMs as one cuBLAS ``mm`` per expert over known row counts (what a host-synced loop reaches).
 
@@ -52,8 +54,8 @@ def main(argv=None) -> int:
     has_switch = "_epilogue" in inspect.signature(fused_experts_grouped_mm).parameters
     gmm = _grouped_mm_fn()
     lines = ["| T | dense 8192^3 TFLOP/s | ffn (as CGOPipe) | / dense | ffn, torch epilogue | / dense | "
-             "3 grouped GEMMs only | / dense | per-expert cuBLAS mm loop | / dense |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "ffn, 1 gate/up chunk | / dense | 3 grouped GEMMs only | / dense | per-expert cuBLAS mm loop | / dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, D, device=dev, generator=g).to(dt)
@@ -86,13 +88,15 @@ def main(argv=None) -> int:
         if has_switch:
             rates["torch_ep"] = flops / _best_time(lambda: fused_experts_grouped_mm(
                 x, w1, w3, w2, wts, ids, validate=False, _epilogue="torch"), a.repeats, sync)
+        rates["one_chunk"] = flops / _best_time(lambda: fused_experts_grouped_mm(
+            x, w1, w3, w2, wts, ids, validate=False, gate_up_chunks=1), a.repeats, sync)
         rates["gemms"] = flops / _best_time(gemms, a.repeats, sync)
         rates["loop"] = flops / _best_time(loop, a.repeats, sync)
         d = rates["dense"]
 
         def cell(k):
             return (f"{rates[k] / 1e12:.1f} | {rates[k] / d:.2f}") if k in rates else "n/a | -"
-        lines.append(f"| {T} | {d / 1e12:.1f} | {cell('ffn')} | {cell('torch_ep')} | {cell('gemms')} | {cell('loop')} |")
+        lines.append(f"| {T} | {d / 1e12:.1f} | {cell('ffn')} | {cell('torch_ep')} | {cell('one_chunk')} | {cell('gemms')} | {cell('loop')} |")
         print(lines[-1], flush=True)
         x = xs = hs = None
     if a.out:

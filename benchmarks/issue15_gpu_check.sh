@@ -38,6 +38,7 @@
 #                                            # 8-layer checkpoints (cli_sweep --preset prefill), the new kernels' GPU tests
 #   bash benchmarks/issue15_gpu_check.sh Q2  # (warm, after Q1) the 1000-text perplexity before (91a7120) / after, then
 #                                            # every prefill-preset case against the dense-GEMM bound
+#   bash benchmarks/issue15_gpu_check.sh Q3  # bench_prefill_ffn.py again, then every GPU test (the time left)
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -68,7 +69,7 @@ step_k() {  # step K, with what is left of the 575 s since the script started
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -269,7 +270,7 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
     # issue 22, session 16, call 2 (warm, right after Q1: its checkpoints and /tmp/h200-new.yaml): the 1000-text
     # perplexity job at 91a7120 (.carry/before, its own profile) and at this commit, alternating; then every case of
     # the prefill preset at this commit, each line against the dense-GEMM bound (benchmarks/prefill_bound.py)
-    L=${LIMIT:-585}; HW=/tmp/h200-new.yaml; [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml
+    L=${LIMIT:-585}; HW=/tmp/h200-new.yaml; [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; mkdir -p $WP/results
     [ -f $WP/jobs/pf-ppl-bf16-12g.yaml ] || python3 benchmarks/cli_sweep.py --preset prefill --work $WP \
       --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
     for tc in ${Q2_CASES:-before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g \
@@ -283,6 +284,13 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
       python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/q2.txt
     done
     tar czf $OUT/q2-reports.tgz -C $WP/results $(cd $WP/results && ls q2-*.report.json q2-*.log 2>/dev/null) ;;
+  Q3)
+    # issue 22, session 16, call 3: the expert FFN vs the dense GEMM peak again (with one gate/up chunk), then every GPU
+    # test in one pytest process with the time left
+    timeout 90 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn_q3.md 2>&1 | tail -6
+    left=$((${LIMIT:-585} - (SECONDS - S))); echo "Q3 at $((SECONDS - S)) s: all GPU tests with $left s"
+    timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu > $OUT/tests_gpu.txt 2>&1
+    echo "tests/gpu: rc $?"; tail -4 $OUT/tests_gpu.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \
