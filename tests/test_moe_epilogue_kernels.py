@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_grouped_mm_ffn import make_inputs, relerr
 
 from lightning_moe.kernels import fused_moe as fm
 from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm, moe_align,
@@ -255,23 +256,8 @@ def test_moe_combine_rejects_bad_operands(monkeypatch):
 # grouped_mm), k up to 6, T = 1, 5, 37
 FUSED_CASES = [(1, 64, 48, 8, 2, None), (5, 96, 72, 8, 6, 3), (37, 64, 120, 6, 4, 5), (37, 128, 96, 8, 1, 7)]
 FUSED_IDS = [f"T{c[0]}-D{c[1]}-F{c[2]}-E{c[3]}-k{c[4]}-empty{c[5]}" for c in FUSED_CASES]
+fused_inputs = make_inputs  # tests/test_grouped_mm_ffn.py's inputs: an expert with no tokens, distinct ids
 REF_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # tests/test_grouped_mm_ffn.py's
-
-
-def fused_inputs(T, D, Fd, E, k, empty, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g).to(dtype)
-    w1 = (torch.randn(E, Fd, D, generator=g) / D**0.5).to(dtype)
-    w3 = (torch.randn(E, Fd, D, generator=g) / D**0.5).to(dtype)
-    w2 = (torch.randn(E, D, Fd, generator=g) / Fd**0.5).to(dtype)
-    allowed = torch.tensor([e for e in range(E) if e != empty])
-    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(T)])
-    wts = torch.rand(T, k, generator=g).softmax(dim=-1)
-    return x, w1, w3, w2, wts, ids.to(torch.int64)
-
-
-def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def assert_epilogues_agree(tri, tor):
