@@ -8,7 +8,7 @@ CPU-only session, NOT yet run on a GPU). At Mixtral-8x7B width (T 8192, D 4096, 
   the skipped pairs' rows never read;
 * fused_experts_grouped_mm (auto: the Triton epilogue) vs its torch epilogue (``_epilogue="torch"``): bit for bit with
   only silu_mul swapped in, within 1 bf16 ulp with both kernels; vs experts_ffn_reference in fp32 within
-  tests/gpu/test_grouped_mm_gpu.py's 1e-2; no host sync with validate=False.
+  tests/gpu/test_grouped_mm_gpu.py's 1e-2 (that file's skip test checks the default, Triton-epilogue path for host syncs).
 
 Run on a CUDA host: ``python -m pytest tests/gpu/test_moe_epilogue_gpu.py -m gpu``."""
 
