@@ -121,16 +121,17 @@ def choice_table(models: list[str], rates_yaml: str | None) -> list[str]:
     """The profile's expert_ffn_rates for ``models`` at the profile's T buckets (profiler.measure_expert_ffn_rates,
     what `moe-batch profile --expert-shapes` runs), as markdown rows; optionally the entries as a YAML fragment."""
     from lightning_moe.pipeline.profiler import EXPERT_FFN_TOKENS, measure_expert_ffn_rates
+    from lightning_moe.policy.hardware import NO_SYNC_KERNELS
 
     shapes = [(SHAPES[m][3], SHAPES[m][1], SHAPES[m][0], SHAPES[m][2]) for m in models]  # (D, F, E, k)
     rows = measure_expert_ffn_rates(shapes, EXPERT_FFN_TOKENS, log=print)
     names = {(D, F, E, k): m for m, (D, F, E, k) in zip(models, shapes)}
-    lines = ["| model | T | Triton TFLOP/s | grouped_mm TFLOP/s | grouped_mm / Triton | auto picks |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | T | Triton TFLOP/s | grouped_mm TFLOP/s | mm_loop TFLOP/s | grouped_mm / Triton | auto picks "
+             "(decode) | auto picks (prefill) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r.grouped_mm / r.triton:.2f}" if r.triton else "-"
         lines.append(f"| {names[r.shape[:4]]} | {r.tokens} | {r.triton / 1e12:.1f} | {r.grouped_mm / 1e12:.1f} | "
-                     f"{ratio} | {r.best} |")
+                     f"{r.mm_loop / 1e12:.1f} | {ratio} | {r.best_of(NO_SYNC_KERNELS)} | {r.best} |")
     if rates_yaml:
         import yaml
         from dataclasses import asdict

@@ -9,6 +9,9 @@ best of ``--repeats`` timed calls after a warm-up (the profiler's ``_best_time``
 * ``ffn``: ``kernels.fused_moe.fused_experts_grouped_mm`` as CGOPipe calls it (the whole call: token sort, gathers,
   gate/up GEMMs in the planner's column chunks, SwiGLU, down GEMM, slot sum) -- the rate the issue asks to be
   >= 0.8 of ``dense``;
+* ``mm_loop``: ``kernels.fused_moe.fused_experts_mm_loop`` as CGOPipe calls it (the same steps, one cuBLAS GEMM per
+  expert and projection after one host wait for the per-expert row counts), where the build has it;
+* ``auto``: the faster of ``ffn`` and ``mm_loop`` (what a prefill pass runs when the profile measured the same);
 * ``ffn_torch_epilogue``: the same with the torch SwiGLU / slot sum (``_epilogue="torch"``), where the build has
   that switch;
 * ``ffn_1chunk``: the same with ``gate_up_chunks=1`` (two full-width gate/up GEMMs: more workspace than the planner
@@ -32,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lightning_moe.kernels import fused_moe  # noqa: E402
 from lightning_moe.kernels.fused_moe import _grouped_mm_fn, fused_experts_grouped_mm, moe_align  # noqa: E402
 from lightning_moe.pipeline.profiler import _best_time  # noqa: E402
 
@@ -53,9 +57,11 @@ def main(argv=None) -> int:
     gb = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
     has_switch = "_epilogue" in inspect.signature(fused_experts_grouped_mm).parameters
     gmm = _grouped_mm_fn()
-    lines = ["| T | dense 8192^3 TFLOP/s | ffn (as CGOPipe) | / dense | ffn, torch epilogue | / dense | "
+    mm_loop = getattr(fused_moe, "fused_experts_mm_loop", None)
+    lines = ["| T | dense 8192^3 TFLOP/s | ffn (as CGOPipe) | / dense | ffn mm_loop (as CGOPipe) | / dense | "
+             "prefill pick (faster) | / dense | ffn, torch epilogue | / dense | "
              "ffn, 1 gate/up chunk | / dense | 3 grouped GEMMs only | / dense | per-expert cuBLAS mm loop | / dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, D, device=dev, generator=g).to(dt)
@@ -85,6 +91,10 @@ def main(argv=None) -> int:
         rates = {"dense": 2 * 8192**3 / _best_time(lambda: ga @ gb, a.repeats, sync)}
         rates["ffn"] = flops / _best_time(lambda: fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, validate=False),
                                           a.repeats, sync)
+        if mm_loop is not None:
+            rates["mm_loop"] = flops / _best_time(lambda: mm_loop(x, w1, w3, w2, wts, ids, validate=False),
+                                                  a.repeats, sync)
+            rates["auto"] = max(rates["ffn"], rates["mm_loop"])
         if has_switch:
             rates["torch_ep"] = flops / _best_time(lambda: fused_experts_grouped_mm(
                 x, w1, w3, w2, wts, ids, validate=False, _epilogue="torch"), a.repeats, sync)
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
 
         def cell(k):
             return (f"{rates[k] / 1e12:.1f} | {rates[k] / d:.2f}") if k in rates else "n/a | -"
-        lines.append(f"| {T} | {d / 1e12:.1f} | {cell('ffn')} | {cell('torch_ep')} | {cell('one_chunk')} | {cell('gemms')} | {cell('loop')} |")
+        lines.append(f"| {T} | {d / 1e12:.1f} | {cell('ffn')} | {cell('mm_loop')} | {cell('auto')} | {cell('torch_ep')} | {cell('one_chunk')} | {cell('gemms')} | {cell('loop')} |")
         print(lines[-1], flush=True)
         x = xs = hs = None
     if a.out:

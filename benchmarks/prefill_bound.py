@@ -58,7 +58,7 @@ def main() -> int:
                 f"{mem.get('measured_peak_allocated_bytes', 0) / gib:.2f} allocated / "
                 f"{mem.get('measured_peak_reserved_bytes', 0) / gib:.2f} reserved GiB (cap "
                 f"{(mem.get('cap_bytes') or 0) / gib:.0f})")
-    kern = {k.rsplit("_", 1)[-1]: v for k, v in st.items() if k.startswith("expert_ffn_prefill_calls_")}
+    kern = {k[len("expert_ffn_prefill_calls_"):]: v for k, v in st.items() if k.startswith("expert_ffn_prefill_calls_")}
     print(f"{a.label}: prefill {m:,.0f} tok/s, predicted {p:,.0f}, bound {bound:,.0f} ({fpt / 1e9:.2f} GFLOP/token at "
           f"{peak / 1e12:.0f} TFLOP/s): measured/bound {m / bound:.2f}, measured/predicted "
           f"{(m / p) if p else float('nan'):.2f}; {r.get('prompt_tokens', 0):,} tokens, prefill {w.get('prefill', 0):.2f} s, "

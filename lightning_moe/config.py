@@ -35,7 +35,7 @@ TASKS = ("generate", "score")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 EXECUTORS = ("serial", "cgopipe")
-EXPERT_FFNS = ("auto", "torch", "triton", "grouped_mm")
+EXPERT_FFNS = ("auto", "torch", "triton", "grouped_mm", "mm_loop")
 ON_ERROR = ("fail", "record")
 SOURCES = ("jsonl", "mtbench")
 TRUNCATE = ("error", "left")
@@ -148,8 +148,9 @@ class Job:
     batch_size: int = 16  # sequences per batch of the serial executor (>= 1)
     expert_ffn: str = "auto"  # cgopipe's expert FFN: "torch" (reference loop, tokens identical to serial), "triton"
     #   (fused grouped kernel, no host syncs, ~1e-2 relative in bf16), "grouped_mm" (torch's grouped GEMM, the same
-    #   contract), "auto" = on cuda with triton importable, per call the kernel the hardware profile measured faster
-    #   at that call's token count (triton where it has no measurement); on the cpu the torch loop
+    #   contract), "mm_loop" (one library GEMM per expert: one host sync per call), "auto" = on cuda with triton
+    #   importable, per call the kernel the hardware profile measured fastest at that call's token count (decode
+    #   steps: of triton and grouped_mm; triton where it has no measurement); on the cpu the torch loop
     policy: Any = "auto"  # "auto" | absolute path of a policy YAML | dict of explicit policy fields | None
     hardware: Optional[str] = None  # hardware preset name (e.g. "h200") or absolute path of a profile YAML
     gpu_memory: Optional[int] = None  # GPU memory the planner may use, bytes (YAML accepts "24GiB")

@@ -102,12 +102,13 @@ def test_grouped_kernels_over_mxfp4_pages_are_picked_or_refused_by_name(mx):
     spec = MoESpec.from_pretrained_dir(qdir)
     assert grouped_kernels_refusal(spec, "triton", "mxfp4") is None
     assert grouped_kernels_refusal(spec, "auto", "mxfp4") is None
-    assert "grouped_mm has no MXFP4 kernel" in grouped_kernels_refusal(spec, "grouped_mm", "mxfp4")
+    assert "torch's GEMMs (grouped_mm, mm_loop) have no MXFP4 kernel" in grouped_kernels_refusal(spec, "grouped_mm", "mxfp4")
+    assert grouped_kernels_refusal(spec, "mm_loop", "mxfp4") == grouped_kernels_refusal(spec, "grouped_mm", "mxfp4")
     assert "expert biases" in grouped_kernels_refusal(spec, "triton")  # dequantized on load: dense pages
     cuda_auto = SimpleNamespace(expert_ffn="auto", device="cuda")
     assert expert_ffn_for(cuda_auto, spec, "mxfp4") == ("auto" if fm.triton_available() else "torch")
     assert expert_ffn_for(cuda_auto, spec) == "torch"
-    with pytest.raises(ValueError, match=r"expert_ffn grouped_mm: torch's grouped_mm has no MXFP4 kernel"):
+    with pytest.raises(ValueError, match=r"expert_ffn grouped_mm: torch's GEMMs \(grouped_mm, mm_loop\) have no MXFP4 kernel"):
         _cgopipe(qdir, ffn="grouped_mm")
 
 

@@ -135,7 +135,7 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
                           f"executor: serial")
     valid = any(t.error is None for t in prep.treqs)
     jplan = plan_job(job, prep) if (job.executor == "cgopipe" and valid) else None
-    if job.executor == "cgopipe" and getattr(job, "expert_ffn", "torch") in ("triton", "grouped_mm"):
+    if job.executor == "cgopipe" and getattr(job, "expert_ffn", "torch") in ("triton", "grouped_mm", "mm_loop"):
         from ..pipeline.expert_ffn import grouped_kernels_refusal
 
         # auto picks torch for such a model (expert_ffn_for); MXFP4 pages kept packed: the MXFP4 kernel

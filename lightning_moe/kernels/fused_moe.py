@@ -55,6 +55,7 @@ __all__ = [
     "experts_ffn_reference_from",
     "experts_ffn_hf_grouped",
     "fused_experts_grouped_mm",
+    "fused_experts_mm_loop",
     "fused_experts_triton",
     "fused_moe_workspace_bytes",
     "grouped_mm_available",
@@ -981,16 +982,101 @@ def fused_experts_grouped_mm(
         ValueError: shape / dtype / device mismatch, operands grouped_mm cannot take (the reason), out-of-range ids
         (when ``validate``), ``gate_up_chunks`` < 1, an unknown ``_epilogue``.
     """
-    fn = "fused_experts_grouped_mm"
+    return _sorted_experts_ffn("fused_experts_grouped_mm", x, w1, w3, w2, topk_weights, topk_ids, validate, skip,
+                               gate_up_chunks, _epilogue, per_expert=False)
+
+
+def fused_experts_mm_loop(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    validate: bool = True,
+    skip: bool = False,
+    gate_up_chunks: Optional[int] = None,
+    _epilogue: Optional[str] = None,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU FFN as one library GEMM (``torch.mm``: cuBLAS on CUDA) per expert and projection: the
+    arguments, the result and the roundings of :func:`fused_experts_grouped_mm`, whose steps it shares but for the
+    GEMMs.
+
+    The GEMMs need each expert's row count on the host: after :func:`moe_align` the E + 1 group bounds are copied to
+    pinned host memory (non-blocking, on CUDA), the expert-sorted gather ``xs = x[sorted tokens]`` is queued, and only
+    then does the host wait for the bounds, so the GPU gathers while the host waits: ONE host sync per call. Then per
+    expert e with rows ``[s, t)``: ``h[s:t] = xs[s:t] W1_e^T`` (written in place), ``up = xs[s:t] W3_e^T``, ``h[s:t]
+    = silu(h[s:t]) * up``, in row blocks of at most ``2 P / n`` rows (n = ``gate_up_chunks``, default
+    :func:`grouped_mm_gate_up_chunks`; n = 1: the whole expert), so the ``up`` temporaries stay within the
+    grouped_mm path's chunk temporaries; then ``yd[s:t] = h[s:t] W2_e^T``; the combine of
+    :func:`fused_experts_grouped_mm`. Experts with no rows launch nothing; skipped pairs (``skip``) are not computed.
+
+    Faster than one grouped GEMM where a call's per-expert row counts are a few 128-row tiles (cuBLAS picks its tile
+    per shape; torch's grouped GEMM has one tile config); the host sync keeps it out of the decode loop (the
+    executor runs it in prefill passes only, where the profile measures it faster: ``policy.hardware``).
+
+    Args, Returns: as :func:`fused_experts_grouped_mm`; any dtype ``torch.mm`` takes on the device (no 16-byte rule).
+
+    Raises:
+        ValueError: shape / dtype / device mismatch, out-of-range ids (when ``validate``), ``gate_up_chunks`` < 1, an
+        unknown ``_epilogue``.
+    """
+    return _sorted_experts_ffn("fused_experts_mm_loop", x, w1, w3, w2, topk_weights, topk_ids, validate, skip,
+                               gate_up_chunks, _epilogue, per_expert=True)
+
+
+def _host_bounds(offsets: torch.Tensor, then: Callable[[], torch.Tensor]) -> tuple[list, torch.Tensor]:
+    """``offsets`` (a device tensor) as a host list, and the result of ``then()``, queued before the host waits for
+    the copy (on CUDA: a non-blocking copy into pinned memory, an event, ``then()``, the event's wait)."""
+    if offsets.device.type != "cuda":
+        return offsets.tolist(), then()
+    host = torch.empty(offsets.shape, dtype=offsets.dtype, pin_memory=True)
+    host.copy_(offsets, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    out = then()
+    copied.synchronize()
+    return host.tolist(), out
+
+
+def _mm_loop_gate_up(xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, bounds: list, block: int,
+                     silu_mul: Callable) -> torch.Tensor:
+    """h [P, F] = silu(xs W1_e^T) * (xs W3_e^T) per expert e over its rows bounds[e]:bounds[e+1], in row blocks of at
+    most ``block`` rows (rows past bounds[E] unwritten)."""
+    h = torch.empty((xs.shape[0], w1.shape[1]), dtype=xs.dtype, device=xs.device)  # [P, F]
+    for e in range(len(bounds) - 1):
+        for s in range(bounds[e], bounds[e + 1], block):
+            t = min(bounds[e + 1], s + block)
+            torch.mm(xs[s:t], w1[e].T, out=h[s:t])  # [rows, F] gate, in place in h
+            silu_mul(h[s:t], torch.mm(xs[s:t], w3[e].T), h[s:t])  # silu(gate) * up
+    return h
+
+
+def _mm_loop_down(h: torch.Tensor, w2: torch.Tensor, bounds: list) -> torch.Tensor:
+    """yd [P, D] = h W2_e^T per expert e over its rows (rows past bounds[E] unwritten)."""
+    yd = torch.empty((h.shape[0], w2.shape[1]), dtype=h.dtype, device=h.device)  # [P, D]
+    for e in range(len(bounds) - 1):
+        s, t = bounds[e], bounds[e + 1]
+        if t > s:
+            torch.mm(h[s:t], w2[e].T, out=yd[s:t])
+    return yd
+
+
+def _sorted_experts_ffn(fn: str, x, w1, w3, w2, topk_weights, topk_ids, validate: bool, skip: bool,
+                        gate_up_chunks: Optional[int], _epilogue: Optional[str], per_expert: bool) -> torch.Tensor:
+    """The body of :func:`fused_experts_grouped_mm` (``per_expert`` False) and :func:`fused_experts_mm_loop` (True):
+    checks, the sort by expert, the gather, the GEMMs with the SwiGLU, the combine."""
     E, D, Fd = _check_experts(fn, x, w1, w3, w2)
     T = x.shape[0]
     k = _check_routing(fn, T, topk_weights, topk_ids)
     for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.device != x.device:
             raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
-    why = grouped_mm_unsupported(x, w1, w3, w2)
-    if why is not None:
-        raise ValueError(f"{fn}: grouped_mm cannot take these operands: {why}")
+    if not per_expert:
+        why = grouped_mm_unsupported(x, w1, w3, w2)
+        if why is not None:
+            raise ValueError(f"{fn}: grouped_mm cannot take these operands: {why}")
     n_chunks = gate_up_chunks or grouped_mm_gate_up_chunks(D, Fd, k, x.element_size())
     if n_chunks < 1:
         raise ValueError(f"{fn}: gate_up_chunks must be >= 1, got {gate_up_chunks}")
@@ -1001,24 +1087,31 @@ def fused_experts_grouped_mm(
         _check_id_range(fn, topk_ids, E + 1 if skip else E)
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
-    gmm = _grouped_mm_fn()
     silu_mul = silu_mul_triton if epilogue == "triton" else silu_mul_reference
     al = moe_align(topk_ids, E + 1 if skip else E)  # stable sort by expert; the skip bucket (id E) last
-    offs = al.expert_offsets[1:E + 1].to(torch.int32)  # [E] end of each expert's rows; skipped pairs lie beyond
-    xs = x[al.sorted_token_idx]  # [P, D] rows sorted by expert
-    if n_chunks == 1:
-        h = gmm(xs, w1.transpose(1, 2), offs=offs)  # [P, F] gate
-        h = silu_mul(h, gmm(xs, w3.transpose(1, 2), offs=offs), h)  # [P, F] silu(gate) * up, in place in the gate
+    if per_expert:
+        bounds, xs = _host_bounds(al.expert_offsets[:E + 1], lambda: x[al.sorted_token_idx])  # E+1 bounds; [P, D]
+        P = xs.shape[0]
+        h = _mm_loop_gate_up(xs, w1, w3, bounds, P if n_chunks == 1 else _cdiv(2 * P, n_chunks), silu_mul)
+        xs = None
+        yd = _mm_loop_down(h, w2, bounds)  # [P, D] in x.dtype; rows of skipped pairs unwritten
     else:
-        h = torch.empty((xs.shape[0], Fd), dtype=x.dtype, device=x.device)  # [P, F]
-        step = _cdiv(_cdiv(Fd, n_chunks), 8) * 8  # chunk width: a multiple of 8 keeps 16-byte strides in bf16
-        for f0 in range(0, Fd, step):
-            f1 = min(Fd, f0 + step)
-            g = gmm(xs, w1[:, f0:f1].transpose(1, 2), offs=offs)  # [P, f1-f0]
-            silu_mul(g, gmm(xs, w3[:, f0:f1].transpose(1, 2), offs=offs), h[:, f0:f1])
-            g = None
-    xs = None
-    yd = gmm(h, w2.transpose(1, 2), offs=offs)  # [P, D] in x.dtype; rows of skipped pairs unwritten
+        gmm = _grouped_mm_fn()
+        offs = al.expert_offsets[1:E + 1].to(torch.int32)  # [E] end of each expert's rows; skipped pairs lie beyond
+        xs = x[al.sorted_token_idx]  # [P, D] rows sorted by expert
+        if n_chunks == 1:
+            h = gmm(xs, w1.transpose(1, 2), offs=offs)  # [P, F] gate
+            h = silu_mul(h, gmm(xs, w3.transpose(1, 2), offs=offs), h)  # [P, F] silu(gate) * up, in place in the gate
+        else:
+            h = torch.empty((xs.shape[0], Fd), dtype=x.dtype, device=x.device)  # [P, F]
+            step = _cdiv(_cdiv(Fd, n_chunks), 8) * 8  # chunk width: a multiple of 8 keeps 16-byte strides in bf16
+            for f0 in range(0, Fd, step):
+                f1 = min(Fd, f0 + step)
+                g = gmm(xs, w1[:, f0:f1].transpose(1, 2), offs=offs)  # [P, f1-f0]
+                silu_mul(g, gmm(xs, w3[:, f0:f1].transpose(1, 2), offs=offs), h[:, f0:f1])
+                g = None
+        xs = None
+        yd = gmm(h, w2.transpose(1, 2), offs=offs)  # [P, D] in x.dtype; rows of skipped pairs unwritten
     h = None
     rank = torch.empty_like(al.sorted_pair_idx)  # [P] row of pair p = t*k + j in the sorted order
     rank[al.sorted_pair_idx] = torch.arange(rank.numel(), device=x.device)

@@ -30,6 +30,7 @@ executor's).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -193,8 +194,10 @@ class CGOPipeExecutor:
             executor), or grouped calls over dense pages, or over packed pages dequantized once per layer visit (MXFP4
             pages: two MXFP4 kernel calls per visit, ``expert_ffn.GroupedMXFP4ExpertFFN``),
             with the kernel "triton" (CUDA only: on the CPU "triton" runs the torch loop), "grouped_mm" (torch's
-            grouped GEMM; CUDA bf16, or the CPU), or "auto" (per call by ``hardware``'s measured rates, Triton where
-            the profile has none; CUDA only: on the CPU "auto" runs the torch loop). Raises ValueError on another.
+            grouped GEMM; CUDA bf16, or the CPU), "mm_loop" (one library GEMM per expert, one host sync per call;
+            CUDA or the CPU), or "auto" (per call by ``hardware``'s measured rates, mm_loop in prefill passes only,
+            Triton where the profile has none; CUDA only: on the CPU "auto" runs the torch loop). Raises ValueError
+            on another.
         hardware: the hardware profile whose ``expert_ffn_rates`` drive ``ffn="auto"`` (None: Triton everywhere).
         kv_groups: length groups per micro-batch KV cache (:class:`GroupedKVCache`; default KV_GROUPS = 8,
             the number the planner's memory model assumes).
@@ -248,11 +251,11 @@ class CGOPipeExecutor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype or weights.dtype
-        if ffn not in ("torch", "auto", "triton", "grouped_mm"):
-            raise ValueError(f"CGOPipeExecutor: ffn must be torch, auto, triton or grouped_mm, got {ffn!r}")
+        if ffn not in ("torch", "auto", "triton", "grouped_mm", "mm_loop"):
+            raise ValueError(f"CGOPipeExecutor: ffn must be torch, auto, triton, grouped_mm or mm_loop, got {ffn!r}")
         self.ffn = ffn
-        # the strategy: "triton" and "auto" need CUDA (the CPU runs the torch loop); grouped_mm runs on both
-        kind = ffn if (ffn in ("torch", "grouped_mm") or self.cuda) else "torch"
+        # the strategy: "triton" and "auto" need CUDA (the CPU runs the torch loop); grouped_mm, mm_loop run on both
+        kind = ffn if (ffn in ("torch", "grouped_mm", "mm_loop") or self.cuda) else "torch"
         lay = packed_layout(weights.experts)  # packed pages' layout (MXFP4 pages: the MXFP4 kernel), or None
         why = grouped_kernels_refusal(spec, kind, lay.scheme if lay is not None else None) if kind != "torch" else None
         if why is not None:
@@ -334,6 +337,12 @@ class CGOPipeExecutor:
                 "n_gpu_attn": p.n_gpu_attn if self.cuda else 0,  # on the CPU every micro-batch attends on the CPU
                 "expert_pages": ws.page_layout.scheme if ws.page_layout is not None else str(self.dtype).replace("torch.", ""),
                 "host_pool_bytes": ws.pool.nbytes, "page_buffer_bytes": ws.buffers.nbytes, "resident_bytes": ws.resident.nbytes}
+
+    def _prefill_pass(self):
+        """The context of a prefill pass for the expert FFN's kernel choice (``KernelChoice.prefill_pass``: kernels
+        with a host sync may run); a no-op for a strategy without one."""
+        choice = getattr(self.expert_ffn, "choice", None)
+        return choice.prefill_pass() if choice is not None else contextlib.nullcontext()
 
     def _count_kernel_calls(self, phase: str) -> None:
         """Move the grouped expert calls per kernel since the last count into ``stats.extra``
@@ -495,14 +504,15 @@ class CGOPipeExecutor:
                   for i, mb in enumerate(mbs) for off, rows in self._prefill_chunks(prompts, mb)]
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         self._warm_s = 0.0
-        for l in range(self.spec.num_layers):
-            visit, ffn = self._begin_visit()
-            self.weight_stream.prefetch_slot(visit + 1, 0, 1)
-            if self.warmup and (ffn is not None or l == self.spec.num_layers - 1):
-                self._warm_up(l, chunks, ffn)
-            for ch in chunks:
-                self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
-            self.weight_stream.end_visit(visit)
+        with self._prefill_pass():
+            for l in range(self.spec.num_layers):
+                visit, ffn = self._begin_visit()
+                self.weight_stream.prefetch_slot(visit + 1, 0, 1)
+                if self.warmup and (ffn is not None or l == self.spec.num_layers - 1):
+                    self._warm_up(l, chunks, ffn)
+                for ch in chunks:
+                    self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
+                self.weight_stream.end_visit(visit)
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
         self._count_kernel_calls("prefill")

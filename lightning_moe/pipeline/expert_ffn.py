@@ -17,27 +17,30 @@ chunk, of the visit calls the same one):
   (:func:`~lightning_moe.kernels.quant.dequantize_pages_triton`), and every call of the visit runs ONE dense grouped
   call over it (the planner counts the scratch and the dequantization time: hrm "dequantized expert scratch", T_deq).
 
-Each grouped call runs one of two kernels, picked per call from its token count by :class:`KernelChoice`: the Triton
-grouped kernel (:func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`) or torch's library grouped GEMM
-(:func:`~lightning_moe.kernels.fused_moe.fused_experts_grouped_mm`); ``expert_ffn: triton`` / ``grouped_mm`` force
-one, ``auto`` follows the hardware profile's measurements (``expert_ffn_rates``), Triton where it has none.
+Each grouped call runs one of three kernels, picked per call from its token count by :class:`KernelChoice`: the
+Triton grouped kernel (:func:`~lightning_moe.kernels.fused_moe.fused_experts_triton`), torch's library grouped GEMM
+(:func:`~lightning_moe.kernels.fused_moe.fused_experts_grouped_mm`), or one library GEMM per expert
+(:func:`~lightning_moe.kernels.fused_moe.fused_experts_mm_loop`: one host sync per call, so prefill passes only);
+``expert_ffn: triton`` / ``grouped_mm`` / ``mm_loop`` force one, ``auto`` follows the hardware profile's
+measurements (``expert_ffn_rates``), Triton where it has none.
 
 :func:`expert_ffn` picks one; :func:`expert_ffn_for` resolves a job's ``expert_ffn`` setting.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
 
 from ..kernels import quant as Q
-from ..kernels.fused_moe import (TRITON_ACTIVATIONS, _interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
-                                 grouped_mm_unsupported)
+from ..kernels.fused_moe import (TRITON_ACTIVATIONS, _interpret_mode, fused_experts_grouped_mm, fused_experts_mm_loop,
+                                 fused_experts_triton, grouped_mm_unsupported)
 from ..kernels.mxfp4 import MXFP4PageLayout, fused_experts_mxfp4_triton, unpack_mxfp4_page
 from ..kernels.quant import ExpertPageLayout, unpack_expert_page
 from .pager import ExpertPaging, LayerExperts
-from ..policy.hardware import EXPERT_FFN_KERNELS
+from ..policy.hardware import EXPERT_FFN_KERNELS, NO_SYNC_KERNELS
 from .weight_stream import PAGE
 ExpertFFN = Callable[..., torch.Tensor]  # ffn(h [T, D], ew, topk_weights [T, k], topk_ids [T, k]) -> [T, D]
 
@@ -86,17 +89,20 @@ class TorchExpertFFN:
 
 
 class KernelChoice:
-    """Which grouped kernel ("triton" | "grouped_mm") a call of T tokens runs, and how many calls each ran.
+    """Which grouped kernel ("triton" | "grouped_mm" | "mm_loop") a call of T tokens runs, and how many calls each
+    ran.
 
-    ``forced`` ("triton" or "grouped_mm", the job's ``expert_ffn``) runs that kernel for every call. Otherwise
-    (``expert_ffn: auto``) the hardware profile decides by measured shape: the faster kernel at the profile's bucket
+    ``forced`` (one of EXPERT_FFN_KERNELS, the job's ``expert_ffn``) runs that kernel for every call. Otherwise
+    (``expert_ffn: auto``) the hardware profile decides by measured shape: the fastest kernel at the profile's bucket
     nearest T (:meth:`~lightning_moe.policy.hardware.HardwareProfile.expert_ffn_kernel`, for the layer's ``(D, F, E,
-    k)`` and the compute dtype); with no measurement of the shape (presets, older profiles), or operands grouped_mm
-    cannot take (:func:`~lightning_moe.kernels.fused_moe.grouped_mm_unsupported`), the Triton kernel -- today's
-    behaviour. Resolved on the host from T (a shape), so no host sync.
+    k)`` and the compute dtype) among all of them inside a prefill pass (:meth:`prefill_pass`, which CGOPipe's
+    prefill enters) and among the NO_SYNC_KERNELS elsewhere (a decode step must not wait for the host: mm_loop reads
+    each call's per-expert row counts on the host); with no measurement of the shape (presets, older profiles), or
+    operands grouped_mm cannot take (:func:`~lightning_moe.kernels.fused_moe.grouped_mm_unsupported`), the Triton
+    kernel -- today's behaviour. Resolved on the host from T (a shape) and the pass, so no host sync of its own.
 
     Args:
-        forced: None (by the profile), "triton" or "grouped_mm".
+        forced: None (by the profile), or one of EXPERT_FFN_KERNELS.
         hardware: the profile (None: no measurements).
         shape: ``(hidden, intermediate, experts, top_k)`` of the model's routed experts.
         dtype: the compute dtype.
@@ -111,19 +117,31 @@ class KernelChoice:
         self.forced, self.hardware, self.shape = forced, hardware, shape
         self.dtype_name = str(dtype).replace("torch.", "")
         self.calls = {k: 0 for k in EXPERT_FFN_KERNELS}  # grouped-kernel calls per kernel (the run report's stages)
+        self.prefill = False  # inside a prefill pass: kernels with a host sync may run
         self._by_tokens: dict = {}
+
+    @contextmanager
+    def prefill_pass(self):
+        """A prefill pass: its calls may run any kernel (the host issues a layer's chunks one after another, with no
+        decode work to keep ahead of)."""
+        self.prefill = True
+        try:
+            yield self
+        finally:
+            self.prefill = False
 
     def __call__(self, tokens: int, grouped_mm_ok: bool = True) -> str:
         """The kernel of a call of ``tokens`` tokens; ``grouped_mm_ok``: the operands suit grouped_mm."""
         if self.forced is not None:
             kind = self.forced
         else:
-            kind = self._by_tokens.get(tokens)
+            kind = self._by_tokens.get((tokens, self.prefill))
             if kind is None:
                 kind = "triton"
                 if self.hardware is not None:
-                    kind = self.hardware.expert_ffn_kernel(*self.shape, self.dtype_name, tokens) or "triton"
-                self._by_tokens[tokens] = kind
+                    kind = self.hardware.expert_ffn_kernel(*self.shape, self.dtype_name, tokens, EXPERT_FFN_KERNELS
+                                                           if self.prefill else NO_SYNC_KERNELS) or "triton"
+                self._by_tokens[(tokens, self.prefill)] = kind
             if kind == "grouped_mm" and not grouped_mm_ok:
                 kind = "triton"
         self.calls[kind] += 1
@@ -135,6 +153,8 @@ def _grouped_call(kind: str, h, w1, w3, w2, w, ids, skip: bool = False):
     ValueError naming why; the profile-driven choice never picks it for them)."""
     if kind == "grouped_mm":
         return fused_experts_grouped_mm(h, w1, w3, w2, w, ids, validate=False, skip=skip)
+    if kind == "mm_loop":
+        return fused_experts_mm_loop(h, w1, w3, w2, w, ids, validate=False, skip=skip)
     return fused_experts_triton(h, w1, w3, w2, w, ids, validate=False, skip=skip)
 
 
@@ -284,22 +304,27 @@ TritonExpertFFN = GroupedExpertFFN  # the names before the grouped_mm kernel (Tr
 TritonQuantExpertFFN = GroupedQuantExpertFFN
 
 
+LIBRARY_KERNELS = ("grouped_mm", "mm_loop")  # the expert kernels on torch's GEMMs (dense operands only)
+MXFP4_GROUPED_MM_REFUSAL = ("torch's GEMMs (grouped_mm, mm_loop) have no MXFP4 kernel; MXFP4 expert pages run "
+                            "expert_ffn: triton (kernels.mxfp4), auto or torch")
+
+
 def expert_ffn(kind: str, experts_ffn_from: Callable, paging: ExpertPaging, page_layout: Optional[ExpertPageLayout],
                num_experts: int, dtype: torch.dtype, device: torch.device, hardware=None,
                shape: Optional[tuple] = None, swiglu: Optional[tuple] = None):
-    """The strategy named ``kind``: "torch" (:class:`TorchExpertFFN`); "triton", "grouped_mm" (that kernel for every
-    call) or "auto" (per call by the profile ``hardware`` for the experts' ``shape`` = (D, F, E, k):
+    """The strategy named ``kind``: "torch" (:class:`TorchExpertFFN`); "triton", "grouped_mm", "mm_loop" (that kernel
+    for every call) or "auto" (per call by the profile ``hardware`` for the experts' ``shape`` = (D, F, E, k):
     :class:`KernelChoice`) as :class:`GroupedExpertFFN` over dense pages or :class:`GroupedQuantExpertFFN` over packed
     ones; MXFP4 pages (an :class:`~lightning_moe.kernels.mxfp4.MXFP4PageLayout`) with "triton" or "auto":
     :class:`GroupedMXFP4ExpertFFN` with ``swiglu`` = (limit, alpha). Raises ValueError on another kind, and on
-    "grouped_mm" over MXFP4 pages (no such kernel)."""
+    "grouped_mm" / "mm_loop" over MXFP4 pages (no such kernel)."""
     if kind == "torch":
         return TorchExpertFFN(experts_ffn_from, num_experts, page_layout, dtype)
     if kind not in ("auto",) + EXPERT_FFN_KERNELS:
-        raise ValueError(f"expert FFN must be torch, auto, triton or grouped_mm, got {kind!r}")
+        raise ValueError(f"expert FFN must be torch, auto, triton, grouped_mm or mm_loop, got {kind!r}")
     if isinstance(page_layout, MXFP4PageLayout):
-        if kind == "grouped_mm":
-            raise ValueError(f"expert FFN grouped_mm: {MXFP4_GROUPED_MM_REFUSAL}")
+        if kind in LIBRARY_KERNELS:
+            raise ValueError(f"expert FFN {kind}: {MXFP4_GROUPED_MM_REFUSAL}")
         limit, alpha = swiglu if swiglu is not None else (7.0, 1.702)
         return GroupedMXFP4ExpertFFN(paging, page_layout, device, limit, alpha)
     choice = KernelChoice(None if kind == "auto" else kind, hardware, shape, dtype)
@@ -308,20 +333,16 @@ def expert_ffn(kind: str, experts_ffn_from: Callable, paging: ExpertPaging, page
     return GroupedQuantExpertFFN(paging, page_layout, num_experts, dtype, device, choice)
 
 
-MXFP4_GROUPED_MM_REFUSAL = ("torch's grouped_mm has no MXFP4 kernel; MXFP4 expert pages run expert_ffn: triton "
-                            "(kernels.mxfp4), auto or torch")
-
-
 def grouped_kernels_refusal(spec, kind: Optional[str] = None, page_scheme: Optional[str] = None) -> Optional[str]:
-    """Why the grouped expert kernels (``expert_ffn``: triton, grouped_mm, auto's picks; ``kind``: the one asked for,
+    """Why the grouped expert kernels (``expert_ffn``: triton, grouped_mm, mm_loop, auto's picks; ``kind``: the one asked for,
     None: any) cannot compute ``spec``'s experts, naming what they lack (a gate activation other than
     ``TRITON_ACTIVATIONS``' silu, expert biases); None when they can. Such a model runs CGOPipe with ``expert_ffn:
     torch`` (the reference loop). ``page_scheme`` "mxfp4" (gpt-oss's MXFP4 pages kept packed): the MXFP4 kernel
-    computes the clamped SwiGLU with biases, so only ``kind`` grouped_mm is refused."""
+    computes the clamped SwiGLU with biases, so only ``kind`` grouped_mm / mm_loop is refused."""
     from ..model.families import family_of
 
     if page_scheme == "mxfp4":
-        return MXFP4_GROUPED_MM_REFUSAL if kind == "grouped_mm" else None
+        return MXFP4_GROUPED_MM_REFUSAL if kind in LIBRARY_KERNELS else None
 
     act = family_of(spec).expert_activation
     missing = ([f"{act!r} gate activation"] if act not in TRITON_ACTIVATIONS else []) + (
@@ -333,7 +354,7 @@ def grouped_kernels_refusal(spec, kind: Optional[str] = None, page_scheme: Optio
 
 
 def expert_ffn_for(job, spec=None, page_scheme: Optional[str] = None) -> str:
-    """The job's ``expert_ffn`` for the executor: "torch", "triton" and "grouped_mm" as given; "auto" is "torch" for a
+    """The job's ``expert_ffn`` for the executor: "torch", "triton", "grouped_mm" and "mm_loop" as given; "auto" is "torch" for a
     ``spec`` the grouped kernels cannot compute (:func:`grouped_kernels_refusal` with ``page_scheme``: gpt-oss's
     clamped SwiGLU with biases, unless its MXFP4 pages are kept packed), else "auto" on CUDA when triton imports (each
     call's kernel by the hardware profile's measurements, Triton where it has none; MXFP4 pages: the MXFP4 kernel),

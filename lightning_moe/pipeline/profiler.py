@@ -274,20 +274,20 @@ def measure_expert_ffn_rates(shapes: Sequence[tuple] = ((4096, 14336, 8, 2),), t
                              dtype: Optional[torch.dtype] = None, device: str = "cuda", repeats: int = 5,
                              seed: int = 0, log: Callable[[str], None] = lambda _: None) -> tuple:
     """The profile's ``expert_ffn_rates``: FLOP/s of each grouped expert-FFN kernel CGOPipe can run
-    (kernels.fused_moe.fused_experts_triton and fused_experts_grouped_mm, the whole call: token sort, gate/up and
-    down GEMMs, slot sum) per expert shape ``(hidden, intermediate, experts, top_k)`` and per tokens-per-call bucket
+    (kernels.fused_moe.fused_experts_triton, fused_experts_grouped_mm and fused_experts_mm_loop, the whole call: token
+    sort, gate/up and down GEMMs, slot sum; mm_loop with its host sync) per expert shape ``(hidden, intermediate, experts, top_k)`` and per tokens-per-call bucket
     T in ``tokens``, uniformly random top-k routing, in ``dtype`` (default bf16, fp16 where the GPU has no bf16;
     fp32 on the CPU). FLOPs 2 T k 3 D F per call; the best of ``repeats`` timed calls after a warm-up. A kernel that
     fails, or cannot run here (Triton off CUDA without its interpreter; grouped_mm where torch has none or the
-    operands do not suit it), gets rate 0 for that entry and a log line; the other kernel's rate stands.
+    operands do not suit it), gets rate 0 for that entry and a log line; the other kernels' rates stand.
 
     Returns a tuple of :class:`~lightning_moe.policy.hardware.ExpertFFNRate`.
 
     Raises:
         ValueError: a size < 1, top_k > experts, or an empty ``shapes`` / ``tokens``.
     """
-    from ..kernels.fused_moe import (_interpret_mode, fused_experts_grouped_mm, fused_experts_triton,
-                                     grouped_mm_unsupported, triton_available)
+    from ..kernels.fused_moe import (_interpret_mode, fused_experts_grouped_mm, fused_experts_mm_loop,
+                                     fused_experts_triton, grouped_mm_unsupported, triton_available)
     from ..policy.hardware import ExpertFFNRate
 
     if not shapes or not tokens or repeats < 1 or min(tokens) < 1:
@@ -316,22 +316,23 @@ def measure_expert_ffn_rates(shapes: Sequence[tuple] = ((4096, 14336, 8, 2),), t
             wts, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)  # [T, k] fp32, int64
             rates = {}
             kernels = {"triton": fused_experts_triton if triton_ok else None,
-                       "grouped_mm": fused_experts_grouped_mm if grouped_mm_unsupported(x, w1, w3, w2) is None else None}
+                       "grouped_mm": fused_experts_grouped_mm if grouped_mm_unsupported(x, w1, w3, w2) is None else None,
+                       "mm_loop": fused_experts_mm_loop}
             for kname, fn in kernels.items():
                 if fn is None:
                     rates[kname] = 0.0
                     continue
                 try:
                     sec = _best_time(lambda: fn(x, w1, w3, w2, wts, ids, validate=False), repeats, sync)
-                except Exception as e:  # noqa: BLE001 - the other kernel's rate stands
+                except Exception as e:  # noqa: BLE001 - the other kernels' rates stand
                     log(f"  expert FFN {kname} at D={D} F={Fd} E={E} k={k} T={T} failed ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:160] if str(e) else ''}); rate 0")
                     rates[kname] = 0.0
                 else:
                     rates[kname] = 2 * T * k * 3 * D * Fd / sec
             out.append(ExpertFFNRate(D, Fd, E, k, name, int(T), **rates))
-            log(f"  expert FFN D={D} F={Fd} E={E} top-{k} {name}, T={T}: triton {rates['triton'] / 1e12:.1f}, "
-                f"grouped_mm {rates['grouped_mm'] / 1e12:.1f} TFLOP/s -> {out[-1].best}")
+            log(f"  expert FFN D={D} F={Fd} E={E} top-{k} {name}, T={T}: " + ", ".join(
+                f"{kn} {rates[kn] / 1e12:.1f}" for kn in kernels) + f" TFLOP/s -> {out[-1].best}")
         w1 = w3 = w2 = None
         if cuda:
             torch.cuda.empty_cache()
@@ -485,7 +486,11 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
                 log(f"expert FFN kernel probe failed ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:200] if str(e) else ''}); expert_ffn_rates left empty (Triton everywhere)")
             else:
-                picks = ", ".join(f"T={r.tokens}: {r.best}" for r in fields["expert_ffn_rates"])
+                from ..policy.hardware import NO_SYNC_KERNELS
+
+                picks = ", ".join(f"T={r.tokens}: {r.best_of(NO_SYNC_KERNELS)}" + (
+                    f" (prefill: {r.best})" if r.best != r.best_of(NO_SYNC_KERNELS) else "")
+                    for r in fields["expert_ffn_rates"])
                 log(f"expert FFN kernels by measured shape (the profile's expert_ffn_rates): {picks}")
         try:
             h_c, h_g = measure_host_issue()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import MISSING, asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Sequence
 
 
 from .yaml_io import read_yaml, write_yaml
@@ -70,7 +70,10 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-EXPERT_FFN_KERNELS = ("triton", "grouped_mm")  # the grouped expert-FFN kernels a profile can rate and CGOPipe can pick
+EXPERT_FFN_KERNELS = ("triton", "grouped_mm", "mm_loop")  # the grouped expert-FFN kernels a profile can rate and CGOPipe
+#   can pick (a tie goes to the earlier one)
+NO_SYNC_KERNELS = ("triton", "grouped_mm")  # the kernels with no host sync: the ones a decode step may run (mm_loop
+#   waits for the host to read each call's per-expert row counts, so only prefill passes run it)
 
 
 def _dtype_key(dtype: str) -> str:
@@ -93,6 +96,7 @@ class ExpertFFNRate:
     tokens: int  # T, tokens per call (the bucket)
     triton: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_triton; 0 = not measured
     grouped_mm: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_grouped_mm; 0 = not measured
+    mm_loop: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_mm_loop (one host sync per call); 0 = not measured
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "experts", "top_k", "tokens"):
@@ -111,15 +115,23 @@ class ExpertFFNRate:
         """(hidden, intermediate, experts, top_k, dtype)."""
         return (self.hidden, self.intermediate, self.experts, self.top_k, self.dtype)
 
+    def best_of(self, kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> str:
+        """The fastest measured kernel of ``kernels``; on a tie (none measured: all 0) the first of them."""
+        return max(kernels, key=lambda k: (getattr(self, k), -kernels.index(k)))
+
+    def best_rate_of(self, kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> float:
+        """FLOP/s of :meth:`best_of` (0 when none of ``kernels`` is measured)."""
+        return max(getattr(self, k) for k in kernels)
+
     @property
     def best(self) -> str:
-        """The faster measured kernel; "triton" when neither is measured or on a tie (today's kernel)."""
-        return "grouped_mm" if self.grouped_mm > self.triton else "triton"
+        """The fastest measured kernel of all; "triton" when none is measured or on a tie with it (today's kernel)."""
+        return self.best_of()
 
     @property
     def best_rate(self) -> float:
-        """FLOP/s of :attr:`best` (0 when neither is measured)."""
-        return max(self.triton, self.grouped_mm)
+        """FLOP/s of :attr:`best` (0 when none is measured)."""
+        return self.best_rate_of()
 
 
 @dataclass(frozen=True)
@@ -155,8 +167,9 @@ class HardwareProfile:
     #   at prefill sizes in the compute dtype; the HRM's routed-expert term uses min(this, the GEMM peak). `moe-batch
     #   profile` measures it on CUDA (profiler.measure_expert_kernel_flops); 0 = unmeasured: the GEMM peak
     expert_ffn_rates: tuple = ()  # ExpertFFNRate per (expert shape, dtype, tokens-per-call bucket): the measured FLOP/s
-    #   of the Triton and the grouped_mm expert FFN; CGOPipe's expert_ffn "auto" picks the faster at the bucket nearest a
-    #   call's T, and the HRM's routed-expert term uses the faster rate (log-T interpolated) for that shape. Empty
+    #   of the Triton, grouped_mm and mm_loop expert FFNs; CGOPipe's expert_ffn "auto" picks the fastest at the bucket
+    #   nearest a call's T (decode: of NO_SYNC_KERNELS), and the HRM's routed-expert term uses that kernel's rate
+    #   (log-T interpolated) for the shape. Empty
     #   (presets, older profiles): the Triton kernel everywhere, gpu_expert_flops in the HRM
     gpu_link: float = 0.0  # bytes/s one GPU sends to the others during an all-reduce (NVLink, or PCIe peer-to-peer) with
     #   several GPUs of the host (expert parallelism, Budgets.gpus); 0 = unmeasured: pcie_h2d (peer copies over PCIe,
@@ -186,39 +199,43 @@ class HardwareProfile:
         """bytes/s of the GPU-to-GPU link the HRM's token exchange uses: ``gpu_link``, or ``pcie_h2d`` when 0."""
         return self.gpu_link if self.gpu_link > 0 else self.pcie_h2d
 
-    def expert_ffn_table(self, hidden: int, intermediate: int, experts: int, top_k: int,
-                         dtype: str) -> tuple:
-        """The profile's :class:`ExpertFFNRate` entries of one expert shape and dtype, by increasing ``tokens``."""
+    def expert_ffn_table(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
+                         kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> tuple:
+        """The profile's :class:`ExpertFFNRate` entries of one expert shape and dtype that measure one of ``kernels``,
+        by increasing ``tokens``."""
         key = (hidden, intermediate, experts, top_k, _dtype_key(dtype))
-        return tuple(sorted((r for r in self.expert_ffn_rates if r.shape == key and r.best_rate > 0),
+        return tuple(sorted((r for r in self.expert_ffn_rates if r.shape == key and r.best_rate_of(kernels) > 0),
                             key=lambda r: r.tokens))
 
     def expert_ffn_kernel(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
-                          tokens: int) -> "str | None":
-        """The faster kernel ("triton" | "grouped_mm") measured at the bucket nearest ``tokens`` (in log T; a tie goes
-        to the smaller bucket) for this shape; None when the profile has no measurement of the shape."""
-        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype)
+                          tokens: int, kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> "str | None":
+        """The fastest of ``kernels`` (default: all of :data:`EXPERT_FFN_KERNELS`; a decode step: NO_SYNC_KERNELS)
+        measured at the bucket nearest ``tokens`` (in log T; a tie goes to the smaller bucket) for this shape; None
+        when the profile has no measurement of the shape."""
+        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype, kernels)
         if not table:
             return None
         lt = math.log(max(tokens, 1))
-        return min(table, key=lambda r: (abs(math.log(r.tokens) - lt), r.tokens)).best
+        return min(table, key=lambda r: (abs(math.log(r.tokens) - lt), r.tokens)).best_of(kernels)
 
     def expert_ffn_rate(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
-                        tokens: float) -> float:
-        """FLOP/s of the faster measured kernel at ``tokens`` tokens per call for this shape: piecewise linear in
-        log T between the measured buckets, the end buckets' rates outside them; 0.0 when the profile has no
-        measurement of the shape."""
-        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype)
+                        tokens: float, kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> float:
+        """FLOP/s of the fastest measured of ``kernels`` at ``tokens`` tokens per call for this shape: piecewise
+        linear in log T between the measured buckets, the end buckets' rates outside them; 0.0 when the profile has
+        no measurement of the shape."""
+        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype, kernels)
         if not table:
             return 0.0
+        rate = [r.best_rate_of(kernels) for r in table]
         t = max(float(tokens), 1.0)
         if t <= table[0].tokens:
-            return table[0].best_rate
-        for lo, hi in zip(table, table[1:]):
-            if t <= hi.tokens:
-                a = (math.log(t) - math.log(lo.tokens)) / (math.log(hi.tokens) - math.log(lo.tokens))
-                return lo.best_rate + a * (hi.best_rate - lo.best_rate)
-        return table[-1].best_rate
+            return rate[0]
+        for i in range(1, len(table)):
+            if t <= table[i].tokens:
+                lo, hi = table[i - 1].tokens, table[i].tokens
+                a = (math.log(t) - math.log(lo)) / (math.log(hi) - math.log(lo))
+                return rate[i - 1] + a * (rate[i] - rate[i - 1])
+        return rate[-1]
 
     def gpu_flops(self, dtype: str) -> float:
         """Peak dense matmul FLOP/s for a dtype name ("bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32")."""

@@ -70,7 +70,7 @@ from functools import lru_cache
 
 from ..model.spec import QUANT_FORMATS, MoESpec, dtype_bytes
 from .batching import KV_GROUPS, SCORE_CHUNK_TOKENS
-from .hardware import HardwareProfile, format_bytes
+from .hardware import EXPERT_FFN_KERNELS, NO_SYNC_KERNELS, HardwareProfile, format_bytes
 from .policy import PlanInfeasible, Policy, Workload
 
 STAGES = ("h2d", "d2h", "cpu", "gpu", "host")  # the overlapped streams of one layer (H2)
@@ -128,18 +128,21 @@ def gpu_router_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: st
     return roofline(2 * tokens * E * D, E * D * b + tokens * D * b + tokens * E * 4, P, B)
 
 
-def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16", quant: str = "bf16") -> float:
+def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: str = "bf16", quant: str = "bf16",
+                     prefill: bool = False) -> float:
     """Routed experts (fused MoE): FLOPs 2 T k 3 D F; bytes active_experts(T) * expert_bytes(quant) + T k 2 D b.
 
-    The FLOP rate, capped by the dtype's GEMM peak: the profile's measured rate of the faster expert-FFN kernel for
-    this expert shape (D, F, E, k) and dtype at ``tokens`` tokens per call
-    (:meth:`HardwareProfile.expert_ffn_rate`: ``expert_ffn_rates``, log-T interpolated between measured buckets),
-    where the profile has that shape; else its ``gpu_expert_flops`` (the grouped Triton kernel's rate at one
-    prefill size) when measured; else the GEMM peak (optimistic: the grouped kernels run below the cuBLAS peak).
+    The FLOP rate, capped by the dtype's GEMM peak: the profile's measured rate of the fastest expert-FFN kernel
+    CGOPipe may run for this expert shape (D, F, E, k) and dtype at ``tokens`` tokens per call (``prefill``: any of
+    EXPERT_FFN_KERNELS; a decode step: the NO_SYNC_KERNELS) (:meth:`HardwareProfile.expert_ffn_rate`:
+    ``expert_ffn_rates``, log-T interpolated between measured buckets), where the profile has that shape; else its
+    ``gpu_expert_flops`` (the grouped Triton kernel's rate at one prefill size) when measured; else the GEMM peak
+    (optimistic: the grouped kernels run below the cuBLAS peak).
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
-    rate = hw.expert_ffn_rate(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, dtype, tokens)
+    rate = hw.expert_ffn_rate(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, dtype, tokens,
+                              EXPERT_FFN_KERNELS if prefill else NO_SYNC_KERNELS)
     if rate > 0:
         P = min(P, rate)
     elif hw.gpu_expert_flops > 0:
@@ -192,19 +195,20 @@ def paged_per_gpu(non_resident: int, gpus: int = 1) -> int:
 
 
 def gpu_layer_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dense: bool, dtype: str = "bf16", quant: str = "bf16",
-                   gpus: int = 1) -> float:
+                   gpus: int = 1, prefill: bool = False) -> float:
     """GPU time of one layer for one micro-batch of ``tokens`` tokens, attention itself excluded.
 
     MoE layer: qkv + o_proj + router + experts + shared; dense layer: qkv + o_proj + dense FFN; plus the
     profile's fixed ``microbatch_overhead`` (host issue cost of one micro-batch's kernels): at decode sizes
     the kernels are tiny and the GPU stream runs no faster than the host issues them, which the
     roofline terms alone would miss (it is what makes many small micro-batches slow). With ``gpus`` > 1 (H10):
-    the experts term / g on each GPU, + the token exchange (:func:`token_exchange_time`).
+    the experts term / g on each GPU, + the token exchange (:func:`token_exchange_time`). ``prefill``: a prefill
+    pass's micro-batch (its expert kernels: :func:`gpu_experts_time`).
     """
     t = hw.microbatch_overhead + gpu_qkv_time(spec, hw, tokens, dtype) + gpu_o_proj_time(spec, hw, tokens, dtype)
     if dense:
         return t + gpu_dense_ffn_time(spec, hw, tokens, dtype)
-    return (t + gpu_router_time(spec, hw, tokens, dtype) + gpu_experts_time(spec, hw, tokens, dtype, quant) / gpus
+    return (t + gpu_router_time(spec, hw, tokens, dtype) + gpu_experts_time(spec, hw, tokens, dtype, quant, prefill) / gpus
             + gpu_shared_experts_time(spec, hw, tokens, dtype) + token_exchange_time(spec, hw, tokens, gpus))
 
 
@@ -375,7 +379,7 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     mbs = prefill_micro_batches(policy.N, policy.prefill_mu)
     for count, size in mbs:
         tokens = size * prompt_len
-        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt)
+        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g, prefill=True) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt)
                         + (0.0 if dense else gpu_prefill_elementwise_time(spec, hw, tokens, dt)))
     if not dense and mbs and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)

@@ -1,0 +1,200 @@
+"""The per-expert library-GEMM expert FFN (issue 22): kernels.fused_moe.fused_experts_mm_loop against the torch
+reference (fp32 1e-5, bf16 1e-2 relative; one token, odd sizes, an expert with no tokens, k = 1 and 3, every
+gate/up row blocking, the skip id), the profile's third kernel column (choice by measured shape, decode restricted to
+the kernels with no host sync, the HRM's prefill and decode rates), and CGOPipe on the CPU with it forced, and with
+it picked for prefill passes only, against the serial executor.
+
+What runs here: torch.mm on the CPU (the same op sequence the GPU runs but for the pinned copy of the group bounds,
+which only CUDA takes; tests/gpu/test_mm_loop_gpu.py runs it on CUDA against the Triton kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_grouped_mm_ffn import CASES, IDS, MIX, _prompts, make_inputs, relerr
+
+from lightning_moe.kernels import fused_moe as fm
+from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm, fused_experts_mm_loop,
+                                             moe_align)
+from lightning_moe.policy.hardware import (EXPERT_FFN_KERNELS, NO_SYNC_KERNELS, ExpertFFNRate, HardwareProfile,
+                                           get_preset)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_mm_loop_equals_reference_fp32(case):
+    """fp32: 1e-5 relative to experts_ffn_reference for the default and 1, 4, 16 gate/up row blockings."""
+    x, w1, w3, w2, wts, ids = make_inputs(*case)
+    ref = experts_ffn_reference(x, w1, w3, w2, wts, ids)
+    for chunks in (None, 1, 4, 16):
+        got = fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=chunks)
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        assert relerr(got, ref) <= 1e-5, chunks
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_mm_loop_equals_reference_bf16(case):
+    """bf16: 1e-2 relative to the fp32 reference over the same bf16 operands, D = 100 included (torch.mm has no
+    16-byte stride rule, unlike grouped_mm)."""
+    x, w1, w3, w2, wts, ids = make_inputs(*case, dtype=torch.bfloat16)
+    ref = experts_ffn_reference(x.float(), w1.float(), w3.float(), w2.float(), wts, ids)
+    got = fused_experts_mm_loop(x, w1, w3, w2, wts, ids)
+    assert got.dtype == torch.bfloat16
+    assert relerr(got, ref) <= 1e-2
+
+
+def test_mm_loop_launches_one_gemm_per_expert_and_row_block(monkeypatch):
+    """The GEMMs by hand: per expert with rows, ceil(rows / block) gate and up GEMMs of at most block = ceil(2 P / n)
+    rows (n = gate_up_chunks; n = 1: the whole expert) and one down GEMM of all its rows; an expert with no rows
+    launches none."""
+    x, w1, w3, w2, wts, ids = make_inputs(40, 32, 24, 6, 2, 4, seed=7)  # P = 80 pairs, expert 4 gets none
+    counts = torch.bincount(ids.reshape(-1), minlength=6).tolist()
+    assert counts[4] == 0
+    real, seen = torch.mm, []
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append((a.shape[0], b.shape[1])) or real(a, b, **kw))
+    for n in (1, 16):  # blocks of 80 and of 10 rows (experts hold ~16 rows)
+        seen.clear()
+        fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=n)
+        block = 80 if n == 1 else math.ceil(2 * 80 / n)
+        gate_up = [r for r, cols in seen if cols == 24]
+        down = [r for r, cols in seen if cols == 32]
+        want = [min(block, c - s) for c in counts if c for s in range(0, c, block)]
+        assert sorted(gate_up) == sorted(want * 2) and max(gate_up) <= block, n
+        assert sorted(down) == sorted(c for c in counts if c)
+
+
+def test_mm_loop_equals_grouped_mm_and_skip_and_errors():
+    """Equal to grouped_mm (fp32 1e-6: the same roundings, other GEMM kernels); the two-group split with the skip id
+    sums to one call over all experts; an all-skipped call adds exactly 0; T = 0 gives [0, D]; bad arguments raise."""
+    x, w1, w3, w2, wts, ids = make_inputs(29, 64, 48, 8, 2, 5, seed=3)
+    ref = experts_ffn_reference(x, w1, w3, w2, wts, ids)
+    assert relerr(fused_experts_mm_loop(x, w1, w3, w2, wts, ids), fused_experts_grouped_mm(x, w1, w3, w2, wts, ids)) <= 1e-6
+    in_a = torch.zeros(8, dtype=torch.bool)
+    in_a[torch.tensor([0, 2, 3, 6])] = True
+    row = torch.empty(8, dtype=torch.int64)
+    row[in_a], row[~in_a] = torch.arange(4), torch.arange(4)
+    out = 0
+    for member in (in_a, ~in_a):
+        local = torch.where(member[ids], row[ids], torch.full_like(ids, 4))
+        sel = member.nonzero().squeeze(1)
+        out = out + fused_experts_mm_loop(x, w1[sel], w3[sel], w2[sel], wts, local, skip=True)
+    assert relerr(out, ref) <= 1e-5
+    none = fused_experts_mm_loop(x, w1[:3], w3[:3], w2[:3], wts, torch.full_like(ids, 3), skip=True)
+    assert torch.equal(none, torch.zeros_like(none))
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 3\)"):
+        fused_experts_mm_loop(x, w1[:3], w3[:3], w2[:3], wts, torch.full_like(ids, 3))
+    assert fused_experts_mm_loop(x[:0], w1, w3, w2, wts[:0], ids[:0]).shape == (0, 64)
+    with pytest.raises(ValueError, match="gate_up_chunks"):
+        fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=-1)
+    with pytest.raises(ValueError, match="_epilogue"):
+        fused_experts_mm_loop(x, w1, w3, w2, wts, ids, _epilogue="cuda")
+
+
+def test_host_bounds_on_the_cpu():
+    """The group bounds as a host list, and ``then()``'s result (the gather queued before the wait)."""
+    al = moe_align(torch.tensor([[2, 0], [2, 1], [0, 2]]), 4)
+    bounds, got = fm._host_bounds(al.expert_offsets[:5], lambda: "gathered")
+    assert bounds == [0, 2, 3, 6, 6] and got == "gathered"
+
+
+# ---- the profile's third kernel: prefill-only choice, the HRM's rates ---------------------------------------------
+
+
+def loop_profile(**kw):
+    """mm_loop fastest at 4096 and 16384, grouped_mm second there; Triton fastest at 64."""
+    rows = [ExpertFFNRate(*MIX, "bf16", t, tr, gm, ml) for t, tr, gm, ml in
+            ((64, 2.0e14, 1.0e14, 1.5e14), (4096, 3.0e14, 5.0e14, 6.0e14), (16384, 3.6e14, 6.0e14, 7.0e14))]
+    return get_preset("h200").with_overrides(expert_ffn_rates=rows, **kw)
+
+
+def test_profile_picks_mm_loop_for_prefill_only_by_hand(tmp_path):
+    """With every kernel: the fastest (mm_loop at 4096 and above); with NO_SYNC_KERNELS (decode): grouped_mm there.
+    Rates follow the same kernels (log-T interpolation of each bucket's best of them). A tie goes to the earlier
+    kernel; a YAML without the mm_loop key (older profiles) reads it as 0; the round trip keeps it."""
+    p = loop_profile()
+    assert EXPERT_FFN_KERNELS == ("triton", "grouped_mm", "mm_loop") and NO_SYNC_KERNELS == ("triton", "grouped_mm")
+    assert [p.expert_ffn_kernel(*MIX, "bf16", t) for t in (16, 4096, 10**6)] == ["triton", "mm_loop", "mm_loop"]
+    assert [p.expert_ffn_kernel(*MIX, "bf16", t, NO_SYNC_KERNELS) for t in (16, 4096, 10**6)] == \
+        ["triton", "grouped_mm", "grouped_mm"]
+    assert p.expert_ffn_rate(*MIX, "bf16", 4096) == 6.0e14
+    assert p.expert_ffn_rate(*MIX, "bf16", 4096, NO_SYNC_KERNELS) == 5.0e14
+    assert p.expert_ffn_rate(*MIX, "bf16", 8192) == pytest.approx(6.5e14)  # halfway in log T
+    assert p.expert_ffn_rate(*MIX, "bf16", 8192, NO_SYNC_KERNELS) == pytest.approx(5.5e14)
+    assert ExpertFFNRate(*MIX, "bf16", 8, 1.0, 2.0, 2.0).best == "grouped_mm"  # tie: the earlier kernel
+    assert ExpertFFNRate(*MIX, "bf16", 8).best == "triton"
+    only_loop = get_preset("h200").with_overrides(expert_ffn_rates=[ExpertFFNRate(*MIX, "bf16", 64, mm_loop=1e14)])
+    assert only_loop.expert_ffn_kernel(*MIX, "bf16", 64) == "mm_loop"
+    assert only_loop.expert_ffn_kernel(*MIX, "bf16", 64, NO_SYNC_KERNELS) is None  # nothing measured for decode
+    path = tmp_path / "p.yaml"
+    p.save(str(path))
+    assert HardwareProfile.load(str(path)) == p
+    d = p.to_dict()
+    for r in d["expert_ffn_rates"]:
+        del r["mm_loop"]
+    assert all(r.mm_loop == 0 for r in HardwareProfile.from_dict(d).expert_ffn_rates)
+
+
+def test_hrm_prefill_terms_use_mm_loop_and_decode_terms_do_not():
+    """gpu_experts_time(prefill=True) runs at the fastest kernel's rate (mm_loop), the decode default at the fastest
+    with no host sync (grouped_mm); prefill_layer_times goes through the prefill rate."""
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.policy import Policy
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec, p, T = resolve_spec("mixtral-8x7b"), loop_profile(), 4096
+    flops = 2 * T * 2 * 3 * 4096 * 14336
+    assert hrm.gpu_experts_time(spec, p, T, prefill=True) == pytest.approx(flops / 6.0e14)
+    assert hrm.gpu_experts_time(spec, p, T) == pytest.approx(flops / 5.0e14)
+    pol = Policy(mu=8, n=1, prefill_mu=8, dtype="bf16", weight_quant="bf16", resident_experts=0)
+    no_loop = p.with_overrides(expert_ffn_rates=[ExpertFFNRate(*r.shape, r.tokens, r.triton, r.grouped_mm)
+                                                 for r in p.expert_ffn_rates])
+    fast, slow = (hrm.prefill_layer_times(spec, hw, pol, 0, 8, 512).gpu for hw in (p, no_loop))
+    T = 8 * 512
+    assert slow - fast == pytest.approx(2 * T * 2 * 3 * 4096 * 14336 * (1 / p.expert_ffn_rate(*MIX, "bf16", T, NO_SYNC_KERNELS)
+                                                                         - 1 / p.expert_ffn_rate(*MIX, "bf16", T)))
+
+
+def test_kernel_choice_runs_mm_loop_in_prefill_passes_only(tiny_dir, monkeypatch):
+    """CGOPipe on the CPU with a profile where mm_loop is fastest at every size and grouped_mm second: every prefill
+    call runs mm_loop, every decode call grouped_mm (a decode step never waits for the host); forced mm_loop runs in
+    both. Greedy tokens equal the serial executor's in each case."""
+    from lightning_moe.model.weights import load_checkpoint
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.expert_ffn import KernelChoice
+    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.policy.policy import Policy
+
+    prompts = _prompts(9, seed=4)
+    sp = SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
+    pol = Policy(mu=3, n=3, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
+    for forced in (False, True):
+        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", ffn="mm_loop" if forced else "grouped_mm")
+        s = ex.spec
+        shape = (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k)
+        if not forced:
+            hw = get_preset("h200").with_overrides(expert_ffn_rates=[
+                ExpertFFNRate(*shape, "fp32", t, triton=0.0, grouped_mm=1e12, mm_loop=2e12) for t in (4, 64)])
+            ex.expert_ffn.choice = KernelChoice(None, hw, shape, torch.float32)
+        out = ex.generate(prompts, sp)
+        ex.close()
+        assert [o for o, _ in out] == [o for o, _ in ref], forced
+        st, L = ex.stats.extra, s.num_layers
+        decode_kernel = "mm_loop" if forced else "grouped_mm"
+        assert st["expert_ffn_prefill_calls_mm_loop"] == L * 6 * 2  # micro-batches of 3: 6 chunks of <= 2, 2 groups
+        assert st[f"expert_ffn_decode_calls_{decode_kernel}"] == L * 3 * 5 * 2  # 5 decode steps x 3 micro-batches
+        assert not any(k.startswith("expert_ffn_decode_calls_mm_loop") for k in st) or forced
+        assert ex.expert_ffn.choice.prefill is False
+
+
+def test_job_key_mm_loop():
+    """expert_ffn: mm_loop is a job value, given to the executor as is."""
+    from types import SimpleNamespace
+
+    from lightning_moe.config import EXPERT_FFNS
+    from lightning_moe.pipeline.expert_ffn import expert_ffn_for
+
+    assert "mm_loop" in EXPERT_FFNS
+    assert expert_ffn_for(SimpleNamespace(expert_ffn="mm_loop", device="cpu")) == "mm_loop"
