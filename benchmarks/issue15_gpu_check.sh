@@ -39,6 +39,9 @@
 #   bash benchmarks/issue15_gpu_check.sh Q2  # (warm, after Q1) the 1000-text perplexity before (91a7120) / after, then
 #                                            # every prefill-preset case against the dense-GEMM bound
 #   bash benchmarks/issue15_gpu_check.sh Q3  # bench_prefill_ffn.py again, then every GPU test (the time left)
+#   bash benchmarks/issue15_gpu_check.sh S1  # issue 22 (session 17): grouped_mm and mm_loop vs the dense GEMM peak, the
+#                                            # profile's rates with the mm_loop column into /tmp/h200-new.yaml, the
+#                                            # 8-layer checkpoints, the expert-kernel GPU tests; then Q2 (warm), Q3
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -69,7 +72,13 @@ step_k() {  # step K, with what is left of the 575 s since the script started
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3}" in
+merge_rates() {  # merge_rates RATES.yaml OUT.yaml LABEL: h200-host.yaml with its expert_ffn_rates replaced by RATES
+    python3 -c "import sys, yaml; from lightning_moe.policy.hardware import HardwareProfile as H; \
+p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(open(sys.argv[1]))['expert_ffn_rates']; \
+p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
+      "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
+}
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|S1}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -248,11 +257,7 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     timeout 120 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
     timeout 150 python3 benchmarks/bench_grouped_ffn.py --choice-table --models mixtral-8x7b,qwen3-30b-a3b \
       --rates-yaml /tmp/rates.yaml --out $OUT/choice_table.md 2>&1 | grep -E "mixtral|qwen" | head -16
-    HW=/tmp/h200-new.yaml
-    python3 -c "import sys, yaml; from lightning_moe.policy.hardware import HardwareProfile as H; \
-p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(open(sys.argv[1]))['expert_ffn_rates']; \
-p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + Q1 rates')" \
-      /tmp/rates.yaml $HW || cp lightning_moe/policy/profiles/h200-host.yaml $HW
+    HW=/tmp/h200-new.yaml; merge_rates /tmp/rates.yaml $HW Q1
     echo "Q1 at $((SECONDS - S)) s: rates merged"
     python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -3
     echo "Q1 at $((SECONDS - S)) s: checkpoints written"
@@ -291,6 +296,21 @@ p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], hea
     left=$((${LIMIT:-585} - (SECONDS - S))); echo "Q3 at $((SECONDS - S)) s: all GPU tests with $left s"
     timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu > $OUT/tests_gpu.txt 2>&1
     echo "tests/gpu: rc $?"; tail -4 $OUT/tests_gpu.txt ;;
+  S1)
+    # issue 22, session 17, call 1 (then Q2 warm with .carry/before = 07aeffc, then Q3): the expert FFN as grouped_mm
+    # and as mm_loop vs the dense GEMM peak (bench_prefill_ffn.py); the profile's expert_ffn_rates with the mm_loop
+    # column and the 8192 bucket re-measured and merged into /tmp/h200-new.yaml; the prefill preset's 8-layer
+    # checkpoints; the expert-kernel GPU tests with the time left
+    timeout 150 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
+    timeout 220 python3 benchmarks/bench_grouped_ffn.py --choice-table --models mixtral-8x7b,qwen3-30b-a3b \
+      --rates-yaml /tmp/rates.yaml --out $OUT/choice_table.md 2>&1 | grep -E "^\| (mixtral|qwen)" | head -16
+    merge_rates /tmp/rates.yaml /tmp/h200-new.yaml S1; cp /tmp/h200-new.yaml $OUT/h200-new.yaml
+    echo "S1 at $((SECONDS - S)) s: rates merged"
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -3
+    left=$((${LIMIT:-585} - (SECONDS - S))); echo "S1 at $((SECONDS - S)) s: checkpoints written; GPU tests with $left s"
+    [ $left -gt 30 ] && timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mm_loop_gpu.py \
+      tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_no_host_sync_gpu.py tests/gpu/test_profiler_gpu.py > $OUT/tests_s1.txt 2>&1
+    echo "GPU tests: rc $?"; tail -3 $OUT/tests_s1.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

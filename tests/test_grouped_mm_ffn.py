@@ -219,13 +219,15 @@ def test_hrm_expert_term_uses_the_measured_rate_by_hand():
 
 
 def test_expert_ffn_probe_on_the_cpu():
-    """measure_expert_ffn_rates on the CPU: grouped_mm measured (> 0), Triton not (it needs CUDA or its interpreter);
+    """measure_expert_ffn_rates on the CPU: grouped_mm and mm_loop measured (> 0), Triton not (it needs CUDA or its
+    interpreter);
     argument errors."""
     from lightning_moe.pipeline.profiler import expert_shapes_of, measure_expert_ffn_rates
 
     rows = measure_expert_ffn_rates([(32, 48, 4, 2)], (3, 16), device="cpu", repeats=1)
     assert [(r.shape, r.tokens) for r in rows] == [((32, 48, 4, 2, "fp32"), 3), ((32, 48, 4, 2, "fp32"), 16)]
-    assert all(r.grouped_mm > 0 and r.triton == 0 and r.best == "grouped_mm" for r in rows)
+    assert all(r.grouped_mm > 0 and r.mm_loop > 0 and r.triton == 0 and r.best in ("grouped_mm", "mm_loop")
+               for r in rows)
     with pytest.raises(ValueError, match="top_k <= experts"):
         measure_expert_ffn_rates([(8, 8, 2, 3)], (4,), device="cpu")
     with pytest.raises(ValueError, match="tokens >= 1"):

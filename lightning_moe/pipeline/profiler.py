@@ -267,7 +267,7 @@ def measure_expert_kernel_flops(tokens: int = 4096, hidden: int = 4096, intermed
 
 
 EXPERT_FFN_SHAPES = ("mixtral-8x7b",)  # registry models whose expert shape `moe-batch profile` rates by default
-EXPERT_FFN_TOKENS = (16, 64, 256, 1024, 4096, 16384, 32768)  # tokens-per-call buckets: decode micro-batches to prefill chunks
+EXPERT_FFN_TOKENS = (16, 64, 256, 1024, 4096, 8192, 16384, 32768)  # tokens-per-call buckets: decode micro-batches to prefill chunks
 
 
 def measure_expert_ffn_rates(shapes: Sequence[tuple] = ((4096, 14336, 8, 2),), tokens: Sequence[int] = EXPERT_FFN_TOKENS,
