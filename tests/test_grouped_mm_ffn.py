@@ -293,7 +293,7 @@ def test_kernel_choice_follows_the_profile(tiny_dir, monkeypatch):
             ran.clear()
             call(strategy, T)
             assert ran == [(kernel, T), (kernel, T)], (kind, T, ran)  # two groups: paged and resident
-        calls = {k: 2 * sum(v == k for v in want.values()) for k in ("triton", "grouped_mm")}
+        calls = {k: 2 * sum(v == k for v in want.values()) for k in ("triton", "grouped_mm", "mm_loop")}
         assert strategy.choice.calls == calls
     ws.end_visit(visit)
     ex.close()
