@@ -18,7 +18,7 @@ from hf_checkpoints import assert_scores_match
 
 from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm,
                                              grouped_mm_available, grouped_mm_gate_up_chunks, grouped_mm_unsupported)
-from lightning_moe.policy.hardware import ExpertFFNRate, HardwareError, HardwareProfile, get_preset
+from lightning_moe.policy.hardware import NO_SYNC_KERNELS, ExpertFFNRate, HardwareError, HardwareProfile, get_preset
 from lightning_moe.pipeline.profiler import EXPERT_FFN_TOKENS
 
 # (T, D, F, E, k, expert given no tokens): T = 1, odd T, an expert with no tokens, k = 1 and 3, D not a multiple of 8
@@ -159,8 +159,9 @@ def test_profile_round_trips_expert_ffn_rates(tmp_path):
     assert HardwareProfile.from_dict(d).expert_ffn_rates == ()
     h200 = HardwareProfile.load("lightning_moe/policy/profiles/h200-host.yaml")  # rates measured on the H200 host
     assert len(h200.expert_ffn_table(4096, 14336, 8, 2, "bf16")) == len(EXPERT_FFN_TOKENS)  # Mixtral-8x7B, T 16 .. 32768
-    assert h200.expert_ffn_kernel(4096, 14336, 8, 2, "bf16", 16) == "triton"  # decode-sized calls
-    assert h200.expert_ffn_kernel(4096, 14336, 8, 2, "bf16", 16384) == "grouped_mm"  # prefill-sized calls
+    assert h200.expert_ffn_kernel(*MIX, "bf16", 16, NO_SYNC_KERNELS) in NO_SYNC_KERNELS  # decode-sized calls
+    assert h200.expert_ffn_kernel(*MIX, "bf16", 16384) == "mm_loop"  # prefill-sized calls
+    assert h200.expert_ffn_kernel(*MIX, "bf16", 16384, NO_SYNC_KERNELS) == "grouped_mm"  # the same size in a decode step
 
 
 @pytest.mark.parametrize("entry,msg", [
