@@ -6,7 +6,8 @@ Triton is imported lazily, the first time a ``*_triton`` function is called.
 * :mod:`.fused_moe` -- token sort by expert (:func:`moe_align`), the reference expert FFN
   (:func:`experts_ffn_reference`, transformers' accumulation orders), a mirror of transformers' grouped
   path (:func:`experts_ffn_hf_grouped`), the Triton grouped SwiGLU FFN (:func:`fused_experts_triton`), and the FFN
-  on torch's grouped GEMM (:func:`fused_experts_grouped_mm`) with its Triton epilogue (``silu_mul_triton``,
+  on torch's grouped GEMM (:func:`fused_experts_grouped_mm`) or on one library GEMM per expert
+  (:func:`fused_experts_mm_loop`: one host wait per call) with their Triton epilogue (``silu_mul_triton``,
   ``moe_combine_triton``; references ``silu_mul_reference``, ``moe_combine_reference``).
 * :mod:`.pages` -- the layout of a page (:class:`PageLayout`: named tensors at byte offsets in one ``uint8``
   buffer, read back as zero-copy views); the expert pages and the executor's pool pages are both laid out by it.
