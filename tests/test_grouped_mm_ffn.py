@@ -16,7 +16,7 @@ import pytest
 import torch
 from hf_checkpoints import assert_scores_match
 
-from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm,
+from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm, fused_experts_mm_loop,
                                              grouped_mm_available, grouped_mm_gate_up_chunks, grouped_mm_unsupported)
 from lightning_moe.policy.hardware import NO_SYNC_KERNELS, ExpertFFNRate, HardwareError, HardwareProfile, get_preset
 from lightning_moe.pipeline.profiler import EXPERT_FFN_TOKENS
@@ -51,13 +51,15 @@ def test_grouped_mm_runs_on_this_cpu():
     assert hasattr(torch.nn.functional, "grouped_mm")
 
 
+@pytest.mark.parametrize("fn", [fused_experts_grouped_mm, fused_experts_mm_loop], ids=["grouped_mm", "mm_loop"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_grouped_mm_equals_reference_fp32(case):
-    """fp32: 1e-5 relative to the torch reference (experts_ffn_reference), every gate/up chunking."""
+def test_grouped_mm_equals_reference_fp32(case, fn):
+    """fp32: 1e-5 relative to the torch reference (experts_ffn_reference), every gate/up chunking (grouped_mm: column
+    chunks; mm_loop: row blocks), for both library-GEMM paths."""
     x, w1, w3, w2, wts, ids = make_inputs(*case)
     ref = experts_ffn_reference(x, w1, w3, w2, wts, ids)
     for chunks in (None, 1, 4, 16):
-        got = fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, gate_up_chunks=chunks)
+        got = fn(x, w1, w3, w2, wts, ids, gate_up_chunks=chunks)
         assert got.dtype == torch.float32 and got.shape == ref.shape
         assert relerr(got, ref) <= 1e-5, chunks
 
