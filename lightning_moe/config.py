@@ -205,16 +205,31 @@ _SHARD_RE = re.compile(r"^\s*(-?\d+)\s*/\s*(-?\d+)\s*$")
 
 
 class _Ctx:
-    """Error context: the source label (file name), the base dir for relative paths, overridden keys."""
+    """Error context: the source label (file name), the base dir for relative paths, overridden keys, and the line
+    of each dotted key in the file (:func:`_key_lines`; empty for a mapping that is not from a file)."""
 
-    def __init__(self, source: str, base_dir: str, overridden: frozenset = frozenset()):
+    def __init__(self, source: str, base_dir: str, overridden: frozenset = frozenset(),
+                 lines: Optional[Mapping[str, int]] = None):
         self.source = source
         self.base_dir = base_dir
         self.overridden = overridden
+        self.lines = lines or {}
+
+    def line(self, key: str) -> Optional[int]:
+        """The file line of ``key``, else of its nearest enclosing key (a list item ``a.b[1]``: its list's; a missing
+        key: its section's); None for an overridden key or one outside the file."""
+        if key in self.overridden:
+            return None
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key[:key.rindex("[")] if key.endswith("]") else key.rpartition(".")[0]  # a list item: its list
+        return None
 
     def err(self, key: str, msg: str) -> ConfigError:
         where = f"{key} (from override)" if key in self.overridden else key
-        return ConfigError(f"{self.source}: {where}: {msg}")
+        line = self.line(key)
+        return ConfigError(f"{self.source}{f':{line}' if line else ''}: {where}: {msg}")
 
     def resolve(self, p: str, key: str = "") -> str:
         """``p`` as an absolute path: relative to the current directory when ``key`` came from a command-line
@@ -222,6 +237,26 @@ class _Ctx:
         p = os.path.expanduser(p)
         base = os.getcwd() if key in self.overridden else self.base_dir
         return os.path.normpath(p if os.path.isabs(p) else os.path.join(base, p))
+
+
+def _key_lines(text: str) -> dict:
+    """The 1-based line of every dotted key of a YAML document's nested mappings (``data.path`` -> 4), from
+    ``yaml.compose``'s node marks; {} when the text does not compose."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode):
+                    lines[prefix + str(k.value)] = k.start_mark.line + 1
+                    walk(v, f"{prefix}{k.value}.")
+
+    walk(root, "")
+    return lines
 
 
 def _p_str(v, key, ctx, *, allow_empty=False):
@@ -550,7 +585,8 @@ _MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "chat_template_kwargs", "
 
 def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Optional[str] = None,
                   overrides: Optional[Mapping[str, Any]] = None, name: Optional[str] = None,
-                  config_path: Optional[str] = None, in_memory: bool = False) -> Job:
+                  config_path: Optional[str] = None, in_memory: bool = False,
+                  key_lines: Optional[Mapping[str, int]] = None) -> Job:
     """Validate a job mapping (as YAML would give it) into a :class:`Job`.
 
     Args:
@@ -564,12 +600,15 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
             ``data`` may hold only chat_template, system_prompt, chat_template_kwargs and truncate (``data.source``
             becomes IN_MEMORY),
             ``output`` is not allowed (:attr:`Job.output` is None); every other key is checked as for a YAML.
+        key_lines: the file line of each dotted key (``load_job``: from the YAML text), put in the messages as
+            ``source:line: key:``.
 
     Raises:
         ConfigError: unknown key, wrong type or value, missing required key, missing input file or checkpoint
-            directory, or inconsistent keys; the message starts with ``source_name: dotted.key:``.
+            directory, or inconsistent keys; the message starts with ``source_name: dotted.key:`` (``source_name:line:
+            dotted.key:`` where ``key_lines`` has the key or its section).
     """
-    ctx = _Ctx(source_name, os.path.abspath(base_dir or os.getcwd()))
+    ctx = _Ctx(source_name, os.path.abspath(base_dir or os.getcwd()), lines=key_lines)
     if not isinstance(d, dict):
         raise ConfigError(f"{source_name}: expected a mapping of job keys at the top level, got {_describe(d)}")
     raw = dict(d)
@@ -665,7 +704,8 @@ def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None) -> Job:
         raise ConfigError(f"{path}: job file not found")
     try:
         with open(path, encoding="utf-8") as f:
-            d = yaml.safe_load(f)
+            text = f.read()
+        d = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -674,4 +714,4 @@ def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None) -> Job:
         raise ConfigError(f"{path}: the file is empty (expected a mapping of job keys)")
     stem = os.path.splitext(os.path.basename(path))[0]
     return job_from_dict(d, source_name=path, base_dir=os.path.dirname(os.path.abspath(path)),
-                         overrides=overrides, name=stem, config_path=os.path.abspath(path))
+                         overrides=overrides, name=stem, config_path=os.path.abspath(path), key_lines=_key_lines(text))

@@ -61,10 +61,10 @@ def test_unknown_keys_named_with_allowed_list(jobdir):
     with pytest.raises(ConfigError) as e:
         load_job(write_job(jobdir, BASE + "bogus: 1\n"))
     msg = str(e.value)
-    assert msg.startswith(f"{jobdir}/x.yaml: bogus: unknown key") and "allowed keys:" in msg and "generation" in msg
-    with pytest.raises(ConfigError, match=r"x\.yaml: generation\.temprature: unknown key \(did you mean 'temperature'\?\)"):
+    assert msg.startswith(f"{jobdir}/x.yaml:6: bogus: unknown key")  # the file, the key's line, the key and "allowed keys:" in msg and "generation" in msg
+    with pytest.raises(ConfigError, match=r"x\.yaml:7: generation\.temprature: unknown key \(did you mean 'temperature'\?\)"):
         load_job(write_job(jobdir, BASE + "generation:\n  temprature: 0.5\n"))
-    with pytest.raises(ConfigError, match=r"x\.yaml: data\.prompts: unknown key.*allowed keys: source, path"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:4: data\.prompts: unknown key.*allowed keys: source, path"):
         load_job(write_job(jobdir, BASE.replace("  path: data/p.jsonl", "  path: data/p.jsonl\n  prompts: 3")))
 
 
@@ -77,7 +77,7 @@ def test_1e_minus_4_string_is_converted_for_float_fields(jobdir):
 
 
 def test_bad_number_strings_and_int_fields(jobdir):
-    with pytest.raises(ConfigError, match=r"x\.yaml: generation\.temperature: expected a number, got 'hot' \(a string\)"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:7: generation\.temperature: expected a number, got 'hot' \(a string\)"):
         load_job(write_job(jobdir, BASE + "generation:\n  temperature: hot\n"))
     with pytest.raises(ConfigError, match=r"generation\.max_new_tokens: expected an integer, got '1e3' \(a string\).*write a plain integer"):
         load_job(write_job(jobdir, BASE + "generation:\n  max_new_tokens: 1e3\n"))
@@ -113,7 +113,7 @@ def test_memory_sizes():
 def test_memory_in_job(jobdir):
     j = load_job(write_job(jobdir, BASE + "gpu_memory: 24GiB\ncpu_memory: 1000000\n"))
     assert j.gpu_memory == 24 * 2**30 and j.cpu_memory == 10**6
-    with pytest.raises(ConfigError, match=r"x\.yaml: gpu_memory: expected a size like '24GiB'.*got '24 gigs'"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:6: gpu_memory: expected a size like '24GiB'.*got '24 gigs'"):
         load_job(write_job(jobdir, BASE + "gpu_memory: 24 gigs\n"))
 
 
@@ -123,14 +123,14 @@ def test_shard_is_zero_based(jobdir):
         with pytest.raises(ValueError):
             parse_shard(bad)
     assert load_job(write_job(jobdir, BASE + 'shard: "1/3"\n')).shard == (1, 3)
-    with pytest.raises(ConfigError, match=r"x\.yaml: shard: shard index is 0-based and must be in 0\.\.2, got 3"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:6: shard: shard index is 0-based and must be in 0\.\.2, got 3"):
         load_job(write_job(jobdir, BASE + 'shard: "3/3"\n'))
 
 
 def test_missing_files_named(jobdir):
-    with pytest.raises(ConfigError, match=r"x\.yaml: data\.path: file not found: .*nope\.jsonl"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:3: data\.path: file not found: .*nope\.jsonl"):
         load_job(write_job(jobdir, BASE.replace("data/p.jsonl", "data/nope.jsonl")))
-    with pytest.raises(ConfigError, match=r"x\.yaml: model: checkpoint directory not found: .*no_such_model"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:1: model: checkpoint directory not found: .*no_such_model"):
         load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "no_such_model")))
     with pytest.raises(ConfigError, match=r"'mixtral-8x7b' is a registry config that `moe-batch plan --model` takes"):
         load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "mixtral-8x7b")))
@@ -139,9 +139,9 @@ def test_missing_files_named(jobdir):
         load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "ckpt")))
     (jobdir / "ckpt" / "config.json").write_text("{}")
     assert load_job(write_job(jobdir, BASE.replace("tiny-mixtral", "ckpt"))).model == str(jobdir / "ckpt")
-    with pytest.raises(ConfigError, match=r"x\.yaml: policy: file not found: .*pol\.yaml"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:6: policy: file not found: .*pol\.yaml"):
         load_job(write_job(jobdir, BASE + "policy: pol.yaml\n"))
-    with pytest.raises(ConfigError, match=r"x\.yaml: hardware: file not found: .*prof\.yaml"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:6: hardware: file not found: .*prof\.yaml"):
         load_job(write_job(jobdir, BASE + "hardware: prof.yaml\n"))
     with pytest.raises(ConfigError, match=r"job file not found"):
         load_job(str(jobdir / "missing.yaml"))
@@ -161,11 +161,11 @@ def test_policy_and_hardware_forms(jobdir):
 def test_required_and_cross_field_checks(jobdir):
     with pytest.raises(ConfigError, match=r"x\.yaml: model: required key is missing"):
         load_job(write_job(jobdir, BASE.replace("model: tiny-mixtral\n", "")))
-    with pytest.raises(ConfigError, match=r"x\.yaml: data\.path: required for source: jsonl"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:2: data\.path: required for source: jsonl"):
         load_job(write_job(jobdir, BASE.replace("  path: data/p.jsonl\n", "  source: jsonl\n")))
     with pytest.raises(ConfigError, match=r"x\.yaml: score: required for task: score"):
         load_job(write_job(jobdir, BASE + "task: score\n"))
-    with pytest.raises(ConfigError, match=r"x\.yaml: score: only valid with task: score"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:6: score: only valid with task: score"):
         load_job(write_job(jobdir, BASE + "score: {mode: perplexity}\n"))
     with pytest.raises(ConfigError, match=r"score\.stride: only applies to mode: perplexity"):
         load_job(write_job(jobdir, BASE + "task: score\nscore: {mode: loglikelihood, stride: 8}\n"))
@@ -229,7 +229,7 @@ def test_expert_ffn_key(jobdir):
     j = load_job(write_job(jobdir, BASE + "device: cpu\n"))
     assert j.expert_ffn == "auto" and expert_ffn_for(j) == "torch"  # auto on the CPU: the reference loop
     assert expert_ffn_for(load_job(write_job(jobdir, BASE + "device: cpu\nexpert_ffn: triton\n"))) == "triton"
-    with pytest.raises(ConfigError, match=r"x\.yaml: expert_ffn: .*cuda-graph"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:6: expert_ffn: .*cuda-graph"):
         load_job(write_job(jobdir, BASE + "expert_ffn: cuda-graph\n"))
 
 
@@ -253,3 +253,17 @@ def test_overridden_paths_resolve_against_the_current_directory(jobdir, tmp_path
     assert j.output.path == str(jobdir / "out" / "r.jsonl") and j.data.path == str(jobdir / "data" / "p.jsonl")
     j = load_job(p, {"output.path": "res/t.jsonl", "data.path": "q.jsonl"})
     assert j.output.path == str(elsewhere / "res" / "t.jsonl") and j.data.path == str(elsewhere / "q.jsonl")
+
+
+def test_errors_name_the_key_line(jobdir):
+    """A field error names the file, the line of the key and the key (``file:line: key: ...``, as the JSONL errors do);
+    a nested key its own line, a missing key its section's line, a command-line override no line."""
+    from lightning_moe.config import _key_lines
+
+    p = write_job(jobdir, BASE + "generation:\n  max_new_tokens: 8\n  temperature: hot\n")
+    with pytest.raises(ConfigError, match=r"^.*x\.yaml:8: generation\.temperature: expected a number"):
+        load_job(p)
+    with pytest.raises(ConfigError, match=r"x\.yaml: generation\.temperature \(from override\): expected a number"):
+        load_job(write_job(jobdir, BASE), {"generation.temperature": "cold"})
+    assert _key_lines("a: 1\nb:\n  c: {d: 2}\n  e: [1, 2]\n") == {"a": 1, "b": 2, "b.c": 3, "b.c.d": 3, "b.e": 4}
+    assert _key_lines("a: [unclosed\n") == {}
