@@ -236,8 +236,8 @@ class LLM:
         policy: ``"auto"`` (the planner, for each call's workload), a policy YAML path, or a mapping of policy fields.
         executor: ``"cgopipe"`` (pipelined, offloading; the default on CUDA) or ``"serial"`` (the reference; the
             default on the CPU).
-        expert_ffn: cgopipe's expert FFN: ``"auto"``, ``"torch"`` (tokens identical to serial), ``"triton"`` or
-            ``"grouped_mm"``.
+        expert_ffn: cgopipe's expert FFN: ``"auto"``, ``"torch"`` (tokens identical to serial), ``"triton"``,
+            ``"grouped_mm"`` or ``"mm_loop"``.
         batch_size: sequences per batch of the serial executor (cgopipe batches by its policy).
         system_prompt: a system message put before chat messages that do not start with one (data.system_prompt).
         truncate: a prompt longer than the context: ``"error"`` or ``"left"`` (drop its oldest tokens;
