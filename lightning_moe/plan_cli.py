@@ -155,8 +155,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
         if not model:
             raise CommandError("--model is required (or a job YAML naming the model)")
+        notes = []  # what the user should know about which job this plan is for
         if not hardware and job is not None:
             hardware = "h200"  # the same default as `moe-batch run` with policy: auto
+            notes.append("note: the job names no hardware: planned for the h200 preset (set hardware: a preset or a "
+                         "`moe-batch profile` YAML)")
+        if job is not None and getattr(job, "executor", "cgopipe") != "cgopipe":
+            notes.append(f"note: the job runs executor: {job.executor} (device {getattr(job, 'device', '?')}), which "
+                         "takes no policy: this is the policy executor: cgopipe would run")
         if not hardware:
             raise CommandError("--hardware is required (a preset: t4, l4, a100-40g, h100, h200; or a profile .yaml)")
         if model == "tiny-mixtral":  # the embedded model: its directory (created on first use)
@@ -212,7 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"moe-batch plan: error: {e}", file=sys.stderr)
         return 2
     print(format_table(policy, est, spec, hw))
-    for note in est.notes:
+    for note in (*est.notes, *notes):
         print(note)
     print(f"solved in {elapsed:.2f} s")
     if getattr(args, "plot", None):

@@ -151,8 +151,9 @@ def test_profile_command_cpu_only(tmp_path, monkeypatch, capsys):
 
 
 def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
-    """`moe-batch plan JOB.yaml --set key=value` plans the overridden job (here a smaller GPU budget); --set without a
-    job is an error."""
+    """`moe-batch plan JOB.yaml --set key=value` plans the overridden job (here a smaller GPU budget); a note says when
+    the job names no hardware (the h200 preset) and when its executor takes no policy (serial); --set without a job
+    is an error."""
     import yaml
 
     data = tmp_path / "in.jsonl"
@@ -161,7 +162,12 @@ def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
     job.write_text(yaml.safe_dump({"model": tiny_dir, "data": {"source": "jsonl", "path": str(data)}, "device": "cpu",
                                    "dtype": "float32", "executor": "cgopipe", "output": {"path": str(tmp_path / "o.jsonl")}}))
     assert run(["plan", str(job), "--set", "gpu_memory=2GiB"]) == 0
-    assert "/ budget 2.0 GiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "/ budget 2.0 GiB" in out and "the job names no hardware: planned for the h200 preset" in out
+    assert "takes no policy" not in out  # a cgopipe job runs the plan
+    assert run(["plan", str(job), "--set", "executor=serial", "--set", "hardware=l4"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the job runs executor: serial (device cpu), which takes no policy" in out and "names no hardware" not in out
     assert run(["plan", "--model", "mixtral-8x7b", "--set", "gpu_memory=2GiB", "--prompt-len", "8", "--gen-len", "2"]) == 2
     assert "--set overrides a job's keys" in capsys.readouterr().err
 
