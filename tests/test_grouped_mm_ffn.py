@@ -82,8 +82,9 @@ def test_grouped_mm_equals_reference_bf16(case):
     assert relerr(got, ref) <= 1e-2
 
 
-def test_grouped_mm_skip_id_splits_a_layer_in_two_groups():
-    """As CGOPipe runs dense pages: the paged and the resident experts as two calls, each marking the other's pairs
+@pytest.mark.parametrize("fn", [fused_experts_grouped_mm, fused_experts_mm_loop], ids=["grouped_mm", "mm_loop"])
+def test_grouped_mm_skip_id_splits_a_layer_in_two_groups(fn):
+    """(Both library-GEMM paths.) As CGOPipe runs dense pages: the paged and the resident experts as two calls, each marking the other's pairs
     with the skip id (its expert count); the sum equals one call over all experts (fp32 1e-5), and a call whose
     pairs are all skipped adds exactly 0 (even though those rows of its GEMM outputs are never written)."""
     x, w1, w3, w2, wts, ids = make_inputs(29, 64, 48, 8, 2, 5, seed=3)
@@ -99,12 +100,12 @@ def test_grouped_mm_skip_id_splits_a_layer_in_two_groups():
         n = int(member.sum())
         local = torch.where(member[ids], row[ids], torch.full_like(ids, n))
         sel = member.nonzero().squeeze(1)
-        out = out + fused_experts_grouped_mm(x, w1[sel], w3[sel], w2[sel], wts, local, skip=True)
+        out = out + fn(x, w1[sel], w3[sel], w2[sel], wts, local, skip=True)
     assert relerr(out, ref) <= 1e-5
-    none = fused_experts_grouped_mm(x, w1[:3], w3[:3], w2[:3], wts, torch.full_like(ids, 3), skip=True)
+    none = fn(x, w1[:3], w3[:3], w2[:3], wts, torch.full_like(ids, 3), skip=True)
     assert torch.equal(none, torch.zeros_like(none))
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 3\)"):
-        fused_experts_grouped_mm(x, w1[:3], w3[:3], w2[:3], wts, torch.full_like(ids, 3))  # no skip: 3 is out of range
+        fn(x, w1[:3], w3[:3], w2[:3], wts, torch.full_like(ids, 3))  # no skip: 3 is out of range
 
 
 def test_grouped_mm_strided_page_views_and_errors():
