@@ -42,6 +42,9 @@
 #   bash benchmarks/issue15_gpu_check.sh S1  # issue 22 (session 17): grouped_mm and mm_loop vs the dense GEMM peak, the
 #                                            # profile's rates with the mm_loop column into /tmp/h200-new.yaml, the
 #                                            # 8-layer checkpoints, the expert-kernel GPU tests; then Q2 (warm), Q3
+#   bash benchmarks/issue15_gpu_check.sh R1  # issue 22 (session 18): three prefill-preset jobs under the profiler with
+#                                            # phase marks (device busy time and gaps per phase), then the int4 12 GiB
+#                                            # generation job at four explicit prefill-chunk / resident policies
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -311,6 +314,33 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     [ $left -gt 30 ] && timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mm_loop_gpu.py \
       tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_no_host_sync_gpu.py tests/gpu/test_profiler_gpu.py > $OUT/tests_s1.txt 2>&1
     echo "GPU tests: rc $?"; tail -3 $OUT/tests_s1.txt ;;
+  R1)
+    # issue 22, session 18, call 1: where the prefill's device time goes. The 8-layer checkpoints; three jobs under
+    # torch.profiler with phase marks (profile_prefill.py --phases: per phase wall, device busy, idle gaps, largest
+    # kernels); then the int4 12 GiB generation job with the planner's policy and with larger prefill chunks (fewer
+    # resident experts to fit), to see how prefill tok/s follows the chunk size
+    HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; mkdir -p $WP/results
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
+    echo "R1 at $((SECONDS - S)) s: checkpoints written"
+    for c in ${R1_CASES:-pf-gen-int4-12g pf-ppl-bf16-12g pf-gen-int4-24g}; do
+      timeout 120 python3 benchmarks/profile_prefill.py $WP/jobs/$c.yaml --phases --top 30 --set output.path=/tmp/prof-$c.jsonl \
+        --set hardware=$HW --trace /tmp/trace-$c.json.gz 2>&1 | grep -vE "^moe-batch:|UserWarning|_warn_once" > $OUT/prof-$c.md
+      grep -E "prefill tok/s|^phase|^  gap" $OUT/prof-$c.md | cut -c1-240 | head -40
+    done
+    c=${R1_CASES:-pf-gen-int4-12g}; c=${c%% *}; [ $(stat -c %s /tmp/trace-$c.json.gz) -lt 15000000 ] && cp /tmp/trace-$c.json.gz $OUT/
+    echo "R1 at $((SECONDS - S)) s: profiles done"
+    c=pf-gen-int4-12g
+    for pol in "{mu: 768, n: 1, prefill_mu: 64, prefill_tokens: 8192, resident_experts: 16, n_gpu_attn: 1}" \
+        "{mu: 768, n: 1, prefill_mu: 81, prefill_tokens: 8192, resident_experts: 8, n_gpu_attn: 1}" \
+        "{mu: 768, n: 1, prefill_mu: 96, prefill_tokens: 9600, resident_experts: 4, n_gpu_attn: 1}" \
+        "{mu: 768, n: 1, prefill_mu: 64, prefill_tokens: 8192, resident_experts: 4, n_gpu_attn: 1}"; do
+      left=$((${LIMIT:-585} - (SECONDS - S))); [ $left -lt 40 ] && { echo "R1 stopped: $left s left"; break; }
+      R=$WP/results/r1.jsonl; rm -f $WP/results/r1.*
+      timeout $left python3 -m lightning_moe.cli run $WP/jobs/$c.yaml --no-progress --set output.path=$R --set hardware=$HW \
+        --set "policy=$pol" > $WP/results/r1.log 2>&1; rc=$?; echo "policy $pol: rc $rc" | tee -a $OUT/r1.txt
+      [ $rc = 0 ] || tail -3 $WP/results/r1.log | cut -c1-400 | tee -a $OUT/r1.txt
+      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$c" --hardware $HW 2>&1 | tail -1 | tee -a $OUT/r1.txt
+    done ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \
