@@ -13,7 +13,6 @@ Kernel durations do not include the first-call gaps (compilation, plans), so a f
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_prefill
 
 EXPERT = re.compile(r"gate_up|down_kernel|grouped_mm|_mx_kernel|dequant|silu_mul|moe_combine|RadixSort")  # the expert FFN's own kernels (its sort too)
 MODELED = re.compile(r"nvjet|gemm|sdpa|flash|fmha|cutlass|xmma|Memcpy|Memset")  # GEMMs, attention, copies: HRM terms
@@ -49,9 +49,9 @@ def main() -> int:
     a = ap.parse_args()
     from lightning_moe.policy.hardware import resolve_hardware
 
-    op = gzip.open if a.trace.endswith(".gz") else open
-    with op(a.trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    from profile_prefill import read_trace
+
+    events = read_trace(a.trace)
     from lightning_moe.policy.registry import resolve_spec
 
     r = json.load(open(a.report))

@@ -6,7 +6,8 @@ kernels grouped by name, their total time, calls and share, next to the report's
 
 ``--phases``: also mark each phase start (prefill / decode / scoring) on the device with a spin kernel and print, per
 phase window, its wall, the device's busy time (the union of kernel and copy intervals over all streams), its idle
-gaps and its largest kernels.
+gaps, its largest kernels, and its largest gaps with the host events inside them (runtime and driver calls > 0.2 ms,
+lazy function loads).
 
 For A/B and profiling on the GPU host (a benchmark, not a test); the job writes its results as `moe-batch run`
 does (point ``--set output.path=...`` somewhere disposable).
@@ -40,20 +41,26 @@ def kernel_table(events, top: int) -> str:
 
 
 MARKER = "spin"  # the device kernel torch.cuda._sleep launches (the phase marks of --phases)
+HOST_CATS = ("cuda_runtime", "cuda_driver", "overhead")  # host-side trace events (runtime / driver calls, lazy loads)
+
+
+def read_trace(path: str) -> list:
+    """The ``traceEvents`` of a Chrome trace as :meth:`torch.profiler.profile.export_chrome_trace` wrote it (.gz ok)."""
+    import gzip
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)["traceEvents"]
 
 
 def phase_table(trace_path: str, phases: list, top: int) -> str:
     """Per phase window of a Chrome trace (between consecutive marker kernels): wall ms, device-busy ms (union of
     kernel and memcpy intervals), idle gaps (count and ms of gaps > 50 us), the largest kernels by total ms, the CUDA
-    runtime calls by total ms and the largest gaps with the kernels around them and the runtime calls inside them."""
-    import gzip
-
-    op = gzip.open if trace_path.endswith(".gz") else open
-    with op(trace_path, "rt") as f:
-        ev = json.load(f)["traceEvents"]
+    runtime and driver calls by total ms and the largest gaps with the kernels around them and the host events
+    (calls, lazy function loads) inside them."""
+    ev = read_trace(trace_path)
     xs = [e for e in ev if e.get("ph") == "X" and "dur" in e]
     dev = sorted((e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    rt = sorted((e for e in xs if e.get("cat") == "cuda_runtime"), key=lambda e: e["ts"])
+    rt = sorted((e for e in xs if e.get("cat") in HOST_CATS), key=lambda e: e["ts"])
     marks = [e["ts"] for e in dev if MARKER in e["name"]]
     out = []
     for i, t0 in enumerate(marks):
@@ -81,11 +88,11 @@ def phase_table(trace_path: str, phases: list, top: int) -> str:
                    f"{gaps} gaps > 50 us = {gap_us / 1e3:.1f} ms, first kernel after the mark {(win[0]['ts'] - t0) / 1e3:.1f} ms")
         for n in sorted(tot, key=tot.get, reverse=True)[:top]:
             out.append(f"    {tot[n] / 1e3:9.1f} ms  {n}")
-        out.append("  runtime calls (host ms): " + ", ".join(f"{n} {calls[n] / 1e3:.1f}"
+        out.append("  host calls (ms): " + ", ".join(f"{n} {calls[n] / 1e3:.1f}"
                                                            for n in sorted(calls, key=calls.get, reverse=True)[:8]))
         for g, a, b, before, after in sorted(big, reverse=True)[:6]:
-            inside = sorted(((e["dur"], e["name"]) for e in rt if e["ts"] < b and e["ts"] + e["dur"] > a and e["dur"] > 200),
-                            reverse=True)[:4]
+            inside = sorted(((e["dur"], e["name"]) for e in rt if e["ts"] < b and e["ts"] + e["dur"] > a
+                             and (e["dur"] > 200 or e.get("cat") == "overhead")), reverse=True)[:4]
             out.append(f"  gap {g / 1e3:.2f} ms at +{(a - t0) / 1e3:.1f} ms: after {before[:50]} / before {after[:50]}; "
                        f"runtime inside: {', '.join(f'{n} {d / 1e3:.2f}' for d, n in inside) or '-'}")
     return "\n".join(out)
