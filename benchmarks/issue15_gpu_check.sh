@@ -45,6 +45,9 @@
 #   bash benchmarks/issue15_gpu_check.sh R1  # issue 22 (session 18): three prefill-preset jobs under the profiler with
 #                                            # phase marks (device busy time and gaps per phase), then the int4 12 GiB
 #                                            # generation job at four explicit prefill-chunk / resident policies
+#   bash benchmarks/issue15_gpu_check.sh T1  # issue 22 (session 19): the 8-layer checkpoints, the int4 12 GiB generation
+#                                            # job before / now (.carry/before), the expert FFN vs the dense GEMM
+#                                            # peak, the mm_loop GPU tests; T2 (warm): every other prefill case; then H
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -75,13 +78,30 @@ step_k() {  # step K, with what is left of the 575 s since the script started
       cp $WF/out/sweep.md $OUT/fam-$name.md; cp $WF/out/sweep.jsonl $OUT/fam-$name.jsonl; rm -rf $WF/ckpt-*
     done
 }
+run_cases() {  # run_cases "TREE:CASE ..." NAME: each prefill-preset case through `moe-batch run` of that tree (before =
+    # .carry/before with its own profile, now = this tree with /tmp/h200-new.yaml if a step wrote one), a line each
+    # against the dense-GEMM bound into $OUT/NAME.txt, the reports and logs into $OUT/NAME-reports.tgz (LIMIT s in all)
+    local L=${LIMIT:-585} HW=/tmp/h200-new.yaml tc t c P H R left
+    [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; mkdir -p $WP/results
+    [ -f $WP/jobs/pf-ppl-bf16-12g.yaml ] || python3 benchmarks/cli_sweep.py --preset prefill --work $WP \
+      --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    for tc in $1; do
+      IFS=: read -r t c <<< "$tc"; P=$PWD; H=$HW; [ $t = before ] && P=$PWD/.carry/before && H=$P/lightning_moe/policy/profiles/h200-host.yaml
+      left=$((L - (SECONDS - S))); [ $left -lt 40 ] && { echo "$2 stopped: $left s left"; break; }
+      R=$WP/results/$2-$t-$c.jsonl; rm -f $WP/results/$2-$t-$c.*
+      PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P run $WP/jobs/$c.yaml --no-progress \
+        --set output.path=$R --set hardware=$H > $WP/results/$2-$t-$c.log 2>&1
+      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/$2.txt
+    done
+    tar czf $OUT/$2-reports.tgz -C $WP/results $(cd $WP/results && ls $2-*.report.json $2-*.log 2>/dev/null)
+}
 merge_rates() {  # merge_rates RATES.yaml OUT.yaml LABEL: h200-host.yaml with its expert_ffn_rates replaced by RATES
     python3 -c "import sys, yaml; from lightning_moe.policy.hardware import HardwareProfile as H; \
 p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(open(sys.argv[1]))['expert_ffn_rates']; \
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|S1}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -278,20 +298,9 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     # issue 22, session 16, call 2 (warm, right after Q1: its checkpoints and /tmp/h200-new.yaml): the 1000-text
     # perplexity job at 91a7120 (.carry/before, its own profile) and at this commit, alternating; then every case of
     # the prefill preset at this commit, each line against the dense-GEMM bound (benchmarks/prefill_bound.py)
-    L=${LIMIT:-585}; HW=/tmp/h200-new.yaml; [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; mkdir -p $WP/results
-    [ -f $WP/jobs/pf-ppl-bf16-12g.yaml ] || python3 benchmarks/cli_sweep.py --preset prefill --work $WP \
-      --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
-    for tc in ${Q2_CASES:-before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g \
+    run_cases "${Q2_CASES:-before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g \
         now:pf-gen-bf16-12g now:pf-ppl-int4-12g now:pf-gen-int4-12g now:pf-ppl-bf16-24g now:pf-gen-bf16-24g \
-        now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ll-bf16-12g}; do
-      IFS=: read -r t c <<< "$tc"; P=$PWD; H=$HW; [ $t = before ] && P=$PWD/.carry/before && H=$P/lightning_moe/policy/profiles/h200-host.yaml
-      left=$((L - (SECONDS - S))); [ $left -lt 40 ] && { echo "Q2 stopped: $left s left"; break; }
-      R=$WP/results/q2-$t-$c.jsonl; rm -f $WP/results/q2-$t-$c.*
-      PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P run $WP/jobs/$c.yaml --no-progress \
-        --set output.path=$R --set hardware=$H > $WP/results/q2-$t-$c.log 2>&1
-      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/q2.txt
-    done
-    tar czf $OUT/q2-reports.tgz -C $WP/results $(cd $WP/results && ls q2-*.report.json q2-*.log 2>/dev/null) ;;
+        now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ll-bf16-12g}" q2 ;;
   Q3)
     # issue 22, session 16, call 3: the expert FFN vs the dense GEMM peak again (with one gate/up chunk), then every GPU
     # test in one pytest process with the time left
@@ -341,6 +350,26 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
       [ $rc = 0 ] || tail -3 $WP/results/r1.log | cut -c1-400 | tee -a $OUT/r1.txt
       python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$c" --hardware $HW 2>&1 | tail -1 | tee -a $OUT/r1.txt
     done ;;
+  T1)
+    # issue 22, session 19, call 1 (fresh machine; carry .carry, .carry/before = the tree before the mm_loop tiles):
+    # the 8-layer checkpoints; the int4 12 GiB generation job before / now, alternating (three runs of now); the expert
+    # FFN vs the dense GEMM peak (bench_prefill_ffn.py); the mm_loop and epilogue GPU tests with the time left
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
+    echo "T1 at $((SECONDS - S)) s: checkpoints written"
+    LIMIT=${LIMIT:-420} run_cases "${T1_CASES:-now:pf-gen-int4-12g before:pf-gen-int4-12g now:pf-gen-int4-12g \
+      before:pf-gen-int4-12g now:pf-gen-int4-12g}" t1
+    echo "T1 at $((SECONDS - S)) s: A/B done"
+    timeout $((560 - (SECONDS - S))) python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
+    left=$((585 - (SECONDS - S))); echo "T1 at $((SECONDS - S)) s: GPU tests with $left s"
+    [ $left -gt 30 ] && timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mm_loop_gpu.py \
+      tests/gpu/test_moe_epilogue_gpu.py > $OUT/tests_t1.txt 2>&1
+    echo "GPU tests: rc $?"; tail -3 $OUT/tests_t1.txt ;;
+  T2)
+    # issue 22, session 19, call 2 (warm, after T1): every other case of the prefill preset at this commit, then the
+    # 1000-text perplexity job before / now
+    run_cases "${T2_CASES:-now:pf-ppl-bf16-12g now:pf-gen-bf16-12g now:pf-ppl-int4-12g now:pf-ppl-bf16-24g \
+      now:pf-gen-bf16-24g now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ll-bf16-12g now:pf-gen-int4-12g \
+      before:pf-ppl-bf16-12g}" t2 ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

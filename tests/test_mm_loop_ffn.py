@@ -10,8 +10,6 @@ which only CUDA takes; tests/gpu/test_mm_loop_gpu.py runs it on CUDA against the
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from test_grouped_mm_ffn import CASES, IDS, MIX, _prompts, make_inputs, relerr
@@ -34,24 +32,73 @@ def test_mm_loop_equals_reference_bf16(case):
     assert relerr(got, ref) <= 1e-2
 
 
-def test_mm_loop_launches_one_gemm_per_expert_and_row_block(monkeypatch):
-    """The GEMMs by hand: per expert with rows, ceil(rows / block) gate and up GEMMs of at most block = ceil(2 P / n)
-    rows (n = gate_up_chunks; n = 1: the whole expert) and one down GEMM of all its rows; an expert with no rows
-    launches none."""
+def test_mm_loop_blocks_by_hand():
+    """Row blocks: each expert's rows in blocks of ``block`` rows, experts in ascending order, the last block of each
+    padded up to a multiple of the tile; no block for an expert with no rows; the block size rounds 2 P / n down to a
+    tile multiple within [tile, MM_LOOP_MAX_ROWS]."""
+    assert fm.MM_LOOP_TILE == 32 and fm.MM_LOOP_MAX_ROWS == 2048
+    # experts 0..3 hold 5, 0, 35 and 60 rows; blocks of 32
+    assert fm.mm_loop_blocks([0, 5, 5, 40, 100], 32) == [(0, 0, 32), (2, 5, 32), (2, 37, 32), (3, 40, 32), (3, 72, 32)]
+    # blocks of 64: a 65-row expert is one full block and one 1-row block padded to a tile
+    assert fm.mm_loop_blocks([0, 65, 130], 64) == [(0, 0, 64), (0, 64, 32), (1, 65, 64), (1, 129, 32)]
+    assert fm.mm_loop_blocks([0, 0, 0], 64) == []
+    assert [fm.mm_loop_block_rows(P, n) for P, n in ((80, 1), (80, 16), (10**6, 1), (12800, 4), (3000, 4), (1, 1))] \
+        == [64, 32, 2048, 2048, 1472, 32]
+
+
+def test_mm_loop_launches_tile_sized_gemms(monkeypatch):
+    """The GEMMs by hand: per block of mm_loop_blocks one gate and one up GEMM, then one down GEMM, each of the block's
+    padded rows (a multiple of the tile, at most the block size), over its own expert's weights; an expert with no
+    rows launches none; on the CPU no warm-up GEMMs."""
     x, w1, w3, w2, wts, ids = make_inputs(40, 32, 24, 6, 2, 4, seed=7)  # P = 80 pairs, expert 4 gets none
     counts = torch.bincount(ids.reshape(-1), minlength=6).tolist()
     assert counts[4] == 0
+    bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+    expert_of = {w[e].data_ptr(): e for w in (w1, w3, w2) for e in range(6)}
     real, seen = torch.mm, []
-    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append((a.shape[0], b.shape[1])) or real(a, b, **kw))
-    for n in (1, 16):  # blocks of 80 and of 10 rows (experts hold ~16 rows)
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append((a.shape[0], b.shape[1], expert_of[b.data_ptr()]))
+                        or real(a, b, **kw))
+    for n in (1, 16):  # blocks of 64 and of 32 rows (experts hold ~16 rows)
         seen.clear()
-        fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=n)
-        block = 80 if n == 1 else math.ceil(2 * 80 / n)
-        gate_up = [r for r, cols in seen if cols == 24]
-        down = [r for r, cols in seen if cols == 32]
-        want = [min(block, c - s) for c in counts if c for s in range(0, c, block)]
-        assert sorted(gate_up) == sorted(want * 2) and max(gate_up) <= block, n
-        assert sorted(down) == sorted(c for c in counts if c)
+        got = fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=n)
+        assert relerr(got, experts_ffn_reference(x, w1, w3, w2, wts, ids)) <= 1e-5
+        block = fm.mm_loop_block_rows(80, n)
+        want = [(m, e) for e, s, m in fm.mm_loop_blocks(bounds, block)]
+        assert all(m % fm.MM_LOOP_TILE == 0 and m <= block for m, _ in want) and 4 not in {e for _, e in want}
+        assert sorted((r, e) for r, cols, e in seen if cols == 24) == sorted(want * 2), n  # gate and up
+        assert sorted((r, e) for r, cols, e in seen if cols == 32) == sorted(want), n  # down
+
+
+def test_mm_loop_awkward_row_counts_and_padding_order():
+    """Experts of 1, 31, 32, 33, 0 and 2 * 2048 + 5 rows (k = 1: row counts set by hand): fp32 1e-5 to the reference,
+    with blocks of at most MM_LOOP_MAX_ROWS, every block padded into the next expert's rows or the spare rows."""
+    sizes = [1, 31, 32, 33, 0, 2 * fm.MM_LOOP_MAX_ROWS + 5]
+    g = torch.Generator().manual_seed(11)
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(sizes)])[torch.randperm(sum(sizes), generator=g)][:, None]
+    x, w1, w3, w2, _, _ = make_inputs(ids.shape[0], 16, 24, len(sizes), 1, None, seed=5)
+    wts = torch.ones(ids.shape[0], 1)
+    ref = experts_ffn_reference(x, w1, w3, w2, wts, ids)
+    for chunks in (1, 16):
+        assert relerr(fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=chunks), ref) <= 1e-5, chunks
+
+
+def test_mm_loop_warm_runs_each_tile_once(monkeypatch):
+    """_mm_loop_warm: one GEMM per tile row count up to the given rows, none again for the same operand layout, only
+    the new ones for more rows, all again for another layout (strides)."""
+    real, seen = torch.mm, []
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(a.shape[0]) or real(a, b, **kw))
+    monkeypatch.setattr(fm, "_MM_LOOP_WARMED", {})
+    t = fm.MM_LOOP_TILE
+    a, w, out = torch.randn(5 * t, 8), torch.randn(12, 8), torch.empty(5 * t, 12)
+    fm._mm_loop_warm(a, w, out, 3 * t + 5)
+    assert seen == [t, 2 * t, 3 * t]
+    fm._mm_loop_warm(a, w, out, 3 * t)
+    assert seen == [t, 2 * t, 3 * t]
+    fm._mm_loop_warm(a, w, out, 5 * t)
+    assert seen == [t, 2 * t, 3 * t, 4 * t, 5 * t]
+    seen.clear()
+    fm._mm_loop_warm(a, torch.randn(8, 12).T, out, t)  # the same shape, transposed storage: another cuBLAS layout
+    assert seen == [t]
 
 
 def test_mm_loop_equals_grouped_mm_and_errors():

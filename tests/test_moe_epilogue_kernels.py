@@ -324,3 +324,22 @@ def test_grouped_mm_epilogue_choice(monkeypatch):
     assert relerr(got, experts_ffn_reference(x, w1, w3, w2, wts, ids)) <= 1e-5
     with pytest.raises(ValueError, match="_epilogue"):
         fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, _epilogue="cuda")
+
+
+# ---- row counts are not specialized -------------------------------------------------------------------------------
+
+ROW_COUNT_ARGS = [("_triton_kernels", k, "num_pairs") for k in
+                  ("gate_up_kernel", "down_kernel", "gate_up_q_kernel", "down_q_kernel", "gate_up_mx_kernel",
+                   "down_mx_kernel")] + [("_triton_kernels", "silu_mul_kernel", "M"),
+                                         ("_triton_norm_rope", "rms_norm_kernel", "R")]
+
+
+@needs_triton
+@pytest.mark.parametrize("module,kernel,arg", ROW_COUNT_ARGS, ids=[f"{k}.{a}" for _, k, a in ROW_COUNT_ARGS])
+def test_row_count_arguments_are_not_specialized(module, kernel, arg, monkeypatch):
+    """The kernels' row-count arguments vary call to call (routed pairs, rows of a block, tokens of a chunk): each is
+    declared do_not_specialize, so a new value's divisibility by 16 (or == 1) never compiles a second variant in the
+    middle of a prefill (tests/gpu/test_mm_loop_gpu.py counts the compiled variants on CUDA)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = getattr(fm._triton_kernels(module), kernel)
+    assert [p.name for p in fn.params if p.do_not_specialize] == [arg]

@@ -14,6 +14,10 @@ fp32 first (same values, products exact). The kernels call no ``@triton.jit`` he
 standard library (``tl.cdiv``, ``tl.sigmoid``, ``tl.zeros``, ``tl.max``): those are compiled-mode objects
 if triton was imported before ``TRITON_INTERPRET`` was set, and the interpreter then refuses to call them.
 
+Row-count arguments that vary call to call (``num_pairs``, ``silu_mul_kernel``'s ``M``) are ``do_not_specialize``:
+one compiled variant serves every count (Triton would otherwise compile again for a count divisible by 16 or equal
+to 1, ~0.15 s, whenever a prefill first meets one).
+
 The element-wise epilogue of the grouped_mm FFN (``silu_mul_kernel``, ``moe_combine_kernel``; wrappers
 :func:`lightning_moe.kernels.fused_moe.silu_mul_triton` / ``moe_combine_triton``) reproduces torch's roundings:
 ``RNE_BY_HAND`` (interpreter, bf16) rounds fp32 -> bf16 to nearest even by hand, because the interpreter's cast
@@ -25,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_kernel(
     x_ptr, w1_ptr, w3_ptr, h_ptr, pair_ptr, block_expert_ptr,
     num_pairs, D, F, top_k,
@@ -74,7 +78,7 @@ def gate_up_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def down_kernel(
     h_ptr, w2_ptr, y_ptr, pair_ptr, block_expert_ptr, rw_ptr,
     num_pairs, D, F,
@@ -147,7 +151,7 @@ def dequant_tile(q_ptr, s_ptr, z_ptr, e64, stride_qe, stride_qr, stride_se, stri
     return tl.where(mask, w, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_q_kernel(
     x_ptr, q1_ptr, s1_ptr, z1_ptr, q3_ptr, s3_ptr, z3_ptr, h_ptr, pair_ptr, block_expert_ptr,
     num_pairs, D, F, top_k,
@@ -198,7 +202,7 @@ def gate_up_q_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def down_q_kernel(
     h_ptr, q2_ptr, s2_ptr, z2_ptr, y_ptr, pair_ptr, block_expert_ptr, rw_ptr,
     num_pairs, D, F,
@@ -416,7 +420,7 @@ def mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr,
     return tl.where(mask, val * pow2, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_mx_kernel(
     x_ptr, blk_ptr, sc_ptr, bias_ptr, h_ptr, pair_ptr, block_expert_ptr,
     num_pairs, D, F, top_k, limit, alpha,
@@ -470,7 +474,7 @@ def gate_up_mx_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def down_mx_kernel(
     h_ptr, blk_ptr, sc_ptr, bias_ptr, y_ptr, pair_ptr, block_expert_ptr, rw_ptr,
     num_pairs, D, F,
@@ -534,7 +538,7 @@ def _round_to(x, DTYPE: tl.constexpr, RNE_BY_HAND: tl.constexpr):
     return x.to(DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def silu_mul_kernel(
     g_ptr, u_ptr, h_ptr, M, N,
     stride_gm, stride_um, stride_hm,

@@ -12,6 +12,9 @@ with integer bit operations, not ``.to(tl.bfloat16)``: the Triton interpreter's 
 wrappers launch with ``enable_fp_fusion=False`` so that an fp32 ``a * b + c`` is not contracted into one FMA (torch
 rounds the product first).
 
+``rms_norm_kernel``'s row count ``R`` (a prefill chunk's tokens) is ``do_not_specialize``: one compiled variant
+serves every count.
+
 The kernels call no ``@triton.jit`` helpers of triton's own standard library (``tl.cdiv``, ``tl.sigmoid``,
 ``tl.zeros``, ``tl.max``, ``tl.sum``): those are compiled-mode objects if triton was imported before
 ``TRITON_INTERPRET`` was set, and the interpreter then refuses to call them. The row sum is ``tl.reduce`` with
@@ -50,7 +53,7 @@ def round_to(x, ROUND: tl.constexpr):
     return r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     R, D, eps,

@@ -28,6 +28,8 @@ Contents, Triton-tutorial style (kernel, wrapper that checks / allocates / launc
 * :func:`fused_experts_grouped_mm` -- the same FFN on ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped GEMMs: the
   pairs sorted by expert on the device, offsets int32 on the device, no host sync), with the Triton path's skip id,
   fp32 weighting and deterministic fp32 slot sum; :func:`grouped_mm_unsupported` says why a call cannot take it.
+* :func:`fused_experts_mm_loop` -- the same FFN as one cuBLAS GEMM per expert and row block (one host wait for the
+  row counts), every GEMM's row count from a fixed set (:func:`mm_loop_blocks`) that the first call runs once.
 * :func:`silu_mul_triton` / :func:`moe_combine_triton` -- its element-wise epilogue on CUDA (SwiGLU into the chunk's
   columns of ``h``; the weighted slot sum in fp32 registers, one cast), references :func:`silu_mul_reference` /
   :func:`moe_combine_reference` (the torch code it runs on the CPU).
@@ -58,6 +60,8 @@ __all__ = [
     "fused_experts_mm_loop",
     "fused_experts_triton",
     "fused_moe_workspace_bytes",
+    "mm_loop_block_rows",
+    "mm_loop_blocks",
     "grouped_mm_available",
     "grouped_mm_gate_up_chunks",
     "grouped_mm_unsupported",
@@ -70,6 +74,9 @@ __all__ = [
 ]
 
 REFERENCE_ORDERS = ("hf", "hf-eager", "hf4")
+MM_LOOP_TILE = 32  # rows of every fused_experts_mm_loop GEMM are a multiple of this (an expert's last block padded up)
+MM_LOOP_MAX_ROWS = 2048  # and at most this: 64 row counts per projection, each run once per process (_mm_loop_warm)
+_MM_LOOP_WARMED: dict = {}  # operand layout -> the largest tile row count _mm_loop_warm has run for it
 TRITON_ACTIVATIONS = ("silu",)  # gate activations the Triton kernels (here and in quant.py) compute; the torch
 #                                 references take any ``act``
 
@@ -1006,11 +1013,16 @@ def fused_experts_mm_loop(
     The GEMMs need each expert's row count on the host: after :func:`moe_align` the E + 1 group bounds are copied to
     pinned host memory (non-blocking, on CUDA), the expert-sorted gather ``xs = x[sorted tokens]`` is queued, and only
     then does the host wait for the bounds, so the GPU gathers while the host waits: ONE host sync per call. Then per
-    expert e with rows ``[s, t)``: ``h[s:t] = xs[s:t] W1_e^T`` (written in place), ``up = xs[s:t] W3_e^T``, ``h[s:t]
-    = silu(h[s:t]) * up``, in row blocks of at most ``2 P / n`` rows (n = ``gate_up_chunks``, default
-    :func:`grouped_mm_gate_up_chunks`; n = 1: the whole expert), so the ``up`` temporaries stay within the
-    grouped_mm path's chunk temporaries; then ``yd[s:t] = h[s:t] W2_e^T``; the combine of
-    :func:`fused_experts_grouped_mm`. Experts with no rows launch nothing; skipped pairs (``skip``) are not computed.
+    block (e, s, m) of :func:`mm_loop_blocks`: ``h[s:s+m] = xs[s:s+m] W1_e^T`` (written in place), ``up = xs[s:s+m]
+    W3_e^T`` (one reused [block, F] buffer), ``h[s:s+m] = silu(h[s:s+m]) * up``; then per block ``yd[s:s+m] =
+    h[s:s+m] W2_e^T``; the combine of :func:`fused_experts_grouped_mm`. A block holds at most ``2 P / n`` rows (n =
+    ``gate_up_chunks``, default :func:`grouped_mm_gate_up_chunks`; n = 1: P), so ``up`` stays within the grouped_mm
+    path's chunk temporaries, and at most ``MM_LOOP_MAX_ROWS``; an expert's last block is padded up to a multiple of
+    ``MM_LOOP_TILE`` rows (experts in ascending order: the padding rows belong to later experts, which overwrite
+    them, or to ``MM_LOOP_TILE`` spare rows of ``xs``, ``h`` and ``yd``). So every GEMM has one of 64 row counts,
+    and on CUDA each is run once per process and operand layout on the first call (:func:`_mm_loop_warm`): cuBLAS
+    picks a kernel per shape and loads it on first use, a few milliseconds each. Experts with no rows launch nothing;
+    skipped pairs (``skip``) are not computed.
 
     Faster than one grouped GEMM where a call's per-expert row counts are a few 128-row tiles (cuBLAS picks its tile
     per shape; torch's grouped GEMM has one tile config); the host sync keeps it out of the decode loop (the
@@ -1040,27 +1052,67 @@ def _host_bounds(offsets: torch.Tensor, then: Callable[[], torch.Tensor]) -> tup
     return host.tolist(), out
 
 
-def _mm_loop_gate_up(xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, bounds: list, block: int,
-                     silu_mul: Callable) -> torch.Tensor:
-    """h [P, F] = silu(xs W1_e^T) * (xs W3_e^T) per expert e over its rows bounds[e]:bounds[e+1], in row blocks of at
-    most ``block`` rows (rows past bounds[E] unwritten)."""
-    h = torch.empty((xs.shape[0], w1.shape[1]), dtype=xs.dtype, device=xs.device)  # [P, F]
+def mm_loop_block_rows(P: int, gate_up_chunks: int) -> int:
+    """Rows of one mm_loop row block for ``P`` pairs: ``2 P / n`` (n = ``gate_up_chunks``; ``P`` for n = 1), so the
+    ``up`` temporary [block, F] stays within the grouped_mm path's chunk temporaries, rounded down to a multiple of
+    ``MM_LOOP_TILE`` and kept within ``[MM_LOOP_TILE, MM_LOOP_MAX_ROWS]``."""
+    cap = P if gate_up_chunks == 1 else _cdiv(2 * P, gate_up_chunks)
+    return min(MM_LOOP_MAX_ROWS, max(MM_LOOP_TILE, cap // MM_LOOP_TILE * MM_LOOP_TILE))
+
+
+def mm_loop_blocks(bounds: Sequence[int], block: int) -> list[tuple[int, int, int]]:
+    """The mm_loop GEMMs as (expert e, first row s, rows m), experts in ascending order: expert e's rows
+    ``bounds[e]:bounds[e+1]`` in blocks of ``block`` rows (a multiple of ``MM_LOOP_TILE``), its last block padded up
+    to a multiple of ``MM_LOOP_TILE``. A padded block runs into the rows of the experts after e, which their own
+    GEMMs overwrite later, or past ``bounds[E]`` into the skipped pairs' rows and the ``MM_LOOP_TILE`` spare rows of
+    the buffers. Every m is one of the ``MM_LOOP_MAX_ROWS / MM_LOOP_TILE`` tile row counts."""
+    out = []
     for e in range(len(bounds) - 1):
         for s in range(bounds[e], bounds[e + 1], block):
-            t = min(bounds[e + 1], s + block)
-            torch.mm(xs[s:t], w1[e].T, out=h[s:t])  # [rows, F] gate, in place in h
-            silu_mul(h[s:t], torch.mm(xs[s:t], w3[e].T), h[s:t])  # silu(gate) * up
-    return h
+            out.append((e, s, _cdiv(min(block, bounds[e + 1] - s), MM_LOOP_TILE) * MM_LOOP_TILE))
+    return out
 
 
-def _mm_loop_down(h: torch.Tensor, w2: torch.Tensor, bounds: list) -> torch.Tensor:
-    """yd [P, D] = h W2_e^T per expert e over its rows (rows past bounds[E] unwritten)."""
-    yd = torch.empty((h.shape[0], w2.shape[1]), dtype=h.dtype, device=h.device)  # [P, D]
-    for e in range(len(bounds) - 1):
-        s, t = bounds[e], bounds[e + 1]
-        if t > s:
-            torch.mm(h[s:t], w2[e].T, out=yd[s:t])
-    return yd
+def _mm_loop_warm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+    """``torch.mm(a[:m], w.T, out=out[:m])`` once for each tile row count m <= ``rows`` not yet run in this process
+    for this operand layout (device, dtype, the weight's shape and strides), into the call's own buffers before its
+    real GEMMs write them. The library's one-time work for a new shape (cuBLAS's heuristic, the lazy load of the
+    kernel it picks) then happens in the first call, which the executor's warm-up makes, and not in whichever later
+    call first meets that row count."""
+    key = (a.device, a.dtype, tuple(w.shape), w.stride())
+    done = _MM_LOOP_WARMED.get(key, 0)
+    top = rows // MM_LOOP_TILE * MM_LOOP_TILE
+    for m in range(done + MM_LOOP_TILE, top + 1, MM_LOOP_TILE):
+        torch.mm(a[:m], w.T, out=out[:m])
+    _MM_LOOP_WARMED[key] = max(done, top)
+
+
+def _mm_loop_ffn(x: torch.Tensor, sorted_token_idx: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
+                 w3: torch.Tensor, w2: torch.Tensor, n_chunks: int, silu_mul: Callable) -> torch.Tensor:
+    """yd [P, D] = (silu(xs W1_e^T) * (xs W3_e^T)) W2_e^T per expert e over its expert-sorted rows xs, one
+    ``torch.mm`` per block of :func:`mm_loop_blocks` and projection, with one host wait for the group bounds
+    ``offsets`` [E+1] (:func:`_host_bounds`, the gather queued first). Rows past ``bounds[E]`` hold whatever the
+    padding wrote. On CUDA the tile row counts not yet run are run once first (:func:`_mm_loop_warm`)."""
+    P, D, Fd = sorted_token_idx.numel(), x.shape[1], w1.shape[1]
+    xs = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]: spare rows for padding
+    bounds, _ = _host_bounds(offsets, lambda: torch.index_select(x, 0, sorted_token_idx, out=xs[:P]))  # E+1 bounds
+    block = mm_loop_block_rows(P, n_chunks)
+    blocks = mm_loop_blocks(bounds, block)
+    h = torch.empty((P + MM_LOOP_TILE, Fd), dtype=x.dtype, device=x.device)  # [P + tile, F]
+    up = torch.empty((block, Fd), dtype=x.dtype, device=x.device)  # [block, F], reused by every block
+    if x.is_cuda:
+        _mm_loop_warm(xs, w1[0], h, block)
+        _mm_loop_warm(xs, w3[0], up, block)
+    for e, s, m in blocks:  # ascending experts: a block's padding rows are overwritten by the experts after it
+        torch.mm(xs[s:s + m], w1[e].T, out=h[s:s + m])  # [m, F] gate, in place in h
+        silu_mul(h[s:s + m], torch.mm(xs[s:s + m], w3[e].T, out=up[:m]), h[s:s + m])  # silu(gate) * up
+    xs = up = None
+    yd = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]
+    if x.is_cuda:
+        _mm_loop_warm(h, w2[0], yd, block)
+    for e, s, m in blocks:
+        torch.mm(h[s:s + m], w2[e].T, out=yd[s:s + m])  # [m, D]
+    return yd[:P]
 
 
 def _sorted_experts_ffn(fn: str, x, w1, w3, w2, topk_weights, topk_ids, validate: bool, skip: bool,
@@ -1090,11 +1142,7 @@ def _sorted_experts_ffn(fn: str, x, w1, w3, w2, topk_weights, topk_ids, validate
     silu_mul = silu_mul_triton if epilogue == "triton" else silu_mul_reference
     al = moe_align(topk_ids, E + 1 if skip else E)  # stable sort by expert; the skip bucket (id E) last
     if per_expert:
-        bounds, xs = _host_bounds(al.expert_offsets[:E + 1], lambda: x[al.sorted_token_idx])  # E+1 bounds; [P, D]
-        P = xs.shape[0]
-        h = _mm_loop_gate_up(xs, w1, w3, bounds, P if n_chunks == 1 else _cdiv(2 * P, n_chunks), silu_mul)
-        xs = None
-        yd = _mm_loop_down(h, w2, bounds)  # [P, D] in x.dtype; rows of skipped pairs unwritten
+        yd = _mm_loop_ffn(x, al.sorted_token_idx, al.expert_offsets[:E + 1], w1, w3, w2, n_chunks, silu_mul)  # [P, D]
     else:
         gmm = _grouped_mm_fn()
         offs = al.expert_offsets[1:E + 1].to(torch.int32)  # [E] end of each expert's rows; skipped pairs lie beyond

@@ -404,6 +404,7 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
 FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's transient workspaces (cached blocks of
 # other chunk sizes); budgeted, not in the allocated peak
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
+FFN_SPARE_ROWS = 32  # padding rows of the per-expert GEMM loop's buffers (kernels.fused_moe.MM_LOOP_TILE)
 
 
 def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16", groups: int = 2) -> int:
@@ -431,13 +432,16 @@ def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
     outputs [T k, D] fp32, their fp32 sum and its cast; with ``groups`` = 2 (paged and resident experts in separate
     calls: :func:`expert_groups`) the first group's result beside the second's; the shared / dense FFN
     intermediate. The grouped_mm kernel (kernels.fused_moe.fused_experts_grouped_mm) holds no more: its gate/up GEMMs
-    run in column chunks chosen to fit these per-pair bytes (grouped_mm_gate_up_chunks)."""
+    run in column chunks chosen to fit these per-pair bytes (grouped_mm_gate_up_chunks); the per-expert GEMM loop
+    (fused_experts_mm_loop) holds the same per pair and ``FFN_SPARE_ROWS`` padding rows of its [P, D] and [P, F]
+    buffers."""
     b = dtype_bytes(dtype)
     D, F, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_experts
     P = T * k
     side = max(spec.num_shared_experts * spec.shared_intermediate_size, spec.dense_intermediate_size)
     return (T * spec.attn_output_elems * b + 2 * T * D * b + 2 * T * E * 4 + T * k * 12
-            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + groups * T * D * b + T * 3 * side * b)
+            + P * 48 + P * F * b + P * D * 4 + T * D * 4 + groups * T * D * b + T * 3 * side * b
+            + FFN_SPARE_ROWS * (D + F) * b)
 
 
 def expert_groups(weight_quant: str) -> int:

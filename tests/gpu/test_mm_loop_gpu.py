@@ -1,6 +1,7 @@
 """The per-expert library-GEMM expert FFN (kernels.fused_moe.fused_experts_mm_loop) on CUDA: cuBLAS GEMMs over
 row slices, the pinned copy of the group bounds (one host wait per call), rows past the last bound unwritten (the
-skip bucket), fp16 and D not a multiple of 8 (no 16-byte rule), and CGOPipe with the profile picking it for prefill
+skip bucket), fp16 and D not a multiple of 8 (no 16-byte rule), the tile row counts run once by the first call, the
+Triton epilogue's row count compiled once, and CGOPipe with the profile picking it for prefill
 only (CGOPipe with it forced: test_grouped_mm_gpu.py's CGOPipe test, parametrized over both library kernels). Run on a CUDA host: ``python -m pytest tests/gpu -m gpu``."""
 
 import pytest
@@ -84,3 +85,51 @@ def test_cgopipe_auto_runs_mm_loop_in_prefill_only(tiny_dir):
                    for k in st)
     same = sum(a == b for a, b in zip(outs["auto"], outs["torch"]))
     assert same >= len(seqs) - 1, f"{same} of {len(seqs)} greedy sequences equal"
+
+
+def test_mm_loop_first_call_runs_each_tile_once(monkeypatch):
+    """Mixtral-like routing over 8 experts, 4096 tokens (P 8192, blocks of 2048 rows): the first call runs the three
+    GEMMs once at each of the 64 tile row counts before its own; a second call with other row counts runs only its
+    own blocks' GEMMs, every one of a tile row count; both 1e-2 relative to the fp32 reference."""
+    from lightning_moe.kernels import fused_moe as fm
+
+    monkeypatch.setattr(fm, "_MM_LOOP_WARMED", {})
+    real, seen = torch.mm, []
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(a.shape[0]) or real(a, b, **kw))
+    tiles = list(range(fm.MM_LOOP_TILE, fm.MM_LOOP_MAX_ROWS + 1, fm.MM_LOOP_TILE))
+    for seed, warm in ((0, 3 * len(tiles)), (1, 0)):
+        x, w1, w3, w2, wts, ids = _inputs(4096, D=512, seed=seed)
+        seen.clear()
+        got = fused_experts_mm_loop(x, w1, w3, w2, wts, ids)
+        ref = experts_ffn_reference(x.float(), w1.float(), w3.float(), w2.float(), wts, ids)
+        assert _rel(got, ref) < 1e-2
+        counts = torch.bincount(ids.reshape(-1), minlength=w1.shape[0]).tolist()
+        bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+        blocks = fm.mm_loop_blocks(bounds, fm.mm_loop_block_rows(ids.numel(), fm.grouped_mm_gate_up_chunks(
+            512, w1.shape[1], ids.shape[1])))
+        assert len(seen) == warm + 3 * len(blocks) and set(seen) <= set(tiles), seed
+        assert sorted(seen[:warm]) == sorted(tiles * 3)
+
+
+def test_triton_row_counts_compile_once():
+    """silu_mul and rms_norm over 16, 17, 33 and 2000 rows: one compiled variant each (the row count is not
+    specialized on its divisibility by 16), with results equal to their torch references."""
+    from lightning_moe.kernels import fused_moe as fm
+    from lightning_moe.kernels.norm_rope import rms_norm_torch, rms_norm_triton
+
+    kern, nr = fm._triton_kernels(), fm._triton_kernels("_triton_norm_rope")
+
+    def variants(fn):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            pytest.skip("this triton keeps no per-device kernel cache to count")
+        return sum(len(c[0]) for c in caches.values())
+
+    w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    for M in (16, 17, 33, 2000):
+        g, u = torch.randn(2, M, 256, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(fm.silu_mul_triton(g.clone(), u), fm.silu_mul_reference(g.clone(), u))
+        torch.testing.assert_close(rms_norm_triton(g, w, 1e-5), rms_norm_torch(g, w, 1e-5), rtol=2 ** -6, atol=0)  # 2 ulps
+        if M == 16:
+            first = (variants(kern.silu_mul_kernel), variants(nr.rms_norm_kernel))
+    assert (variants(kern.silu_mul_kernel), variants(nr.rms_norm_kernel)) == first
