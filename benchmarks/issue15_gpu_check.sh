@@ -48,6 +48,9 @@
 #   bash benchmarks/issue15_gpu_check.sh T1  # issue 22 (session 19): the 8-layer checkpoints, the int4 12 GiB generation
 #                                            # job before / now (.carry/before), the expert FFN vs the dense GEMM
 #                                            # peak, the mm_loop GPU tests; T2 (warm): every other prefill case; then H
+#   bash benchmarks/issue15_gpu_check.sh U1  # issue 22 (session 19, after T1): checkpoints, the expert FFN vs the dense
+#                                            # peak, the int4 12 GiB generation A/B, the 12 GiB cases; U2 (warm, at
+#                                            # once): the 24 GiB cases, then the GPU tests of the changed code
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -101,7 +104,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -370,6 +373,27 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     run_cases "${T2_CASES:-now:pf-ppl-bf16-12g now:pf-gen-bf16-12g now:pf-ppl-int4-12g now:pf-ppl-bf16-24g \
       now:pf-gen-bf16-24g now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ll-bf16-12g now:pf-gen-int4-12g \
       before:pf-ppl-bf16-12g}" t2 ;;
+  U1)
+    # issue 22, session 19, call 3 (fresh machine; carry .carry, .carry/before = the tree before the mm_loop tiles):
+    # the 8-layer checkpoints, the expert FFN vs the dense GEMM peak, the int4 12 GiB generation job before / now
+    # (three runs of now), then the 12 GiB cases of the prefill preset; U2 (warm, at once) runs the rest
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    echo "U1 at $((SECONDS - S)) s: checkpoints written"
+    timeout 60 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
+    run_cases "${U1_CASES:-now:pf-gen-int4-12g before:pf-gen-int4-12g now:pf-gen-int4-12g before:pf-gen-int4-12g \
+      now:pf-gen-int4-12g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g now:pf-ppl-int4-12g now:pf-ll-bf16-12g}" u1 ;;
+  U2)
+    # issue 22, session 19, call 4 (warm, right after U1): the 24 GiB cases of the prefill preset, then the GPU tests
+    # of what this session changed (the mm_loop tiles, the Triton kernels' row counts, the memory model) with the time
+    # left
+    LIMIT=${LIMIT:-250} run_cases "${U2_CASES:-now:pf-ppl-bf16-24g now:pf-gen-bf16-24g now:pf-ppl-int4-24g \
+      now:pf-gen-int4-24g}" u2
+    left=$((585 - (SECONDS - S))); echo "U2 at $((SECONDS - S)) s: GPU tests with $left s"
+    timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mm_loop_gpu.py \
+      tests/gpu/test_moe_epilogue_gpu.py tests/gpu/test_norm_rope_gpu.py tests/gpu/test_fused_moe_gpu.py \
+      tests/gpu/test_quant_gpu.py tests/gpu/test_mxfp4_gpu.py tests/gpu/test_no_host_sync_gpu.py \
+      tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_cli_gpu.py tests/gpu/test_cgopipe_gpu.py > $OUT/tests_u2.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_u2.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

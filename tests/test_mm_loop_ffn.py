@@ -33,14 +33,17 @@ def test_mm_loop_equals_reference_bf16(case):
 
 
 def test_mm_loop_blocks_by_hand():
-    """Row blocks: each expert's rows in blocks of ``block`` rows, experts in ascending order, the last block of each
-    padded up to a multiple of the tile; no block for an expert with no rows; the block size rounds 2 P / n down to a
-    tile multiple within [tile, MM_LOOP_MAX_ROWS]."""
+    """Row blocks: each expert's rows in equal blocks of at most ``block`` rows rounded up to the tile, experts in
+    ascending order, the last block of each padded up to a multiple of the tile; no block for an expert with no rows;
+    the block size rounds 2 P / n down to a tile multiple within [tile, MM_LOOP_MAX_ROWS]."""
     assert fm.MM_LOOP_TILE == 32 and fm.MM_LOOP_MAX_ROWS == 2048
     # experts 0..3 hold 5, 0, 35 and 60 rows; blocks of 32
     assert fm.mm_loop_blocks([0, 5, 5, 40, 100], 32) == [(0, 0, 32), (2, 5, 32), (2, 37, 32), (3, 40, 32), (3, 72, 32)]
-    # blocks of 64: a 65-row expert is one full block and one 1-row block padded to a tile
+    # blocks of at most 64: a 65-row expert is two blocks of 33 rows rounded up to 64 (the second padded from 1 row)
     assert fm.mm_loop_blocks([0, 65, 130], 64) == [(0, 0, 64), (0, 64, 32), (1, 65, 64), (1, 129, 32)]
+    # blocks of at most 2048: 2070 rows are 1056 + 1014 (padded to 1024), 4097 rows three of 1376 (the last padded)
+    assert fm.mm_loop_blocks([0, 2070, 6167], 2048) == [(0, 0, 1056), (0, 1056, 1024), (1, 2070, 1376),
+                                                        (1, 3446, 1376), (1, 4822, 1376)]
     assert fm.mm_loop_blocks([0, 0, 0], 64) == []
     assert [fm.mm_loop_block_rows(P, n) for P, n in ((80, 1), (80, 16), (10**6, 1), (12800, 4), (3000, 4), (1, 1))] \
         == [64, 32, 2048, 2048, 1472, 32]

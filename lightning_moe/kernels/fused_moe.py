@@ -1061,15 +1061,21 @@ def mm_loop_block_rows(P: int, gate_up_chunks: int) -> int:
 
 
 def mm_loop_blocks(bounds: Sequence[int], block: int) -> list[tuple[int, int, int]]:
-    """The mm_loop GEMMs as (expert e, first row s, rows m), experts in ascending order: expert e's rows
-    ``bounds[e]:bounds[e+1]`` in blocks of ``block`` rows (a multiple of ``MM_LOOP_TILE``), its last block padded up
-    to a multiple of ``MM_LOOP_TILE``. A padded block runs into the rows of the experts after e, which their own
-    GEMMs overwrite later, or past ``bounds[E]`` into the skipped pairs' rows and the ``MM_LOOP_TILE`` spare rows of
-    the buffers. Every m is one of the ``MM_LOOP_MAX_ROWS / MM_LOOP_TILE`` tile row counts."""
+    """The mm_loop GEMMs as (expert e, first row s, rows m), experts in ascending order: expert e's r rows
+    ``bounds[e]:bounds[e+1]`` in ``ceil(r / block)`` blocks of equal size rounded up to a multiple of
+    ``MM_LOOP_TILE`` (no short tail block beside a full one: an expert of 2070 rows is two GEMMs of 1056 and 1024
+    rows, not 2048 and 32), each at most ``block`` rows (a multiple of ``MM_LOOP_TILE``); the last block padded up to
+    a multiple of ``MM_LOOP_TILE``. A padded block runs into the rows of the experts after e, which their own GEMMs
+    overwrite later, or past ``bounds[E]`` into the skipped pairs' rows and the ``MM_LOOP_TILE`` spare rows of the
+    buffers. Every m is one of the ``MM_LOOP_MAX_ROWS / MM_LOOP_TILE`` tile row counts."""
     out = []
     for e in range(len(bounds) - 1):
-        for s in range(bounds[e], bounds[e + 1], block):
-            out.append((e, s, _cdiv(min(block, bounds[e + 1] - s), MM_LOOP_TILE) * MM_LOOP_TILE))
+        r = bounds[e + 1] - bounds[e]
+        if r <= 0:
+            continue
+        step = _cdiv(_cdiv(r, _cdiv(r, block)), MM_LOOP_TILE) * MM_LOOP_TILE  # <= block
+        for s in range(bounds[e], bounds[e + 1], step):
+            out.append((e, s, _cdiv(min(step, bounds[e + 1] - s), MM_LOOP_TILE) * MM_LOOP_TILE))
     return out
 
 
