@@ -85,6 +85,27 @@ def test_mm_loop_awkward_row_counts_and_padding_order():
         assert relerr(fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=chunks), ref) <= 1e-5, chunks
 
 
+def test_mm_loop_first_call_warms_each_tile_once(monkeypatch):
+    """With the warm-up on (as on CUDA; tests/gpu/test_mm_loop_gpu.py runs it there): the first call runs the gate
+    GEMM (whose layout the up GEMM shares) and the down GEMM once at each tile row count up to its block, besides its
+    blocks' three GEMMs; a second call only its blocks' GEMMs; both equal to the reference (fp32 1e-5)."""
+    monkeypatch.setattr(fm, "_MM_LOOP_WARMED", {})
+    monkeypatch.setattr(fm, "_warms_tiles", lambda x: True)
+    real, seen = torch.mm, []
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(a.shape[0]) or real(a, b, **kw))
+    for seed, warm in ((0, True), (1, False)):
+        x, w1, w3, w2, wts, ids = make_inputs(100, 16, 24, 4, 2, None, seed=seed)  # P = 200, block 192
+        seen.clear()
+        assert relerr(fused_experts_mm_loop(x, w1, w3, w2, wts, ids, gate_up_chunks=1),
+                      experts_ffn_reference(x, w1, w3, w2, wts, ids)) <= 1e-5
+        bounds = [0] + torch.bincount(ids.reshape(-1), minlength=4).cumsum(0).tolist()
+        block = fm.mm_loop_block_rows(200, 1)
+        tiles = list(range(fm.MM_LOOP_TILE, block + 1, fm.MM_LOOP_TILE))
+        assert block == 192 and len(tiles) == 6
+        assert sorted(seen) == sorted([m for _, _, m in fm.mm_loop_blocks(bounds, block)] * 3
+                                      + (tiles * 2 if warm else [])), seed
+
+
 def test_mm_loop_warm_runs_each_tile_once(monkeypatch):
     """_mm_loop_warm: one GEMM per tile row count up to the given rows, none again for the same operand layout, only
     the new ones for more rows, all again for another layout (strides)."""

@@ -1079,6 +1079,12 @@ def mm_loop_blocks(bounds: Sequence[int], block: int) -> list[tuple[int, int, in
     return out
 
 
+def _warms_tiles(x: torch.Tensor) -> bool:
+    """Whether :func:`_mm_loop_ffn` runs :func:`_mm_loop_warm`: on CUDA (cuBLAS's first call of a shape); the CPU's
+    BLAS has no per-shape first-call cost to move."""
+    return x.is_cuda
+
+
 def _mm_loop_warm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int) -> None:
     """``torch.mm(a[:m], w.T, out=out[:m])`` once for each tile row count m <= ``rows`` not yet run in this process
     for this operand layout (device, dtype, the weight's shape and strides), into the call's own buffers before its
@@ -1106,7 +1112,8 @@ def _mm_loop_ffn(x: torch.Tensor, sorted_token_idx: torch.Tensor, offsets: torch
     blocks = mm_loop_blocks(bounds, block)
     h = torch.empty((P + MM_LOOP_TILE, Fd), dtype=x.dtype, device=x.device)  # [P + tile, F]
     up = torch.empty((block, Fd), dtype=x.dtype, device=x.device)  # [block, F], reused by every block
-    if x.is_cuda:
+    warm = _warms_tiles(x)
+    if warm:
         _mm_loop_warm(xs, w1[0], h, block)
         _mm_loop_warm(xs, w3[0], up, block)
     for e, s, m in blocks:  # ascending experts: a block's padding rows are overwritten by the experts after it
@@ -1114,7 +1121,7 @@ def _mm_loop_ffn(x: torch.Tensor, sorted_token_idx: torch.Tensor, offsets: torch
         silu_mul(h[s:s + m], torch.mm(xs[s:s + m], w3[e].T, out=up[:m]), h[s:s + m])  # silu(gate) * up
     xs = up = None
     yd = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]
-    if x.is_cuda:
+    if warm:
         _mm_loop_warm(h, w2[0], yd, block)
     for e, s, m in blocks:
         torch.mm(h[s:s + m], w2[e].T, out=yd[s:s + m])  # [m, D]
