@@ -1,5 +1,5 @@
 """The grouped_mm FFN's Triton epilogue on CUDA (kernels.fused_moe.silu_mul_triton, moe_combine_triton; written in a
-CPU-only session, NOT yet run on a GPU). At Mixtral-8x7B width (T 8192, D 4096, F 14336, E 8, k 2, bf16):
+CPU-only session; run on the H200 host since). At Mixtral-8x7B width (T 8192, D 4096, F 14336, E 8, k 2, bf16):
 
 * silu_mul vs silu_mul_reference (torch's F.silu + torch.mul on the device): bit for bit (libdevice expf = CUDA's
   expf, IEEE division; silu rounded to bf16, its fp32 product with up rounded once), into the strided column
