@@ -381,11 +381,11 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     echo "U1 at $((SECONDS - S)) s: checkpoints written"
     timeout 60 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -6
     run_cases "${U1_CASES:-now:pf-gen-int4-12g before:pf-gen-int4-12g now:pf-gen-int4-12g before:pf-gen-int4-12g \
-      now:pf-gen-int4-12g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g now:pf-ppl-int4-12g now:pf-ll-bf16-12g}" u1 ;;
+      now:pf-gen-int4-12g now:pf-ppl-int4-12g now:pf-ll-bf16-12g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g}" u1 ;;
   U2)
-    # issue 22, session 19, call 4 (warm, right after U1): the 24 GiB cases of the prefill preset, then the GPU tests
-    # of what this session changed (the mm_loop tiles, the Triton kernels' row counts, the memory model) with the time
-    # left
+    # issue 22, session 19, call 4 (warm, right after U1): the 24 GiB cases of the prefill preset (U2_CASES: add the
+    # cases U1 had no time for), then the GPU tests of what session 19 changed (the mm_loop tiles, the Triton kernels'
+    # row counts, the memory model) with the time left
     LIMIT=${LIMIT:-250} run_cases "${U2_CASES:-now:pf-ppl-bf16-24g now:pf-gen-bf16-24g now:pf-ppl-int4-24g \
       now:pf-gen-int4-24g}" u2
     left=$((585 - (SECONDS - S))); echo "U2 at $((SECONDS - S)) s: GPU tests with $left s"
