@@ -2,67 +2,84 @@
 """Issue 22's kernel yardstick: the expert FFN's own rate at prefill shapes against the dense GEMM peak, both
 measured in the same process, interleaved (a GPU benchmark, not a test).
 
-Per tokens-per-call T (Mixtral-8x7B experts: E 8, F 14336, top-2, D 4096, bf16, uniformly random routing), each the
-best of ``--repeats`` timed calls after a warm-up (the profiler's ``_best_time``), in this order per T:
+Per tokens-per-call T (Mixtral-8x7B experts: E 8, F 14336, top-2, D 4096, bf16, uniformly random routing),
+``--rounds`` rounds; each round times every variant below in a rotating order, each as ``--calls`` calls back to
+back between two CUDA events (best of 2), as a prefill pass issues them (no sync between calls but the call's own):
 
 * ``dense``: the profile's GEMM peak probe, one 8192^3 bf16 ``a @ b`` (``profiler.measure_gpu``'s shape);
 * ``ffn``: ``kernels.fused_moe.fused_experts_grouped_mm`` as CGOPipe calls it (the whole call: token sort, gathers,
-  gate/up GEMMs in the planner's column chunks, SwiGLU, down GEMM, slot sum) -- the rate the issue asks to be
-  >= 0.8 of ``dense``;
+  gate/up GEMMs in the planner's column chunks, SwiGLU, down GEMM, slot sum);
 * ``mm_loop``: ``kernels.fused_moe.fused_experts_mm_loop`` as CGOPipe calls it (the same steps, one cuBLAS GEMM per
-  expert and projection after one host wait for the per-expert row counts), where the build has it;
+  expert and projection after one host wait for the per-expert row counts);
 * ``auto``: the faster of ``ffn`` and ``mm_loop`` (what a prefill pass runs when the profile measured the same);
-* ``ffn_torch_epilogue``: the same with the torch SwiGLU / slot sum (``_epilogue="torch"``), where the build has
-  that switch;
-* ``ffn_1chunk``: the same with ``gate_up_chunks=1`` (two full-width gate/up GEMMs: more workspace than the planner
-  counts);
 * ``gemms``: the three grouped GEMMs alone over rows already sorted by expert (the ceiling of any epilogue work);
-* ``loop``: the same GEMMs as one cuBLAS ``mm`` per expert over known row counts (what a host-synced loop reaches).
+* ``loop``: the same GEMMs as one cuBLAS ``mm`` per expert over known row counts (the down GEMM's input holds
+  SwiGLU-scale random values: a GEMM over zeros draws less power and runs faster).
 
-FLOPs 2 T k 3 D F per call. Prints a markdown table (TFLOP/s and / dense) and writes it to ``--out``.
+The H200's clock falls as it heats (the 8192^3 GEMM measured from ~790 TFLOP/s cold to ~610-690 after seconds of
+GEMMs), so only rates measured close together compare. Each cell gives the variant's median rate over the rounds,
+its median ratio to the dense GEMM of the same round (``/ dense``: same thermal state -- the issue's yardstick) and
+the median rate over the fastest dense GEMM of the run (``/ peak``: the cold peak, which the profile's
+``gpu_flops`` and the prefill bound use). FLOPs 2 T k 3 D F per call. Prints a markdown table, written to ``--out``.
 
-    python3 benchmarks/bench_prefill_ffn.py [--tokens 4096,8192,16384,32768] [--repeats 5] [--out FILE.md]
+    python3 benchmarks/bench_prefill_ffn.py [--tokens 4096,8192,16384,32768] [--rounds 6] [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
+from statistics import median
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_moe.kernels import fused_moe  # noqa: E402
-from lightning_moe.kernels.fused_moe import _grouped_mm_fn, fused_experts_grouped_mm, moe_align  # noqa: E402
-from lightning_moe.pipeline.profiler import _best_time  # noqa: E402
+from lightning_moe.kernels.fused_moe import (_grouped_mm_fn, fused_experts_grouped_mm, fused_experts_mm_loop,  # noqa: E402
+                                             moe_align)
 
 E, Fd, K, D = 8, 14336, 2, 4096
+
+
+def b2b_time(fn: Callable[[], object], calls: int, repeats: int = 2) -> float:
+    """Seconds per call of ``fn`` run ``calls`` times back to back between two CUDA events, best of ``repeats``
+    (after one call)."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        e1.synchronize()
+        best = min(best, e0.elapsed_time(e1) / 1e3 / calls)
+    return best
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,8192,16384,32768")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    dev, dt, sync = torch.device("cuda"), torch.bfloat16, torch.cuda.synchronize
+    dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     w1 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
     w3 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
     w2 = (torch.randn(E, D, Fd, device=dev, generator=g) * 0.02).to(dt)
     ga = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
     gb = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
-    has_switch = "_epilogue" in inspect.signature(fused_experts_grouped_mm).parameters
     gmm = _grouped_mm_fn()
-    mm_loop = getattr(fused_moe, "fused_experts_mm_loop", None)
-    lines = ["| T | dense 8192^3 TFLOP/s | ffn (as CGOPipe) | / dense | ffn mm_loop (as CGOPipe) | / dense | "
-             "prefill pick (faster) | / dense | ffn, torch epilogue | / dense | "
-             "ffn, 1 gate/up chunk | / dense | 3 grouped GEMMs only | / dense | per-expert cuBLAS mm loop | / dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    kinds = ["ffn", "mm_loop", "auto", "gemms", "loop"]
+    lines = ["| T | dense TFLOP/s (median; peak) | " + " | ".join(f"{k} | / dense | / peak" for k in kinds) + " |",
+             "|---|---|" + "---|---|---|" * len(kinds)]
     print("\n".join(lines), flush=True)
+    rows, peak = [], 0.0
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, D, device=dev, generator=g).to(dt)
         wts, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev, generator=g), -1), K, dim=-1)
@@ -71,7 +88,7 @@ def main(argv=None) -> int:
         offs = al.expert_offsets[1:E + 1].to(torch.int32)
         xs = x[al.sorted_token_idx]
         counts = torch.diff(al.expert_offsets[:E + 1]).tolist()
-        hs = torch.empty(xs.shape[0], Fd, device=dev, dtype=dt)
+        hs = (torch.randn(xs.shape[0], Fd, device=dev, generator=g) * 0.05).to(dt)  # SwiGLU-scale values, not zeros
 
         def gemms():
             gmm(xs, w1.transpose(1, 2), offs=offs)
@@ -82,33 +99,33 @@ def main(argv=None) -> int:
             s = 0
             for e, c in enumerate(counts):
                 if c:
-                    xe, he = xs[s:s + c], hs[s:s + c]
-                    torch.mm(xe, w1[e].T)
-                    torch.mm(xe, w3[e].T)
-                    torch.mm(he, w2[e].T)
+                    torch.mm(xs[s:s + c], w1[e].T)
+                    torch.mm(xs[s:s + c], w3[e].T)
+                    torch.mm(hs[s:s + c], w2[e].T)
                     s += c
 
-        rates = {"dense": 2 * 8192**3 / _best_time(lambda: ga @ gb, a.repeats, sync)}
-        rates["ffn"] = flops / _best_time(lambda: fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, validate=False),
-                                          a.repeats, sync)
-        if mm_loop is not None:
-            rates["mm_loop"] = flops / _best_time(lambda: mm_loop(x, w1, w3, w2, wts, ids, validate=False),
-                                                  a.repeats, sync)
-            rates["auto"] = max(rates["ffn"], rates["mm_loop"])
-        if has_switch:
-            rates["torch_ep"] = flops / _best_time(lambda: fused_experts_grouped_mm(
-                x, w1, w3, w2, wts, ids, validate=False, _epilogue="torch"), a.repeats, sync)
-        rates["one_chunk"] = flops / _best_time(lambda: fused_experts_grouped_mm(
-            x, w1, w3, w2, wts, ids, validate=False, gate_up_chunks=1), a.repeats, sync)
-        rates["gemms"] = flops / _best_time(gemms, a.repeats, sync)
-        rates["loop"] = flops / _best_time(loop, a.repeats, sync)
+        fns = {"dense": (lambda: ga @ gb, 2 * 8192 ** 3),
+               "ffn": (lambda: fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, validate=False), flops),
+               "mm_loop": (lambda: fused_experts_mm_loop(x, w1, w3, w2, wts, ids, validate=False), flops),
+               "gemms": (gemms, flops), "loop": (loop, flops)}
+        names = list(fns)
+        rates: dict = {n: [] for n in names}
+        for r in range(a.rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                fn, fl = fns[n]
+                rates[n].append(fl / b2b_time(fn, a.calls) / 1e12)
+        rates["auto"] = [max(f, m) for f, m in zip(rates["ffn"], rates["mm_loop"])]
+        peak = max(peak, max(rates["dense"]))
+        rows.append((T, rates))
+        x = xs = hs = None
+    for T, rates in rows:  # every row against the run's peak (the coldest dense GEMM, which may come late)
         d = rates["dense"]
 
         def cell(k):
-            return (f"{rates[k] / 1e12:.1f} | {rates[k] / d:.2f}") if k in rates else "n/a | -"
-        lines.append(f"| {T} | {d / 1e12:.1f} | {cell('ffn')} | {cell('mm_loop')} | {cell('auto')} | {cell('torch_ep')} | {cell('one_chunk')} | {cell('gemms')} | {cell('loop')} |")
+            same = median(v / dv for v, dv in zip(rates[k], d))
+            return f"{median(rates[k]):.1f} | {same:.2f} | {median(rates[k]) / peak:.2f}"
+        lines.append(f"| {T} | {median(d):.1f}; {peak:.1f} | " + " | ".join(cell(k) for k in kinds) + " |")
         print(lines[-1], flush=True)
-        x = xs = hs = None
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")

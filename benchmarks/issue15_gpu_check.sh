@@ -51,6 +51,10 @@
 #   bash benchmarks/issue15_gpu_check.sh U1  # issue 22 (session 19, after T1): checkpoints, the expert FFN vs the dense
 #                                            # peak, the int4 12 GiB generation A/B, the 12 GiB cases; U2 (warm, at
 #                                            # once): the 24 GiB cases, then the GPU tests of the changed code
+#   bash benchmarks/issue15_gpu_check.sh V1  # issue 22 (session 20): checkpoints, the expert FFN vs the dense GEMM in
+#                                            # rounds (bench_prefill_ffn.py), the int4 12 GiB A/B and the 12 GiB cases;
+#                                            # V2 (warm, at once): the 24 GiB cases, the mm_loop / CGOPipe / CLI GPU
+#                                            # tests; V3 (warm, at once): what V1 had no time for, the other GPU tests
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -104,7 +108,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -394,6 +398,30 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
       tests/gpu/test_quant_gpu.py tests/gpu/test_mxfp4_gpu.py tests/gpu/test_no_host_sync_gpu.py \
       tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_cli_gpu.py tests/gpu/test_cgopipe_gpu.py > $OUT/tests_u2.txt 2>&1
     echo "GPU tests: rc $?"; tail -4 $OUT/tests_u2.txt ;;
+  V1)
+    # issue 22, session 20, call 1 (fresh machine; carry .carry, .carry/before = the tree before the mm_loop tiles)
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    echo "V1 at $((SECONDS - S)) s: checkpoints written"
+    timeout 150 python3 benchmarks/bench_prefill_ffn.py --out $OUT/prefill_ffn.md 2>&1 | tail -4
+    run_cases "${V1_CASES:-now:pf-gen-int4-12g before:pf-gen-int4-12g now:pf-gen-int4-12g now:pf-ppl-int4-12g \
+      now:pf-ll-bf16-12g before:pf-gen-int4-12g now:pf-gen-int4-12g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g}" v1 ;;
+  V2)
+    # issue 22, session 20, call 2 (warm, right after V1): the 24 GiB cases, then the GPU tests of mm_loop, CGOPipe
+    # and the CLI with the time left
+    LIMIT=${LIMIT:-190} run_cases "${V2_CASES:-now:pf-ppl-bf16-24g now:pf-gen-bf16-24g now:pf-ppl-int4-24g \
+      now:pf-gen-int4-24g}" v2
+    left=$((585 - (SECONDS - S))); echo "V2 at $((SECONDS - S)) s: GPU tests with $left s"
+    timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mm_loop_gpu.py \
+      tests/gpu/test_cgopipe_gpu.py tests/gpu/test_cli_gpu.py > $OUT/tests_v2.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_v2.txt ;;
+  V3)
+    # issue 22, session 20, call 3 (warm, after V2): the cases V1 had no time for (V3_CASES), then every other GPU test
+    LIMIT=${LIMIT:-100} run_cases "${V3_CASES:-now:pf-ppl-bf16-12g now:pf-gen-bf16-12g}" v3
+    left=$((${TLIMIT:-585} - (SECONDS - S))); echo "V3 at $((SECONDS - S)) s: GPU tests with $left s"
+    timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu \
+      --ignore tests/gpu/test_mm_loop_gpu.py --ignore tests/gpu/test_cgopipe_gpu.py --ignore tests/gpu/test_cli_gpu.py \
+      > $OUT/tests_v3.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_v3.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \
