@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_prefill_ffn import D, E, K, Fd, b2b_time, mixtral_operands  # noqa: E402 (this script's folder)
 from lightning_moe.kernels import fused_moe as fm  # noqa: E402
 from lightning_moe.pipeline.profiler import _best_time  # noqa: E402
 
-E, Fd, K, D = 8, 14336, 2, 4096
 
 
 def load_before(tree: str):
@@ -39,18 +39,6 @@ def load_before(tree: str):
     return mod
 
 
-def gemm_time(fn, reps: int = 10) -> float:
-    """Seconds per call of ``fn`` over ``reps`` calls back to back between two CUDA events, after one call."""
-    fn()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / 1e3 / reps
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,8192")
@@ -60,9 +48,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dev, dt, sync = torch.device("cuda"), torch.bfloat16, torch.cuda.synchronize
     g = torch.Generator(device=dev).manual_seed(0)
-    w1 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w3 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w2 = (torch.randn(E, D, Fd, device=dev, generator=g) * 0.02).to(dt)
+    w1, w3, w2 = mixtral_operands(g, dt)[:3]
     before = load_before(a.before) if a.before else None
     real_index_select = torch.index_select
 
@@ -100,7 +86,7 @@ def main(argv=None) -> int:
     sweep = {"gate": [], "down": []}
     for M in range(lo, hi + 1):
         for name, (inp, w, o) in (("gate", (xs, w1[1], h)), ("down", (h, w2[1], y))):
-            t = gemm_time(lambda: torch.mm(inp[:M], w.T, out=o[:M]))
+            t = b2b_time(lambda: torch.mm(inp[:M], w.T, out=o[:M]), 10, 1)
             sweep[name].append((M, 2 * M * D * Fd / t / 1e12))
     for name, pts in sweep.items():
         m32 = [r for M, r in pts if M % 32 == 0]

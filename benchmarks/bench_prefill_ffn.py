@@ -60,6 +60,17 @@ def b2b_time(fn: Callable[[], object], calls: int, repeats: int = 2) -> float:
     return best
 
 
+def mixtral_operands(g: torch.Generator, dt: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    """Mixtral-8x7B expert weights w1, w3 [E, F, D], w2 [E, D, F] (0.02-scaled normal) and the dense probe's two
+    8192^3 operands, in ``dt`` on ``g``'s device (the benchmarks of the expert FFN share them)."""
+    w1 = (torch.randn(E, Fd, D, device=g.device, generator=g) * 0.02).to(dt)
+    w3 = (torch.randn(E, Fd, D, device=g.device, generator=g) * 0.02).to(dt)
+    w2 = (torch.randn(E, D, Fd, device=g.device, generator=g) * 0.02).to(dt)
+    ga = torch.randn(8192, 8192, device=g.device, generator=g).to(dt)
+    gb = torch.randn(8192, 8192, device=g.device, generator=g).to(dt)
+    return w1, w3, w2, ga, gb
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,8192,16384,32768")
@@ -69,11 +80,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    w1 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w3 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w2 = (torch.randn(E, D, Fd, device=dev, generator=g) * 0.02).to(dt)
-    ga = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
-    gb = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
+    w1, w3, w2, ga, gb = mixtral_operands(g, dt)
     gmm = _grouped_mm_fn()
     kinds = ["ffn", "mm_loop", "auto", "gemms", "loop"]
     lines = ["| T | dense TFLOP/s (median; peak) | " + " | ".join(f"{k} | / dense | / peak" for k in kinds) + " |",

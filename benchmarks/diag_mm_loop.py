@@ -24,26 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_prefill_ffn import D, E, K, Fd, b2b_time, mixtral_operands  # noqa: E402 (this script's folder)
 from lightning_moe.kernels import fused_moe as fm  # noqa: E402
 from lightning_moe.pipeline.profiler import _best_time  # noqa: E402
 
-E, Fd, K, D = 8, 14336, 2, 4096
-
-
-def b2b_time(fn, calls: int = 4, repeats: int = 3) -> float:
-    """Seconds per call of ``fn`` run ``calls`` times back to back between two CUDA events (best of ``repeats``)."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(calls):
-            fn()
-        e1.record()
-        e1.synchronize()
-        best = min(best, e0.elapsed_time(e1) / 1e3 / calls)
-    return best
 
 
 def two_stream_ffn(x, sorted_token_idx, offsets, w1, w3, w2, n_chunks, silu_mul):
@@ -84,11 +68,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dev, dt, sync = torch.device("cuda"), torch.bfloat16, torch.cuda.synchronize
     g = torch.Generator(device=dev).manual_seed(0)
-    w1 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w3 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w2 = (torch.randn(E, D, Fd, device=dev, generator=g) * 0.02).to(dt)
-    ga = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
-    gb = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
+    w1, w3, w2, ga, gb = mixtral_operands(g, dt)
     lines = []
 
     def say(s):
@@ -140,7 +120,7 @@ def main(argv=None) -> int:
                 fn = (lambda: ga @ gb) if name == "dense" else variant(name)
                 fl = 2 * 8192 ** 3 if name == "dense" else flops
                 try:
-                    res[name] = (fl / _best_time(fn, 5, sync) / 1e12, fl / b2b_time(fn) / 1e12)
+                    res[name] = (fl / _best_time(fn, 5, sync) / 1e12, fl / b2b_time(fn, 4, 3) / 1e12)
                 finally:
                     variant("now")
             d = res["dense"]

@@ -23,24 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_prefill_ffn import D, E, K, Fd, b2b_time, mixtral_operands  # noqa: E402 (this script's folder)
 from lightning_moe.kernels import fused_moe as fm  # noqa: E402
 
-E, Fd, K, D = 8, 14336, 2, 4096
-
-
-def b2b_time(fn, calls: int = 4, repeats: int = 2) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(calls):
-            fn()
-        e1.record()
-        e1.synchronize()
-        best = min(best, e0.elapsed_time(e1) / 1e3 / calls)
-    return best
 
 
 def align16(topk_ids, num_experts, block_m=None):
@@ -63,11 +48,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    w1 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w3 = (torch.randn(E, Fd, D, device=dev, generator=g) * 0.02).to(dt)
-    w2 = (torch.randn(E, D, Fd, device=dev, generator=g) * 0.02).to(dt)
-    ga = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
-    gb = torch.randn(8192, 8192, device=dev, generator=g).to(dt)
+    w1, w3, w2, ga, gb = mixtral_operands(g, dt)
     real_bounds, real_align = fm._host_bounds, fm.moe_align
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, D, device=dev, generator=g).to(dt)
@@ -102,7 +83,7 @@ def main(argv=None) -> int:
                 setv(name)
                 try:
                     fn = (lambda: ga @ gb) if name == "dense" else call
-                    res[name] = (2 * 8192 ** 3 if name == "dense" else flops) / b2b_time(fn) / 1e12
+                    res[name] = (2 * 8192 ** 3 if name == "dense" else flops) / b2b_time(fn, 4) / 1e12
                 finally:
                     setv("now")
             for n in ratios:
