@@ -19,10 +19,12 @@ back between two CUDA events (best of 2), as a prefill pass issues them (no sync
 The H200's clock falls as it heats (the 8192^3 GEMM measured from ~790 TFLOP/s cold to ~610-690 after seconds of
 GEMMs), so only rates measured close together compare. Each cell gives the variant's median rate over the rounds,
 its median ratio to the dense GEMM of the same round (``/ dense``: same thermal state -- the issue's yardstick) and
-the median rate over the fastest dense GEMM of the run (``/ peak``: the cold peak, which the profile's
-``gpu_flops`` and the prefill bound use). FLOPs 2 T k 3 D F per call. Prints a markdown table, written to ``--out``.
+the median rate over the fastest dense GEMM of the run (``/ peak``: the cold peak) and over the profile's
+``gpu_flops_bf16`` (``/ profile``: the peak the prefill bound divides by). ``--cool S``: the GPU idles S seconds
+before each timing, so every variant, the dense GEMM included, is timed from the same cold clock (its peak).
+FLOPs 2 T k 3 D F per call. Prints a markdown table, written to ``--out``.
 
-    python3 benchmarks/bench_prefill_ffn.py [--tokens 4096,8192,16384,32768] [--rounds 6] [--out FILE.md]
+    python3 benchmarks/bench_prefill_ffn.py [--tokens 4096,8192,16384,32768] [--rounds 6] [--cool 0] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from statistics import median
 from typing import Callable
 
@@ -37,19 +40,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lightning_moe.policy.hardware import HardwareProfile  # noqa: E402
 from lightning_moe.kernels.fused_moe import (_grouped_mm_fn, fused_experts_grouped_mm, fused_experts_mm_loop,  # noqa: E402
                                              moe_align)
 
 E, Fd, K, D = 8, 14336, 2, 4096
 
 
-def b2b_time(fn: Callable[[], object], calls: int, repeats: int = 2) -> float:
+def b2b_time(fn: Callable[[], object], calls: int, repeats: int = 2, cool: float = 0.0) -> float:
     """Seconds per call of ``fn`` run ``calls`` times back to back between two CUDA events, best of ``repeats``
-    (after one call)."""
+    (after one call); ``cool`` > 0: the GPU idles that many seconds before each timing (its clock recovers: every
+    variant timed from the same cold state)."""
     fn()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(repeats):
+        if cool > 0:
+            time.sleep(cool)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(calls):
@@ -76,15 +83,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="4096,8192,16384,32768")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--cool", type=float, default=0.0, help="idle seconds before each timing (0: back to back)")
+    ap.add_argument("--hardware", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       "lightning_moe", "policy", "profiles", "h200-host.yaml"))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    prof = HardwareProfile.load(a.hardware).gpu_flops_bf16 / 1e12
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     w1, w3, w2, ga, gb = mixtral_operands(g, dt)
     gmm = _grouped_mm_fn()
     kinds = ["ffn", "mm_loop", "auto", "gemms", "loop"]
-    lines = ["| T | dense TFLOP/s (median; peak) | " + " | ".join(f"{k} | / dense | / peak" for k in kinds) + " |",
-             "|---|---|" + "---|---|---|" * len(kinds)]
+    lines = [f"cool {a.cool:g} s, {a.rounds} rounds x {a.calls} calls; profile peak {prof:.1f} TFLOP/s", "",
+             "| T | dense TFLOP/s (median; peak) | "
+             + " | ".join(f"{k} | / dense | / peak | / profile" for k in kinds) + " |",
+             "|---|---|" + "---|---|---|---|" * len(kinds)]
     print("\n".join(lines), flush=True)
     rows, peak = [], 0.0
     for T in (int(t) for t in a.tokens.split(",")):
@@ -120,7 +133,7 @@ def main(argv=None) -> int:
         for r in range(a.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 fn, fl = fns[n]
-                rates[n].append(fl / b2b_time(fn, a.calls) / 1e12)
+                rates[n].append(fl / b2b_time(fn, a.calls, repeats=1 if a.cool else 2, cool=a.cool) / 1e12)
         rates["auto"] = [max(f, m) for f, m in zip(rates["ffn"], rates["mm_loop"])]
         peak = max(peak, max(rates["dense"]))
         rows.append((T, rates))
@@ -130,7 +143,8 @@ def main(argv=None) -> int:
 
         def cell(k):
             same = median(v / dv for v, dv in zip(rates[k], d))
-            return f"{median(rates[k]):.1f} | {same:.2f} | {median(rates[k]) / peak:.2f}"
+            m = median(rates[k])
+            return f"{m:.1f} | {same:.2f} | {m / peak:.2f} | {m / prof:.2f}"
         lines.append(f"| {T} | {median(d):.1f}; {peak:.1f} | " + " | ".join(cell(k) for k in kinds) + " |")
         print(lines[-1], flush=True)
     if a.out:

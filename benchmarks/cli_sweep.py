@@ -31,8 +31,9 @@ Presets:
          on it (bf16 compute, MXFP4 expert pages).
   prefill  GPU, issue 22: an 8-layer Mixtral-8x7B-width checkpoint (22.6 GiB), bf16 and int4, at 12 and 24 GiB:
          1000 perplexity texts of 300 tokens and 2000 generation prompts of 100 tokens (16 new), one
-         loglikelihood job of 1000 x 200 tokens; each case's prefill against the dense-GEMM bound with
-         ``benchmarks/prefill_bound.py``.
+         loglikelihood job of 1000 x 200 tokens; off those: many lengths (perplexity 64-1024 and generation
+         16-400 at 16 GiB, loglikelihood 32-600 in int4 at 12 GiB), 300 texts of 2000 tokens, a 16 GiB cap; each
+         case's prefill against the dense-GEMM bound with ``benchmarks/prefill_bound.py``.
 
 GPU cases use ``--hardware`` (default: the committed h200-host profile) and ``cpu_memory: 100GiB``.
 The tiny model's tokenizer comes from ``$LIGHTNING_MOE_CACHE``/tiny-mixtral-v1.
@@ -85,6 +86,7 @@ class Case:
     expect: str = "ok"  # "ok" | "refused"
     extra: dict = field(default_factory=dict)  # more job keys (expert_ffn, executor, device, ...)
     timeout_s: float = 240.0  # per-case limit
+    prompt_len_max: int = 0  # > prompt_len: each record's length uniform in [prompt_len, prompt_len_max]
 
 
 @dataclass
@@ -142,7 +144,8 @@ def suite_cases(mtbench: bool) -> list[Case]:
 def prefill_cases() -> list[Case]:
     """GPU, issue 22's prefill acceptance on the 8-layer Mixtral-width checkpoint (``PREFILL_DIMS``), ``policy: auto``:
     a 1000-text perplexity job (300 tokens each) and a 2000-prompt generation job (100-token prompts, 16 new tokens),
-    bf16 and int4, at 12 and 24 GiB; one loglikelihood job of other lengths (1000 x 200 + 8) at 12 GiB."""
+    bf16 and int4, at 12 and 24 GiB; one loglikelihood job of other lengths (1000 x 200 + 8) at 12 GiB; then the
+    ``pf-*-mix-*`` / ``-long-`` / 16 GiB cases off those lengths and caps."""
     out = []
     for cap in (12, 24):
         for ck in ("bf16", "int4"):
@@ -150,6 +153,12 @@ def prefill_cases() -> list[Case]:
             out += [Case(f"pf-ppl-{t}", ck, "perplexity", cap, 1000, 300, timeout_s=300),
                     Case(f"pf-gen-{t}", ck, "generate", cap, 2000, 100, gen=16, timeout_s=300)]
     out.append(Case("pf-ll-bf16-12g", "bf16", "loglikelihood", 12, 1000, 200, timeout_s=300))
+    # off the tuned lengths and caps: many lengths (every packed chunk a new shape), long texts, a 16 GiB cap
+    out += [Case("pf-ppl-mix-bf16-16g", "bf16", "perplexity", 16, 1000, 64, timeout_s=300, prompt_len_max=1024),
+            Case("pf-gen-mix-int4-16g", "int4", "generate", 16, 2000, 16, gen=16, timeout_s=300, prompt_len_max=400),
+            Case("pf-ll-mix-int4-12g", "int4", "loglikelihood", 12, 1000, 32, timeout_s=300, prompt_len_max=600),
+            Case("pf-ppl-bf16-16g", "bf16", "perplexity", 16, 1000, 300, timeout_s=300),
+            Case("pf-ppl-long-int4-16g", "int4", "perplexity", 16, 300, 2000, timeout_s=300)]
     return out
 
 
@@ -259,7 +268,8 @@ def write_case(case: Case, machine: Machine, ckpts: dict, words: list[str], work
     data = None
     if not use_mtbench:
         data = sj.write_jsonl(os.path.join(work, "data", case.name + ".jsonl"),
-                              sj.records_for(case.mode, words, case.n, case.prompt_len))
+                              sj.records_for(case.mode, words, case.n, case.prompt_len,
+                                             prompt_tokens_max=case.prompt_len_max))
     output = os.path.join(work, "results", case.name + ".jsonl")
     root = os.path.splitext(output)[0]
     for p in (output, root + ".report.json", root + ".meta.json"):
@@ -338,6 +348,7 @@ def row_from(case: Case, machine: Machine, rc, wall: float, msg: str, records: i
         "case": case.name, "family": machine.dims.family, "layers": machine.dims.layers, "hidden": machine.dims.hidden,
         "ckpt": case.ckpt, "mxfp4": machine.dims.mxfp4,
         "mode": case.mode, "cap_bytes": int(case.cap_gib * GiB), "n": case.n, "prompt_len": case.prompt_len,
+        "prompt_len_max": case.prompt_len_max,
         "gen": case.gen if case.mode == "generate" else None, "policy_asked": case.policy, "expect": case.expect,
         "exit_code": rc, "status": status, "wall_s": round(wall, 2), "message": msg if rc not in (0, None) else "",
         "records": records, "records_expected": expected, "report_status": report.get("status"),
@@ -392,7 +403,8 @@ def markdown(rows: list[dict], title: str) -> str:
         pred = mem.get("predicted_peak_bytes")
         phase = mem.get("predicted_peak_phase")
         cells = [r["case"], f"{r.get('family', 'mixtral')}-w{r['hidden']}/{r['layers']}L", r["ckpt"] + ("/mxfp4" if r.get("mxfp4") else ""), r["mode"], f"{r['cap_bytes'] / GiB:g}",
-                 str(r["n"]), "mtbench" if r["prompt_len"] == 0 else str(r["prompt_len"]), str(r["gen"] or "-"),
+                 str(r["n"]), "mtbench" if r["prompt_len"] == 0 else (
+                     f"{r['prompt_len']}-{r['prompt_len_max']}" if r.get("prompt_len_max") else str(r["prompt_len"])), str(r["gen"] or "-"),
                  _policy_cell(r), _gib(pred) + (f" ({phase})" if phase else ""), f"{_gib(alloc)} / {_gib(res)}",
                  _ratio(pred, res or alloc),
                  f"{_gib(mem.get('predicted_host_bytes'))} / {_gib(r.get('peak_host_memory_bytes'))}"
@@ -424,6 +436,7 @@ def cpu_check_case(c: Case) -> Case:
     """The case shrunk for --check-on-cpu: at most 4 requests, 2 generated tokens, prompts up to 300 tokens,
     device cpu; a refusal is not expected (the caps are sized for the Mixtral-width model)."""
     return dataclasses.replace(c, n=min(c.n, 4), gen=min(c.gen, 2), prompt_len=min(c.prompt_len, 300),
+                               prompt_len_max=min(c.prompt_len_max, 300),
                                expect="either" if c.expect == "refused" else c.expect, timeout_s=120)
 
 

@@ -55,6 +55,10 @@
 #                                            # rounds (bench_prefill_ffn.py), the int4 12 GiB A/B and the 12 GiB cases;
 #                                            # V2 (warm, at once): the 24 GiB cases, the mm_loop / CGOPipe / CLI GPU
 #                                            # tests; V3 (warm, at once): what V1 had no time for, the other GPU tests
+#   bash benchmarks/issue15_gpu_check.sh W1  # (fresh) packed attention over many lengths (bench_prefill_attention),
+#                                            # the jobs off the tuned lengths and caps (mixed lengths, 2000-token
+#                                            # texts, 16 GiB); W2 (warm, at once): the expert FFN from a cold clock
+#                                            # (bench_prefill_ffn --cool), the GPU tests not run in session 20
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -108,7 +112,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -422,6 +426,27 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
       --ignore tests/gpu/test_mm_loop_gpu.py --ignore tests/gpu/test_cgopipe_gpu.py --ignore tests/gpu/test_cli_gpu.py \
       > $OUT/tests_v3.txt 2>&1
     echo "GPU tests: rc $?"; tail -4 $OUT/tests_v3.txt ;;
+  W1)
+    # issue 22, session 21, call 1 (fresh machine; carry .carry): packed attention over many lengths (a new chunk
+    # shape per chunk), the checkpoints, then the jobs off the tuned lengths and caps through the CLI
+    timeout 60 python3 benchmarks/bench_prefill_attention.py --lengths 64:1024 --rows 100 --tokens 16384 \
+      --out $OUT/attn_mix_ppl.md 2>&1 | tail -6
+    timeout 40 python3 benchmarks/bench_prefill_attention.py --lengths 16:400 --n 2000 --rows 64 --tokens 8192 \
+      --out $OUT/attn_mix_gen.md 2>&1 | tail -6
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    echo "W1 at $((SECONDS - S)) s: checkpoints written"
+    run_cases "${W1_CASES:-now:pf-ppl-mix-bf16-16g now:pf-gen-mix-int4-16g now:pf-ppl-bf16-16g now:pf-ll-mix-int4-12g \
+      now:pf-ppl-long-int4-16g now:pf-ppl-mix-bf16-16g}" w1 ;;
+  W2)
+    # issue 22, session 21, call 2 (warm, at once): the expert FFN timed from a cold clock against the dense GEMM
+    # from the same cold clock, then the GPU tests not run in session 20 (tokenizer cache set)
+    timeout ${FFN_S:-170} python3 benchmarks/bench_prefill_ffn.py --cool 1 --rounds 4 --calls 2 \
+      --out $OUT/prefill_ffn_cool.md 2>&1 | tail -6
+    left=$((${TLIMIT:-585} - (SECONDS - S))); echo "W2 at $((SECONDS - S)) s: GPU tests with $left s"
+    timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu \
+      --ignore tests/gpu/test_mm_loop_gpu.py --ignore tests/gpu/test_cgopipe_gpu.py --ignore tests/gpu/test_cli_gpu.py \
+      > $OUT/tests_w2.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_w2.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

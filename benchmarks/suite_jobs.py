@@ -74,8 +74,19 @@ def ppl_records(words: list[str], n: int, text_tokens: int, seed: int = 3) -> li
     return [{"id": f"ppl-{i:05d}", "text": random_words(rng, words, max(1, text_tokens - 1))} for i in range(n)]
 
 
-def records_for(mode: str, words: list[str], n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
-    """The records of one mode (``generate`` or a score mode) at ``n`` requests of ~``prompt_tokens`` tokens."""
+def records_for(mode: str, words: list[str], n: int, prompt_tokens: int, seed: int = 0,
+                prompt_tokens_max: int = 0) -> list[dict]:
+    """The records of one mode (``generate`` or a score mode) at ``n`` requests of ~``prompt_tokens`` tokens; with
+    ``prompt_tokens_max`` > ``prompt_tokens`` (generate, loglikelihood, perplexity) each record's length is drawn
+    uniformly from ``[prompt_tokens, prompt_tokens_max]`` (:func:`mixed_lengths`)."""
+    if prompt_tokens_max > prompt_tokens:
+        if mode == "multiple_choice":
+            raise ValueError("mixed lengths: generate, loglikelihood and perplexity only")
+        lens = mixed_lengths(n, prompt_tokens, prompt_tokens_max, seed + 7)
+        recs = [records_for(mode, words, 1, t, seed=seed * 100003 + i)[0] for i, t in enumerate(lens)]
+        for i, r in enumerate(recs):
+            r["id"] = f"{r['id'].split('-')[0]}-{i:05d}"
+        return recs
     if mode == "generate":
         return gen_records(words, n, prompt_tokens, seed)
     if mode == "loglikelihood":
@@ -85,6 +96,13 @@ def records_for(mode: str, words: list[str], n: int, prompt_tokens: int, seed: i
     if mode == "perplexity":
         return ppl_records(words, n, prompt_tokens, seed + 3)
     raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+
+
+def mixed_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    """``n`` token counts drawn uniformly from ``[lo, hi]`` (a dataset of many lengths: every packed prefill chunk
+    a new shape)."""
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
 
 
 def write_jsonl(path: str, records: list[dict]) -> str:

@@ -1,0 +1,29 @@
+"""The benchmark data generators (``benchmarks/suite_jobs.py``): mixed-length records are the lengths asked for."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import suite_jobs as sj  # noqa: E402
+
+WORDS = [f"w{i:03d}" for i in range(200)]  # stand-ins for one-token words: k words = k + 1 tokens with the BOS
+
+
+@pytest.mark.parametrize("mode,field", [("perplexity", "text"), ("generate", "prompt"), ("loglikelihood", "prompt")])
+def test_mixed_lengths_span_the_range_with_unique_ids(mode, field):
+    recs = sj.records_for(mode, WORDS, 300, 5, seed=4, prompt_tokens_max=37)
+    tokens = [len(r[field].split()) + 1 for r in recs]  # with the BOS
+    assert len(recs) == 300 and len({r["id"] for r in recs}) == 300
+    assert min(tokens) == 5 and max(tokens) == 37 and len(set(tokens)) == 33  # every length of [5, 37] drawn
+    assert tokens == sj.mixed_lengths(300, 5, 37, 4 + 7)
+    assert len({r[field] for r in recs}) == 300  # not one text repeated
+    if mode == "loglikelihood":
+        assert all(len(r["continuation"].split()) == 8 for r in recs)
+
+
+def test_fixed_lengths_unchanged_and_mixed_multiple_choice_refused():
+    assert sj.records_for("perplexity", WORDS, 3, 9, prompt_tokens_max=9) == sj.ppl_records(WORDS, 3, 9, 3)
+    with pytest.raises(ValueError, match="mixed lengths"):
+        sj.records_for("multiple_choice", WORDS, 3, 20, prompt_tokens_max=40)
