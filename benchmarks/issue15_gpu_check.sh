@@ -59,6 +59,8 @@
 #                                            # the jobs off the tuned lengths and caps (mixed lengths, 2000-token
 #                                            # texts, 16 GiB); W2 (warm, at once): the expert FFN from a cold clock
 #                                            # (bench_prefill_ffn --cool), the GPU tests not run in session 20
+#   bash benchmarks/issue15_gpu_check.sh W3  # (fresh) varlen packed attention: its GPU tests and one break, the
+#                                            # attention benchmark, mixed-length jobs auto vs now@sdpa (the old pick)
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -96,13 +98,14 @@ run_cases() {  # run_cases "TREE:CASE ..." NAME: each prefill-preset case throug
     [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; mkdir -p $WP/results
     [ -f $WP/jobs/pf-ppl-bf16-12g.yaml ] || python3 benchmarks/cli_sweep.py --preset prefill --work $WP \
       --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
-    for tc in $1; do
-      IFS=: read -r t c <<< "$tc"; P=$PWD; H=$HW; [ $t = before ] && P=$PWD/.carry/before && H=$P/lightning_moe/policy/profiles/h200-host.yaml
+    for tc in $1; do  # TREE may be now@MODE: LIGHTNING_MOE_PREFILL_ATTENTION=MODE for that run
+      IFS=: read -r t c <<< "$tc"; m=auto; [[ $t == *@* ]] && m=${t#*@} && t=${t%@*}
+      P=$PWD; H=$HW; [ $t = before ] && P=$PWD/.carry/before && H=$P/lightning_moe/policy/profiles/h200-host.yaml
       left=$((L - (SECONDS - S))); [ $left -lt 40 ] && { echo "$2 stopped: $left s left"; break; }
-      R=$WP/results/$2-$t-$c.jsonl; rm -f $WP/results/$2-$t-$c.*
-      PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P run $WP/jobs/$c.yaml --no-progress \
-        --set output.path=$R --set hardware=$H > $WP/results/$2-$t-$c.log 2>&1
-      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/$2.txt
+      R=$WP/results/$2-$t$m-$c.jsonl; rm -f $WP/results/$2-$t$m-$c.*
+      LIGHTNING_MOE_PREFILL_ATTENTION=$m PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P \
+        run $WP/jobs/$c.yaml --no-progress --set output.path=$R --set hardware=$H > $WP/results/$2-$t$m-$c.log 2>&1
+      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t attention=$m $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/$2.txt
     done
     tar czf $OUT/$2-reports.tgz -C $WP/results $(cd $WP/results && ls $2-*.report.json $2-*.log 2>/dev/null)
 }
@@ -112,7 +115,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -447,6 +450,23 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
       --ignore tests/gpu/test_mm_loop_gpu.py --ignore tests/gpu/test_cgopipe_gpu.py --ignore tests/gpu/test_cli_gpu.py \
       > $OUT/tests_w2.txt 2>&1
     echo "GPU tests: rc $?"; tail -4 $OUT/tests_w2.txt ;;
+  W3)
+    # issue 22, session 21, call 2 (fresh; carry .carry): packed prefill attention on varlen flash (auto) -- its GPU
+    # tests and one break (the sliding window off by one: the window tests must fail), the attention benchmark,
+    # then the mixed-length jobs and the tight fixed one, auto against the old SDPA pick (now@sdpa) in one call
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_prefill_attention_gpu.py \
+      tests/gpu/test_no_host_sync_gpu.py > $OUT/tests_w3.txt 2>&1; echo "GPU tests: rc $?"; tail -3 $OUT/tests_w3.txt
+    rm -rf /tmp/mut && mkdir -p /tmp/mut && cp -r lightning_moe tests pyproject.toml /tmp/mut/
+    sed -i 's/-1 if sliding_window is None else sliding_window - 1, 0/-1 if sliding_window is None else sliding_window, 0/' \
+      /tmp/mut/lightning_moe/kernels/prefill_attention.py
+    (cd /tmp/mut && PYTHONPATH=/tmp/site:/tmp/mut timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_prefill_attention_gpu.py -k "window" 2>&1 | tail -1 | sed 's/^/broken window (must fail): /')
+    timeout 60 python3 benchmarks/bench_prefill_attention.py --lengths 64:1024 --rows 100 --tokens 16384 \
+      --out $OUT/attn_mix_ppl.md 2>&1 | tail -9
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    echo "W3 at $((SECONDS - S)) s: checkpoints written"
+    run_cases "${W3_CASES:-now:pf-gen-mix-int4-16g now@sdpa:pf-gen-mix-int4-16g now:pf-gen-int4-12g now:pf-ll-mix-int4-12g \
+      now:pf-ppl-mix-bf16-16g now@sdpa:pf-gen-int4-12g now@efficient:pf-gen-mix-int4-16g now:pf-ppl-bf16-12g}" w3 ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F_
 
 from ..kernels import norm_rope as _nr
+from ..kernels import prefill_attention as _pa
 from ..kernels.cpu_attention import decode_attention_torch
 from .spec import MoESpec
 
@@ -366,22 +367,32 @@ def prefill_attention_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], sliding_window: Optional[int] = None,
     layout: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None, scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of several sequences packed token-wise, in one batched call (prefill).
+    """Causal GQA attention of several sequences packed token-wise, in one fused call (prefill).
 
     q: [T, Hq, hd]; k, v: [T, Hkv, hd]; spans: (start, end) of each sequence in the packed dim; ``layout``:
     :func:`prefill_packed_layout` of these spans (built here when None).
-    Sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query on its own
-    sequence's keys j <= i (and j > i - sliding_window); one fused
-    ``scaled_dot_product_attention`` call (fp32 softmax inside the kernel), logits scaled by ``scale`` (default
-    1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns [T, Hq*v_hd] in q's dtype.
-    Equals :func:`prefill_attention` per sequence up to floating-point summation order.
+    On CUDA, where torch's varlen flash attention takes the operands (:mod:`..kernels.prefill_attention`), one call
+    on the packed rows. Otherwise sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query
+    on its own sequence's keys j <= i (and j > i - sliding_window); one fused ``scaled_dot_product_attention`` call
+    (fp32 softmax inside the kernel; on CUDA the memory-efficient kernel first: no plan per new chunk shape).
+    Logits scaled by ``scale`` (default 1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns
+    [T, Hq*v_hd] in q's dtype. Equals :func:`prefill_attention` per sequence up to floating-point summation order.
     """
     Hq = q.shape[1]
+    mode = _pa.prefill_attention_mode()
+    ends = [e for _, e in spans]
+    packed = ends[-1] == q.shape[0] and all(a == b for (_, a), (b, _) in zip([(0, 0)] + spans, spans))  # 0..T, no gaps
+    if packed and _pa.use_varlen(q, k, v, sliding_window, scale, mode):
+        # spans are consecutive from 0; a host list copied without a stream sync (as prefill_packed_layout does)
+        cu = torch.tensor([0] + ends, dtype=torch.int32).to(q.device, non_blocking=True)  # [B + 1]
+        o = _pa.attention_varlen(q, k, v, cu, max(e - s for s, e in spans), sliding_window, scale)  # [T, Hq, hd]
+        return o.reshape(q.shape[0], Hq * v.shape[-1])
     qp, kp, vp, allowed, keep = packed_attention_operands(q, k, v, spans, sliding_window, layout)
     B, _, S, _ = qp.shape
-    # fused SDPA (flash / memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
+    # fused SDPA (memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
     # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
-    o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)  # [B, Hq, S, v_hd]
+    with _pa.sdpa_backends(q.device, mode):
+        o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)  # [B, Hq, S, v_hd]
     out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * v.shape[-1])  # [B*S, Hq*v_hd]
     # packed order (spans are consecutive); an index computed on the host, not out[valid], whose boolean indexing
     # synchronized the host with the GPU once per prefill chunk and layer
