@@ -67,3 +67,18 @@ def test_packed_attention_under_every_mode_on_the_cpu(monkeypatch, mode):
     out = prefill_attention_packed(q, k, v, spans, 4)
     ref = torch.cat([prefill_attention(q[s:e], k[s:e], v[s:e], 4) for s, e in spans])
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_a_bad_mode_stops_the_job_before_anything_is_written(monkeypatch, tmp_path):
+    from lightning_moe.app.engine import run_job
+    from lightning_moe.config import ConfigError, job_from_dict
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    job = job_from_dict({"model": "tiny-mixtral", "data": {"source": "jsonl", "path": str(data)},
+                         "output": {"path": str(out)}, "device": "cpu"}, "job.yaml")
+    monkeypatch.setenv("LIGHTNING_MOE_PREFILL_ATTENTION", "flash3")
+    with pytest.raises(ConfigError, match="job.yaml.*LIGHTNING_MOE_PREFILL_ATTENTION='flash3'"):
+        run_job(job, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

@@ -95,7 +95,17 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
 
 
 def check_device(job: Job) -> None:
-    """ConfigError when ``job.device`` is CUDA and torch sees no CUDA device."""
+    """ConfigError when ``job.device`` is CUDA and torch sees no CUDA device, or when an environment variable that
+    picks a kernel (``LIGHTNING_MOE_PREFILL_ATTENTION``) holds a value the kernel does not know: before anything is
+    written."""
+    from ..kernels.prefill_attention import prefill_attention_mode
+
+    try:
+        prefill_attention_mode()
+    except ValueError as e:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.label}: {e}") from None
     if job.device.startswith("cuda") and not torch.cuda.is_available():
         from ..config import ConfigError
 
@@ -447,7 +457,7 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     from ..kernels.cpu_attention import native_available, native_loaded
 
     if not native_loaded():
-        print("moe-batch: preparing the native CPU attention kernel (compiled once per torch install, then cached)",
+        print("moe-batch: loading the native CPU attention kernel (compiled on the first run per torch install, ~20-60 s)",
               file=log, flush=True)
     native_available()
 
