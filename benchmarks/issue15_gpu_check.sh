@@ -61,6 +61,10 @@
 #                                            # (bench_prefill_ffn --cool), the GPU tests not run in session 20
 #   bash benchmarks/issue15_gpu_check.sh W3  # (fresh) varlen packed attention: its GPU tests and one break, the
 #                                            # attention benchmark, mixed-length jobs auto vs now@sdpa (the old pick)
+#   bash benchmarks/issue15_gpu_check.sh X1  # (fresh) where wall_seconds.other goes (cProfile), the memory cap under
+#                                            # expandable_segments, the expert FFN from a cold clock, the acceptance
+#                                            # cases not yet run on varlen; X2 (warm, at once): the rest, the old
+#                                            # attention on two of them, expandable_segments A/B, GPU tests
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -98,14 +102,20 @@ run_cases() {  # run_cases "TREE:CASE ..." NAME: each prefill-preset case throug
     [ -f $HW ] || HW=$PWD/lightning_moe/policy/profiles/h200-host.yaml; mkdir -p $WP/results
     [ -f $WP/jobs/pf-ppl-bf16-12g.yaml ] || python3 benchmarks/cli_sweep.py --preset prefill --work $WP \
       --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
-    for tc in $1; do  # TREE may be now@MODE: LIGHTNING_MOE_PREFILL_ATTENTION=MODE for that run
-      IFS=: read -r t c <<< "$tc"; m=auto; [[ $t == *@* ]] && m=${t#*@} && t=${t%@*}
+    for tc in $1; do  # TREE may be now@MODE: LIGHTNING_MOE_PREFILL_ATTENTION=MODE for that run; a +exp suffix on
+      # TREE: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for that run
+      IFS=: read -r t c <<< "$tc"; x=; [[ $t == *+exp ]] && x=+exp && t=${t%+exp}
+      m=auto; [[ $t == *@* ]] && m=${t#*@} && t=${t%@*}
       P=$PWD; H=$HW; [ $t = before ] && P=$PWD/.carry/before && H=$P/lightning_moe/policy/profiles/h200-host.yaml
       left=$((L - (SECONDS - S))); [ $left -lt 40 ] && { echo "$2 stopped: $left s left"; break; }
-      R=$WP/results/$2-$t$m-$c.jsonl; rm -f $WP/results/$2-$t$m-$c.*
-      LIGHTNING_MOE_PREFILL_ATTENTION=$m PYTHONPATH=/tmp/site timeout $left python3 benchmarks/run_from_tree.py $P \
-        run $WP/jobs/$c.yaml --no-progress --set output.path=$R --set hardware=$H > $WP/results/$2-$t$m-$c.log 2>&1
-      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t attention=$m $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/$2.txt
+      R=$WP/results/$2-$t$m$x-$c.jsonl; rm -f $WP/results/$2-$t$m$x-$c.*
+      env ${x:+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True} LIGHTNING_MOE_PREFILL_ATTENTION=$m PYTHONPATH=/tmp/site \
+        timeout $left python3 benchmarks/run_from_tree.py $P \
+        run $WP/jobs/$c.yaml --no-progress --set output.path=$R --set hardware=$H > $WP/results/$2-$t$m$x-$c.log 2>&1
+      python3 benchmarks/prefill_bound.py ${R%.jsonl}.report.json --label "$t$x attention=$m $c" --hardware $H 2>&1 | tail -1 | tee -a $OUT/$2.txt
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print('  wall', {k: round(v, 2) for k, v in \
+r['wall_seconds'].items()}, 'other', {k: round(v, 2) for k, v in (r.get('other_seconds') or {}).items()})" \
+        ${R%.jsonl}.report.json 2>&1 | tail -1 | tee -a $OUT/$2.txt
     done
     tar czf $OUT/$2-reports.tgz -C $WP/results $(cd $WP/results && ls $2-*.report.json $2-*.log 2>/dev/null)
 }
@@ -115,7 +125,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -467,6 +477,47 @@ print(sys.argv[2], 'prefill tok/s', round(r['prefill_tokens_per_s']), 'predicted
     echo "W3 at $((SECONDS - S)) s: checkpoints written"
     run_cases "${W3_CASES:-now:pf-gen-mix-int4-16g now@sdpa:pf-gen-mix-int4-16g now:pf-gen-int4-12g now:pf-ll-mix-int4-12g \
       now:pf-ppl-mix-bf16-16g now@sdpa:pf-gen-int4-12g now@efficient:pf-gen-mix-int4-16g now:pf-ppl-bf16-12g}" w3 ;;
+  X1)
+    # issue 22, session 22, call 1 (fresh; carry .carry): where wall_seconds.other goes (the README's tiny GPU job and
+    # one prefill job under cProfile, and the report's other_seconds), whether the memory cap holds under
+    # expandable_segments, the expert FFN and the dense GEMM from the same cold clock, then the acceptance cases the
+    # varlen attention has not run yet (X2, warm at once: the rest)
+    mkdir -p /tmp/prof
+    timeout 90 python3 -m cProfile -o /tmp/prof/tiny.prof -m lightning_moe.cli run jobs/mtbench.yaml --set device=cuda \
+      --set dtype=bfloat16 --set executor=cgopipe --set output.path=/tmp/prof/tiny.jsonl --no-progress > /tmp/prof/tiny.log 2>&1
+    echo "tiny job under cProfile: rc $?"; grep -E "wall s:|other s:" /tmp/prof/tiny.log
+    timeout 40 python3 -m lightning_moe.cli run jobs/mtbench.yaml --set device=cuda --set dtype=bfloat16 \
+      --set executor=cgopipe --set output.path=/tmp/prof/tiny2.jsonl --no-progress > /tmp/prof/tiny2.log 2>&1
+    echo "tiny job again (no profiler): rc $?"; grep -E "wall s:|other s:" /tmp/prof/tiny2.log
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 30 python3 -c "import torch; t = torch.cuda.mem_get_info()[1]
+torch.cuda.set_per_process_memory_fraction(4 * 2**30 / t); xs = []
+try:
+    [xs.append(torch.empty(2**30, dtype=torch.uint8, device='cuda')) for _ in range(8)]; print('expandable: no OOM at a 4 GiB cap')
+except torch.OutOfMemoryError:
+    print(f'expandable: OOM after {len(xs)} GiB at a 4 GiB cap, reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB')"
+    timeout ${FFN_S:-150} python3 benchmarks/bench_prefill_ffn.py --cool 1 --rounds 4 --calls 2 \
+      --out $OUT/prefill_ffn_cool.md 2>&1 | tail -6
+    python3 benchmarks/cli_sweep.py --preset prefill --work $WP --out $WP/out/prep --prepare-only --gen-device cuda 2>&1 | tail -1
+    echo "X1 at $((SECONDS - S)) s: checkpoints written"
+    R=$WP/results/x1-prof-pf-ll-mix-int4-12g.jsonl; rm -f ${R%.jsonl}.*
+    timeout 90 python3 -m cProfile -o /tmp/prof/ll.prof benchmarks/run_from_tree.py $PWD run $WP/jobs/pf-ll-mix-int4-12g.yaml \
+      --no-progress --set output.path=$R > /tmp/prof/ll.log 2>&1
+    echo "ll job under cProfile: rc $?"; grep -E "wall s:|other s:" /tmp/prof/ll.log
+    for f in tiny ll; do python3 -c "import pstats, sys; p = pstats.Stats(sys.argv[1]); p.sort_stats('cumulative').print_stats(60)
+p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.txt 2>&1; done
+    tar czf $OUT/prof.tgz -C /tmp/prof tiny-stats.txt ll-stats.txt tiny.log tiny2.log ll.log
+    run_cases "${X1_CASES:-now:pf-ppl-int4-12g now:pf-gen-bf16-12g now:pf-ppl-bf16-24g now:pf-gen-int4-24g \
+      now:pf-ppl-int4-24g now:pf-gen-bf16-24g}" x1 ;;
+  X2)
+    # issue 22, session 22, call 2 (warm, at once): the acceptance cases X1 had no time for, the two 12 GiB cases of
+    # session 21 again, the old attention (now@sdpa) on two of them, expandable_segments against the default on the
+    # mixed-length perplexity job, then the GPU tests of the CLI, CGOPipe and mm_loop with the time left
+    LIMIT=${LIMIT:-420} run_cases "${X2_CASES:-now:pf-gen-int4-12g now:pf-ppl-bf16-12g now@sdpa:pf-ppl-bf16-24g \
+      now@sdpa:pf-gen-int4-24g now:pf-ppl-mix-bf16-16g now+exp:pf-ppl-mix-bf16-16g now+exp:pf-gen-mix-int4-16g}" x2
+    left=$((585 - (SECONDS - S))); echo "X2 at $((SECONDS - S)) s: GPU tests with $left s"
+    timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cli_gpu.py \
+      tests/gpu/test_mm_loop_gpu.py tests/gpu/test_cgopipe_gpu.py > $OUT/tests_x2.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_x2.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

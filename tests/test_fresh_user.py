@@ -66,3 +66,40 @@ def test_job_errors_name_the_yaml_as_typed(tiny_dir, tmp_path, monkeypatch, caps
     assert cli.main(["run", "job.yaml", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-batch: error: job.yaml: policy") and os.path.abspath("job.yaml") not in err
+
+
+def test_other_seconds_name_where_other_goes(tiny_dir, tmp_path, monkeypatch):
+    """wall_seconds.other is split in the report's other_seconds: a slow planner shows as plan, the parts add up to
+    other, and the summary prints them."""
+    import time
+
+    real_plan = engine.plan_for_job
+
+    def slow_plan(job, prep):
+        time.sleep(0.3)
+        return real_plan(job, prep)
+
+    monkeypatch.setattr(engine, "plan_for_job", slow_plan)
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": "alpha " * (i + 1)}) + "\n" for i in range(3)))
+    job = job_from_dict({"model": str(tiny_dir), "device": "cpu", "dtype": "float32",
+                         "data": {"source": "jsonl", "path": str(data)}, "output": {"path": str(tmp_path / "o.jsonl")},
+                         "generation": {"max_new_tokens": 3}}, "job")
+    rep = engine.run_job(job, progress=False)
+    o, w = rep["other_seconds"], rep["wall_seconds"]
+    assert set(o) == {"read", "plan", "gpu_init", "run", "rest"}
+    assert o["plan"] >= 0.3 and o["plan"] <= w["other"]
+    assert abs(sum(o.values()) - w["other"]) < 1e-6
+    from lightning_moe.app.report import format_report
+
+    assert f"other s: read {o['read']:,.2f}, plan {o['plan']:,.2f}" in format_report(rep)
+
+
+def test_other_parts_clamps_and_omits():
+    from lightning_moe.app.report import other_parts
+
+    wall = {"warmup": 1.0, "prefill": 2.0, "decode": 3.0, "other": 5.0}
+    o = other_parts(wall, {"read": 0.5, "plan": 1.0, "gpu_init": 2.0, "run": 6.5})
+    assert o == {"read": 0.5, "plan": 1.0, "gpu_init": 2.0, "run": 0.5, "rest": 1.0}
+    assert other_parts(wall, {"read": 0.5}) == {"read": 0.5, "rest": 4.5}
+    assert other_parts({**wall, "other": 0.1}, {"read": 0.5})["rest"] == 0.0

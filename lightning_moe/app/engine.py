@@ -44,7 +44,7 @@ from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, plan_job, policy_for_job
-from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, peak_host_bytes, previous_runs,
+from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
                      reconcile_killed_runs, timing)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -509,7 +509,9 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
 
         raise ConfigError(f"{job.label}: executor: the timeline draws the cgopipe executor's stages; this job runs "
                           f"executor: {job.executor} (--set executor=cgopipe)")
+    t = time.perf_counter()
     prep = Prepared(job, files=runner.files if runner is not None else None)
+    parts = {"read": time.perf_counter() - t}  # what wall_seconds.other holds (report: other_seconds)
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
         with ResultsWriter(job.output.path) as w:
@@ -521,7 +523,9 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
     # the policy, with its predicted memory for every phase, is checked before anything is written or read
+    t = time.perf_counter()
     jplan = plan_for_job(job, prep)
+    parts["plan"] = time.perf_counter() - t
     check_results_provenance(job)  # never mix records of another model / settings into one results file
     with ResultsWriter(job.output.path) as w:
         done = w.done_ids()
@@ -574,7 +578,9 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     try:
         if work:
             save_progress()  # this run is in the report's runs from its start: killed before a checkpoint, it still shows
+            t = time.perf_counter()
             cap = apply_gpu_cap(job.device, job.gpu_memory)
+            parts["gpu_init"] = time.perf_counter() - t
             t = time.perf_counter()
             _prepare_cpu_attention(job, jplan, log)  # a first-run compile is not timed as load or decode
             t_setup += time.perf_counter() - t
@@ -593,8 +599,10 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
                 report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
                                        "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
                                        "prefill_binding": est.prefill_binding}
+            t = time.perf_counter()
             _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm, partials=partials,
                       partials_file=partials_file, stop=stop, on_checkpoint=save_progress)
+            parts["run"] = time.perf_counter() - t
             stats = executor.stats
         report["status"] = "done"
         if partials_file is not None:  # every sequence has its record: the partials are obsolete
@@ -629,6 +637,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
             partials_file.close()
         total = time.perf_counter() - t_start
         report.update(timing(stats, t_load, total, job.task, t_setup))
+        report["other_seconds"] = other_parts(report["wall_seconds"], parts)
         report["records_written_this_run"] = writer.written
         report["errors_recorded"] = len(errors)
         report["peak_host_memory_bytes"] = peaks.host_overall() or peak_host_bytes()

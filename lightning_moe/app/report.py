@@ -137,6 +137,19 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
     }
 
 
+def other_parts(wall: dict, parts: dict) -> dict:
+    """``wall_seconds.other`` split (s): ``read`` (the requests read and tokenized), ``plan`` (the policy and its
+    memory check), ``gpu_init`` (the CUDA context and the memory cap), ``run`` (the work loop outside warm-up, prefill
+    and decode: records, checkpoints, detokenizing) and ``rest`` (the other's remainder: result-file checks, report
+    writing). A part that did not happen this run is absent."""
+    busy = wall["warmup"] + wall["prefill"] + wall["decode"]
+    out = {k: parts[k] for k in ("read", "plan", "gpu_init") if k in parts}
+    if "run" in parts:
+        out["run"] = max(0.0, parts["run"] - busy)
+    out["rest"] = max(0.0, wall["other"] - sum(out.values()))
+    return out
+
+
 _COUNTERS = ("_calls", "_threads", "_bytes")  # stage entries that count things, not seconds
 _DIAGNOSTICS = ("cpu_attention_native_",)  # the native kernel's own counters (thread-seconds, lag): JSON only
 _POLICY_NAMES = {"mu": "micro-batch rows (mu)", "n": "micro-batches (n)", "N": "sequences per batch (N)",
@@ -204,7 +217,10 @@ def format_report(r: dict, top_stages: int = 8) -> str:
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "
                   f"kernel) + load {w['load']:,.2f} + warmup {w.get('warmup', 0.0):,.2f} (one-time: kernel compile, "
-                  f"plans) + prefill {w['prefill']:,.2f} + decode {w['decode']:,.2f} + other {w['other']:,.2f}", ""]
+                  f"plans) + prefill {w['prefill']:,.2f} + decode {w['decode']:,.2f} + other {w['other']:,.2f}"]
+        if r.get("other_seconds"):
+            lines.append("  other s: " + ", ".join(f"{k} {v:,.2f}" for k, v in r["other_seconds"].items()))
+        lines.append("")
     pol = r.get("policy")
     if pol:
         fields = [f"{_POLICY_NAMES.get(k, k)} {format_bytes(v) if k.endswith('_bytes') else v}" for k, v in pol.items()]
