@@ -80,6 +80,15 @@ def test_other_seconds_name_where_other_goes(tiny_dir, tmp_path, monkeypatch):
         return real_plan(job, prep)
 
     monkeypatch.setattr(engine, "plan_for_job", slow_plan)
+    from lightning_moe.app import plan as app_plan
+
+    real_files = app_plan.ModelFiles
+
+    def slow_files(model):  # a slow first transformers import: 0.2 s
+        time.sleep(0.2)
+        return real_files(model)
+
+    monkeypatch.setattr(app_plan, "ModelFiles", slow_files)
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"id": i, "prompt": "alpha " * (i + 1)}) + "\n" for i in range(3)))
     job = job_from_dict({"model": str(tiny_dir), "device": "cpu", "dtype": "float32",
@@ -87,19 +96,21 @@ def test_other_seconds_name_where_other_goes(tiny_dir, tmp_path, monkeypatch):
                          "generation": {"max_new_tokens": 3}}, "job")
     rep = engine.run_job(job, progress=False)
     o, w = rep["other_seconds"], rep["wall_seconds"]
-    assert set(o) == {"read", "plan", "gpu_init", "run", "rest"}
+    assert set(o) == {"model_files", "requests", "plan", "gpu_init", "run", "rest"}
     assert o["plan"] >= 0.3 and o["plan"] <= w["other"]
+    assert o["model_files"] >= 0.2 and o["requests"] < 0.2  # the sleep lands in model_files, not in requests
     assert abs(sum(o.values()) - w["other"]) < 1e-6
     from lightning_moe.app.report import format_report
 
-    assert f"other s: read {o['read']:,.2f}, plan {o['plan']:,.2f}" in format_report(rep)
+    assert (f"other s: model_files {o['model_files']:,.2f}, requests {o['requests']:,.2f}, plan {o['plan']:,.2f}"
+            in format_report(rep))
 
 
 def test_other_parts_clamps_and_omits():
     from lightning_moe.app.report import other_parts
 
     wall = {"warmup": 1.0, "prefill": 2.0, "decode": 3.0, "other": 5.0}
-    o = other_parts(wall, {"read": 0.5, "plan": 1.0, "gpu_init": 2.0, "run": 6.5})
-    assert o == {"read": 0.5, "plan": 1.0, "gpu_init": 2.0, "run": 0.5, "rest": 1.0}
-    assert other_parts(wall, {"read": 0.5}) == {"read": 0.5, "rest": 4.5}
-    assert other_parts({**wall, "other": 0.1}, {"read": 0.5})["rest"] == 0.0
+    o = other_parts(wall, {"model_files": 0.25, "requests": 0.25, "plan": 1.0, "gpu_init": 2.0, "run": 6.5})
+    assert o == {"model_files": 0.25, "requests": 0.25, "plan": 1.0, "gpu_init": 2.0, "run": 0.5, "rest": 1.0}
+    assert other_parts(wall, {"requests": 0.5}) == {"requests": 0.5, "rest": 4.5}
+    assert other_parts({**wall, "other": 0.1}, {"requests": 0.5})["rest"] == 0.0

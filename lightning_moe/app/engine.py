@@ -511,7 +511,8 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
                           f"executor: {job.executor} (--set executor=cgopipe)")
     t = time.perf_counter()
     prep = Prepared(job, files=runner.files if runner is not None else None)
-    parts = {"read": time.perf_counter() - t}  # what wall_seconds.other holds (report: other_seconds)
+    t_read = time.perf_counter() - t  # what wall_seconds.other holds (report: other_seconds)
+    parts = {"model_files": prep.model_files_seconds, "requests": max(0.0, t_read - prep.model_files_seconds)}
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
         with ResultsWriter(job.output.path) as w:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,7 +46,9 @@ class Prepared:
 
     def __init__(self, job: Job, requests: Optional[list] = None, files: Optional[ModelFiles] = None):
         self.job = job
+        t = time.perf_counter()
         self.files = files if files is not None else ModelFiles(job.model)
+        self.model_files_seconds = time.perf_counter() - t  # the config and tokenizer read (0 when given)
         self.model_path = self.files.model_path
         self.spec = self.files.spec
         self.tokenizer = self.files.tokenizer

@@ -138,12 +138,13 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
 
 
 def other_parts(wall: dict, parts: dict) -> dict:
-    """``wall_seconds.other`` split (s): ``read`` (the requests read and tokenized), ``plan`` (the policy and its
+    """``wall_seconds.other`` split (s): ``model_files`` (the model's config and tokenizer read: the first
+    transformers import lands here), ``requests`` (the requests read and tokenized), ``plan`` (the policy and its
     memory check), ``gpu_init`` (the CUDA context and the memory cap), ``run`` (the work loop outside warm-up, prefill
     and decode: records, checkpoints, detokenizing) and ``rest`` (the other's remainder: result-file checks, report
     writing). A part that did not happen this run is absent."""
     busy = wall["warmup"] + wall["prefill"] + wall["decode"]
-    out = {k: parts[k] for k in ("read", "plan", "gpu_init") if k in parts}
+    out = {k: parts[k] for k in ("model_files", "requests", "plan", "gpu_init") if k in parts}
     if "run" in parts:
         out["run"] = max(0.0, parts["run"] - busy)
     out["rest"] = max(0.0, wall["other"] - sum(out.values()))
