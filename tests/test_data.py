@@ -281,6 +281,44 @@ def test_loglikelihood_split(tmp_path, tok):
     assert t.score_inputs == [(full, len(ctx))]
 
 
+def test_scoring_splits_batched_equal_one_by_one(tmp_path, tok):
+    """The joined context + continuation texts are encoded in one batched call; every split equals the one-request
+    rule (_split encoding prompt + continuation itself), fallback included (a continuation that merges with the
+    context's last token), for loglikelihood and multiple choice, with requests given as token ids in between."""
+    import random
+
+    from lightning_moe.data import tokenize as tz
+
+    rng = random.Random(3)
+    words = ["alpha", "beta", "x", "17", "+", "=", "é", "Ärger", "(", ")", "\n", "  ", "ing", "un"]
+
+    def text(n):
+        return "".join(rng.choice([" ", ""]) + rng.choice(words) for _ in range(n))
+
+    ll = [J(id=f"l{i}", prompt=text(rng.randint(1, 12)), continuation=text(rng.randint(1, 4))) for i in range(40)]
+    ll.append(J(id="glued", prompt="The end", continuation="ing"))  # "ending": the joined ids do not start with the context's
+    ll.append(J(id="ids", prompt_token_ids=[1, 5, 6], continuation_token_ids=[7]))
+    mc = [J(id=f"m{i}", prompt=text(rng.randint(1, 10)), choices=[text(rng.randint(1, 3)) for _ in range(rng.randint(2, 4))],
+            answer=0) for i in range(30)]
+    for lines, mode in ((ll, "loglikelihood"), (mc, "multiple_choice")):
+        job = make_job(tmp_path, lines, task="score", mode=mode)
+        got = tz.encode_requests(load_requests(job), tok, job, max_context=512)
+        for t in got:
+            r = t.request
+            if r.prompt_ids is not None:
+                assert t.prompt_ids == [1, 5, 6] and t.continuation_ids == [7]
+                continue
+            ctx = tok(r.prompt).input_ids
+            conts = [r.continuation] if mode == "loglikelihood" else r.choices
+            want = [tz._split(tok, ctx, r.prompt, c, True) for c in conts]
+            assert t.prompt_ids == ctx
+            assert (t.continuation_ids if mode == "loglikelihood" else t.choice_ids) == (want[0] if mode == "loglikelihood" else want)
+    glued = next(t for t in tz.encode_requests(load_requests(make_job(tmp_path, ll, task="score", mode="loglikelihood")),
+                                               tok, make_job(tmp_path, ll, task="score", mode="loglikelihood"), 512)
+                 if t.id == "glued")
+    assert glued.continuation_ids == tok("ing", add_special_tokens=False).input_ids  # the fallback ran
+
+
 def test_multiple_choice_and_context_limit(tmp_path, tok):
     from lightning_moe.data.tokenize import encode_requests
 

@@ -137,9 +137,11 @@ def _chat(tokenizer, req: Request, system_prompt: Optional[str], render: bool = 
     return ids, text
 
 
-def _split(tokenizer, ctx_ids: list, ctx_text: str, cont: str, special: bool) -> list:
-    """Continuation ids after a context (see module docstring for the rule)."""
-    full = _encode(tokenizer, ctx_text + cont, special)
+def _split(tokenizer, ctx_ids: list, ctx_text: str, cont: str, special: bool, full: Optional[list] = None) -> list:
+    """Continuation ids after a context (see module docstring for the rule); ``full``: the ids of ``ctx_text + cont``
+    when already encoded (the batched call of :func:`encode_requests`)."""
+    if full is None:
+        full = _encode(tokenizer, ctx_text + cont, special)
     if full[: len(ctx_ids)] == ctx_ids and len(full) > len(ctx_ids):
         return full[len(ctx_ids):]
     return _encode(tokenizer, cont, False)
@@ -209,6 +211,19 @@ def encode_requests(requests: Sequence[Request], tokenizer, job, max_context: in
         keys = list(plain_texts)
         enc = tokenizer([plain_texts[k] for k in keys])["input_ids"]
         batch_ids = {k: _ids(e) for k, e in zip(keys, enc)}
+    # so are the joined context + continuation texts of plain-text scoring requests (the split's first encoding)
+    joined: dict[tuple, str] = {}
+    if mode in ("loglikelihood", "multiple_choice") and not chat:
+        for i, r in enumerate(requests):
+            if r.error is None and r.prompt_ids is None and r.prompt is not None:
+                conts = [r.continuation] if mode == "loglikelihood" else list(r.choices or [])
+                for k, c in enumerate(conts):
+                    if isinstance(c, str):
+                        joined[(i, k)] = r.prompt + c
+    if joined:
+        keys = list(joined)
+        enc = tokenizer([joined[k] for k in keys])["input_ids"]
+        batch_ids.update({k: _ids(e) for k, e in zip(keys, enc)})
 
     out = []
     for i, r in enumerate(requests):
@@ -269,9 +284,10 @@ def _one(r: Request, i: int, tokenizer, job, task, mode, chat, truncate, bos, bu
         if r.continuation_ids is not None:
             conts, names = [list(r.continuation_ids)], ["continuation_token_ids"]
         else:
-            conts, names = [_split(tokenizer, ctx_ids, ctx_text, r.continuation, special)], ["continuation"]
+            conts = [_split(tokenizer, ctx_ids, ctx_text, r.continuation, special, batch_ids.get((i, 0)))]
+            names = ["continuation"]
     else:
-        conts = [_split(tokenizer, ctx_ids, ctx_text, c, special) for c in r.choices]
+        conts = [_split(tokenizer, ctx_ids, ctx_text, c, special, batch_ids.get((i, k))) for k, c in enumerate(r.choices)]
         names = [f"choices[{k}]" for k in range(len(conts))]
     longest = max(len(c) for c in conts)
     which = names[max(range(len(conts)), key=lambda k: len(conts[k]))]
