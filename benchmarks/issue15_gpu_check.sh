@@ -65,6 +65,8 @@
 #                                            # expandable_segments, the expert FFN from a cold clock, the acceptance
 #                                            # cases not yet run on varlen; X2 (warm, at once): the rest, the old
 #                                            # attention on two of them, expandable_segments A/B
+#   bash benchmarks/issue15_gpu_check.sh Y1  # (fresh) every GPU test but the CLI's, then diag_mm_loop at 4,096 tokens;
+#                                            # Y2 (warm, at once): the CLI's GPU tests
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -125,7 +127,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -511,6 +513,18 @@ p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.
     # mixed-length jobs (LIMIT s in all; the GPU tests run from a clean clone by a fresh helper)
     LIMIT=${LIMIT:-420} run_cases "${X2_CASES:-now:pf-gen-int4-12g now:pf-ppl-bf16-12g now@sdpa:pf-ppl-bf16-24g \
       now@sdpa:pf-gen-int4-24g now:pf-ppl-mix-bf16-16g now+exp:pf-ppl-mix-bf16-16g now+exp:pf-gen-mix-int4-16g}" x2 ;;
+  Y1)
+    # issue 22, next session, call 1 (fresh; carry .carry): every GPU test but the CLI's in one process (not run as a
+    # whole since session 21's attention change), then where the expert FFN's time goes at 4,096 tokens per call
+    timeout ${TLIMIT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu \
+      --ignore tests/gpu/test_cli_gpu.py > $OUT/tests_y1.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_y1.txt
+    left=$((585 - (SECONDS - S))); echo "Y1 at $((SECONDS - S)) s: diag_mm_loop with $left s"
+    timeout $left python3 benchmarks/diag_mm_loop.py --tokens 4096 --out $OUT/diag_mm_loop.txt 2>&1 | tail -40 ;;
+  Y2)
+    # issue 22, next session, call 2 (warm, at once): the CLI's GPU tests (each starts moe-batch in a new process)
+    timeout 575 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cli_gpu.py > $OUT/tests_y2.txt 2>&1
+    echo "GPU tests: rc $?"; tail -4 $OUT/tests_y2.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \
