@@ -14,7 +14,9 @@ back between two CUDA events (best of 2), as a prefill pass issues them (no sync
 * ``auto``: the faster of ``ffn`` and ``mm_loop`` (what a prefill pass runs when the profile measured the same);
 * ``gemms``: the three grouped GEMMs alone over rows already sorted by expert (the ceiling of any epilogue work);
 * ``loop``: the same GEMMs as one cuBLAS ``mm`` per expert over known row counts (the down GEMM's input holds
-  SwiGLU-scale random values: a GEMM over zeros draws less power and runs faster).
+  SwiGLU-scale random values: a GEMM over zeros draws less power and runs faster);
+* ``mm_loop/R`` (``--mm-loop-rows R,...``): mm_loop with row blocks of about R rows (``gate_up_chunks`` = ceil(2 T
+  k / R)): blocks whose gate and up products fit the L2 cache leave the SwiGLU pass reading from L2.
 
 The H200's clock falls as it heats (the 8192^3 GEMM measured from ~790 TFLOP/s cold to ~610-690 after seconds of
 GEMMs), so only rates measured close together compare. Each cell gives the variant's median rate over the rounds,
@@ -24,7 +26,8 @@ the median rate over the fastest dense GEMM of the run (``/ peak``: the cold pea
 before each timing, so every variant, the dense GEMM included, is timed from the same cold clock (its peak).
 FLOPs 2 T k 3 D F per call. Prints a markdown table, written to ``--out``.
 
-    python3 benchmarks/bench_prefill_ffn.py [--tokens 4096,8192,16384,32768] [--rounds 6] [--cool 0] [--out FILE.md]
+    python3 benchmarks/bench_prefill_ffn.py [--tokens 4096,8192,16384,32768] [--rounds 6] [--cool 0]
+        [--mm-loop-rows 512,1024] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--cool", type=float, default=0.0, help="idle seconds before each timing (0: back to back)")
+    ap.add_argument("--mm-loop-rows", default="", help="extra mm_loop variants with row blocks of about R rows")
     ap.add_argument("--hardware", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                        "lightning_moe", "policy", "profiles", "h200-host.yaml"))
     ap.add_argument("--out", default=None)
@@ -93,7 +97,8 @@ def main(argv=None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     w1, w3, w2, ga, gb = mixtral_operands(g, dt)
     gmm = _grouped_mm_fn()
-    kinds = ["ffn", "mm_loop", "auto", "gemms", "loop"]
+    block_rows = [int(r) for r in a.mm_loop_rows.split(",") if r]
+    kinds = ["ffn", "mm_loop", "auto", "gemms", "loop"] + [f"mm_loop/{r}" for r in block_rows]
     lines = [f"cool {a.cool:g} s, {a.rounds} rounds x {a.calls} calls; profile peak {prof:.1f} TFLOP/s", "",
              "| T | dense TFLOP/s (median; peak) | "
              + " | ".join(f"{k} | / dense | / peak | / profile" for k in kinds) + " |",
@@ -128,6 +133,10 @@ def main(argv=None) -> int:
                "ffn": (lambda: fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, validate=False), flops),
                "mm_loop": (lambda: fused_experts_mm_loop(x, w1, w3, w2, wts, ids, validate=False), flops),
                "gemms": (gemms, flops), "loop": (loop, flops)}
+        for r in block_rows:  # n = ceil(2 P / r) column-chunk count gives blocks of ~r rows (mm_loop_block_rows)
+            n = -(-2 * T * K // r)
+            fns[f"mm_loop/{r}"] = (lambda n=n: fused_experts_mm_loop(x, w1, w3, w2, wts, ids, validate=False,
+                                                                     gate_up_chunks=n), flops)
         names = list(fns)
         rates: dict = {n: [] for n in names}
         for r in range(a.rounds):
