@@ -70,6 +70,19 @@ def b2b_time(fn: Callable[[], object], calls: int, repeats: int = 2, cool: float
     return best
 
 
+def per_expert_gemms(xs: torch.Tensor, hs: torch.Tensor, counts: list, w1: torch.Tensor, w3: torch.Tensor,
+                     w2: torch.Tensor) -> None:
+    """The expert FFN's GEMMs alone: one cuBLAS ``mm`` per expert and projection over expert-sorted rows ``xs`` (gate,
+    up) and ``hs`` (down), ``counts[e]`` rows of expert e."""
+    s = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(xs[s:s + c], w1[e].T)
+            torch.mm(xs[s:s + c], w3[e].T)
+            torch.mm(hs[s:s + c], w2[e].T)
+            s += c
+
+
 def mixtral_operands(g: torch.Generator, dt: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
     """Mixtral-8x7B expert weights w1, w3 [E, F, D], w2 [E, D, F] (0.02-scaled normal) and the dense probe's two
     8192^3 operands, in ``dt`` on ``g``'s device (the benchmarks of the expert FFN share them)."""
@@ -121,13 +134,7 @@ def main(argv=None) -> int:
             gmm(hs, w2.transpose(1, 2), offs=offs)
 
         def loop():
-            s = 0
-            for e, c in enumerate(counts):
-                if c:
-                    torch.mm(xs[s:s + c], w1[e].T)
-                    torch.mm(xs[s:s + c], w3[e].T)
-                    torch.mm(hs[s:s + c], w2[e].T)
-                    s += c
+            per_expert_gemms(xs, hs, counts, w1, w3, w2)
 
         fns = {"dense": (lambda: ga @ gb, 2 * 8192 ** 3),
                "ffn": (lambda: fused_experts_grouped_mm(x, w1, w3, w2, wts, ids, validate=False), flops),

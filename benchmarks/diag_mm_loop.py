@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_prefill_ffn import D, E, K, Fd, b2b_time, mixtral_operands  # noqa: E402 (this script's folder)
+from bench_prefill_ffn import D, E, K, Fd, b2b_time, mixtral_operands, per_expert_gemms  # noqa: E402 (this script's folder)
 from lightning_moe.kernels import fused_moe as fm  # noqa: E402
 from lightning_moe.pipeline.profiler import _best_time  # noqa: E402
 
@@ -92,15 +92,7 @@ def main(argv=None) -> int:
             return fm.fused_experts_mm_loop(x, w1, w3, w2, wts, ids, validate=False)
 
         def gemms(hs):
-            def run():
-                s = 0
-                for e, c in enumerate(counts):
-                    if c:
-                        torch.mm(xs[s:s + c], w1[e].T)
-                        torch.mm(xs[s:s + c], w3[e].T)
-                        torch.mm(hs[s:s + c], w2[e].T)
-                        s += c
-            return run
+            return lambda: per_expert_gemms(xs, hs, counts, w1, w3, w2)
 
         def variant(name):
             fm._mm_loop_ffn, fm.silu_mul_triton = real_ffn, real_silu

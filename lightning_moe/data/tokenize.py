@@ -197,33 +197,24 @@ def encode_requests(requests: Sequence[Request], tokenizer, job, max_context: in
     else:
         budget = max_context
 
-    # Plain prompts/texts are encoded in one batched call (fast tokenizers parallelize it).
-    plain_texts: dict[int, str] = {}
+    # Plain prompts/texts, and the joined context + continuation texts of plain-text scoring requests (the split's
+    # first encoding), are encoded in one batched call (fast tokenizers parallelize it): keys i and (i, k)
+    texts: dict = {}
     for i, r in enumerate(requests):
         if r.error is not None:
             continue
         if mode == "perplexity":
-            plain_texts[i] = r.text
+            texts[i] = r.text
         elif not chat and r.prompt is not None:
-            plain_texts[i] = r.prompt
-    batch_ids: dict[int, list] = {}
-    if plain_texts:
-        keys = list(plain_texts)
-        enc = tokenizer([plain_texts[k] for k in keys])["input_ids"]
-        batch_ids = {k: _ids(e) for k, e in zip(keys, enc)}
-    # so are the joined context + continuation texts of plain-text scoring requests (the split's first encoding)
-    joined: dict[tuple, str] = {}
-    if mode in ("loglikelihood", "multiple_choice") and not chat:
-        for i, r in enumerate(requests):
-            if r.error is None and r.prompt_ids is None and r.prompt is not None:
+            texts[i] = r.prompt
+            if mode in ("loglikelihood", "multiple_choice") and r.prompt_ids is None:
                 conts = [r.continuation] if mode == "loglikelihood" else list(r.choices or [])
-                for k, c in enumerate(conts):
-                    if isinstance(c, str):
-                        joined[(i, k)] = r.prompt + c
-    if joined:
-        keys = list(joined)
-        enc = tokenizer([joined[k] for k in keys])["input_ids"]
-        batch_ids.update({k: _ids(e) for k, e in zip(keys, enc)})
+                texts.update({(i, k): r.prompt + c for k, c in enumerate(conts) if isinstance(c, str)})
+    batch_ids: dict = {}
+    if texts:
+        keys = list(texts)
+        enc = tokenizer([texts[k] for k in keys])["input_ids"]
+        batch_ids = {k: _ids(e) for k, e in zip(keys, enc)}
 
     out = []
     for i, r in enumerate(requests):
