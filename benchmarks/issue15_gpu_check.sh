@@ -65,8 +65,9 @@
 #                                            # expandable_segments, the expert FFN from a cold clock, the acceptance
 #                                            # cases not yet run on varlen; X2 (warm, at once): the rest, the old
 #                                            # attention on two of them, expandable_segments A/B
-#   bash benchmarks/issue15_gpu_check.sh Y1  # (fresh) every GPU test but the CLI's, the FFN with smaller row blocks
-#                                            # (bench_prefill_ffn --mm-loop-rows), diag_mm_loop at 4,096 tokens;
+#   bash benchmarks/issue15_gpu_check.sh Y1  # (fresh) the host's time in one mm_loop call (diag_mm_loop_host), every
+#                                            # GPU test but the CLI's, the FFN with smaller row blocks
+#                                            # (bench_prefill_ffn --mm-loop-rows);
 #                                            # Y2 (warm, at once): the CLI's GPU tests
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
@@ -515,16 +516,18 @@ p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.
     LIMIT=${LIMIT:-420} run_cases "${X2_CASES:-now:pf-gen-int4-12g now:pf-ppl-bf16-12g now@sdpa:pf-ppl-bf16-24g \
       now@sdpa:pf-gen-int4-24g now:pf-ppl-mix-bf16-16g now+exp:pf-ppl-mix-bf16-16g now+exp:pf-gen-mix-int4-16g}" x2 ;;
   Y1)
-    # issue 22, next session, call 1 (fresh; carry .carry): every GPU test but the CLI's in one process (not run as a
-    # whole since session 21's attention change), then the expert FFN at 4,096 / 8,192 tokens per call from a cold
-    # clock with smaller row blocks (gate and up products within L2), and where its time goes (diag_mm_loop)
-    timeout ${TLIMIT:-380} python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu \
+    # issue 22, session 23, call 1 (fresh; carry .carry): where the host's time goes in one mm_loop call
+    # (diag_mm_loop_host: the GPU held busy), every GPU test but the CLI's in one process (not run as a whole since
+    # session 21's attention change), then the expert FFN at 4,096 / 8,192 tokens per call from a cold clock with
+    # smaller row blocks (gate and up products within L2)
+    timeout 100 python3 benchmarks/diag_mm_loop_host.py --tokens 4096,8192 --out $OUT/diag_mm_loop_host.txt 2>&1 \
+      | grep -v "^ " | head -40
+    timeout ${TLIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu \
       --ignore tests/gpu/test_cli_gpu.py > $OUT/tests_y1.txt 2>&1
     echo "GPU tests: rc $?"; tail -4 $OUT/tests_y1.txt
-    timeout 80 python3 benchmarks/bench_prefill_ffn.py --cool 1 --rounds 3 --calls 2 --tokens 4096,8192 \
-      --mm-loop-rows 512,1024 --out $OUT/prefill_ffn_rows.md 2>&1 | tail -4
-    left=$((585 - (SECONDS - S))); echo "Y1 at $((SECONDS - S)) s: diag_mm_loop with $left s"
-    timeout $left python3 benchmarks/diag_mm_loop.py --tokens 4096 --out $OUT/diag_mm_loop.txt 2>&1 | tail -40 ;;
+    left=$((575 - (SECONDS - S))); echo "Y1 at $((SECONDS - S)) s: bench_prefill_ffn with $left s"
+    timeout $left python3 benchmarks/bench_prefill_ffn.py --cool 1 --rounds 3 --calls 2 --tokens 4096,8192 \
+      --mm-loop-rows 512,1024 --out $OUT/prefill_ffn_rows.md 2>&1 | tail -4 ;;
   Y2)
     # issue 22, next session, call 2 (warm, at once): the CLI's GPU tests (each starts moe-batch in a new process)
     timeout 575 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cli_gpu.py > $OUT/tests_y2.txt 2>&1
