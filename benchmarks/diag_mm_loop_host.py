@@ -8,9 +8,11 @@ a wait for the GPU: the host's wait for the row counts is replaced by the bounds
 * the host time of one whole call (median of 9);
 * the host time of one launch of each step, alone (median of 50): moe_align, the gather, torch.empty, one gate
   GEMM (torch.mm into a slice), silu_mul_triton on one expert's block, moe_combine_triton;
-* cProfile of 5 calls, by own time (what the host does, Python and C calls).
+* cProfile of 5 calls, by own time (what the host does, Python and C calls);
+* ``--align``: the GPU time of moe_align against moe_align_triton (20 calls queued behind a busy GPU) and
+  their host time, at Mixtral's and Qwen3-30B-A3B's routing shapes.
 
-    python3 benchmarks/diag_mm_loop_host.py [--tokens 4096,8192] [--out FILE]
+    python3 benchmarks/diag_mm_loop_host.py [--tokens 4096,8192] [--align] [--out FILE]
 """
 
 from __future__ import annotations
@@ -45,9 +47,23 @@ def host_us(fn, n: int) -> float:
     return 1e6 * statistics.median(ts)
 
 
+def gpu_us(fn, n: int) -> float:
+    """GPU microseconds per call of ``fn`` over ``n`` calls queued behind a busy GPU (no launch gaps between them)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))  # ~0.1 s: the host queues all n calls before the GPU reaches the first
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return 1e3 * e0.elapsed_time(e1) / n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--align", action="store_true", help="moe_align against moe_align_triton")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -85,6 +101,7 @@ def main(argv=None) -> int:
             say(f"T {T}: one call (nosync) {host_us(call, 9):.0f} us of host time")
             steps = {
                 "moe_align": lambda: fm.moe_align(ids, E),
+                "moe_align_triton": lambda: fm.moe_align_triton(ids, E),
                 "gather (index_select out=)": lambda: torch.index_select(x, 0, al.sorted_token_idx, out=xs),
                 "torch.empty [P, F]": lambda: torch.empty(P, Fd, device=dev, dtype=dt),
                 f"torch.mm [{m}, D] x [D, F] into a slice": lambda: torch.mm(xs[:m], w1[0].T, out=h[:m]),
@@ -110,6 +127,18 @@ def main(argv=None) -> int:
             say(f"T {T}: cProfile of 5 calls (nosync), by own time\n{s.getvalue()}")
         finally:
             fm._host_bounds = real_bounds
+    for T, k, n in ((4096, 2, 8), (8192, 2, 8), (32768, 2, 8), (1024, 8, 128)) if a.align else ():
+        ids = torch.randint(0, n, (T, k), device=dev, generator=g)
+        if not fm.moe_align_triton_fits(T * k, n):
+            continue
+        ok = all(torch.equal(u, v) for u, v in zip(fm.moe_align(ids, n)[:4], fm.moe_align_triton(ids, n)[:4]))
+        gpu = {name: gpu_us(f, 20) for name, f in (("moe_align", lambda: fm.moe_align(ids, n)),
+               ("moe_align_triton", lambda: fm.moe_align_triton(ids, n)))}
+        host = {name: host_us(f, 20) for name, f in (("moe_align", lambda: fm.moe_align(ids, n)),
+                ("moe_align_triton", lambda: fm.moe_align_triton(ids, n)))}
+        say(f"align T {T} k {k} E {n}: equal {ok}; GPU us per call (20 queued) "
+            + ", ".join(f"{k_} {v:.1f}" for k_, v in gpu.items()) + "; host us " + ", ".join(
+                f"{k_} {v:.1f}" for k_, v in host.items()))
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")

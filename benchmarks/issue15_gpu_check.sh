@@ -69,6 +69,9 @@
 #                                            # GPU test but the CLI's, the FFN with smaller row blocks
 #                                            # (bench_prefill_ffn --mm-loop-rows);
 #                                            # Y2 (warm, at once): the CLI's GPU tests
+#   bash benchmarks/issue15_gpu_check.sh Z1  # (fresh; .carry/before = the tree before) the expert FFN from a cold
+#                                            # clock before / now, the host's time now, the changed kernels' GPU
+#                                            # tests, the 12 GiB perplexity case before / now through the CLI
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -129,7 +132,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -532,6 +535,22 @@ p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.
     # issue 22, next session, call 2 (warm, at once): the CLI's GPU tests (each starts moe-batch in a new process)
     timeout 575 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cli_gpu.py > $OUT/tests_y2.txt 2>&1
     echo "GPU tests: rc $?"; tail -4 $OUT/tests_y2.txt ;;
+  Z1)
+    # issue 22, session 23, call 2 (fresh; carry .carry, .carry/before = 83c08d2: the tree before moe_align_triton and
+    # the buffers before the wait): the expert FFN from a cold clock before / now, the host's time now (moe_align
+    # against moe_align_triton), the GPU tests of the changed kernels, then the 12 GiB perplexity case before / now
+    # and the 12 GiB generation case through the CLI with the time left
+    timeout 100 python3 .carry/before/benchmarks/bench_prefill_ffn.py --cool 1 --rounds 3 --calls 2 --tokens 4096,8192 \
+      --out $OUT/prefill_ffn_before.md 2>&1 | tail -3
+    timeout 140 python3 benchmarks/bench_prefill_ffn.py --cool 1 --rounds 3 --calls 2 --tokens 4096,8192,32768 \
+      --out $OUT/prefill_ffn_now.md 2>&1 | tail -4
+    timeout 60 python3 benchmarks/diag_mm_loop_host.py --tokens 4096 --align --out $OUT/diag_host_now.txt 2>&1 \
+      | grep -E "^T|^align|^torch" | head -20
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_fused_moe_gpu.py \
+      tests/gpu/test_mm_loop_gpu.py tests/gpu/test_grouped_mm_gpu.py tests/gpu/test_moe_epilogue_gpu.py \
+      tests/gpu/test_no_host_sync_gpu.py > $OUT/tests_z1.txt 2>&1
+    echo "GPU tests: rc $?"; tail -3 $OUT/tests_z1.txt
+    LIMIT=575 run_cases "before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g" z1 ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

@@ -343,3 +343,63 @@ def test_row_count_arguments_are_not_specialized(module, kernel, arg, monkeypatc
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fn = getattr(fm._triton_kernels(module), kernel)
     assert [p.name for p in fn.params if p.do_not_specialize] == [arg]
+
+
+# ---- moe_align_triton ---------------------------------------------------------------------------------------
+
+# (T tokens, k slots, E experts, id dtype, how the ids are drawn): one pair, E 1, E not a power of 2, pairs past
+# one block (BLOCK = 8192 / E_PAD: 1024 at E 8, 128 at E 33..64), an expert with no pairs, every pair on one
+# expert, int32 ids, a non-contiguous [T, k] view
+ALIGN_CASES = [(1, 1, 1, torch.int64, "random"), (7, 2, 3, torch.int64, "random"), (1100, 2, 8, torch.int64, "random"),
+               (300, 2, 40, torch.int32, "random"), (257, 3, 8, torch.int64, "no-expert-5"),
+               (90, 2, 8, torch.int64, "one-expert"), (500, 2, 8, torch.int64, "transposed")]
+ALIGN_IDS = [f"T{c[0]}-k{c[1]}-E{c[2]}-{str(c[3])[6:]}-{c[4]}" for c in ALIGN_CASES]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=ALIGN_IDS)
+def test_moe_align_triton_equals_moe_align(interpret, case):
+    """moe_align_triton (interpreted) returns moe_align's four tensors exactly: the stable order by expert (pairs of
+    one expert in increasing pair id), their tokens, the counts and the offsets, int64."""
+    T, k, E, dt, how = case
+    g = torch.Generator().manual_seed(T * 31 + E)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    if how == "no-expert-5":
+        ids = torch.where(ids == 5, 6, ids)
+    if how == "one-expert":
+        ids = torch.full((T, k), E - 2, dtype=torch.int64)
+    if how == "transposed":
+        ids = torch.randint(0, E, (k, T), generator=g).t()  # [T, k] with strides (1, T)
+    ids = ids.to(dt)
+    want = moe_align(ids, E)
+    got = fm.moe_align_triton(ids, E)
+    for name in ("sorted_token_idx", "expert_offsets", "sorted_pair_idx", "counts"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == torch.int64 and torch.equal(a, b), name
+    assert got.block_m is None and got.padded_pair_idx is None and got.block_expert is None
+
+
+@needs_triton
+def test_moe_align_triton_skip_bucket_and_refusals(interpret):
+    """With the skip id E counted as a bucket (num_experts E + 1, as the FFNs call it) the skipped pairs come last;
+    an id past the buckets is left out of the offsets; the wrapper refuses what its one program cannot take."""
+    E = 6
+    ids = torch.tensor([[E, 0], [2, E], [0, 2], [5, 1]])
+    want, got = moe_align(ids, E + 1), fm.moe_align_triton(ids, E + 1)
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+    assert got.expert_offsets.tolist()[-2:] == [6, 8]
+    out = fm.moe_align_triton(torch.tensor([[0, E + 3], [1, 0]]), E + 1)
+    assert out.expert_offsets[-1] == 3 and out.sorted_pair_idx[:3].tolist() == [0, 3, 2]
+    assert fm.moe_align_triton(ids[:0], E).expert_offsets.tolist() == [0] * (E + 1)
+    with pytest.raises(ValueError, match="one-program limit"):
+        fm.moe_align_triton(torch.zeros(fm.MOE_ALIGN_TRITON_MAX // 8 + 1, 1, dtype=torch.int64), 8)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        fm.moe_align_triton(ids.to(torch.int16), E)
+    with pytest.raises(ValueError, match=r"\[T, k\]"):
+        fm.moe_align_triton(ids.reshape(-1), E)
+
+
+def test_moe_align_triton_refuses_cpu_tensors_when_compiled(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        fm.moe_align_triton(torch.zeros(2, 2, dtype=torch.int64), 4)

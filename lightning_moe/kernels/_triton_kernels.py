@@ -335,6 +335,46 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit(do_not_specialize=["P"])
+def moe_align_kernel(
+    ids_ptr, sorted_pair_ptr, sorted_token_ptr, offsets_ptr, counts_ptr, P, E, top_k,
+    E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Stable counting sort of the P routed pairs by expert, in one program (grid (1,)).
+
+    Pass 1 counts each expert's pairs over blocks of ``BLOCK`` ids (a ``[BLOCK, E_PAD]`` hit matrix summed over
+    rows); their exclusive prefix sum is each expert's first row. Pass 2 walks the blocks again in order: pair p of
+    expert e goes to row ``first[e] + (pairs of e before p)``, the count before p within the block from a prefix
+    sum down the hit matrix, plus the pairs of e in earlier blocks. So pairs keep increasing p within an expert
+    (``torch.sort(stable=True)``'s order). Writes ``sorted_pair[row] = p``, ``sorted_token[row] = p // top_k``,
+    ``counts[e]`` and ``offsets[e]`` (e < E), ``offsets[E] = `` the pairs with an id in ``[0, E)``, all int64;
+    a pair whose id is outside ``[0, E)`` is not written.
+    """
+    experts = tl.arange(0, E_PAD)
+    counts = tl.full([E_PAD], 0, tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
+        counts += tl.reduce(hit, 0, _sum_combine)
+    counts = tl.where(experts < E, counts, 0)
+    first = tl.associative_scan(counts, 0, _sum_combine) - counts  # [E_PAD] exclusive prefix sum
+    tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
+    tl.store(offsets_ptr + experts, first.to(tl.int64), mask=experts < E)
+    tl.store(offsets_ptr + E, tl.reduce(counts, 0, _sum_combine).to(tl.int64))
+    run = first  # [E_PAD] next free row of each expert
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
+        before = tl.associative_scan(hit, 0, _sum_combine) - hit  # [BLOCK, E_PAD] same-expert pairs earlier in the block
+        row = tl.reduce(hit * (before + run[None, :]), 1, _sum_combine)  # [BLOCK]
+        ok = (p < P) & (ids >= 0) & (ids < E)
+        tl.store(sorted_pair_ptr + row, p.to(tl.int64), mask=ok)
+        tl.store(sorted_token_ptr + row, (p // top_k).to(tl.int64), mask=ok)
+        run += tl.reduce(hit, 0, _sum_combine)
+
+
 @triton.jit
 def decode_append_attention_kernel(
     q_ptr, knew_ptr, vnew_ptr, kc_ptr, vc_ptr, out_ptr, base_ptr, cap_ptr, pos_ptr,

@@ -16,7 +16,8 @@ Weights are Hugging Face's layout (out x in):
 Contents, Triton-tutorial style (kernel, wrapper that checks / allocates / launches, reference beside it):
 
 * :func:`moe_align` -- group the P (token, slot) pairs by expert (vLLM / Triton fused-MoE style token
-  sort; optionally padded to blocks of ``block_m`` rows, one expert per block).
+  sort; optionally padded to blocks of ``block_m`` rows, one expert per block); :func:`moe_align_triton` -- the
+  same grouping (no padding) as one Triton launch, which the grouped_mm and mm_loop FFNs take on CUDA.
 * :func:`experts_ffn_reference` -- pure torch, loops over the experts that receive tokens. Its default
   ``order="hf"`` reproduces the op order of Hugging Face transformers >= 5 ``MixtralExperts`` (default
   ``grouped_mm`` implementation); ``"hf-eager"`` and ``"hf4"`` reproduce the eager loop of transformers
@@ -66,6 +67,8 @@ __all__ = [
     "mm_loop_block_rows",
     "mm_loop_blocks",
     "moe_align",
+    "moe_align_triton",
+    "moe_align_triton_fits",
     "moe_combine_reference",
     "moe_combine_triton",
     "silu_mul_reference",
@@ -233,6 +236,62 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: Optional[int] =
     block_expert = torch.searchsorted(padded_offsets[1:].contiguous(), block_start, right=True)
     block_expert = torch.where(block_expert >= num_experts, -1, block_expert).to(torch.int32)
     return MoEAlignment(sorted_token, offsets, sorted_pair, counts, block_m, padded_pair, block_expert)
+
+
+MOE_ALIGN_TRITON_MAX = 1 << 20  # moe_align_triton takes P * E_PAD up to this (one program; beyond, moe_align's sort)
+
+
+def moe_align_triton_fits(num_pairs: int, num_experts: int) -> bool:
+    """Whether :func:`moe_align_triton` takes ``num_pairs`` pairs over ``num_experts`` experts: its one program walks
+    a ``[BLOCK, E_PAD]`` hit matrix over the pairs twice, so its time grows with ``P * E_PAD``."""
+    return num_pairs * _pow2_at_least(max(num_experts, 2)) <= MOE_ALIGN_TRITON_MAX
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int) -> MoEAlignment:
+    """:func:`moe_align` without ``block_m`` as one Triton launch (``_triton_kernels.moe_align_kernel``: a stable
+    counting sort in one program) instead of a device sort and five small ops: the same four tensors, equal to
+    :func:`moe_align`'s (its reference) for ids in ``[0, num_experts)``; no host sync.
+
+    Args:
+        topk_ids: ``[T, k]`` integer expert ids (int64 / int32), contiguous or not. Ids are not range-checked (that
+            needs a sync): a pair whose id is outside ``[0, num_experts)`` is left out (``expert_offsets[E]`` counts
+            only the rest, and the last rows of the sorted tensors are not written).
+        num_experts: E.
+
+    Returns:
+        :class:`MoEAlignment` with ``block_m`` None.
+
+    Raises:
+        ValueError: bad shapes / dtypes, ``num_experts < 1``, ``P * E_PAD`` over ``MOE_ALIGN_TRITON_MAX``
+        (:func:`moe_align_triton_fits`), CPU tensors (unless ``TRITON_INTERPRET=1``).
+        RuntimeError: triton not installed.
+    """
+    fn = "moe_align_triton"
+    if topk_ids.dim() != 2:
+        raise ValueError(f"{fn}: topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{fn}: topk_ids must be int64 or int32, got {topk_ids.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"{fn}: num_experts must be >= 1, got {num_experts}")
+    _check_triton_device(fn, topk_ids)
+    T, k = topk_ids.shape
+    P, dev = T * k, topk_ids.device
+    if not moe_align_triton_fits(P, num_experts):
+        raise ValueError(f"{fn}: {P} pairs x {num_experts} experts is over the one-program limit "
+                         f"(P * E_PAD <= {MOE_ALIGN_TRITON_MAX}); use moe_align")
+    flat = topk_ids.reshape(-1)  # [P] (a copy only when topk_ids is not contiguous)
+    sorted_pair = torch.empty(P, dtype=torch.int64, device=dev)  # [P]
+    sorted_token = torch.empty(P, dtype=torch.int64, device=dev)  # [P]
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)  # [E+1]
+    counts = torch.empty(num_experts, dtype=torch.int64, device=dev)  # [E]
+    if P == 0:
+        return MoEAlignment(sorted_token, offsets.zero_(), sorted_pair, counts.zero_(), None, None, None)
+    e_pad = _pow2_at_least(max(num_experts, 2))
+    _triton_kernels().moe_align_kernel[(1,)](
+        flat, sorted_pair, sorted_token, offsets, counts, P, num_experts, k,
+        E_PAD=e_pad, BLOCK=max(16, 8192 // e_pad), num_warps=8,
+    )
+    return MoEAlignment(sorted_token, offsets, sorted_pair, counts, None, None, None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -956,7 +1015,8 @@ def fused_experts_grouped_mm(
     the result and the skip id of :func:`fused_experts_triton`.
 
     Steps, all on the device with no host sync: (1) :func:`moe_align` sorts the P = T*k pairs by expert (stable;
-    with ``skip`` the skipped pairs form a last bucket, id E); the E group ends ``offs`` are int32 on the device and
+    with ``skip`` the skipped pairs form a last bucket, id E; with the Triton epilogue, :func:`moe_align_triton`
+    where :func:`moe_align_triton_fits`: one launch instead of a device sort and five small ops); the E group ends ``offs`` are int32 on the device and
     the skipped pairs lie past ``offs[E-1]``, where grouped_mm writes nothing; (2) ``xs = x[sorted tokens]`` [P, D];
     (3) per column chunk (:func:`grouped_mm_gate_up_chunks`) ``gate = xs W1_e^T``, ``up = xs W3_e^T`` (grouped GEMMs
     over the transposed weight views, no copy) and ``h = silu(gate) * up`` [P, F] in ``x.dtype`` (:func:`silu_mul_triton`
@@ -1010,9 +1070,11 @@ def fused_experts_mm_loop(
     arguments, the result and the roundings of :func:`fused_experts_grouped_mm`, whose steps it shares but for the
     GEMMs.
 
-    The GEMMs need each expert's row count on the host: after :func:`moe_align` the E + 1 group bounds are copied to
-    pinned host memory (non-blocking, on CUDA), the expert-sorted gather ``xs = x[sorted tokens]`` is queued, and only
-    then does the host wait for the bounds, so the GPU gathers while the host waits: ONE host sync per call. Then per
+    The GEMMs need each expert's row count on the host: after the sort by expert (:func:`moe_align_triton` /
+    :func:`moe_align`, as :func:`fused_experts_grouped_mm`) the E + 1 group bounds are copied to pinned host memory
+    (non-blocking, on CUDA), the buffers are allocated and the expert-sorted gather ``xs = x[sorted tokens]`` is
+    queued, and only then does the host wait for the bounds, so the GPU gathers while the host waits and the host
+    has only the GEMM launches left after it: ONE host sync per call. Then per
     block (e, s, m) of :func:`mm_loop_blocks`: ``h[s:s+m] = xs[s:s+m] W1_e^T`` (written in place), ``up = xs[s:s+m]
     W3_e^T`` (one reused [block, F] buffer), ``h[s:s+m] = silu(h[s:s+m]) * up``; then per block ``yd[s:s+m] =
     h[s:s+m] W2_e^T``; the combine of :func:`fused_experts_grouped_mm`. A block holds at most ``2 P / n`` rows (n =
@@ -1103,25 +1165,29 @@ def _mm_loop_ffn(x: torch.Tensor, sorted_token_idx: torch.Tensor, offsets: torch
                  w3: torch.Tensor, w2: torch.Tensor, n_chunks: int, silu_mul: Callable) -> torch.Tensor:
     """yd [P, D] = (silu(xs W1_e^T) * (xs W3_e^T)) W2_e^T per expert e over its expert-sorted rows xs, one
     ``torch.mm`` per block of :func:`mm_loop_blocks` and projection, with one host wait for the group bounds
-    ``offsets`` [E+1] (:func:`_host_bounds`, the gather queued first). Rows past ``bounds[E]`` hold whatever the
-    padding wrote. On CUDA the tile row counts not yet run are run once first (:func:`_mm_loop_warm`)."""
+    ``offsets`` [E+1] (:func:`_host_bounds`). Everything that does not need the bounds comes before the wait (the
+    buffers, the gather, on CUDA the first call's tile row counts: :func:`_mm_loop_warm`), so after it the host only
+    splits the rows into blocks and launches the GEMMs. Rows past ``bounds[E]`` hold whatever the padding wrote."""
     P, D, Fd = sorted_token_idx.numel(), x.shape[1], w1.shape[1]
-    xs = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]: spare rows for padding
-    bounds, _ = _host_bounds(offsets, lambda: torch.index_select(x, 0, sorted_token_idx, out=xs[:P]))  # E+1 bounds
     block = mm_loop_block_rows(P, n_chunks)
-    blocks = mm_loop_blocks(bounds, block)
+    xs = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]: spare rows for padding
     h = torch.empty((P + MM_LOOP_TILE, Fd), dtype=x.dtype, device=x.device)  # [P + tile, F]
     up = torch.empty((block, Fd), dtype=x.dtype, device=x.device)  # [block, F], reused by every block
-    warm = _warms_tiles(x)
-    if warm:
-        _mm_loop_warm(xs, w1[0], h, block)
-        _mm_loop_warm(xs, w3[0], up, block)
+
+    def before_the_wait() -> None:  # queued after the bounds' copy: the GPU runs it while the host waits
+        torch.index_select(x, 0, sorted_token_idx, out=xs[:P])
+        if _warms_tiles(x):
+            _mm_loop_warm(xs, w1[0], h, block)
+            _mm_loop_warm(xs, w3[0], up, block)
+
+    bounds, _ = _host_bounds(offsets, before_the_wait)  # E+1 bounds
+    blocks = mm_loop_blocks(bounds, block)
     for e, s, m in blocks:  # ascending experts: a block's padding rows are overwritten by the experts after it
         torch.mm(xs[s:s + m], w1[e].T, out=h[s:s + m])  # [m, F] gate, in place in h
         silu_mul(h[s:s + m], torch.mm(xs[s:s + m], w3[e].T, out=up[:m]), h[s:s + m])  # silu(gate) * up
     xs = up = None
     yd = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]
-    if warm:
+    if _warms_tiles(x):
         _mm_loop_warm(h, w2[0], yd, block)
     for e, s, m in blocks:
         torch.mm(h[s:s + m], w2[e].T, out=yd[s:s + m])  # [m, D]
@@ -1153,7 +1219,9 @@ def _sorted_experts_ffn(fn: str, x, w1, w3, w2, topk_weights, topk_ids, validate
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
     silu_mul = silu_mul_triton if epilogue == "triton" else silu_mul_reference
-    al = moe_align(topk_ids, E + 1 if skip else E)  # stable sort by expert; the skip bucket (id E) last
+    E_al = E + 1 if skip else E  # the skip bucket (id E) last
+    fast_align = epilogue == "triton" and moe_align_triton_fits(topk_ids.numel(), E_al)
+    al = (moe_align_triton if fast_align else moe_align)(topk_ids, E_al)  # stable sort by expert
     if per_expert:
         yd = _mm_loop_ffn(x, al.sorted_token_idx, al.expert_offsets[:E + 1], w1, w3, w2, n_chunks, silu_mul)  # [P, D]
     else:

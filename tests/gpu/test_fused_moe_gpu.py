@@ -130,3 +130,24 @@ def test_fused_experts_skip_pairs(shape, dtype):
     assert rel_err(got, want) <= TOL[dtype]
     none = fused_experts_triton(x, w1, w3, w2, wts, torch.full_like(ids, E), skip=True)
     assert torch.equal(none, torch.zeros_like(none))
+
+
+def test_moe_align_triton_on_gpu_matches_moe_align():
+    """moe_align_triton (compiled) equals moe_align on CUDA at prefill sizes up to its one-program limit: Mixtral's
+    8 experts at 32,768 tokens x top-2, 128 experts x top-8 at the limit, the skip bucket, int32 ids, an expert
+    with no pairs."""
+    from lightning_moe.kernels.fused_moe import MOE_ALIGN_TRITON_MAX, moe_align_triton, moe_align_triton_fits
+
+    g = torch.Generator(device="cuda").manual_seed(107)
+    cases = [(32768, 2, 8), (4096, 2, 9), (1024, 8, 128), (3, 1, 1), (777, 6, 60)]
+    for T, k, E in cases:
+        assert moe_align_triton_fits(T * k, E), (T, k, E)
+        ids = torch.randint(0, E, (T, k), device="cuda", generator=g)
+        if E > 5:
+            ids = torch.where(ids == 5, 4, ids)  # expert 5: no pairs
+        for dt in (torch.int64, torch.int32):
+            want, got = moe_align(ids.to(dt), E), moe_align_triton(ids.to(dt), E)
+            for a, b, name in zip(got[:4], want[:4], ("sorted_token_idx", "expert_offsets", "sorted_pair_idx",
+                                                      "counts")):
+                assert torch.equal(a, b), (T, k, E, dt, name)
+    assert not moe_align_triton_fits(MOE_ALIGN_TRITON_MAX // 8 + 1, 8)
