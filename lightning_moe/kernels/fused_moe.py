@@ -238,7 +238,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: Optional[int] =
     return MoEAlignment(sorted_token, offsets, sorted_pair, counts, block_m, padded_pair, block_expert)
 
 
-MOE_ALIGN_TRITON_MAX = 1 << 20  # moe_align_triton takes P * E_PAD up to this (one program; beyond, moe_align's sort)
+MOE_ALIGN_TRITON_MAX = 1 << 17  # moe_align_triton takes P * E_PAD up to this (one program: beyond, the device sort is faster)
 
 
 def moe_align_triton_fits(num_pairs: int, num_experts: int) -> bool:
