@@ -72,6 +72,8 @@
 #   bash benchmarks/issue15_gpu_check.sh Z1  # (fresh; .carry/before = the tree before) the expert FFN from a cold
 #                                            # clock before / now, the host's time now, the changed kernels' GPU
 #                                            # tests, the 12 GiB perplexity case before / now through the CLI
+#   bash benchmarks/issue15_gpu_check.sh Z2  # (fresh) every GPU test in one process, then the FFN from a cold clock;
+#                                            # Z3 (warm, at once): issue 22's eight matrix cases through the CLI
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -132,7 +134,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1|Z2|Z3}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -551,6 +553,18 @@ p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.
       tests/gpu/test_no_host_sync_gpu.py > $OUT/tests_z1.txt 2>&1
     echo "GPU tests: rc $?"; tail -3 $OUT/tests_z1.txt
     LIMIT=575 run_cases "before:pf-ppl-bf16-12g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g" z1 ;;
+  Z2)
+    # issue 22, next session, call 1 (fresh; carry .carry): every GPU test in one process on this tree (the CLI's
+    # included: ~250 s + ~240 s on the H200 host), then the expert FFN from a cold clock with the time left
+    timeout ${TLIMIT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=5 tests/gpu \
+      > $OUT/tests_z2.txt 2>&1
+    echo "GPU tests: rc $?"; tail -8 $OUT/tests_z2.txt
+    left=$((585 - (SECONDS - S))); [ $left -gt 60 ] && timeout $left python3 benchmarks/bench_prefill_ffn.py --cool 1 \
+      --rounds 3 --calls 2 --tokens 4096,8192 --out $OUT/prefill_ffn_z2.md 2>&1 | tail -3 ;;
+  Z3)
+    # issue 22, next session, call 2 (warm, at once): issue 22's matrix through the CLI on this tree
+    LIMIT=575 run_cases "${Z3_CASES:-now:pf-ppl-int4-12g now:pf-gen-int4-12g now:pf-ppl-bf16-24g now:pf-gen-bf16-24g \
+      now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g}" z3 ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \
