@@ -393,8 +393,10 @@ def test_moe_align_triton_skip_bucket_and_refusals(interpret):
     assert fm.moe_align_triton(ids[:0], E).expert_offsets.tolist() == [0] * (E + 1)
     with pytest.raises(ValueError, match="one-program limit"):
         fm.moe_align_triton(torch.zeros(fm.MOE_ALIGN_TRITON_MAX // 8 + 1, 1, dtype=torch.int64), 8)
-    with pytest.raises(ValueError, match="int64 or int32"):
-        fm.moe_align_triton(ids.to(torch.int16), E)
+    for dt in (torch.int16, torch.uint8):  # the FFNs accept these id dtypes: one int32 copy, the same grouping
+        assert all(torch.equal(a, b) for a, b in zip(fm.moe_align_triton(ids.to(dt), E + 1)[:4], want[:4]))
+    with pytest.raises(ValueError, match="int64/int32/int16/uint8"):
+        fm.moe_align_triton(ids.float(), E)
     with pytest.raises(ValueError, match=r"\[T, k\]"):
         fm.moe_align_triton(ids.reshape(-1), E)
 

@@ -253,7 +253,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int) -> MoEAlignment:
     :func:`moe_align`'s (its reference) for ids in ``[0, num_experts)``; no host sync.
 
     Args:
-        topk_ids: ``[T, k]`` integer expert ids (int64 / int32), contiguous or not. Ids are not range-checked (that
+        topk_ids: ``[T, k]`` integer expert ids (int64 / int32 as they are; int16 / uint8, which the FFNs accept, go
+            through one int32 copy), contiguous or not. Ids are not range-checked (that
             needs a sync): a pair whose id is outside ``[0, num_experts)`` is left out (``expert_offsets[E]`` counts
             only the rest, and the last rows of the sorted tensors are not written).
         num_experts: E.
@@ -269,8 +270,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int) -> MoEAlignment:
     fn = "moe_align_triton"
     if topk_ids.dim() != 2:
         raise ValueError(f"{fn}: topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{fn}: topk_ids must be int64 or int32, got {topk_ids.dtype}")
+    if topk_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"{fn}: topk_ids must be an int64/int32/int16/uint8 tensor, got {topk_ids.dtype}")
     if num_experts < 1:
         raise ValueError(f"{fn}: num_experts must be >= 1, got {num_experts}")
     _check_triton_device(fn, topk_ids)
@@ -280,6 +281,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int) -> MoEAlignment:
         raise ValueError(f"{fn}: {P} pairs x {num_experts} experts is over the one-program limit "
                          f"(P * E_PAD <= {MOE_ALIGN_TRITON_MAX}); use moe_align")
     flat = topk_ids.reshape(-1)  # [P] (a copy only when topk_ids is not contiguous)
+    if flat.dtype not in (torch.int64, torch.int32):
+        flat = flat.to(torch.int32)
     sorted_pair = torch.empty(P, dtype=torch.int64, device=dev)  # [P]
     sorted_token = torch.empty(P, dtype=torch.int64, device=dev)  # [P]
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)  # [E+1]
@@ -1016,8 +1019,8 @@ def fused_experts_grouped_mm(
 
     Steps, all on the device with no host sync: (1) :func:`moe_align` sorts the P = T*k pairs by expert (stable;
     with ``skip`` the skipped pairs form a last bucket, id E; with the Triton epilogue, :func:`moe_align_triton`
-    where :func:`moe_align_triton_fits`: one launch instead of a device sort and five small ops); the E group ends ``offs`` are int32 on the device and
-    the skipped pairs lie past ``offs[E-1]``, where grouped_mm writes nothing; (2) ``xs = x[sorted tokens]`` [P, D];
+    where :func:`moe_align_triton_fits`: one launch instead of a device sort and five small ops); the E group ends
+    ``offs`` are int32 on the device and the skipped pairs lie past ``offs[E-1]``, where grouped_mm writes nothing; (2) ``xs = x[sorted tokens]`` [P, D];
     (3) per column chunk (:func:`grouped_mm_gate_up_chunks`) ``gate = xs W1_e^T``, ``up = xs W3_e^T`` (grouped GEMMs
     over the transposed weight views, no copy) and ``h = silu(gate) * up`` [P, F] in ``x.dtype`` (:func:`silu_mul_triton`
     / :func:`silu_mul_reference`); (4) ``yd = h W2_e^T`` [P, D] in ``x.dtype``; (5) per slot j (increasing): ``out +=
