@@ -74,6 +74,10 @@
 #                                            # tests, the 12 GiB perplexity case before / now through the CLI
 #   bash benchmarks/issue15_gpu_check.sh Z2  # (fresh) every GPU test in one process, then the FFN from a cold clock;
 #                                            # Z3 (warm, at once): issue 22's eight matrix cases through the CLI
+#   bash benchmarks/issue15_gpu_check.sh Z4  # (fresh) the two generation cases Z3 left in doubt (int4 24 GiB at
+#                                            # 0.597 of the bound; bf16 12 GiB cut off by the limit), three times each
+#   bash benchmarks/issue15_gpu_check.sh Z5  # (nvidia-h200-x2, fresh) a job on cuda:1 against cuda:0 through the CLI
+#                                            # (test_cuda1_equals_cuda0_with_triton_kernels), then every CLI GPU test
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
 #                                            # weights from disk), generation and perplexity in bf16 at 16 GiB through
 #                                            # the CLI (cli_sweep --preset families; gpt-oss's experts MXFP4 as on the
@@ -134,7 +138,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1|Z2|Z3}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1|Z2|Z3|Z4|Z5}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -565,6 +569,19 @@ p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.
     # issue 22, next session, call 2 (warm, at once): issue 22's matrix through the CLI on this tree
     LIMIT=575 run_cases "${Z3_CASES:-now:pf-ppl-int4-12g now:pf-gen-int4-12g now:pf-ppl-bf16-24g now:pf-gen-bf16-24g \
       now:pf-ppl-int4-24g now:pf-gen-int4-24g now:pf-ppl-bf16-12g now:pf-gen-bf16-12g}" z3 ;;
+  Z4)
+    # issue 22 on the final tree: the generation cases in doubt after Z3, three rounds (a run's slowdown shows as all
+    # its phases slower: compare load / warmup / decode across the rounds, not only prefill)
+    for r in a b c; do
+      LIMIT=575 run_cases "${Z4_CASES:-now:pf-gen-int4-24g now:pf-gen-bf16-12g}" z4$r
+    done ;;
+  Z5)
+    # device: cuda:N on a two-GPU host (kind nvidia-h200-x2): the cuda:1 test first, then the CLI's other GPU tests
+    nvidia-smi -L
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cli_gpu.py -k cuda1 \
+      > $OUT/test_cuda1.txt 2>&1; echo "cuda:1 test: rc $?"; tail -3 $OUT/test_cuda1.txt
+    timeout $((585 - (SECONDS - S))) python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_cli_gpu.py \
+      -k "not cuda1" > $OUT/test_cli_gpu.txt 2>&1; echo "CLI GPU tests: rc $?"; tail -3 $OUT/test_cli_gpu.txt ;;
   K) step_k ;;
   M)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu/test_mxfp4_gpu.py \

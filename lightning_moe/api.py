@@ -262,7 +262,7 @@ class LLM:
                  system_prompt: Optional[str] = None, truncate: str = "error",
                  chat_template_kwargs: Optional[Mapping[str, Any]] = None, **job_keys: Any):
         from .app.engine import ModelRunner, check_device
-        from .app.gpu import apply_gpu_cap
+        from .app.gpu import apply_gpu_cap, use_device
         from .app.plan import ModelFiles
 
         for k in job_keys:
@@ -291,6 +291,7 @@ class LLM:
         self.job = job  # the validated settings (task generate; each call makes its own job from them)
         check_device(job)
         self._files = ModelFiles(job.model)  # spec and tokenizer
+        use_device(job.device)  # kernels and events made without a device land on the job's
         self.gpu_cap = apply_gpu_cap(job.device, job.gpu_memory)  # None on the CPU or without a cap
         self._runner = ModelRunner(self._files, job.dtype, log=_LIBRARY_LOG)
         # cgopipe's page pool reads the experts from the files a layer at a time (the host peak the planner budgets)

@@ -34,7 +34,14 @@ def test_phases_measured_predicted_binding():
     text = format_report(_report())
     assert _row(text, "prefill") == ["prefill", "500.0", "1,000.0", "0.50", "2.50", "gpu"]
     assert _row(text, "decode") == ["decode", "30.0", "40.0", "0.75", "9.00", "h2d"]
-    assert _row(text, "end-to-end")[:4] == ["end-to-end", "25.0", "33.3", "0.75"]
+    assert _row(text, "end-to-end") == ["end-to-end", "25.0", "33.3", "0.75", "11.50", "-"]
+
+
+def test_end_to_end_wall_is_the_span_its_rate_is_over():
+    """The end-to-end row's seconds are warm-up + prefill + decode, what its tokens/s divides by, not the whole run's
+    total (load and start-up are in the wall line below the table)."""
+    w = {"total": 40.0, "setup": 5.0, "load": 10.0, "warmup": 1.5, "prefill": 2.5, "decode": 9.0, "other": 12.0}
+    assert _row(format_report(_report(wall_seconds=w)), "end-to-end")[4] == "13.00"
 
 
 def test_policy_memory_and_stages():

@@ -55,6 +55,51 @@ def test_gpu_cap_accepts_cuda_and_cuda_index(monkeypatch):
 
 
 
+def test_use_device_makes_the_jobs_cuda_device_current(monkeypatch):
+    """Triton launches and torch.cuda.Event / Stream() made without a device go to the current device, so a job on
+    cuda:N makes N current; "cuda" keeps the current one; a CPU job touches nothing."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    gpu.use_device("cuda:3")
+    gpu.use_device("cuda")
+    gpu.use_device("cpu")
+    assert chosen == [3, 1]
+
+
+def test_run_and_llm_make_the_jobs_device_current_before_the_cap(tmp_path, tiny_dir, monkeypatch):
+    """`moe-batch run` and the Python API call use_device with the job's device before the GPU cap (which creates the
+    CUDA context) and before any weight reaches the executor."""
+    from lightning_moe import api
+
+    order = []
+    real_cap = gpu.apply_gpu_cap
+    monkeypatch.setattr(engine, "use_device", lambda d: order.append(("device", d)))
+    monkeypatch.setattr(engine, "apply_gpu_cap", lambda d, m: order.append(("cap", d)) or real_cap(d, m))
+    job = _write_job(tmp_path, tiny_dir, {"mu": 4, "n": 1})
+    assert cli.main(["run", job, "--no-progress"]) == 0
+    assert order == [("device", "cpu"), ("cap", "cpu")]
+    order.clear()
+    monkeypatch.setattr(gpu, "use_device", lambda d: order.append(("device", d)))
+    monkeypatch.setattr(gpu, "apply_gpu_cap", lambda d, m: order.append(("cap", d)) or real_cap(d, m))
+    with api.LLM(tiny_dir, device="cpu", dtype="float32", executor="serial"):
+        pass
+    assert order == [("device", "cpu"), ("cap", "cpu")]
+
+
+def test_cuda_index_past_the_devices_is_one_line_before_any_weight(tmp_path, tiny_dir, no_weights, monkeypatch,
+                                                                   capsys):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    job = _write_job(tmp_path, tiny_dir, {"mu": 4, "n": 1}, device="cuda:2")
+    assert cli.main(["run", job, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"moe-batch: error: {job}: device: cuda:2 asked for, but torch sees 2 CUDA device(s): "
+                   "cuda:0 to cuda:1")
+
+
 def test_gpu_cap_counts_own_context_not_other_processes(monkeypatch):
     """With NVML, the cap nets out only this process's CUDA context (NVML free before minus after creating it):
     20 GiB held by another process on the device do not shrink a 24 GiB cap, but the device must have it free."""

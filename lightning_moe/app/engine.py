@@ -42,7 +42,7 @@ from ..model.quantized import checkpoint_expert_scheme
 from ..model.weights import load_checkpoint
 from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
-from .gpu import PhasePeaks, apply_gpu_cap
+from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, plan_job, policy_for_job
 from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
                      reconcile_killed_runs, timing)
@@ -111,6 +111,12 @@ def check_device(job: Job) -> None:
 
         raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
+    index = torch.device(job.device).index if job.device.startswith("cuda") else None
+    if index is not None and index >= torch.cuda.device_count():
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees "
+                          f"{torch.cuda.device_count()} CUDA device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
 def check_expert_parallel(job: Job) -> None:
@@ -580,6 +586,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
         if work:
             save_progress()  # this run is in the report's runs from its start: killed before a checkpoint, it still shows
             t = time.perf_counter()
+            use_device(job.device)
             cap = apply_gpu_cap(job.device, job.gpu_memory)
             parts["gpu_init"] = time.perf_counter() - t
             t = time.perf_counter()

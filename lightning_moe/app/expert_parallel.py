@@ -14,6 +14,7 @@ import sys
 import torch
 
 from ..config import Job
+from .gpu import use_device
 
 
 def in_group() -> bool:
@@ -76,11 +77,12 @@ def _backend(job: Job) -> str:
 def _process(rank: int, job: Job, lead, follow, port: int, progress: bool, threads: int) -> None:
     """One process of the group: process 0 runs the job (``lead``), the others follow it (``follow``)."""
     torch.set_num_threads(threads)  # the launcher's (the processes share its cores; a GEMM's rounding may follow it)
+    if job.device.startswith("cuda"):
+        job = dataclasses.replace(job, device=f"cuda:{rank}")
+        use_device(job.device)  # before NCCL starts: its communicator and every kernel on cuda:rank
     torch.distributed.init_process_group(_backend(job), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=job.gpus)
     try:
-        if job.device.startswith("cuda"):
-            job = dataclasses.replace(job, device=f"cuda:{rank}")
         if rank == 0:
             lead(job, progress=progress)
         else:

@@ -17,6 +17,14 @@ def cuda_index(device: str) -> int:
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
+def use_device(device: str) -> None:
+    """Make ``device`` this process's current CUDA device (nothing for a non-CUDA device). Work queued without an
+    explicit device (Triton launches, ``torch.cuda.Event``, ``torch.cuda.Stream()``) goes to the current device, so
+    a job on ``cuda:N`` sets it once before it allocates or launches anything."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(cuda_index(device))
+
+
 def _nvml_free(idx: int) -> Optional[int]:
     """Free memory of CUDA device ``idx`` in bytes as NVML sees it (needs no CUDA context), or None when NVML
     (nvidia-ml-py) is unavailable or the device cannot be matched."""

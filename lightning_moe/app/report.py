@@ -204,16 +204,18 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         f"{r.get('generated_tokens', 0):,} generated",
         "",
     ]
-    phases = [("prefill", "prefill_tokens_per_s", "prefill", "prefill_binding")]
+    # each row's wall seconds are the span its tokens/s is over: end-to-end is warm-up + prefill + decode
+    spans = {"prefill": w.get("prefill"), "decode": w.get("decode"),
+             "end-to-end": sum(w.get(k) or 0.0 for k in ("warmup", "prefill", "decode")) if w else None}
+    phases = [("prefill", "prefill_tokens_per_s", "prefill_binding")]
     if not scoring:
-        phases += [("decode", "decode_tokens_per_s", "decode", "decode_binding"),
-                   ("end-to-end", "end_to_end_tokens_per_s", "total", None)]
+        phases += [("decode", "decode_tokens_per_s", "decode_binding"), ("end-to-end", "end_to_end_tokens_per_s", None)]
     rows = []
-    for name, key, wall, bind in phases:
+    for name, key, bind in phases:
         m, p = r.get(key), pred.get(key)
         rows.append({"phase": name, "measured tok/s": num(m), "predicted tok/s": num(p),
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
-                     "wall s": num(w.get(wall), "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
+                     "wall s": num(spans[name], "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
     lines += [_table(rows), ""]
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "

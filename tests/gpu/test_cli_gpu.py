@@ -184,3 +184,18 @@ def test_cgopipe_tokens_equal_serial(ckpts, datasets, tmp_path):
     diff = [i for i in outs["serial"] if outs["serial"][i] != outs["cgopipe"][i]]
     assert not diff, f"{len(diff)} of {N_REQ} requests differ, e.g. {diff[0]}: serial {outs['serial'][diff[0]]} " \
                      f"cgopipe {outs['cgopipe'][diff[0]]}"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+def test_cuda1_equals_cuda0_with_triton_kernels(ckpts, datasets, tmp_path):
+    """A job on cuda:1 (the Triton expert kernels, int4 pages, the GPU cap) finishes under its cap with cuda:0's
+    tokens: kernel launches and events made without a device follow the job's device (``app.gpu.use_device``)."""
+    outs = {}
+    for dev in ("cuda:0", "cuda:1"):
+        job, out = write_mode_job(str(tmp_path), f"gen-{dev[-1]}", ckpts["int4"], "generate", datasets["generate"],
+                                  device=dev, expert_ffn="triton")
+        recs, report = check_done(run_job(job), out, N_REQ)
+        assert report["device"] == dev, report["device"]
+        outs[dev] = {r["id"]: r["output_ids"] for r in recs}
+    assert outs["cuda:1"] == outs["cuda:0"]
