@@ -132,10 +132,9 @@ def main(argv=None) -> int:
         if not fm.moe_align_triton_fits(T * k, n):
             continue
         ok = all(torch.equal(u, v) for u, v in zip(fm.moe_align(ids, n)[:4], fm.moe_align_triton(ids, n)[:4]))
-        gpu = {name: gpu_us(f, 20) for name, f in (("moe_align", lambda: fm.moe_align(ids, n)),
-               ("moe_align_triton", lambda: fm.moe_align_triton(ids, n)))}
-        host = {name: host_us(f, 20) for name, f in (("moe_align", lambda: fm.moe_align(ids, n)),
-                ("moe_align_triton", lambda: fm.moe_align_triton(ids, n)))}
+        fns = {"moe_align": lambda: fm.moe_align(ids, n), "moe_align_triton": lambda: fm.moe_align_triton(ids, n)}
+        gpu = {name: gpu_us(f, 20) for name, f in fns.items()}
+        host = {name: host_us(f, 20) for name, f in fns.items()}
         say(f"align T {T} k {k} E {n}: equal {ok}; GPU us per call (20 queued) "
             + ", ".join(f"{k_} {v:.1f}" for k_, v in gpu.items()) + "; host us " + ", ".join(
                 f"{k_} {v:.1f}" for k_, v in host.items()))

@@ -112,11 +112,12 @@ def check_device(job: Job) -> None:
         raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
     index = torch.device(job.device).index if job.device.startswith("cuda") else None
-    if index is not None and index >= torch.cuda.device_count():
+    count = torch.cuda.device_count() if index is not None else 0
+    if index is not None and index >= count:
         from ..config import ConfigError
 
-        raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees "
-                          f"{torch.cuda.device_count()} CUDA device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees {count} CUDA device(s): "
+                          f"cuda:0 to cuda:{count - 1}")
 
 
 def check_expert_parallel(job: Job) -> None:
