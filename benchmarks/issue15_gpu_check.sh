@@ -76,6 +76,8 @@
 #                                            # Z3 (warm, at once): issue 22's eight matrix cases through the CLI
 #   bash benchmarks/issue15_gpu_check.sh Z4  # (fresh) the two generation cases Z3 left in doubt (int4 24 GiB at
 #                                            # 0.597 of the bound; bf16 12 GiB cut off by the limit), three times each
+#   bash benchmarks/issue15_gpu_check.sh Z6  # (warm after Z4) the tree before (.carry/before) and this one alternating:
+#                                            # generation int4 24 GiB, bf16 12 GiB, perplexity int4 12 GiB
 #   bash benchmarks/issue15_gpu_check.sh Z5  # (nvidia-h200-x2, fresh) a job on cuda:1 against cuda:0 through the CLI
 #                                            # (test_cuda1_equals_cuda0_with_triton_kernels), then every CLI GPU test
 #   bash benchmarks/issue15_gpu_check.sh K   # DeepSeek-V2-Lite and gpt-oss-120b at real width, 4 layers each (random
@@ -138,7 +140,7 @@ p = H.load('lightning_moe/policy/profiles/h200-host.yaml'); r = yaml.safe_load(o
 p = H.from_dict({**p.to_dict(), 'expert_ffn_rates': r}); p.save(sys.argv[2], header='h200-host.yaml + ' + sys.argv[3] + ' rates')" \
       "$1" "$2" "$3" || cp lightning_moe/policy/profiles/h200-host.yaml "$2"
 }
-case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1|Z2|Z3|Z4|Z5}" in
+case "${1:?usage: issue15_gpu_check.sh A|B|C|D|E|F|G|H|I|J|K|M|P|Q1|Q2|Q3|R1|S1|T1|T2|U1|U2|V1|V2|V3|W1|W2|W3|X1|X2|Y1|Y2|Z1|Z2|Z3|Z4|Z5|Z6}" in
   A)
     python3 benchmarks/cli_sweep.py --preset suite --work $W --out $W/out/prep --prepare-only --gen-device cuda 2>&1 | tail -2
     CK=$(ls -d $W/ckpt-bf16-L4-* | head -1)
@@ -575,6 +577,9 @@ p.sort_stats('tottime').print_stats(30)" /tmp/prof/$f.prof > /tmp/prof/$f-stats.
     for r in a b c; do
       LIMIT=575 run_cases "${Z4_CASES:-now:pf-gen-int4-24g now:pf-gen-bf16-12g}" z4$r
     done ;;
+  Z6)
+    LIMIT=${LIMIT:-330} run_cases "${Z6_CASES:-before:pf-gen-int4-24g now:pf-gen-int4-24g before:pf-gen-bf16-12g \
+now:pf-gen-bf16-12g before:pf-ppl-int4-12g now:pf-ppl-int4-12g}" z6 ;;
   Z5)
     # device: cuda:N on a two-GPU host (kind nvidia-h200-x2): the cuda:1 test first, then the CLI's other GPU tests
     nvidia-smi -L

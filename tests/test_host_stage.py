@@ -65,3 +65,19 @@ def test_host_issue_probe_runs_the_executor():
 
     h_c, h_g = measure_host_issue("cpu", layers=2, mu=3, steps=2)
     assert 0 < h_c < 1 and 0 < h_g < 1
+
+
+def test_estimate_says_when_it_has_no_host_stage():
+    """A profile without host issue times (every preset) predicts decode without the host stage: the estimate says so
+    in a note naming the hardware and the fields; a measured profile, or a job with no decode, gets no such note."""
+    from lightning_moe.policy.policy import Workload
+
+    spec = resolve_spec("mixtral-8x7b")
+    pol = Policy(mu=128, n=4, prefill_mu=16, resident_experts=1)
+    gen, score = Workload(prompt_len=150, gen_len=16), Workload(prompt_len=150, gen_len=1)
+    preset = get_preset("l4")
+    (note,) = hrm.evaluate(pol, spec, preset, gen).notes
+    assert note.startswith("note: hardware l4 ") and "host_issue_cpu_attn" in note
+    assert hrm.evaluate(pol, spec, preset, score).notes == ()
+    for field in ("host_issue_cpu_attn", "host_issue_gpu_attn"):
+        assert hrm.evaluate(pol, spec, dataclasses.replace(preset, **{field: 0.004}), gen).notes == ()

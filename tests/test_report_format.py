@@ -110,3 +110,14 @@ def test_timing_counts_the_warmup_in_end_to_end_not_in_prefill():
     assert t["end_to_end_tokens_per_s"] == 100 / 6.0
     sc = RunStats(prefill_tokens=600, prefill_seconds=1.0, warmup_seconds=2.0)  # a scoring job: no decode
     assert timing(sc, 4.0, 8.0, "score")["end_to_end_tokens_per_s"] == 600 / 3.0
+
+
+def test_prediction_notes_print_under_the_throughput_table():
+    """The estimate's notes (what the prediction leaves out) print under the table they qualify, before the wall
+    line; a report without notes prints none."""
+    note = "note: hardware h200 has no host issue times"
+    pred = _report()["predicted"] | {"notes": [note]}
+    lines = format_report(_report(predicted=pred)).splitlines()
+    at = lines.index("  " + note)
+    assert lines[at - 1].split()[:1] == ["end-to-end"]
+    assert not any("note:" in line for line in format_report(_report()).splitlines())

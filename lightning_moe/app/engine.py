@@ -607,7 +607,8 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
             if est is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
                 report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
                                        "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
-                                       "prefill_binding": est.prefill_binding}
+                                       "prefill_binding": est.prefill_binding,
+                                       "notes": [n for n in est.notes if n.startswith("note:")]}
             t = time.perf_counter()
             _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm, partials=partials,
                       partials_file=partials_file, stop=stop, on_checkpoint=save_progress)

@@ -216,7 +216,7 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         rows.append({"phase": name, "measured tok/s": num(m), "predicted tok/s": num(p),
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
                      "wall s": num(spans[name], "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
-    lines += [_table(rows), ""]
+    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())] + [""]
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "
                   f"kernel) + load {w['load']:,.2f} + warmup {w.get('warmup', 0.0):,.2f} (one-time: kernel compile, "

@@ -357,9 +357,19 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
         cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)) * g
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
-        if hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0:  # the host waits for the layer's last CPU
+        if has_host_stage(hw):  # the host waits for the layer's last CPU
             host += cpu_mb  # attention with nothing left to issue (the MILP's host row has the same term)
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu, host=host)
+
+
+NO_HOST_STAGE_NOTE = ("note: hardware {hw} has no host issue times (host_issue_cpu_attn, host_issue_gpu_attn; presets carry "
+                      "none), so decode has no host stage and is predicted too fast where the host binds (small models, "
+                      "many micro-batches); `moe-batch profile` measures them")
+
+
+def has_host_stage(hw: HardwareProfile) -> bool:
+    """Whether the profile measured the host's issue time (H6'): without it the decode host stage is 0."""
+    return hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0
 
 
 def decode_host_issue_time(hw: HardwareProfile, policy: Policy) -> float:
@@ -795,7 +805,7 @@ class Estimate:
     decode_first_layers: tuple  # StageTimes per layer at the first decode step (empty if G == 1)
     decode_last_layers: tuple  # StageTimes per layer at the last decode step
     memory: MemoryEstimate  # peak bytes by component
-    notes: tuple = ()  # solver notes (plan adds them)
+    notes: tuple = ()  # lines on what the estimate leaves out (evaluate's) and on how it was solved (the planner's)
 
     @property
     def total_time(self) -> float:
@@ -909,4 +919,5 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         decode_binding=max(STAGES, key=dec_bound.__getitem__) if G > 1 else "-",
         prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
         memory=memory_estimate(policy, spec, workload),
+        notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not has_host_stage(hw) else (),
     )

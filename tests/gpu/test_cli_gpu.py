@@ -141,12 +141,15 @@ def test_auto_policy_under_cap(ckpts, datasets, tmp_path, ckpt, mode):
     job, out = write_mode_job(str(tmp_path), f"{mode}-{ckpt}", ckpts[ckpt], mode, datasets[mode])
     _, report = check_done(run_job(job), out, N_REQ)
     assert report.get("policy"), "cgopipe on CUDA reports its policy"
+    assert report["predicted"]["notes"] == [], "the measured profile has host issue times: no note"
 
 
 def test_cuda0_with_gpu_memory(ckpts, datasets, tmp_path):
     job, out = write_mode_job(str(tmp_path), "gen-cuda0", ckpts["bf16"], "generate", datasets["generate"],
-                              device="cuda:0", gpu_memory="2304MiB")
-    check_done(run_job(job), out, N_REQ, cap_bytes=2304 * 2**20)
+                              device="cuda:0", gpu_memory="2304MiB", hardware="h200")
+    _, report = check_done(run_job(job), out, N_REQ, cap_bytes=2304 * 2**20)
+    (note,) = report["predicted"]["notes"]  # the preset has no host issue times: the report says so
+    assert note.startswith("note: hardware h200 has no host issue times"), note
 
 
 def test_explicit_policy_that_fits(ckpts, datasets, tmp_path):
