@@ -274,3 +274,28 @@ def test_vocab_larger_than_tokenizer_is_announced(tmp_path, tiny_dir, capsys):
     err = capsys.readouterr().err
     assert f"the model's vocab_size {n + 1000:,} exceeds its tokenizer's {n:,} tokens: generated ids >= {n:,} " \
            f"have no text" in err, err
+
+
+def test_auto_policy_without_a_cap_plans_for_the_card_it_runs_on(tmp_path, tiny_dir, monkeypatch):
+    """A cuda job with no gpu_memory plans for the card's memory, not the hardware profile's (the default h200
+    preset says 141 GB; an L4 has 24): on a small card the plan the preset allows would not fit, the card's plan
+    does. A job's own cap still wins, and a card larger than the profile's plans for the profile's."""
+    from lightning_moe.config import job_from_dict
+    from lightning_moe.policy.hardware import get_preset
+
+    with open(tmp_path / "p.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": str(i), "prompt": "hello world " * 30}) + "\n" for i in range(200))
+
+    def planned(card, **keys):
+        monkeypatch.setattr(plan, "device_memory", lambda device: card)
+        job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": str(tmp_path / "p.jsonl")},
+                             "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+                             "executor": "cgopipe", "generation": {"max_new_tokens": 32}, **keys}, "t.yaml")
+        return plan.plan_job(job, plan.Prepared(job))
+
+    card = int(1.05 * GiB)  # the memory model's 1 GiB allocator reserve, and a little: the preset's plan does not fit
+    assert planned(None).estimate.gpu_peak > card
+    small = planned(card)
+    assert small.gpu_budget == small.policy.gpu_budget == card and small.estimate.gpu_peak <= card
+    assert planned(card, gpu_memory="2GiB").gpu_budget == 2 * GiB
+    assert planned(10**15).gpu_budget == get_preset("h200").gpu_memory

@@ -147,8 +147,10 @@ def policy_for_job(job, prep):
             check_cpu_budget(job.cpu_memory, hw)
     except ValueError as e:  # name the job file, as the config errors do
         raise ValueError(_named(job, str(e))) from None
+    gpu = job.gpu_memory or device_memory(job.device)  # no cap: the card the job runs on, never the profile's alone
+    gpu = min(gpu, hw.gpu_memory) if gpu and not job.gpu_memory else gpu
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq, gpus=getattr(job, "gpus", 1),
-                                   **({"gpu_memory": job.gpu_memory} if job.gpu_memory else {}),
+                                   **({"gpu_memory": gpu} if gpu else {}),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
     return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
 
