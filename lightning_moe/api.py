@@ -232,7 +232,8 @@ class LLM:
         gpu_memory: GPU budget, bytes or ``"24GiB"``: the planner plans for it and this process's CUDA allocator is
             capped at it (a larger card behaves like this one). Default: the GPU's own memory.
         cpu_memory: host budget for the planner, bytes or ``"192GiB"``. Default: the hardware profile's.
-        hardware: a preset name (``"h200"``, ``"l4"``, ...) or a profile YAML from ``moe-batch profile``; default h200.
+        hardware: a preset name (``"h200"``, ``"l4"``, ...) or a profile YAML from ``moe-batch profile``; default: the
+            preset of the CUDA device's family (app.plan.job_hardware), else h200.
         policy: ``"auto"`` (the planner, for each call's workload), a policy YAML path, or a mapping of policy fields.
         executor: ``"cgopipe"`` (pipelined, offloading; the default on CUDA) or ``"serial"`` (the reference; the
             default on the CPU).

@@ -47,7 +47,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (default bfloat16)")
     b.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: the GPU's)")
     b.add_argument("--cpu-memory", help="host budget for the planner, e.g. 192GiB")
-    b.add_argument("--hardware", help="hardware preset (h200, l4, ...) or profile YAML (default h200)")
+    b.add_argument("--hardware", help="hardware preset (h200, l4, ...) or profile YAML (default: the CUDA device's preset, else h200)")
     b.add_argument("--policy", default="auto", help="auto (the planner, per group) or a policy YAML")
     b.add_argument("--executor", help="cgopipe or serial (default: cgopipe on cuda, serial on cpu)")
     b.add_argument("--expert-ffn", default="auto", help="cgopipe's expert FFN: auto, torch, triton or grouped_mm")

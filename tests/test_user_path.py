@@ -299,3 +299,67 @@ def test_auto_policy_without_a_cap_plans_for_the_card_it_runs_on(tmp_path, tiny_
     assert small.gpu_budget == small.policy.gpu_budget == card and small.estimate.gpu_peak <= card
     assert planned(card, gpu_memory="2GiB").gpu_budget == 2 * GiB
     assert planned(10**15).gpu_budget == get_preset("h200").gpu_memory
+
+
+@pytest.mark.parametrize("name, preset", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100-40g"), ("NVIDIA L4", "l4"),
+                                          ("Tesla T4", "t4"), ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 4090", None)])
+def test_preset_for_device_name_matches_whole_words(name, preset):
+    assert gpu.preset_for_device_name(name) == preset
+
+
+def test_job_without_hardware_plans_with_its_devices_preset(tmp_path, tiny_dir, monkeypatch, capsys):
+    """A cuda job that names no hardware plans with the preset of its card's family (an L4: the l4 preset's PCIe and
+    GEMM rates, not the h200's) and the card's memory, and says so; `moe-batch plan JOB.yaml` plans the same way; a
+    job's hardware wins, and a card no preset names plans with the h200 preset."""
+    import yaml
+
+    from lightning_moe.config import job_from_dict, load_job
+    from lightning_moe.policy.hardware import get_preset
+
+    card = int(22.5 * GiB)
+    monkeypatch.setattr(plan, "device_memory", lambda device: card if device.startswith("cuda") else None)
+    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L4" if device.startswith("cuda") else None)
+    keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+            "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+            "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
+    job = job_from_dict(keys, "t.yaml")
+    hw = plan.job_hardware(job)
+    assert (hw.name, hw.gpu_memory, hw.pcie_h2d) == ("l4", card, get_preset("l4").pcie_h2d)
+    assert plan.hardware_note(job, hw) == ("note: the job names no hardware: planned for the l4 preset (device: "
+                                           "NVIDIA L4); set hardware: a `moe-batch profile` YAML for this host's "
+                                           "measured rates")
+    assert plan.plan_job(job, plan.Prepared(job)).gpu_budget == card
+    named = job_from_dict({**keys, "hardware": "t4"}, "t.yaml")
+    assert plan.job_hardware(named).name == "t4" and plan.hardware_note(named, plan.job_hardware(named)) is None
+    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L40S")
+    assert plan.job_hardware(job).name == "h200"
+    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L4")
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(keys))
+    assert load_job(str(path)).hardware is None
+    assert cli.main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "planned for the l4 preset (device: NVIDIA L4)" in out and "hardware  l4" in out
+
+
+def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_path, tiny_dir, monkeypatch):
+    """The run report's predicted block (a cuda run): the profile the job planned with, the note naming the preset a
+    job without hardware got, then the estimate's own notes (a preset has no host stage); a measured profile the
+    job names gets neither note."""
+    from lightning_moe.config import job_from_dict
+
+    monkeypatch.setattr(plan, "device_memory", lambda device: 22 * GiB)
+    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L4")
+    keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+            "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+            "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
+    job = job_from_dict(keys, "t.yaml")
+    block = engine.predicted_report(job, plan.plan_job(job, plan.Prepared(job)).estimate)
+    assert block["hardware"] == "l4" and block["decode_tokens_per_s"] > 0
+    assert [n.split(":")[1].split(" (")[0] for n in block["notes"]] == [
+        " the job names no hardware", " hardware l4 has no host issue times"], block["notes"]
+    profile = os.path.join(os.path.dirname(plan.__file__), "..", "policy", "profiles", "h200-host.yaml")
+    measured = job_from_dict({**keys, "hardware": profile, "gpu_memory": "12GiB"}, "t.yaml")
+    block = engine.predicted_report(measured, plan.plan_job(measured, plan.Prepared(measured)).estimate)
+    assert block["hardware"] == measured.hardware and block["notes"] == []

@@ -43,7 +43,7 @@ from ..model.weights import load_checkpoint
 from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
-from .plan import JobPlan, ModelFiles, Prepared, check_plan, plan_job, policy_for_job
+from .plan import JobPlan, ModelFiles, Prepared, check_plan, hardware_note, job_hardware, plan_job, policy_for_job
 from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
                      reconcile_killed_runs, timing)
 
@@ -72,15 +72,24 @@ def _expert_scheme(prep) -> Optional[str]:
     return checkpoint_expert_scheme(path) if path else None
 
 
+def predicted_report(job: Job, est) -> dict:
+    """The run report's ``predicted`` block: the HRM's tokens/s and binding stages for the plan's estimate ``est``,
+    the hardware profile it planned with, and the notes on what the prediction stands on (the profile a job that
+    names none got; what the estimate leaves out)."""
+    hw = job_hardware(job)
+    return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
+            "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
+            "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
+            "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
+
+
 def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
     """The executor named by ``job.executor``: "cgopipe" with ``jplan``'s policy, or "serial"."""
     dtype = DTYPES[job.dtype]
     if job.executor == "cgopipe":
         from ..pipeline.cgopipe import CGOPipeExecutor, expert_ffn_for
 
-        from ..policy.hardware import get_preset, resolve_hardware
-
-        hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")  # the planner's profile
+        hw = job_hardware(job)  # the planner's profile
         ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype,
                              ffn=expert_ffn_for(job, prep.spec, _expert_scheme(prep)), hardware=hw)
         ex.estimate = jplan.estimate
@@ -605,10 +614,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
                 report["policy"] = executor.policy_summary()
             est = jplan.estimate if jplan is not None else None
             if est is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
-                report["predicted"] = {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
-                                       "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
-                                       "prefill_binding": est.prefill_binding,
-                                       "notes": [n for n in est.notes if n.startswith("note:")]}
+                report["predicted"] = predicted_report(job, est)
             t = time.perf_counter()
             _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm, partials=partials,
                       partials_file=partials_file, stop=stop, on_checkpoint=save_progress)

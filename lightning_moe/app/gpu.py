@@ -3,6 +3,7 @@ the host's resident set)."""
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -15,6 +16,24 @@ def cuda_index(device: str) -> int:
     if d.type != "cuda":
         raise ValueError(f"not a CUDA device: {device!r}")
     return d.index if d.index is not None else torch.cuda.current_device()
+
+
+# the preset a job that names no hardware plans with, by a word of its CUDA device's name ("NVIDIA L4", "Tesla T4",
+# "NVIDIA A100-SXM4-80GB"; an L40S matches none): datasheet rates of that card's family
+PRESET_BY_DEVICE_NAME = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-40g"), ("l4", "l4"), ("t4", "t4"))
+
+
+def device_name(device: str) -> Optional[str]:
+    """The name torch gives a CUDA ``device`` (None on the CPU or without CUDA)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(cuda_index(device))
+    return None
+
+
+def preset_for_device_name(name: str) -> Optional[str]:
+    """The preset of ``PRESET_BY_DEVICE_NAME`` whose word is in ``name`` (case-insensitive, whole words), or None."""
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    return next((preset for word, preset in PRESET_BY_DEVICE_NAME if word in words), None)
 
 
 def use_device(device: str) -> None:

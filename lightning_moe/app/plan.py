@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ..data.tokenize import encode_requests, load_tokenizer
 from ..model.spec import MoESpec
 from ..model.tiny import resolve_model_path
 from ..pipeline import scoring
-from .gpu import device_memory
+from .gpu import device_memory, device_name, preset_for_device_name
 
 
 class ModelFiles:
@@ -110,16 +111,40 @@ def check_stop_token_ids(job, spec, where: Optional[str] = None) -> None:
             raise ConfigError(f"{field}: {t} is outside the model's vocabulary [0, {V}) (the ids it can generate)")
 
 
+def job_hardware(job):
+    """The hardware profile a cgopipe job plans and runs with: its ``hardware`` (a preset or a profile YAML); else, on
+    CUDA, the preset of the device's family by its name (``gpu.PRESET_BY_DEVICE_NAME``) with the device's memory;
+    else the h200 preset. :func:`hardware_note` says which, when the job names none."""
+    from ..policy.hardware import get_preset, resolve_hardware
+
+    if getattr(job, "hardware", None):
+        return resolve_hardware(job.hardware)
+    name = device_name(job.device)
+    preset = preset_for_device_name(name) if name else None
+    if preset is None:
+        return get_preset("h200")
+    return dataclasses.replace(get_preset(preset), gpu_memory=device_memory(job.device))
+
+
+def hardware_note(job, hw) -> Optional[str]:
+    """A line for a job that names no hardware: the profile :func:`job_hardware` took, and the device's name."""
+    if getattr(job, "hardware", None):
+        return None
+    name = device_name(job.device)
+    return (f"note: the job names no hardware: planned for the {hw.name} preset"
+            + (f" (device: {name})" if name else "") + "; set hardware: a `moe-batch profile` YAML for this host's "
+            "measured rates")
+
+
 def policy_for_job(job, prep):
     """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
-    real lengths, ``hardware`` (preset or profile; default: the h200 preset) and ``gpu_memory``/``cpu_memory``; a
+    real lengths, the job's hardware (:func:`job_hardware`) and ``gpu_memory``/``cpu_memory``; a
     path loads a policy YAML; a mapping gives explicit fields (unknown keys are errors naming the job file and key;
     ``prefill_mu`` defaults to ``mu``, the formats to the job's dtype and the checkpoint's expert pages).
 
     Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
     """
     from ..model.quantized import checkpoint_expert_scheme
-    from ..policy.hardware import get_preset, resolve_hardware
     from ..policy.milp import plan
     from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
 
@@ -139,7 +164,7 @@ def policy_for_job(job, prep):
         return Policy.from_dict(fields, where=_named(job, "policy")), None
     if isinstance(job.policy, str) and job.policy != "auto":
         return Policy.load(job.policy), None
-    hw = resolve_hardware(job.hardware) if getattr(job, "hardware", None) else get_preset("h200")
+    hw = job_hardware(job)
     try:  # the job's caps must fit the card and the machine it plans for
         if job.gpu_memory:
             check_gpu_budget(job.gpu_memory, hw)
@@ -181,13 +206,10 @@ def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
     hardware's), checked with the memory model, and its HRM estimate (``est`` when the planner made one for this
     workload). Raises PolicyError (one line) when it does not fit. :func:`plan_job`'s second half; the Python API
     also asks it whether the policy of an executor it keeps fits a later call's workload."""
-    import dataclasses
-
     from ..policy import hrm
-    from ..policy.hardware import get_preset, resolve_hardware
     from ..policy.policy import PolicyError, format_bytes
 
-    hw = resolve_hardware(job.hardware) if job.hardware else get_preset("h200")
+    hw = job_hardware(job)
     gpu = job.gpu_memory or policy.gpu_budget or device_memory(job.device) or hw.gpu_memory
     cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory
     policy = dataclasses.replace(policy, gpu_budget=gpu, cpu_budget=cpu)
