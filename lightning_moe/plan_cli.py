@@ -156,14 +156,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not model:
             raise CommandError("--model is required (or a job YAML naming the model)")
         notes = []  # what the user should know about which job this plan is for
-        job_hw = card = None
-        if job is not None:
-            from .app.plan import device_memory, hardware_note, job_hardware
+        job_hw = None
+        if job is not None and not hardware:  # the same as `moe-batch run`: the device's preset, else h200
+            from .app.plan import hardware_note, job_hardware
 
-            card = device_memory(getattr(job, "device", "cpu"))  # the job's CUDA device, when this machine has it
-            if not hardware:  # the same as `moe-batch run`: the device's preset, else h200
-                job_hw = job_hardware(job)
-                notes.append(hardware_note(job, job_hw))
+            job_hw = job_hardware(job)
+            notes.append(hardware_note(job, job_hw))
         if job is not None and getattr(job, "executor", "cgopipe") != "cgopipe":
             notes.append(f"note: the job runs executor: {job.executor} (device {getattr(job, 'device', '?')}), which "
                          "takes no policy: this is the policy executor: cgopipe would run")
@@ -175,8 +173,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model = resolve_model_path(model)
         spec = resolve_spec(model)
         hw = job_hw or resolve_hardware(hardware)
-        gpu_mem = (args.gpu_memory or (getattr(job, "gpu_memory", None) if job is not None else None)
-                   or min(card or hw.gpu_memory, hw.gpu_memory))  # no cap: the job's card, no more than the profile's
+        if args.gpu_memory or job is None:
+            gpu_mem = args.gpu_memory or hw.gpu_memory
+        else:  # as `moe-batch run` plans the job: its cap, else its card (when this machine has it), else the profile's
+            from .app.plan import job_gpu_budget
+
+            gpu_mem = job_gpu_budget(job, hw)
         cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
         dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
         # a quantized checkpoint declares its page format (gpt-oss's MXFP4: "mxfp4"); so does a registry name whose Hub

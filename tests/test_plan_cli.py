@@ -127,7 +127,8 @@ def test_plan_job_uses_job_workload_and_job_fields(monkeypatch, capsys, tmp_path
 
     job = types.SimpleNamespace(model="olmoe-1b-7b", hardware="t4", gpu_memory=8 * GiB, cpu_memory=32 * GiB, dtype="bfloat16")
     monkeypatch.setitem(sys.modules, "lightning_moe.app.plan", types.SimpleNamespace(
-        job_workload=job_workload, device_memory=lambda device: None, job_hardware=None, hardware_note=None))
+        job_workload=job_workload, job_hardware=None, hardware_note=None,
+        job_gpu_budget=lambda job, hw: job.gpu_memory))
     monkeypatch.setitem(sys.modules, "lightning_moe.config", types.SimpleNamespace(load_job=lambda p: job))
     assert run(["plan", "job.yaml", "--output", str(tmp_path / "p.yaml")]) == 0
     out = capsys.readouterr().out

@@ -126,6 +126,12 @@ def job_hardware(job):
     return dataclasses.replace(get_preset(preset), gpu_memory=device_memory(job.device))
 
 
+def job_gpu_budget(job, hw) -> int:
+    """GPU bytes a job plans for: its ``gpu_memory``; else its CUDA device's memory, no more than ``hw``'s card (a
+    profile of a smaller card is kept to); else ``hw``'s card."""
+    return job.gpu_memory or min(device_memory(getattr(job, "device", "cpu")) or hw.gpu_memory, hw.gpu_memory)
+
+
 def hardware_note(job, hw) -> Optional[str]:
     """A line for a job that names no hardware: the profile :func:`job_hardware` took, and the device's name."""
     if getattr(job, "hardware", None):
@@ -172,10 +178,8 @@ def policy_for_job(job, prep):
             check_cpu_budget(job.cpu_memory, hw)
     except ValueError as e:  # name the job file, as the config errors do
         raise ValueError(_named(job, str(e))) from None
-    gpu = job.gpu_memory or device_memory(job.device)  # no cap: the card the job runs on, never the profile's alone
-    gpu = min(gpu, hw.gpu_memory) if gpu and not job.gpu_memory else gpu
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq, gpus=getattr(job, "gpus", 1),
-                                   **({"gpu_memory": gpu} if gpu else {}),
+                                   gpu_memory=job_gpu_budget(job, hw),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
     return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
 
@@ -210,7 +214,7 @@ def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
     from ..policy.policy import PolicyError, format_bytes
 
     hw = job_hardware(job)
-    gpu = job.gpu_memory or policy.gpu_budget or device_memory(job.device) or hw.gpu_memory
+    gpu = job.gpu_memory or policy.gpu_budget or job_gpu_budget(job, hw)
     cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory
     policy = dataclasses.replace(policy, gpu_budget=gpu, cpu_budget=cpu)
     workload = job_workload_from_prepared(prep)
