@@ -19,13 +19,18 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SUITE_JOBS = os.path.join(os.path.dirname(HERE), "tests", "support", "suite_jobs.py")
 LENGTHS = {"loglikelihood": (32, 600), "multiple_choice": (200, 0), "perplexity": (64, 1024), "generate": (16, 400)}
 
 
 def measure(tree: str, modes: list[str], n: int, repeats: int, ids_out: str) -> dict:
     """Best seconds of encode_requests per mode with ``tree``'s package (imported here: run in a fresh process)."""
-    sys.path[:0] = [tree, HERE]
-    import suite_jobs as sj
+    import importlib.util
+
+    sys.path[:0] = [tree]
+    spec = importlib.util.spec_from_file_location("suite_jobs", SUITE_JOBS)  # this tree's generators, by file
+    sj = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sj)
     from lightning_moe.config import job_from_dict
     from lightning_moe.data.sources import load_requests
     from lightning_moe.data.tokenize import encode_requests, load_tokenizer

@@ -57,9 +57,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import make_checkpoint  # noqa: E402
-import suite_jobs as sj  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: lightning_moe, tests
+from tests.support import make_checkpoint  # noqa: E402
+from tests.support import suite_jobs as sj  # noqa: E402
 
 from lightning_moe.model.families import read_spec  # noqa: E402
 

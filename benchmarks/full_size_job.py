@@ -24,8 +24,7 @@ import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import suite_jobs as sj  # noqa: E402
+from tests.support import suite_jobs as sj  # noqa: E402
 
 
 def mtbench_prompts(copies: int) -> list[dict]:

@@ -4,7 +4,7 @@
     python3 benchmarks/run_from_tree.py TREE --where     # prints the lightning_moe package directory it imports
 
 ``python3 -m lightning_moe.cli`` puts the current directory first on ``sys.path``, ahead of ``PYTHONPATH``: run from
-the repository root it imports the checkout's package whatever ``PYTHONPATH`` names (issue15_gpu_check.sh J's A/B ran
+the repository root it imports the checkout's package whatever ``PYTHONPATH`` names (an A/B of two trees once ran
 this commit's tree as "before" that way). Here TREE goes first on ``sys.path`` and the current directory and this
 script's directory are dropped, so TREE's ``lightning_moe`` is the one imported (TREE: a directory holding
 ``lightning_moe/``, e.g. ``.carry/before``).

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hf_checkpoints import assert_scores_match
+from tests.support.hf_checkpoints import assert_scores_match
 
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor

@@ -7,7 +7,7 @@ way), on the embedded tiny-mixtral (fp32, D=64, F=128, 8 experts, 4 layers).
 
 import pytest
 import torch
-from hf_checkpoints import assert_scores_match
+from tests.support.hf_checkpoints import assert_scores_match
 
 from lightning_moe.model.quantize import quantize_checkpoint
 from lightning_moe.model.quantized import QuantExperts

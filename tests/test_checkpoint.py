@@ -16,7 +16,7 @@ from lightning_moe.config import ConfigError, job_from_dict
 from lightning_moe.data.writer import PartialsFile, WriterError, read_partials, read_results
 from lightning_moe.app.engine import EXIT_STOPPED, check_results_provenance, run_job
 from lightning_moe.pipeline.serial import SamplingParams, position_seed, sample
-from prompt_files import count_lines
+from tests.support.prompt_files import count_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one OpenMP thread: on a 2-core host the main thread's and the CPU-attention worker's OpenMP teams spin against each

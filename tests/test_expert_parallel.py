@@ -114,11 +114,9 @@ def test_moe_batch_run_with_gpus_2(tmp_path, tiny_dir):
 def test_gpus_2_for_a_family_it_cannot_run_is_one_line_before_any_process(tmp_path, capsys):
     """gpus: 2 on gpt-oss (clamped SwiGLU: expert parallelism is silu only): exit 2, one line naming the job file and
     gpus, before a process is started or a weight read (it was a traceback from a spawned process)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import make_checkpoint as mk
     import yaml
+
+    from tests.support import make_checkpoint as mk
 
     from lightning_moe import cli
 

@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
-from hf_checkpoints import write_config as _write_config  # noqa: E402
+from tests.support.hf_checkpoints import write_config as _write_config  # noqa: E402
 import torch.nn.functional as F
 
-from test_layering import project_imports
+from tests.test_layering import project_imports
 
 from lightning_moe.kernels.fused_moe import experts_ffn_reference_from
 from lightning_moe.model import families

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from hf_checkpoints import (assert_scores_match, hf_greedy as _hf_greedy, hf_prompt_logprobs, ragged_logit_diff,  # noqa: E402
+from tests.support.hf_checkpoints import (assert_scores_match, hf_greedy as _hf_greedy, hf_prompt_logprobs, ragged_logit_diff,  # noqa: E402
                             write_config as _write_config)
 
 from lightning_moe.model.families import family_for, family_of, read_spec

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from hf_checkpoints import assert_scores_match, hf_greedy as _hf_greedy, write_config as _write_config  # noqa: E402
+from tests.support.hf_checkpoints import assert_scores_match, hf_greedy as _hf_greedy, write_config as _write_config  # noqa: E402
 
 from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import assert_scores_match
+from tests.support.hf_checkpoints import assert_scores_match
 
 from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm, fused_experts_mm_loop,
                                              grouped_mm_available, grouped_mm_gate_up_chunks, grouped_mm_unsupported)

@@ -51,7 +51,7 @@ def test_phase_peak_restarts_at_each_phase():
 def test_report_has_host_memory_by_phase(tmp_path, tiny_dir):
     import yaml
 
-    from prompt_files import jsonl_prompts
+    from tests.support.prompt_files import jsonl_prompts
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({

@@ -12,7 +12,7 @@ from lightning_moe.policy.hardware import get_preset
 from lightning_moe.policy.policy import Policy
 from lightning_moe.policy.registry import resolve_spec
 
-from test_milp import _milp_matches_brute_force, random_case
+from tests.test_milp import _milp_matches_brute_force, random_case
 
 
 def test_host_stage_formula():

@@ -1,4 +1,4 @@
-"""benchmarks/make_checkpoint.py: the checkpoints the GPU runs read, for every family it writes.
+"""tests/support/make_checkpoint.py (CLI: benchmarks/make_checkpoint.py): the checkpoints the GPU runs read, for every family it writes.
 
 Each tiny checkpoint (2 layers, 8 experts, random bf16) must load in transformers' own class with no missing and
 no unexpected key and hold the same tensors our loader reads; ``--zero-experts`` leaves the routed experts as holes
@@ -8,13 +8,11 @@ of a sparse file that read as zeros; ``--preset`` takes a registry model's numbe
 import dataclasses
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import make_checkpoint as mk  # noqa: E402
+from tests.support import make_checkpoint as mk  # noqa: E402
 
 from lightning_moe.model.spec import MoESpec  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
@@ -317,7 +315,7 @@ def test_mxfp4_zero_experts_and_other_families_refused(tmp_path, capsys):
     """--zero-experts --mxfp4: blocks, scales and biases are holes (zero blocks dequantize to zeros); --mxfp4 for a
     family other than gpt_oss is refused by name (the CLI and config_dict); cli_sweep never takes an MXFP4
     checkpoint for a bf16 one of the same dims, nor the reverse."""
-    import cli_sweep
+    from benchmarks import cli_sweep
 
     dims = dataclasses.replace(mk.Dims.from_registry("gpt-oss-20b", layers=4).tiny(), mxfp4=True)
     res = mk.write_checkpoint(str(tmp_path / "z"), dims, log=open(os.devnull, "w"), zero_experts=True)

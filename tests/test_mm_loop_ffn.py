@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_grouped_mm_ffn import CASES, IDS, MIX, _prompts, make_inputs, relerr
+from tests.test_grouped_mm_ffn import CASES, IDS, MIX, _prompts, make_inputs, relerr
 
 from lightning_moe.kernels import fused_moe as fm
 from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm, fused_experts_mm_loop,

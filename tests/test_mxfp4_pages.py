@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_family_gpt_oss import CGO_PROMPTS, PROMPTS, _mxfp4_checkpoint, make_hf_gpt_oss  # noqa: E402
-from hf_checkpoints import assert_scores_match, hf_greedy  # noqa: E402
+from tests.test_family_gpt_oss import CGO_PROMPTS, PROMPTS, _mxfp4_checkpoint, make_hf_gpt_oss  # noqa: E402
+from tests.support.hf_checkpoints import assert_scores_match, hf_greedy  # noqa: E402
 
 from lightning_moe.kernels import fused_moe as fm
 from lightning_moe.kernels.mxfp4 import MXFP4PageLayout
@@ -172,7 +172,7 @@ def test_plan_counts_mxfp4_for_the_hub_names_and_mxfp4_checkpoints(mx, capsys):
     """`moe-batch plan --model gpt-oss-120b` plans MXFP4 pages (the Hub's format; 120 GiB of host hold them), the -bf16
     alias and --quant bf16 plan bf16 experts (which do not fit); an MXFP4 checkpoint directory plans mxfp4 and refuses
     --quant int4 by name."""
-    from test_family_gpt_oss import _plan
+    from tests.test_family_gpt_oss import _plan
 
     args = ["--gpu-memory", "24GiB", "--cpu-memory", "120GiB"]
     assert _plan(["--model", "gpt-oss-120b"] + args) == 0

@@ -3,12 +3,8 @@ the device-busy time as the union of overlapping kernel / copy intervals, the id
 events inside the largest gap."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import profile_prefill as pp  # noqa: E402
+from benchmarks import profile_prefill as pp
 
 
 def _k(name, ts, dur, cat="kernel"):

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from hf_checkpoints import hf_greedy as _hf_greedy, write_config as _write_config  # noqa: E402
+from tests.support.hf_checkpoints import hf_greedy as _hf_greedy, write_config as _write_config  # noqa: E402
 
 from lightning_moe.model import layers as L
 from lightning_moe.model.families import read_spec

@@ -20,7 +20,7 @@ import time
 
 from lightning_moe import LLM, SamplingParams, cli
 from lightning_moe.app import batch_files
-from prompt_files import count_lines
+from tests.support.prompt_files import count_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = ["--device", "cpu", "--dtype", "float32", "--no-progress"]

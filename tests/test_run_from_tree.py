@@ -1,6 +1,6 @@
 """benchmarks/run_from_tree.py runs the CLI of the tree it names, even from the repository root (where ``python3 -m
-lightning_moe.cli`` imports the checkout's package whatever PYTHONPATH says: issue15_gpu_check.sh J's A/B ran this
-commit's tree as "before" that way)."""
+lightning_moe.cli`` imports the checkout's package whatever PYTHONPATH says: an A/B of two trees once ran
+this commit's tree as "before" that way)."""
 
 import os
 import subprocess
@@ -54,11 +54,3 @@ def test_the_checkout_itself(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, REPO, "--help"], cwd=REPO, env=_env(""), capture_output=True, text=True)
     assert r.returncode == 0 and "run" in r.stdout
 
-
-def test_ab_step_runs_each_tree_by_name():
-    """issue15_gpu_check.sh J starts both trees' runs through run_from_tree.py, not ``python3 -m`` from the root."""
-    text = open(os.path.join(REPO, "benchmarks", "issue15_gpu_check.sh")).read()
-    step = text[text.index("\n  J)"):]
-    step = step[: step.index(";;")]
-    loop = step[step.index("for t in"): step.index("done")]
-    assert "run_from_tree.py $P run" in loop and "-m lightning_moe.cli" not in loop

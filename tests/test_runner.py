@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from prompt_files import jsonl_prompts as _prompts
+from tests.support.prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.config import job_from_dict
 from lightning_moe.data.writer import ResultsWriter, read_results

@@ -1,12 +1,9 @@
-"""The benchmark data generators (``benchmarks/suite_jobs.py``): mixed-length records are the lengths asked for."""
+"""The benchmark data generators (``tests/support/suite_jobs.py``): mixed-length records are the lengths asked for."""
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import suite_jobs as sj  # noqa: E402
+from tests.support import suite_jobs as sj  # noqa: E402
 
 WORDS = [f"w{i:03d}" for i in range(200)]  # stand-ins for one-token words: k words = k + 1 tokens with the BOS
 

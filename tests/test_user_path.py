@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from prompt_files import jsonl_prompts as _prompts
+from tests.support.prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.app import engine, plan
 from lightning_moe.app import gpu
@@ -262,7 +262,7 @@ def test_serial_executor_still_refuses_a_malformed_policy(tmp_path, tiny_dir, no
 def test_vocab_larger_than_tokenizer_is_announced(tmp_path, tiny_dir, capsys):
     """A model whose vocab_size exceeds its tokenizer (a speed-work checkpoint with a borrowed tokenizer): one line
     says generated ids past the tokenizer have no text; a matching tokenizer says nothing."""
-    from hf_checkpoints import write_config
+    from tests.support.hf_checkpoints import write_config
 
     from lightning_moe.app.plan import ModelFiles
 

@@ -1,7 +1,7 @@
 """GPU acceptance through the user path: ``moe-batch run JOB.yaml`` in subprocesses on ``device: cuda``.
 
 A small Mixtral-shaped checkpoint (8 layers, hidden 1024, expert width 3584, 8 experts top-2, GQA 8/2, vocab
-32000: ~1.6 GB, sharded) is written once per module with ``benchmarks/make_checkpoint.py`` and quantized with
+32000: ~1.6 GB, sharded) is written once per module with ``tests/support/make_checkpoint.py`` and quantized with
 ``moe-batch quantize``. Every mode (generate, loglikelihood, multiple_choice, perplexity) runs on bf16 and int4
 pages with ``policy: auto`` under a GPU cap smaller than the model; then ``device: cuda:0`` with ``gpu_memory``,
 an explicit policy that fits, an oversized explicit policy (refused, exit 2, before any weight is read: the
@@ -23,9 +23,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import make_checkpoint  # noqa: E402
-import suite_jobs as sj  # noqa: E402
+from tests.support import make_checkpoint  # noqa: E402
+from tests.support import suite_jobs as sj  # noqa: E402
 
 DIMS = make_checkpoint.Dims(layers=8, hidden=1024, intermediate=3584, heads=8, kv_heads=2, experts=8, top_k=2,
                             vocab=32000, max_pos=4096)

@@ -19,7 +19,7 @@ from lightning_moe.kernels.fused_moe import (
     moe_align,
 )
 
-from moe_inputs import DEV, SHAPE_IDS, SHAPES, make_inputs, rel_err  # noqa: E402  (tests/gpu is on sys.path)
+from tests.support.moe_inputs import DEV, SHAPE_IDS, SHAPES, make_inputs, rel_err  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 

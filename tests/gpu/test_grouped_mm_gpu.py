@@ -1,5 +1,5 @@
 """The grouped_mm expert FFN on CUDA (issue 22; written in a CPU-only session, NOT yet run on a GPU:
-benchmarks/issue15_gpu_check.sh step I runs it first). What the CPU tests cannot cover: CUTLASS's grouped GEMM
+run it first on a new CUDA host). What the CPU tests cannot cover: CUTLASS's grouped GEMM
 itself (bf16, 16-byte aligned operands), rows past the last offset left unwritten (the skip bucket), no host sync,
 and the page buffers' strided views on the device.
 Run on a CUDA host: ``python -m pytest tests/gpu -m gpu``."""

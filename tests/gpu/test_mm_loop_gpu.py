@@ -9,7 +9,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from test_grouped_mm_gpu import _inputs, _rel, _seqs  # noqa: E402
+from tests.gpu.test_grouped_mm_gpu import _inputs, _rel, _seqs  # noqa: E402
 
 from lightning_moe.kernels.fused_moe import (experts_ffn_reference, fused_experts_grouped_mm,  # noqa: E402
                                              fused_experts_mm_loop, fused_experts_triton)

@@ -6,16 +6,12 @@ transformers' model holding transformers' dequantization of the same blocks. Ski
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the CPU tests' helpers
-
-from hf_checkpoints import hf_greedy  # noqa: E402
-from test_family_gpt_oss import CGO_PROMPTS, _mxfp4_checkpoint, make_hf_gpt_oss  # noqa: E402
+from tests.support.hf_checkpoints import hf_greedy  # noqa: E402
+from tests.test_family_gpt_oss import CGO_PROMPTS, _mxfp4_checkpoint, make_hf_gpt_oss  # noqa: E402
 
 from lightning_moe.kernels.mxfp4 import MXFP4PageLayout  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402

@@ -1,5 +1,5 @@
 """The attention paths CGOPipe runs on the GPU never make the host wait for the GPU (written in session 5,
-NOT yet run on a GPU: device_plan.sh 11 runs it). A blocking H2D copy of a pageable host tensor synchronizes
+run with the rest of tests/gpu on a CUDA host). A blocking H2D copy of a pageable host tensor synchronizes
 the stream; prefill_attention_packed, decode_attention and GroupedKVCache.append / attend copy only small host
 index tensors, now with non_blocking=True, and gather packed rows with a host-built index instead of boolean
 indexing. torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call inside the block.

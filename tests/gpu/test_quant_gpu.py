@@ -24,7 +24,7 @@ from lightning_moe.kernels.quant import (
     quantize_groupwise,
 )
 
-from moe_inputs import DEV, SHAPE_IDS, SHAPES, make_inputs, rel_err  # noqa: E402  (tests/gpu is on sys.path)
+from tests.support.moe_inputs import DEV, SHAPE_IDS, SHAPES, make_inputs, rel_err  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)

@@ -1,0 +1,1 @@
+"""Maintained benchmarks (see README.md here); a package so tests can import their analysis code."""
