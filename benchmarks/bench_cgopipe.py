@@ -6,8 +6,8 @@ Run on a CUDA host (not a test):
         --cases full32-24g-g32,l8-6g-g128 --out /tmp/bench
 
 Every (case, executor) runs in its own subprocess (pinned pools and GPU caps do not leak between
-them) and prints one JSON line; the driver writes ``bench.jsonl`` and a Markdown block for
-benchmarks/RESULTS.md (``results_block.md``) into ``--out``.
+them) and prints one JSON line; the driver writes ``bench.jsonl`` and a Markdown block
+for benchmarks/RESULTS.md (``results_block.md``) into ``--out``.
 
 Model: the Mixtral-8x7B config (policy/registry.py) with deterministic dummy bf16 weights. To keep set-up
 within the device budget, every layer shares ONE set of random expert tensors (the host pool still

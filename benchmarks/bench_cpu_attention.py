@@ -1,6 +1,6 @@
 """CPU decode attention under the executor's conditions vs the profile's probe (a diagnostic, not a test).
 
-Why: on the H200 host the CPU attention stage of CGOPipe ran at ~13 GB/s of valid KV (RESULTS.md 6: 94.9 s for
+Why: on the H200 host the CPU attention stage of CGOPipe ran at ~13 GB/s of valid KV (RESULTS-archive.md 6: 94.9 s for
 512 rows x 127 steps x 32 layers of Mixtral-8x7B at gen 128) while `moe-batch profile`'s probe measured 54.9 GB/s
 (one call, 512 rows x 128 positions, contiguous cache, main thread, idle machine). This script times the same
 work step by step adding one executor condition at a time, so one run on the GPU host says which condition

@@ -1,6 +1,6 @@
 """Job configuration: frozen dataclasses loaded and validated from a job YAML.
 
-A job YAML (see ``jobs/*.yaml`` and the schema table in the README) becomes one :class:`Job`.
+A job YAML (see ``jobs/*.yaml`` and the schema table in docs/REFERENCE.md) becomes one :class:`Job`.
 Everything is checked before any heavy work (model loading, tokenization):
 
 * unknown keys are errors that name the key and list the allowed ones;

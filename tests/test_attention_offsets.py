@@ -1,7 +1,7 @@
 """CPU rows are the longest: Workload.attention_context_offsets, hrm.evaluate with them, and plan()'s fixed point.
 
 CGOPipe gives the g shortest micro-batches of a batch GPU attention, so with 0 < g < n the CPU attends over
-longer contexts than the batch mean (run 17, RESULTS.md 7c: 193.5 attended positions per CPU row, 147 in the old
+longer contexts than the batch mean (run 17, benchmarks/RESULTS-archive.md 7c: 193.5 attended positions per CPU row, 147 in the old
 model). The offsets are hand-computed here.
 """
 

@@ -347,3 +347,17 @@ def test_size_flags_with_a_preset_are_refused(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "p")
     a = mk.build_parser().parse_args([str(tmp_path / "p"), "--preset", "gpt-oss-20b", "--layers", "2"])
     assert mk.dims_from_args(a).hidden == 2880  # the preset's width, --layers applied
+
+
+def test_benchmarks_command_line_runs_from_anywhere(tmp_path):
+    """benchmarks/make_checkpoint.py (the command line of tests/support/make_checkpoint.py) runs from a directory
+    outside the repository, with no PYTHONPATH: it finds the root's tests.support and lightning_moe itself."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "make_checkpoint.py"), "--help"],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--zero-experts" in r.stdout and "--preset" in r.stdout

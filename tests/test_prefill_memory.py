@@ -1,7 +1,7 @@
 """The prefill phase's GPU memory: packed prompt hidden rows (Workload.prompt_tokens), the MILP's per-sequence
 coefficient, and grow_prefill (a larger prefill micro-batch into the memory the decode policy leaves).
 
-Run 21 (RESULTS.md 8): the old model charged every sequence the longest prompt (N x 425 tokens x D x 2 B = 5.4 GiB
+Run 21 (benchmarks/RESULTS-archive.md 8): the old model charged every sequence the longest prompt (N x 425 tokens x D x 2 B = 5.4 GiB
 for 1664 MT-Bench rows) where the executor holds the packed prompts (1.1 GiB); the measured GPU peak was 18.4 GiB
 against 23.9 GiB planned.
 """

@@ -6,7 +6,7 @@ Everything is written into a work directory (nothing here is committed data):
 * prompts / texts of a chosen token length are random words, each of which is one token of the Mixtral v1
   vocabulary (``▁`` + 3-8 lowercase letters), so ``k`` words are exactly ``k + 1`` tokens with the BOS
   (checked in :func:`check_lengths`);
-* records follow the README's "Input JSONL": ``prompt`` (generate), ``prompt`` + ``continuation``
+* records follow docs/REFERENCE.md's "Input JSONL": ``prompt`` (generate), ``prompt`` + ``continuation``
   (loglikelihood), ``prompt`` + ``choices`` + ``answer`` (multiple_choice), ``text`` (perplexity);
 * :func:`job_dict` builds a job mapping with every key ``lightning_moe/config.py`` reads and
   :func:`write_job` writes it as YAML.
