@@ -163,7 +163,7 @@ def test_non_utf8_line_names_file_line_and_byte_column(tmp_path, capsys):
     n, bad = rng.randint(2, 40), None
     lines = []
     for i in range(1, n + 1):
-        prompt = "é" * rng.randint(0, 5) + "x" * rng.randint(0, 30)  # multi-byte UTF-8 before the bad byte
+        prompt = "é" * rng.randint(0, 5) + "x" * rng.randint(1, 30)  # multi-byte UTF-8 before the bad byte; never empty
         line = json.dumps({"id": i, "prompt": prompt}, ensure_ascii=False).encode()
         if i == n:  # at a character boundary, inside the JSON text
             cut = rng.choice([c for c in range(len(b'{"id": ') + len(str(i)), len(line) - 2) if line[c - 1] < 0x80])
