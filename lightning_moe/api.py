@@ -283,7 +283,7 @@ class LLM:
             data["system_prompt"] = system_prompt
         if chat_template_kwargs is not None:
             data["chat_template_kwargs"] = dict(chat_template_kwargs)
-        job = job_from_dict({**keys, "data": data}, "LLM", in_memory=True)
+        job = job_from_dict({**keys, "data": data}, "LLM", in_memory=True, notify=True)
         # the validated values (paths made absolute) serve every call's job
         keys.update(model=job.model, policy=job.policy, executor=job.executor)
         if job.hardware is not None:

@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -442,6 +443,10 @@ def _p_policy(v, key, ctx):
         for k in v:
             if not isinstance(k, str):
                 raise ctx.err(key, f"policy field names must be strings, got {_describe(k)}")
+        glued = _glued_keys(v)
+        if glued:
+            raise ctx.err(key, f"YAML read {glued[0]!r} as a field name without a value: write "
+                               f"{_unglue('{' + ','.join(glued) + '}')} (YAML needs a space after the colon)")
         return copy.deepcopy(v)
     if isinstance(v, str):
         return _p_input_file(v, key, ctx)
@@ -566,15 +571,37 @@ def _apply_overrides(raw: dict, overrides: Mapping[str, Any], ctx_source: str) -
     return raw, frozenset(overrides)
 
 
+def _glued_keys(v: Any) -> list:
+    """The keys of ``v``'s mappings (nested ones too) that YAML made of ``key:value`` written without the space after
+    the colon (``{mu:8}`` is the mapping ``{"mu:8": None}``): a string key holding ``:`` that maps to null."""
+    if isinstance(v, list):
+        return [k for x in v for k in _glued_keys(x)]
+    if not isinstance(v, dict):
+        return []
+    return [k for k, x in v.items() if isinstance(k, str) and ":" in k.strip(":") and x is None] + \
+        [k for x in v.values() for k in _glued_keys(x)]
+
+
+def _unglue(text: str) -> str:
+    """``{mu:8,n:2}`` -> ``{mu: 8, n: 2}``: a space after every ``:`` and ``,`` not followed by one."""
+    return re.sub(r"([:,])(?=[^\s])", r"\1 ", text)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """Parse a CLI override ``"dotted.key=value"``; the value is read as YAML (``"0.5"`` -> 0.5, ``"true"`` -> True).
 
-    Raises ValueError when there is no ``=`` or the key is empty.
+    Raises ValueError when there is no ``=`` or the key is empty, and when a flow mapping was written without the
+    space YAML needs after a colon (``policy={mu:8,n:2}``: the message gives ``policy={mu: 8, n: 2}``).
     """
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"override must look like key=value (e.g. generation.max_new_tokens=8), got {text!r}")
-    return key.strip(), yaml.safe_load(value) if value.strip() else None
+    parsed = yaml.safe_load(value) if value.strip() else None
+    glued = _glued_keys(parsed)
+    if glued:
+        raise ValueError(f"--set {text}: YAML read {glued[0]!r} as a key without a value: write "
+                         f"'{key.strip()}={_unglue(value.strip())}' (YAML needs a space after the colon)")
+    return key.strip(), parsed
 
 
 # ================================================================================================
@@ -586,7 +613,7 @@ _MEMORY_DATA_KEYS = ("chat_template", "system_prompt", "chat_template_kwargs", "
 def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Optional[str] = None,
                   overrides: Optional[Mapping[str, Any]] = None, name: Optional[str] = None,
                   config_path: Optional[str] = None, in_memory: bool = False,
-                  key_lines: Optional[Mapping[str, int]] = None) -> Job:
+                  key_lines: Optional[Mapping[str, int]] = None, notify: bool = False) -> Job:
     """Validate a job mapping (as YAML would give it) into a :class:`Job`.
 
     Args:
@@ -602,6 +629,8 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
             ``output`` is not allowed (:attr:`Job.output` is None); every other key is checked as for a YAML.
         key_lines: the file line of each dotted key (``load_job``: from the YAML text), put in the messages as
             ``source:line: key:``.
+        notify: print a one-line notice on stderr for a key that has no effect with the job's other keys
+            (``gpu_memory`` on ``device: cpu`` with ``executor: serial``, which uses no GPU).
 
     Raises:
         ConfigError: unknown key, wrong type or value, missing required key, missing input file or checkpoint
@@ -675,6 +704,9 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
                               f"(executor is {executor!r}; CGOPipe over several GPUs is not built yet)")
     if top.get("gpus", 1) > 1 and in_memory:
         raise ctx.err("gpus", "gpus > 1 starts one process per GPU, which an in-memory job (the Python API) cannot")
+    if notify and device == "cpu" and executor == "serial" and top.get("gpu_memory") is not None:
+        print(f"moe-batch: note: {str(ctx.err('gpu_memory', 'ignored: device: cpu with executor: serial uses no GPU'))}"
+              f" (with executor: cgopipe it sizes the CPU run's simulated GPU tier)", file=sys.stderr, flush=True)
     top["device"] = device
     top["executor"] = executor
     top.setdefault("name", name or "job")
@@ -690,11 +722,12 @@ def generation_from_dict(d: Mapping[str, Any], source_name: str = "<generation>"
     return GenerationConfig(**(_section({"generation": dict(d)}, "generation", ctx) or {}))
 
 
-def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None) -> Job:
+def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None, notify: bool = True) -> Job:
     """Load and validate a job YAML (``yaml.safe_load``) into a :class:`Job`.
 
     Relative paths inside the file resolve against the file's directory. ``overrides`` maps dotted keys to
-    values (e.g. ``{"generation.max_new_tokens": 8, "shard": "0/4"}``) applied before validation.
+    values (e.g. ``{"generation.max_new_tokens": 8, "shard": "0/4"}``) applied before validation. ``notify``: print
+    :func:`job_from_dict`'s notices (a key without effect) on stderr.
 
     Raises:
         ConfigError: the file is missing or not valid YAML, or any check of :func:`job_from_dict` fails; the
@@ -714,4 +747,5 @@ def load_job(path: str, overrides: Optional[Mapping[str, Any]] = None) -> Job:
         raise ConfigError(f"{path}: the file is empty (expected a mapping of job keys)")
     stem = os.path.splitext(os.path.basename(path))[0]
     return job_from_dict(d, source_name=path, base_dir=os.path.dirname(os.path.abspath(path)),
-                         overrides=overrides, name=stem, config_path=os.path.abspath(path), key_lines=_key_lines(text))
+                         overrides=overrides, name=stem, config_path=os.path.abspath(path), key_lines=_key_lines(text),
+                         notify=notify)

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import MAX_LOGPROBS, ConfigError, generation_from_dict, job_from_dict
-from ..data.sources import CHAT_ROLES, DataError
+from ..data.sources import CHAT_ROLES, DataError, utf8_lines
 from ..data.writer import ResultsWriter, atomic_write, read_results, write_json_atomic
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -325,21 +325,15 @@ def read_batch_file(path: str, label: str, default_max_tokens: int) -> list[Entr
     (naming both lines) or text that is not UTF-8."""
     entries: list[Entry] = []
     first: dict[str, int] = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                ent = parse_line(text.rstrip("\r\n"), n, label, default_max_tokens)
-                if ent.custom_id is not None:
-                    if ent.custom_id in first:
-                        raise BatchFileError(f"{label}:{n}: custom_id: duplicate {ent.custom_id!r} (first at line "
-                                             f"{first[ent.custom_id]}); a batch file's custom_ids must be unique: "
-                                             f"nothing was run")
-                    first[ent.custom_id] = n
-                entries.append(ent)
-    except UnicodeDecodeError as e:
-        raise BatchFileError(f"{label}: not UTF-8 text ({e})") from None
+    for n, text in utf8_lines(path, label, BatchFileError):  # a line not UTF-8: label:line: ... column
+        ent = parse_line(text, n, label, default_max_tokens)
+        if ent.custom_id is not None:
+            if ent.custom_id in first:
+                raise BatchFileError(f"{label}:{n}: custom_id: duplicate {ent.custom_id!r} (first at line "
+                                     f"{first[ent.custom_id]}); a batch file's custom_ids must be unique: "
+                                     f"nothing was run")
+            first[ent.custom_id] = n
+        entries.append(ent)
     return entries
 
 
@@ -539,7 +533,8 @@ def run_batch(input_path: str, output_path: str, model: str, *, device: str = "c
         if v is not None:
             base[k] = v
     ckpt = {"every_seconds": checkpoint_seconds} if checkpoint_seconds else {"every_seconds": None}
-    probe = job_from_dict({**base, "checkpoint": ckpt}, "moe-batch run-batch", in_memory=True)  # every setting checked
+    probe = job_from_dict({**base, "checkpoint": ckpt}, "moe-batch run-batch", in_memory=True,
+                          notify=True)  # every setting checked
     check_device(probe)
     entries = read_batch_file(input_path, label, max_tokens)
     files = ModelFiles(probe.model)

@@ -103,18 +103,26 @@ def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = 
     return SerialExecutor(weights, job.device, dtype)
 
 
-def check_device(job: Job) -> None:
-    """ConfigError when ``job.device`` is CUDA and torch sees no CUDA device, or when an environment variable that
-    picks a kernel (``LIGHTNING_MOE_PREFILL_ATTENTION``) holds a value the kernel does not know: before anything is
-    written."""
+def check_kernel_env(label: str) -> None:
+    """ConfigError starting with ``label`` when an environment variable that picks a kernel
+    (``LIGHTNING_MOE_PREFILL_ATTENTION``, ``LIGHTNING_MOE_CPU_ATTENTION``) holds a value the kernel does not know:
+    the one place both are checked, before anything is written (a fresh run and a re-run of a finished job alike)."""
+    from ..kernels.cpu_attention import cpu_attention_mode
     from ..kernels.prefill_attention import prefill_attention_mode
 
-    try:
-        prefill_attention_mode()
-    except ValueError as e:
-        from ..config import ConfigError
+    for mode in (prefill_attention_mode, cpu_attention_mode):
+        try:
+            mode()
+        except ValueError as e:
+            from ..config import ConfigError
 
-        raise ConfigError(f"{job.label}: {e}") from None
+            raise ConfigError(f"{label}: {e}") from None
+
+
+def check_device(job: Job) -> None:
+    """ConfigError when ``job.device`` is CUDA and torch sees no CUDA device, or when an environment variable that
+    picks a kernel holds a value the kernel does not know (:func:`check_kernel_env`): before anything is written."""
+    check_kernel_env(job.label)
     if job.device.startswith("cuda") and not torch.cuda.is_available():
         from ..config import ConfigError
 
@@ -529,6 +537,11 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     prep = Prepared(job, files=runner.files if runner is not None else None)
     t_read = time.perf_counter() - t  # what wall_seconds.other holds (report: other_seconds)
     parts = {"model_files": prep.model_files_seconds, "requests": max(0.0, t_read - prep.model_files_seconds)}
+    # the policy, with its predicted memory for every phase, is checked before anything is written or read; a re-run
+    # of a finished job checks it too (a bad policy key is an error whether or not work is left)
+    t = time.perf_counter()
+    jplan = plan_for_job(job, prep)
+    parts["plan"] = time.perf_counter() - t
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
         with ResultsWriter(job.output.path) as w:
@@ -539,10 +552,6 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
                 print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
                       f"report of the run that finished them: {job.output.report_path}", file=log)
                 return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
-    # the policy, with its predicted memory for every phase, is checked before anything is written or read
-    t = time.perf_counter()
-    jplan = plan_for_job(job, prep)
-    parts["plan"] = time.perf_counter() - t
     check_results_provenance(job)  # never mix records of another model / settings into one results file
     with ResultsWriter(job.output.path) as w:
         done = w.done_ids()

@@ -167,11 +167,26 @@ def _check_record(rec: dict, where: str, task: str, mode: Optional[str], chat_te
     return None
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+def utf8_lines(path: str, label: Optional[str] = None, error: type = None) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of ``path``, without its newline (so a JSON error's column is on
+    this line). A line that is not UTF-8 raises ``error`` (default :class:`DataError`):
+    ``label:line: not UTF-8 text: byte 0xff at column 12`` (the column counts bytes, from 1)."""
+    label = label or path
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise (error or DataError)(f"{label}:{lineno}: not UTF-8 text: byte 0x{raw[e.start]:02x} at column "
+                                           f"{e.start + 1} ({e.reason}); save the file as UTF-8") from None
             if line.strip():
-                yield lineno, line.rstrip("\r\n")  # without the newline, so a JSON error's column is on this line
+                yield lineno, line.rstrip("\r\n")
+
+
+def _no_requests(label: str) -> DataError:
+    """The error for a request file without a request (empty, or blank lines only)."""
+    return DataError(f"{label}: no requests: the file is empty or holds only blank lines (a job needs at least one "
+                     f"request; check data.path)")
 
 
 def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
@@ -179,32 +194,30 @@ def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
     label = label or path
     seen: dict[str, int] = {}
     out: list[Request] = []
-    try:
-        lines = _iter_jsonl(path)
-        for lineno, line in lines:
-            where = f"{label}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object, got {_tname(rec)}")
-            if "id" not in rec or rec["id"] is None:
-                raise DataError(f"{where}: id: missing (every request needs a unique 'id')")
-            rid = rec["id"]
-            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-                raise DataError(f"{where}: id: expected a string or integer, got {_tname(rid)}")
-            rid = str(rid)
-            if not rid.strip():
-                raise DataError(f"{where}: id: empty string")
-            if rid in seen:
-                raise DataError(f"{where}: id: duplicate id {rid!r} (first at line {seen[rid]})")
-            seen[rid] = lineno
-            out.append(request_from_record(rec, rid, job, label, lineno))
-            if limit is not None and len(out) >= limit:
-                break
-    except UnicodeDecodeError as e:
-        raise DataError(f"{label}: not UTF-8 text ({e})") from None
+    for lineno, line in utf8_lines(path, label):
+        where = f"{label}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object, got {_tname(rec)}")
+        if "id" not in rec or rec["id"] is None:
+            raise DataError(f"{where}: id: missing (every request needs a unique 'id')")
+        rid = rec["id"]
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise DataError(f"{where}: id: expected a string or integer, got {_tname(rid)}")
+        rid = str(rid)
+        if not rid.strip():
+            raise DataError(f"{where}: id: empty string")
+        if rid in seen:
+            raise DataError(f"{where}: id: duplicate id {rid!r} (first at line {seen[rid]})")
+        seen[rid] = lineno
+        out.append(request_from_record(rec, rid, job, label, lineno))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:  # every non-blank line gave a request or raised
+        raise _no_requests(label)
     return out
 
 
@@ -266,7 +279,7 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
     label = path
     out: list[Request] = []
     seen: dict[str, int] = {}
-    for lineno, line in _iter_jsonl(path):
+    for lineno, line in utf8_lines(path, label):
         where = f"{label}:{lineno}"
         try:
             rec = json.loads(line)
@@ -286,6 +299,8 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
         out.append(Request(id=rid, source=label, line=lineno, prompt=turns[0], meta=meta))
         if job.data.limit is not None and len(out) >= job.data.limit:
             break
+    if not out:
+        raise _no_requests(label)
     return out
 
 

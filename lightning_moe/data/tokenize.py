@@ -27,6 +27,7 @@ Rules (one place, so generation and scoring agree):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -73,11 +74,25 @@ class TokenizedRequest:
 
 
 # ------------------------------------------------------------------------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json", "*.tiktoken")  # a tokenizer's vocabulary, one of these
+
+
+def _has_tokenizer_files(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds one of :data:`TOKENIZER_FILES` (a directory that cannot be listed: assumed so)."""
+    try:
+        names = os.listdir(model_dir)
+    except OSError:
+        return True
+    return any(n in TOKENIZER_FILES or n.endswith(".tiktoken") for n in names)
+
+
 def load_tokenizer(model_dir: str):
     """``transformers.AutoTokenizer.from_pretrained(model_dir)`` (``"tiny-mixtral"`` resolves to the embedded model).
 
     Raises:
-        DataError: the directory has no loadable tokenizer (the message names the directory).
+        DataError: the directory has no loadable tokenizer (the message names the directory; with none of
+            :data:`TOKENIZER_FILES` in it, the files looked for).
     """
     from transformers import AutoTokenizer
 
@@ -88,6 +103,9 @@ def load_tokenizer(model_dir: str):
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # transformers raises OSError/ValueError/... depending on what is missing
+        if not _has_tokenizer_files(model_dir):  # its message then blames packages ("sentencepiece or tiktoken")
+            raise DataError(f"model: no tokenizer files in {model_dir} (looked for {', '.join(TOKENIZER_FILES)}); "
+                            f"copy them from the checkpoint's source, beside its config.json") from None
         raise DataError(f"model: could not load a tokenizer from {model_dir}: {e}") from None
     # prompt lengths are checked against the job's budget by our own code (with file:line errors); without this
     # transformers prints its own "sequence length is longer than ..." warning first. Nothing here truncates.

@@ -461,15 +461,25 @@ def native_loaded() -> bool:
     return _module is not None
 
 
+CPU_ATTENTION_MODES = ("auto", "native", "sdpa")  # values of LIGHTNING_MOE_CPU_ATTENTION
+
+
+def cpu_attention_mode() -> str:
+    """``LIGHTNING_MOE_CPU_ATTENTION`` (unset or empty: ``auto``); raises ValueError naming the variable for a value not
+    in :data:`CPU_ATTENTION_MODES`."""
+    mode = os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in CPU_ATTENTION_MODES:
+        raise ValueError(f"environment variable LIGHTNING_MOE_CPU_ATTENTION={mode!r}: expected one of "
+                         f"{', '.join(CPU_ATTENTION_MODES)}")
+    return mode
+
+
 def native_available() -> bool:
     """Whether the native kernel can be used: built (on first call; ~30-60 s once) and not disabled with
     ``LIGHTNING_MOE_CPU_ATTENTION=sdpa`` (``auto``/``native``/unset: use it when it builds). A build failure is
     logged once as a warning and gives False. Raises ValueError for any other value of that variable."""
     global _module
-    mode = os.environ.get("LIGHTNING_MOE_CPU_ATTENTION", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "native", "sdpa"):
-        raise ValueError(f"environment variable LIGHTNING_MOE_CPU_ATTENTION={mode!r}: expected auto, native or sdpa")
-    if mode == "sdpa":
+    if cpu_attention_mode() == "sdpa":
         return False
     with _lock:
         if _module is None:
