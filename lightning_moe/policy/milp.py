@@ -699,9 +699,11 @@ def _new_highs() -> highspy.Highs:
     return h
 
 
-def _solve_highs(prob: pulp.LpProblem, time_limit: float) -> tuple[bool, bool, str]:
+def _solve_highs(prob: pulp.LpProblem, time_limit: float, presolve: bool = True) -> tuple[bool, bool, str]:
     """Solve the PuLP model ``prob`` with HiGHS (highspy, called directly: PuLP is only the modelling layer) to
     zero gap, silently, within ``time_limit`` seconds, and write the solution into its variables' varValue.
+    HiGHS's presolve has called a badly scaled feasible model (tiny-mixtral, 2 GiB GPU) infeasible: "no solution"
+    from a presolved run is only believed after a run without presolve.
 
     Returns (a feasible solution was found, it is proven optimal, HiGHS's model status in words)."""
     vs = prob.variables()
@@ -709,7 +711,7 @@ def _solve_highs(prob: pulp.LpProblem, time_limit: float) -> tuple[bool, bool, s
     inf, sense = highspy.kHighsInf, -1.0 if prob.sense == pulp.LpMaximize else 1.0
     h = _new_highs()
     for key, val in (("output_flag", False), ("time_limit", float(time_limit)), ("mip_rel_gap", 0.0),
-                     ("mip_abs_gap", 0.0)):
+                     ("mip_abs_gap", 0.0), ("presolve", "on" if presolve else "off")):
         h.setOptionValue(key, val)
     h.addVars(len(vs), np.array([-inf if v.lowBound is None else v.lowBound for v in vs], dtype=np.float64),
               np.array([inf if v.upBound is None else v.upBound for v in vs], dtype=np.float64))
@@ -725,6 +727,8 @@ def _solve_highs(prob: pulp.LpProblem, time_limit: float) -> tuple[bool, bool, s
     h.run()
     status = h.getModelStatus()
     found = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible: a feasible point is held
+    if not found and presolve:
+        return _solve_highs(prob, time_limit, presolve=False)
     if found:
         x = h.getSolution().col_value
         for v, xi in zip(vs, x):
