@@ -67,7 +67,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-reserve", type=_bytes_arg, help="GPU bytes kept free (default 1GiB)")
     p.add_argument("--cpu-reserve", type=_bytes_arg, help="host bytes kept free (default 2GiB)")
     p.add_argument("--mu-candidates", type=_ints_arg, help="comma-separated micro-batch sizes to choose from")
-    p.add_argument("--time-limit", type=float, default=20.0, help="seconds per CBC solve (default 20)")
+    p.add_argument("--time-limit", type=float, default=20.0, help="seconds per HiGHS solve (default 20)")
     p.add_argument("--output", "-o", help="write the chosen policy as YAML")
     p.add_argument("--plot", metavar="FILE.png", help="draw the hierarchical roofline and the predicted stage times "
                    "(needs matplotlib: pip install 'lightning-moe[plot]')")

@@ -1,4 +1,4 @@
-"""Policy search: a PuLP MILP over the HRM, solved exactly for end-to-end throughput.
+"""Policy search: a MILP over the HRM (modelled with PuLP, solved with HiGHS), solved exactly for end-to-end throughput.
 
 Decisions (all MILP variables; MoE-Lightning Sec. 4 policy search, DESIGN.md "The MILP"):
   z_m   binary, one per micro-batch-size candidate m (sum z_m = 1): mu = sum m z_m
@@ -9,7 +9,7 @@ Decisions (all MILP variables; MoE-Lightning Sec. 4 policy search, DESIGN.md "Th
         each layer's time max(H_l, C) is convex in its resident count and memory only sees R)
 The products mu * n and mu * g are linear through the disaggregated w_m, v_m (N = sum m w_m), no big-M on n.
 Objective: max N G / (T_prefill + T_decode), a ratio: Dinkelbach iterations solve
-max N G - lambda T exactly (CBC, zero gap) and update lambda to the ratio of the solution until the
+max N G - lambda T exactly (HiGHS, zero gap; PuLP builds the model, _solve_highs hands it to highspy) and update lambda to the ratio of the solution until the
 optimum of the parametric problem is 0 (Dinkelbach 1967, "On nonlinear fractional programming").
 
 Per decode step t the layer time is max(H_l, C_t) with H_l the host->device time of layer l (it depends
@@ -40,11 +40,14 @@ answer is the best policy the rounds visited, exact on workloads without prompt 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+import highspy
+import numpy as np
 import pulp
 
 from ..model.spec import MoESpec, dtype_bytes
@@ -56,8 +59,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MU_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 PREFILL_TOKENS = DEFAULT_PREFILL_TOKENS  # padded prompt tokens per prefill micro-batch (Policy.prefill_tokens)
-MEMORY_MARGIN_REL = 2e-7  # fraction of each budget kept free inside the MILP (CBC's row tolerance is 1e-7 on rows scaled by the budget)
-SOLVE_TIME_LIMIT = 20.0  # seconds per CBC solve
+MEMORY_MARGIN_REL = 2e-7  # fraction of each budget kept free inside the MILP (HiGHS's primal feasibility tolerance is 1e-7 on rows scaled by the budget)
+SOLVE_TIME_LIMIT = 20.0  # seconds per HiGHS solve
 TIE_SLACK = 1e-9  # relative throughput a tie-broken policy may give up (HRM ties only)
 MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
 MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then the chosen batch's grouped mean)
@@ -643,14 +646,9 @@ class _Model:
         """max G N - lam T. Returns (decisions, objective value, proven optimal). Raises PlanInfeasible."""
         G = self.workload.gen_len
         self.prob.setObjective(G * self.N - lam * self.T)
-        # CBC bundled with PuLP, silent, zero gap; cut generation dominates CBC's time on this model and
-        # branching alone proves optimality quickly, so cuts are off
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces PULP_CBC_CMD's rename in 4.0
-            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=0.0, gapAbs=0.0, cuts=False)
-            self.prob.solve(solver)
-        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            raise PlanInfeasible(f"infeasible: the MILP has no solution ({pulp.LpStatus[self.prob.status]})")
+        found, optimal, status = _solve_highs(self.prob, time_limit)
+        if not found:
+            raise PlanInfeasible(f"infeasible: the MILP has no solution (HiGHS: {status})")
         mu = max(self.C.cands, key=lambda m: self.z[m].varValue or 0.0)
         x = sum((1 << i) * int(round(bt.varValue)) for i, bt in enumerate(self.beta))
         d = {
@@ -659,7 +657,83 @@ class _Model:
             "g": int(round(self.v[mu].varValue)),
             "R": self.L_moe * int(round(self.r.varValue)) + x,
         }
-        return d, float(pulp.value(self.prob.objective)), self.prob.sol_status == pulp.LpSolutionOptimal
+        return d, float(pulp.value(self.prob.objective)), optimal
+
+
+def _highs_rows(prob: pulp.LpProblem, col: dict) -> tuple[list, list, list, list, list]:
+    """The rows of ``prob`` in HiGHS's compressed form: (lower, upper, starts, indices, values).
+
+    PuLP keeps a row as ``expression + constant (sense) 0``, so its right-hand side is -constant."""
+    lower, upper, starts, index, value = [], [], [], [], []
+    # PuLP >= 3.3 lists them through prob.constraints() (its mapping form is deprecated); older PuLP has a dict
+    for con in prob.constraints() if callable(prob.constraints) else prob.constraints.values():
+        rhs = -con.constant
+        lower.append(rhs if con.sense != pulp.LpConstraintLE else -highspy.kHighsInf)
+        upper.append(rhs if con.sense != pulp.LpConstraintGE else highspy.kHighsInf)
+        starts.append(len(index))
+        for var, a in con.items():
+            if a != 0:
+                index.append(col[var.name])
+                value.append(a)
+    return lower, upper, starts, index, value
+
+
+_HIGHS_BANNER = {"shown": False}  # HiGHS prints a banner to fd 1 when a process makes its first instance
+
+
+def _new_highs() -> highspy.Highs:
+    """A HiGHS instance; the process's first one is made with fd 1 on /dev/null (its banner would land in the
+    output of `moe-batch plan`, before any option can silence it)."""
+    if _HIGHS_BANNER["shown"]:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+        _HIGHS_BANNER["shown"] = True
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    return h
+
+
+def _solve_highs(prob: pulp.LpProblem, time_limit: float, presolve: bool = True) -> tuple[bool, bool, str]:
+    """Solve the PuLP model ``prob`` with HiGHS (highspy, called directly: PuLP is only the modelling layer) to
+    zero gap, silently, within ``time_limit`` seconds, and write the solution into its variables' varValue.
+    HiGHS's presolve has called a badly scaled feasible model (tiny-mixtral, 2 GiB GPU) infeasible: "no solution"
+    from a presolved run is only believed after a run without presolve.
+
+    Returns (a feasible solution was found, it is proven optimal, HiGHS's model status in words)."""
+    vs = prob.variables()
+    col = {v.name: i for i, v in enumerate(vs)}
+    inf, sense = highspy.kHighsInf, -1.0 if prob.sense == pulp.LpMaximize else 1.0
+    h = _new_highs()
+    for key, val in (("output_flag", False), ("time_limit", float(time_limit)), ("mip_rel_gap", 0.0),
+                     ("mip_abs_gap", 0.0), ("presolve", "on" if presolve else "off")):
+        h.setOptionValue(key, val)
+    h.addVars(len(vs), np.array([-inf if v.lowBound is None else v.lowBound for v in vs], dtype=np.float64),
+              np.array([inf if v.upBound is None else v.upBound for v in vs], dtype=np.float64))
+    obj = prob.objective
+    h.changeColsCost(len(vs), np.arange(len(vs), dtype=np.int32),
+                     np.array([sense * obj.get(v, 0.0) for v in vs], dtype=np.float64))
+    ints = np.array([i for i, v in enumerate(vs) if v.cat == pulp.LpInteger], dtype=np.int32)
+    if len(ints):
+        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+    lo, up, starts, index, value = _highs_rows(prob, col)
+    h.addRows(len(lo), np.array(lo, dtype=np.float64), np.array(up, dtype=np.float64), len(index),
+              np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value, dtype=np.float64))
+    h.run()
+    status = h.getModelStatus()
+    found = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible: a feasible point is held
+    if not found and presolve:
+        return _solve_highs(prob, time_limit, presolve=False)
+    if found:
+        x = h.getSolution().col_value
+        for v, xi in zip(vs, x):
+            v.varValue = xi
+    return found, status == highspy.HighsModelStatus.kOptimal, h.modelStatusToString(status)
 
 
 def _tie_break(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
@@ -760,7 +834,7 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
         candidates: micro-batch sizes mu to choose from (default DEFAULT_MU_CANDIDATES, capped at
             workload.num_requests, which is itself added).
         n_max: optional cap on the number of micro-batches (for small search grids).
-        time_limit: seconds per CBC solve.
+        time_limit: seconds per HiGHS solve.
         tie_break: among HRM ties of the optimum (within TIE_SLACK), prefer fewer micro-batches, then fewer
             GPU-attention micro-batches, then fewer resident experts (local search with hrm.evaluate).
         prefill_growth: after the MILP, enlarge the prefill micro-batch into the GPU memory the decode policy leaves
@@ -826,7 +900,7 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
                f"(MILP pass(es) at {', '.join(passes)})" if workload.prompt_lens is not None else "")
     note = (f"MILP: {len(cands)} micro-batch sizes, n <= {max(C.nmax.values())}, {model.prob.numConstraints()} constraints, "
             f"{iters} Dinkelbach solve(s){kv_note}, {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
-            + ("proven optimal" if proven else f"NOT proven optimal (CBC time limit {time_limit:g} s)"))
+            + ("proven optimal" if proven else f"NOT proven optimal (HiGHS time limit {time_limit:g} s)"))
     log.info(note)
     return pol, replace(est, notes=est.notes + (note,))
 
