@@ -244,13 +244,13 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     rows, tok = v.get("prefill", (policy.prefill_mu, policy.prefill_tokens))
     ex.policy = dataclasses.replace(policy, prefill_mu=rows, prefill_tokens=tok)
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
-    ex.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
+    ex.attention.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
     os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
     sys.setswitchinterval(v.get("switch", _DEFAULT_SWITCH))
     if not hasattr(ex, "_bench_h2d"):
-        ex._bench_h2d = ex.attention_h2d  # the executor's own choice ("auto" resolved)
-    ex.attention_h2d = v.get("h2d", ex._bench_h2d)
-    ex.gpu_attention = v.get("gattn", "torch")
+        ex._bench_h2d = ex.attention.attention_h2d  # the executor's own choice ("auto" resolved)
+    ex.attention.attention_h2d = v.get("h2d", ex._bench_h2d)
+    ex.attention.gpu_attention = v.get("gattn", "torch")
 
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -285,14 +285,14 @@ def native_line(n: Optional[dict]) -> str:
 
 def _timed_generate(ex, prompts, gen_len: int) -> dict:
     """One timed generation on a warm executor: rates, stage times (s), CPU attention rate (valid KV bytes/s)."""
-    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.pipeline.sampling import DecodeSampling
 
     ex.stats.__init__()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    ex.generate(prompts, SamplingParams(max_new_tokens=gen_len, stop_at_eos=False))
+    ex.generate(prompts, DecodeSampling(max_new_tokens=gen_len, stop_at_eos=False))
     wall = time.perf_counter() - t0
     s = ex.stats
     st = dict(s.extra)
@@ -312,7 +312,7 @@ def _timed_generate(ex, prompts, gen_len: int) -> dict:
 
 def run_cgopipe(case: Case, profile: str) -> dict:
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.pipeline.sampling import DecodeSampling
     from lightning_moe.policy.hardware import resolve_hardware
     from lightning_moe.policy.milp import plan
     from lightning_moe.policy.policy import Budgets, Workload
@@ -337,12 +337,12 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     ex = CGOPipeExecutor(w, policy, "cuda", torch.bfloat16, ffn=case.ffn, cpu_threads=case.cpu_threads)
     del w
     t_setup = time.perf_counter() - t0
-    log(f"executor ready in {t_setup:.1f} s (pool {ex.weight_stream.pool.nbytes / GiB:.1f} GiB, attention outputs by {ex.attention_h2d})")
+    log(f"executor ready in {t_setup:.1f} s (pool {ex.weight_stream.pool.nbytes / GiB:.1f} GiB, attention outputs by {ex.attention.attention_h2d})")
     # warm-up: Triton compiles one kernel per tile config (chosen by tokens per expert) on first use; two short
     # runs hit the prefill (large) and decode (small, medium) configs, so the timed run measures steady state
     t0 = time.perf_counter()
     for rows in (8, min(128, policy.mu)):
-        ex.generate(prompts[:rows], SamplingParams(max_new_tokens=2, stop_at_eos=False))
+        ex.generate(prompts[:rows], DecodeSampling(max_new_tokens=2, stop_at_eos=False))
     t_warm = time.perf_counter() - t0
     log(f"warm-up (kernel compilation) {t_warm:.1f} s")
     _log_decode_progress(ex, every=16)
@@ -368,7 +368,7 @@ def run_cgopipe(case: Case, profile: str) -> dict:
     _apply_variant(ex, case, {}, policy)
     ex.close()
     return {
-        "executor": "cgopipe", "ffn": case.ffn, "attention_h2d": getattr(ex, "_bench_h2d", ex.attention_h2d),
+        "executor": "cgopipe", "ffn": case.ffn, "attention_h2d": getattr(ex, "_bench_h2d", ex.attention.attention_h2d),
         "cpu_threads": case.cpu_threads,
         "torch_threads": _DEFAULT_THREADS, "policy": dataclasses.asdict(policy), "plan_seconds": t_plan,
         "setup_seconds": t_setup, "warmup_seconds": t_warm, "N": policy.N, "prompt_len_mean": wl.prompt_len,
@@ -379,7 +379,8 @@ def run_cgopipe(case: Case, profile: str) -> dict:
 
 
 def run_serial(case: Case, profile: str) -> dict:
-    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.pipeline.serial import SerialExecutor
 
     spec = spec_for(case)
     cap_gpu(case.gpu_cap)
@@ -388,7 +389,7 @@ def run_serial(case: Case, profile: str) -> dict:
     best = None
     for b in case.baseline_batches:
         ex.stats.__init__()
-        ex.generate(fill(mtbench_prompts(), b), SamplingParams(max_new_tokens=case.baseline_steps + 1, stop_at_eos=False))
+        ex.generate(fill(mtbench_prompts(), b), DecodeSampling(max_new_tokens=case.baseline_steps + 1, stop_at_eos=False))
         s = ex.stats
         r = {"batch": b, "decode_tok_s": s.decode_tokens / s.decode_seconds, "step_seconds": s.decode_seconds / s.decode_steps,
              "prefill_tok_s": s.prefill_tokens / s.prefill_seconds}

@@ -2,7 +2,7 @@
 """Packed prefill attention over a dataset of many lengths: what a new chunk shape costs (a GPU benchmark, not a test).
 
 A job's prompts are taken in length order (``app.engine.work_order``) and cut into prefill chunks of at most
-``--rows`` rows and ``--tokens`` padded tokens (``CGOPipeExecutor._prefill_chunks``'s rule), so with many lengths
+``--rows`` rows and ``--tokens`` padded tokens (``pipeline.prefill.prefill_chunks``'s rule), so with many lengths
 nearly every chunk is a (rows, longest) shape the process has not seen. Per variant, one pass over every chunk (the
 first layer of the job: each shape new) and a second pass (the later layers: each shape seen), each chunk timed on
 the host around a synchronized call (a plan build or a compilation is host time), Mixtral-8x7B attention shapes

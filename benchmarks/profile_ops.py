@@ -177,7 +177,7 @@ def main() -> None:
 
     import bench_cgopipe as B
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.pipeline.sampling import DecodeSampling
     from lightning_moe.policy.policy import Policy
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -205,8 +205,8 @@ def main() -> None:
                          gpu_attention=a.gpu_attention)
     del w
     prompts = B.fill(B.mtbench_prompts(), a.mu * a.n)
-    sp = SamplingParams(max_new_tokens=a.gen, stop_at_eos=False)
-    ex.generate(prompts[:8], SamplingParams(max_new_tokens=2, stop_at_eos=False))  # warm-up: Triton compilation
+    sp = DecodeSampling(max_new_tokens=a.gen, stop_at_eos=False)
+    ex.generate(prompts[:8], DecodeSampling(max_new_tokens=2, stop_at_eos=False))  # warm-up: Triton compilation
     ex.generate(prompts, sp)
     if a.cprofile:
         _print_cprofile(lambda: ex.generate(prompts, sp), a.cprofile, ex)

@@ -6,7 +6,8 @@ from tests.support.hf_checkpoints import assert_scores_match
 
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 
@@ -20,7 +21,7 @@ def _prompts(n, seed=0, vocab=32000):
 def test_cgopipe_cpu_equals_serial_ragged(tiny_dir, resident):
     """Ragged batch of 11 prompts in 4 micro-batches (mu=3), with and without resident experts."""
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=12, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
     pol = Policy(mu=3, n=4, prefill_mu=2, resident_experts=resident, dtype="fp32", weight_quant="fp32")  # prefill in chunks of 2
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu")
@@ -35,9 +36,9 @@ def test_cgopipe_cpu_stop_at_eos_and_callbacks(tiny_dir):
     """A stop token that one sequence emits early: same outputs, reasons and callbacks as serial."""
     prompts = _prompts(7, seed=1)
     serial = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu")
-    free = serial.generate(prompts, SamplingParams(max_new_tokens=6, stop_at_eos=False))
+    free = serial.generate(prompts, DecodeSampling(max_new_tokens=6, stop_at_eos=False))
     eos = free[0][0][2]  # sequence 0 emits this at step 3: use it as the stop token
-    sp = SamplingParams(max_new_tokens=6, stop_at_eos=True)
+    sp = DecodeSampling(max_new_tokens=6, stop_at_eos=True)
     ref = serial.generate(prompts, sp, eos_token_id=eos)
     assert ref[0][1] == "stop" and len(ref[0][0]) <= 3
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), Policy(mu=2, n=4, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
@@ -64,7 +65,7 @@ def test_cgopipe_cpu_grouped_kv_equals_serial(tiny_dir, mu, n, kv_groups):
     attention runs per group over its own length, and the tokens still equal the serial executor's."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 32000, (m,), generator=g).tolist() for m in (40, 3, 90, 5, 41, 7, 60)]
-    sp = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=10, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
     pol = Policy(mu=mu, n=n, prefill_mu=2, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", kv_groups=kv_groups)
@@ -87,7 +88,7 @@ def test_cgopipe_cpu_attention_bytes_and_stage_parts(tiny_dir):
     w = load_checkpoint(tiny_dir, torch.float32)
     spec = w.spec
     ex = CGOPipeExecutor(w, Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
-    ex.generate(prompts, SamplingParams(max_new_tokens=gen, stop_at_eos=False))
+    ex.generate(prompts, DecodeSampling(max_new_tokens=gen, stop_at_eos=False))
     ex.close()
     st = ex.stats.extra
     per_pos = 2 * spec.num_kv_heads * spec.head_dim * 4  # K and V, fp32
@@ -107,7 +108,7 @@ def test_cgopipe_cpu_attention_bytes_and_stage_parts(tiny_dir):
 def test_cgopipe_cpu_threads(tiny_dir):
     """cpu_threads sets the worker's intra-op thread count; tokens are unchanged; bad values are errors."""
     prompts = _prompts(6, seed=4)
-    sp = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=5, stop_at_eos=False)
     pol = Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32")
     before = torch.get_num_threads()
     try:
@@ -115,7 +116,7 @@ def test_cgopipe_cpu_threads(tiny_dir):
         want = ref.generate(prompts, sp)
         ref.close()
         ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", cpu_threads=1)
-        assert ex.workers.submit(torch.get_num_threads).result() == 1
+        assert ex.attention.workers.submit(torch.get_num_threads).result() == 1
         assert ex.generate(prompts, sp) == want
         ex.close()
     finally:
@@ -135,7 +136,7 @@ def test_cgopipe_prefill_stage_times(tiny_dir):
     ex = CGOPipeExecutor(w, Policy(mu=2, n=3, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
     try:
         ex.timer.start_spans()
-        ex.generate(_prompts(5, seed=3), SamplingParams(max_new_tokens=3, stop_at_eos=False))
+        ex.generate(_prompts(5, seed=3), DecodeSampling(max_new_tokens=3, stop_at_eos=False))
         spans = ex.timer.take_spans()
         st = dict(ex.stats.extra)
         assert 0 < st["prefill_kv_write"] < st["prefill_wall"] <= ex.stats.prefill_seconds + 1e-6

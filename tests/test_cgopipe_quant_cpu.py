@@ -15,7 +15,8 @@ from lightning_moe.model.quantized import QuantExperts
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
 from lightning_moe.pipeline.expert_ffn import expert_ffn
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 SCHEMES = {"int4": dict(experts="int4"), "int2-up": dict(experts="int4", up="int2")}
@@ -42,7 +43,7 @@ def test_cgopipe_quant_cpu_equals_serial_and_moves_packed_bytes(qdirs, scheme, r
     resident experts and h2d traffic are packed pages."""
     d = qdirs[scheme]
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=12, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(d, torch.float32), "cpu", torch.float32).generate(prompts, sp)
 
     w = load_checkpoint(d, torch.float32)

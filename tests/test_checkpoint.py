@@ -15,7 +15,7 @@ import torch
 from lightning_moe.config import ConfigError, job_from_dict
 from lightning_moe.data.writer import PartialsFile, WriterError, read_partials, read_results
 from lightning_moe.app.engine import EXIT_STOPPED, check_results_provenance, run_job
-from lightning_moe.pipeline.serial import SamplingParams, position_seed, sample
+from lightning_moe.pipeline.sampling import DecodeSampling, position_seed, sample
 from tests.support.prompt_files import count_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,7 +236,7 @@ def test_sampling_rng_is_keyed_by_seed_and_position():
     whatever the batch and whatever position a run resumed at."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 300, generator=g)
-    params = SamplingParams(8, temperature=0.8, top_p=0.9)
+    params = DecodeSampling(8, temperature=0.8, top_p=0.9)
     seeds = [11, 12, 13, 14, 15]
     full = sample(logits, params, seeds, [0, 1, 2, 3, 4])
     for b in range(5):  # one row alone, at its own position

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.expert_parallel import ExpertParallelExecutor, expert_owners
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 
 
 def _prompts(n, seed=0, vocab=32000):
@@ -33,7 +34,7 @@ def _worker(rank, world, port, tiny_dir, split, combine, out_path, threads):
         w = load_checkpoint(tiny_dir, torch.float32)
         owners = expert_owners(w.spec.num_experts, world, split)
         ex = ExpertParallelExecutor(w, rank, world, owners, "cpu", combine=combine)
-        sp = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+        sp = DecodeSampling(max_new_tokens=8, stop_at_eos=False)
         out = ex.generate(_prompts(6), sp)
         scores = ex.prompt_logprobs(_prompts(3, seed=1))
         if rank == 0:
@@ -54,7 +55,7 @@ def _run_two(tmp_path, tiny_dir, split, combine=True):
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     ex = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu")
-    out = ex.generate(_prompts(6), SamplingParams(max_new_tokens=8, stop_at_eos=False))
+    out = ex.generate(_prompts(6), DecodeSampling(max_new_tokens=8, stop_at_eos=False))
     return [o for o, _ in out], [lp.tolist() for lp, _ in ex.prompt_logprobs(_prompts(3, seed=1))]
 
 

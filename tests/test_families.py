@@ -25,7 +25,8 @@ from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 from lightning_moe.policy.registry import resolve_spec
 
@@ -123,7 +124,7 @@ def test_a_family_variant_is_what_both_executors_compute(tmp_path, hf_mixtral_ge
     assert (silu.logits([ids])[0] - ref).abs().max().item() > 1e-2
 
     prompts = [ids, [1, 9, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    params = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    params = DecodeSampling(max_new_tokens=10, stop_at_eos=False)
     want = []
     with torch.no_grad():
         for p in prompts:

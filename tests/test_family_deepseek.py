@@ -26,7 +26,8 @@ from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.kv_cache import LatentKVCache, make_kv_cache
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 
 VOCAB = 128
 PROMPTS = [[1, 17, 33, 5, 90, 41, 7, 64], [1, 9, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77]]
@@ -122,7 +123,7 @@ def test_greedy_20_steps_equal_transformers_over_the_latent_cache(hf_ds):
     path, model, _ = hf_ds
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(w) for w in want}) > 1
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     serial = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
     assert serial._experts_and_ffn(0)[0] is None  # the dense first layer pages nothing
     out = serial.generate(PROMPTS, sp)
@@ -196,7 +197,7 @@ def test_cgopipe_greedy_20_steps_equal_serial_and_transformers(hf_ds, resident):
     un-absorb on the compute device, experts paged or partly resident): 20 greedy tokens per row of a ragged batch of
     4 micro-batches equal the serial executor's and transformers' (each prompt alone)."""
     path, model, _ = hf_ds
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     want = _hf_greedy(model, CGO_PROMPTS, 20)
     ref = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(CGO_PROMPTS, sp)
     assert [o for o, _ in ref] == want
@@ -397,7 +398,7 @@ def test_dummy_weights_of_the_registry_shapes_run(name):
                                 head_dim=12, v_head_dim=6, q_lora_rank=4 if name == "deepseek-v3" else 0,
                                 router_n_group=4 if name == "deepseek-v3" else 0, router_topk_group=2 if name == "deepseek-v3" else 0)
     w = dummy_weights(small, torch.float32, scale=0.3)
-    out = SerialExecutor(w, "cpu").generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=3, stop_at_eos=False))
+    out = SerialExecutor(w, "cpu").generate([[1, 2, 3], [4]], DecodeSampling(max_new_tokens=3, stop_at_eos=False))
     assert [len(o) for o, _ in out] == [3, 3]
 
 
@@ -515,5 +516,5 @@ def test_quantized_checkpoint_keeps_every_non_expert_tensor_and_runs(tmp_path):
         assert a.wq is None and b.wq is None
         for k, t in b.__dict__.items():
             assert (t is None and getattr(a, k) is None) or torch.equal(getattr(a, k), t), k
-    out = SerialExecutor(w, "cpu").generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, stop_at_eos=False))
+    out = SerialExecutor(w, "cpu").generate(PROMPTS[:2], DecodeSampling(max_new_tokens=4, stop_at_eos=False))
     assert [len(o) for o, _ in out] == [4, 4]

@@ -26,7 +26,8 @@ from tests.support.hf_checkpoints import (assert_scores_match, hf_greedy as _hf_
 from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 
 VOCAB = 128
 PROMPTS = [[1, 17, 33, 5, 90, 41, 7, 64], [1, 9, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77]]
@@ -123,7 +124,7 @@ def test_greedy_20_steps_equal_transformers_and_ragged_equals_alone(hf_oss):
     path, model = hf_oss
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(w) for w in want}) > 1
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     serial = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
     out = serial.generate(PROMPTS, sp)
     assert [o for o, _ in out] == want and all(r == "length" for _, r in out)
@@ -217,7 +218,7 @@ def test_mxfp4_checkpoint_dequantized_on_load_gives_transformers_logits(hf_oss, 
         orig = [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(ours, orig)) > 1e-2  # the experts really are the blocks
-    sp = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=8, stop_at_eos=False)
     assert [o for o, _ in ex.generate(PROMPTS, sp)] == _hf_greedy(deq, PROMPTS, 8)
     # bf16 compute: the blocks dequantize straight into bf16 (exact: FP4 values times a power of two)
     wb = load_checkpoint(qdir, torch.bfloat16)
@@ -305,7 +306,7 @@ def test_cgopipe_greedy_20_steps_equal_serial_and_transformers(hf_oss, resident)
     worker, experts paged with their biases through the host pool, or partly resident): 20 greedy tokens per row of
     a ragged batch of 4 micro-batches equal the serial executor's and transformers' (each prompt alone)."""
     path, model = hf_oss
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     want = _hf_greedy(model, CGO_PROMPTS, 20)
     ref = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(CGO_PROMPTS, sp)
     assert [o for o, _ in ref] == want

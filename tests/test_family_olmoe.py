@@ -23,7 +23,8 @@ from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
 from lightning_moe.pipeline.scoring import score_batch
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 VOCAB = 128
@@ -122,7 +123,7 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_olmoe):
     path, model = hf_olmoe
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(w) for w in want}) > 1
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     ex = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
     serial = ex.generate(PROMPTS, sp)
     assert [o for o, _ in serial] == want and all(r == "length" for _, r in serial)
@@ -268,7 +269,7 @@ def test_quantized_checkpoint_runs_in_both_executors(hf_olmoe, tmp_path):
     ref, orig = _hf_logits(deq, PROMPTS), _hf_logits(model, PROMPTS)
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(ours, orig)) > 1e-3  # the experts really are quantized
-    sp = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=10, stop_at_eos=False)
     want = serial.generate(PROMPTS, sp)
     pipe = CGOPipeExecutor(load_checkpoint(dst, torch.float32),
                            Policy(mu=2, n=2, prefill_mu=2, dtype="fp32", weight_quant="int4"), "cpu")

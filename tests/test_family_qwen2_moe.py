@@ -25,7 +25,8 @@ from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 VOCAB = 128
@@ -119,7 +120,7 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_qwen2):
     path, model, dense = hf_qwen2
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(w) for w in want}) > 1
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     w = load_checkpoint(path, torch.float32)
     assert [i for i, e in enumerate(w.experts) if e is None] == list(dense)
     serial = SerialExecutor(w, "cpu")
@@ -259,7 +260,7 @@ def test_quantized_checkpoint_runs_in_both_executors(hf_qwen2, tmp_path):
         orig = [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(ours, orig)) > 1e-3  # the experts really are quantized
-    sp = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=10, stop_at_eos=False)
     want = serial.generate(PROMPTS, sp)
     pipe = CGOPipeExecutor(load_checkpoint(res.dst, torch.float32),
                            Policy(mu=2, n=2, prefill_mu=2, resident_experts=1, dtype="fp32", weight_quant="int4"), "cpu")

@@ -21,7 +21,8 @@ from lightning_moe.model.families import family_for, family_of, read_spec
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 VOCAB = 128
@@ -115,7 +116,7 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_qwen3):
     path, model = hf_qwen3
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(w) for w in want}) > 1
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     w = load_checkpoint(path, torch.float32)
     dense = w.spec.dense_layers
     assert [i for i, e in enumerate(w.experts) if e is None] == list(dense)  # a dense layer has no routed experts
@@ -264,7 +265,7 @@ def test_quantized_checkpoint_runs_in_both_executors(hf_qwen3, tmp_path):
         orig = [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(ours, orig)) > 1e-3  # the experts really are quantized
-    sp = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=10, stop_at_eos=False)
     want = serial.generate(PROMPTS, sp)
     pipe = CGOPipeExecutor(load_checkpoint(dst, torch.float32),
                            Policy(mu=2, n=2, prefill_mu=2, dtype="fp32", weight_quant="int4"), "cpu")

@@ -320,11 +320,12 @@ def test_cgopipe_cpu_grouped_mm_equals_serial(tiny_dir, resident):
     layer, the skip id); every expert call ran grouped_mm (the stats count them per phase)."""
     from lightning_moe.model.weights import load_checkpoint
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.pipeline.serial import SerialExecutor
     from lightning_moe.policy.policy import Policy
 
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=12, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
     pol = Policy(mu=3, n=4, prefill_mu=2, resident_experts=resident, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", ffn="grouped_mm")
@@ -345,12 +346,13 @@ def test_cgopipe_cpu_grouped_mm_int4_scratch_equals_serial(tiny_dir, tmp_path, m
     from lightning_moe.model.weights import load_checkpoint
     from lightning_moe.pipeline import expert_ffn as X
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.pipeline.serial import SerialExecutor
     from lightning_moe.policy.policy import Policy
 
     d = quantize_checkpoint(tiny_dir, str(tmp_path / "int4"), experts="int4").dst
     prompts = _prompts(7, seed=5)
-    sp = SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=6, stop_at_eos=False)
     serial = SerialExecutor(load_checkpoint(d, torch.float32), "cpu", torch.float32)
     ref = serial.generate(prompts, sp)
     unpacked = []
@@ -390,12 +392,12 @@ def test_cgopipe_warmup_runs_once_and_changes_nothing(tiny_dir):
     real calls only."""
     from lightning_moe.model.weights import load_checkpoint
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.pipeline.sampling import DecodeSampling
     from lightning_moe.policy.policy import Policy
 
     prompts = _prompts(11, seed=3)
     seqs = [p + [5, 6] for p in prompts]
-    sp = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=5, stop_at_eos=False)
     pol = Policy(mu=3, n=4, prefill_mu=2, resident_experts=0, dtype="fp32", weight_quant="fp32")
     runs = {}
     for warm in (False, True):

@@ -65,5 +65,5 @@ def test_executor_attention_h2d_checked(tiny_dir):
     with pytest.raises(ValueError, match="attention_h2d"):
         CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", attention_h2d="zero")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", attention_h2d="kernel")
-    assert ex.attention_h2d == "dma"  # on the CPU there is nothing to copy: the setting is ignored
+    assert ex.attention.attention_h2d == "dma"  # on the CPU there is nothing to copy: the setting is ignored
     ex.close()

@@ -13,7 +13,8 @@ from lightning_moe.model.quantize import quantize_checkpoint
 from lightning_moe.model.quantized import QuantExperts
 from lightning_moe.model.weights import CheckpointError, ExpertsOnDisk, load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.pipeline.weight_stream import packed_layout
 from lightning_moe.policy.policy import Policy
 
@@ -85,7 +86,7 @@ def test_cgopipe_takes_lazy_experts_one_layer_at_a_time(tiny_dir, resident):
     """CGOPipe over lazy weights: every layer read once, never two layers' host copies at a time, and the same
     tokens as the serial executor over eager weights (ragged prompts, 4 micro-batches)."""
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=8, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
     w = load_checkpoint(tiny_dir, torch.float32, lazy_experts=True)
     log = {"reads": [], "live": 0, "max_live": 0}

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from lightning_moe.model.weights import load_checkpoint
-from lightning_moe.pipeline import serial as serial_mod
+from lightning_moe.pipeline import sampling as sampling_mod
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 
@@ -38,7 +39,7 @@ def test_logprobs_equal_transformers_both_executors(hf_mixtral, temperature):
     top-3 equal transformers' log-softmax (1e-4, as the logits test), and serial == cgopipe (1e-5, same ids)."""
     path, model = hf_mixtral
     prompts = [[1, 17, 33, 5, 90, 41], [1, 7], [1, 99, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    sp = SamplingParams(max_new_tokens=10, temperature=temperature, stop_at_eos=False, logprobs=3)
+    sp = DecodeSampling(max_new_tokens=10, temperature=temperature, stop_at_eos=False, logprobs=3)
     seeds = [11, 12, 13]
     ref, ref_lp = _run(SerialExecutor(load_checkpoint(path, torch.float32), "cpu"), prompts, sp, seeds=seeds)
     pol = Policy(mu=2, n=2, prefill_mu=1, dtype="fp32", weight_quant="fp32")
@@ -68,12 +69,10 @@ def test_no_logprobs_costs_nothing(hf_mixtral, monkeypatch):
     """logprobs unset: token_logprobs is never called (and no callback), in either executor."""
     path, _ = hf_mixtral
     calls = []
-    real = serial_mod.token_logprobs
-    monkeypatch.setattr(serial_mod, "token_logprobs", lambda *a: calls.append(1) or real(*a))
-    import lightning_moe.pipeline.cgopipe as cg
-
-    monkeypatch.setattr(cg, "token_logprobs", lambda *a: calls.append(1) or real(*a))
-    sp = SamplingParams(max_new_tokens=4, stop_at_eos=False)
+    real = sampling_mod.token_logprobs
+    # the one place both executors turn logits into tokens (sampling.DecodeRows.commit) calls it
+    monkeypatch.setattr(sampling_mod, "token_logprobs", lambda *a: calls.append(1) or real(*a))
+    sp = DecodeSampling(max_new_tokens=4, stop_at_eos=False)
     for ex in (SerialExecutor(load_checkpoint(path, torch.float32), "cpu"),
                CGOPipeExecutor(load_checkpoint(path, torch.float32), Policy(mu=2, n=1, prefill_mu=2, dtype="fp32",
                                                                           weight_quant="fp32"), "cpu")):
@@ -81,14 +80,14 @@ def test_no_logprobs_costs_nothing(hf_mixtral, monkeypatch):
         if hasattr(ex, "close"):
             ex.close()
         assert calls == [] and got == {0: [], 1: []}
-    sp = SamplingParams(max_new_tokens=4, stop_at_eos=False, logprobs=0)
+    sp = DecodeSampling(max_new_tokens=4, stop_at_eos=False, logprobs=0)
     _, got = _run(SerialExecutor(load_checkpoint(path, torch.float32), "cpu"), [[1, 5, 6]], sp)
     assert len(calls) == 4 and all(top is None for _, top in got[0])  # k = 0: the chosen token's only
 
 
 def test_api_and_records_logprobs(tiny_dir, tmp_path):
     """The API: vLLM's per-token dicts (chosen token first, then the top-k), cumulative_logprob; the job's record
-    fields; a list of SamplingParams with and without logprobs; the CLI record equals the API's."""
+    fields; a list of DecodeSampling with and without logprobs; the CLI record equals the API's."""
     from lightning_moe import LLM
     from lightning_moe import SamplingParams as SP
     from lightning_moe.app.engine import run_job
@@ -216,9 +215,9 @@ def test_rows_that_finish_early_get_no_more_entries(hf_mixtral):
     path, _ = hf_mixtral
     prompts = [[1, 17, 33, 5], [1, 7, 8], [1, 99, 3], [1, 4]]
     free = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(
-        prompts, SamplingParams(max_new_tokens=8, stop_at_eos=False))
+        prompts, DecodeSampling(max_new_tokens=8, stop_at_eos=False))
     stop = free[0][0][2]  # row 0 emits it at step 3
-    sp = SamplingParams(max_new_tokens=8, stop_at_eos=False, stop_token_ids=(stop,), logprobs=2)
+    sp = DecodeSampling(max_new_tokens=8, stop_at_eos=False, stop_token_ids=(stop,), logprobs=2)
     ref, ref_lp = _run(SerialExecutor(load_checkpoint(path, torch.float32), "cpu"), prompts, sp)
     ex = CGOPipeExecutor(load_checkpoint(path, torch.float32), Policy(mu=2, n=2, prefill_mu=2, dtype="fp32",
                                                                       weight_quant="fp32"), "cpu")

@@ -107,7 +107,9 @@ def test_new_families_load_in_transformers_and_give_our_serial_logits(written_ne
     logits equal the serial executor's (max abs < 1e-4): the written layout is the real one."""
     import transformers
 
-    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+
+    from lightning_moe.pipeline.serial import SerialExecutor
 
     name, dims, path = written_new
     kw = {"attn_implementation": "eager"} if dims.family == "gpt_oss" else {}
@@ -139,7 +141,7 @@ def test_new_families_load_in_transformers_and_give_our_serial_logits(written_ne
             worst = max(worst, (ours[i] - ref).abs().max().item())
     assert worst < 1e-4, worst
     assert max(o.abs().max().item() for o in ours) > 0.5  # not a degenerate model
-    out = ex.generate(PROMPTS, SamplingParams(max_new_tokens=3, stop_at_eos=False))
+    out = ex.generate(PROMPTS, DecodeSampling(max_new_tokens=3, stop_at_eos=False))
     assert [len(ids) for ids, _ in out] == [3, 3, 3]
     print(name, "max abs logit diff", worst)
 

@@ -208,11 +208,12 @@ def test_kernel_choice_runs_mm_loop_in_prefill_passes_only(tiny_dir, monkeypatch
     from lightning_moe.model.weights import load_checkpoint
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
     from lightning_moe.pipeline.expert_ffn import KernelChoice
-    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.pipeline.serial import SerialExecutor
     from lightning_moe.policy.policy import Policy
 
     prompts = _prompts(9, seed=4)
-    sp = SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=6, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cpu").generate(prompts, sp)
     pol = Policy(mu=3, n=3, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
     for forced in (False, True):

@@ -6,7 +6,8 @@ import torch
 
 from lightning_moe.model import layers as M
 from lightning_moe.model.weights import load_checkpoint
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 
 
 def test_checkpoint_is_sharded(hf_mixtral):
@@ -33,7 +34,7 @@ def test_greedy_20_steps_equal_transformers(hf_mixtral):
     path, model = hf_mixtral
     ex = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
     prompt = [1, 17, 33, 5, 90, 41]
-    out, reason = ex.generate([prompt], SamplingParams(max_new_tokens=20, stop_at_eos=False))[0]
+    out, reason = ex.generate([prompt], DecodeSampling(max_new_tokens=20, stop_at_eos=False))[0]
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -54,7 +55,7 @@ def test_ragged_batch_equals_alone_every_step(hf_mixtral):
     ex = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
     g = torch.Generator().manual_seed(7)
     p3, p12 = torch.randint(3, 128, (3,), generator=g).tolist(), torch.randint(3, 128, (12,), generator=g).tolist()
-    sp = SamplingParams(max_new_tokens=24, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=24, stop_at_eos=False)
     both = ex.generate([p3, p12], sp)
     alone3, alone12 = ex.generate([p3], sp)[0], ex.generate([p12], sp)[0]
     assert len(both[0][0]) == 24
@@ -68,7 +69,7 @@ def test_ragged_decode_matches_transformers_logits(hf_mixtral):
     path, model = hf_mixtral
     ex = SerialExecutor(load_checkpoint(path, torch.float32), "cpu")
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    outs = ex.generate(prompts, SamplingParams(max_new_tokens=8, stop_at_eos=False))
+    outs = ex.generate(prompts, DecodeSampling(max_new_tokens=8, stop_at_eos=False))
     for p, (o, _) in zip(prompts, outs):
         seq = p + o
         with torch.no_grad():

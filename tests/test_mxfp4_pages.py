@@ -17,7 +17,8 @@ from lightning_moe.kernels.mxfp4 import MXFP4PageLayout
 from lightning_moe.model.quantized import MXFP4Experts, checkpoint_expert_scheme
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import ExpertsOnDisk, load_checkpoint
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_serial_executor_on_packed_pages_equals_the_dequantize_on_load_path_and_
     with torch.no_grad():
         hf = [deq(torch.tensor([p])).logits[0].float() for p in PROMPTS]
     assert max((a - b).abs().max().item() for a, b in zip(ours.logits(PROMPTS), hf)) < 1e-4
-    sp = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=8, stop_at_eos=False)
     assert [o for o, _ in ours.generate(PROMPTS, sp)] == hf_greedy(deq, PROMPTS, 8)
 
 
@@ -75,7 +76,7 @@ def test_cgopipe_pages_mxfp4_and_equals_serial_and_transformers(mx, resident):
     """The pool holds one uint8 MXFP4 page per expert ("page"); 12 greedy tokens per row of a ragged batch equal
     transformers' and the serial executor's; prompt logprobs equal the serial executor's (1e-4)."""
     qdir, deq = mx
-    sp = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=12, stop_at_eos=False)
     want = hf_greedy(deq, CGO_PROMPTS, 12)
     ex = _cgopipe(qdir, resident)
     lay = ex.weight_stream.page_layout
@@ -131,7 +132,7 @@ def test_cgopipe_with_the_mxfp4_kernel_in_the_interpreter_equals_the_torch_loop(
     prompts = CGO_PROMPTS[:4]
     seqs = [p + [5, 6] for p in prompts]
     lp = ex.prompt_logprobs(seqs)
-    out = ex.generate(prompts, SamplingParams(max_new_tokens=4, stop_at_eos=False))
+    out = ex.generate(prompts, DecodeSampling(max_new_tokens=4, stop_at_eos=False))
     ex.close()
     assert ex.stats.extra.get("expert_ffn_decode_calls_triton", 0) > 0  # the kernel ran (counted per phase)
     ref = SerialExecutor(load_checkpoint(qdir, torch.float32), "cpu").prompt_logprobs(seqs)

@@ -1,13 +1,13 @@
-"""Prefill micro-batches: row and padded-token caps (pipeline/cgopipe.py), and the planner's choice of rows."""
+"""Prefill micro-batches: row and padded-token caps (pipeline/prefill.py), and the planner's choice of rows."""
 
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
-from lightning_moe.pipeline.cgopipe import CGOPipeExecutor, MicroBatch
+from lightning_moe.pipeline.attention_placement import MicroBatch
+from lightning_moe.pipeline.prefill import prefill_chunks
 from lightning_moe.policy.milp import prefill_chunk_tokens, prefill_micro_batch
 from lightning_moe.policy.policy import Policy
 
@@ -16,7 +16,7 @@ def _chunks(lens, prefill_mu, prefill_tokens):
     pol = Policy(mu=len(lens), n=1, prefill_mu=prefill_mu, prefill_tokens=prefill_tokens)
     prompts = [[1] * n for n in lens]
     mb = MicroBatch(rows=list(range(len(lens))), kv=None, on_gpu=False)
-    return CGOPipeExecutor._prefill_chunks(SimpleNamespace(policy=pol), prompts, mb)
+    return prefill_chunks(prompts, mb.rows, pol)
 
 
 @pytest.mark.parametrize("seed", range(20))

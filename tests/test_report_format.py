@@ -99,7 +99,7 @@ def test_timing_counts_the_warmup_in_end_to_end_not_in_prefill():
     """wall_seconds.warmup (the first prefill's warm-up pass) is inside end-to-end and the wall sum, outside prefill
     tokens/s."""
     from lightning_moe.app.report import timing
-    from lightning_moe.pipeline.serial import RunStats
+    from lightning_moe.pipeline.executor import RunStats
 
     s = RunStats(prefill_tokens=600, prefill_seconds=1.0, decode_tokens=90, generated_tokens=100, decode_seconds=3.0,
                  warmup_seconds=2.0)

@@ -23,7 +23,8 @@ from lightning_moe.model.families import read_spec
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+from lightning_moe.pipeline.sampling import DecodeSampling
+from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.policy.policy import Policy
 
 VOCAB = 128
@@ -131,7 +132,7 @@ def test_greedy_20_steps_equal_transformers_both_executors(hf_rope):
     path, model, _ = hf_rope
     want = _hf_greedy(model, PROMPTS, 20)
     assert len({tuple(t) for t in want}) > 1
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     serial = SerialExecutor(load_checkpoint(path, torch.float32), "cpu").generate(PROMPTS, sp)
     assert [o for o, _ in serial] == want
     for n_gpu_attn in (0, 1):

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_moe.model import layers as M
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+from lightning_moe.pipeline.prefill import prefill_chunks
 from lightning_moe.pipeline.serial import SerialExecutor
 from lightning_moe.pipeline.token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 from lightning_moe.policy.policy import Policy
@@ -100,7 +101,7 @@ def test_prompt_logprobs_equal_transformers(hf_mixtral):
     for name, ex in _executors(path):
         if name == "cgopipe":  # some micro-batch is prefilled (and scored) in several chunks
             mbs = ex._micro_batches(seqs, 0, False, ex.policy.prefill_mu)
-            assert max(len(ex._prefill_chunks(seqs, mb)) for mb in mbs) >= 2
+            assert max(len(prefill_chunks(seqs, mb.rows, ex.policy)) for mb in mbs) >= 2
         out = ex.prompt_logprobs(seqs)
         if name == "cgopipe":
             ex.close()

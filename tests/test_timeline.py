@@ -9,7 +9,7 @@ import torch
 from lightning_moe import cli
 from lightning_moe.model.weights import load_checkpoint
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-from lightning_moe.pipeline.serial import SamplingParams
+from lightning_moe.pipeline.sampling import DecodeSampling
 from lightning_moe.pipeline.stage_stats import SPAN_LANES, StageTimer
 from lightning_moe.policy.policy import Policy
 
@@ -22,7 +22,7 @@ def _executor(path):
 def test_spans_only_when_asked(hf_mixtral):
     path, _ = hf_mixtral
     prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 3], [1, 8, 8, 8, 8]]
-    sp = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=5, stop_at_eos=False)
     ex = _executor(path)
     try:
         ex.generate(prompts, sp)

@@ -211,14 +211,15 @@ def test_progress_advances_every_decode_step(tiny_dir, executor):
     from lightning_moe.model.spec import MoESpec
     from lightning_moe.model.weights import load_checkpoint
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.pipeline.serial import SerialExecutor
     from lightning_moe.policy.policy import Policy
 
     w = load_checkpoint(tiny_dir, torch.float32, MoESpec.from_pretrained_dir(tiny_dir))
     ex = (SerialExecutor(w, "cpu") if executor == "serial" else
           CGOPipeExecutor(w, Policy(mu=2, n=2, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu"))
     steps = []
-    out = ex.generate([[1, 5, 9], [1, 7], [1, 3, 4, 5], [1]], SamplingParams(max_new_tokens=5, stop_at_eos=False),
+    out = ex.generate([[1, 5, 9], [1, 7], [1, 3, 4, 5], [1]], DecodeSampling(max_new_tokens=5, stop_at_eos=False),
                       on_step=steps.append)
     assert steps == [4, 4, 4, 4, 4] and sum(steps) == sum(len(o) for o, _ in out)
     if hasattr(ex, "close"):

@@ -41,7 +41,9 @@ from ..data.writer import PartialsFile, ResultsWriter, error_record, write_json_
 from ..model.quantized import checkpoint_expert_scheme
 from ..model.weights import load_checkpoint
 from ..pipeline import scoring
-from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
+from ..pipeline.executor import RunStats
+from ..pipeline.sampling import DecodeSampling, finish_reason, request_seed
+from ..pipeline.serial import SerialExecutor
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, hardware_note, job_hardware, plan_job, policy_for_job
 from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
@@ -344,7 +346,7 @@ def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional
 def _gen_record(tr, out_ids: list[int], reason: str, tokenizer, stops: Sequence[str] = (),
                 lps: Optional[list] = None, k: Optional[int] = None) -> dict:
     """A generation record; with stop strings the text is cut before the earliest one and the reason is "stop".
-    ``lps``: one log-prob entry (``[logprob, top]``, pipeline.serial.token_logprobs) per output token, written as
+    ``lps``: one log-prob entry (``[logprob, top]``, pipeline.sampling.token_logprobs) per output token, written as
     ``logprobs`` (the chosen tokens') and, with ``k >= 1``, ``top_logprobs`` (per token its k best ``[id, logprob]``)."""
     text = tokenizer.decode(out_ids, skip_special_tokens=True)
     if stops:
@@ -728,7 +730,7 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
     partials = partials or {}
     if job.task == "generate":
         G = job.generation.max_new_tokens
-        params = SamplingParams.from_config(job.generation)
+        params = DecodeSampling.from_config(job.generation)
         eos = prep.eos_token_id
         ck = job.checkpoint
         if stop is not None:

@@ -12,7 +12,7 @@ from ..config import Job
 from ..policy.hardware import format_bytes
 
 if TYPE_CHECKING:
-    from ..pipeline.serial import RunStats
+    from ..pipeline.executor import RunStats
     from .gpu import PhasePeaks
     from .plan import JobPlan
 

@@ -373,7 +373,7 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
     from ..model.spec import MoESpec
     from ..model.weights import dummy_weights
     from .cgopipe import CGOPipeExecutor
-    from .serial import SamplingParams
+    from .sampling import DecodeSampling
     from ..policy.policy import Policy
 
     cuda = torch.device(device).type == "cuda"
@@ -389,9 +389,9 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
         pol = Policy(mu=mu, n=2, prefill_mu=mu, resident_experts=2, n_gpu_attn=n_gpu, dtype=name, weight_quant=name)
         ex = CGOPipeExecutor(dummy_weights(spec, dt), pol, device, ffn="triton" if cuda else "torch")
         try:
-            ex.generate(prompts, SamplingParams(max_new_tokens=3, stop_at_eos=False))  # warm-up: kernel compilation
+            ex.generate(prompts, DecodeSampling(max_new_tokens=3, stop_at_eos=False))  # warm-up: kernel compilation
             before = ex.stats.decode_seconds
-            ex.generate(prompts, SamplingParams(max_new_tokens=steps + 1, stop_at_eos=False))
+            ex.generate(prompts, DecodeSampling(max_new_tokens=steps + 1, stop_at_eos=False))
             out.append((ex.stats.decode_seconds - before) / (steps * layers * 2))
         finally:
             ex.close()

@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from lightning_moe.model.spec import MoESpec  # noqa: E402
 from lightning_moe.model.weights import dummy_weights, load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor  # noqa: E402
+from lightning_moe.pipeline.sampling import DecodeSampling  # noqa: E402
+from lightning_moe.pipeline.serial import SerialExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402
 
 DT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -30,7 +31,7 @@ POLICIES = [(3, 4, 0, 0), (3, 4, 3, 1), (11, 1, 0, 0)]  # mu, n, resident expert
 def test_cgopipe_cuda_equals_serial_fp32(tiny_dir, mu, n, resident, gpu_attn):
     """fp32 greedy: every token equals the serial executor's (ragged batch of 11, 16 steps)."""
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=16, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cuda").generate(prompts, sp)
     pol = Policy(mu=mu, n=n, prefill_mu=mu, resident_experts=resident, n_gpu_attn=gpu_attn, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cuda")
@@ -44,7 +45,7 @@ def test_cgopipe_cuda_equals_serial_bf16_same_shapes(tiny_dir):
     """bf16 greedy, one micro-batch holding the whole batch and one KV group: every attention, GEMM and
     reduction has the serial executor's shapes, so every token is identical."""
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=16, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.bfloat16), "cuda").generate(prompts, sp)
     pol = Policy(mu=11, n=1, prefill_mu=11, dtype="bf16", weight_quant="bf16")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.bfloat16), pol, "cuda", kv_groups=1)
@@ -57,11 +58,11 @@ def test_cgopipe_cuda_equals_serial_bf16_same_shapes(tiny_dir):
 def _serial_logits(ex, prompts, steps, forced=None):
     """Tokens and fp32 logits {(row, step): [V]} of the serial executor (all rows stay alive): greedy, or
     teacher-forced on ``forced[row][step]`` when given."""
-    import lightning_moe.pipeline.serial as S
+    import lightning_moe.pipeline.sampling as S  # DecodeRows.commit: the one place logits become tokens
 
     got, calls = {}, []
 
-    def record(lg, params, *seed_and_counts):  # serial.sample(logits, params, seeds, generated counts)
+    def record(lg, params, *seed_and_counts):  # sampling.sample(logits, params, seeds, generated counts)
         t = len(calls)
         calls.append(t)
         for r in range(lg.shape[0]):
@@ -72,14 +73,14 @@ def _serial_logits(ex, prompts, steps, forced=None):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(S, "sample", record)
-        out = ex.generate(prompts, SamplingParams(max_new_tokens=steps, stop_at_eos=False))
+        out = ex.generate(prompts, DecodeSampling(max_new_tokens=steps, stop_at_eos=False))
     return [o for o, _ in out], got
 
 
 def _forced_logits(ex, prompts, forced):
     """Teacher-forced CGOPipe run: each row is fed ``forced[row]`` (the serial executor's tokens) whatever
     its own argmax; returns fp32 logits {(row, step): [V]} (sample() is called per micro-batch in order)."""
-    import lightning_moe.pipeline.cgopipe as C
+    import lightning_moe.pipeline.sampling as C  # DecodeRows.commit, once per micro-batch
 
     got, calls, holder = {}, [], {}
     orig = ex._micro_batches
@@ -88,7 +89,7 @@ def _forced_logits(ex, prompts, forced):
         holder["mbs"] = orig(*a, **k)
         return holder["mbs"]
 
-    def forced_sample(lg, params, *seed_and_counts):  # cgopipe.sample(logits, params, seeds, generated counts)
+    def forced_sample(lg, params, *seed_and_counts):  # sampling.sample(logits, params, seeds, generated counts)
         mbs = holder["mbs"]
         c = len(calls)
         calls.append(c)
@@ -100,7 +101,7 @@ def _forced_logits(ex, prompts, forced):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ex, "_micro_batches", capture)
         mp.setattr(C, "sample", forced_sample)
-        ex.generate(prompts, SamplingParams(max_new_tokens=len(forced[0]), stop_at_eos=False))
+        ex.generate(prompts, DecodeSampling(max_new_tokens=len(forced[0]), stop_at_eos=False))
     return got
 
 
@@ -156,7 +157,7 @@ def _run_under_cap(w, pol, prompts, cap, ffn):
         scratch = sum(t.numel() * t.element_size() for t in (getattr(ex.expert_ffn, "scratch", None) or ()))
         out = []
         for i in range(0, len(prompts), pol.N):
-            out += ex.generate(prompts[i : i + pol.N], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+            out += ex.generate(prompts[i : i + pol.N], DecodeSampling(max_new_tokens=8, stop_at_eos=False))
         ex.close()
         peak = torch.cuda.max_memory_allocated() - base
     finally:

@@ -13,7 +13,8 @@ from lightning_moe.kernels.decode_attention import (  # noqa: E402
 )
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor  # noqa: E402
+from lightning_moe.pipeline.sampling import DecodeSampling  # noqa: E402
+from lightning_moe.pipeline.serial import SerialExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def test_cgopipe_triton_gpu_attention_equals_serial_fp32(tiny_dir, mu, n, gpu_at
     """fp32 greedy, ragged batch of 11 (several KV length groups per micro-batch), 16 steps: the one-launch GPU
     attention gives the serial executor's tokens."""
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=16, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cuda").generate(prompts, sp)
     pol = Policy(mu=mu, n=n, prefill_mu=mu, resident_experts=2, n_gpu_attn=gpu_attn, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cuda", gpu_attention="triton")

@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor  # noqa: E402
+from lightning_moe.pipeline.sampling import DecodeSampling  # noqa: E402
+from lightning_moe.pipeline.serial import SerialExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402
 
 VOCAB = 256
@@ -68,7 +69,7 @@ def _prompts(n=9, seed=0, maxlen=40):
 def test_cgopipe_cuda_tokens_equal_serial_fp32(family_ckpt, mu, n, resident, gpu_attn):
     family, path, _ = family_ckpt
     prompts = _prompts()
-    sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=20, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(path, torch.float32), "cuda").generate(prompts, sp)
     pol = Policy(mu=mu, n=n, prefill_mu=mu, resident_experts=resident, n_gpu_attn=gpu_attn, dtype="fp32",
                  weight_quant="fp32")
@@ -83,7 +84,7 @@ def test_cgopipe_cuda_tokens_equal_serial_fp32(family_ckpt, mu, n, resident, gpu
 
 def test_serial_cuda_logits_equal_transformers_cuda_fp32(family_ckpt):
     """The last position's fp32 logits of each prompt alone, ours on CUDA vs transformers' model on CUDA."""
-    import lightning_moe.pipeline.serial as S
+    import lightning_moe.pipeline.sampling as S  # DecodeRows.commit: the one place logits become tokens
 
     family, path, model = family_ckpt
     prompts = _prompts(4)
@@ -103,7 +104,7 @@ def test_serial_cuda_logits_equal_transformers_cuda_fp32(family_ckpt):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(S, "sample", capture)
             for p in prompts:
-                ser.generate([p], SamplingParams(max_new_tokens=1, stop_at_eos=False))
+                ser.generate([p], DecodeSampling(max_new_tokens=1, stop_at_eos=False))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         model.to("cpu")

@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from lightning_moe.kernels.host_read import BLOCK, copy_from_host_triton, host_read_available  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor  # noqa: E402
+from lightning_moe.pipeline.sampling import DecodeSampling  # noqa: E402
+from lightning_moe.pipeline.serial import SerialExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402
 
 
@@ -45,12 +46,12 @@ def test_cgopipe_attention_h2d_modes_equal_serial_fp32(tiny_dir, mode, mu, n, gp
     """fp32 greedy, ragged batch of 11, 16 steps: tokens equal the serial executor's with either transfer of the
     CPU attention output; "kernel" counts zero-copy bytes (every CPU row, layer and decode step), "dma" none."""
     prompts = _prompts(11)
-    sp = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=16, stop_at_eos=False)
     w = load_checkpoint(tiny_dir, torch.float32)
     ref = SerialExecutor(w, "cuda").generate(prompts, sp)
     pol = Policy(mu=mu, n=n, prefill_mu=mu, resident_experts=2, n_gpu_attn=gpu_attn, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cuda", attention_h2d=mode)
-    assert ex.attention_h2d == mode
+    assert ex.attention.attention_h2d == mode
     out = ex.generate(prompts, sp)
     cpu_rows = sum(len(mb.rows) for mb in ex._micro_batches(prompts, 16, False, mu) if not mb.on_gpu)
     ex.close()

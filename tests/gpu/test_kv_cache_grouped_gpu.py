@@ -12,7 +12,8 @@ from lightning_moe.model.spec import MoESpec  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
 from lightning_moe.pipeline.kv_cache import GroupedKVCache, KVCache  # noqa: E402
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor  # noqa: E402
+from lightning_moe.pipeline.sampling import DecodeSampling  # noqa: E402
+from lightning_moe.pipeline.serial import SerialExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def test_grouped_cache_cuda_equals_padded(sliding_window):
 def test_cgopipe_cuda_grouped_kv_equals_serial(tiny_dir, gpu_attn):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 32000, (m,), generator=g).tolist() for m in (40, 3, 90, 5, 41, 7, 60, 12)]
-    sp = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    sp = DecodeSampling(max_new_tokens=10, stop_at_eos=False)
     ref = SerialExecutor(load_checkpoint(tiny_dir, torch.float32), "cuda").generate(prompts, sp)
     pol = Policy(mu=4, n=2, prefill_mu=2, n_gpu_attn=gpu_attn, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cuda", kv_groups=2)

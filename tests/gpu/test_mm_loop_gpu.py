@@ -64,9 +64,9 @@ def test_cgopipe_auto_runs_mm_loop_in_prefill_only(tiny_dir):
     """A profile where mm_loop is fastest at every size, grouped_mm second: generation runs mm_loop in the prefill
     and grouped_mm in every decode step (no host wait per decode call); greedy tokens equal the torch path's for all
     but at most one of the 9 sequences (bf16 near-ties of the random tiny model)."""
-    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.pipeline.sampling import DecodeSampling
 
-    seqs, sp = _seqs(), SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    seqs, sp = _seqs(), DecodeSampling(max_new_tokens=8, stop_at_eos=False)
     pol = Policy(mu=3, n=3, prefill_mu=3, resident_experts=2, dtype="bf16", weight_quant="bf16")
     outs = {}
     for ffn in ("torch", "auto"):

@@ -17,7 +17,8 @@ from lightning_moe.kernels.mxfp4 import MXFP4PageLayout  # noqa: E402
 from lightning_moe.model.weights import load_checkpoint  # noqa: E402
 from lightning_moe.pipeline.cgopipe import CGOPipeExecutor  # noqa: E402
 from lightning_moe.pipeline.expert_ffn import GroupedMXFP4ExpertFFN  # noqa: E402
-from lightning_moe.pipeline.serial import SamplingParams, SerialExecutor  # noqa: E402
+from lightning_moe.pipeline.sampling import DecodeSampling  # noqa: E402
+from lightning_moe.pipeline.serial import SerialExecutor  # noqa: E402
 from lightning_moe.policy.policy import Policy  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def test_cgopipe_cuda_mxfp4_kernel_equals_serial_and_transformers(mx, ffn, resid
     try:
         assert isinstance(ex.weight_stream.page_layout, MXFP4PageLayout)
         assert isinstance(ex.expert_ffn, GroupedMXFP4ExpertFFN)
-        out = ex.generate(CGO_PROMPTS, SamplingParams(max_new_tokens=12, stop_at_eos=False))
+        out = ex.generate(CGO_PROMPTS, DecodeSampling(max_new_tokens=12, stop_at_eos=False))
         lp = ex.prompt_logprobs(seqs)
     finally:
         ex.close()
