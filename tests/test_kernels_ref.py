@@ -396,3 +396,28 @@ def test_triton_interpreter_skip_pairs(interpret, T):
     assert torch.equal(none, torch.zeros_like(none))
     with pytest.raises(ValueError):
         fused_experts_triton(x, w1, w3, w2, wts, torch.full_like(ids, E))  # E without skip is out of range
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecation inside the interpreter
+def test_triton_interpreter_nan_workspaces(interpret, monkeypatch):
+    """Issue 41: every buffer the wrappers allocate NaN-filled (nan_empty): the Triton kernel (tiny tiles: many
+    padded rows, masked), with and without the skip id, and the grouped_mm / mm_loop paths with the Triton epilogue
+    (the combine never loads a skipped pair's NaN row) stay finite and equal the reference (fp32, 1e-5)."""
+    from tests.support.nan_workspace import nan_empty
+
+    nan_empty(monkeypatch)
+    E = 4
+    x, w1, w3, w2, wts, ids = make_inputs(33, 48, 80, E, 2, 1, dtype=torch.float32, seed=51)
+    drop = torch.rand(ids.shape, generator=torch.Generator().manual_seed(52)) < 0.4
+    skipped = torch.where(drop, torch.full_like(ids, E), ids)
+    want = experts_ffn_reference(x, w1, w3, w2, wts, ids)
+    want_kept = experts_ffn_reference(x, w1, w3, w2, torch.where(drop, torch.zeros_like(wts), wts), ids)
+    for cfg in (None, MoEKernelConfig(16, 16, 16, 1, 1)):
+        got = fused_experts_triton(x, w1, w3, w2, wts, ids, config=cfg)
+        kept = fused_experts_triton(x, w1, w3, w2, wts, skipped, config=cfg, skip=True)
+        assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5, cfg
+        assert torch.isfinite(kept).all() and rel_err(kept, want_kept) <= 1e-5, cfg
+    for fn in (fm.fused_experts_grouped_mm, fm.fused_experts_mm_loop):
+        kept = fn(x, w1, w3, w2, wts, skipped, skip=True, _epilogue="triton")
+        assert torch.isfinite(kept).all() and rel_err(kept, want_kept) <= 1e-5, fn.__name__

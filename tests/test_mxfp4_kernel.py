@@ -170,3 +170,23 @@ def test_kernel_wrapper_refuses_cpu_and_bad_input(monkeypatch):
         fused_experts_mxfp4_triton(x, pages[:, :-16], lay, w, ids, limit=7.0, alpha=1.702)
     with pytest.raises(ValueError, match="limit must be > 0"):
         fused_experts_mxfp4_triton(x, pages, lay, w, ids, limit=0.0, alpha=1.702)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_kernel_nan_workspaces(interpret, monkeypatch):
+    """Issue 41: every buffer the wrapper allocates NaN-filled (nan_empty): padded rows (tiny tiles) are masked and
+    the skipped pairs' slot rows are zeroed, so the result is finite and equals the reference (fp32, 1e-5)."""
+    from tests.support.nan_workspace import nan_empty
+
+    nan_empty(monkeypatch)
+    T, D, F, E, k = 11, 64, 64, 5, 3
+    pages, lay = pack_mxfp4_pages(*make_experts(E, D, F, seed=13))
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(6))
+    w, ids = make_routing(T, E, k, seed=6)
+    w_kept = torch.where(ids >= 3, torch.zeros_like(w), w)
+    want = experts_ffn_mxfp4_reference(x, pages, lay, w_kept, torch.where(ids >= 3, 0, ids), limit=7.0, alpha=1.702)
+    for cfg in (None, MoEKernelConfig(16, 16, 32, 1, 1)):
+        got = fused_experts_mxfp4_triton(x, pages, lay, w, torch.where(ids >= 3, torch.full_like(ids, E), ids),
+                                         limit=7.0, alpha=1.702, skip=True, config=cfg)
+        assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5, cfg

@@ -403,3 +403,30 @@ def test_paged_triton_rejects_bad_input(monkeypatch):
         fused_experts_paged_triton(x, pages.float(), lay, wts, ids)
     with pytest.raises(ValueError, match="PageLayout"):
         fused_experts_paged_triton(x, pages, "int4", wts, ids)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_quant_triton_interpreter_nan_workspaces(interpret, monkeypatch):
+    """Issue 41: every buffer the wrapper allocates NaN-filled (nan_empty), and NaN-filled dense scratch for the
+    "dequant" mode: both modes, with and without the skip id, stay finite and equal experts_ffn_qt_reference (fp32,
+    1e-5): padded rows are masked, skipped pairs' slot rows zeroed, the scratch fully overwritten."""
+    from tests.support.nan_workspace import nan_empty
+
+    nan_empty(monkeypatch)
+    E, D, Fd, T, k = 5, 101, 37, 13, 2
+    w1, w3, w2 = make_experts(E, D, Fd, torch.float32, seed=53)
+    qs = [quantize_groupwise(w, 4, 48, scale_dtype=torch.float32) for w in (w1, w3, w2)]
+    wts, ids = make_routing(T, E, k, 1, seed=54)
+    x = torch.randn(T, D, generator=gen(55))
+    drop = ids >= 3
+    kept_w = torch.where(drop, torch.zeros_like(wts), wts)
+    want, want_kept = (experts_ffn_qt_reference(x, *qs, w_, ids) for w_ in (wts, kept_w))
+    scratch = tuple(torch.full(tuple(q.shape), float("nan")) for q in qs)
+    cfg = MoEKernelConfig(16, 16, 32, 1, 1)
+    for mode, extra in (("fused", {}), ("dequant", {"scratch": scratch})):
+        got = fused_experts_quant_triton(x, *qs, wts, ids, config=cfg, mode=mode, **extra)
+        kept = fused_experts_quant_triton(x, *qs, wts, torch.where(drop, torch.full_like(ids, E), ids), config=cfg,
+                                          mode=mode, skip=True, **extra)
+        assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5, mode
+        assert torch.isfinite(kept).all() and rel_err(kept, want_kept) <= 1e-5, mode

@@ -1170,7 +1170,13 @@ def _mm_loop_ffn(x: torch.Tensor, sorted_token_idx: torch.Tensor, offsets: torch
     ``torch.mm`` per block of :func:`mm_loop_blocks` and projection, with one host wait for the group bounds
     ``offsets`` [E+1] (:func:`_host_bounds`). Everything that does not need the bounds comes before the wait (the
     buffers, the gather, on CUDA the first call's tile row counts: :func:`_mm_loop_warm`), so after it the host only
-    splits the rows into blocks and launches the GEMMs. Rows past ``bounds[E]`` hold whatever the padding wrote."""
+    splits the rows into blocks and launches the GEMMs. Rows past ``bounds[E]`` hold whatever the padding wrote.
+
+    No GEMM reads uninitialized memory: ``xs``'s ``MM_LOOP_TILE`` spare rows are zeroed (``MM_LOOP_TILE x D``
+    elements per call, next to the ``P x D`` gather), so every padded block's rows are defined; ``h``'s rows of a
+    block are written by that block's gate/up GEMMs before its down GEMM reads them (on CUDA the first call's
+    warm-up writes ``h[:block]`` from ``xs`` before that). Padding rows are dropped, never summed: only the skipped
+    pairs' rows of ``yd`` may stay unwritten, and the combine selects 0 for them."""
     P, D, Fd = sorted_token_idx.numel(), x.shape[1], w1.shape[1]
     block = mm_loop_block_rows(P, n_chunks)
     xs = torch.empty((P + MM_LOOP_TILE, D), dtype=x.dtype, device=x.device)  # [P + tile, D]: spare rows for padding
@@ -1179,6 +1185,7 @@ def _mm_loop_ffn(x: torch.Tensor, sorted_token_idx: torch.Tensor, offsets: torch
 
     def before_the_wait() -> None:  # queued after the bounds' copy: the GPU runs it while the host waits
         torch.index_select(x, 0, sorted_token_idx, out=xs[:P])
+        xs[P:].zero_()  # the spare rows the last padded block reads: defined, never uninitialized memory (issue 41)
         if _warms_tiles(x):
             _mm_loop_warm(xs, w1[0], h, block)
             _mm_loop_warm(xs, w3[0], up, block)
