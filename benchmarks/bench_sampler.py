@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Token sampling (issue 43): the old per-row loop (fp32 logits to the host, softmax, top-p sort, one
 ``torch.Generator`` and ``torch.multinomial`` per row, as ``pipeline/serial.py``'s ``sample`` did) against
-``kernels.sampling.sample_tokens`` (vectorized, one uniform per row), best of ``--repeats`` milliseconds per call,
-for each B in ``--batch`` at vocabulary ``--vocab`` on ``--device`` (a CPU benchmark by default; on CUDA the old
-path includes its device-to-host copy, the new one only the B token ids' copy).
+``kernels.sampling.sample_tokens`` (vectorized, one uniform per row), best of ``--repeats`` milliseconds per call
+(the two paths alternating, so on a loaded host both see the same quiet windows), for each B in ``--batch`` at
+vocabulary ``--vocab`` on ``--device`` (a CPU benchmark by default; on CUDA the old path includes its device-to-host
+copy, the new one only the B token ids' copy).
 
-    python3 benchmarks/bench_sampler.py [--batch 80,512] [--vocab 32000] [--device cpu] [--repeats 5]
+    python3 benchmarks/bench_sampler.py [--batch 80,512] [--vocab 32000] [--device cpu] [--repeats 5] [--threads 0]
 """
 
 from __future__ import annotations
@@ -35,19 +36,21 @@ def old_sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: li
     return out
 
 
-def best_ms(fn, repeats: int, device: str) -> float:
-    """Best wall milliseconds of ``fn()`` over ``repeats`` calls after one warm-up."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+def best_ms(fns: list, repeats: int, device: str) -> list[float]:
+    """Best wall milliseconds of each ``fn()`` over ``repeats`` rounds after one warm-up; the functions alternate
+    within a round, so on a loaded host each sees the same quiet windows."""
+    best = [float("inf")] * len(fns)
+    for r in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return [b * 1e3 for b in best]
 
 
 def main() -> None:
@@ -56,7 +59,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size V")
     ap.add_argument("--device", default="cpu", help="where the logits live")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per case (best kept)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     print(f"device {a.device}, V {a.vocab}, threads {torch.get_num_threads()}; ms per call, best of {a.repeats}")
     print(f"{'B':>6} {'case':<28} {'old loop':>10} {'vectorized':>11} {'speed-up':>9}")
@@ -66,13 +72,14 @@ def main() -> None:
         for name, kw in [("temperature 1", {}), ("top_p 0.9", {"top_p": 0.9}), ("top_k 50", {"top_k": 50}),
                          ("min_p 0.05", {"min_p": 0.05}), ("top_k 50 top_p 0.9 min_p .05",
                                                             {"top_k": 50, "top_p": 0.9, "min_p": 0.05})]:
-            new = best_ms(lambda: sample_tokens(logits, 1.0, uniforms=uniforms_from_seeds(seeds), **kw).cpu(),
-                          a.repeats, a.device)
+            fns = [lambda: sample_tokens(logits, 1.0, uniforms=uniforms_from_seeds(seeds), **kw).cpu()]
             if set(kw) <= {"top_p"}:
-                old = best_ms(lambda: old_sample(logits, 1.0, kw.get("top_p", 1.0), seeds), a.repeats, a.device)
-                print(f"{B:>6} {name:<28} {old:>10.1f} {new:>11.1f} {old / new:>8.1f}x")
+                fns.append(lambda: old_sample(logits, 1.0, kw.get("top_p", 1.0), seeds))
+            t = best_ms(fns, a.repeats, a.device)
+            if len(t) == 2:
+                print(f"{B:>6} {name:<28} {t[1]:>10.1f} {t[0]:>11.1f} {t[1] / t[0]:>8.1f}x")
             else:
-                print(f"{B:>6} {name:<28} {'-':>10} {new:>11.1f} {'-':>9}")
+                print(f"{B:>6} {name:<28} {'-':>10} {t[0]:>11.1f} {'-':>9}")
 
 
 if __name__ == "__main__":
