@@ -39,7 +39,8 @@ GPU -- for the same exactness. Inverse CDF needs B random numbers. Measured on t
 (``benchmarks/bench_sampler.py``, V = 32000, temperature 1): see docs/DESIGN.md "Sampling"; GPU numbers (B = 2048,
 V = 32000..200000) are not measured yet. Memory: one fp32 ``[B, V_pad]`` work buffer (plus the sort's keys and
 indices with top-p), ``V_pad`` = V rounded up to a multiple of
-:data:`BLOCK` (V itself when V <= BLOCK).
+:data:`BLOCK` (V itself when V <= BLOCK): 1.6 GB fp32 at B = 2048, V = 200 000, and the sort's int64 indices twice
+that; a caller may split B into row chunks to bound it, the draws being batch-invariant.
 
 Inputs with NaN or +inf logits are not supported (no check: it would need a host sync). A row whose logits are all
 -inf has no mass; it returns the greedy token (id 0).
