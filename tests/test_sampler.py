@@ -1,0 +1,247 @@
+"""kernels.sampling (issue 43): the vectorized sampler against its float64 per-row reference and against exact target
+distributions.
+
+* Goodness of fit: N = 100 000 draws at fixed logits for temperature, top-p, top-k, min-p and all four together, the
+  target distribution written out by hand; the empirical distribution's total-variation distance to it must stay
+  under ``0.5 * sum_i sqrt(p_i (1 - p_i) / N) + sqrt(ln(1 / delta) / (2 N))`` with delta = 1e-9 (the first term
+  bounds E[TV] by Jensen, the second McDiarmid's deviation: one draw moves TV by at most 1 / N), so a correct sampler
+  fails with probability < 1e-9 whatever the seed; every token outside the kept set must never be drawn.
+* Agreement with the reference on random inputs (awkward B, V; fp32, bf16, fp16): the drawn token's interval of the
+  float64 target CDF contains u to within 1e-5 (the fp32 filtering and weights against float64).
+* Batch invariance, resume invariance, greedy = argmax, edge cases and argument errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_moe.kernels.sampling import (BLOCK, reference_probs, sample_tokens, sample_tokens_reference,
+                                            uniforms_from_seeds)
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix(seed: int, position: int) -> int:
+    """A 63-bit per-draw seed of (seed, position): the formula of pipeline's ``position_seed`` (copied: tests of a
+    kernel need no pipeline import)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# goodness of fit
+# --------------------------------------------------------------------------------------------------------------------
+
+# probabilities at temperature 1, listed best first, and the token id of each (ids not in probability order)
+PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]
+IDS = [5, 2, 7, 0, 3, 6, 1]  # token 4 has probability 0 (logit -inf)
+V_GOF = 8
+
+# (temperature, top_p, top_k, min_p) -> the ranks (indices into PROBS) that stay, worked out by hand:
+GOF_CASES = {
+    "temperature 0.7": ((0.7, 1.0, 0, 0.0), [0, 1, 2, 3, 4, 5, 6]),
+    "temperature 1.5": ((1.5, 1.0, 0, 0.0), [0, 1, 2, 3, 4, 5, 6]),
+    # mass ranked before: 0, .4, .65, .8 -> the first three stay (.65 < .7), the fourth goes (.8 >= .7)
+    "top_p 0.7": ((1.0, 0.7, 0, 0.0), [0, 1, 2]),
+    "top_k 3": ((1.0, 1.0, 3, 0.0), [0, 1, 2]),
+    # p >= 0.2 * 0.4 = 0.08 -> .4 .25 .15 .1
+    "min_p 0.2": ((1.0, 1.0, 0, 0.2), [0, 1, 2, 3]),
+    # temperature 0.5: q ~ p^2 = .16 .0625 .0225 .01 .0025 .0009 .0004; min_p .05 keeps q >= .008 (four);
+    # top_k 3 keeps three; top_p .8 over .16 .0625 .0225 (/ .245 = .653 .255 .092): mass before 0, .653, .908 -> two
+    "all four": ((0.5, 0.8, 3, 0.05), [0, 1]),
+}
+
+
+def gof_logits() -> torch.Tensor:
+    x = torch.full((V_GOF,), -math.inf)
+    for p, i in zip(PROBS, IDS):
+        x[i] = math.log(p) + 1.7  # an offset: only differences matter
+    return x
+
+
+def target(temperature: float, kept_ranks: list[int]) -> torch.Tensor:
+    """float64 [V]: p^(1 / T) over the kept tokens, normalized."""
+    t = torch.zeros(V_GOF, dtype=torch.float64)
+    for r in kept_ranks:
+        t[IDS[r]] = PROBS[r] ** (1.0 / temperature)
+    return t / t.sum()
+
+
+def tv_bound(p: torch.Tensor, n: int, delta: float = 1e-9) -> float:
+    return 0.5 * float((p * (1 - p) / n).sqrt().sum()) + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+def draw_counts(logits_row: torch.Tensor, args: tuple, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    u = uniforms_from_seeds([splitmix(seed, pos) for pos in range(n)])
+    rows = logits_row.to(dtype).expand(4096, -1)
+    tok = torch.cat([sample_tokens(rows[: len(c)], *args, uniforms=c) for c in u.split(4096)])
+    return torch.bincount(tok, minlength=logits_row.shape[0]).double()
+
+
+@pytest.mark.parametrize("case", list(GOF_CASES))
+@pytest.mark.parametrize("seed", [0, 20261204])
+def test_goodness_of_fit(case, seed):
+    args, kept = GOF_CASES[case]
+    n = 100_000
+    p = target(args[0], kept)
+    counts = draw_counts(gof_logits(), args, n, seed)
+    assert counts.sum() == n
+    assert (counts[p == 0] == 0).all(), f"{case}: drew a token outside the kept set: {counts.tolist()}"
+    tv = 0.5 * float((counts / n - p).abs().sum())
+    assert tv < tv_bound(p, n), f"{case}: TV {tv:.4f} >= bound {tv_bound(p, n):.4f}; counts {counts.tolist()}"
+
+
+def test_goodness_of_fit_many_blocks():
+    """V spanning several CDF blocks (the two-level search), bf16 logits: the draws fit the float64 target."""
+    g = torch.Generator().manual_seed(3)
+    V, n = 3 * BLOCK + 17, 40_000
+    row = torch.randn(V, generator=g) * 4
+    row[torch.randperm(V, generator=g)[:40]] += 9  # ~40 tokens carry most of the mass, spread over the blocks
+    row = row.to(torch.bfloat16)
+    args = (0.9, 1.0, 0, 0.0005)
+    p = reference_probs(row.view(1, V), *args)[0]
+    counts = draw_counts(row.float(), args, n, seed=11, dtype=torch.bfloat16)
+    assert (counts[p == 0] == 0).all()
+    tv = 0.5 * float((counts / n - p).abs().sum())
+    assert tv < tv_bound(p, n), f"TV {tv:.4f} >= bound {tv_bound(p, n):.4f}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# agreement with the reference
+# --------------------------------------------------------------------------------------------------------------------
+
+PARAMS = [(1.0, 1.0, 0, 0.0), (0.6, 0.9, 0, 0.0), (1.3, 1.0, 40, 0.0), (1.0, 1.0, 0, 0.05), (0.8, 0.7, 25, 0.01),
+          (2.0, 0.5, 1, 0.0), (1.0, 0.99, 5000, 0.0)]
+
+
+@pytest.mark.parametrize("V", [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 333])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_reference(V, dtype):
+    g = torch.Generator().manual_seed(V * 7 + 1)
+    B = 13
+    for args in PARAMS:
+        logits = (torch.randn(B, V, generator=g) * 3).to(dtype)
+        logits[0, : V // 3] = -math.inf  # a row with a third of its tokens impossible
+        u = torch.rand(B, dtype=torch.float64, generator=g)
+        u[1] = 0.0
+        u[2] = 1 - 2.0 ** -53
+        tok = sample_tokens(logits, *args, uniforms=u)
+        ref = sample_tokens_reference(logits, *args, uniforms=u)
+        assert tok.dtype == torch.int64 and tok.shape == (B,)
+        cdf = reference_probs(logits, *args).cumsum(-1)  # [B, V] float64
+        lo = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0).view(B, 1)).view(B), 0.0)
+        hi = cdf.gather(1, tok.view(B, 1)).view(B)
+        assert ((u >= lo - 1e-5) & (u <= hi + 1e-5)).all(), (args, tok, ref, u)
+        assert (hi > lo).all(), f"{args}: drew a token of probability 0"
+        assert (tok == ref).float().mean() >= 0.9, (args, tok, ref)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# invariance, greedy
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", PARAMS[:5])
+def test_batch_invariance(args):
+    """A row's token depends on its own logits and uniform only: alone, or at any place in batches of other rows."""
+    g = torch.Generator().manual_seed(5)
+    V = 2 * BLOCK + 100
+    rows = torch.randn(6, V, generator=g) * 3
+    u = uniforms_from_seeds([splitmix(99, i) for i in range(6)])
+    alone = torch.cat([sample_tokens(rows[i:i + 1], *args, uniforms=u[i:i + 1]) for i in range(6)])
+    for B in (7, 64, 129):
+        others = torch.randn(B, V, generator=g) * 3
+        uo = torch.rand(B, dtype=torch.float64, generator=g)
+        at = torch.randperm(B, generator=g)[:6]
+        others[at], uo[at] = rows, u
+        assert torch.equal(sample_tokens(others, *args, uniforms=uo)[at], alone), B
+
+
+def test_resume_invariance():
+    """Decoding a request in shifting batches and resuming it at position 10 in another batch draws the same
+    tokens: each draw's uniform is a function of (request seed, output position) only."""
+    V, steps, args = 500, 20, (0.9, 0.95, 50, 0.01)
+
+    def logits_at(request: int, pos: int) -> torch.Tensor:  # the model, stood in for by a fixed function
+        return torch.randn(V, generator=torch.Generator().manual_seed(request * 1000 + pos)) * 2
+
+    def run(requests: list[int], start: int) -> dict[int, list[int]]:
+        out = {r: [] for r in requests}
+        for pos in range(start, steps):
+            batch = requests if pos % 2 else requests[::-1]  # the batch order changes from step to step
+            logits = torch.stack([logits_at(r, pos) for r in batch])
+            u = uniforms_from_seeds([splitmix(12345 + r, pos) for r in batch])
+            for r, t in zip(batch, sample_tokens(logits, *args, uniforms=u).tolist()):
+                out[r].append(t)
+        return out
+
+    full = run([0, 1, 2, 3], 0)[2]
+    resumed = run([2, 7], 10)[2]
+    assert resumed == full[10:]
+    assert len(set(full)) > 1  # the draws do vary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype):
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(9, 1500, generator=g) * 2).to(dtype)
+    logits[3, [10, 20, 700]] = 50  # a tie: the lowest id wins
+    tok = sample_tokens(logits, 0.0, top_p=0.5, top_k=3)
+    assert torch.equal(tok, sample_tokens_reference(logits, 0.0))
+    assert torch.equal(tok, logits.float().argmax(-1)) and tok[3] == 10
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# edge cases, argument errors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_edge_cases():
+    u3 = torch.tensor([0.0, 0.5, 1 - 2.0 ** -53], dtype=torch.float64)
+    assert sample_tokens(torch.zeros(0, 9), 1.0, uniforms=torch.zeros(0, dtype=torch.float64)).shape == (0,)
+    assert sample_tokens(torch.zeros(0, 9), 0.0).shape == (0,)
+    assert sample_tokens(torch.zeros(3, 1), 1.0, 0.5, 5, 0.5, uniforms=u3).tolist() == [0, 0, 0]  # V = 1
+    # top-p keeps exactly one token
+    one = torch.tensor([[0.0, 10.0, 0.0, 0.0]]).expand(3, -1)
+    assert sample_tokens(one, 1.0, top_p=0.5, uniforms=u3).tolist() == [1, 1, 1]
+    # ties: top-k keeps every token tied at the k-th value; top-p ranks ties by lower id first
+    ties = torch.zeros(3, 4)
+    assert sample_tokens(ties, 1.0, top_k=1, uniforms=u3).tolist() == [0, 2, 3]
+    # mass ranked before each: 0, .25, .5, .75; a token stays while that mass is < top_p
+    assert sample_tokens(ties, 1.0, top_p=0.25, uniforms=u3).tolist() == [0, 0, 0]
+    assert sample_tokens(ties, 1.0, top_p=0.3, uniforms=u3).tolist() == [0, 1, 1]
+    assert sample_tokens(ties, 1.0, top_p=0.5, uniforms=u3).tolist() == [0, 1, 1]
+    # -inf logits are never drawn, not even at u's extremes; an all -inf row gives the greedy token
+    inf = torch.tensor([[-math.inf, 1.0, -math.inf, 2.0, -math.inf]]).expand(3, -1)
+    assert sample_tokens(inf, 1.0, uniforms=u3).tolist()[::2] == [1, 3]
+    assert sample_tokens(torch.full((3, 5), -math.inf), 1.0, 0.9, 2, 0.1, uniforms=u3).tolist() == [0, 0, 0]
+    # the padding past V in the last block is never drawn
+    pad = torch.full((3, BLOCK + 5), -math.inf)
+    pad[:, BLOCK + 1] = 0.0
+    assert sample_tokens(pad, 1.0, uniforms=u3).tolist() == [BLOCK + 1] * 3
+
+
+def test_uniforms_from_seeds():
+    u = uniforms_from_seeds([0, (1 << 63) - 1, 1 << 62, 1023, 1024])
+    assert u.dtype == torch.float64
+    assert u.tolist() == [0.0, 1 - 2.0 ** -53, 0.5, 0.0, 2.0 ** -53]
+    with pytest.raises(ValueError, match=r"seeds\[1\]"):
+        uniforms_from_seeds([0, -1])
+
+
+@pytest.mark.parametrize("kw, field", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                       ({"top_p": 1.5}, "top_p"), ({"top_k": 2.5}, "top_k"),
+                                       ({"min_p": -0.1}, "min_p"), ({"uniforms": torch.zeros(2)}, "uniforms"),
+                                       ({"uniforms": torch.tensor([0.5, 0.5, 1.0])}, "uniforms"),
+                                       ({"uniforms": None}, "uniforms")])
+def test_argument_errors(kw, field):
+    args = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "uniforms": torch.zeros(3)} | kw
+    with pytest.raises(ValueError, match=f"^{field}"):
+        sample_tokens(torch.zeros(3, 4), **args)
+    with pytest.raises(ValueError, match="^logits"):
+        sample_tokens(torch.zeros(3), 1.0, uniforms=torch.zeros(3))
