@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from ..kernels.sampling import sample_tokens, uniforms_from_seeds
+
 if TYPE_CHECKING:  # the executor contract's types (pipeline.executor imports this module)
     from .executor import FinishCallback, LogprobsCallback, RunStats, StopRowsCallback, TokensCallback
 
@@ -34,6 +36,8 @@ class DecodeSampling:
     stop_at_eos: bool = True  # finish a sequence when it emits EOS
     stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these (kept in its output)
     logprobs: Optional[int] = None  # None: no log-probs; k >= 0: each token's log-prob and its k best alternatives
+    top_k: int = 0  # keep the k most likely tokens (<= 0: off)
+    min_p: float = 0.0  # keep tokens of probability >= min_p x the most likely one's (0: off)
 
     @property
     def greedy(self) -> bool:
@@ -44,7 +48,8 @@ class DecodeSampling:
     def from_config(cls, gen) -> "DecodeSampling":
         """From a config.GenerationConfig (or anything with the same attribute names)."""
         return cls(gen.max_new_tokens, float(gen.temperature), float(gen.top_p), bool(gen.stop_at_eos),
-                   tuple(getattr(gen, "stop_token_ids", ())), getattr(gen, "logprobs", None))
+                   tuple(getattr(gen, "stop_token_ids", ())), getattr(gen, "logprobs", None),
+                   int(getattr(gen, "top_k", 0)), float(getattr(gen, "min_p", 0.0)))
 
 
 def finish_reason(params: DecodeSampling, eos: Optional[int], token: int, n_out: int) -> Optional[str]:
@@ -75,30 +80,21 @@ def position_seed(seed: int, position: int) -> int:
 
 def sample(logits: torch.Tensor, params: DecodeSampling, seeds: Optional[Sequence[int]] = None,
            positions: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """Next token per row. logits: fp32 [B, V] (any device). Returns int64 [B] on the CPU.
+    """Next token per row. logits: [B, V] (any float dtype, any device). Returns int64 [B] on the CPU.
 
-    Greedy: argmax (lowest id on ties) on the logits' device, so only B token ids cross to the host (copying
-    [B, V] fp32 logits through pageable memory cost ~50 ms per decode step for B = 512 on the H200 host,
-    during which the copy engine ran dry). Otherwise temperature scaling, then nucleus (top-p, Holtzman et
-    al. 2020) filtering, then one draw per row from a CPU generator seeded with
-    ``position_seed(seeds[b], positions[b])``: the request's seed and the output position of the token drawn, so a
-    request samples the same tokens whatever batch it lands in and wherever a run resumed it. Without ``seeds``
-    the draws use torch's global generator.
+    Greedy: argmax (lowest id on ties). Otherwise :func:`kernels.sampling.sample_tokens` on the logits' device:
+    temperature, min-p, top-k, top-p (vLLM's order), then one inverse-CDF draw per row from the uniform of
+    ``position_seed(seeds[b], positions[b])`` (the request's seed and the output position of the token drawn), so a
+    request samples the same tokens whatever batch it lands in and wherever a run resumed it. Only B uniforms go to
+    the device and B token ids come back. Without ``seeds`` the uniforms come from torch's global generator.
     """
     if params.greedy:
-        return logits.argmax(dim=-1).cpu()
-    logits = logits.float().cpu()
-    probs = torch.softmax(logits / params.temperature, dim=-1)  # [B, V]
-    if params.top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True)
-        drop = sp.cumsum(-1) - sp > params.top_p  # mass before this token already reaches top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-    out = torch.empty(probs.shape[0], dtype=torch.int64)
-    for b in range(probs.shape[0]):
-        g = torch.Generator().manual_seed(position_seed(seeds[b], positions[b])) if seeds is not None else None
-        out[b] = torch.multinomial(probs[b], 1, generator=g)[0]
-    return out
+        return sample_tokens(logits, 0.0).cpu()
+    if seeds is not None:
+        u = uniforms_from_seeds([position_seed(s, p) for s, p in zip(seeds, positions)])
+    else:
+        u = torch.rand(logits.shape[0], dtype=torch.float64)
+    return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, u).cpu()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list:
