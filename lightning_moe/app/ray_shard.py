@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import shutil
 import tempfile
 import threading
@@ -28,6 +29,16 @@ from ..config import TINY_MODEL, ConfigError, Job
 from ..data.writer import _dumps, atomic_write
 
 POLL_S = 0.2  # how often the task looks for new lines in its files
+TMP_PREFIX = "moe-batch-shard-"  # the task-local directories: moe-batch-shard-I-of-N-pidP-XXXX in the temp directory
+
+
+def remove_orphans() -> None:
+    """Remove the task-local directories of shard tasks whose worker process is gone (killed: no cleanup ran)."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        m = re.match(re.escape(TMP_PREFIX) + r"\d+-of-\d+-pid(\d+)-", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}") and os.path.isdir("/proc/self"):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
 
 
 class Tail:
@@ -95,8 +106,10 @@ def seed_files(job: Job, done_ids: list, partials: bytes) -> int:
 def _end_report(report: dict) -> dict:
     """What the driver keeps of the shard run's report."""
     st = report.get("stats") or {}
-    return {k: report.get(k) for k in ("status", "skipped_already_done", "records_written_this_run", "partials",
-                                        "policy", "host")} | {
+    parts = report.get("partials") or {}
+    return {k: report.get(k) for k in ("status", "skipped_already_done", "records_written_this_run", "policy",
+                                        "host")} | {
+        "resumed_sequences": parts.get("resumed_sequences", 0), "resumed_tokens": parts.get("resumed_tokens", 0),
         "prompt_tokens": st.get("prefill_tokens", 0), "generated_tokens": st.get("generated_tokens", 0),
         "wall_seconds": (report.get("wall_seconds") or {}).get("total")}
 
@@ -109,7 +122,8 @@ def shard_messages(job: Job, index: int, count: int, files: dict, done_ids: list
     from .engine import run_job
 
     yield {"kind": "start", "pid": os.getpid(), "host": platform.node()}
-    root = tempfile.mkdtemp(prefix=f"moe-batch-shard-{index}-of-{count}-")
+    remove_orphans()
+    root = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{index}-of-{count}-pid{os.getpid()}-")
     try:
         try:
             sjob = local_job(job, index, count, files, root)
