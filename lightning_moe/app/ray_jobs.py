@@ -265,7 +265,15 @@ class Driver:
         return held, data
 
     def drive(self, sr: ShardRun) -> None:
-        """Run shard ``sr`` to the end: submit, take its messages, submit again after a failure (thread body)."""
+        """Run shard ``sr`` to the end: submit, take its messages, submit again after a failure of the task (thread
+        body). An error of the driver's own (its disk) ends the shard: its status says why."""
+        try:
+            self._drive(sr)
+        except Exception as e:
+            sr.status = "failed"
+            sr.errors.append(" ".join(f"driver: {type(e).__name__}: {e}".split())[:300])
+
+    def _drive(self, sr: ShardRun) -> None:
         task = self.remote_task()
         while True:
             held, partials = self._resume_input(sr)
@@ -286,7 +294,7 @@ class Driver:
                 sr.status = "failed"
                 sr.errors.append(str(e))
                 return
-            except Exception as e:  # RayError (worker killed, node lost) or the task's own error: retried
+            except self.ray.exceptions.RayError as e:  # the task failed (worker killed, node lost, its error): retried
                 why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
                 sr.errors.append(why)
                 if sr.retries >= self.job.ray.max_retries:
