@@ -221,3 +221,44 @@ def test_ray_section_in_yaml(tmp_path):
         load_job(path, {"shard": "0/2"})
     with pytest.raises(ConfigError, match=r"ray: a job with a ray section runs its shards on Ray"):
         run_job(job, progress=False)  # the single-process engine refuses it (run-batch, the API)
+
+
+def test_resumes_prior_records_and_another_shard_count(ray_runtime, reference, tmp_path):
+    """Records of a run without Ray in the results file, and of an earlier Ray run with 3 shards in the state
+    directory, are kept and skipped by a 2-shard run: each id once, equal to the single-process run."""
+    from lightning_moe.app.engine import results_provenance
+    from lightning_moe.app.ray_jobs import run_ray_job
+    from lightning_moe.data.writer import ResultsWriter, write_json_atomic
+
+    _ref_dir, ref = reference
+    job = load_job(_write_job(str(tmp_path)), {"ray.shards": 2})
+    rng = random.Random(SEED + 1)
+    picked = rng.sample(ref, 5)
+    with ResultsWriter(job.output.path) as w:  # a run without Ray stopped after 3 records
+        for r in picked[:3]:
+            w.write(r)
+    state = os.path.join(str(tmp_path), "out", "res.ray")
+    with ResultsWriter(os.path.join(state, "shard-1-of-3.jsonl")) as w:  # a 3-shard Ray run was killed
+        for r in picked[3:]:
+            w.write(r)
+    write_json_atomic(os.path.join(state, "meta.json"), results_provenance(job))
+    rep = run_ray_job(job, progress=False)
+    _check_output(job, ref)
+    assert rep["skipped_already_done"] == 5 and rep["records_written_this_run"] == N_REQ - 5, f"seed {SEED}"
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    """Records held in the state directory were made with another max_new_tokens: refused, naming it, nothing run."""
+    from lightning_moe.app.engine import results_provenance
+    from lightning_moe.app.ray_jobs import run_ray_job
+    from lightning_moe.data.writer import ResultsWriter, write_json_atomic
+
+    job = load_job(_write_job(str(tmp_path)), {"ray.shards": 2})
+    state = os.path.join(str(tmp_path), "out", "res.ray")
+    with ResultsWriter(os.path.join(state, "shard-0-of-2.jsonl")) as w:
+        w.write({"id": "x", "text": "held"})
+    other = load_job(_write_job(str(tmp_path), max_new_tokens=9))
+    write_json_atomic(os.path.join(state, "meta.json"), results_provenance(other))
+    with pytest.raises(ConfigError, match=r"res\.ray holds records of different settings \(generation:"):
+        run_ray_job(job, progress=False)
+    assert not os.path.exists(job.output.path)
