@@ -203,6 +203,7 @@ class Driver:
         self.bar = tqdm(total=len(expected), initial=len(done), disable=not progress, unit="rec", file=log,
                         dynamic_ncols=True, desc=f"{n} shards")
         self.files_ref = ray.put(shipped_files(job))  # in the object store once, read by every task
+        self.task = self.remote_task()
 
     def remote_task(self):
         """The Ray task: a streaming generator over :func:`app.ray_shard.shard_messages` (retries are the
@@ -274,7 +275,7 @@ class Driver:
             sr.errors.append(" ".join(f"driver: {type(e).__name__}: {e}".split())[:300])
 
     def _drive(self, sr: ShardRun) -> None:
-        task = self.remote_task()
+        task = self.task
         while True:
             held, partials = self._resume_input(sr)
             if len(held) == len(sr.ids):
