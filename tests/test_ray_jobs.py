@@ -248,7 +248,8 @@ def test_resumes_prior_records_and_another_shard_count(ray_runtime, reference, t
 
 
 def test_resume_refuses_other_settings(tmp_path):
-    """Records held in the state directory were made with another max_new_tokens: refused, naming it, nothing run."""
+    """Records held in the state directory were made with another max_new_tokens, or belong to an id the input no longer
+    has: refused, naming it, before anything runs."""
     from lightning_moe.app.engine import results_provenance
     from lightning_moe.app.ray_jobs import run_ray_job
     from lightning_moe.data.writer import ResultsWriter, write_json_atomic
@@ -261,4 +262,8 @@ def test_resume_refuses_other_settings(tmp_path):
     write_json_atomic(os.path.join(state, "meta.json"), results_provenance(other))
     with pytest.raises(ConfigError, match=r"res\.ray holds records of different settings \(generation:"):
         run_ray_job(job, progress=False)
+    assert not os.path.exists(job.output.path)
+    write_json_atomic(os.path.join(state, "meta.json"), results_provenance(job))  # the same settings, but an id
+    with pytest.raises(ConfigError, match=r"res\.ray holds the records of 1 ids not in the job's requests \('x'\)"):
+        run_ray_job(job, progress=False)  # the input changed since: refused before anything runs
     assert not os.path.exists(job.output.path)

@@ -397,10 +397,7 @@ def run_ray_job(job: Job, progress: bool = True, log=None) -> dict:
         check_results_provenance(_without_ray(job))  # results of other settings: refused, nothing written
         if _finished(job, expected):
             return _nothing_to_do(job, state, log)
-    check_results_provenance(_without_ray(job))
-    state.check_provenance(job)
-    state.adopt_prior(job)
-    done = state.done_ids() & set(expected)
+    done = _held(job, state, expected)
     prev_runs = previous_runs(job, bool(done))
     connect(ray, job)
     drv = Driver(ray, job, state, expected, set(done), progress, log)
@@ -428,6 +425,23 @@ def run_ray_job(job: Job, progress: bool = True, log=None) -> dict:
     report = save("done")
     shutil.rmtree(state.dir, ignore_errors=True)
     return report
+
+
+def _held(job: Job, state: State, expected: list) -> set:
+    """The ids whose records the driver holds (state directory, earlier records of the results file), after checking
+    that they were made with the job's settings and belong to its requests (ConfigError otherwise)."""
+    from .engine import check_results_provenance
+
+    check_results_provenance(_without_ray(job))
+    state.check_provenance(job)
+    state.adopt_prior(job)
+    held = state.done_ids()
+    stray = sorted(held - set(expected))
+    if stray:
+        raise ConfigError(f"{job.label}: {state.dir} holds the records of {len(stray)} ids not in the job's requests "
+                          f"({', '.join(map(repr, stray[:3]))}{', ...' if len(stray) > 3 else ''}): the input changed "
+                          f"since they ran; restore it, or move {state.dir} and {job.output.path} away to start over")
+    return held
 
 
 def _without_ray(job: Job) -> Job:
