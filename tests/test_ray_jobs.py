@@ -51,16 +51,18 @@ def _write_job(d, max_new_tokens=6, extra: str = "") -> str:
         if (shard_of(i, 2) == 0) == (sum(shard_of(x, 2) == 0 for x in ids) < SHARD0):
             ids.append(i)
     rng.shuffle(ids)
+    bad = rng.randrange(N_REQ)  # one request with an empty prompt: an error record naming the input file and line
     with open(os.path.join(d, "in.jsonl"), "w") as f:
-        for i in ids:
+        for k, i in enumerate(ids):
             a, b = rng.randrange(100), rng.randrange(100)
-            f.write(json.dumps({"id": i, "prompt": f"Question: what is {a} {rng.choice('+-*')} {b}? Answer:"}) + "\n")
+            prompt = "" if k == bad else f"Question: what is {a} {rng.choice('+-*')} {b}? Answer:"
+            f.write(json.dumps({"id": i, "prompt": prompt}) + "\n")
     path = os.path.join(d, "job.yaml")
     with open(path, "w") as f:
         f.write(f"model: tiny-mixtral\ndevice: cpu\ndtype: float32\nexecutor: serial\nbatch_size: 1\n"
                 f"data: {{source: jsonl, path: in.jsonl}}\n"
                 f"generation: {{max_new_tokens: {max_new_tokens}, stop_at_eos: false}}\n"
-                f"checkpoint: {{every_steps: 1}}\noutput: {{path: out/res.jsonl}}\n{extra}")
+                f"checkpoint: {{every_steps: 1}}\non_error: record\noutput: {{path: out/res.jsonl}}\n{extra}")
     return path
 
 
@@ -74,14 +76,16 @@ def reference(tmp_path_factory):
     return d, read_results(job.output.path)
 
 
-def _check_output(job, ref):
+def _check_output(job, reference):
     """Every input id exactly once, in input order (a single-process run writes them as they finish), each record
-    equal to the single-process run's."""
+    equal to the single-process run's (an error record's message names the input file: this job's)."""
+    ref_dir, ref = reference
     got = read_results(job.output.path)
     ids = [r["id"] for r in got]
     with open(job.data.path) as f:
         assert ids == [json.loads(line)["id"] for line in f], f"seed {SEED}: not every input id once in input order"
-    by_id = {r["id"]: r for r in ref}
+    here = os.path.dirname(job.data.path)
+    by_id = {r["id"]: {**r, "error": r["error"].replace(ref_dir, here)} if "error" in r else r for r in ref}
     assert got == [by_id[i] for i in ids], f"seed {SEED}: the Ray job's records differ from the single-process run's"
 
 
@@ -91,11 +95,12 @@ def test_two_shards_local_equal_single_process(ray_runtime, reference, tmp_path)
     _ref_dir, ref = reference
     job = load_job(_write_job(str(tmp_path)), {"ray.address": "local", "ray.shards": 2})
     rep = run_ray_job(job, progress=False)
-    _check_output(job, ref)
+    _check_output(job, reference)
     assert rep["status"] == "done" and rep["retries"] == 0
     assert [s["status"] for s in rep["shards"]] == ["done", "done"]
     assert sum(s["records_this_run"] for s in rep["shards"]) == N_REQ
-    assert rep["generated_tokens"] == sum(r["output_tokens"] for r in ref) and rep["tokens_per_s"] > 0
+    assert rep["generated_tokens"] == sum(r.get("output_tokens", 0) for r in ref) and rep["tokens_per_s"] > 0
+    assert sum("error" in r for r in ref) == 1  # its message names the driver's input file, as the reference's does
     assert not os.path.exists(os.path.join(str(tmp_path), "out", "res.ray"))  # the state directory is gone
     with open(job.output.report_path) as f:
         assert json.load(f)["status"] == "done"
@@ -140,7 +145,7 @@ def test_worker_sigkill_is_retried_and_resumes(ray_runtime, reference, tmp_path)
     th.join(300)
     assert not th.is_alive() and "rep" in box, f"seed {SEED}: the driver did not finish"
     rep = box["rep"]
-    _check_output(job, ref)
+    _check_output(job, reference)
     s0 = rep["shards"][0]
     assert held < s0["requests"], f"seed {SEED}: shard 0 had finished before the kill; the test kills too late"
     assert rep["status"] == "done" and rep["retries"] == 1 and s0["retries"] == 1 and s0["attempts"] == 2
@@ -171,7 +176,7 @@ def test_driver_killed_then_rerun_resumes(ray_runtime, reference, tmp_path):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
     job = load_job(path)
-    _check_output(job, ref)
+    _check_output(job, reference)
     with open(job.output.report_path) as f:
         rep = json.load(f)
     assert rep["status"] == "done" and rep["skipped_already_done"] >= held
@@ -243,7 +248,7 @@ def test_resumes_prior_records_and_another_shard_count(ray_runtime, reference, t
             w.write(r)
     write_json_atomic(os.path.join(state, "meta.json"), results_provenance(job))
     rep = run_ray_job(job, progress=False)
-    _check_output(job, ref)
+    _check_output(job, reference)
     assert rep["skipped_already_done"] == 5 and rep["records_written_this_run"] == N_REQ - 5, f"seed {SEED}"
 
 

@@ -16,6 +16,7 @@ submits the shard again.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import re
@@ -69,10 +70,11 @@ class Tail:
         return data[:end].splitlines(keepends=True)
 
 
-def local_job(job: Job, index: int, count: int, files: dict, root: str) -> Job:
+def local_job(job: Job, index: int, count: int, files: dict, root: str) -> tuple[Job, dict]:
     """``job`` as shard ``index`` of ``count`` in the task-local directory ``root``: the shipped ``files`` (original
     path -> bytes) written under ``root/input`` and named in place of the originals, the results in ``root/out``,
-    device ``cuda`` for any CUDA device (Ray sets CUDA_VISIBLE_DEVICES to the task's GPUs), no ``ray`` section."""
+    device ``cuda`` for any CUDA device (Ray sets CUDA_VISIBLE_DEVICES to the task's GPUs), no ``ray`` section; and
+    the map original path -> local path."""
     os.makedirs(os.path.join(root, "input"))
     local = {}
     for k, (orig, data) in enumerate(files.items()):
@@ -89,7 +91,20 @@ def local_job(job: Job, index: int, count: int, files: dict, root: str) -> Job:
         data=dataclasses.replace(job.data, path=local.get(job.data.path, job.data.path)),
         policy=local.get(job.policy, job.policy) if isinstance(job.policy, str) else job.policy,
         hardware=local.get(job.hardware, job.hardware),
-        device="cuda" if job.device.startswith("cuda") else job.device)
+        device="cuda" if job.device.startswith("cuda") else job.device), local
+
+
+def named_as_driver(line: bytes, back: dict) -> bytes:
+    """A results line with the task-local paths of an error record's message (``file:line: field: problem``) put back
+    to the driver's (``back``: local path -> original), so the record reads as a single-process run's."""
+    if b'"error"' not in line:
+        return line
+    rec = json.loads(line)
+    if not isinstance(rec.get("error"), str):
+        return line
+    for lp, orig in back.items():
+        rec["error"] = rec["error"].replace(lp, orig)
+    return _dumps(rec)
 
 
 def seed_files(job: Job, done_ids: list, partials: bytes) -> int:
@@ -126,10 +141,11 @@ def shard_messages(job: Job, index: int, count: int, files: dict, done_ids: list
     root = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{index}-of-{count}-pid{os.getpid()}-")
     try:
         try:
-            sjob = local_job(job, index, count, files, root)
+            sjob, local = local_job(job, index, count, files, root)
         except NO_RETRY as e:
             yield {"kind": "error", "message": str(e)}
             return
+        back = {lp: orig for orig, lp in local.items()}
         results = Tail(sjob.output.path, seed_files(sjob, done_ids, partials))
         sidecar = Tail(sjob.output.partial_path)
         box: dict = {}
@@ -144,7 +160,7 @@ def shard_messages(job: Job, index: int, count: int, files: dict, done_ids: list
         th.start()
         while True:
             alive = th.is_alive()
-            recs, parts = results.read(), sidecar.read()
+            recs, parts = [named_as_driver(b, back) for b in results.read()], sidecar.read()
             if recs or parts:
                 yield {"kind": "lines", "records": recs, "partials": parts}
             if not alive:
