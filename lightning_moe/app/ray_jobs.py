@@ -240,7 +240,7 @@ class Driver:
             sr.report = msg["report"]
             sr.prompt_tokens += sr.report.get("prompt_tokens") or 0
         elif kind == "error":
-            raise ShardFailed(f"shard {sr.index}/{self.job.ray.shards}: {msg['message']}")
+            raise ShardFailed(msg["message"])
 
     def _tick(self) -> None:
         with self.lock:
@@ -254,7 +254,8 @@ class Driver:
         (the sidecar compacted to them first)."""
         with self.lock:
             held = [i for i in sr.ids if i in self.done]
-        todo = [i for i in sr.ids if i not in set(held)]
+        hs = set(held)
+        todo = [i for i in sr.ids if i not in hs]
         sr.partials.close()
         pf = PartialsFile(sr.partials_path)
         pf.load(todo, held)
