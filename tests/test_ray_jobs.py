@@ -272,3 +272,37 @@ def test_resume_refuses_other_settings(tmp_path):
     with pytest.raises(ConfigError, match=r"res\.ray holds the records of 1 ids not in the job's requests \('x'\)"):
         run_ray_job(job, progress=False)  # the input changed since: refused before anything runs
     assert not os.path.exists(job.output.path)
+
+
+def test_retries_spent_fails_then_rerun_resumes(ray_runtime, reference, tmp_path):
+    """max_retries 0 and shard 0's worker killed: ShardFailed (one line, the records kept), report status failed; the
+    same run again resumes to done with the single-process run's records."""
+    from lightning_moe.app.ray_jobs import ShardFailed, run_ray_job
+
+    job = load_job(_write_job(str(tmp_path)), {"ray.shards": 2, "ray.max_retries": 0})
+    state = os.path.join(str(tmp_path), "out", "res.ray")
+    box = {}
+
+    def drive():
+        try:
+            run_ray_job(job, progress=False)
+        except ShardFailed as e:
+            box["error"] = str(e)
+
+    th = threading.Thread(target=drive, daemon=True)
+    th.start()
+    shard0 = os.path.join(state, "shard-0-of-2.jsonl")
+    _wait(lambda: _records_in(shard0) >= 1 or not th.is_alive(), 240, "shard 0's first record")
+    with open(os.path.join(state, "shard-0.task.json")) as f:
+        os.kill(json.load(f)["pid"], signal.SIGKILL)
+    th.join(300)
+    msg = box.get("error", "")
+    assert "\n" not in msg and "shard 0/2 failed after 1 attempts" in msg and "re-run the same command" in msg, msg
+    with open(job.output.report_path) as f:
+        assert json.load(f)["status"] == "failed"
+    held = _records_in(shard0)
+    assert held >= 1 and not os.path.exists(job.output.path)
+    rep = run_ray_job(job, progress=False)
+    _check_output(job, reference)
+    assert rep["status"] == "done" and rep["skipped_already_done"] >= held
+    assert [r["status"] for r in rep["runs"]] == ["failed", "done"]
