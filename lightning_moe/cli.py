@@ -1,6 +1,7 @@
 """``moe-batch``: the command line (thin: every subcommand calls into the package).
 
     moe-batch run JOB.yaml [--shard I/N] [--set key=value ...] [--no-progress]
+    moe-batch run JOB.yaml --ray ADDRESS|local [--shards N]   the shards as Ray tasks, retried, merged (docs/RAY.md)
     moe-batch merge JOB.yaml --shards N           join shard outputs, check every id exactly once
     moe-batch plan ... / moe-batch profile ...    the planner (see ``moe-batch plan -h``)
     moe-batch quantize SRC DST --experts int4 [--up int2] [--group-size 128]   int4/int2 expert pages
@@ -28,6 +29,10 @@ def _load(args) -> "object":
     overrides = dict(parse_override(s) for s in (args.set or []))
     if getattr(args, "shard", None):
         overrides["shard"] = args.shard
+    if getattr(args, "ray", None):
+        overrides["ray.address"] = args.ray
+    if getattr(args, "shards_ray", None):
+        overrides["ray.shards"] = args.shards_ray
     job = load_job(args.job, overrides)
     if job.shard is not None:
         job = dataclasses.replace(job, output=dataclasses.replace(job.output, path=_shard_output(job.output.path, *job.shard)))
@@ -40,6 +45,8 @@ def cmd_run(args) -> int:
     from .config import ConfigError
 
     job = _load(args)
+    if job.ray is not None:
+        return _run_on_ray(job, args)
     spans = None
     if args.timeline:  # checked before the run: a missing matplotlib must not cost the run
         from .plot import PlotError, check_matplotlib
@@ -68,6 +75,22 @@ def cmd_run(args) -> int:
             raise ConfigError(str(e)) from None
     elif spans is not None:
         print("  timeline: nothing ran (no batch), nothing drawn")
+    return 0
+
+
+def _run_on_ray(job, args) -> int:
+    """``moe-batch run`` of a job with a ``ray`` section (or --ray / --shards): its shards as Ray tasks."""
+    from .app.ray_jobs import format_ray_report, run_ray_job
+    from .app.report import format_report
+    from .config import ConfigError
+
+    if args.timeline:
+        raise ConfigError(f"{job.label}: --timeline draws one process's stages; a Ray job runs its shards elsewhere")
+    report = run_ray_job(job, progress=not args.no_progress)
+    if report.get("nothing_to_do"):
+        print("nothing to do; the earlier run that finished this job reported:")
+    print(format_ray_report(report) if "ray" in report else format_report(report))
+    print(f"  report: {job.output.report_path}")
     return 0
 
 
@@ -102,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("job", help="job YAML file")
     r.add_argument("--shard", help="I/N: run only shard I (0-based) of N, split by id hash")
     r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job key, e.g. generation.max_new_tokens=8")
+    r.add_argument("--ray", metavar="ADDRESS|local", help="run the job's shards as Ray tasks on the cluster at ADDRESS "
+                   "(host:port, ray://host:port, auto) or on a Ray runtime started here (local); retried, merged into "
+                   "one results file; needs pip install 'lightning-moe[ray]' (docs/RAY.md)")
+    r.add_argument("--shards", dest="shards_ray", type=int, metavar="N", help="number of Ray shards (with --ray, or "
+                   "alone: the job's ray.address, default local)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors (also MOE_BATCH_DEBUG=1)")
     r.add_argument("--timeline", metavar="FILE.png", help="draw the run's measured stage timeline (cgopipe executor: "
@@ -136,7 +164,8 @@ def main(argv=None) -> int:
     """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit)
     print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
     SIGTERM / SIGINT stops a run after its current decode step with one "resumable" line and exit 75 (records and
-    partial generations saved); an interrupt outside a run exits 130."""
+    partial generations saved); an interrupt outside a run exits 130; a Ray shard that failed past its retries prints one
+    line and exits 1 (the records that came back kept)."""
     from .config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -151,11 +180,12 @@ def main(argv=None) -> int:
         return 2
     except RuntimeError as e:
         from .app.engine import GpuOutOfMemory
+        from .app.ray_jobs import ShardFailed
 
-        if not isinstance(e, GpuOutOfMemory):
+        if not isinstance(e, (GpuOutOfMemory, ShardFailed)):
             raise
         print(f"moe-batch: error: {e}", file=sys.stderr)
-        return 3
+        return 3 if isinstance(e, GpuOutOfMemory) else 1
     except KeyboardInterrupt:
         print("moe-batch: interrupted; finished records are saved, re-run the same command to resume", file=sys.stderr)
         return 130

@@ -106,6 +106,16 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """Running the job's shards as Ray tasks (``ray:`` section; ``moe-batch run --ray ADDRESS|local --shards N``)."""
+
+    address: str = "local"  # "local" (start a Ray runtime on this machine), "auto" (the local cluster), "host:port" or "ray://host:port"
+    shards: int = 2  # shards (Ray tasks) the job is split into by id hash (>= 1)
+    max_retries: int = 3  # times a shard whose task failed (worker killed, node lost, error) is submitted again (>= 0)
+    cpus_per_shard: int = 1  # CPUs each shard's task asks Ray for (a GPU job's task also asks for its `gpus` GPUs)
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     """Where results go (``output:`` section)."""
 
@@ -160,6 +170,7 @@ class Job:
     #   run` starts one process per GPU (executor: serial; device cpu runs the processes on the CPU over gloo)
     on_error: str = "fail"  # bad request: "fail" (stop before heavy work) | "record" (write an error record)
     shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
+    ray: Optional[RayConfig] = None  # run the shards as Ray tasks (app.ray_jobs); None = this process runs the job
     name: str = "job"  # job name (YAML file stem by default), used in reports
     config_path: Optional[str] = None  # absolute path of the YAML this job came from (None for job_from_dict)
     source: Optional[str] = None  # the job as error messages name it: the YAML path as the user typed it
@@ -509,8 +520,14 @@ _CHECKPOINT_KEYS: dict[str, _Parser] = {
 _OUTPUT_KEYS: dict[str, _Parser] = {
     "path": _p_output_file,
 }
+_RAY_KEYS: dict[str, _Parser] = {
+    "address": _p_str,
+    "shards": _p_int(lo=1),
+    "max_retries": _p_int(lo=0),
+    "cpus_per_shard": _p_int(lo=1),
+}
 _SECTIONS = {"data": _DATA_KEYS, "generation": _GEN_KEYS, "score": _SCORE_KEYS, "checkpoint": _CHECKPOINT_KEYS,
-             "output": _OUTPUT_KEYS}
+             "output": _OUTPUT_KEYS, "ray": _RAY_KEYS}
 _TOP_KEYS: dict[str, _Parser] = {
     "name": _p_str,
     "model": _p_model,
@@ -677,6 +694,12 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     # ---- generation / score ----
     gen = GenerationConfig(**(_section(raw, "generation", ctx) or {}))
     ckpt = CheckpointConfig(**(_section(raw, "checkpoint", ctx) or {}))
+    ray_sec = _section(raw, "ray", ctx)
+    if ray_sec is not None and in_memory:
+        raise ctx.err("ray", "not used when the requests are given in memory (the Python API runs in this process)")
+    if ray_sec is not None and top.get("shard") is not None:
+        raise ctx.err("ray", "a job runs either as Ray shards or as one shard (shard:), not both")
+    ray_cfg = RayConfig(**ray_sec) if ray_sec is not None else None
     task = top.get("task", "generate")
     sc = _section(raw, "score", ctx)
     score = None
@@ -711,7 +734,7 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
     top["executor"] = executor
     top.setdefault("name", name or "job")
     return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
-               source=source_name,
+               source=source_name, ray=ray_cfg,
                **{k: v for k, v in top.items()})
 
 

@@ -516,6 +516,11 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     from .expert_parallel import in_group, run_expert_parallel, share_work
 
     log = log if log is not None else sys.stderr
+    if job.ray is not None:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{job.label}: ray: a job with a ray section runs its shards on Ray (moe-batch run, "
+                          f"app.ray_jobs.run_ray_job), not in this process")
     if job.gpus > 1 and not in_group():  # start the expert-parallel processes; process 0 comes back here
         check_device(job)
         check_expert_parallel(job)
