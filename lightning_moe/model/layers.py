@@ -167,6 +167,27 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # [T, H, hd]
 
 
+def qkv_heads(h: torch.Tensor, spec: MoESpec, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+              bq: Optional[torch.Tensor] = None, bk: Optional[torch.Tensor] = None,
+              bv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k, v projections of a GQA layer, split into heads. h: [T, D] (normed); wq: [Hq*hd, D]; wk, wv:
+    [Hkv*hd, D]; b*: their biases or None. Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in h's dtype."""
+    T, hd = h.shape[0], spec.head_dim
+    q = F_.linear(h, wq, bq).view(T, spec.num_heads, hd)  # [T, Hq, hd]
+    k = F_.linear(h, wk, bk).view(T, spec.num_kv_heads, hd)  # [T, Hkv, hd]
+    v = F_.linear(h, wv, bv).view(T, spec.num_kv_heads, hd)  # [T, Hkv, hd]
+    return q, k, v
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+            rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, hd] and k [T, Hkv, hd] rotated by :func:`apply_rope` (rotate-half) with the tables ``rope`` (cos,
+    sin [T, hd]: :func:`rope_cos_sin` of ``positions`` [T], made once for all layers by the caller), else with
+    ``rope_cos_sin(spec, positions, inv_freq, q.dtype)`` made here. Returns (q, k), shapes and dtype kept."""
+    cos, sin = rope if rope is not None else rope_cos_sin(spec, positions, inv_freq.to(q.device), q.dtype)  # [T, hd]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------------

@@ -64,12 +64,14 @@ class QuantExperts:
 
     pages: torch.Tensor  # uint8 [E, page_bytes]
     layout: ExpertPageLayout  # byte layout of one page (scheme, group size, scale dtype)
+    _LAYOUT = ExpertPageLayout  # the layout class this page kind takes (not a field)
 
     def __post_init__(self):
-        if not isinstance(self.layout, ExpertPageLayout):
-            raise ValueError(f"QuantExperts: layout must be an ExpertPageLayout, got {type(self.layout).__name__}")
+        kind = type(self).__name__
+        if not isinstance(self.layout, self._LAYOUT):
+            raise ValueError(f"{kind}: layout must be an {self._LAYOUT.__name__}, got {type(self.layout).__name__}")
         if self.pages.dtype != torch.uint8 or self.pages.dim() != 2 or self.pages.shape[1] != self.layout.page_bytes:
-            raise ValueError(f"QuantExperts: pages must be uint8 [E, page_bytes={self.layout.page_bytes}], "
+            raise ValueError(f"{kind}: pages must be uint8 [E, page_bytes={self.layout.page_bytes}], "
                              f"got {self.pages.dtype} {tuple(self.pages.shape)}")
 
     @classmethod
@@ -95,8 +97,8 @@ class QuantExperts:
         return self.pages.numel() * self.pages.element_size()
 
     def to(self, device, non_blocking: bool = False) -> "QuantExperts":
-        """The packed pages on ``device`` (a host->device copy of ``nbytes`` bytes)."""
-        return QuantExperts(self.pages.to(device, non_blocking=non_blocking), self.layout)
+        """The packed pages on ``device`` (a host->device copy of ``nbytes`` bytes), of this class."""
+        return type(self)(self.pages.to(device, non_blocking=non_blocking), self.layout)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
         """Dense stacked experts on the pages' device: w1/w3 ``[E, F, D]``, w2 ``[E, D, F]`` in ``dtype``.
@@ -120,17 +122,7 @@ class MXFP4Experts(QuantExperts):
     (the pool's ``"page"`` tensor, the serial executor's per-layer copy)."""
 
     layout: MXFP4PageLayout  # byte layout of one page
-
-    def __post_init__(self):
-        if not isinstance(self.layout, MXFP4PageLayout):
-            raise ValueError(f"MXFP4Experts: layout must be an MXFP4PageLayout, got {type(self.layout).__name__}")
-        if self.pages.dtype != torch.uint8 or self.pages.dim() != 2 or self.pages.shape[1] != self.layout.page_bytes:
-            raise ValueError(f"MXFP4Experts: pages must be uint8 [E, page_bytes={self.layout.page_bytes}], "
-                             f"got {self.pages.dtype} {tuple(self.pages.shape)}")
-
-    def to(self, device, non_blocking: bool = False) -> "MXFP4Experts":
-        """The packed pages on ``device`` (a host->device copy of ``nbytes`` bytes)."""
-        return MXFP4Experts(self.pages.to(device, non_blocking=non_blocking), self.layout)
+    _LAYOUT = MXFP4PageLayout  # (QuantExperts.__post_init__ checks it; ``to`` keeps the class)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
         """Dense stacked experts with their biases in ``dtype`` (:func:`~lightning_moe.kernels.mxfp4.

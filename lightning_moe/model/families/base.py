@@ -8,8 +8,10 @@ family through the registry (``family_for(config)``, ``family_of(spec)``), never
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+
+import torch
 
 from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
@@ -162,6 +164,98 @@ def read_rope(c: ConfigView, family: str, default_theta: float, max_position_emb
     return _read_rope_mapping("rope_parameters", {}, c, family, default_theta, max_position_embeddings)
 
 
+# ---- config fields every family handles alike (a family's sets are these plus its own) -----------------------------
+# what read_rope reads
+ROPE_CONFIG_KEYS = frozenset({
+    "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / older names)
+    "rope_theta",  # older configs: top level; transformers 5: in rope_parameters
+    "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
+    "original_max_position_embeddings",  # older top-level name (wins over rope_parameters' for yarn, as in transformers)
+})
+# what decoder_fields reads
+DECODER_KEYS = ROPE_CONFIG_KEYS | {
+    "model_type", "_name_or_path", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id",
+}
+# fields of every family's config class with no effect on inference (training, bookkeeping)
+HARMLESS_COMMON_KEYS = frozenset({
+    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
+    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+    "initializer_range", "use_cache",
+    "pad_token_id",  # the embedding's padding_idx: gradients and init only
+    "attention_dropout",  # dropout: training only
+    "output_router_logits",  # the auxiliary loss: training only
+})
+QUANTIZED_REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
+
+
+def check_act_and_refused(get: Callable[..., Any], family: str, hidden_acts: tuple[str, ...],
+                          refused_keys: Iterable[str] = QUANTIZED_REFUSED_KEYS) -> None:
+    """Refuse, by name, a ``hidden_act`` outside ``hidden_acts`` (default silu) and any of ``refused_keys`` that is
+    set (a transformers-quantized checkpoint)."""
+    act = get("hidden_act", "silu")
+    if act not in hidden_acts:
+        raise refuse("hidden_act", act, family, ", ".join(repr(a) for a in hidden_acts))
+    for key in refused_keys:
+        if get(key) is not None:
+            raise refuse(key, get(key), family, "unquantized checkpoints and moe-batch quantize's packed pages")
+
+
+def check_no_attention_bias(get: Callable[..., Any], family: str) -> None:
+    """Refuse, by name, ``attention_bias`` true (the family's q/k/v/o projections have no bias)."""
+    if get("attention_bias", False):
+        raise refuse("attention_bias", get("attention_bias"), family, "False (q/k/v/o projections without bias)")
+
+
+# ---- checkpoint names every Hugging Face decoder shares ------------------------------------------------------------
+# KeyMap's model-level names (embed, final norm, lm_head, layer prefix)
+HF_MODEL_KEYS = dict(embed="model.embed_tokens.weight", norm="model.norm.weight", lm_head="lm_head.weight",
+                     layer="model.layers.{layer}.")
+# a LayerWeights field -> name: the layer's two norms and its q/k/v/o projections (no bias)
+HF_ATTENTION_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+}
+# KeyMap's expert names of the Qwen / OLMoE layout: per expert gate/up/down_proj, or transformers 5's fused
+# gate_up_proj [E, 2F, D] (gate rows first, then up: *Experts.chunk(2)) and down_proj [E, D, F]
+HF_EXPERT_KEYS = dict(
+    expert_tensors={"w1": "{moe}experts.{expert}.gate_proj.weight", "w3": "{moe}experts.{expert}.up_proj.weight",
+                    "w2": "{moe}experts.{expert}.down_proj.weight"},
+    fused_gate_up="{moe}experts.gate_up_proj", fused_down="{moe}experts.down_proj",
+)
+
+
+def tensors_to(weights: Any, device, dtype: Optional[torch.dtype] = None, keep_fp32: Iterable[str] = ()) -> Any:
+    """A copy of a weights dataclass with every tensor on ``device`` (and ``dtype`` when given; the fields named in
+    ``keep_fp32`` in fp32); None fields stay None. A family's ``LayerWeights.to``."""
+    keep = frozenset(keep_fp32)
+    out = {}
+    for f in fields(weights):
+        t = getattr(weights, f.name)
+        if t is not None:
+            t = t.to(device=device, dtype=torch.float32 if f.name in keep else (dtype or t.dtype))
+        out[f.name] = t
+    return type(weights)(**out)
+
+
+@dataclass
+class QKVWeights:
+    """The first weights of a GQA decoder layer (HF layout [out_features, in_features], host or device tensors): a
+    family's LayerWeights extends it with the rest of its layer, in checkpoint order."""
+
+    attn_norm: torch.Tensor  # [D] input_layernorm
+    wq: torch.Tensor  # [Hq*hd, D] self_attn.q_proj
+    wk: torch.Tensor  # [Hkv*hd, D] self_attn.k_proj
+    wv: torch.Tensor  # [Hkv*hd, D] self_attn.v_proj
+
+    to = tensors_to  # (device, dtype=None) -> a copy on device
+
+
 @dataclass(frozen=True)
 class KeyMap:
     """Checkpoint tensor names of a family (Hugging Face names).
@@ -283,3 +377,23 @@ class Family:
     latent_attention: Optional[Callable] = None  # (q_lat, cache [B, S, kv_lora + rope], lengths [B], spec) ->
     #   attention-weighted latents [B, Hq, kv_lora]
     mla_unabsorb: Optional[Callable] = None  # (lw, o_lat [B, Hq, kv_lora], spec) -> [B, Hq*v_hd]
+
+
+# a family module's names for the Family fields that are not named alike (module_fields)
+_MODULE_NAMES = {"NAME": "name", "IMPLEMENTED_KEYS": "implemented_keys", "REFUSED_KEYS": "refused_keys",
+                 "HARMLESS_KEYS": "harmless_keys", "KEYS": "keys", "LayerWeights": "layer_weights",
+                 "DenseLayerWeights": "dense_layer_weights"}
+
+
+def module_fields(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The Family fields a family module defines, read from its ``globals()``: ``NAME``, ``IMPLEMENTED_KEYS``,
+    ``REFUSED_KEYS``, ``HARMLESS_KEYS``, ``KEYS``, ``LayerWeights`` (and ``DenseLayerWeights`` when it has dense
+    layers), and every function named as a Family field (``read_spec``, ``dummy_layer``, ``pre_attention``,
+    ``post_attention``; a module's own ``decode_attention``, ``experts_ffn``, ... replace the ``layers.py``
+    defaults). The one seam of a family module: ``FAMILY = Family(**module_fields(globals()), model_types=...,
+    architectures=...)`` plus the fields that are values (``attention``, ``expert_activation``)."""
+    out = {f: namespace[name] for name, f in _MODULE_NAMES.items() if name in namespace}
+    for f in fields(Family):
+        if callable(namespace.get(f.name)) and not isinstance(namespace[f.name], type):
+            out[f.name] = namespace[f.name]
+    return out

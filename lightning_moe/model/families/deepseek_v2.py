@@ -32,30 +32,21 @@ also Dl: kv_lora_rank, rd: qk_rope_head_dim, nope: qk_nope_head_dim, vd: v_head_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from functools import partialmethod
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F_
 
-from ...kernels.fused_moe import experts_ffn_reference_from
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, read_rope, refuse
+from .base import (HARMLESS_COMMON_KEYS, HF_EXPERT_KEYS, HF_MODEL_KEYS, QUANTIZED_REFUSED_KEYS, ROPE_CONFIG_KEYS,
+                   ConfigView, Family, KeyMap, module_fields, read_rope, refuse, tensors_to)
 
 NAME = "deepseek_v2"
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: DeepseekV2RMSNorm's default eps (rms_norm_eps is not passed)
 _FP32_FIELDS = ("router", "e_bias")  # kept in fp32 on the device (transformers' _keep_in_fp32_modules_strict)
-
-
-def _to(obj, device, dtype):
-    out = {}
-    for f in fields(obj):
-        t = getattr(obj, f.name)
-        if t is not None:
-            t = t.to(device=device, dtype=torch.float32 if f.name in _FP32_FIELDS else (dtype or t.dtype))
-        out[f.name] = t
-    return type(obj)(**out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,9 +73,7 @@ class LayerWeights:
     wq_b: Optional[torch.Tensor] = None  # [Hq*hd, r] self_attn.q_b_proj
     e_bias: Optional[torch.Tensor] = None  # [E] mlp.gate.e_score_correction_bias (DeepSeek-V3; fp32)
 
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given; the router and its bias stay fp32)."""
-        return _to(self, device, dtype)
+    to = partialmethod(tensors_to, keep_fp32=_FP32_FIELDS)  # (device, dtype=None) -> a copy on device (router fp32)
 
 
 @dataclass
@@ -106,9 +95,7 @@ class DenseLayerWeights:
     q_a_norm: Optional[torch.Tensor] = None
     wq_b: Optional[torch.Tensor] = None
 
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "DenseLayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
-        return _to(self, device, dtype)
+    to = tensors_to  # (device, dtype=None) -> a copy on device
 
 
 ATTENTION_TENSORS = {
@@ -131,17 +118,11 @@ MOE_TENSORS = {
     "shared_w2": "{moe}shared_experts.down_proj.weight",
 }
 KEYS = KeyMap(
-    embed="model.embed_tokens.weight",
-    norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    layer="model.layers.{layer}.",
+    **HF_MODEL_KEYS,
     moe_blocks=("mlp.",),  # Hub checkpoints and transformers' save_pretrained
     moe_probe="gate.weight",
     layer_tensors={**ATTENTION_TENSORS, **MOE_TENSORS},
-    expert_tensors={"w1": "{moe}experts.{expert}.gate_proj.weight", "w3": "{moe}experts.{expert}.up_proj.weight",
-                    "w2": "{moe}experts.{expert}.down_proj.weight"},
-    fused_gate_up="{moe}experts.gate_up_proj",  # [E, 2F, D]: gate rows first (DeepseekV2Experts.chunk(2))
-    fused_down="{moe}experts.down_proj",
+    **HF_EXPERT_KEYS,  # fused: gate rows first (DeepseekV2Experts.chunk(2))
     dense_layer_tensors={**ATTENTION_TENSORS, "w1": "mlp.gate_proj.weight", "w3": "mlp.up_proj.weight",
                          "w2": "mlp.down_proj.weight"},
     optional_tensors=Q_FIELDS,
@@ -186,22 +167,16 @@ COMMON_IMPLEMENTED = frozenset({
     "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "n_group", "topk_group", "topk_method", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
     "attention_bias",  # false only
-    "rope_parameters", "rope_scaling",  # default, linear, yarn (base.read_rope; yarn's mscale_all_dim scales softmax)
-    "rope_theta", "partial_rotary_factor", "original_max_position_embeddings",
     "quantization",  # this package's packed expert pages (model/quantized.py)
-})
-REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
-HARMLESS_KEYS = frozenset({
-    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
-    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "initializer_range", "use_cache", "pad_token_id",
-    "attention_dropout",  # dropout: training only
-    "output_router_logits", "aux_loss_alpha", "seq_aux",  # auxiliary losses: training only
+}) | ROPE_CONFIG_KEYS  # default, linear, yarn (base.read_rope; yarn's mscale_all_dim scales softmax)
+REFUSED_KEYS = QUANTIZED_REFUSED_KEYS
+HARMLESS_KEYS = HARMLESS_COMMON_KEYS | {
+    "aux_loss_alpha", "seq_aux",  # auxiliary losses: training only
     "pretraining_tp",  # unused by transformers 5's DeepSeek modeling
     "head_dim", "qk_head_dim",  # derived by the config class (qk_rope_head_dim, nope + rope), written to config.json
     "ep_size",  # the Hub code's expert-parallel world size: placement, not math
     "auto_map",  # the Hub's remote-code pointer (transformers' own class is the oracle)
-})
+}
 IMPLEMENTED_KEYS = COMMON_IMPLEMENTED | {"mlp_bias"}  # DeepseekV2Config: false only
 HIDDEN_ACTS = ("silu",)
 DEFAULT_THETA = 1e4  # RoPE base when the config names none
@@ -459,31 +434,5 @@ def post_attention(lw, ew, x: torch.Tensor, attn: torch.Tensor, spec: MoESpec, f
     return L.moe_post_attention(lw, ew, x, attn, spec, ffn, shared=shared_experts, router=route)
 
 
-FAMILY = Family(
-    name=NAME,
-    model_types=("deepseek_v2",),
-    architectures=("DeepseekV2ForCausalLM",),
-    read_spec=read_spec,
-    implemented_keys=IMPLEMENTED_KEYS,
-    refused_keys=REFUSED_KEYS,
-    harmless_keys=HARMLESS_KEYS,
-    keys=KEYS,
-    layer_weights=LayerWeights,
-    dummy_layer=dummy_layer,
-    rope_inv_freq=L.rope_inv_freq,
-    rope_cos_sin=L.rope_cos_sin,
-    pre_attention=pre_attention,
-    prefill_packed_layout=L.prefill_packed_layout,
-    prefill_attention_packed=prefill_attention_packed,
-    decode_attention=decode_attention,
-    post_attention=post_attention,
-    experts_ffn=L.experts_ffn,
-    experts_ffn_from=experts_ffn_reference_from,
-    final_logits=L.final_logits,
-    attention="mla",
-    expert_activation="silu",
-    dense_layer_weights=DenseLayerWeights,
-    mla_absorb=mla_absorb,
-    latent_attention=latent_attention,
-    mla_unabsorb=mla_unabsorb,
-)
+FAMILY = Family(**module_fields(globals()), model_types=("deepseek_v2",), architectures=("DeepseekV2ForCausalLM",),
+                attention="mla")

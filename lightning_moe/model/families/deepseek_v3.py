@@ -20,7 +20,7 @@ from typing import Optional
 from .. import layers as L
 from ..spec import MoESpec
 from . import deepseek_v2 as V2
-from .base import ConfigView, KeyMap, refuse
+from .base import ConfigView, KeyMap, module_fields, refuse
 
 NAME = "deepseek_v3"
 
@@ -68,15 +68,5 @@ def pre_attention(lw, x, positions, spec, inv_freq, rope=None):
     return V2.mla_pre_attention(lw, x, positions, spec, inv_freq, rope, rope_fp32=False)
 
 
-FAMILY = replace(
-    V2.FAMILY,
-    name=NAME,
-    model_types=("deepseek_v3",),
-    architectures=("DeepseekV3ForCausalLM",),
-    read_spec=read_spec,
-    implemented_keys=IMPLEMENTED_KEYS,
-    refused_keys=REFUSED_KEYS,
-    harmless_keys=HARMLESS_KEYS,
-    keys=KEYS,
-    pre_attention=pre_attention,
-)
+FAMILY = replace(V2.FAMILY, **module_fields(globals()), model_types=("deepseek_v3",),
+                 architectures=("DeepseekV3ForCausalLM",))

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from functools import partialmethod
 from typing import Mapping, Optional
 
 import torch
@@ -51,7 +52,8 @@ from ...kernels.mxfp4 import mxfp4_dequantize, mxfp4_page_layout, pack_mxfp4_pag
 from .. import layers as L
 from ..checkpoint_io import CheckpointError
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
+from .base import (DECODER_KEYS, HARMLESS_COMMON_KEYS, HF_MODEL_KEYS, ConfigView, Family, KeyMap, decoder_fields,
+                   module_fields, refuse, tensors_to)
 
 NAME = "gpt_oss"
 _FP32_FIELDS = ("attn_norm", "ffn_norm")  # kept in fp32 (transformers' _keep_in_fp32_modules: the RMSNorms)
@@ -79,22 +81,11 @@ class LayerWeights:
     bv: Optional[torch.Tensor] = None  # [Hkv*hd]
     bo: Optional[torch.Tensor] = None  # [D] o_proj bias
 
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given; the norms stay fp32)."""
-        out = {}
-        for f in fields(self):
-            t = getattr(self, f.name)
-            if t is not None:
-                t = t.to(device=device, dtype=torch.float32 if f.name in _FP32_FIELDS else (dtype or t.dtype))
-            out[f.name] = t
-        return LayerWeights(**out)
+    to = partialmethod(tensors_to, keep_fp32=_FP32_FIELDS)  # (device, dtype=None) -> a copy on device (norms fp32)
 
 
 KEYS = KeyMap(
-    embed="model.embed_tokens.weight",
-    norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    layer="model.layers.{layer}.",
+    **HF_MODEL_KEYS,
     moe_blocks=("mlp.",),  # Hub checkpoints and transformers' save_pretrained
     moe_probe="router.weight",
     layer_tensors={
@@ -191,33 +182,22 @@ def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype, layer: int = 0) -> Layer
 # ---------------------------------------------------------------------------------------------------
 # transformers' GptOssConfig fields and the Hub config.json names, by how they are handled; the test walks GptOssConfig's
 # fields and the Hub gpt-oss-20b config and fails on one that is in none of these sets.
-IMPLEMENTED_KEYS = frozenset({
-    "model_type", "_name_or_path", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings", "bos_token_id", "eos_token_id",
+IMPLEMENTED_KEYS = DECODER_KEYS | {
     "num_local_experts",  # routed experts per layer
     "intermediate_size",  # each expert's width
     "sliding_window",  # the window of the sliding_attention layers (an int >= 1 when there are any)
     "layer_types",  # sliding_attention / full_attention per layer (both implemented)
     "attention_bias",  # q/k/v/o biases (both values: the checkpoint holds them or not)
     "swiglu_limit", "swiglu_alpha",  # the experts' clamped SwiGLU (limit > 0)
-    "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / Hub names; base.read_rope)
-    "rope_theta",  # Hub configs: top level; transformers 5: in rope_parameters
-    "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
-    "original_max_position_embeddings",  # top-level name (wins over rope_parameters' for yarn, as in transformers)
     "quantization_config",  # quant_method mxfp4 only: the experts' MXFP4 blocks, kept packed or dequantized on load
-})
+}
 REFUSED_KEYS = frozenset({"quantization"})  # moe-batch quantize's packed pages carry no expert biases
-HARMLESS_KEYS = frozenset({
-    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
-    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "initializer_range", "use_cache", "pad_token_id",
-    "attention_dropout",  # dropout: training only
-    "output_router_logits", "router_aux_loss_coef",  # the auxiliary loss: training only
+HARMLESS_KEYS = HARMLESS_COMMON_KEYS | {
+    "router_aux_loss_coef",  # the auxiliary loss: training only
     "hidden_act",  # unused by transformers' GptOss classes (the experts' clamped SwiGLU is fixed)
     "experts_per_token", "initial_context_length",  # the Hub config's names from OpenAI's code: transformers reads
     #   num_experts_per_tok and rope_scaling's original_max_position_embeddings instead
-})
+}
 DEFAULT_THETA = 150000.0  # transformers' GptOssConfig.default_theta
 # GptOssConfig's defaults of the fields its __post_init__ fills (a raw config.json without them reads as transformers
 # reads it)
@@ -301,22 +281,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight.float() * xf).to(x.dtype)
 
 
-def pre_attention(
-    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
-    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, q/k/v projections with their biases and RoPE for a packed batch of tokens.
-
-    x: [T, D]; positions: int64 [T]; ``rope``: the tables of ``rope_cos_sin`` when the caller made them once (else
-    None). Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
-    """
-    T = x.shape[0]
+def pre_attention(lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+                  rope=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm (:func:`rms_norm`: fp32 product), q/k/v projections with their biases and RoPE for a packed batch of
+    tokens (arguments: ``Family.pre_attention``). x: [T, D]. Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]."""
     h = rms_norm(x, lw.attn_norm, spec.rms_norm_eps)  # [T, D]
-    q = F_.linear(h, lw.wq, lw.bq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
-    k = F_.linear(h, lw.wk, lw.bk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    v = F_.linear(h, lw.wv, lw.bv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    cos, sin = rope if rope is not None else L.rope_cos_sin(spec, positions, inv_freq.to(x.device), x.dtype)  # [T, hd]
-    return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+    q, k, v = L.qkv_heads(h, spec, lw.wq, lw.wk, lw.wv, lw.bq, lw.bk, lw.bv)  # [T, Hq, hd], [T, Hkv, hd] x2
+    q, k = L.rope_qk(q, k, positions, spec, inv_freq, rope)
+    return q, k, v
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -427,26 +399,5 @@ def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, e
     return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
 
 
-FAMILY = Family(
-    name=NAME,
-    model_types=("gpt_oss",),
-    architectures=("GptOssForCausalLM",),
-    read_spec=read_spec,
-    implemented_keys=IMPLEMENTED_KEYS,
-    refused_keys=REFUSED_KEYS,
-    harmless_keys=HARMLESS_KEYS,
-    keys=KEYS,
-    layer_weights=LayerWeights,
-    dummy_layer=dummy_layer,
-    pre_attention=pre_attention,
-    post_attention=post_attention,
-    prefill_attention_packed=prefill_attention_packed,
-    decode_attention=decode_attention,
-    experts_ffn=experts_ffn,
-    experts_ffn_from=experts_ffn_from,
-    final_logits=final_logits,
-    attention="gqa_sinks",
-    expert_activation="clamped_swiglu",
-    load_experts=load_experts,
-    packed_expert_layout=packed_expert_layout,
-)
+FAMILY = Family(**module_fields(globals()), model_types=("gpt_oss",), architectures=("GptOssForCausalLM",),
+                attention="gqa_sinks", expert_activation="clamped_swiglu")

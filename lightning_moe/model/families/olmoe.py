@@ -22,57 +22,34 @@ import torch.nn.functional as F_
 
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
+from .base import (DECODER_KEYS, HARMLESS_COMMON_KEYS, HF_ATTENTION_TENSORS, HF_EXPERT_KEYS, HF_MODEL_KEYS,
+                   QUANTIZED_REFUSED_KEYS, ConfigView, Family, KeyMap, check_act_and_refused, check_no_attention_bias,
+                   decoder_fields, module_fields, refuse, QKVWeights)
 
 NAME = "olmoe"
 
 
-# ---------------------------------------------------------------------------------------------------
-# Weights (host or device tensors; HF layout: [out_features, in_features])
-# ---------------------------------------------------------------------------------------------------
 @dataclass
-class LayerWeights:
-    """Non-expert weights of one decoder layer (small: they stay on the compute device)."""
+class LayerWeights(QKVWeights):
+    """Non-expert weights of one OLMoE layer (resident on the compute device): QKVWeights' attn_norm,
+    wq, wk, wv, then these."""
 
-    attn_norm: torch.Tensor  # [D] input_layernorm
-    wq: torch.Tensor  # [Hq*hd, D]
-    wk: torch.Tensor  # [Hkv*hd, D]
-    wv: torch.Tensor  # [Hkv*hd, D]
     q_norm: torch.Tensor  # [Hq*hd] self_attn.q_norm (over the whole q projection, not per head)
     k_norm: torch.Tensor  # [Hkv*hd] self_attn.k_norm
     wo: torch.Tensor  # [D, Hq*hd]
     ffn_norm: torch.Tensor  # [D] post_attention_layernorm
     router: torch.Tensor  # [E, D] mlp.gate
 
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
-        return LayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
-
 
 KEYS = KeyMap(
-    embed="model.embed_tokens.weight",
-    norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    layer="model.layers.{layer}.",
+    **HF_MODEL_KEYS,
     # Hub checkpoints, transformers' save_pretrained and its in-memory names all use mlp.
     moe_blocks=("mlp.",),
     moe_probe="gate.weight",
-    layer_tensors={
-        "attn_norm": "input_layernorm.weight",
-        "wq": "self_attn.q_proj.weight",
-        "wk": "self_attn.k_proj.weight",
-        "wv": "self_attn.v_proj.weight",
-        "q_norm": "self_attn.q_norm.weight",
-        "k_norm": "self_attn.k_norm.weight",
-        "wo": "self_attn.o_proj.weight",
-        "ffn_norm": "post_attention_layernorm.weight",
-        "router": "{moe}gate.weight",
-    },
-    # what the Hub and save_pretrained hold (transformers 5 splits its fused experts on save)
-    expert_tensors={"w1": "{moe}experts.{expert}.gate_proj.weight", "w3": "{moe}experts.{expert}.up_proj.weight",
-                    "w2": "{moe}experts.{expert}.down_proj.weight"},
-    fused_gate_up="{moe}experts.gate_up_proj",  # [E, 2F, D]: gate rows first, then up (OlmoeExperts.chunk(2))
-    fused_down="{moe}experts.down_proj",  # [E, D, F]
+    layer_tensors={**HF_ATTENTION_TENSORS, "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+                   "router": "{moe}gate.weight"},
+    # what the Hub and save_pretrained hold (transformers 5 splits its fused experts on save), or the fused layout
+    **HF_EXPERT_KEYS,
 )
 
 
@@ -92,44 +69,26 @@ def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype, layer: int = 0) -> Layer
 # ---------------------------------------------------------------------------------------------------
 # transformers' OlmoeConfig fields (and the Hub config.json names) by how they are handled; the test walks
 # OlmoeConfig's fields and fails on one that is in none of these sets.
-IMPLEMENTED_KEYS = frozenset({
-    "model_type", "_name_or_path", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings", "bos_token_id", "eos_token_id",
+IMPLEMENTED_KEYS = DECODER_KEYS | {  # head_dim: not an OlmoeConfig field, read when present: hidden / heads only
     "num_experts", "num_local_experts",  # OlmoeConfig's name / its attribute_map alias
     "intermediate_size",  # the routed experts' width
     "norm_topk_prob",  # renormalize the top-k router weights (both values implemented)
     "clip_qkv",  # clamp of q, k, v (null or a positive number: both implemented)
     "hidden_act",  # silu only
-    "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / older names; base.read_rope)
-    "rope_theta",  # older configs: top level; transformers 5: in rope_parameters
-    "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
-    "original_max_position_embeddings",  # older top-level name (wins over rope_parameters' for yarn, as in transformers)
     "attention_bias",  # false only
-    "head_dim",  # not an OlmoeConfig field, but transformers reads it when present: hidden / heads only
     "sliding_window",  # not an OlmoeConfig field; transformers' attention reads it when present: null only
     "quantization",  # this package's packed expert pages (model/quantized.py)
-})
-REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
-HARMLESS_KEYS = frozenset({
-    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
-    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "initializer_range", "use_cache",
-    "pad_token_id",  # the embedding's padding_idx: gradients and init only
-    "attention_dropout",  # dropout: training only
-    "output_router_logits", "router_aux_loss_coef",  # the auxiliary loss: training only
-})
+}
+REFUSED_KEYS = QUANTIZED_REFUSED_KEYS
+HARMLESS_KEYS = HARMLESS_COMMON_KEYS | {"router_aux_loss_coef"}  # the auxiliary loss: training only
 HIDDEN_ACTS = ("silu",)
 DEFAULT_THETA = 1e4  # RoPE base when the config names none (transformers' OlmoeConfig.default_theta)
 
 
 def _check_math_fields(get, hidden: int, heads: int) -> None:
     """Refuse, by name, every config value that would change the math and is not implemented here."""
-    act = get("hidden_act", "silu")
-    if act not in HIDDEN_ACTS:
-        raise refuse("hidden_act", act, NAME, ", ".join(repr(a) for a in HIDDEN_ACTS))
-    if get("attention_bias", False):
-        raise refuse("attention_bias", get("attention_bias"), NAME, "False (q/k/v/o projections without bias)")
+    check_act_and_refused(get, NAME, HIDDEN_ACTS, REFUSED_KEYS)
+    check_no_attention_bias(get, NAME)
     if hidden % heads:  # q_norm has hidden_size weights and normalizes a projection of heads * (hidden // heads)
         raise refuse("num_attention_heads", heads, NAME, f"a divisor of hidden_size {hidden}")
     head_dim = get("head_dim")
@@ -140,9 +99,6 @@ def _check_math_fields(get, hidden: int, heads: int) -> None:
     clip = get("clip_qkv")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
         raise refuse("clip_qkv", clip, NAME, "None or a positive number")
-    for key in REFUSED_KEYS:
-        if get(key) is not None:
-            raise refuse(key, get(key), NAME, "unquantized checkpoints and moe-batch quantize's packed pages")
 
 
 def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
@@ -177,16 +133,11 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
 # ---------------------------------------------------------------------------------------------------
 # Layer math
 # ---------------------------------------------------------------------------------------------------
-def pre_attention(
-    lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
-    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, q/k/v projections, q/k RMSNorm over the whole projection, ``clip_qkv`` and RoPE for a packed batch.
-
-    x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
-    ``rope_cos_sin(spec, positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
-    Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
-    """
+def pre_attention(lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+                  rope=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, q/k/v projections, q/k RMSNorm over the whole projection, ``clip_qkv`` and RoPE for a packed batch
+    (arguments: ``Family.pre_attention``). x: [T, D]. Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's
+    dtype."""
     T = x.shape[0]
     h = L.rms_norm(x, lw.attn_norm, spec.rms_norm_eps)  # [T, D]
     q = L.rms_norm(F_.linear(h, lw.wq), lw.q_norm, spec.rms_norm_eps)  # [T, Hq*hd] one norm over all heads
@@ -196,26 +147,12 @@ def pre_attention(
         c = spec.clip_qkv
         q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
     q = q.view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
-    k = k.view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    v = v.view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    cos, sin = rope if rope is not None else L.rope_cos_sin(spec, positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
-    return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+    k, v = (t.view(T, spec.num_kv_heads, spec.head_dim) for t in (k, v))  # [T, Hkv, hd] each
+    q, k = L.rope_qk(q, k, positions, spec, inv_freq, rope)
+    return q, k, v
 
 
 post_attention = L.moe_post_attention  # o_proj + residual, RMSNorm, router, experts, residual
 
 
-FAMILY = Family(
-    name=NAME,
-    model_types=("olmoe",),
-    architectures=("OlmoeForCausalLM",),
-    read_spec=read_spec,
-    implemented_keys=IMPLEMENTED_KEYS,
-    refused_keys=REFUSED_KEYS,
-    harmless_keys=HARMLESS_KEYS,
-    keys=KEYS,
-    layer_weights=LayerWeights,
-    dummy_layer=dummy_layer,
-    pre_attention=pre_attention,
-    post_attention=post_attention,
-)
+FAMILY = Family(**module_fields(globals()), model_types=("olmoe",), architectures=("OlmoeForCausalLM",))

@@ -23,7 +23,9 @@ import torch.nn.functional as F_
 
 from .. import layers as L
 from ..spec import MoESpec
-from .base import ConfigView, Family, KeyMap, decoder_fields, refuse
+from .base import (DECODER_KEYS, HARMLESS_COMMON_KEYS, HF_ATTENTION_TENSORS, HF_EXPERT_KEYS, HF_MODEL_KEYS,
+                   QUANTIZED_REFUSED_KEYS, ConfigView, Family, KeyMap, check_act_and_refused, decoder_fields,
+                   module_fields, refuse, tensors_to)
 
 NAME = "qwen2_moe"
 
@@ -32,8 +34,8 @@ NAME = "qwen2_moe"
 # Weights (host or device tensors; HF layout: [out_features, in_features])
 # ---------------------------------------------------------------------------------------------------
 @dataclass
-class LayerWeights:
-    """Non-expert weights of one MoE decoder layer (small: they stay on the compute device)."""
+class AttentionWeights:
+    """The weights every decoder layer (MoE or dense) holds: its attention and its two norms."""
 
     attn_norm: torch.Tensor  # [D] input_layernorm
     wq: torch.Tensor  # [Hq*hd, D]
@@ -44,52 +46,34 @@ class LayerWeights:
     bv: torch.Tensor  # [Hkv*hd] v_proj bias
     wo: torch.Tensor  # [D, Hq*hd] (no bias)
     ffn_norm: torch.Tensor  # [D] post_attention_layernorm
+
+    to = tensors_to  # (device, dtype=None) -> a copy on device
+
+
+@dataclass
+class LayerWeights(AttentionWeights):
+    """Non-expert weights of one MoE decoder layer (small: they stay on the compute device)."""
+
     router: torch.Tensor  # [E, D] mlp.gate
     shared_w1: torch.Tensor  # [Fs, D] mlp.shared_expert.gate_proj
     shared_w3: torch.Tensor  # [Fs, D] mlp.shared_expert.up_proj
     shared_w2: torch.Tensor  # [D, Fs] mlp.shared_expert.down_proj
     shared_gate: torch.Tensor  # [1, D] mlp.shared_expert_gate
 
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "LayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
-        return LayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
-
 
 @dataclass
-class DenseLayerWeights:
+class DenseLayerWeights(AttentionWeights):
     """Weights of one dense (MLP-only) decoder layer: attention as an MoE layer's, one SwiGLU MLP instead of experts."""
 
-    attn_norm: torch.Tensor  # [D] input_layernorm
-    wq: torch.Tensor  # [Hq*hd, D]
-    bq: torch.Tensor  # [Hq*hd]
-    wk: torch.Tensor  # [Hkv*hd, D]
-    bk: torch.Tensor  # [Hkv*hd]
-    wv: torch.Tensor  # [Hkv*hd, D]
-    bv: torch.Tensor  # [Hkv*hd]
-    wo: torch.Tensor  # [D, Hq*hd]
-    ffn_norm: torch.Tensor  # [D] post_attention_layernorm
     w1: torch.Tensor  # [Fd, D] mlp.gate_proj
     w3: torch.Tensor  # [Fd, D] mlp.up_proj
     w2: torch.Tensor  # [D, Fd] mlp.down_proj
 
-    def to(self, device, dtype: Optional[torch.dtype] = None) -> "DenseLayerWeights":
-        """Copy of every tensor on ``device`` (and ``dtype`` when given)."""
-        return DenseLayerWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.__dict__.items()})
 
-
-_ATTENTION_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "wq": "self_attn.q_proj.weight", "bq": "self_attn.q_proj.bias",
-    "wk": "self_attn.k_proj.weight", "bk": "self_attn.k_proj.bias",
-    "wv": "self_attn.v_proj.weight", "bv": "self_attn.v_proj.bias",
-    "wo": "self_attn.o_proj.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-}
+_ATTENTION_TENSORS = {**HF_ATTENTION_TENSORS, "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+                      "bv": "self_attn.v_proj.bias"}
 KEYS = KeyMap(
-    embed="model.embed_tokens.weight",
-    norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    layer="model.layers.{layer}.",
+    **HF_MODEL_KEYS,
     # Hub checkpoints, transformers' save_pretrained and its in-memory names all use mlp.
     moe_blocks=("mlp.",),
     moe_probe="gate.weight",
@@ -101,10 +85,7 @@ KEYS = KeyMap(
         "shared_w2": "{moe}shared_expert.down_proj.weight",
         "shared_gate": "{moe}shared_expert_gate.weight",
     },
-    expert_tensors={"w1": "{moe}experts.{expert}.gate_proj.weight", "w3": "{moe}experts.{expert}.up_proj.weight",
-                    "w2": "{moe}experts.{expert}.down_proj.weight"},
-    fused_gate_up="{moe}experts.gate_up_proj",  # [E, 2F, D]: gate rows first, then up (Qwen2MoeExperts.chunk(2))
-    fused_down="{moe}experts.down_proj",
+    **HF_EXPERT_KEYS,
     dense_layer_tensors={**_ATTENTION_TENSORS, "w1": "mlp.gate_proj.weight", "w3": "mlp.up_proj.weight",
                          "w2": "mlp.down_proj.weight"},
 )
@@ -129,10 +110,7 @@ def dummy_layer(spec: MoESpec, rnd, dtype: torch.dtype, layer: int = 0):
 # ---------------------------------------------------------------------------------------------------
 # transformers' Qwen2MoeConfig fields (and the Hub config.json names) by how they are handled; the test walks
 # Qwen2MoeConfig's fields and fails on one that is in none of these sets.
-IMPLEMENTED_KEYS = frozenset({
-    "model_type", "_name_or_path", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings", "bos_token_id", "eos_token_id",
+IMPLEMENTED_KEYS = DECODER_KEYS | {
     "num_experts",  # routed experts per MoE layer (>= 1)
     "moe_intermediate_size",  # the routed experts' width
     "shared_expert_intermediate_size",  # the shared expert's width (>= 1)
@@ -141,24 +119,16 @@ IMPLEMENTED_KEYS = frozenset({
     "norm_topk_prob",  # renormalize the top-k router weights (both values implemented)
     "hidden_act",  # silu only
     "qkv_bias",  # true only (q/k/v projections with bias, the Qwen1.5 layout)
-    "rope_parameters", "rope_scaling",  # rope_type default, linear, yarn (transformers 5 / older names; base.read_rope)
-    "rope_theta",  # older configs: top level; transformers 5: in rope_parameters
-    "partial_rotary_factor",  # not a config class field (transformers moves a top-level one into rope_parameters): 1 only
-    "original_max_position_embeddings",  # older top-level name (wins over rope_parameters' for yarn, as in transformers)
     "use_sliding_window",  # false only
     "layer_types",  # "full_attention" only
     "sliding_window",  # unused unless use_sliding_window (transformers sets it to 0 then)
     "quantization",  # this package's packed expert pages (model/quantized.py)
-})
-REFUSED_KEYS = frozenset({"quantization_config"})  # a transformers-quantized checkpoint (GPTQ, AWQ, FP8, ...)
-HARMLESS_KEYS = frozenset({
-    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
-    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "initializer_range", "use_cache", "pad_token_id",
-    "attention_dropout",  # dropout: training only
-    "output_router_logits", "router_aux_loss_coef",  # the auxiliary loss: training only
+}
+REFUSED_KEYS = QUANTIZED_REFUSED_KEYS
+HARMLESS_KEYS = HARMLESS_COMMON_KEYS | {
+    "router_aux_loss_coef",  # the auxiliary loss: training only
     "max_window_layers",  # which layers a sliding window would cover; use_sliding_window is refused
-})
+}
 HIDDEN_ACTS = ("silu",)
 DEFAULT_THETA = 1e4  # RoPE base when the config names none (transformers' Qwen2MoeConfig.default_theta)
 
@@ -180,11 +150,22 @@ def dense_layer_indices(get, num_layers: int, family: str) -> tuple[int, ...]:
     return dense
 
 
+def qwen_moe_fields(c: ConfigView, family: str, experts_key: str, num_layers: int) -> dict:
+    """MoESpec fields Qwen2-MoE and Qwen3-MoE read alike: ``experts_key`` routed experts (>= 1) of width
+    ``moe_intermediate_size``, ``norm_topk_prob`` (default false), full attention, and the dense layers
+    (:func:`dense_layer_indices`) with their MLP width ``intermediate_size``. Raises ValueError naming the field."""
+    num_experts = int(c.need(experts_key))
+    if num_experts < 1:  # transformers: every layer a dense MLP
+        raise refuse(experts_key, num_experts, family, ">= 1 routed experts (a model of dense layers only is not an MoE)")
+    dense = dense_layer_indices(c.get, num_layers, family)
+    return dict(intermediate_size=int(c.need("moe_intermediate_size")), num_experts=num_experts, sliding_window=None,
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)),  # the config classes' default
+                dense_layers=dense, dense_intermediate_size=int(c.need("intermediate_size")) if dense else 0)
+
+
 def _check_math_fields(get) -> None:
     """Refuse, by name, every config value that would change the math and is not implemented here."""
-    act = get("hidden_act", "silu")
-    if act not in HIDDEN_ACTS:
-        raise refuse("hidden_act", act, NAME, ", ".join(repr(a) for a in HIDDEN_ACTS))
+    check_act_and_refused(get, NAME, HIDDEN_ACTS, REFUSED_KEYS)
     if not get("qkv_bias", True):  # Qwen2MoeConfig's default: the checkpoints hold q/k/v biases
         raise refuse("qkv_bias", get("qkv_bias"), NAME, "True (q/k/v projections with bias, o_proj without)")
     if get("use_sliding_window", False):
@@ -192,9 +173,6 @@ def _check_math_fields(get) -> None:
     types = get("layer_types")
     if types is not None and any(t != "full_attention" for t in types):
         raise refuse("layer_types", types, NAME, "'full_attention' in every layer")
-    for key in REFUSED_KEYS:
-        if get(key) is not None:
-            raise refuse(key, get(key), NAME, "unquantized checkpoints and moe-batch quantize's packed pages")
 
 
 def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
@@ -210,46 +188,27 @@ def read_spec(cfg, name: Optional[str] = None) -> MoESpec:
     get, need = c.get, c.need
     num_layers = int(need("num_hidden_layers"))
     _check_math_fields(get)
-    num_experts = int(need("num_experts"))
-    if num_experts < 1:  # transformers: every layer a dense MLP
-        raise refuse("num_experts", num_experts, NAME, ">= 1 routed experts (a model of dense layers only is not an MoE)")
+    moe = qwen_moe_fields(c, NAME, "num_experts", num_layers)
     shared = int(need("shared_expert_intermediate_size"))
     if shared < 1:
         raise refuse("shared_expert_intermediate_size", shared, NAME, ">= 1 (one shared expert in every MoE layer)")
-    dense = dense_layer_indices(get, num_layers, NAME)
     return MoESpec(
         **decoder_fields(c, name, NAME, default_theta=DEFAULT_THETA, default_max_pos=32768, default_eps=1e-6),
-        intermediate_size=int(need("moe_intermediate_size")),
-        num_experts=num_experts,
-        sliding_window=None,
-        norm_topk_prob=bool(get("norm_topk_prob", False)),  # Qwen2MoeConfig's default
-        num_shared_experts=1,
-        shared_intermediate_size=shared,
-        dense_layers=dense,
-        dense_intermediate_size=int(need("intermediate_size")) if dense else 0,
+        **moe, num_shared_experts=1, shared_intermediate_size=shared,
     )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Layer math
 # ---------------------------------------------------------------------------------------------------
-def pre_attention(
-    lw, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
-    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, q/k/v projections with their biases and RoPE for a packed batch of tokens (MoE or dense layer).
-
-    x: [T, D]; positions: int64 [T] (each token's position in its own sequence); ``rope``: the tables
-    ``rope_cos_sin(spec, positions, inv_freq, x.dtype)`` when the caller computed them once for all layers (else None).
-    Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd] in x's dtype.
-    """
-    T = x.shape[0]
+def pre_attention(lw, x: torch.Tensor, positions: torch.Tensor, spec: MoESpec, inv_freq: torch.Tensor,
+                  rope=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, q/k/v projections with their biases and RoPE for a packed batch of tokens, MoE or dense layer
+    (arguments: ``Family.pre_attention``). x: [T, D]. Returns q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]."""
     h = L.rms_norm(x, lw.attn_norm, spec.rms_norm_eps)  # [T, D]
-    q = F_.linear(h, lw.wq, lw.bq).view(T, spec.num_heads, spec.head_dim)  # [T, Hq, hd]
-    k = F_.linear(h, lw.wk, lw.bk).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    v = F_.linear(h, lw.wv, lw.bv).view(T, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, hd]
-    cos, sin = rope if rope is not None else L.rope_cos_sin(spec, positions, inv_freq.to(x.device), x.dtype)  # [T, hd] each
-    return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+    q, k, v = L.qkv_heads(h, spec, lw.wq, lw.wk, lw.wv, lw.bq, lw.bk, lw.bv)  # [T, Hq, hd], [T, Hkv, hd] x2
+    q, k = L.rope_qk(q, k, positions, spec, inv_freq, rope)
+    return q, k, v
 
 
 def shared_expert(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
@@ -266,18 +225,4 @@ def post_attention(lw, ew, x: torch.Tensor, attn: torch.Tensor, spec: MoESpec, f
     return L.moe_post_attention(lw, ew, x, attn, spec, ffn, shared=shared_expert)
 
 
-FAMILY = Family(
-    name=NAME,
-    model_types=("qwen2_moe",),
-    architectures=("Qwen2MoeForCausalLM",),
-    read_spec=read_spec,
-    implemented_keys=IMPLEMENTED_KEYS,
-    refused_keys=REFUSED_KEYS,
-    harmless_keys=HARMLESS_KEYS,
-    keys=KEYS,
-    layer_weights=LayerWeights,
-    dummy_layer=dummy_layer,
-    pre_attention=pre_attention,
-    post_attention=post_attention,
-    dense_layer_weights=DenseLayerWeights,
-)
+FAMILY = Family(**module_fields(globals()), model_types=("qwen2_moe",), architectures=("Qwen2MoeForCausalLM",))
