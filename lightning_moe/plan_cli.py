@@ -151,6 +151,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise CommandError("give a job YAML, or --prompt-len and --gen-len")
             workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, max_prompt_len=args.max_prompt_len,
                                 num_requests=args.num_prompts, name=f"prompt {args.prompt_len:g} / gen {args.gen_len}")
+        if job is not None and not args.hardware and str(getattr(job, "device", "")).startswith("cpu"):
+            return _plan_cpu_job(job, workload)  # everything on the CPU: the CPU executor's roofline
         model = args.model or (job.model if job is not None else None)
         hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
         if not model:
@@ -247,6 +249,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"moe-batch plan: error: cannot write {args.output}: {e}", file=sys.stderr)
             return 2
         print(f"policy written to {args.output}")
+    return 0
+
+
+def _plan_cpu_job(job, workload) -> int:
+    """``moe-batch plan JOB.yaml`` for a job on ``device: cpu``: this machine's CPU profile (app.cpu_plan, cached),
+    the cgopipe policy plan_cpu picks (or the serial executor's batches) and the prediction; 0 ok, 2 error."""
+    from .app.cpu_plan import cpu_estimate, cpu_profile, plan_cpu_job
+    from .model.quantized import checkpoint_expert_scheme
+    from .model.spec import MoESpec
+    from .model.tiny import resolve_model_path
+    from .policy.cpu_hrm import format_cpu_table
+    from .policy.policy import PlanInfeasible
+
+    try:
+        path = resolve_model_path(job.model)
+        spec = MoESpec.from_pretrained_dir(path)
+        if workload.scoring:
+            raise CommandError("a scoring job on the CPU is not modelled by the CPU roofline (generation only)")
+        prof = cpu_profile()
+        policy = None
+        if job.executor == "cgopipe":
+            wq = checkpoint_expert_scheme(path) or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]
+            policy, est = plan_cpu_job(job, spec, workload, wq)
+        else:
+            est = cpu_estimate(job, spec, workload)
+    except PlanInfeasible as e:
+        print(f"moe-batch plan: {e}", file=sys.stderr)
+        return 2
+    except (CommandError, HardwareError, ValueError, OSError) as e:
+        print(f"moe-batch plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_cpu_table(spec, prof, est, job.executor, policy))
     return 0
 
 
