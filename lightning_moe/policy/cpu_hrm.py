@@ -47,18 +47,18 @@ CPU_STAGES = ("cpu-ops", "cpu-flops", "cpu-memory")  # the terms (C1)-(C3) a pha
 # Torch ops per layer visit of one (micro-)batch, by executor and phase, counted with a dispatch counter
 # (tests/test_cpu_hrm.py::test_op_counts_match_executor). "fixed": per layer visit; "expert": per routed expert that
 # receives tokens (its loop iteration: eq, where, div, gather, gate/up/down, silu, mul, weight gather, mul, scatter);
-# "row": per prefill row (the KV cache writes); "head": per (micro-)batch and step outside the layers (embedding,
+# "row": per prefill row (the KV cache writes); "group": per extra KV length group of a prefill chunk; "head": per (micro-)batch and step outside the layers (embedding,
 # final norm, lm_head, argmax, lengths).
-OP_COUNTS = {  # (executor, phase) -> {class -> {"fixed", "expert", "row", "head"}}
-    ("serial", "decode"): {"op": dict(fixed=46.5, expert=9, row=0, head=20),
-                           "view": dict(fixed=55, expert=3, row=0, head=10)},
-    ("serial", "prefill"): {"op": dict(fixed=56.5, expert=9, row=2.25, head=20),
-                            "view": dict(fixed=59, expert=3, row=11, head=10)},
-    ("cgopipe", "decode"): {"op": dict(fixed=32, expert=9, row=0, head=20),
-                            "view": dict(fixed=38.5, expert=4, row=0, head=10)},
-    ("cgopipe", "prefill"): {"op": dict(fixed=60.5, expert=9, row=0.5, head=20),
-                             "view": dict(fixed=58, expert=4, row=0.5, head=10)},
-}
+OP_COUNTS = {  # (executor, phase) -> {class -> {"fixed", "expert", "row", "group", "head"}}
+    ("serial", "decode"): {"op": dict(fixed=46.5, expert=9, row=0, group=0, head=20),
+                           "view": dict(fixed=55, expert=3, row=0, group=0, head=10)},
+    ("serial", "prefill"): {"op": dict(fixed=56.5, expert=9, row=2.25, group=0, head=20),
+                            "view": dict(fixed=59, expert=3, row=11, group=0, head=10)},
+    ("cgopipe", "decode"): {"op": dict(fixed=32, expert=9, row=0, group=0, head=20),
+                            "view": dict(fixed=38.5, expert=4, row=0, group=0, head=10)},
+    ("cgopipe", "prefill"): {"op": dict(fixed=60.5, expert=9, row=0.5, group=8, head=20),
+                             "view": dict(fixed=58, expert=4, row=0.5, group=8.5, head=10)},
+}  # "group": per KV length group of the chunk's rows beyond the first (cgopipe's grouped KV write, one per group)
 EXPERT_GEMMS = 3  # gate, up, down per routed expert hit (the torch expert FFN's loop)
 
 
@@ -176,11 +176,17 @@ def active_experts(tokens: float, num_experts: int, top_k: int) -> float:
     return 0.0 if tokens <= 0 else num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
+def op_counts(executor: str, phase: str, experts: float, rows: float, groups: float = 1.0) -> dict:
+    """Non-GEMM ops and view ops of one layer visit (OP_COUNTS): {"op": n, "view": n}."""
+    return {k: v["fixed"] + v["expert"] * experts + v["row"] * rows + v["group"] * max(0.0, groups - 1)
+            for k, v in OP_COUNTS[(executor, phase)].items()}
+
+
 def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts: float, rows: float,
-              attn_calls: float, head: bool = False) -> float:
+              attn_calls: float, head: bool = False, groups: float = 1.0) -> float:
     """(C1) for the counted ops of one layer visit (``head``: of the head instead)."""
-    c = OP_COUNTS[(executor, phase)]
-    n = {k: (v["head"] if head else v["fixed"] + v["expert"] * experts + v["row"] * rows) for k, v in c.items()}
+    n = ({k: v["head"] for k, v in OP_COUNTS[(executor, phase)].items()} if head
+         else op_counts(executor, phase, experts, rows, groups))
     t = gemms * prof.gemm_call + n["op"] * prof.op_call + n["view"] * prof.view_call + attn_calls * prof.attention_call
     if executor == "cgopipe" and phase == "decode" and not head:
         t += attn_calls * prof.handoff  # each CPU-attention call goes to the worker thread and back
@@ -188,9 +194,10 @@ def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts
 
 
 def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtype: str, executor: str, phase: str,
-                rows: float = 0.0, padded_len: float = 0.0, context: float = 0.0, attn_calls: float = 1.0) -> Terms:
+                rows: float = 0.0, padded_len: float = 0.0, context: float = 0.0, attn_calls: float = 1.0,
+                groups: float = 1.0) -> Terms:
     """(C1)-(C3) of one layer visit of ``tokens`` rows (decode: one token per row at ``context`` attended positions;
-    prefill: ``rows`` prompts padded to ``padded_len``)."""
+    prefill: ``rows`` prompts padded to ``padded_len``, their KV in ``groups`` length groups)."""
     b = dtype_bytes(dtype)
     P, B = prof.matmul_flops(dtype), prof.memory_bandwidth
     D, k = spec.hidden_size, spec.top_k
@@ -223,10 +230,9 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
         if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by an index_put scatter, not a copy
             scatter = kv_bytes / prof.scatter_bandwidth
             kv_bytes = 0.0
-    c = OP_COUNTS[(executor, phase)]
-    n_op = c["op"]["fixed"] + c["op"]["expert"] * a + c["op"]["row"] * rows
-    act_bytes = n_op * 2 * tokens * D * b  # each element-wise op reads and writes one [T, D] block
-    ops = _ops_time(prof, executor, phase, gemms, a, rows, attn_calls)
+    act_bytes = op_counts(executor, phase, a, rows, groups)["op"] * 2 * tokens * D * b  # each element-wise op reads
+    #   and writes one [T, D] block
+    ops = _ops_time(prof, executor, phase, gemms, a, rows, attn_calls, groups=groups)
     return Terms(ops=ops, flops=flops / P, bytes=(wbytes + kv_bytes + act_bytes) / B + scatter)
 
 
@@ -319,15 +325,14 @@ def _batch_terms(spec, prof, lens, dtype, executor, gen_len, mu, prefill_mu, pre
     pre = Terms()
     for ch in (c for cs in chunks for c in cs):
         pre = pre + _sum_layers(spec, prof, tokens=sum(ch), dtype=dtype, executor=executor, phase="prefill",
-                                rows=len(ch), padded_len=max(ch))
+                                rows=len(ch), padded_len=max(ch), groups=min(KV_GROUPS, len(set(ch))))
         pre = pre + head_terms(spec, prof, len(ch), dtype, executor, "prefill")
     dec = Terms()
     for g in groups:
-        calls = 1 if executor == "serial" else min(KV_GROUPS, len(g))
         mean = sum(g) / len(g)
         for j in range(1, gen_len):
             dec = dec + _sum_layers(spec, prof, tokens=len(g), dtype=dtype, executor=executor, phase="decode",
-                                    context=mean + j, attn_calls=calls)
+                                    context=mean + j)
             dec = dec + head_terms(spec, prof, len(g), dtype, executor, "decode")
     return pre, dec
 
