@@ -82,6 +82,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--gpu-preset", default="h200", help="preset for the GPU fields when there is no CUDA device (default h200)")
     q.add_argument("--gpu-memory", type=_bytes_arg, help="record this GPU memory instead of the device total")
     q.add_argument("--quick", action="store_true", help="small sizes: seconds, noisier")
+    q.add_argument("--cpu", action="store_true", help="measure the CPU profile that jobs on device: cpu are predicted "
+                   "with (policy.cpu_hrm) and write it to this machine's cache, where those jobs read it (they "
+                   "measure it on first use otherwise)")
     q.add_argument("--expert-shapes", type=lambda v: [x for x in v.split(",") if x], default=None, metavar="MODEL[,MODEL]",
                    help="models (registry names or checkpoint directories) whose expert shape the expert-FFN kernel "
                         "probe rates on CUDA, Triton vs grouped_mm per tokens-per-call bucket (default mixtral-8x7b)")
@@ -288,6 +291,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch profile``: measures, prints one line per measurement, writes the YAML; 0 ok, 2 error."""
     from .pipeline.profiler import profile_host
 
+    if getattr(args, "cpu", False):
+        from .app.cpu_plan import cpu_profile_path, measure_and_cache
+
+        try:
+            prof = measure_and_cache()
+        except (HardwareError, ValueError, OSError) as e:
+            print(f"moe-batch profile: error: {e}", file=sys.stderr)
+            return 2
+        print(f"CPU profile of {prof.machine}: matmul {prof.matmul_flops_fp32 / 1e9:.1f} GFLOP/s fp32, memory "
+              f"{prof.memory_bandwidth / 1e9:.1f} GB/s, GEMM call {prof.gemm_call * 1e6:.1f} us, op {prof.op_call * 1e6:.2f} us")
+        print(f"profile written to {cpu_profile_path()}")
+        return 0
     try:
         kw = {} if args.expert_shapes is None else {"expert_shapes": args.expert_shapes}
         prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick,

@@ -87,18 +87,3 @@ def plan_cpu_job(job, spec, workload, weight_quant: str, log=sys.stderr):
     dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]
     prof = cpu_profile(log)
     return plan_cpu(spec, prof, workload, dt, job.cpu_memory or prof.host_memory or 2**62, weight_quant)
-
-
-def cpu_prediction(job, prep, jplan=None, log=sys.stderr):
-    """The CPU estimate a run of a generation job on the CPU reports: its cgopipe plan's (``jplan``), else the serial
-    executor's for the job's batches; None off the CPU, for scoring, or with no valid request. Measures and caches
-    the CPU profile on first use (before anything of the run is timed)."""
-    from .plan import job_workload_from_prepared
-
-    if not is_cpu_job(job) or job.task != "generate" or not any(t.error is None for t in prep.treqs):
-        return None
-    if jplan is not None:
-        return jplan.estimate
-    if job.executor != "serial" or getattr(job, "gpus", 1) > 1:
-        return None
-    return cpu_estimate(job, prep.spec, job_workload_from_prepared(prep), log=log)

@@ -43,8 +43,8 @@ from ..model.weights import load_checkpoint
 from ..pipeline import scoring
 from ..pipeline.serial import RunStats, SamplingParams, SerialExecutor, finish_reason, request_seed
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
-from .cpu_plan import cpu_predicted_report, cpu_prediction
-from .plan import JobPlan, ModelFiles, Prepared, check_plan, hardware_note, job_hardware, plan_job, policy_for_job
+from .cpu_plan import cpu_predicted_report
+from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, hardware_note, job_hardware, plan_job, policy_for_job
 from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
                      reconcile_killed_runs, timing)
 

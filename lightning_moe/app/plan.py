@@ -238,3 +238,16 @@ def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
                                   memory=hrm.memory_estimate(policy, prep.spec, workload))
     est = hrm.evaluate(policy, prep.spec, hw, workload) if est is None else est
     return JobPlan(policy, est, gpu, cpu)
+
+
+def cpu_prediction(job, prep, jplan=None, log=sys.stderr):
+    """The CPU estimate a run of a generation job on the CPU reports: its cgopipe plan's (``jplan``), else the serial
+    executor's for the job's batches; None off the CPU, for scoring, or with no valid request. Measures and caches
+    the CPU profile on first use (before anything of the run is timed)."""
+    if not is_cpu_job(job) or job.task != "generate" or not any(t.error is None for t in prep.treqs):
+        return None
+    if jplan is not None:
+        return jplan.estimate
+    if job.executor != "serial" or getattr(job, "gpus", 1) > 1:
+        return None
+    return cpu_estimate(job, prep.spec, job_workload_from_prepared(prep), log=log)
