@@ -125,7 +125,7 @@ def test_flops_term_matches_an_independent_count(tiny):
     lens = tuple(torch.randint(1, 60, (11,), generator=g).tolist())
     P = 3.7e9
     prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, handoff=0.0, memory_bandwidth=1e30,
-                 matmul_flops_fp32=P)
+                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0)
     wl = Workload.from_lengths(list(lens), 5)
     est = estimate_cpu(spec, prof, wl, "fp32", "serial", 4)
     pre, dec = _reference_flops(spec, lens, 5, 4)
@@ -139,7 +139,7 @@ def test_ops_term_counts_calls(tiny):
     batch (cpu-ops binds): 1e-9 relative against the count written out."""
     spec, _ = tiny
     prof = _prof(gemm_call=0.0, op_call=1.0, view_call=0.0, attention_call=0.0, matmul_flops_fp32=1e30,
-                 memory_bandwidth=1e30)
+                 memory_bandwidth=1e30, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0)
     wl = Workload.from_lengths([10, 12, 14], 3)
     est = estimate_cpu(spec, prof, wl, "fp32", "serial", 2)
     c = OP_COUNTS[("serial", "decode")]["op"]
@@ -185,8 +185,9 @@ def test_measured_profile_fields_are_sane():
 
     p = measure_cpu_profile()
     assert 1e8 < p.matmul_flops_fp32 < 1e14 and 1e8 < p.memory_bandwidth < 1e13 and 1e7 < p.scatter_bandwidth < 1e13
-    for f in ("gemm_call", "op_call", "view_call", "attention_call", "handoff"):
+    for f in ("gemm_call", "op_call", "view_call", "attention_call", "handoff", "nonzero_call", "record_write"):
         assert 1e-8 < getattr(p, f) < 0.1, f
+    assert 1e6 < p.argmax_rate < 1e13
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 
 
@@ -198,7 +199,7 @@ def test_cached_profile_is_reused(tmp_path, monkeypatch):
 
     calls = []
 
-    def fake(name="cpu"):
+    def fake(name="cpu", directory=""):
         calls.append(name)
         return dataclasses.replace(_prof(), machine=measure.machine_key())
 

@@ -33,8 +33,8 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
     path = path or cpu_profile_path()
     print("moe-batch: measuring this machine's CPU rates for the prediction (once per machine, a few seconds)",
           file=log, flush=True)
-    prof = measure_cpu_profile()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof = measure_cpu_profile(directory=os.path.dirname(os.path.abspath(path)))
     tmp = f"{path}.tmp{os.getpid()}"
     prof.save(tmp, header=f"moe-batch CPU profile, {prof.date}\nmachine: {prof.machine}\n{prof.source}")
     os.replace(tmp, path)

@@ -19,7 +19,9 @@ padded to S):
                  read + write of one [T, D] row block
   (C4) layer visit = t_ops + max(t_flops, t_bytes): the fixed call costs are paid in series with the op bodies (a
                  small kernel does not start before its call is issued); the body is bound by compute or memory
-  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights) + its ops
+  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights) + its ops + the
+                 greedy argmax over V per row at the measured argmax rate; (C1) also holds each routed expert's token
+                 gather (a nonzero: ``nonzero_call``) and one durable result-record write per sequence (``record_write``)
   (C6) decode step: sum over micro-batches and layers of (C4) + (C5); prefill: per prefill chunk the same;
        the batches are the job's: its prompts sorted by length (engine.work_order), cut into batches of
        ``batch_size`` (serial) or the policy's N (cgopipe: micro-batches group_by_length, prefill chunks of at most
@@ -80,10 +82,14 @@ class CpuProfile:
     matmul_flops_fp32: float  # FLOP/s of an fp32 matmul large enough to reach the peak
     matmul_flops_bf16: float  # FLOP/s of a bf16 matmul (0 = not measured: fp32's)
     gemm_call: float  # seconds per small F.linear call (dispatch + the GEMM library's thread fork/join)
-    op_call: float  # seconds per small element-wise torch op (dispatch + allocation)
+    op_call: float  # seconds per small non-GEMM torch op, over the mix a layer issues (norm, SiLU, softmax, top-k,
+    #   gather / scatter; dispatch + allocation)
     view_call: float  # seconds per view / metadata op (select, view, unsqueeze)
     attention_call: float  # seconds per CPU decode-attention call at a tiny shape (the native kernel's fixed cost)
     handoff: float  # seconds per hand-off of one call to a worker thread and back (cgopipe's CPU-attention worker)
+    nonzero_call: float  # seconds per ``torch.where(mask)`` (nonzero) on a small mask: the expert loop's token gather
+    argmax_rate: float  # elements/s of an argmax over fp32 logits rows (greedy sampling over the vocabulary)
+    record_write: float  # seconds to append one result record with fsync (the results file, once per sequence)
     scatter_bandwidth: float  # bytes/s written by an advanced-index scatter into a KV cache (``K[slot, :, pos] = x``:
     #   cgopipe's grouped prefill KV write), per byte of the values written
     source: str = ""  # how it was measured
@@ -233,6 +239,7 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
     act_bytes = op_counts(executor, phase, a, rows, groups)["op"] * 2 * tokens * D * b  # each element-wise op reads
     #   and writes one [T, D] block
     ops = _ops_time(prof, executor, phase, gemms, a, rows, attn_calls, groups=groups)
+    ops += a * max(0.0, prof.nonzero_call - prof.op_call)  # each expert's token gather is a nonzero, not a small op
     return Terms(ops=ops, flops=flops / P, bytes=(wbytes + kv_bytes + act_bytes) / B + scatter)
 
 
@@ -241,6 +248,7 @@ def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executo
     b = dtype_bytes(dtype)
     D, V = spec.hidden_size, spec.vocab_size
     ops = _ops_time(prof, executor, phase, 1, 0, 0, 0, head=True)
+    ops += rows * V / prof.argmax_rate if prof.argmax_rate > 0 else 0.0  # greedy sampling: an argmax over V per row
     return Terms(ops=ops, flops=2 * rows * D * V / prof.matmul_flops(dtype),
                  bytes=(V * D * b + rows * V * 4 * 2) / prof.memory_bandwidth)
 
@@ -351,7 +359,8 @@ def estimate_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, executor
     lens = job_lengths(workload)
     G = workload.gen_len
     mu = mu or batch_size
-    pre, dec = Terms(), Terms()
+    pre, dec = Terms(), Terms(ops=len(lens) * prof.record_write)  # each sequence's record is written (fsync) as it
+    #   finishes, during decode
     for i in range(0, len(lens), batch_size):
         p, d = _batch_terms(spec, prof, lens[i:i + batch_size], dtype, executor, G, mu, prefill_mu or mu, prefill_tokens)
         pre, dec = pre + p, dec + d
