@@ -82,6 +82,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--gpu-preset", default="h200", help="preset for the GPU fields when there is no CUDA device (default h200)")
     q.add_argument("--gpu-memory", type=_bytes_arg, help="record this GPU memory instead of the device total")
     q.add_argument("--quick", action="store_true", help="small sizes: seconds, noisier")
+    q.add_argument("--cpu", action="store_true", help="measure the CPU profile that jobs on device: cpu are predicted "
+                   "with (policy.cpu_hrm) and write it to this machine's cache, where those jobs read it (they "
+                   "measure it on first use otherwise)")
     q.add_argument("--expert-shapes", type=lambda v: [x for x in v.split(",") if x], default=None, metavar="MODEL[,MODEL]",
                    help="models (registry names or checkpoint directories) whose expert shape the expert-FFN kernel "
                         "probe rates on CUDA, Triton vs grouped_mm per tokens-per-call bucket (default mixtral-8x7b)")
@@ -151,6 +154,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise CommandError("give a job YAML, or --prompt-len and --gen-len")
             workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, max_prompt_len=args.max_prompt_len,
                                 num_requests=args.num_prompts, name=f"prompt {args.prompt_len:g} / gen {args.gen_len}")
+        if job is not None and not args.hardware and str(getattr(job, "device", "")).startswith("cpu"):
+            return _plan_cpu_job(job, workload)  # everything on the CPU: the CPU executor's roofline
         model = args.model or (job.model if job is not None else None)
         hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
         if not model:
@@ -250,10 +255,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_cpu_job(job, workload) -> int:
+    """``moe-batch plan JOB.yaml`` for a job on ``device: cpu``: this machine's CPU profile (app.cpu_plan, cached),
+    the cgopipe policy plan_cpu picks (or the serial executor's batches) and the prediction; 0 ok, 2 error."""
+    from .app.cpu_plan import cpu_estimate, cpu_profile, plan_cpu_job
+    from .model.quantized import checkpoint_expert_scheme
+    from .model.spec import MoESpec
+    from .model.tiny import resolve_model_path
+    from .policy.cpu_hrm import format_cpu_table
+    from .policy.policy import PlanInfeasible
+
+    try:
+        path = resolve_model_path(job.model)
+        spec = MoESpec.from_pretrained_dir(path)
+        if workload.scoring:
+            raise CommandError("a scoring job on the CPU is not modelled by the CPU roofline (generation only)")
+        prof = cpu_profile()
+        policy = None
+        if job.executor == "cgopipe":
+            wq = checkpoint_expert_scheme(path) or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]
+            policy, est = plan_cpu_job(job, spec, workload, wq)
+        else:
+            est = cpu_estimate(job, spec, workload)
+    except PlanInfeasible as e:
+        print(f"moe-batch plan: {e}", file=sys.stderr)
+        return 2
+    except (CommandError, HardwareError, ValueError, OSError) as e:
+        print(f"moe-batch plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_cpu_table(spec, prof, est, job.executor, policy))
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch profile``: measures, prints one line per measurement, writes the YAML; 0 ok, 2 error."""
     from .pipeline.profiler import profile_host
 
+    if getattr(args, "cpu", False):
+        from .app.cpu_plan import cpu_profile_path, measure_and_cache
+
+        try:
+            prof = measure_and_cache()
+        except (HardwareError, ValueError, OSError) as e:
+            print(f"moe-batch profile: error: {e}", file=sys.stderr)
+            return 2
+        print(f"CPU profile of {prof.machine}: matmul {prof.matmul_flops_fp32 / 1e9:.1f} GFLOP/s fp32, memory "
+              f"{prof.memory_bandwidth / 1e9:.1f} GB/s, GEMM call {prof.gemm_call * 1e6:.1f} us, op {prof.op_call * 1e6:.2f} us")
+        print(f"profile written to {cpu_profile_path()}")
+        return 0
     try:
         kw = {} if args.expert_shapes is None else {"expert_shapes": args.expert_shapes}
         prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick,

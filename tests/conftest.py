@@ -47,3 +47,23 @@ def tiny_dir(tmp_path_factory):
     if os.environ.get("LIGHTNING_MOE_CACHE"):  # a prepared cache (e.g. carried to a GPU host without mistral-common)
         return ensure_tiny_mixtral()
     return ensure_tiny_mixtral(str(tmp_path_factory.mktemp("cache")))
+
+
+FIXED_CPU_PROFILE = dict(  # a CPU profile with fixed rates for tests (policy.cpu_hrm), so no test measures this host
+    name="cpu-test", machine="test machine", cpu_model="test CPU", cpu_cores=2, threads=2, torch_version="test",
+    host_memory=64 * 2**30, memory_bandwidth=10e9, matmul_flops_fp32=50e9, matmul_flops_bf16=0.0, gemm_call=5e-6,
+    op_call=3e-6, view_call=1e-6, attention_call=2e-5, handoff=2e-5, nonzero_call=1e-5, argmax_rate=1e9, record_write=1e-3,
+    scatter_bandwidth=2e9)
+
+
+@pytest.fixture(autouse=True)
+def fixed_cpu_profile(tmp_path_factory, monkeypatch):
+    """Every test's CPU jobs predict with FIXED_CPU_PROFILE ($LIGHTNING_MOE_CPU_PROFILE), not a measurement of this
+    host written to the user's cache (tests of the cache delete the variable)."""
+    from lightning_moe.policy.cpu_hrm import CpuProfile
+
+    path = tmp_path_factory.getbasetemp() / "cpu-test-profile.yaml"
+    if not path.exists():
+        CpuProfile(**FIXED_CPU_PROFILE).save(str(path))
+    monkeypatch.setenv("LIGHTNING_MOE_CPU_PROFILE", str(path))
+    return str(path)

@@ -161,7 +161,7 @@ def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(f'{{"id": {i}, "prompt": "hello number {i}"}}\n' for i in range(8)))
     job = tmp_path / "j.yaml"
-    job.write_text(yaml.safe_dump({"model": tiny_dir, "data": {"source": "jsonl", "path": str(data)}, "device": "cpu",
+    job.write_text(yaml.safe_dump({"model": tiny_dir, "data": {"source": "jsonl", "path": str(data)}, "device": "cuda",
                                    "dtype": "float32", "executor": "cgopipe", "output": {"path": str(tmp_path / "o.jsonl")}}))
     assert run(["plan", str(job), "--set", "gpu_memory=2GiB"]) == 0
     out = capsys.readouterr().out
@@ -169,7 +169,10 @@ def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
     assert "takes no policy" not in out  # a cgopipe job runs the plan
     assert run(["plan", str(job), "--set", "executor=serial", "--set", "hardware=l4"]) == 0
     out = capsys.readouterr().out
-    assert "note: the job runs executor: serial (device cpu), which takes no policy" in out and "names no hardware" not in out
+    assert "note: the job runs executor: serial (device cuda), which takes no policy" in out and "names no hardware" not in out
+    assert run(["plan", str(job), "--set", "device=cpu"]) == 0  # on the CPU: the CPU executor's roofline (cpu_hrm)
+    out = capsys.readouterr().out
+    assert "CPU profile cpu-test" in out and "executor  cgopipe on the CPU" in out and "binding: prefill cpu-" in out
     assert run(["plan", "--model", "mixtral-8x7b", "--set", "gpu_memory=2GiB", "--prompt-len", "8", "--gen-len", "2"]) == 2
     assert "--set overrides a job's keys" in capsys.readouterr().err
 

@@ -45,7 +45,8 @@ from ..pipeline.executor import RunStats
 from ..pipeline.sampling import DecodeSampling, finish_reason, request_seed
 from ..pipeline.serial import SerialExecutor
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
-from .plan import JobPlan, ModelFiles, Prepared, check_plan, hardware_note, job_hardware, plan_job, policy_for_job
+from .cpu_plan import cpu_predicted_report
+from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, hardware_note, job_hardware, plan_job, policy_for_job
 from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
                      reconcile_killed_runs, timing)
 
@@ -548,6 +549,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
     # of a finished job checks it too (a bad policy key is an error whether or not work is left)
     t = time.perf_counter()
     jplan = plan_for_job(job, prep)
+    cpu_est = cpu_prediction(job, prep, jplan, log)  # device cpu: the CPU executor's roofline (policy.cpu_hrm)
     parts["plan"] = time.perf_counter() - t
     if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
         check_results_provenance(job)  # results exist: compared, nothing written
@@ -629,8 +631,10 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
             if hasattr(executor, "policy_summary"):
                 report["policy"] = executor.policy_summary()
             est = jplan.estimate if jplan is not None else None
-            if est is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
+            if est is not None and job.device.startswith("cuda"):
                 report["predicted"] = predicted_report(job, est)
+            elif cpu_est is not None:  # on the CPU: the CPU executor's roofline, not the GPU host's HRM
+                report["predicted"] = cpu_predicted_report(cpu_est)
             t = time.perf_counter()
             _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm, partials=partials,
                       partials_file=partials_file, stop=stop, on_checkpoint=save_progress)

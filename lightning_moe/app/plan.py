@@ -17,6 +17,7 @@ from ..data.tokenize import encode_requests, load_tokenizer
 from ..model.spec import MoESpec
 from ..model.tiny import resolve_model_path
 from ..pipeline import scoring
+from .cpu_plan import cpu_estimate, is_cpu_job, plan_cpu_job
 from .gpu import device_memory, device_name, preset_for_device_name
 
 
@@ -170,6 +171,8 @@ def policy_for_job(job, prep):
         return Policy.from_dict(fields, where=_named(job, "policy")), None
     if isinstance(job.policy, str) and job.policy != "auto":
         return Policy.load(job.policy), None
+    if is_cpu_job(job) and job.task == "generate":  # everything on the CPU: the CPU executor's roofline plans it
+        return plan_cpu_job(job, prep.spec, job_workload_from_prepared(prep), wq)
     hw = job_hardware(job)
     try:  # the job's caps must fit the card and the machine it plans for
         if job.gpu_memory:
@@ -230,5 +233,21 @@ def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
                                       f"predicted {m.gpu_peak_phase} peak {format_bytes(m.gpu_peak)} vs gpu_memory "
                                       f"{format_bytes(gpu)}, host {format_bytes(m.cpu_peak)} vs cpu_memory "
                                       f"{format_bytes(cpu)} (" + "; ".join(bad) + ")"))
+    if is_cpu_job(job) and job.task == "generate":  # the CPU executor's roofline, the memory model's peaks
+        est = dataclasses.replace(est or cpu_estimate(job, prep.spec, workload, policy),
+                                  memory=hrm.memory_estimate(policy, prep.spec, workload))
     est = hrm.evaluate(policy, prep.spec, hw, workload) if est is None else est
     return JobPlan(policy, est, gpu, cpu)
+
+
+def cpu_prediction(job, prep, jplan=None, log=sys.stderr):
+    """The CPU estimate a run of a generation job on the CPU reports: its cgopipe plan's (``jplan``), else the serial
+    executor's for the job's batches; None off the CPU, for scoring, or with no valid request. Measures and caches
+    the CPU profile on first use (before anything of the run is timed)."""
+    if not is_cpu_job(job) or job.task != "generate" or not any(t.error is None for t in prep.treqs):
+        return None
+    if jplan is not None:
+        return jplan.estimate
+    if job.executor != "serial" or getattr(job, "gpus", 1) > 1:
+        return None
+    return cpu_estimate(job, prep.spec, job_workload_from_prepared(prep), log=log)

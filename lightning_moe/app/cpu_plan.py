@@ -1,0 +1,89 @@
+"""A CPU job's prediction: this machine's CPU profile (measured once, cached per machine) and the CPU executor's
+roofline (policy.cpu_hrm) for the job's serial batches or cgopipe policy."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Optional
+
+CPU_PROFILE_ENV = "LIGHTNING_MOE_CPU_PROFILE"  # a CPU profile YAML to use instead of the cached measurement
+
+
+def is_cpu_job(job) -> bool:
+    """Whether the job runs everything on the CPU (``device: cpu``)."""
+    return str(getattr(job, "device", "cpu")).startswith("cpu")
+
+
+def cpu_profile_path(machine: Optional[str] = None) -> str:
+    """Where this machine's measured CPU profile is cached: ``<cache>/cpu-profiles/<machine key>.yaml`` under the
+    package cache directory (``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``)."""
+    from ..model.tiny import default_cache_dir
+    from ..pipeline.cpu_profile import machine_key
+
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", machine or machine_key()).strip("_")
+    return os.path.join(default_cache_dir(), "cpu-profiles", f"{key}.yaml")
+
+
+def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
+    """Measure this machine's CPU profile now and write it to ``path`` (default: the cache); returns it."""
+    from ..pipeline.cpu_profile import measure_cpu_profile
+
+    path = path or cpu_profile_path()
+    print("moe-batch: measuring this machine's CPU rates for the prediction (once per machine, a few seconds)",
+          file=log, flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof = measure_cpu_profile(directory=os.path.dirname(os.path.abspath(path)))
+    tmp = f"{path}.tmp{os.getpid()}"
+    prof.save(tmp, header=f"moe-batch CPU profile, {prof.date}\nmachine: {prof.machine}\n{prof.source}")
+    os.replace(tmp, path)
+    return prof
+
+
+def cpu_profile(log=sys.stderr):
+    """The CPU profile the prediction uses: ``$LIGHTNING_MOE_CPU_PROFILE``'s YAML; else this machine's cached
+    measurement (:func:`cpu_profile_path`); else measured now and cached (:func:`measure_and_cache`)."""
+    from ..policy.cpu_hrm import CpuProfile
+
+    env = os.environ.get(CPU_PROFILE_ENV)
+    if env:
+        return CpuProfile.load(env)
+    path = cpu_profile_path()
+    if os.path.isfile(path):
+        return CpuProfile.load(path)
+    return measure_and_cache(log, path)
+
+
+def cpu_estimate(job, spec, workload, policy=None, log=sys.stderr):
+    """The CPU executor's estimate (policy.cpu_hrm.estimate_cpu) of a generation job: serial batches of
+    ``job.batch_size``, or cgopipe's ``policy``; None for a scoring job (not modelled)."""
+    from ..policy.cpu_hrm import estimate_cpu
+
+    if workload.scoring:
+        return None
+    dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]
+    prof = cpu_profile(log)
+    if policy is None:
+        return estimate_cpu(spec, prof, workload, dt, "serial", job.batch_size)
+    return estimate_cpu(spec, prof, workload, dt, "cgopipe", policy.N, policy.mu, policy.prefill_mu,
+                        policy.prefill_tokens)
+
+
+def cpu_predicted_report(est) -> dict:
+    """The run report's ``predicted`` block of a CPU job's :class:`CpuEstimate`."""
+    return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
+            "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
+            "prefill_binding": est.prefill_binding, "hardware": est.profile,
+            "stages_seconds": {"prefill": dict(est.prefill_stages), "decode": dict(est.decode_stages)},
+            "notes": [n for n in est.notes if n.startswith("note:")]}
+
+
+def plan_cpu_job(job, spec, workload, weight_quant: str, log=sys.stderr):
+    """``policy: auto`` of a cgopipe job on the CPU: policy.cpu_hrm.plan_cpu for this machine's profile, under the
+    job's ``cpu_memory`` (else the machine's memory). Returns (Policy, CpuEstimate)."""
+    from ..policy.cpu_hrm import plan_cpu
+
+    dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]
+    prof = cpu_profile(log)
+    return plan_cpu(spec, prof, workload, dt, job.cpu_memory or prof.host_memory or 2**62, weight_quant)

@@ -1,0 +1,169 @@
+"""Measure a CPU-only host for the CPU executor's roofline (policy.cpu_hrm): peak rates and per-call costs.
+
+Each number is a micro-benchmark, the minimum over repeats of a timed loop (the machine's best, as a roofline's peak
+is): a large fp32 (and bf16) matmul's FLOP/s, a 64 MiB copy's bandwidth (bytes read + written), the per-call cost of a
+small ``F.linear``, a small element-wise op, a view op, a nonzero, a tiny CPU decode-attention call, a hand-off to a
+worker thread and an fsync'd record append, an argmax's rate over logits rows, and the write rate of an advanced-index scatter into a KV-cache-shaped tensor. A few seconds in all, run
+with the process's torch thread count (which the executors use).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..policy.cpu_hrm import CpuProfile
+from ..policy.hardware import MiB
+
+
+def _per_call(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
+    """Seconds per call of ``fn``: the best over ``repeats`` loops of ``calls`` calls, after one warm-up loop."""
+    for _ in range(calls):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 512) -> float:
+    """FLOP/s of an n x n x n matmul in ``dtype`` (2 n^3 FLOP per call)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _per_call(lambda: torch.mm(a, b), 4, 3)
+
+
+def memory_bandwidth(nbytes: int = 64 * MiB) -> float:
+    """Copy bandwidth in bytes/s: 2 nbytes / time of ``dst.copy_(src)`` (read + write)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _per_call(lambda: dst.copy_(src), 3, 3)
+
+
+def call_costs(calls: int = 400) -> dict:
+    """Per-call seconds of the small ops the executors issue at decode shapes: ``gemm_call`` (F.linear of 16 rows
+    64 -> 128), ``op_call`` (:func:`op_mix_call`), ``view_call`` (a select), ``attention_call`` (the CPU
+    decode-attention routine on 4 rows of 16 positions), ``handoff`` (a no-op submitted to a worker thread, waited)."""
+    from .cpu_attention import cpu_decode_attention
+
+    x, w = torch.randn(16, 64), torch.randn(128, 64)
+    q, k, v = torch.randn(4, 4, 16), torch.randn(4, 2, 16, 16), torch.randn(4, 2, 16, 16)
+    lengths = torch.full((4,), 16, dtype=torch.int64)
+    out = {"gemm_call": _per_call(lambda: F.linear(x, w), calls), "op_call": op_mix_call(calls // 4),
+           "view_call": _per_call(lambda: x.select(0, 3), calls),
+           "attention_call": _per_call(lambda: cpu_decode_attention(q, k, v, lengths), calls // 4)}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        out["handoff"] = _per_call(lambda: pool.submit(int).result(), calls // 4)
+    ids = torch.randint(0, 8, (32,))
+    out["nonzero_call"] = _per_call(lambda: torch.where(ids == 3), calls // 2)
+    logits = torch.randn(16, 32000)
+    out["argmax_rate"] = logits.numel() / _per_call(lambda: logits.argmax(dim=-1), 20)
+    return out
+
+
+def record_write(directory: str, calls: int = 20) -> float:
+    """Seconds to append one ~1 KB line to a file in ``directory`` and fsync it (the results writer's per-record
+    cost)."""
+    import tempfile
+
+    line = b"x" * 1023 + b"\n"
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".record-probe-")
+    try:
+        def write():
+            os.write(fd, line)
+            os.fsync(fd)
+
+        return _per_call(write, calls, 3)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+MIX_OPS = 16  # non-GEMM ops of one :func:`op_mix_call` iteration
+
+
+def op_mix_call(calls: int = 100) -> float:
+    """Seconds per non-GEMM op of the mix a decoder layer issues at decode shapes (16 rows, hidden 64): an RMSNorm
+    (pow, mean, add, rsqrt, mul, mul), SiLU and a product, a router's softmax, top-k and renormalization (sum, div), an
+    expert's id match, a zeroed buffer and a gather / scatter pair: MIX_OPS ops, each on fresh outputs as a layer's
+    are (a single op repeated on the same tensors is faster than the mix the executors run)."""
+    x, wn = torch.randn(16, 64), torch.randn(64)
+    idx = torch.arange(0, 16, 2)
+
+    def mix():
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        h = x * r * wn
+        m = F.silu(h) * h
+        p = torch.softmax(m[:, :8], dim=-1)
+        wt, ids = torch.topk(p, 2, dim=-1)
+        wt = wt / wt.sum(-1, keepdim=True)
+        hit = ids == 3
+        z = torch.zeros(16, 64)
+        z[idx] = h[idx]
+        return wt, hit, z
+
+    return _per_call(mix, calls) / MIX_OPS
+
+
+def scatter_bandwidth(rows: int = 64, positions: int = 256, heads: int = 2, head_dim: int = 16) -> float:
+    """Bytes/s of values written by ``K[slot, :, pos] = x`` (the grouped KV cache's prefill write) for every position
+    of ``rows`` rows of a [rows, heads, positions, head_dim] fp32 cache."""
+    K = torch.zeros(rows, heads, positions, head_dim)
+    slot = torch.arange(rows).repeat_interleave(positions)
+    pos = torch.arange(positions).repeat(rows)
+    x = torch.randn(rows * positions, heads, head_dim)
+
+    def write():
+        K[slot, :, pos] = x
+
+    return x.numel() * x.element_size() / _per_call(write, 3, 3)
+
+
+def machine_key() -> str:
+    """What a cached CPU profile is valid for: CPU model, logical CPUs, torch threads, torch version."""
+    return f"{cpu_model()} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def host_memory_bytes() -> int:
+    """Physical memory in bytes (sysconf), 0 when unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def measure_cpu_profile(name: str = "cpu", directory: str = "") -> CpuProfile:
+    """This host's :class:`CpuProfile` (a few seconds); the record write is timed in ``directory`` (default: the
+    system's temporary directory)."""
+    import tempfile
+
+    bf16 = matmul_flops(torch.bfloat16, 256) if hasattr(torch, "bfloat16") else 0.0
+    costs = call_costs()
+    return CpuProfile(
+        name=name, machine=machine_key(), cpu_model=cpu_model(), cpu_cores=os.cpu_count() or 1,
+        threads=torch.get_num_threads(), torch_version=str(torch.__version__), host_memory=host_memory_bytes(),
+        memory_bandwidth=memory_bandwidth(), matmul_flops_fp32=matmul_flops(torch.float32), matmul_flops_bf16=bf16,
+        scatter_bandwidth=scatter_bandwidth(), record_write=record_write(directory or tempfile.gettempdir()), source="measured by lightning_moe.pipeline.cpu_profile "
+        "(best of repeated micro-benchmarks)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **costs)

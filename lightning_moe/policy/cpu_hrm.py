@@ -1,0 +1,428 @@
+"""The CPU executor's roofline: a job that runs everything on the CPU (``device: cpu``), serial or cgopipe.
+
+Every term is a measured peak rate of the host (:class:`CpuProfile`, measured by ``pipeline.cpu_profile``) times a
+count taken from the model's shapes and the executor's op structure; nothing is fitted to a job's run.
+
+Per layer visit of one (micro-)batch of T rows (decode: T rows, one token each; prefill: T packed tokens of R rows
+padded to S):
+
+  (C1) t_ops   = n_gemm c_gemm + n_op c_op + n_view c_view + n_attn c_attn [+ c_handoff per CPU-attention call of
+                 cgopipe's worker]: the per-call host cost of the torch ops the executor issues (Python + dispatcher +
+                 the GEMM library's thread fork/join); the counts below are the executor's own, counted with a torch
+                 dispatch counter (tests/test_cpu_hrm.py checks them against the executors on tiny-mixtral);
+                 a = E (1 - (1 - k/E)^T) routed experts receive tokens, each a loop iteration of the torch expert FFN
+  (C2) t_flops = the layer's FLOPs / P_gemm (P_gemm: the measured fp32/bf16 matmul FLOP/s): q/k/v/o, router,
+                 a experts' gate/up/down over their T k rows, shared / dense FFN, attention (decode: T c attended
+                 positions; prefill: the padded R S^2 layout the packed SDPA computes)
+  (C3) t_bytes = the layer's bytes / B_mem (B_mem: the measured copy bandwidth, read + write): weights read once
+                 (attention, router, the a experts hit), the KV read by decode attention, and each element-wise op's
+                 read + write of one [T, D] row block
+  (C4) layer visit = t_ops + max(t_flops, t_bytes): the fixed call costs are paid in series with the op bodies (a
+                 small kernel does not start before its call is issued); the body is bound by compute or memory
+  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights) + its ops + the
+                 greedy argmax over V per row at the measured argmax rate; (C1) also holds each routed expert's token
+                 gather (a nonzero: ``nonzero_call``) and one durable result-record write per sequence (``record_write``)
+  (C6) decode step: sum over micro-batches and layers of (C4) + (C5); prefill: per prefill chunk the same;
+       the batches are the job's: its prompts sorted by length (engine.work_order), cut into batches of
+       ``batch_size`` (serial) or the policy's N (cgopipe: micro-batches group_by_length, prefill chunks of at most
+       prefill_mu rows and prefill_tokens padded tokens), each batch decoding max_new_tokens - 1 steps
+  (C7) throughput as hrm (H9): prefill prompt tokens / T_prefill, decode tokens / T_decode, generated / total
+
+The binding stage of a phase is the largest of its summed terms: ``cpu-ops`` (C1), ``cpu-flops`` (C2) or
+``cpu-memory`` (C3). For the embedded tiny model (D 64, 8 experts of F 128) every kernel is tiny, so ``cpu-ops`` binds
+both phases: a decode step of 16 rows issues ~950 torch ops for ~30 MFLOP of work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, Optional, Sequence
+
+from ..model.spec import MoESpec, dtype_bytes
+from .batching import KV_GROUPS, group_by_length
+from .hardware import HardwareError
+from .yaml_io import read_yaml, write_yaml
+
+CPU_STAGES = ("cpu-ops", "cpu-flops", "cpu-memory")  # the terms (C1)-(C3) a phase's binding stage names
+
+# Torch ops per layer visit of one (micro-)batch, by executor and phase, counted with a dispatch counter
+# (tests/test_cpu_hrm.py::test_op_counts_match_executor). "fixed": per layer visit; "expert": per routed expert that
+# receives tokens (its loop iteration: eq, where, div, gather, gate/up/down, silu, mul, weight gather, mul, scatter);
+# "row": per prefill row (the KV cache writes); "group": per extra KV length group of a prefill chunk; "head": per (micro-)batch and step outside the layers (embedding,
+# final norm, lm_head, argmax, lengths).
+OP_COUNTS = {  # (executor, phase) -> {class -> {"fixed", "expert", "row", "group", "head"}}
+    ("serial", "decode"): {"op": dict(fixed=46.5, expert=9, row=0, group=0, head=20),
+                           "view": dict(fixed=55, expert=3, row=0, group=0, head=10)},
+    ("serial", "prefill"): {"op": dict(fixed=56.5, expert=9, row=2.25, group=0, head=20),
+                            "view": dict(fixed=59, expert=3, row=11, group=0, head=10)},
+    ("cgopipe", "decode"): {"op": dict(fixed=32, expert=9, row=0, group=0, head=20),
+                            "view": dict(fixed=38.5, expert=4, row=0, group=0, head=10)},
+    ("cgopipe", "prefill"): {"op": dict(fixed=60.5, expert=9, row=0.5, group=8, head=20),
+                             "view": dict(fixed=58, expert=4, row=0.5, group=8.5, head=10)},
+}  # "group": per KV length group of the chunk's rows beyond the first (cgopipe's grouped KV write, one per group)
+EXPERT_GEMMS = 3  # gate, up, down per routed expert hit (the torch expert FFN's loop)
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """One CPU-only host's measured rates for the CPU executor's roofline (units: s, FLOP/s, bytes/s, bytes).
+
+    Measured by ``pipeline.cpu_profile.measure_cpu_profile`` (``moe-batch profile --cpu``, or at first use by a CPU
+    job, cached per machine under the package cache directory); unknown keys and wrong types are errors on load."""
+
+    name: str  # profile name ("cpu")
+    machine: str  # cache key: CPU model, logical CPUs, torch threads, torch version
+    cpu_model: str  # CPU model name
+    cpu_cores: int  # logical CPUs the process sees
+    threads: int  # torch intra-op threads the rates were measured with
+    torch_version: str  # torch version the rates were measured with
+    host_memory: int  # bytes of host DRAM
+    memory_bandwidth: float  # bytes/s host memory copy bandwidth (bytes read + written / time)
+    matmul_flops_fp32: float  # FLOP/s of an fp32 matmul large enough to reach the peak
+    matmul_flops_bf16: float  # FLOP/s of a bf16 matmul (0 = not measured: fp32's)
+    gemm_call: float  # seconds per small F.linear call (dispatch + the GEMM library's thread fork/join)
+    op_call: float  # seconds per small non-GEMM torch op, over the mix a layer issues (norm, SiLU, softmax, top-k,
+    #   gather / scatter; dispatch + allocation)
+    view_call: float  # seconds per view / metadata op (select, view, unsqueeze)
+    attention_call: float  # seconds per CPU decode-attention call at a tiny shape (the native kernel's fixed cost)
+    handoff: float  # seconds per hand-off of one call to a worker thread and back (cgopipe's CPU-attention worker)
+    nonzero_call: float  # seconds per ``torch.where(mask)`` (nonzero) on a small mask: the expert loop's token gather
+    argmax_rate: float  # elements/s of an argmax over fp32 logits rows (greedy sampling over the vocabulary)
+    record_write: float  # seconds to append one result record with fsync (the results file, once per sequence)
+    scatter_bandwidth: float  # bytes/s written by an advanced-index scatter into a KV cache (``K[slot, :, pos] = x``:
+    #   cgopipe's grouped prefill KV write), per byte of the values written
+    source: str = ""  # how it was measured
+    date: str = ""  # ISO date of the measurement
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", "float") and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                               or not math.isfinite(v) or v < 0):
+                raise HardwareError(f"{self.name}: {f.name}: expected a non-negative number, got {v!r}")
+        for key in ("memory_bandwidth", "matmul_flops_fp32"):
+            if getattr(self, key) <= 0:
+                raise HardwareError(f"{self.name}: {key}: must be > 0, got {getattr(self, key)!r}")
+
+    def matmul_flops(self, dtype: str) -> float:
+        """Measured matmul FLOP/s for a dtype ("fp32"/"float32", "bf16"/"bfloat16", fp16: bf16's); fp32's when
+        the other is unmeasured."""
+        key = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "fp16": "bf16"}.get(dtype, dtype)
+        return self.matmul_flops_bf16 if key == "bf16" and self.matmul_flops_bf16 > 0 else self.matmul_flops_fp32
+
+    def to_dict(self) -> dict:
+        """Plain dict in field order (what :meth:`save` writes)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "<dict>") -> "CpuProfile":
+        """Build from a mapping; unknown or missing keys and wrong types raise HardwareError naming ``where``."""
+        if not isinstance(d, dict):
+            raise HardwareError(f"{where}: expected a mapping of CPU profile fields, got {type(d).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise HardwareError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(known)})")
+        kw: dict = {}
+        for name, f in known.items():
+            if name not in d:
+                if f.default is MISSING:
+                    raise HardwareError(f"{where}: {name}: missing")
+                continue
+            v = d[name]
+            want = {"str": str, "int": int, "float": (int, float)}[f.type]
+            if isinstance(v, bool) or not isinstance(v, want):
+                raise HardwareError(f"{where}: {name}: expected {f.type}, got {v!r}")
+            kw[name] = float(v) if f.type == "float" else v
+        try:
+            return cls(**kw)
+        except HardwareError as e:
+            raise HardwareError(f"{where}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str) -> "CpuProfile":
+        """Read a YAML written by :meth:`save`."""
+        return cls.from_dict(read_yaml(path, HardwareError), where=path)
+
+    def save(self, path: str, header: str = "") -> None:
+        """Write as YAML."""
+        write_yaml(path, self.to_dict(), header)
+
+
+def is_cpu_profile_dict(d: Any) -> bool:
+    """Whether a profile YAML's mapping is a CPU profile (it has the CPU executor's keys, no GPU's)."""
+    return isinstance(d, dict) and "gemm_call" in d and "gpu_memory" not in d
+
+
+# ---- one layer visit ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Terms:
+    """Seconds of (C1)-(C3) summed over some layer visits."""
+
+    ops: float = 0.0  # (C1) per-call host cost
+    flops: float = 0.0  # (C2) FLOPs / P_gemm
+    bytes: float = 0.0  # (C3) bytes / B_mem
+
+    @property
+    def time(self) -> float:
+        """(C4) ops + max(flops, bytes)."""
+        return self.ops + max(self.flops, self.bytes)
+
+    def __add__(self, o: "Terms") -> "Terms":
+        return Terms(self.ops + o.ops, self.flops + o.flops, self.bytes + o.bytes)
+
+    def scaled(self, w: float) -> "Terms":
+        """These terms ``w`` times."""
+        return Terms(self.ops * w, self.flops * w, self.bytes * w)
+
+
+def active_experts(tokens: float, num_experts: int, top_k: int) -> float:
+    """Expected distinct experts hit by ``tokens`` tokens under uniform top-k routing: E (1 - (1 - k/E)^T)."""
+    return 0.0 if tokens <= 0 else num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def op_counts(executor: str, phase: str, experts: float, rows: float, groups: float = 1.0) -> dict:
+    """Non-GEMM ops and view ops of one layer visit (OP_COUNTS): {"op": n, "view": n}."""
+    return {k: v["fixed"] + v["expert"] * experts + v["row"] * rows + v["group"] * max(0.0, groups - 1)
+            for k, v in OP_COUNTS[(executor, phase)].items()}
+
+
+def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts: float, rows: float,
+              attn_calls: float, head: bool = False, groups: float = 1.0) -> float:
+    """(C1) for the counted ops of one layer visit (``head``: of the head instead)."""
+    n = ({k: v["head"] for k, v in OP_COUNTS[(executor, phase)].items()} if head
+         else op_counts(executor, phase, experts, rows, groups))
+    t = gemms * prof.gemm_call + n["op"] * prof.op_call + n["view"] * prof.view_call + attn_calls * prof.attention_call
+    if executor == "cgopipe" and phase == "decode" and not head:
+        t += attn_calls * prof.handoff  # each CPU-attention call goes to the worker thread and back
+    return t
+
+
+def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtype: str, executor: str, phase: str,
+                rows: float = 0.0, padded_len: float = 0.0, context: float = 0.0, attn_calls: float = 1.0,
+                groups: float = 1.0) -> Terms:
+    """(C1)-(C3) of one layer visit of ``tokens`` rows (decode: one token per row at ``context`` attended positions;
+    prefill: ``rows`` prompts padded to ``padded_len``, their KV in ``groups`` length groups)."""
+    b = dtype_bytes(dtype)
+    P, B = prof.matmul_flops(dtype), prof.memory_bandwidth
+    D, k = spec.hidden_size, spec.top_k
+    dense = spec.is_dense_layer(layer)
+    attn_w = spec.attn_in_params + spec.attn_out_params
+    flops = 2 * tokens * attn_w
+    wbytes = attn_w * b
+    gemms = 4.0  # q, k, v, o (GQA; MLA's projections are counted the same: an approximation)
+    a = 0.0
+    if dense:
+        flops += 2 * tokens * spec.dense_ffn_params
+        wbytes += spec.dense_ffn_params * b
+        gemms += 3
+    else:
+        a = active_experts(tokens, spec.num_experts, k)
+        flops += 2 * tokens * spec.num_experts * D + 2 * tokens * k * spec.expert_params
+        wbytes += spec.num_experts * D * b + a * spec.expert_params * b
+        gemms += 1 + EXPERT_GEMMS * a
+        if spec.shared_expert_params:
+            flops += 2 * tokens * spec.shared_expert_params
+            wbytes += spec.shared_expert_params * b
+            gemms += 3
+    scatter = 0.0
+    if phase == "decode":
+        flops += tokens * context * spec.attn_flops_per_position
+        kv_bytes = tokens * context * spec.kv_elems_per_token * b
+    else:
+        flops += rows * padded_len * padded_len * spec.prefill_attn_flops_per_position
+        kv_bytes = tokens * spec.kv_elems_per_token * b  # the prompt KV written to the cache
+        if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by an index_put scatter, not a copy
+            scatter = kv_bytes / prof.scatter_bandwidth
+            kv_bytes = 0.0
+    act_bytes = op_counts(executor, phase, a, rows, groups)["op"] * 2 * tokens * D * b  # each element-wise op reads
+    #   and writes one [T, D] block
+    ops = _ops_time(prof, executor, phase, gemms, a, rows, attn_calls, groups=groups)
+    ops += a * max(0.0, prof.nonzero_call - prof.op_call)  # each expert's token gather is a nonzero, not a small op
+    return Terms(ops=ops, flops=flops / P, bytes=(wbytes + kv_bytes + act_bytes) / B + scatter)
+
+
+def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executor: str, phase: str) -> Terms:
+    """(C5) the head of one (micro-)batch: final norm and lm_head over ``rows`` rows, embedding, sampling."""
+    b = dtype_bytes(dtype)
+    D, V = spec.hidden_size, spec.vocab_size
+    ops = _ops_time(prof, executor, phase, 1, 0, 0, 0, head=True)
+    ops += rows * V / prof.argmax_rate if prof.argmax_rate > 0 else 0.0  # greedy sampling: an argmax over V per row
+    return Terms(ops=ops, flops=2 * rows * D * V / prof.matmul_flops(dtype),
+                 bytes=(V * D * b + rows * V * 4 * 2) / prof.memory_bandwidth)
+
+
+def _sum_layers(spec: MoESpec, prof: CpuProfile, **kw) -> Terms:
+    """:func:`layer_terms` summed over the model's layers."""
+    out = Terms()
+    for layer in range(spec.num_layers):
+        out = out + layer_terms(spec, prof, layer, **kw)
+    return out
+
+
+# ---- a job -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CpuEstimate:
+    """Predicted times (s) and throughputs (tokens/s) of a whole CPU job (C6, C7); the fields the run report and
+    ``moe-batch plan`` read, as :class:`hrm.Estimate` has them."""
+
+    N: int  # sequences per batch (serial: batch_size; cgopipe: the policy's N)
+    prompt_tokens: int  # prompt tokens of the job
+    generated_tokens: int  # tokens the job generates (max_new_tokens per sequence)
+    decode_tokens: int  # tokens generated by decode steps (the first of each sequence comes from prefill)
+    prefill_time: float  # seconds
+    decode_time: float  # seconds
+    prefill_stages: dict  # CPU_STAGES -> seconds summed over the phase (ops, flops, bytes)
+    decode_stages: dict  # the same for decode
+    prefill_binding: str  # the largest of prefill_stages
+    decode_binding: str  # the largest of decode_stages ("-" without decode)
+    profile: str  # the CPU profile's name and machine
+    memory: Any = None  # hrm.MemoryEstimate of a cgopipe policy (None for serial)
+    notes: tuple = ()  # lines on what the estimate stands on
+
+    @property
+    def total_time(self) -> float:
+        """prefill + decode seconds."""
+        return self.prefill_time + self.decode_time
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """prompt tokens / s during prefill."""
+        return self.prompt_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """decode-step tokens / s."""
+        return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def e2e_tok_s(self) -> float:
+        """generated tokens / (prefill + decode seconds)."""
+        return self.generated_tokens / self.total_time if self.total_time > 0 else 0.0
+
+
+def job_lengths(workload) -> list:
+    """The job's prompt lengths, sorted as the engine takes them (engine.work_order): the workload's, else
+    ``num_requests`` (default 1) prompts of the mean length."""
+    if workload.prompt_lens is not None:
+        return sorted(workload.prompt_lens)
+    return [max(1, round(workload.prompt_len))] * (workload.num_requests or 1)
+
+
+def prefill_chunks(lens: Sequence[int], rows: int, tokens: int) -> list:
+    """cgopipe's prefill chunks of one micro-batch (its lengths in row order): at most ``rows`` rows and ``tokens``
+    padded tokens, a longer prompt alone (CGOPipeExecutor._prefill_chunks)."""
+    out, cur, longest = [], [], 0
+    for n in lens:
+        if cur and (len(cur) + 1 > rows or (len(cur) + 1) * max(longest, n) > tokens):
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(n)
+        longest = max(longest, n)
+    return out + ([cur] if cur else [])
+
+
+def _batch_terms(spec, prof, lens, dtype, executor, gen_len, mu, prefill_mu, prefill_tokens) -> tuple:
+    """(prefill Terms, decode Terms) of one batch of prompts ``lens`` (sorted)."""
+    if executor == "serial":
+        groups, chunks = [list(lens)], [[list(lens)]]
+    else:
+        groups = [[lens[i] for i in g] for g in group_by_length(lens, mu, -(-len(lens) // mu)) if g]
+        chunks = [prefill_chunks(g, prefill_mu, prefill_tokens) for g in groups]
+    pre = Terms()
+    for ch in (c for cs in chunks for c in cs):
+        pre = pre + _sum_layers(spec, prof, tokens=sum(ch), dtype=dtype, executor=executor, phase="prefill",
+                                rows=len(ch), padded_len=max(ch), groups=min(KV_GROUPS, len(set(ch))))
+        pre = pre + head_terms(spec, prof, len(ch), dtype, executor, "prefill")
+    dec = Terms()
+    for g in groups:
+        mean = sum(g) / len(g)
+        for j in range(1, gen_len):
+            dec = dec + _sum_layers(spec, prof, tokens=len(g), dtype=dtype, executor=executor, phase="decode",
+                                    context=mean + j)
+            dec = dec + head_terms(spec, prof, len(g), dtype, executor, "decode")
+    return pre, dec
+
+
+def _stages(t: Terms) -> dict:
+    return {"cpu-ops": t.ops, "cpu-flops": t.flops, "cpu-memory": t.bytes}
+
+
+def estimate_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, executor: str, batch_size: int,
+                 mu: Optional[int] = None, prefill_mu: Optional[int] = None, prefill_tokens: int = 1 << 62) -> CpuEstimate:
+    """(C1)-(C7) of a generation job on the CPU: ``executor`` "serial" (batches of ``batch_size``) or "cgopipe"
+    (batches of ``batch_size`` = the policy's N, micro-batches of ``mu`` rows, prefill chunks of ``prefill_mu`` rows
+    and ``prefill_tokens`` padded tokens)."""
+    if executor not in ("serial", "cgopipe"):
+        raise ValueError(f"estimate_cpu: executor must be serial or cgopipe, got {executor!r}")
+    lens = job_lengths(workload)
+    G = workload.gen_len
+    mu = mu or batch_size
+    pre, dec = Terms(), Terms(ops=len(lens) * prof.record_write)  # each sequence's record is written (fsync) as it
+    #   finishes, during decode
+    for i in range(0, len(lens), batch_size):
+        p, d = _batch_terms(spec, prof, lens[i:i + batch_size], dtype, executor, G, mu, prefill_mu or mu, prefill_tokens)
+        pre, dec = pre + p, dec + d
+    ps, ds = _stages(pre), _stages(dec)
+    return CpuEstimate(
+        N=min(batch_size, len(lens)), prompt_tokens=sum(lens), generated_tokens=len(lens) * G,
+        decode_tokens=len(lens) * (G - 1), prefill_time=pre.time, decode_time=dec.time, prefill_stages=ps,
+        decode_stages=ds, prefill_binding=max(ps, key=ps.__getitem__),
+        decode_binding=max(ds, key=ds.__getitem__) if G > 1 else "-", profile=f"{prof.name} ({prof.machine})")
+
+
+def plan_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, host_memory: int, weight_quant: Optional[str] = None,
+             candidates: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)):
+    """The cgopipe policy for a CPU job: micro-batch rows mu and count n (N = mu n, no more than the job's prompts)
+    with the best predicted end-to-end tokens/s (:func:`estimate_cpu`) whose memory (hrm.memory_estimate: its GPU
+    parts live in host memory on the CPU, plus its host parts) fits ``host_memory``. All experts resident, every
+    micro-batch's attention on the CPU. Returns (Policy, CpuEstimate with its memory). Raises PlanInfeasible."""
+    from .hrm import memory_estimate
+    from .policy import PlanInfeasible, Policy
+
+    lens = job_lengths(workload)
+    wq = weight_quant or dtype
+    best = None
+    for mu in sorted({m for m in candidates if m <= len(lens)} | {len(lens)}):
+        for n in (1, 2, 4, 8):
+            N = mu * n
+            if N > len(lens) and n > 1:
+                break
+            pol = Policy(mu=mu, n=n, prefill_mu=mu, resident_experts=spec.num_experts, n_gpu_attn=0,
+                         weight_quant=wq, dtype=dtype)
+            mem = memory_estimate(pol, spec, workload)
+            if mem.gpu_peak + mem.cpu_peak > host_memory:
+                continue
+            est = estimate_cpu(spec, prof, workload, dtype, "cgopipe", N, mu, mu, pol.prefill_tokens)
+            if best is None or est.e2e_tok_s > best[1].e2e_tok_s:
+                best = (pol, est, mem)
+    if best is None:
+        raise PlanInfeasible(f"infeasible: no cgopipe policy of {spec.name} fits {host_memory / 2**30:.1f} GiB of host "
+                             f"memory on the CPU")
+    pol, est, mem = best
+    from dataclasses import replace
+
+    return pol, replace(est, memory=mem)
+
+
+def format_cpu_table(spec: MoESpec, prof: CpuProfile, est: CpuEstimate, executor: str, policy=None) -> str:
+    """A CPU job's plan as text: the profile's rates, the batch shape, each phase's (C1)-(C3) sums with the binding
+    one marked, and the predicted tokens/s."""
+    lines = [f"model     {spec.name}: {spec.num_layers} layers, {spec.num_experts} experts (top-{spec.top_k})",
+             f"hardware  CPU profile {prof.name} ({prof.machine}): matmul {prof.matmul_flops_fp32 / 1e9:.1f} GFLOP/s "
+             f"fp32, memory {prof.memory_bandwidth / 1e9:.1f} GB/s, per call: GEMM {prof.gemm_call * 1e6:.1f} us, "
+             f"op {prof.op_call * 1e6:.2f} us, view {prof.view_call * 1e6:.2f} us, attention "
+             f"{prof.attention_call * 1e6:.1f} us",
+             f"workload  {est.prompt_tokens} prompt tokens, {est.generated_tokens} generated", "",
+             f"executor  {executor} on the CPU, " + (f"batches of {est.N}" if policy is None else
+                                                     f"mu {policy.mu} x n {policy.n} (N {policy.N}), prefill chunks of "
+                                                     f"<= {policy.prefill_mu} rows, <= {policy.prefill_tokens} padded "
+                                                     "tokens, all experts resident, attention on the CPU")]
+    for phase, stages, bind, t in (("prefill", est.prefill_stages, est.prefill_binding, est.prefill_time),
+                                   ("decode", est.decode_stages, est.decode_binding, est.decode_time)):
+        parts = ", ".join(f"{k} {v:.3f}" + (" *" if k == bind else "") for k, v in stages.items())
+        lines.append(f"  {phase:8s} {t:.3f} s = ops + max(flops, memory): {parts}")
+    lines += ["", f"predicted tokens/s: prefill {est.prefill_tok_s:,.1f}, decode {est.decode_tok_s:,.1f}, "
+              f"end-to-end {est.e2e_tok_s:,.1f}; binding: prefill {est.prefill_binding}, decode {est.decode_binding}"]
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""The CPU executor's roofline (policy.cpu_hrm): its profile, its op counts against the executors, its arithmetic
+against an independent count, the CPU plan, the report's predicted block on a CPU run, and the profile cache."""
+
+import collections
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import FIXED_CPU_PROFILE
+from lightning_moe.policy.cpu_hrm import (CPU_STAGES, OP_COUNTS, CpuProfile, active_experts, estimate_cpu,
+                                          format_cpu_table, plan_cpu)
+from lightning_moe.policy.batching import KV_GROUPS, group_by_length
+from lightning_moe.policy.hardware import HardwareError
+from lightning_moe.policy.policy import Workload
+
+GEMM = {"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul"}
+VIEW = {"aten.view", "aten.select", "aten.slice", "aten.unsqueeze", "aten.alias", "aten.reshape", "aten.expand",
+        "aten.permute", "aten.transpose", "aten.t", "aten.detach", "aten.detach_", "aten.lift_fresh",
+        "aten.resolve_conj", "aten.resolve_neg", "aten.promote_types", "aten.to", "aten.squeeze", "aten._unsafe_view",
+        "aten.as_strided", "aten.item", "aten._local_scalar_dense", "aten.split", "aten.chunk", "aten.unbind"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a block issues: GEMMs, views / metadata, the other ops (the classes of OP_COUNTS)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.c["gemm" if name in GEMM else "view" if name in VIEW else "op"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _prof(**kw) -> CpuProfile:
+    return CpuProfile(**{**FIXED_CPU_PROFILE, **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    from lightning_moe.model.spec import MoESpec
+    from lightning_moe.model.weights import load_checkpoint
+
+    return MoESpec.from_pretrained_dir(tiny_dir), lambda: load_checkpoint(tiny_dir, torch.float32)  # a cgopipe
+    #   executor takes its weights' experts: one load each
+
+
+def _counts(ex, prompts, gen):
+    from lightning_moe.pipeline.serial import SamplingParams
+
+    with OpCounter() as c:
+        ex.generate(prompts, SamplingParams(gen, stop_at_eos=False))
+    return c.c
+
+
+def _predicted(spec, executor, phase, gemms, groups, rows, kv_groups=0):
+    """OP_COUNTS' op and view counts for ``groups`` (micro-)batches (or prefill chunks) of one step with ``kv_groups``
+    KV length groups beyond each one's first, the active experts of all their layer visits taken from the GEMMs
+    counted (L (4 + 1) + 1 + 3 A per group)."""
+    L = spec.num_layers
+    A = (gemms - groups * (5 * L + 1)) / 3
+    c = OP_COUNTS[(executor, phase)]
+    return {k: groups * (L * v["fixed"] + v["head"]) + v["expert"] * A + v["row"] * L * rows + v["group"] * L * kv_groups
+            for k, v in c.items()}
+
+
+@pytest.mark.parametrize("executor, rows, mu", [("serial", 3, 3), ("serial", 7, 7), ("cgopipe", 5, 3), ("cgopipe", 7, 7)])
+def test_op_counts_match_executor(tiny, executor, rows, mu):
+    """The per-layer op and view counts of OP_COUNTS are the executors' own (a dispatch counter over one prefill and
+    one decode step of tiny-mixtral, awkward batch sizes, random prompt lengths): within 10 %."""
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.serial import SerialExecutor
+    from lightning_moe.policy.policy import Policy
+
+    spec, w = tiny
+    g = torch.Generator().manual_seed(rows)
+    lens = torch.randint(3, 30, (rows,), generator=g).tolist()
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    if executor == "serial":
+        ex = SerialExecutor(w(), "cpu", torch.float32)
+    else:
+        n = -(-rows // mu)
+        ex = CGOPipeExecutor(w(), Policy(mu=mu, n=n, prefill_mu=mu, resident_experts=spec.num_experts, n_gpu_attn=0,
+                                       dtype="fp32", weight_quant="fp32"), "cpu", torch.float32)
+    groups = 1 if executor == "serial" else -(-rows // mu)
+    mbs = [[lens[i] for i in g] for g in group_by_length(lens, mu, groups)]
+    extra = sum(min(KV_GROUPS, len(set(m))) - 1 for m in mbs)  # KV length groups beyond each micro-batch's first
+    pre = _counts(ex, prompts, 1)
+    two = _counts(ex, prompts, 2)
+    dec = {k: two[k] - pre[k] for k in ("gemm", "op", "view")}
+    want_pre = _predicted(spec, executor, "prefill", pre["gemm"], groups, rows, extra)
+    want_dec = _predicted(spec, executor, "decode", dec["gemm"], groups, 0)
+    for k in ("op", "view"):
+        assert pre[k] == pytest.approx(want_pre[k], rel=0.10), (k, "prefill", pre[k], want_pre[k])
+        assert dec[k] == pytest.approx(want_dec[k], rel=0.10), (k, "decode", dec[k], want_dec[k])
+
+
+def _reference_flops(spec, lens, gen, batch):
+    """An independent count of a serial job's FLOPs: per decode row and layer the projections, router, k experts and
+    attention over its context; per step the lm_head; per prefill token the same without the head, plus the padded
+    causal attention of each batch."""
+    D, E, k, F, V = spec.hidden_size, spec.num_experts, spec.top_k, spec.intermediate_size, spec.vocab_size
+    proj = 2 * (spec.attn_in_params + spec.attn_out_params) + 2 * E * D + 2 * k * 3 * D * F
+    lens = sorted(lens)
+    pre = dec = 0.0
+    for i in range(0, len(lens), batch):
+        b = lens[i:i + batch]
+        pre += spec.num_layers * (sum(b) * proj + len(b) * max(b) ** 2 * spec.prefill_attn_flops_per_position)
+        pre += 2 * len(b) * D * V
+        for j in range(1, gen):
+            ctx = sum(b) / len(b) + j
+            dec += spec.num_layers * len(b) * (proj + ctx * spec.attn_flops_per_position) + 2 * len(b) * D * V
+    return pre, dec
+
+
+def test_flops_term_matches_an_independent_count(tiny):
+    """With every call cost 0 and an unbounded memory, the predicted times are the FLOPs / P of an independent count
+    (random lengths, an uneven last batch): fp64 arithmetic, 1e-9 relative."""
+    spec, _ = tiny
+    g = torch.Generator().manual_seed(7)
+    lens = tuple(torch.randint(1, 60, (11,), generator=g).tolist())
+    P = 3.7e9
+    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, handoff=0.0, memory_bandwidth=1e30,
+                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0)
+    wl = Workload.from_lengths(list(lens), 5)
+    est = estimate_cpu(spec, prof, wl, "fp32", "serial", 4)
+    pre, dec = _reference_flops(spec, lens, 5, 4)
+    assert est.prefill_time == pytest.approx(pre / P, rel=1e-9)
+    assert est.decode_time == pytest.approx(dec / P, rel=1e-9)
+    assert est.prefill_binding == est.decode_binding == "cpu-flops"
+
+
+def test_ops_term_counts_calls(tiny):
+    """With only a per-op cost of 1 s, decode time is the number of non-GEMM ops OP_COUNTS gives, per step and
+    batch (cpu-ops binds): 1e-9 relative against the count written out."""
+    spec, _ = tiny
+    prof = _prof(gemm_call=0.0, op_call=1.0, view_call=0.0, attention_call=0.0, matmul_flops_fp32=1e30,
+                 memory_bandwidth=1e30, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0)
+    wl = Workload.from_lengths([10, 12, 14], 3)
+    est = estimate_cpu(spec, prof, wl, "fp32", "serial", 2)
+    c = OP_COUNTS[("serial", "decode")]["op"]
+    want = sum(2 * (spec.num_layers * (c["fixed"] + c["expert"] * active_experts(r, spec.num_experts, spec.top_k))
+                    + c["head"]) for r in (2, 1))
+    assert est.decode_time == pytest.approx(want, rel=1e-9)
+    assert est.decode_binding == "cpu-ops"
+
+
+def test_plan_cpu_returns_a_fitting_prediction(tiny):
+    """plan_cpu picks a cgopipe policy for the CPU (N no more than the job's prompts, all experts resident, CPU
+    attention) with the best predicted end-to-end tokens/s of its candidates, its memory within the budget; an
+    impossible budget is refused."""
+    from lightning_moe.policy.policy import PlanInfeasible
+
+    spec, _ = tiny
+    wl = Workload.from_lengths([13, 40, 7, 25, 31], 9)
+    pol, est = plan_cpu(spec, _prof(), wl, "fp32", 64 * 2**30)
+    assert pol.N <= 5 and pol.n_gpu_attn == 0 and pol.resident_experts == spec.num_experts
+    assert est.e2e_tok_s > 0 and est.decode_binding in CPU_STAGES and est.memory is not None
+    for mu in (1, 2, 5):  # no candidate is predicted faster
+        other = estimate_cpu(spec, _prof(), wl, "fp32", "cgopipe", mu, mu, mu, pol.prefill_tokens)
+        assert other.e2e_tok_s <= est.e2e_tok_s * (1 + 1e-12)
+    assert "predicted tokens/s" in format_cpu_table(spec, _prof(), est, "cgopipe", pol)
+    with pytest.raises(PlanInfeasible):
+        plan_cpu(spec, _prof(), wl, "fp32", 1024)
+
+
+def test_profile_round_trip_and_errors(tmp_path):
+    """A CPU profile saves and loads unchanged; unknown keys and wrong types are one-line errors naming the file."""
+    p = _prof()
+    p.save(str(tmp_path / "c.yaml"))
+    assert CpuProfile.load(str(tmp_path / "c.yaml")) == p
+    with pytest.raises(HardwareError, match="x.yaml: unknown key.*bogus"):
+        CpuProfile.from_dict({**FIXED_CPU_PROFILE, "bogus": 1}, "x.yaml")
+    with pytest.raises(HardwareError, match="x.yaml: gemm_call"):
+        CpuProfile.from_dict({**FIXED_CPU_PROFILE, "gemm_call": "fast"}, "x.yaml")
+
+
+def test_measured_profile_fields_are_sane():
+    """The measurement of this host: rates and per-call costs within physical ranges, the machine key recorded."""
+    from lightning_moe.pipeline.cpu_profile import machine_key, measure_cpu_profile
+
+    p = measure_cpu_profile()
+    assert 1e8 < p.matmul_flops_fp32 < 1e14 and 1e8 < p.memory_bandwidth < 1e13 and 1e7 < p.scatter_bandwidth < 1e13
+    for f in ("gemm_call", "op_call", "view_call", "attention_call", "handoff", "nonzero_call", "record_write"):
+        assert 1e-8 < getattr(p, f) < 0.1, f
+    assert 1e6 < p.argmax_rate < 1e13
+    assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
+
+
+def test_cached_profile_is_reused(tmp_path, monkeypatch):
+    """Without $LIGHTNING_MOE_CPU_PROFILE the first CPU prediction measures this machine once and caches it under
+    $LIGHTNING_MOE_CACHE; the next one reads the cache (no second measurement)."""
+    from lightning_moe.app import cpu_plan
+    from lightning_moe.pipeline import cpu_profile as measure
+
+    calls = []
+
+    def fake(name="cpu", directory=""):
+        calls.append(name)
+        return dataclasses.replace(_prof(), machine=measure.machine_key())
+
+    monkeypatch.delenv("LIGHTNING_MOE_CPU_PROFILE")
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure, "measure_cpu_profile", fake)
+    first = cpu_plan.cpu_profile()
+    second = cpu_plan.cpu_profile()
+    assert len(calls) == 1 and first == second
+    assert cpu_plan.cpu_profile_path().startswith(str(tmp_path)) and CpuProfile.load(cpu_plan.cpu_profile_path()) == first
+
+
+@pytest.mark.parametrize("executor", ["serial", "cgopipe"])
+def test_cpu_run_reports_predicted_columns(tmp_path, tiny_dir, executor):
+    """A generation job on the CPU reports predicted tokens/s and CPU binding stages, and the report's table prints
+    them (no '-' in the predicted column)."""
+    import yaml
+
+    from lightning_moe.app.engine import run_job
+    from lightning_moe.app.report import format_report
+    from lightning_moe.config import load_job
+
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": str(i), "prompt": "hello there " * (i + 1)}) + "\n" for i in range(5))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({
+        "model": tiny_dir, "data": {"source": "jsonl", "path": str(tmp_path / "in.jsonl")},
+        "output": {"path": str(tmp_path / "out.jsonl")}, "device": "cpu", "dtype": "float32", "executor": executor,
+        "batch_size": 2, "generation": {"max_new_tokens": 3, "stop_at_eos": False}}))
+    r = run_job(load_job(str(tmp_path / "job.yaml")), progress=False)
+    pred = r["predicted"]
+    assert pred["decode_tokens_per_s"] > 0 and pred["prefill_tokens_per_s"] > 0
+    assert pred["decode_binding"] in CPU_STAGES and pred["prefill_binding"] in CPU_STAGES
+    assert "cpu-test" in pred["hardware"]
+    table = format_report(r)
+    row = next(line for line in table.splitlines() if line.strip().startswith("decode"))
+    assert f"{pred['decode_tokens_per_s']:,.1f}" in row and pred["decode_binding"] in row
