@@ -655,14 +655,42 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
             dotted.key:`` where ``key_lines`` has the key or its section).
     """
     ctx = _Ctx(source_name, os.path.abspath(base_dir or os.getcwd()), lines=key_lines)
+    raw = _job_keys(d, ctx, overrides, in_memory)
+    top = {k: _TOP_KEYS[k](v, k, ctx) for k, v in raw.items() if k in _TOP_KEYS}
+    data_src, output = _data_and_output(raw, ctx, in_memory)
+    gen = GenerationConfig(**(_section(raw, "generation", ctx) or {}))
+    ckpt = CheckpointConfig(**(_section(raw, "checkpoint", ctx) or {}))
+    score = _score_section(raw, ctx, top.get("task", "generate"), data_src.source)
+    ray_cfg = _ray_section(raw, ctx, top, in_memory)
+    _executor_keys(top, ctx, in_memory, notify)
+    top.setdefault("name", name or "job")
+    return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
+               source=source_name, ray=ray_cfg,
+               **{k: v for k, v in top.items()})
+
+
+def _ray_section(raw: dict, ctx: _Ctx, top: dict, in_memory: bool) -> Optional[RayConfig]:
+    """The job's ``ray`` section (None without one): not for in-memory requests, not beside ``shard``."""
+    ray_sec = _section(raw, "ray", ctx)
+    if ray_sec is None:
+        return None
+    if in_memory:
+        raise ctx.err("ray", "not used when the requests are given in memory (the Python API runs in this process)")
+    if top.get("shard") is not None:
+        raise ctx.err("ray", "a job runs either as Ray shards or as one shard (shard:), not both")
+    return RayConfig(**ray_sec)
+
+
+def _job_keys(d: Any, ctx: _Ctx, overrides: Optional[Mapping[str, Any]], in_memory: bool) -> dict:
+    """The job mapping ``d`` with ``overrides`` applied, its top-level keys checked: none unknown, the required ones
+    there, an in-memory job's ``data`` and ``output`` as the Python API allows them."""
     if not isinstance(d, dict):
-        raise ConfigError(f"{source_name}: expected a mapping of job keys at the top level, got {_describe(d)}")
+        raise ConfigError(f"{ctx.source}: expected a mapping of job keys at the top level, got {_describe(d)}")
     raw = dict(d)
     if overrides:
-        raw, overridden = _apply_overrides(raw, overrides, source_name)
+        raw, overridden = _apply_overrides(raw, overrides, ctx.source)
         ctx.overridden = overridden
     _check_keys(raw, _ALL_TOP, "", ctx)
-
     for req in ("model",) if in_memory else ("model", "data", "output"):
         if raw.get(req) is None:
             raise ctx.err(req, f"required key is missing (allowed top-level keys: {', '.join(_ALL_TOP)})")
@@ -671,56 +699,52 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
             raise ctx.err("output", "not used when the requests are given in memory (the records are returned)")
         if isinstance(raw.get("data"), dict):
             _check_keys(raw["data"], _MEMORY_DATA_KEYS, "data.", ctx)
-    top = {k: _TOP_KEYS[k](v, k, ctx) for k, v in raw.items() if k in _TOP_KEYS}
+    return raw
 
-    # ---- data ----
+
+def _data_and_output(raw: dict, ctx: _Ctx, in_memory: bool) -> tuple[DataSource, Optional[OutputConfig]]:
+    """The job's ``data`` and ``output`` sections (an in-memory job: data source IN_MEMORY, no output)."""
     data = _section(raw, "data", ctx) or {}
     source = IN_MEMORY if in_memory else data.get("source", "jsonl")
     if source == "jsonl" and data.get("path") is None:
         raise ctx.err("data.path", "required for source: jsonl (a JSONL file of requests)")
     data.setdefault("chat_template", source == "mtbench")
     data_src = DataSource(**data, **({"source": IN_MEMORY} if in_memory else {}))
+    if in_memory:
+        return data_src, None
+    out = _section(raw, "output", ctx) or {}
+    if "path" not in out:
+        raise ctx.err("output.path", "required key is missing (the results .jsonl file)")
+    if data_src.path is not None and os.path.abspath(out["path"]) == os.path.abspath(data_src.path):
+        raise ctx.err("output.path", f"is the same file as data.path ({data_src.path}); it would be overwritten")
+    return data_src, OutputConfig(**out)
 
-    # ---- output ----
-    output = None
-    if not in_memory:
-        out = _section(raw, "output", ctx) or {}
-        if "path" not in out:
-            raise ctx.err("output.path", "required key is missing (the results .jsonl file)")
-        if data_src.path is not None and os.path.abspath(out["path"]) == os.path.abspath(data_src.path):
-            raise ctx.err("output.path", f"is the same file as data.path ({data_src.path}); it would be overwritten")
-        output = OutputConfig(**out)
 
-    # ---- generation / score ----
-    gen = GenerationConfig(**(_section(raw, "generation", ctx) or {}))
-    ckpt = CheckpointConfig(**(_section(raw, "checkpoint", ctx) or {}))
-    ray_sec = _section(raw, "ray", ctx)
-    if ray_sec is not None and in_memory:
-        raise ctx.err("ray", "not used when the requests are given in memory (the Python API runs in this process)")
-    if ray_sec is not None and top.get("shard") is not None:
-        raise ctx.err("ray", "a job runs either as Ray shards or as one shard (shard:), not both")
-    ray_cfg = RayConfig(**ray_sec) if ray_sec is not None else None
-    task = top.get("task", "generate")
+def _score_section(raw: dict, ctx: _Ctx, task: str, source: str) -> Optional[ScoreConfig]:
+    """The job's ``score`` section: required for ``task: score`` (with its mode; ``stride`` only for perplexity; not
+    for MT-Bench), refused for a generate job."""
     sc = _section(raw, "score", ctx)
-    score = None
-    if task == "score":
-        if sc is None:
-            raise ctx.err("score", "required for task: score (score.mode: loglikelihood | multiple_choice | perplexity)")
-        if "mode" not in sc:
-            raise ctx.err("score.mode", f"required key is missing (one of {', '.join(SCORE_MODES)})")
-        if sc.get("stride") is not None and sc["mode"] != "perplexity":
-            raise ctx.err("score.stride", f"only applies to mode: perplexity (mode is {sc['mode']!r})")
-        if source == "mtbench":
-            raise ctx.err("data.source", "mtbench has no continuations/choices to score; use task: generate")
-        score = ScoreConfig(**sc)
-    elif sc is not None:
-        raise ctx.err("score", "only valid with task: score (task is 'generate')")
+    if task != "score":
+        if sc is not None:
+            raise ctx.err("score", "only valid with task: score (task is 'generate')")
+        return None
+    if sc is None:
+        raise ctx.err("score", "required for task: score (score.mode: loglikelihood | multiple_choice | perplexity)")
+    if "mode" not in sc:
+        raise ctx.err("score.mode", f"required key is missing (one of {', '.join(SCORE_MODES)})")
+    if sc.get("stride") is not None and sc["mode"] != "perplexity":
+        raise ctx.err("score.stride", f"only applies to mode: perplexity (mode is {sc['mode']!r})")
+    if source == "mtbench":
+        raise ctx.err("data.source", "mtbench has no continuations/choices to score; use task: generate")
+    return ScoreConfig(**sc)
 
-    # ---- executor default and consistency ----
+
+def _executor_keys(top: dict, ctx: _Ctx, in_memory: bool, notify: bool) -> None:
+    """Set ``top``'s device (default cuda) and executor (default: cgopipe on CUDA, else serial) and check they agree
+    with ``gpus``; with ``notify``, a notice for ``gpu_memory`` where it has no effect."""
     device = top.get("device", "cuda")
     executor = top.get("executor", "cgopipe" if device.startswith("cuda") else "serial")
     # executor: cgopipe on device: cpu runs the same pipeline with synchronous copies (tests, debugging)
-
     if top.get("gpus", 1) > 1 and executor != "serial":
         # the expert-parallel executor is built on the serial executor's math (pipeline/expert_parallel.py)
         raise ctx.err("gpus", f"gpus > 1 runs the serial executor's expert-parallel form; set executor: serial "
@@ -732,10 +756,6 @@ def job_from_dict(d: Mapping[str, Any], source_name: str = "<job>", base_dir: Op
               f" (with executor: cgopipe it sizes the CPU run's simulated GPU tier)", file=sys.stderr, flush=True)
     top["device"] = device
     top["executor"] = executor
-    top.setdefault("name", name or "job")
-    return Job(data=data_src, output=output, generation=gen, score=score, checkpoint=ckpt, config_path=config_path,
-               source=source_name, ray=ray_cfg,
-               **{k: v for k, v in top.items()})
 
 
 def generation_from_dict(d: Mapping[str, Any], source_name: str = "<generation>") -> GenerationConfig:

@@ -15,6 +15,9 @@ from typing import Optional, Sequence
 
 from .model.spec import PACKED_FORMATS, QUANT_FORMATS
 from .policy.hardware import HardwareError, format_bytes, parse_bytes, resolve_hardware
+from .policy.policy import (DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload,
+                            check_cpu_budget, check_gpu_budget, format_table)
+from .policy.registry import registry_expert_format, resolve_spec
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -106,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _job_inputs(args: argparse.Namespace):
     """(Workload, job or None) for ``moe-batch plan JOB.yaml`` via app.plan.job_workload (lazy import)."""
-    try:
+    try:  # lazy, as the job path's other imports below: app.plan reads a checkpoint with torch
         from .app.plan import job_workload
     except ImportError as e:
         raise CommandError(f"{args.job}: planning from a job needs lightning_moe.app.plan.job_workload, "
@@ -134,92 +137,15 @@ def _job_inputs(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch plan``: prints the policy table, predicted tok/s and solve time; 0 ok, 2 error."""
-    from .policy.milp import plan
-    from .policy.policy import DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload, check_cpu_budget, check_gpu_budget, format_table
-    from .policy.registry import resolve_spec
+    from .policy.milp import plan  # lazy: pulp (the CBC solver) only for this command
 
     try:
-        job = None
-        if getattr(args, "set", None) and not args.job:
-            raise CommandError("--set overrides a job's keys: give a job YAML")
-        if args.job:
-            workload, job = _job_inputs(args)
-            if args.gen_len is not None or args.prompt_len is not None:
-                workload = Workload(prompt_len=args.prompt_len or workload.prompt_len, gen_len=args.gen_len or workload.gen_len,
-                                    max_prompt_len=workload.max_prompt_len if args.prompt_len is None else args.max_prompt_len,
-                                    num_requests=workload.num_requests, name=workload.name,
-                                    prompt_lens=workload.prompt_lens if args.prompt_len is None else None)
-        else:
-            if args.prompt_len is None or args.gen_len is None:
-                raise CommandError("give a job YAML, or --prompt-len and --gen-len")
-            workload = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, max_prompt_len=args.max_prompt_len,
-                                num_requests=args.num_prompts, name=f"prompt {args.prompt_len:g} / gen {args.gen_len}")
+        workload, job = _plan_workload(args)
         if job is not None and not args.hardware and str(getattr(job, "device", "")).startswith("cpu"):
             return _plan_cpu_job(job, workload)  # everything on the CPU: the CPU executor's roofline
-        model = args.model or (job.model if job is not None else None)
-        hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
-        if not model:
-            raise CommandError("--model is required (or a job YAML naming the model)")
-        notes = []  # what the user should know about which job this plan is for
-        job_hw = None
-        if job is not None and not hardware:  # the same as `moe-batch run`: the device's preset, else h200
-            from .app.plan import hardware_note, job_hardware
-
-            job_hw = job_hardware(job)
-            notes.append(hardware_note(job, job_hw))
-        if job is not None and getattr(job, "executor", "cgopipe") != "cgopipe":
-            notes.append(f"note: the job runs executor: {job.executor} (device {getattr(job, 'device', '?')}), which "
-                         "takes no policy: this is the policy executor: cgopipe would run")
-        if not hardware and job_hw is None:
-            raise CommandError("--hardware is required (a preset: t4, l4, a100-40g, h100, h200; or a profile .yaml)")
-        if model == "tiny-mixtral":  # the embedded model: its directory (created on first use)
-            from .model.tiny import resolve_model_path
-
-            model = resolve_model_path(model)
+        model, hw, notes = _plan_model_and_hardware(args, job)
         spec = resolve_spec(model)
-        hw = job_hw or resolve_hardware(hardware)
-        if args.gpu_memory or job is None:
-            gpu_mem = args.gpu_memory or hw.gpu_memory
-        else:  # as `moe-batch run` plans the job: its cap, else its card (when this machine has it), else the profile's
-            from .app.plan import job_gpu_budget
-
-            gpu_mem = job_gpu_budget(job, hw)
-        cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
-        dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
-        # a quantized checkpoint declares its page format (gpt-oss's MXFP4: "mxfp4"); so does a registry name whose Hub
-        # checkpoint holds MXFP4 experts (gpt-oss-20b / -120b; --quant overrides it for a name, not for a directory)
-        from .model.quantized import checkpoint_expert_scheme
-        from .policy.registry import registry_expert_format
-
-        ckpt_q = checkpoint_expert_scheme(model) if os.path.isdir(model) else None
-        if not args.quant and ckpt_q is None:
-            ckpt_q = registry_expert_format(model)
-        if args.quant and ckpt_q and args.quant != ckpt_q:
-            raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
-        from .model.families import family_of
-
-        try:
-            fam = family_of(spec)
-        except ValueError:  # a registry model no family runs (planned only): nothing of run's to refuse
-            fam = None
-        if args.quant in QUANT_FORMATS and fam is not None:  # a plan for pages quantize cannot write is refused
-            from .model.quantize import packed_pages_refusal
-
-            why = packed_pages_refusal(fam)
-            if why is not None:
-                raise CommandError(f"--quant {args.quant}: {why}")
-        check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time
-        check_cpu_budget(int(cpu_mem), hw)  # nor one for host memory the machine does not have
-        gpus = args.gpus if args.gpus is not None else (getattr(job, "gpus", 1) if job is not None else 1)
-        if gpus > 1 and fam is not None:
-            from .pipeline.expert_parallel import expert_parallel_refusal
-
-            why = expert_parallel_refusal(spec)
-            if why is not None:
-                raise CommandError(f"--gpus {gpus}: {why}")
-        budgets = Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
-                          gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
-                          cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve, gpus=gpus)
+        budgets = _plan_budgets(args, job, model, spec, hw)
         t0 = time.perf_counter()
         policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit)
         elapsed = time.perf_counter() - t0
@@ -234,24 +160,131 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(note)
     print(f"solved in {elapsed:.2f} s")
     if getattr(args, "plot", None):
-        from .plot import PlotError, save_plan_plot
+        from .plot import PlotError, save_plan_plot  # lazy: matplotlib
 
         try:
             print(f"roofline drawn to {save_plan_plot(args.plot, spec, hw, policy, workload, est)}")
         except PlotError as e:
             print(f"moe-batch plan: error: {e}", file=sys.stderr)
             return 2
-    if args.output:
-        per = f" x {budgets.gpus} GPUs" if budgets.gpus > 1 else ""
-        header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}{per}, host {format_bytes(budgets.cpu_memory)}, "
-                  f"{workload.name or 'workload'}\npredicted end-to-end {est.e2e_tok_s:.1f} tok/s (prefill {est.prefill_tok_s:.0f}, "
-                  f"decode {est.decode_tok_s:.1f}); binding: prefill {est.prefill_binding}, decode {est.decode_binding}")
-        try:
-            policy.save(args.output, header=header)
-        except OSError as e:
-            print(f"moe-batch plan: error: cannot write {args.output}: {e}", file=sys.stderr)
-            return 2
-        print(f"policy written to {args.output}")
+    return _save_policy(args, policy, est, spec, hw, budgets, workload) if args.output else 0
+
+
+def _plan_workload(args: argparse.Namespace):
+    """(Workload, job or None): a job YAML's real lengths (``--prompt-len`` / ``--gen-len`` override them), else the
+    shape the flags give."""
+    if getattr(args, "set", None) and not args.job:
+        raise CommandError("--set overrides a job's keys: give a job YAML")
+    if args.job:
+        workload, job = _job_inputs(args)
+        if args.gen_len is not None or args.prompt_len is not None:
+            workload = Workload(prompt_len=args.prompt_len or workload.prompt_len, gen_len=args.gen_len or workload.gen_len,
+                                max_prompt_len=workload.max_prompt_len if args.prompt_len is None else args.max_prompt_len,
+                                num_requests=workload.num_requests, name=workload.name,
+                                prompt_lens=workload.prompt_lens if args.prompt_len is None else None)
+        return workload, job
+    if args.prompt_len is None or args.gen_len is None:
+        raise CommandError("give a job YAML, or --prompt-len and --gen-len")
+    return Workload(prompt_len=args.prompt_len, gen_len=args.gen_len, max_prompt_len=args.max_prompt_len,
+                    num_requests=args.num_prompts, name=f"prompt {args.prompt_len:g} / gen {args.gen_len}"), None
+
+
+def _plan_model_and_hardware(args: argparse.Namespace, job):
+    """(model path or name, hardware profile, notes): ``--model`` / ``--hardware``, else the job's; a job that names no
+    hardware gets the profile ``moe-batch run`` would (app.plan.job_hardware, resolved once here) and a note."""
+    model = args.model or (job.model if job is not None else None)
+    hardware = args.hardware or (getattr(job, "hardware", None) if job is not None else None)
+    if not model:
+        raise CommandError("--model is required (or a job YAML naming the model)")
+    notes = []  # what the user should know about which job this plan is for
+    job_hw = None
+    if job is not None and not hardware:  # the same as `moe-batch run`: the device's preset, else h200
+        from .app.plan import hardware_note, job_hardware  # lazy: torch (the device's name)
+
+        job_hw = job_hardware(job)
+        notes.append(hardware_note(job, job_hw))
+    if job is not None and getattr(job, "executor", "cgopipe") != "cgopipe":
+        notes.append(f"note: the job runs executor: {job.executor} (device {getattr(job, 'device', '?')}), which "
+                     "takes no policy: this is the policy executor: cgopipe would run")
+    if not hardware and job_hw is None:
+        raise CommandError("--hardware is required (a preset: t4, l4, a100-40g, h100, h200; or a profile .yaml)")
+    if model == "tiny-mixtral":  # the embedded model: its directory (created on first use)
+        from .model.tiny import resolve_model_path  # lazy: torch
+
+        model = resolve_model_path(model)
+    return model, job_hw or resolve_hardware(hardware), notes
+
+
+def _plan_budgets(args: argparse.Namespace, job, model: str, spec, hw) -> Budgets:
+    """The planner's budgets: memory (the flags, else as ``moe-batch run`` plans the job, else the profile's), dtype,
+    expert page format (the checkpoint's, else ``--quant``, else the dtype) and GPUs; a page format or GPU count
+    the model cannot run, or memory the hardware does not have, is a CommandError / ValueError."""
+    if args.gpu_memory or job is None:
+        gpu_mem = args.gpu_memory or hw.gpu_memory
+    else:  # as `moe-batch run` plans the job: its cap, else its card (when this machine has it), else the profile's
+        from .app.plan import job_gpu_budget  # lazy: torch
+
+        gpu_mem = job_gpu_budget(job, hw)
+    cpu_mem = args.cpu_memory or (getattr(job, "cpu_memory", None) if job is not None else None) or hw.host_memory
+    dtype = _DTYPE_NAMES[args.dtype] if args.dtype else _DTYPE_NAMES.get(getattr(job, "dtype", "bf16") if job is not None else "bf16", "bf16")
+    fam = _family(spec)
+    ckpt_q = _page_format(args, model, fam)
+    check_gpu_budget(int(gpu_mem), hw)  # a plan for memory the card does not have would fail at run time
+    check_cpu_budget(int(cpu_mem), hw)  # nor one for host memory the machine does not have
+    gpus = args.gpus if args.gpus is not None else (getattr(job, "gpus", 1) if job is not None else 1)
+    if gpus > 1 and fam is not None:
+        from .pipeline.expert_parallel import expert_parallel_refusal  # lazy: torch
+
+        why = expert_parallel_refusal(spec)
+        if why is not None:
+            raise CommandError(f"--gpus {gpus}: {why}")
+    return Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
+                   gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
+                   cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve, gpus=gpus)
+
+
+def _family(spec):
+    """The model family that runs ``spec``; None for a registry model no family runs (planned only)."""
+    from .model.families import family_of  # lazy: the families' modules import torch
+
+    try:
+        return family_of(spec)
+    except ValueError:  # a registry model no family runs (planned only): nothing of run's to refuse
+        return None
+
+
+def _page_format(args: argparse.Namespace, model: str, fam) -> Optional[str]:
+    """The expert page format the checkpoint declares (gpt-oss's MXFP4: "mxfp4"; a quantized checkpoint's), or a
+    registry name's Hub checkpoint holds (gpt-oss-20b / -120b; --quant overrides it for a name, not for a
+    directory); ``--quant`` checked against it and against what ``moe-batch quantize`` can write for the family."""
+    from .model.quantized import checkpoint_expert_scheme  # lazy: torch
+
+    ckpt_q = checkpoint_expert_scheme(model) if os.path.isdir(model) else None
+    if not args.quant and ckpt_q is None:
+        ckpt_q = registry_expert_format(model)
+    if args.quant and ckpt_q and args.quant != ckpt_q:
+        raise CommandError(f"--quant {args.quant} but {model} holds {ckpt_q} expert pages")
+    if args.quant in QUANT_FORMATS and fam is not None:  # a plan for pages quantize cannot write is refused
+        from .model.quantize import packed_pages_refusal  # lazy: torch
+
+        why = packed_pages_refusal(fam)
+        if why is not None:
+            raise CommandError(f"--quant {args.quant}: {why}")
+    return ckpt_q
+
+
+def _save_policy(args: argparse.Namespace, policy, est, spec, hw, budgets, workload) -> int:
+    """Write the policy to ``--output`` with a header naming the plan; 0 ok, 2 error."""
+    per = f" x {budgets.gpus} GPUs" if budgets.gpus > 1 else ""
+    header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}{per}, host {format_bytes(budgets.cpu_memory)}, "
+              f"{workload.name or 'workload'}\npredicted end-to-end {est.e2e_tok_s:.1f} tok/s (prefill {est.prefill_tok_s:.0f}, "
+              f"decode {est.decode_tok_s:.1f}); binding: prefill {est.prefill_binding}, decode {est.decode_binding}")
+    try:
+        policy.save(args.output, header=header)
+    except OSError as e:
+        print(f"moe-batch plan: error: cannot write {args.output}: {e}", file=sys.stderr)
+        return 2
+    print(f"policy written to {args.output}")
     return 0
 
 
@@ -289,7 +322,7 @@ def _plan_cpu_job(job, workload) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch profile``: measures, prints one line per measurement, writes the YAML; 0 ok, 2 error."""
-    from .pipeline.profiler import profile_host
+    from .pipeline.profiler import profile_host  # lazy: torch, only for this command
 
     if getattr(args, "cpu", False):
         from .app.cpu_plan import cpu_profile_path, measure_and_cache

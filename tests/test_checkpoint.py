@@ -247,3 +247,43 @@ def test_sampling_rng_is_keyed_by_seed_and_position():
     draws = {tuple(sample(logits, params, seeds, [p] * 5).tolist()) for p in range(6)}
     assert len(draws) > 1  # the position changes the draw
     assert position_seed(1, 2) == position_seed(1, 2) != position_seed(1, 3) != position_seed(2, 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_partial_checkpoints_append_only_the_new_tokens_when_due(tmp_path, seed):
+    """app.checkpointing: every `every_steps` decode steps, and at once when a stop is served, the rows still running
+    append the tokens the sidecar lacks (a resumed row from its partial's end); a row finished before a checkpoint
+    appends nothing; the sidecar then reads back as each running row's output so far (exact ints). on_checkpoint
+    runs at the first checkpoint only (at most every REPORT_EVERY_S), the stage counters count every write."""
+    from lightning_moe.app.checkpointing import InFlight, PartialCheckpoints
+    from lightning_moe.config import CheckpointConfig
+
+    rng = random.Random(seed)
+    path = str(tmp_path / "o.partial.jsonl")
+    earlier = [rng.randrange(50_000) for _ in range(rng.randrange(1, 6))]
+    first = PartialsFile(path)
+    first.append([("b", 0, earlier)])
+    first.close()
+    ids = ["a", "b", "c", "d"][: rng.randrange(3, 5)]
+    side = PartialsFile(path)
+    partials = side.load(ids, set())
+    rows = InFlight(ids, partials, None)
+    every = rng.randrange(1, 4)
+    steps = rng.randrange(every + 1, 3 * every + 3)
+    stages, saves = {}, []
+    ck = PartialCheckpoints(CheckpointConfig(every_steps=every, every_seconds=None), side, stages,
+                            lambda: saves.append(1))
+    want = {i: list(partials.get(i, [])) for i in ids}
+    for step in range(steps):
+        toks = [rng.randrange(50_000) for _ in ids]
+        rows.add_tokens(list(range(len(ids))), toks)
+        for r, (i, t) in enumerate(zip(ids, toks)):
+            if not rows.finished[r]:
+                want[i].append(t)
+        if step == 0:
+            rows.finished[ids.index("c")] = True  # its record written before any checkpoint
+        ck.step(rows, stopping=step == steps - 1)
+    side.close()
+    writes = steps // every + (steps % every != 0)  # every `every` steps, and the stop at the last one
+    assert stages["checkpoint_write_calls"] == writes and saves == [1]
+    assert read_partials(path) == {i: t for i, t in want.items() if i != "c"}

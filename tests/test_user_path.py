@@ -356,11 +356,37 @@ def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_p
             "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
             "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
     job = job_from_dict(keys, "t.yaml")
-    block = engine.predicted_report(job, plan.plan_job(job, plan.Prepared(job)).estimate)
+    block = engine.predicted_report(job, plan.plan_job(job, plan.Prepared(job)))
     assert block["hardware"] == "l4" and block["decode_tokens_per_s"] > 0
     assert [n.split(":")[1].split(" (")[0] for n in block["notes"]] == [
         " the job names no hardware", " hardware l4 has no host issue times"], block["notes"]
     profile = os.path.join(os.path.dirname(plan.__file__), "..", "policy", "profiles", "h200-host.yaml")
     measured = job_from_dict({**keys, "hardware": profile, "gpu_memory": "12GiB"}, "t.yaml")
-    block = engine.predicted_report(measured, plan.plan_job(measured, plan.Prepared(measured)).estimate)
+    block = engine.predicted_report(measured, plan.plan_job(measured, plan.Prepared(measured)))
     assert block["hardware"] == measured.hardware and block["notes"] == []
+
+
+def test_hardware_profile_is_resolved_once_per_job(tmp_path, tiny_dir, monkeypatch):
+    """plan_job resolves the job's hardware profile once and JobPlan carries it: a cgopipe run (plan, executor,
+    report) asks app.plan.job_hardware once, and the executor runs with the profile the job planned with."""
+    from lightning_moe.config import job_from_dict
+
+    calls = []
+    real = plan.job_hardware
+    monkeypatch.setattr(plan, "job_hardware", lambda job: calls.append(job.name) or real(job))
+    keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl", n=5)},
+            "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cpu", "dtype": "float32",
+            "executor": "cgopipe", "hardware": "t4", "generation": {"max_new_tokens": 3}}
+    job = job_from_dict(keys, "t.yaml")
+    jplan = plan.plan_job(job, plan.Prepared(job))
+    assert len(calls) == 1 and jplan.hardware == real(job) and jplan.hardware.name == "t4"
+    calls.clear()
+    from lightning_moe.pipeline import cgopipe
+
+    given = []
+    real_cls = cgopipe.CGOPipeExecutor
+    monkeypatch.setattr(cgopipe, "CGOPipeExecutor", lambda *a, **k: given.append(k["hardware"]) or real_cls(*a, **k))
+    report = engine.run_job(job, progress=False)
+    assert report["status"] == "done" and report["records_written_this_run"] == 5
+    assert len(calls) == 1, calls
+    assert [hw.name for hw in given] == ["t4"]

@@ -17,38 +17,50 @@ second signal ends the process at once (exit EXIT_INTERRUPTED): the files only e
 The Python API (``lightning_moe.api``) runs through the same parts, without files: :class:`Prepared` (tokenizer and
 requests), :func:`plan_for_job` (the policy), :class:`ModelRunner` (the weights, read once, and the executor),
 :func:`work_order` and the batch loop :func:`_run_work`, its records collected by :class:`RecordCollector`
-(:func:`run_in_memory`); :func:`run_job` adds resume, checkpoints, signals and the report around them.
+(:func:`run_in_memory`); :func:`run_job` adds resume, checkpoints, signals and the report around them, in named
+stages over one :class:`JobRun`: ``_prepare`` (1) -> ``_plan`` -> ``_resume`` (2) -> ``_load`` -> ``_loop`` (3) ->
+``_report`` (4). Checkpoints and progress: app.checkpointing; the report's parts: app.report.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
-import platform
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
-from ..config import Job
+from ..config import ConfigError, Job
 from ..data.stops import StopWatch, cut_at_stop
-from ..data.writer import PartialsFile, ResultsWriter, error_record, write_json_atomic
+from ..data.writer import PartialsFile, ResultsWriter, error_record, read_partials, write_json_atomic
+from ..kernels.cpu_attention import cpu_attention_mode, native_available, native_loaded
+from ..kernels.prefill_attention import prefill_attention_mode
 from ..model.quantized import checkpoint_expert_scheme
+from ..model.spec import MoESpec
+from ..model.tiny import resolve_model_path
 from ..model.weights import load_checkpoint
 from ..pipeline import scoring
 from ..pipeline.executor import RunStats
 from ..pipeline.sampling import DecodeSampling, finish_reason, request_seed
 from ..pipeline.serial import SerialExecutor
+from ..policy.policy import PolicyError
+from .checkpointing import InFlight, PartialCheckpoints, RunProgress
+from .expert_parallel import NoWriter, group_info, in_group, run_expert_parallel, share_work
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
-from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, hardware_note, job_hardware, plan_job, policy_for_job
-from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
-                     reconcile_killed_runs, timing)
+from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, plan_job, policy_for_job
+from .report import end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, report_head
+
+# pipeline.cgopipe, .expert_parallel and .expert_ffn are imported where used: a serial job (and `moe-batch --help`)
+# does not load the pipelined executor's and the grouped kernels' modules
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,31 +87,18 @@ def _expert_scheme(prep) -> Optional[str]:
     return checkpoint_expert_scheme(path) if path else None
 
 
-def predicted_report(job: Job, est) -> dict:
-    """The run report's ``predicted`` block: the HRM's tokens/s and binding stages for the plan's estimate ``est``,
-    the hardware profile it planned with, and the notes on what the prediction stands on (the profile a job that
-    names none got; what the estimate leaves out)."""
-    hw = job_hardware(job)
-    return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
-            "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
-            "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
-            "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
-
-
 def make_executor(job: Job, prep: Prepared, weights, jplan: Optional[JobPlan] = None):
     """The executor named by ``job.executor``: "cgopipe" with ``jplan``'s policy, or "serial"."""
     dtype = DTYPES[job.dtype]
     if job.executor == "cgopipe":
         from ..pipeline.cgopipe import CGOPipeExecutor, expert_ffn_for
 
-        hw = job_hardware(job)  # the planner's profile
-        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype,
-                             ffn=expert_ffn_for(job, prep.spec, _expert_scheme(prep)), hardware=hw)
+        ex = CGOPipeExecutor(weights, jplan.policy, job.device, dtype,  # the profile the job planned with
+                             ffn=expert_ffn_for(job, prep.spec, _expert_scheme(prep)), hardware=jplan.hardware)
         ex.estimate = jplan.estimate
         return ex
     if job.gpus > 1:  # one process of the expert-parallel group (app.expert_parallel started it)
         from ..pipeline.expert_parallel import ExpertParallelExecutor
-        from .expert_parallel import group_info
 
         rank, world = group_info()
         return ExpertParallelExecutor(weights, rank, world, device=job.device, dtype=dtype)
@@ -110,15 +109,10 @@ def check_kernel_env(label: str) -> None:
     """ConfigError starting with ``label`` when an environment variable that picks a kernel
     (``LIGHTNING_MOE_PREFILL_ATTENTION``, ``LIGHTNING_MOE_CPU_ATTENTION``) holds a value the kernel does not know:
     the one place both are checked, before anything is written (a fresh run and a re-run of a finished job alike)."""
-    from ..kernels.cpu_attention import cpu_attention_mode
-    from ..kernels.prefill_attention import prefill_attention_mode
-
     for mode in (prefill_attention_mode, cpu_attention_mode):
         try:
             mode()
         except ValueError as e:
-            from ..config import ConfigError
-
             raise ConfigError(f"{label}: {e}") from None
 
 
@@ -127,15 +121,11 @@ def check_device(job: Job) -> None:
     picks a kernel holds a value the kernel does not know (:func:`check_kernel_env`): before anything is written."""
     check_kernel_env(job.label)
     if job.device.startswith("cuda") and not torch.cuda.is_available():
-        from ..config import ConfigError
-
         raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees no CUDA device "
                           f"(set device: cpu, or --set device=cpu)")
     index = torch.device(job.device).index if job.device.startswith("cuda") else None
     count = torch.cuda.device_count() if index is not None else 0
     if index is not None and index >= count:
-        from ..config import ConfigError
-
         raise ConfigError(f"{job.label}: device: {job.device} asked for, but torch sees {count} CUDA device(s): "
                           f"cuda:0 to cuda:{count - 1}")
 
@@ -145,14 +135,10 @@ def check_expert_parallel(job: Job) -> None:
     checkpoint's config.json only: before any process is started or weight read)."""
     if job.gpus <= 1:
         return
-    from ..model.spec import MoESpec
-    from ..model.tiny import resolve_model_path
     from ..pipeline.expert_parallel import expert_parallel_refusal
 
     why = expert_parallel_refusal(MoESpec.from_pretrained_dir(resolve_model_path(job.model)))
     if why is not None:
-        from ..config import ConfigError
-
         raise ConfigError(f"{job.label}: gpus: {job.gpus}: {why} (set gpus: 1)")
 
 
@@ -166,8 +152,6 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
     else:
         why = None
     if why is not None:
-        from ..config import ConfigError
-
         raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: {why}; set "
                           f"executor: serial")
     valid = any(t.error is None for t in prep.treqs)
@@ -178,8 +162,6 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
         # auto picks torch for such a model (expert_ffn_for); MXFP4 pages kept packed: the MXFP4 kernel
         why = grouped_kernels_refusal(prep.spec, job.expert_ffn, _expert_scheme(prep))
         if why is not None:
-            from ..config import ConfigError
-
             raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: expert_ffn "
                               f"{job.expert_ffn}: {why}")
     if jplan is not None and job.task != "score" and jplan.policy.n_gpu_attn > 0 and job.device.startswith("cuda"):
@@ -187,8 +169,6 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
 
         why = gpu_attention_refusal(prep.spec)  # MLA, sinks: the planner plans none; a policy file or inline one may
         if why is not None:
-            from ..config import ConfigError
-
             raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: {why} (policy "
                               f"n_gpu_attn={jplan.policy.n_gpu_attn}; set it to 0)")
     if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
@@ -272,10 +252,8 @@ class ModelRunner:
             if jplan is None or ex.policy == jplan.policy:
                 ex.stats = RunStats()
                 return ex
-            from ..policy.policy import PolicyError
-
-            try:  # the held policy, for this job's workload (budgets as the job's)
-                kept = check_plan(job, prep, ex.policy)
+            try:  # the held policy, for this job's workload (budgets as the job's), on the profile it planned with
+                kept = check_plan(job, prep, ex.policy, hw=jplan.hardware)
             except PolicyError:
                 kept = None
             if kept is not None and kept.estimate.e2e_tok_s >= KEEP_POLICY_SPEED * jplan.estimate.e2e_tok_s:
@@ -331,8 +309,6 @@ def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional
     """Run the tokenized requests of ``prep`` (none with an error) through ``runner``'s executor and the batch loop,
     and return their records -- the ones :func:`run_job` writes for the same requests -- in ``prep.treqs`` order.
     Nothing is written to disk and no signal handler is installed (the Python API's run)."""
-    from tqdm import tqdm
-
     log = log or sys.stderr
     work = work_order(job, prep.treqs)
     sink = RecordCollector()
@@ -386,8 +362,6 @@ def check_results_provenance(job: Job) -> None:
     results (``OutputConfig.meta_path``); partial generations (``OutputConfig.partial_path``) count as results. No
     results yet: save it. Results without a saved one (older versions): save
     it and go on. Raises ConfigError naming both files and every setting that differs (nothing is written then)."""
-    from ..config import ConfigError
-
     meta, now = job.output.meta_path, results_provenance(job)
     has_results = any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (job.output.path, job.output.partial_path))
     if has_results and os.path.exists(meta):
@@ -481,12 +455,48 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     if job.task != "generate" or (jplan is not None and job.device.startswith("cuda")
                                   and jplan.policy.n_gpu_attn >= jplan.policy.n):
         return
-    from ..kernels.cpu_attention import native_available, native_loaded
-
     if not native_loaded():
         print("moe-batch: loading the native CPU attention kernel (compiled on the first run per torch install, ~20-60 s)",
               file=log, flush=True)
     native_available()
+
+
+@dataclass
+class JobRun:
+    """One :func:`run_job` call's state, filled in stage by stage (prepare, plan, resume, load, loop, report)."""
+
+    job: Job
+    log: object  # where messages go
+    t_start: float = field(default_factory=time.perf_counter)  # the run's start (perf_counter)
+    started: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"))  # the run's start (UTC, ISO)
+    t_setup: float = 0.0  # one-time setup: the embedded model's creation on first use, the native kernel's build or load
+    t_load: float = 0.0  # the weights read and the executor built
+    parts: dict = field(default_factory=dict)  # report.other_parts' pieces of wall_seconds.other (s)
+    prep: Optional[Prepared] = None  # the tokenized requests
+    jplan: Optional[JobPlan] = None  # plan_for_job's plan (None: serial, or no valid request)
+    cpu_est: object = None  # on the CPU: the CPU executor's roofline estimate (app.plan.cpu_prediction), else None
+    done: set = field(default_factory=set)  # ids with a record when the run started
+    todo: list = field(default_factory=list)  # the requests without one (errors included)
+    work: list = field(default_factory=list)  # the valid ones in work_order
+    writer: Optional[ResultsWriter] = None  # the results file, appended to
+    partials_file: Optional[PartialsFile] = None  # the partial-generation sidecar (generate)
+    partials: dict = field(default_factory=dict)  # id -> tokens generated by earlier runs
+    report: dict = field(default_factory=dict)  # the run report as it stands
+    progress: Optional[RunProgress] = None  # this run's entry of the report's runs list
+    errors: list = field(default_factory=list)  # requests recorded as errors (on_error: record)
+    score_records: list = field(default_factory=list)  # scoring records, for the report's metrics
+    runner: Optional[ModelRunner] = None  # the weights and the executor
+    own_runner: bool = False  # whether this run made the runner (and closes it)
+    executor: object = None  # the runner's executor, once built
+    stats: RunStats = field(default_factory=RunStats)  # the executor's counters (zero before one is built)
+    peaks: Optional[PhasePeaks] = None  # memory peaks per phase
+    cap: Optional[dict] = None  # apply_gpu_cap's result
+    stop: StopSignals = field(default_factory=StopSignals)  # the run's SIGTERM / SIGINT handling
+
+    def current_stats(self) -> RunStats:
+        """The executor's counters so far (zeros before it is built)."""
+        return self.executor.stats if self.executor is not None else self.stats
 
 
 def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRunner] = None,
@@ -512,195 +522,205 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
         Other exceptions from the executor propagate after every finished record has been fsync'd and a
         report with ``"status": "failed: ..."`` has been written.
     """
-    from tqdm import tqdm
-
-    from .expert_parallel import in_group, run_expert_parallel, share_work
-
     log = log if log is not None else sys.stderr
     if job.ray is not None:
-        from ..config import ConfigError
-
         raise ConfigError(f"{job.label}: ray: a job with a ray section runs its shards on Ray (moe-batch run, "
                           f"app.ray_jobs.run_ray_job), not in this process")
     if job.gpus > 1 and not in_group():  # start the expert-parallel processes; process 0 comes back here
         check_device(job)
         check_expert_parallel(job)
         return run_expert_parallel(job, run_job, follow_job, progress, log)
-    t_start = time.perf_counter()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    check_device(job)
-    t_setup = 0.0  # one-time setup: the embedded model's creation on first use, the native kernel's build or load
-    if runner is None:
-        from ..model.tiny import resolve_model_path
-
-        t = time.perf_counter()
-        resolve_model_path(job.model)  # creates tiny-mixtral on first use (instant otherwise)
-        t_setup += time.perf_counter() - t
-    if spans is not None and job.executor != "cgopipe":
-        from ..config import ConfigError
-
-        raise ConfigError(f"{job.label}: executor: the timeline draws the cgopipe executor's stages; this job runs "
-                          f"executor: {job.executor} (--set executor=cgopipe)")
-    t = time.perf_counter()
-    prep = Prepared(job, files=runner.files if runner is not None else None)
-    t_read = time.perf_counter() - t  # what wall_seconds.other holds (report: other_seconds)
-    parts = {"model_files": prep.model_files_seconds, "requests": max(0.0, t_read - prep.model_files_seconds)}
-    # the policy, with its predicted memory for every phase, is checked before anything is written or read; a re-run
-    # of a finished job checks it too (a bad policy key is an error whether or not work is left)
-    t = time.perf_counter()
-    jplan = plan_for_job(job, prep)
-    cpu_est = cpu_prediction(job, prep, jplan, log)  # device cpu: the CPU executor's roofline (policy.cpu_hrm)
-    parts["plan"] = time.perf_counter() - t
-    if os.path.exists(job.output.report_path) and os.path.exists(job.output.path):
-        check_results_provenance(job)  # results exist: compared, nothing written
-        with ResultsWriter(job.output.path) as w:
-            if all(t.id in w.done_ids() for t in prep.treqs):  # nothing to do: keep the last run's report
-                with open(job.output.report_path) as f:
-                    old = json.load(f)
-                share_work([], {})  # the other expert-parallel processes have nothing to do either
-                print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
-                      f"report of the run that finished them: {job.output.report_path}", file=log)
-                return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
-    check_results_provenance(job)  # never mix records of another model / settings into one results file
-    with ResultsWriter(job.output.path) as w:
-        done = w.done_ids()
-    todo = [t for t in prep.treqs if t.id not in done]
-    work = work_order(job, todo)
-    writer = ResultsWriter(job.output.path)
-    partials_file, partials = None, {}
-    if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
-        partials_file = PartialsFile(job.output.partial_path)
-        partials = partials_file.load([t.id for t in work], done)
-    share_work([t.id for t in work if t.error is None], partials)  # the other expert-parallel processes run the same
-    prev_runs = reconcile_killed_runs(previous_runs(job, bool(done) or bool(partials)), len(done))
-    skipped = len(prep.treqs) - len(todo)
-    report: dict = {
-        "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
-        "model": job.model, "model_path": prep.model_path, "device": job.device, "dtype": job.dtype,
-        "executor": job.executor, "shard": list(job.shard) if job.shard else None, "host": platform.node(),
-        "requests_in_input": prep.n_input, "requests_in_shard": len(prep.treqs), "skipped_already_done": skipped,
-        "results": writer.path, "status": "running",
-        "expert_parallel": {"processes": job.gpus, "backend": "nccl" if job.device.startswith("cuda") else "gloo"}
-        if job.gpus > 1 else None,
-        "partials": {"path": partials_file.path, "resumed_sequences": len(partials),
-                     "resumed_tokens": sum(map(len, partials.values()))} if partials_file is not None else None,
-    }
-    errors = [t for t in todo if t.error is not None]
-    for t in errors:  # validation failures under on_error: record
-        writer.write(error_record(t.id, t.error))
-    stats = RunStats()
-    score_records: list[dict] = []
-    t_load = 0.0
-    executor = None
-    own_runner = runner is None
-    if own_runner:
-        runner = ModelRunner(prep.files, job.dtype, log)
-    peaks = PhasePeaks(job.device)
-    cap = None
-    stop = StopSignals()
-
-    def run_entry(status: str) -> dict:
-        st = executor.stats if executor is not None else stats
-        return {"started": started, "wall_seconds": time.perf_counter() - t_start, "prompt_tokens": st.prefill_tokens,
-                "generated_tokens": st.generated_tokens, "records_written": writer.written, "status": status}
-
-    def save_progress() -> None:  # at checkpoints: a run killed later still shows in the report's runs
-        runs = prev_runs + [run_entry("running")]
-        write_json_atomic(job.output.report_path, {**report, "runs": runs,
-                                                   "job_totals": job_totals(runs, len(done) + writer.written)})
-
-    stop.__enter__()
+    run = _prepare(job, runner, spans, log)
+    _plan(run)  # before the finished-job check: a re-run of a finished job checks the policy too
+    finished = _finished_report(run)
+    if finished is not None:
+        return finished
+    _resume(run, runner)
+    run.stop.__enter__()
     try:
-        if work:
-            save_progress()  # this run is in the report's runs from its start: killed before a checkpoint, it still shows
-            t = time.perf_counter()
-            use_device(job.device)
-            cap = apply_gpu_cap(job.device, job.gpu_memory)
-            parts["gpu_init"] = time.perf_counter() - t
-            t = time.perf_counter()
-            _prepare_cpu_attention(job, jplan, log)  # a first-run compile is not timed as load or decode
-            t_setup += time.perf_counter() - t
-            peaks.enter("load")
-            t0 = time.perf_counter()
-            executor = runner.executor(job, prep, jplan)  # reads the weights
-            executor.phase_hook = peaks.enter
-            t_load = time.perf_counter() - t0
-            if spans is not None:
-                executor.timer.start_spans()
-            report["gpu_memory_fraction"] = cap["fraction"] if cap else None
-            if hasattr(executor, "policy_summary"):
-                report["policy"] = executor.policy_summary()
-            est = jplan.estimate if jplan is not None else None
-            if est is not None and job.device.startswith("cuda"):
-                report["predicted"] = predicted_report(job, est)
-            elif cpu_est is not None:  # on the CPU: the CPU executor's roofline, not the GPU host's HRM
-                report["predicted"] = cpu_predicted_report(cpu_est)
-            t = time.perf_counter()
-            _run_work(job, prep, executor, work, writer, score_records, progress, log, tqdm, partials=partials,
-                      partials_file=partials_file, stop=stop, on_checkpoint=save_progress)
-            parts["run"] = time.perf_counter() - t
-            stats = executor.stats
-        report["status"] = "done"
-        if partials_file is not None:  # every sequence has its record: the partials are obsolete
-            partials_file.remove()
+        if run.work:
+            _load(run, spans)
+            _loop(run, progress)
+        run.report["status"] = "done"
+        if run.partials_file is not None:  # every sequence has its record: the partials are obsolete
+            run.partials_file.remove()
     except torch.OutOfMemoryError:
-        peaks.close()
-        phase = getattr(executor, "phase", None) or peaks.phase
-        report["status"] = f"out of memory in {phase}"
-        msg = oom_message(phase, jplan, peaks, job, prep.spec, writer.written, writer.path)
-        report["error"] = msg
+        msg = _out_of_memory(run)
         if os.environ.get("MOE_BATCH_DEBUG"):
             raise
         raise GpuOutOfMemory(msg) from None
     except JobStopped:
-        report["status"] = "stopped (resumable)"
-        left = len(read_partials_ids(job.output.partial_path) - writer.done_ids())  # sequences still in flight
-        raise JobStopped(f"stopped by {stop.requested}: {writer.written} records written by this run "
-                         f"({len(done) + writer.written} of {len(prep.treqs)} in {writer.path}), the partial generations "
-                         f"of {left} sequences in {job.output.partial_path}; resumable: re-run the same command to "
-                         f"continue") from None
+        raise _stopped(run) from None
     except BaseException as e:
-        report["status"] = f"failed: {type(e).__name__}: {e}"
+        run.report["status"] = f"failed: {type(e).__name__}: {e}"
         raise
     finally:
-        stop.deferred = True  # a signal now only marks the stop: the report below is written whole
-        stats = executor.stats if executor is not None else stats
-        if spans is not None and executor is not None and executor.timer.spans_on:
-            spans.extend(executor.timer.take_spans())
-        peaks.close()
-        writer.close()
-        if partials_file is not None:
-            partials_file.close()
-        total = time.perf_counter() - t_start
-        report.update(timing(stats, t_load, total, job.task, t_setup))
-        report["other_seconds"] = other_parts(report["wall_seconds"], parts)
-        report["records_written_this_run"] = writer.written
-        report["errors_recorded"] = len(errors)
-        report["peak_host_memory_bytes"] = peaks.host_overall() or peak_host_bytes()
-        report["peak_gpu_memory_bytes"] = peaks.overall("allocated")
-        report["memory"] = memory_report(jplan, cap, peaks, prep.spec, job)
-        if job.task == "score":
-            report["metrics"] = scoring.summarize(score_records, job.score.mode)
-        report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
-        report["stages"] = stats.extra
-        if own_runner:
-            runner.close()
-        try:
-            report["runs"] = prev_runs + [run_entry(report["status"])]
-            report["job_totals"] = job_totals(report["runs"], len(done) + writer.written)
-            write_json_atomic(job.output.report_path, report)
-        finally:
-            stop.__exit__(None, None, None)
-    return report
+        _report(run, spans)
+    return run.report
+
+
+def _prepare(job: Job, runner: Optional[ModelRunner], spans: Optional[list], log) -> JobRun:
+    """Stage prepare: the device and kernel settings checked, the model's config and tokenizer read, the requests
+    read and tokenized -- every input error surfaces here, before any weight is read and any file is written."""
+    run = JobRun(job, log)
+    check_device(job)
+    if runner is None:
+        t = time.perf_counter()
+        resolve_model_path(job.model)  # creates tiny-mixtral on first use (instant otherwise)
+        run.t_setup += time.perf_counter() - t
+    if spans is not None and job.executor != "cgopipe":
+        raise ConfigError(f"{job.label}: executor: the timeline draws the cgopipe executor's stages; this job runs "
+                          f"executor: {job.executor} (--set executor=cgopipe)")
+    t = time.perf_counter()
+    run.prep = Prepared(job, files=runner.files if runner is not None else None)
+    t_read = time.perf_counter() - t  # what wall_seconds.other holds (report: other_seconds)
+    run.parts = {"model_files": run.prep.model_files_seconds,
+                 "requests": max(0.0, t_read - run.prep.model_files_seconds)}
+    return run
+
+
+def _plan(run: JobRun) -> None:
+    """Stage plan: the policy, with its predicted memory for every phase, checked before anything is written or read
+    (:func:`plan_for_job`); a bad policy key is an error whether or not work is left."""
+    t = time.perf_counter()
+    run.jplan = plan_for_job(run.job, run.prep)
+    run.cpu_est = cpu_prediction(run.job, run.prep, run.jplan, run.log)  # device cpu: policy.cpu_hrm's roofline
+    run.parts["plan"] = time.perf_counter() - t
+
+
+def _finished_report(run: JobRun) -> Optional[dict]:
+    """The last run's report, flagged ``nothing_to_do``, when every request of the job has its record already (the
+    results' provenance compared first; nothing is written); None when work is left."""
+    job, prep = run.job, run.prep
+    if not (os.path.exists(job.output.report_path) and os.path.exists(job.output.path)):
+        return None
+    check_results_provenance(job)  # results exist: compared, nothing written
+    with ResultsWriter(job.output.path) as w:
+        if not all(t.id in w.done_ids() for t in prep.treqs):
+            return None
+    with open(job.output.report_path) as f:
+        old = json.load(f)
+    share_work([], {})  # the other expert-parallel processes have nothing to do either
+    print(f"moe-batch: all {len(prep.treqs)} requests of {job.output.path} are done; "
+          f"report of the run that finished them: {job.output.report_path}", file=run.log)
+    return {**old, "nothing_to_do": True}  # the flag is not written: the file stays that run's report
+
+
+def _resume(run: JobRun, runner: Optional[ModelRunner]) -> None:
+    """Stage resume: the results file opened (records there are skipped, a torn last line repaired), the partials
+    sidecar read, the report started with the job's earlier runs, validation failures recorded; the runner made
+    when the caller gave none."""
+    job, prep = run.job, run.prep
+    check_results_provenance(job)  # never mix records of another model / settings into one results file
+    with ResultsWriter(job.output.path) as w:
+        run.done = w.done_ids()
+    run.todo = [t for t in prep.treqs if t.id not in run.done]
+    run.work = work_order(job, run.todo)
+    run.writer = ResultsWriter(job.output.path)
+    if job.task == "generate":  # the sidecar: torn line repaired, partials of ids with a record or not in the input dropped
+        run.partials_file = PartialsFile(job.output.partial_path)
+        run.partials = run.partials_file.load([t.id for t in run.work], run.done)
+    share_work([t.id for t in run.work if t.error is None], run.partials)  # the other processes run the same
+    prev_runs = reconcile_killed_runs(previous_runs(job, bool(run.done) or bool(run.partials)), len(run.done))
+    run.progress = RunProgress(job.output.report_path, prev_runs, len(run.done), run.writer, run.started, run.t_start)
+    run.report = report_head(job, prep, run.writer.path, len(prep.treqs) - len(run.todo), run.partials_file,
+                             run.partials)
+    run.errors = [t for t in run.todo if t.error is not None]
+    for t in run.errors:  # validation failures under on_error: record
+        run.writer.write(error_record(t.id, t.error))
+    run.own_runner = runner is None
+    run.runner = ModelRunner(prep.files, job.dtype, run.log) if runner is None else runner
+    run.peaks = PhasePeaks(job.device)
+
+
+def _load(run: JobRun, spans: Optional[list]) -> None:
+    """Stage load: the device set up and capped, the native CPU attention kernel ready, the weights read and the
+    executor built; the report gets the cap, the policy and the prediction."""
+    job, report = run.job, run.report
+    run.progress.save(report, run.current_stats())  # the run is in the report's runs from its start: killed before a
+    #   checkpoint, it still shows
+    t = time.perf_counter()
+    use_device(job.device)
+    run.cap = apply_gpu_cap(job.device, job.gpu_memory)
+    run.parts["gpu_init"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _prepare_cpu_attention(job, run.jplan, run.log)  # a first-run compile is not timed as load or decode
+    run.t_setup += time.perf_counter() - t
+    run.peaks.enter("load")
+    t0 = time.perf_counter()
+    run.executor = run.runner.executor(job, run.prep, run.jplan)  # reads the weights
+    run.executor.phase_hook = run.peaks.enter
+    run.t_load = time.perf_counter() - t0
+    if spans is not None:
+        run.executor.timer.start_spans()
+    report["gpu_memory_fraction"] = run.cap["fraction"] if run.cap else None
+    if hasattr(run.executor, "policy_summary"):
+        report["policy"] = run.executor.policy_summary()
+    if run.jplan is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
+        report["predicted"] = predicted_report(job, run.jplan)
+    elif run.cpu_est is not None:  # on the CPU: the CPU executor's roofline, not the GPU host's HRM
+        report["predicted"] = cpu_predicted_report(run.cpu_est)
+
+
+def _loop(run: JobRun, progress: bool) -> None:
+    """Stage loop: the batch loop :func:`_run_work` over the work, with the sidecar's checkpoints, the report's
+    progress at them, and the stop signals served after a decode step."""
+    t = time.perf_counter()
+    _run_work(run.job, run.prep, run.executor, run.work, run.writer, run.score_records, progress, run.log, tqdm,
+              partials=run.partials, partials_file=run.partials_file, stop=run.stop,
+              on_checkpoint=lambda: run.progress.save(run.report, run.current_stats()))
+    run.parts["run"] = time.perf_counter() - t
+    run.stats = run.executor.stats
+
+
+def _out_of_memory(run: JobRun) -> str:
+    """The report's status and error for an out-of-memory run; returns the one line (report.oom_message)."""
+    run.peaks.close()
+    phase = getattr(run.executor, "phase", None) or run.peaks.phase
+    run.report["status"] = f"out of memory in {phase}"
+    msg = oom_message(phase, run.jplan, run.peaks, run.job, run.prep.spec, run.writer.written, run.writer.path)
+    run.report["error"] = msg
+    return msg
+
+
+def _stopped(run: JobRun) -> JobStopped:
+    """The report's status for a stopped run, and the one-line JobStopped saying what is saved."""
+    job, writer = run.job, run.writer
+    run.report["status"] = "stopped (resumable)"
+    left = len(read_partials_ids(job.output.partial_path) - writer.done_ids())  # sequences still in flight
+    return JobStopped(f"stopped by {run.stop.requested}: {writer.written} records written by this run "
+                      f"({len(run.done) + writer.written} of {len(run.prep.treqs)} in {writer.path}), the partial "
+                      f"generations of {left} sequences in {job.output.partial_path}; resumable: re-run the same "
+                      f"command to continue")
+
+
+def _report(run: JobRun, spans: Optional[list]) -> None:
+    """Stage report (whatever ended the run): the files closed, the report's figures filled in (report.end_of_run)
+    and its runs list, and the report written atomically; the signal handlers restored last."""
+    run.stop.deferred = True  # a signal now only marks the stop: the report below is written whole
+    stats = run.current_stats()
+    if spans is not None and run.executor is not None and run.executor.timer.spans_on:
+        spans.extend(run.executor.timer.take_spans())
+    run.peaks.close()
+    run.writer.close()
+    if run.partials_file is not None:
+        run.partials_file.close()
+    run.report.update(end_of_run(run.job, run.prep.spec, stats, t_load=run.t_load,
+                                 total=time.perf_counter() - run.t_start, t_setup=run.t_setup, parts=run.parts,
+                                 written=run.writer.written, errors=len(run.errors), jplan=run.jplan, cap=run.cap,
+                                 peaks=run.peaks, score_records=run.score_records))
+    if run.own_runner:
+        run.runner.close()
+    try:
+        run.report.update(run.progress.runs(run.report["status"], stats))
+        write_json_atomic(run.job.output.report_path, run.report)
+    finally:
+        run.stop.__exit__(None, None, None)
 
 
 def follow_job(job: Job, log=sys.stderr) -> None:
     """Processes 1..G-1: the work process 0 sends (:func:`share_work`), run batch by batch with the job's executor,
     nothing written."""
-    from tqdm import tqdm
-
-    from .expert_parallel import NoWriter, share_work
-
     prep = Prepared(job)
     ids, partials = share_work([], {})
     if not ids:
@@ -717,8 +737,6 @@ def follow_job(job: Job, log=sys.stderr) -> None:
 
 def read_partials_ids(path: str) -> set:
     """Ids with a partial generation in the sidecar ``path`` (none when it is missing)."""
-    from ..data.writer import read_partials
-
     return set(read_partials(path))
 
 
@@ -730,113 +748,132 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
     Generation resumes the sequences of ``partials`` (id -> tokens generated by earlier runs: prefilled with the prompt;
     a complete one is written at once) and appends the new tokens of every sequence in flight to ``partials_file`` at
     each checkpoint (``job.checkpoint``; the write time goes to the executor's stage ``checkpoint_write_s``), calling
-    ``on_checkpoint()`` at most every REPORT_EVERY_S. A stop request (``stop.requested``) is served after the decode
-    step it arrives in: the partials are flushed and JobStopped raised.
+    ``on_checkpoint()`` at most every report.REPORT_EVERY_S (app.checkpointing). A stop request (``stop.requested``) is
+    served after the decode step it arrives in: the partials are flushed and JobStopped raised.
 
     The progress bar counts generated tokens (advancing every decode step, live tokens/s) or scored requests."""
+    if job.task == "generate":
+        bar = functools.partial(tqdm, disable=not progress, unit="tok", file=log, dynamic_ncols=True)
+        return _generate_work(job, prep, executor, work, writer, bar, partials or {}, partials_file, stop,
+                              on_checkpoint)
+    return _score_work(job, prep, executor, work, writer, score_records,
+                       tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True))
+
+
+class _GenerationRecords:
+    """How a generate job's records are made: its sampling settings, end of sequence, stop strings and log-probs."""
+
+    def __init__(self, job: Job, prep: "Prepared", writer):
+        self.G = job.generation.max_new_tokens
+        self.params = DecodeSampling.from_config(job.generation)
+        self.eos = prep.eos_token_id
+        self.stops = job.generation.stop
+        self.k = self.params.logprobs  # None: no log-probs (nothing computed, nothing kept)
+        self.tokenizer = prep.tokenizer
+        self.writer = writer
+        self.watch = StopWatch(self.stops, lambda rows: prep.tokenizer.batch_decode(rows, skip_special_tokens=True))
+
+    def ends(self, p: list) -> bool:
+        """Whether output ``p`` ends the sequence (an end-of-sequence or stop token)."""
+        return bool(p) and finish_reason(self.params, self.eos, p[-1], len(p)) == "stop"
+
+    def write(self, tr, out_ids: list, reason: str, lps: Optional[list]) -> None:
+        """Write the record of request ``tr``."""
+        self.writer.write(_gen_record(tr, out_ids, reason, self.tokenizer, self.stops,
+                                      lps if self.k is not None else None, self.k))
+
+
+def _resumable(gen: _GenerationRecords, partials: dict, partials_file: Optional[PartialsFile]) -> tuple[dict, dict]:
+    """(partials, their log-prob entries) a run can continue: with log-probs asked for, a partial without its log-probs
+    (not written by a job that asked for them) starts over."""
+    if gen.k is None:
+        return partials, {}
+    plps = partials_file.logprobs if partials_file is not None else {}
+    return {i: p for i, p in partials.items() if plps.get(i) is not None and len(plps[i]) == len(p)}, plps
+
+
+def _write_complete_partials(gen: _GenerationRecords, work: list, partials: dict, plps: dict) -> list:
+    """Write the record of every request whose partial is complete (killed before its record was written: it needs no
+    model); returns the rest of ``work``."""
+    rest = []
+    stopped = gen.watch.hits({i: p for i, t in enumerate(work) if (p := partials.get(t.id))}) if gen.watch else set()
+    for i, t in enumerate(work):
+        p = partials.get(t.id, [])
+        if p and (len(p) >= gen.G or gen.ends(p) or i in stopped):
+            out = p[:gen.G]
+            gen.write(t, out, "stop" if gen.ends(out) or i in stopped else "length", plps.get(t.id, [])[:gen.G])
+        else:
+            rest.append(t)
+    return rest
+
+
+def _generate_work(job: Job, prep: "Prepared", executor, work: list, writer, bar, partials: dict,
+                   partials_file: Optional[PartialsFile], stop: Optional[StopSignals], on_checkpoint) -> int:
+    """:func:`_run_work` for a generate job (``bar``: the progress bar's maker)."""
+    t_run = time.perf_counter()
+    gen = _GenerationRecords(job, prep, writer)
+    if stop is not None:
+        stop.deferred = True  # served after the current decode step (on_tokens below)
+    partials, plps = _resumable(gen, partials, partials_file)
+    rest = _write_complete_partials(gen, work, partials, plps)
+    written = len(work) - len(rest)
+    bar = bar(total=sum(gen.G - len(partials.get(t.id, [])) for t in rest))
+    done = [0]  # records written by the loop
+    ckpt = PartialCheckpoints(job.checkpoint, partials_file, executor.stats.extra, on_checkpoint)
+
+    def show(refresh: bool = False) -> None:
+        bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
+                            f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=refresh)
+
+    batch = max(1, getattr(executor, "batch_size", job.batch_size))
+    try:  # the bar ends its line whatever ends the loop (a stop, an out-of-memory)
+        for chunk in _generation_batches(rest, partials, batch):
+            _generate_batch(job, executor, gen, chunk, partials, plps if gen.k is not None else None, ckpt, stop,
+                            bar, done, show)
+            written += len(chunk)
+        show(refresh=True)  # the last step's count
+    finally:
+        bar.close()
+    return written
+
+
+def _generate_batch(job: Job, executor, gen: _GenerationRecords, chunk: list, partials: dict, plps: Optional[dict],
+                    ckpt: PartialCheckpoints, stop: Optional[StopSignals], bar, done: list, show) -> None:
+    """One batch of the generation loop: the executor's callbacks write each record as it finishes, keep every row's
+    tokens (and log-probs) in flight, write the sidecar's checkpoints and serve a stop request."""
+    rows = InFlight([t.id for t in chunk], partials, plps)
+
+    def on_step(tokens: int) -> None:
+        bar.update(tokens)
+        show()
+
+    def on_finish(idx, out_ids, reason) -> None:
+        gen.write(chunk[idx], out_ids, reason, rows.lpss[idx] if rows.lpss is not None else None)
+        rows.finished[idx] = True
+        done[0] += 1
+        if len(out_ids) < gen.G:  # stopped early: its remaining tokens will never come
+            bar.total -= gen.G - len(out_ids)
+
+    def on_tokens(rws, toks) -> None:
+        rows.add_tokens(rws, toks)
+        stopping = stop is not None and stop.requested is not None
+        ckpt.step(rows, stopping)
+        if stopping:
+            raise JobStopped(f"stopped by {stop.requested}")
+
+    pre = [partials.get(t.id, []) for t in chunk]
+    executor.generate([t.prompt_ids for t in chunk], gen.params, on_finish=on_finish,
+                      seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
+                      eos_token_id=gen.eos, on_step=on_step, prefixes=pre if any(pre) else None,
+                      on_tokens=on_tokens, stop_rows=gen.watch.hits if gen.watch else None,
+                      on_logprobs=rows.add_logprobs if gen.k is not None else None)
+
+
+def _score_work(job: Job, prep: "Prepared", executor, work: list, writer, score_records: list, bar) -> int:
+    """:func:`_run_work` for a score job: batches of at most the policy's N sequences (else ``job.batch_size``
+    requests), every record written as its batch ends."""
     t_run = time.perf_counter()
     written = 0
-    partials = partials or {}
-    if job.task == "generate":
-        G = job.generation.max_new_tokens
-        params = DecodeSampling.from_config(job.generation)
-        eos = prep.eos_token_id
-        ck = job.checkpoint
-        if stop is not None:
-            stop.deferred = True  # served after the current decode step (on_tokens below)
-
-        stops = job.generation.stop
-        watch = StopWatch(stops, lambda rows: prep.tokenizer.batch_decode(rows, skip_special_tokens=True))
-        k = params.logprobs  # None: no log-probs (nothing computed, nothing kept)
-        plps: dict = {}  # id -> the log-prob entries of its partial
-        if k is not None:
-            plps = partials_file.logprobs if partials_file is not None else {}
-            # a partial without its log-probs (not written by a job that asked for them) starts over
-            partials = {i: p for i, p in partials.items() if plps.get(i) is not None and len(plps[i]) == len(p)}
-
-        def ends(p: list) -> bool:
-            return bool(p) and finish_reason(params, eos, p[-1], len(p)) == "stop"
-
-        rest = []
-        stopped = watch.hits({i: p for i, t in enumerate(work) if (p := partials.get(t.id))}) if watch else set()
-        for i, t in enumerate(work):  # a complete partial (killed before its record was written) needs no model
-            p = partials.get(t.id, [])
-            if p and (len(p) >= G or ends(p) or i in stopped):
-                writer.write(_gen_record(t, p[:G], "stop" if ends(p[:G]) or i in stopped else "length",
-                                         prep.tokenizer, stops, plps[t.id][:G] if k is not None else None, k))
-                written += 1
-            else:
-                rest.append(t)
-        bar = tqdm(total=sum(G - len(partials.get(t.id, [])) for t in rest), disable=not progress, unit="tok", file=log,
-                   dynamic_ncols=True)
-        done = [0]
-        stages = executor.stats.extra
-        clock = {"steps": 0, "last": time.perf_counter(), "report": None}
-
-        def on_step(tokens: int) -> None:
-            bar.update(tokens)
-            bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
-                                f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=False)
-
-        batch = max(1, getattr(executor, "batch_size", job.batch_size))
-        try:  # the bar ends its line whatever ends the loop (a stop, an out-of-memory)
-            for chunk in _generation_batches(rest, partials, batch):
-                outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
-                saved = [len(o) for o in outs]  # how much of it the sidecar holds
-                finished = [False] * len(chunk)
-                lpss = [list(plps.get(t.id, [])) for t in chunk] if k is not None else None  # log-prob entries
-
-                def on_logprobs(rows, entries, lpss=lpss):
-                    for r, e in zip(rows, entries):
-                        lpss[r].append(e)
-
-                def on_finish(idx, out_ids, reason, chunk=chunk, finished=finished, lpss=lpss):
-                    writer.write(_gen_record(chunk[idx], out_ids, reason, prep.tokenizer, stops,
-                                             lpss[idx] if lpss is not None else None, k))
-                    finished[idx] = True
-                    done[0] += 1
-                    if len(out_ids) < G:  # stopped early: its remaining tokens will never come
-                        bar.total -= G - len(out_ids)
-
-                def on_tokens(rows, toks, chunk=chunk, outs=outs, saved=saved, finished=finished, lpss=lpss):
-                    for r, t in zip(rows, toks):
-                        if not finished[r]:
-                            outs[r].append(t)
-                    clock["steps"] += 1
-                    now = time.perf_counter()
-                    stopping = stop is not None and stop.requested is not None
-                    due = stopping or (ck.every_steps is not None and clock["steps"] >= ck.every_steps) or (
-                        ck.every_seconds is not None and now - clock["last"] >= ck.every_seconds)
-                    if due and ck.enabled and partials_file is not None:
-                        lines = [(chunk[i].id, saved[i], outs[i][saved[i]:])
-                                 + ((lpss[i][saved[i]:],) if lpss is not None else ()) for i in range(len(chunk))
-                                 if not finished[i] and len(outs[i]) > saved[i]]
-                        nbytes = partials_file.append(lines)
-                        for i in range(len(chunk)):
-                            saved[i] = len(outs[i])
-                        stages["checkpoint_write_s"] = stages.get("checkpoint_write_s", 0.0) + time.perf_counter() - now
-                        stages["checkpoint_write_calls"] = stages.get("checkpoint_write_calls", 0) + 1
-                        stages["checkpoint_bytes"] = stages.get("checkpoint_bytes", 0) + nbytes
-                        clock["steps"], clock["last"] = 0, time.perf_counter()
-                        if on_checkpoint is not None and (clock["report"] is None or now - clock["report"] >= REPORT_EVERY_S):
-                            clock["report"] = now
-                            on_checkpoint()
-                    if stopping:
-                        raise JobStopped(f"stopped by {stop.requested}")
-
-                pre = [partials.get(t.id, []) for t in chunk]
-                executor.generate([t.prompt_ids for t in chunk], params, on_finish=on_finish,
-                                  seeds=[request_seed(job.generation.seed, t.id) for t in chunk],
-                                  eos_token_id=eos, on_step=on_step, prefixes=pre if any(pre) else None,
-                                  on_tokens=on_tokens, stop_rows=watch.hits if watch else None,
-                                  on_logprobs=on_logprobs if k is not None else None)
-                written += len(chunk)
-            bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
-                                f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s")  # the last step's count
-        finally:
-            bar.close()
-        return written
-    bar = tqdm(total=len(work), disable=not progress, unit="req", file=log, dynamic_ncols=True)
     policy = getattr(executor, "policy", None)
     groups = (_score_batches(work, job, prep, policy.N) if policy is not None else
               [work[i : i + job.batch_size] for i in range(0, len(work), job.batch_size)])

@@ -143,9 +143,9 @@ def hardware_note(job, hw) -> Optional[str]:
             "measured rates")
 
 
-def policy_for_job(job, prep):
+def policy_for_job(job, prep, hw=None):
     """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
-    real lengths, the job's hardware (:func:`job_hardware`) and ``gpu_memory``/``cpu_memory``; a
+    real lengths, the job's hardware ``hw`` (default: :func:`job_hardware`) and ``gpu_memory``/``cpu_memory``; a
     path loads a policy YAML; a mapping gives explicit fields (unknown keys are errors naming the job file and key;
     ``prefill_mu`` defaults to ``mu``, the formats to the job's dtype and the checkpoint's expert pages).
 
@@ -173,7 +173,7 @@ def policy_for_job(job, prep):
         return Policy.load(job.policy), None
     if is_cpu_job(job) and job.task == "generate":  # everything on the CPU: the CPU executor's roofline plans it
         return plan_cpu_job(job, prep.spec, job_workload_from_prepared(prep), wq)
-    hw = job_hardware(job)
+    hw = hw if hw is not None else job_hardware(job)
     try:  # the job's caps must fit the card and the machine it plans for
         if job.gpu_memory:
             check_gpu_budget(job.gpu_memory, hw)
@@ -195,6 +195,7 @@ class JobPlan:
     estimate: object  # hrm.Estimate of the policy for the job's workload (throughput and memory)
     gpu_budget: int  # bytes the policy must fit on the GPU (the job's gpu_memory, else the card's)
     cpu_budget: int  # bytes the policy must fit on the host (the job's cpu_memory, else the hardware's)
+    hardware: object  # policy.hardware.HardwareProfile the job plans and runs with (job_hardware, resolved once a job)
 
 
 def plan_job(job: Job, prep: "Prepared") -> JobPlan:
@@ -202,21 +203,24 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
     against the GPU and host budgets with the memory model (hrm.memory_estimate: every allocation of every phase).
 
     Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
-    and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit.
+    and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit. The job's
+    hardware profile is resolved here, once (:func:`job_hardware`), and travels in the JobPlan.
     """
-    policy, est = policy_for_job(job, prep)
-    return check_plan(job, prep, policy, est)
+    hw = job_hardware(job)
+    policy, est = policy_for_job(job, prep, hw)
+    return check_plan(job, prep, policy, est, hw)
 
 
-def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
-    """``policy`` for the job's real workload: its budgets set (the job's caps, else the policy's, the device's or the
-    hardware's), checked with the memory model, and its HRM estimate (``est`` when the planner made one for this
-    workload). Raises PolicyError (one line) when it does not fit. :func:`plan_job`'s second half; the Python API
-    also asks it whether the policy of an executor it keeps fits a later call's workload."""
+def check_plan(job: Job, prep: "Prepared", policy, est=None, hw=None) -> JobPlan:
+    """``policy`` for the job's real workload on hardware ``hw`` (default: :func:`job_hardware`): its budgets set (the
+    job's caps, else the policy's, the device's or the hardware's), checked with the memory model, and its HRM
+    estimate (``est`` when the planner made one for this workload). Raises PolicyError (one line) when it does not
+    fit. :func:`plan_job`'s second half; the Python API also asks it whether the policy of an executor it keeps fits
+    a later call's workload."""
     from ..policy import hrm
     from ..policy.policy import PolicyError, format_bytes
 
-    hw = job_hardware(job)
+    hw = hw if hw is not None else job_hardware(job)
     gpu = job.gpu_memory or policy.gpu_budget or job_gpu_budget(job, hw)
     cpu = job.cpu_memory or policy.cpu_budget or hw.host_memory
     policy = dataclasses.replace(policy, gpu_budget=gpu, cpu_budget=cpu)
@@ -237,7 +241,7 @@ def check_plan(job: Job, prep: "Prepared", policy, est=None) -> JobPlan:
         est = dataclasses.replace(est or cpu_estimate(job, prep.spec, workload, policy),
                                   memory=hrm.memory_estimate(policy, prep.spec, workload))
     est = hrm.evaluate(policy, prep.spec, hw, workload) if est is None else est
-    return JobPlan(policy, est, gpu, cpu)
+    return JobPlan(policy, est, gpu, cpu, hw)
 
 
 def cpu_prediction(job, prep, jplan=None, log=sys.stderr):

@@ -5,19 +5,71 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Optional
 
 from ..config import Job
+from ..pipeline import scoring
 from ..policy.hardware import format_bytes
+from .plan import hardware_note
 
 if TYPE_CHECKING:
     from ..pipeline.executor import RunStats
     from .gpu import PhasePeaks
-    from .plan import JobPlan
+    from .plan import JobPlan, Prepared
 
 
 REPORT_EVERY_S = 30.0  # at checkpoints, the report (its runs list) is rewritten at most this often
+
+
+def report_head(job: Job, prep: Prepared, results: str, skipped: int, partials_file, partials: dict) -> dict:
+    """The run report as a run starts (status "running"): the job, its model and settings, its requests (``skipped``:
+    already in ``results``) and the partial generations it resumes (``partials_file``: the sidecar, None for a score
+    job)."""
+    return {
+        "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
+        "model": job.model, "model_path": prep.model_path, "device": job.device, "dtype": job.dtype,
+        "executor": job.executor, "shard": list(job.shard) if job.shard else None, "host": platform.node(),
+        "requests_in_input": prep.n_input, "requests_in_shard": len(prep.treqs), "skipped_already_done": skipped,
+        "results": results, "status": "running",
+        "expert_parallel": {"processes": job.gpus, "backend": "nccl" if job.device.startswith("cuda") else "gloo"}
+        if job.gpus > 1 else None,
+        "partials": {"path": partials_file.path, "resumed_sequences": len(partials),
+                     "resumed_tokens": sum(map(len, partials.values()))} if partials_file is not None else None,
+    }
+
+
+def predicted_report(job: Job, jplan: JobPlan) -> dict:
+    """The run report's ``predicted`` block: the HRM's tokens/s and binding stages for the plan's estimate, the
+    hardware profile it planned with (``jplan.hardware``), and the notes on what the prediction stands on (the
+    profile a job that names none got; what the estimate leaves out)."""
+    est, hw = jplan.estimate, jplan.hardware
+    return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
+            "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
+            "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
+            "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
+
+
+def end_of_run(job: Job, spec, stats: RunStats, *, t_load: float, total: float, t_setup: float, parts: dict,
+               written: int, errors: int, jplan: Optional[JobPlan], cap: Optional[dict], peaks: PhasePeaks,
+               score_records: list) -> dict:
+    """The report's fields a run's end fills in, whatever ended it: throughput and wall times (:func:`timing`, with
+    ``other`` split by :func:`other_parts`), records and error records written, peak memory and the memory block, a
+    score job's metrics, the executor's counters and stage times."""
+    out = timing(stats, t_load, total, job.task, t_setup)
+    out["other_seconds"] = other_parts(out["wall_seconds"], parts)
+    out["records_written_this_run"] = written
+    out["errors_recorded"] = errors
+    out["peak_host_memory_bytes"] = peaks.host_overall() or peak_host_bytes()
+    out["peak_gpu_memory_bytes"] = peaks.overall("allocated")
+    out["memory"] = memory_report(jplan, cap, peaks, spec, job)
+    if job.task == "score":
+        out["metrics"] = scoring.summarize(score_records, job.score.mode)
+    out["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
+    out["stages"] = stats.extra
+    return out
 
 
 def peak_host_bytes() -> int:
@@ -51,8 +103,6 @@ def oom_message(phase: Optional[str], jplan: Optional[JobPlan], peaks: PhasePeak
                 results: str) -> str:
     """The one line of an out-of-memory run: the phase, the policy, the predicted and measured peaks, the cap and
     what is saved."""
-    from ..policy.policy import format_bytes
-
     pol = ""
     pred = ""
     if jplan is not None:
@@ -180,7 +230,7 @@ def _wrap_fields(head: str, fields: list[str], width: int = 118) -> list[str]:
 
 def _table(rows: list[dict]) -> str:
     """A pandas-rendered table (right-aligned columns, '-' for missing), indented two spaces."""
-    import pandas as pd
+    import pandas as pd  # lazy: only the printed summary needs it (start-up time)
 
     df = pd.DataFrame(rows, columns=list(rows[0])).fillna("-")
     return "\n".join("  " + line for line in df.to_string(index=False).splitlines())

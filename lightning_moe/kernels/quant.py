@@ -889,6 +889,20 @@ def _quant_tiles(cfg: MoEKernelConfig, groups: tuple) -> tuple[MoEKernelConfig, 
     return replace(cfg, block_n=min(cfg.block_n, 64), block_k=min(cfg.block_k, 32)), False
 
 
+def _check_quant_call(fn: str, x: torch.Tensor, w1: QuantTensor, w3: QuantTensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> None:
+    """ValueError naming ``fn`` when the routing is on another device than ``x``, ``x``'s dtype is not one the Triton
+    kernels take, w1 and w3 differ in group size, or ``x`` is not on a device Triton runs on."""
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
+    if x.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{fn}: x dtype must be one of {_TRITON_DTYPES}, got {x.dtype}")
+    if w1.group_size != w3.group_size:
+        raise ValueError(f"{fn}: w1 and w3 must share a group size, got {w1.group_size} and {w3.group_size}")
+    _check_triton_device(fn, x)
+
+
 def fused_experts_quant_triton(
     x: torch.Tensor,
     w1: QuantTensor,
@@ -943,14 +957,7 @@ def fused_experts_quant_triton(
     T, D = x.shape
     Fd = w1.shape[1]
     k = _check_routing(fn, T, topk_weights, topk_ids)
-    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if t.device != x.device:
-            raise ValueError(f"{fn}: {name} on {t.device} but x on {x.device}")
-    if x.dtype not in _TRITON_DTYPES:
-        raise ValueError(f"{fn}: x dtype must be one of {_TRITON_DTYPES}, got {x.dtype}")
-    if w1.group_size != w3.group_size:
-        raise ValueError(f"{fn}: w1 and w3 must share a group size, got {w1.group_size} and {w3.group_size}")
-    _check_triton_device(fn, x)
+    _check_quant_call(fn, x, w1, w3, topk_weights, topk_ids)
     if validate:
         _check_id_range(fn, topk_ids, E + 1 if skip else E)
     if scratch is not None and (not isinstance(scratch, (tuple, list)) or len(scratch) != 3):

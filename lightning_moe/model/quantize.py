@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .checkpoint_io import CheckpointError, _tensor_index
 from .families import KeyMap, family_for, supported_model_types
 from .quantized import METHOD, PACKED_NAME, SCALE_DTYPES, SCHEMES, _ST_DTYPES, _WEIGHT_SUFFIXES, QuantExperts
+from .spec import MoESpec
 from .weights import load_checkpoint
 
 
@@ -79,8 +82,6 @@ def _resolve_scheme(experts: str, up: Optional[str]) -> str:
 
 def _source_dtype(src: str, keys: KeyMap) -> torch.dtype:
     """Storage dtype of the source's embedding table (the dtype kept for non-expert weights)."""
-    from safetensors import safe_open
-
     name = keys.embed
     where = _tensor_index(src)
     if name not in where:
@@ -131,10 +132,44 @@ def quantize_checkpoint(
             scales that overflow ``scale_dtype``.
         CheckpointError (a ValueError): a missing weight file or tensor in the source (named).
     """
-    from safetensors.torch import save_file
+    scheme, cfg_path, raw, fam = _check_request(src_dir, dst_dir, experts, up, group_size, scale_dtype)
+    try:
+        spec = MoESpec.from_pretrained_dir(src_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise QuantizeError(str(e)) from None
+    src_dtype = _source_dtype(src_dir, fam.keys)
+    w = load_checkpoint(src_dir, src_dtype, spec)
+    source_expert_bytes = w.expert_bytes
+    L = spec.num_layers
+    dst = os.path.abspath(dst_dir)
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}-", dir=parent)
+    try:
+        out = _Shards(tmp, L + 1)
+        layout = _write_layers(out, w, spec, fam.keys, scheme, group_size, SCALE_DTYPES[scale_dtype], src_dir,
+                               progress)
+        out.write_index()
+        raw["quantization"] = {"method": METHOD, "scheme": scheme, "group_size": group_size,
+                               "scale_dtype": scale_dtype, "page_bytes": layout.page_bytes}
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(raw, f, indent=2)
+        copied = _finish_directory(tmp, src_dir)
+        os.rename(tmp, dst)  # replaces an empty dst directory (POSIX rename)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return QuantizeResult(dst=dst_dir, scheme=scheme, group_size=group_size, page_bytes=layout.page_bytes,
+                          num_layers=L, num_experts=spec.num_experts, source_dtype=str(src_dtype).replace("torch.", ""),
+                          source_expert_bytes=source_expert_bytes,
+                          packed_expert_bytes=spec.num_moe_layers * spec.num_experts * layout.page_bytes,
+                          copied_files=copied)
 
-    from .spec import MoESpec
 
+def _check_request(src_dir: str, dst_dir: str, experts: str, up: Optional[str], group_size: int,
+                   scale_dtype: str) -> tuple[str, str, dict, object]:
+    """(scheme, config.json path, config, family) of a quantize request, every argument and the source checked
+    (QuantizeError naming the file or argument) before anything is read or written."""
     scheme = _resolve_scheme(experts, up)
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise QuantizeError(f"quantize: group_size must be a positive integer, got {group_size!r}")
@@ -149,7 +184,6 @@ def quantize_checkpoint(
     why = packed_pages_refusal(fam)
     if why is not None:
         raise QuantizeError(f"{cfg_path}: {why}")
-    keys = fam.keys
     if "quantization" in raw:
         raise QuantizeError(f"{cfg_path}: the source is already quantized ({raw['quantization']}); "
                             f"quantize the original checkpoint")
@@ -157,82 +191,76 @@ def quantize_checkpoint(
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise QuantizeError(f"{dst_dir}: destination already exists and is not an empty directory; "
                             f"choose a new directory")
-    try:
-        spec = MoESpec.from_pretrained_dir(src_dir)
-    except (FileNotFoundError, ValueError) as e:
-        raise QuantizeError(str(e)) from None
-    src_dtype = _source_dtype(src_dir, keys)
-    w = load_checkpoint(src_dir, src_dtype, spec)
-    source_expert_bytes = w.expert_bytes
-    sdt = SCALE_DTYPES[scale_dtype]
+    return scheme, cfg_path, raw, fam
+
+
+class _Shards:
+    """The safetensors shards of the quantized checkpoint in directory ``tmp`` (``n_shards``: one per layer and one for
+    the embedding, norm and head), and their index."""
+
+    def __init__(self, tmp: str, n_shards: int):
+        self.tmp = tmp
+        self.n_shards = n_shards
+        self.weight_map: dict[str, str] = {}  # tensor name -> shard file
+        self.total = 0  # bytes written
+
+    def write(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write shard ``i``."""
+        name = f"model-{i + 1:05d}-of-{self.n_shards:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(self.tmp, name),
+                  metadata={"format": "pt"})
+        for k, v in tensors.items():
+            self.weight_map[k] = name
+            self.total += v.numel() * v.element_size()
+
+    def write_index(self) -> None:
+        """Write ``model.safetensors.index.json``."""
+        with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f, indent=2)
+
+
+def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: int, sdt, src_dir: str,
+                  progress: Optional[Callable[[int, int], None]]):
+    """Write every layer of weights ``w`` (a MoE layer's routed experts as packed pages, released from ``w`` as they
+    are written; a dense layer as it is), then the embedding, norm and head; returns the pages' layout."""
     L = spec.num_layers
-    n_shards = L + 1
-    shard = lambda i: f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"  # noqa: E731
-
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}-", dir=parent)
-    try:
-        weight_map: dict[str, str] = {}
-        total = 0
-        layout = None
-
-        def write(i: int, tensors: dict[str, torch.Tensor]) -> None:
-            nonlocal total
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, shard(i)), metadata={"format": "pt"})
-            for k, v in tensors.items():
-                weight_map[k] = shard(i)
-                total += v.numel() * v.element_size()
-
-        block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
-        for l in range(L):
-            lw = w.layers[l]
-            if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
-                write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
-                if progress is not None:
-                    progress(l + 1, L)
-                continue
-            moe = keys.layer_prefix(l) + block
+    layout = None
+    block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
+    for l in range(L):
+        lw = w.layers[l]
+        if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
+            out.write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
+        else:
             try:
                 qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt)
             except ValueError as e:
                 raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
             w.experts[l] = None  # release the source copy of this layer's experts
             layout = qe.layout
-            write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items() if getattr(lw, f) is not None},
-                      moe + PACKED_NAME: qe.pages})
-            if progress is not None:
-                progress(l + 1, L)
-        last = {keys.embed: w.embed, keys.norm: w.norm}
-        if w.lm_head is not w.embed:  # tied embeddings: load_checkpoint re-ties from tie_word_embeddings
-            last[keys.lm_head] = w.lm_head
-        write(L, last)
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            out.write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items()
+                             if getattr(lw, f) is not None}, keys.layer_prefix(l) + block + PACKED_NAME: qe.pages})
+        if progress is not None:
+            progress(l + 1, L)
+    last = {keys.embed: w.embed, keys.norm: w.norm}
+    if w.lm_head is not w.embed:  # tied embeddings: load_checkpoint re-ties from tie_word_embeddings
+        last[keys.lm_head] = w.lm_head
+    out.write(L, last)
+    return layout
 
-        raw["quantization"] = {"method": METHOD, "scheme": scheme, "group_size": group_size,
-                               "scale_dtype": scale_dtype, "page_bytes": layout.page_bytes}
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(raw, f, indent=2)
-        umask = os.umask(0)
-        os.umask(umask)
-        for name in os.listdir(tmp):  # mkdtemp and save_file create private files; use the usual umask
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        copied = []
-        for name in sorted(os.listdir(src_dir)):
-            s = os.path.join(src_dir, name)
-            if name == "config.json" or name.startswith(".") or not os.path.isfile(s) or _is_weight_file(name):
-                continue
-            shutil.copy2(s, os.path.join(tmp, name))
-            copied.append(name)
-        os.rename(tmp, dst)  # replaces an empty dst directory (POSIX rename)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return QuantizeResult(dst=dst_dir, scheme=scheme, group_size=group_size, page_bytes=layout.page_bytes,
-                          num_layers=L, num_experts=spec.num_experts, source_dtype=str(src_dtype).replace("torch.", ""),
-                          source_expert_bytes=source_expert_bytes,
-                          packed_expert_bytes=spec.num_moe_layers * spec.num_experts * layout.page_bytes,
-                          copied_files=copied)
 
+def _finish_directory(tmp: str, src_dir: str) -> list[str]:
+    """Give ``tmp``'s files the usual permissions (mkdtemp and save_file create private ones) and copy the source's
+    non-weight files (tokenizer, ...) into it; returns the names copied."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    copied = []
+    for name in sorted(os.listdir(src_dir)):
+        s = os.path.join(src_dir, name)
+        if name == "config.json" or name.startswith(".") or not os.path.isfile(s) or _is_weight_file(name):
+            continue
+        shutil.copy2(s, os.path.join(tmp, name))
+        copied.append(name)
+    return copied

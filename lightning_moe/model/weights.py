@@ -102,42 +102,75 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
     """
     spec = spec or MoESpec.from_pretrained_dir(path)
     fam = family_of(spec)
-    keys = fam.keys
     r = _Reader(path, dtype)
     if spec.num_mtp_layers:
         L0 = spec.num_layers
         print(f"moe-batch: {path}: skipping {spec.num_mtp_layers} multi-token-prediction layer(s) (model.layers."
               f"{L0}{'' if spec.num_mtp_layers == 1 else f'..{L0 + spec.num_mtp_layers - 1}'}.*, "
               f"num_nextn_predict_layers): generation here uses the decoder layers only", file=sys.stderr)
+    src = _LayerReader(path, spec, fam, r, dtype, packed_experts)
+    layers, experts = [], []
+    for i in range(spec.num_layers):
+        if spec.is_dense_layer(i):  # one dense MLP, resident with the layer's other weights; nothing to page
+            layers.append(fam.dense_layer_weights(**src.read(fam.keys.dense_layer_names(i))))
+            experts.append(None)
+            continue
+        p, block = fam.keys.layer_prefix(i), fam.keys.moe_prefix(r.has, i)
+        layers.append(fam.layer_weights(**src.read(fam.keys.layer_names(i, block))))
+        experts.append(src.lazy_experts(i, p, block) if lazy_experts else src.experts(i, p, block))
+    weights = ModelWeights(spec, *src.embed_norm_head(), layers, experts)
+    r.close()
+    return weights
 
-    def read(names: dict[str, str]) -> dict:  # field -> tensor; an optional tensor the checkpoint lacks is left out
-        return {f: r.get(n) for f, n in names.items() if f not in keys.optional_tensors or r.has(n)}
 
-    page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
+class _LayerReader:
+    """:func:`load_checkpoint`'s reads of one checkpoint (``r``: its files) for model family ``fam``: a layer's named
+    tensors, its routed experts in whichever layout the checkpoint holds them (packed pages of ``moe-batch quantize``,
+    the family's own layout, transformers-5's fused tensors or one tensor per expert), now or on demand."""
 
-    def expert_names(i: int, p: str, block: str) -> list[str]:  # the tensors read_experts(i, ...) reads
-        if page_layout is not None:
+    def __init__(self, path: str, spec: MoESpec, fam, r: _Reader, dtype: torch.dtype, packed_experts: bool):
+        self.path = path
+        self.spec = spec
+        self.fam = fam
+        self.keys = fam.keys
+        self.r = r
+        self.dtype = dtype
+        self.packed_experts = packed_experts  # keep a family's own packed experts packed (gpt-oss's MXFP4)
+        self.page_layout = checkpoint_page_layout(path, spec)  # None unless the experts are packed pages
+
+    def read(self, names: dict[str, str]) -> dict:
+        """field -> tensor; an optional tensor the checkpoint lacks is left out."""
+        return {f: self.r.get(n) for f, n in names.items() if f not in self.keys.optional_tensors or self.r.has(n)}
+
+    def expert_names(self, i: int, p: str, block: str) -> list[str]:
+        """The tensors :meth:`experts` reads for layer ``i`` (none for a family's own layout: its load_experts names
+        what is missing)."""
+        keys = self.keys
+        if self.page_layout is not None:
             return [p + block + PACKED_NAME]
-        if fam.load_experts is not None:  # a family's own layout: its load_experts names what is missing
+        if self.fam.load_experts is not None:
             return []
         gate_up = p + keys.fused_gate_up.format(moe=block) if keys.fused_gate_up else None
-        if gate_up is not None and r.has(gate_up):
+        if gate_up is not None and self.r.has(gate_up):
             return [gate_up, p + keys.fused_down.format(moe=block)]
-        return [keys.expert_name(i, block, w, e) for w in ("w1", "w3", "w2") for e in range(spec.num_experts)]
+        return [keys.expert_name(i, block, w, e) for w in ("w1", "w3", "w2") for e in range(self.spec.num_experts)]
 
-    def family_layout(p: str, block: str):  # the page layout of a layer the family keeps packed, or None
-        if not packed_experts or fam.packed_expert_layout is None:
+    def family_layout(self, p: str, block: str):
+        """The page layout of a layer the family keeps packed, or None."""
+        if not self.packed_experts or self.fam.packed_expert_layout is None:
             return None
-        return fam.packed_expert_layout(r, p + block, spec, dtype)
+        return self.fam.packed_expert_layout(self.r, p + block, self.spec, self.dtype)
 
-    def read_experts(i: int, p: str, block: str):  # one layer's routed experts
-        if page_layout is not None:  # quantized checkpoint: keep the packed pages
-            return read_packed_experts(r, p + block, page_layout, spec.num_experts)
+    def experts(self, i: int, p: str, block: str):
+        """Layer ``i``'s routed experts, read now."""
+        fam, spec, r = self.fam, self.spec, self.r
+        if self.page_layout is not None:  # quantized checkpoint: keep the packed pages
+            return read_packed_experts(r, p + block, self.page_layout, spec.num_experts)
         if fam.load_experts is not None:  # the family's own expert layout (gpt-oss: interleaved, biased, MXFP4)
-            if family_layout(p, block) is not None:
-                return fam.load_experts(r, p + block, spec, dtype, packed=True)
-            return fam.load_experts(r, p + block, spec, dtype)
-        names = expert_names(i, p, block)
+            if self.family_layout(p, block) is not None:
+                return fam.load_experts(r, p + block, spec, self.dtype, packed=True)
+            return fam.load_experts(r, p + block, spec, self.dtype)
+        names = self.expert_names(i, p, block)
         if len(names) == 2:  # transformers-5 fused layout
             gu, down = r.get(names[0]), r.get(names[1])  # [E, 2F, D], [E, D, F]
             F = spec.intermediate_size
@@ -145,38 +178,32 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Option
         E = spec.num_experts  # one tensor per expert and projection, stacked: [E, F, D], [E, F, D], [E, D, F]
         return ExpertWeights(*(torch.stack([r.get(n) for n in names[j * E:(j + 1) * E]]) for j in range(3)))
 
-    def read_and_close(i: int, p: str, block: str):  # a lazy layer read: its files' mapped pages go with it
+    def _read_and_close(self, i: int, p: str, block: str):
+        """A lazy layer read: its files' mapped pages go with it."""
         try:
-            return read_experts(i, p, block)
+            return self.experts(i, p, block)
         finally:
-            r.close()
+            self.r.close()
 
-    layers, experts = [], []
-    for i in range(spec.num_layers):
-        if spec.is_dense_layer(i):  # one dense MLP, resident with the layer's other weights; nothing to page
-            layers.append(fam.dense_layer_weights(**read(keys.dense_layer_names(i))))
-            experts.append(None)
-            continue
-        p, block = keys.layer_prefix(i), keys.moe_prefix(r.has, i)
-        layers.append(fam.layer_weights(**read(keys.layer_names(i, block))))
-        if lazy_experts:
-            missing = [n for n in expert_names(i, p, block) if not r.has(n)]
-            if missing:
-                raise CheckpointError(f"{path}: tensor {missing[0]!r} not found in the checkpoint")
-            lay = page_layout if page_layout is not None else family_layout(p, block)
-            experts.append(ExpertsOnDisk(i, functools.partial(read_and_close, i, p, block), lay))
+    def lazy_experts(self, i: int, p: str, block: str) -> ExpertsOnDisk:
+        """Layer ``i``'s routed experts left in the files (their tensors' presence checked now)."""
+        missing = [n for n in self.expert_names(i, p, block) if not self.r.has(n)]
+        if missing:
+            raise CheckpointError(f"{self.path}: tensor {missing[0]!r} not found in the checkpoint")
+        lay = self.page_layout if self.page_layout is not None else self.family_layout(p, block)
+        return ExpertsOnDisk(i, functools.partial(self._read_and_close, i, p, block), lay)
+
+    def embed_norm_head(self) -> tuple:
+        """(embed, norm, lm_head); a missing lm_head is the embedding when the spec ties them."""
+        keys, r = self.keys, self.r
+        embed = r.get(keys.embed)
+        if r.has(keys.lm_head):
+            lm_head = r.get(keys.lm_head)
+        elif self.spec.tie_word_embeddings:
+            lm_head = embed
         else:
-            experts.append(read_experts(i, p, block))
-    embed = r.get(keys.embed)
-    if r.has(keys.lm_head):
-        lm_head = r.get(keys.lm_head)
-    elif spec.tie_word_embeddings:
-        lm_head = embed
-    else:
-        raise CheckpointError(f"{path}: tensor {keys.lm_head!r} not found and tie_word_embeddings is false")
-    weights = ModelWeights(spec, embed, r.get(keys.norm), lm_head, layers, experts)
-    r.close()
-    return weights
+            raise CheckpointError(f"{self.path}: tensor {keys.lm_head!r} not found and tie_word_embeddings is false")
+        return embed, r.get(keys.norm), lm_head
 
 
 def dummy_weights(spec: MoESpec, dtype: torch.dtype = torch.bfloat16, seed: int = 0, scale: float = 0.02) -> ModelWeights:
