@@ -50,147 +50,6 @@ class ConfigError(ValueError):
 
 
 # ================================================================================================
-# dataclasses
-# ================================================================================================
-@dataclass(frozen=True)
-class DataSource:
-    """Where the requests come from (``data:`` section)."""
-
-    source: str = "jsonl"  # "jsonl" (data.path), "mtbench" (80 MT-Bench first-turn questions) or IN_MEMORY (the API)
-    path: Optional[str] = None  # absolute path of the JSONL file; required for jsonl, optional question.jsonl for mtbench
-    chat_template: bool = False  # wrap prompts with the tokenizer's chat template (default: True for mtbench, False for jsonl)
-    system_prompt: Optional[str] = None  # system message prepended when chat_template is on
-    chat_template_kwargs: Optional[dict] = None  # variables the chat template reads (Qwen3: {enable_thinking: false})
-    limit: Optional[int] = None  # read only the first `limit` requests of the file (None = all)
-    truncate: str = "error"  # prompt longer than the context: "error" (or error record) | "left" (drop oldest tokens)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Decoding parameters (``generation:`` section); used by task generate."""
-
-    max_new_tokens: int = 128  # tokens generated per request at most (>= 1)
-    temperature: float = 0.0  # softmax temperature; 0 = greedy (argmax)
-    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = no truncation
-    seed: int = 0  # RNG seed for sampling (request order independent seeding is the executor's job)
-    stop_at_eos: bool = True  # finish a sequence when it emits the tokenizer's EOS id
-    stop: tuple[str, ...] = ()  # finish a sequence when its text contains one of these; the text is cut before it
-    stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these token ids (kept in output_ids)
-    logprobs: Optional[int] = None  # None: none; k in 0..MAX_LOGPROBS: every generated token's log-prob (fp32
-    #   log-softmax of the raw logits, before temperature / top-p, as vLLM's default) and its k best alternatives
-
-    @property
-    def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0)."""
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class ScoreConfig:
-    """Scoring parameters (``score:`` section); required by task score."""
-
-    mode: str  # "loglikelihood" | "multiple_choice" | "perplexity"
-    stride: Optional[int] = None  # perplexity only: rolling-window stride in tokens (None = one window, must fit)
-    length_normalize: bool = False  # multiple_choice: also rank choices by log-prob per byte of the choice text
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Partial-generation checkpoints (``checkpoint:`` section): how often the new tokens of every sequence in flight
-    are appended to the results' sidecar (``OutputConfig.partial_path``), whichever schedule comes first; both null:
-    only when a stop signal (SIGTERM / SIGINT) arrives."""
-
-    enabled: bool = True  # false: no partials are written (a kill or a stop loses the sequences in flight)
-    every_steps: Optional[int] = None  # append after every this many decode steps (>= 1); null = no step schedule
-    every_seconds: Optional[float] = 60.0  # append once this many seconds passed since the last append (> 0); null = no time schedule
-
-
-@dataclass(frozen=True)
-class OutputConfig:
-    """Where results go (``output:`` section)."""
-
-    path: str  # absolute path of results.jsonl (one JSON record per request, appended, resumable)
-
-    @property
-    def report_path(self) -> str:
-        """``<dir>/<stem>.report.json`` beside the results file (run report, written atomically)."""
-        root, _ext = os.path.splitext(self.path)
-        return root + ".report.json"
-
-    @property
-    def meta_path(self) -> str:
-        """``<dir>/<stem>.meta.json`` beside the results file: what its records depend on (model, dtype, decoding or
-        scoring settings, prompt formatting), written with the first record and checked on every resume."""
-        root, _ext = os.path.splitext(self.path)
-        return root + ".meta.json"
-
-    @property
-    def partial_path(self) -> str:
-        """``<dir>/<stem>.partial.jsonl`` beside the results file: the tokens generated so far by sequences without a
-        record (one ``{"id", "start", "ids"}`` line per sequence per checkpoint, appended and fsync'd)."""
-        root, _ext = os.path.splitext(self.path)
-        return root + ".partial.jsonl"
-
-
-@dataclass(frozen=True)
-class Job:
-    """One validated batch job (a job YAML)."""
-
-    model: str  # checkpoint directory (absolute) or "tiny-mixtral"
-    data: DataSource  # request source
-    output: Optional[OutputConfig]  # results file; None for a job whose requests and records stay in memory (the API)
-    task: str = "generate"  # "generate" | "score"
-    generation: GenerationConfig = field(default_factory=GenerationConfig)  # decoding parameters
-    score: Optional[ScoreConfig] = None  # scoring parameters; set iff task == "score"
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # partial-generation checkpoints (generate)
-    device: str = "cuda"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "bfloat16"  # compute/weight dtype: "float32" | "bfloat16" | "float16"
-    executor: str = "serial"  # "serial" | "cgopipe" (YAML default: cgopipe on cuda, serial on cpu)
-    batch_size: int = 16  # sequences per batch of the serial executor (>= 1)
-    expert_ffn: str = "auto"  # cgopipe's expert FFN: "torch" (reference loop, tokens identical to serial), "triton"
-    #   (fused grouped kernel, no host syncs, ~1e-2 relative in bf16), "grouped_mm" (torch's grouped GEMM, the same
-    #   contract), "mm_loop" (one library GEMM per expert: one host sync per call), "auto" = on cuda with triton
-    #   importable, per call the kernel the hardware profile measured fastest at that call's token count (decode
-    #   steps: of triton and grouped_mm; triton where it has no measurement); on the cpu the torch loop
-    policy: Any = "auto"  # "auto" | absolute path of a policy YAML | dict of explicit policy fields | None
-    hardware: Optional[str] = None  # hardware preset name (e.g. "h200") or absolute path of a profile YAML
-    gpu_memory: Optional[int] = None  # GPU memory the planner may use, bytes (YAML accepts "24GiB")
-    cpu_memory: Optional[int] = None  # host memory the planner may use, bytes (YAML accepts "64GB")
-    gpus: int = 1  # GPUs of one host (expert parallelism, >= 1): > 1 plans per GPU (gpu_memory is per GPU) and `moe-batch
-    #   run` starts one process per GPU (executor: serial; device cpu runs the processes on the CPU over gloo)
-    on_error: str = "fail"  # bad request: "fail" (stop before heavy work) | "record" (write an error record)
-    shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
-    name: str = "job"  # job name (YAML file stem by default), used in reports
-    config_path: Optional[str] = None  # absolute path of the YAML this job came from (None for job_from_dict)
-    source: Optional[str] = None  # the job as error messages name it: the YAML path as the user typed it
-    #   ("jobs/x.yaml"), or job_from_dict's source_name ("LLM", "moe-batch run-batch"); see :attr:`label`
-
-    @property
-    def label(self) -> str:
-        """What every error about this job starts with: :attr:`source` (the path as typed), else the name."""
-        return self.source or self.name
-
-    @property
-    def torch_dtype(self):
-        """The ``torch.dtype`` for :attr:`dtype` (imports torch lazily)."""
-        import torch
-
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
-
-    @property
-    def is_tiny(self) -> bool:
-        """True when the model is the embedded tiny Mixtral."""
-        return self.model == TINY_MODEL
-
-    def to_dict(self) -> dict:
-        """A JSON-serializable dict of every field (for run reports)."""
-        d = dataclasses.asdict(self)
-        if self.shard is not None:
-            d["shard"] = f"{self.shard[0]}/{self.shard[1]}"
-        return d
-
-
-# ================================================================================================
 # value parsers
 # ================================================================================================
 _TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
@@ -473,6 +332,263 @@ def _opt(parse):
 
 
 # ================================================================================================
+# dataclasses
+# ================================================================================================
+_SAME = object()  # job_field's vllm_default when the API default is the job default
+
+
+def job_field(default: Any, parse: "_Parser", type_doc: str, doc: str, *, vllm: Optional[str] = None,
+              vllm_default: Any = _SAME, to_job: Optional[Callable[[Any], Any]] = None, sampling: bool = False,
+              when_set: bool = False):
+    """A job key declared once: a dataclass field whose metadata every other place reads.
+
+    Args:
+        default: the value when the key is absent (immutable).
+        parse: ``parse(value, dotted_key, ctx)`` -> the checked value; raises ``ctx.err(key, ...)``.
+        type_doc, doc: the type and notes columns of the key's row in docs/REFERENCE.md (:func:`reference_rows`).
+        vllm: the key's name in vLLM's ``SamplingParams`` and in a batch file's request body (None: neither has it);
+            ``lightning_moe.api.SamplingParams`` has one keyword per such field.
+        vllm_default: that keyword's default (default: ``default``).
+        to_job: the vLLM value -> the job value (None from it: the key is not set); default: the value as given.
+        sampling: the key changes nothing when decoding is greedy (temperature 0): a batch file's greedy requests
+            run together whatever their value.
+        when_set: the key is recorded (results provenance, batch groups) only when it differs from its default, so
+            results written before the key existed still match; every key added later sets it.
+    """
+    meta = {"parse": parse, "type_doc": type_doc, "doc": doc, "vllm": vllm,
+            "vllm_default": default if vllm_default is _SAME else vllm_default, "to_job": to_job or (lambda v: v),
+            "sampling": sampling, "when_set": when_set}
+    return field(default=default, metadata=meta)
+
+
+def _negate(v: Any) -> Any:
+    """vLLM's ``ignore_eos`` -> ``stop_at_eos``: a boolean negated, anything else left for the parser to refuse."""
+    return not v if isinstance(v, bool) else v
+
+
+def _nonempty_list(v: Any) -> Any:
+    """vLLM's ``stop`` / ``stop_token_ids``: None, ``""`` and ``[]`` ask for nothing (None), one string is a list of
+    one, a tuple a list; anything else is left for the parser."""
+    if v is None or (isinstance(v, (str, list, tuple)) and len(v) == 0):
+        return None
+    return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where the requests come from (``data:`` section)."""
+
+    source: str = "jsonl"  # "jsonl" (data.path), "mtbench" (80 MT-Bench first-turn questions) or IN_MEMORY (the API)
+    path: Optional[str] = None  # absolute path of the JSONL file; required for jsonl, optional question.jsonl for mtbench
+    chat_template: bool = False  # wrap prompts with the tokenizer's chat template (default: True for mtbench, False for jsonl)
+    system_prompt: Optional[str] = None  # system message prepended when chat_template is on
+    chat_template_kwargs: Optional[dict] = None  # variables the chat template reads (Qwen3: {enable_thinking: false})
+    limit: Optional[int] = None  # read only the first `limit` requests of the file (None = all)
+    truncate: str = "error"  # prompt longer than the context: "error" (or error record) | "left" (drop oldest tokens)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding parameters (``generation:`` section); used by task generate. Each field is a :func:`job_field`: its
+    parser, default, doc line and vLLM name are declared here once, and every other place reads them (module
+    docstring, "Job fields declared once")."""
+
+    max_new_tokens: int = job_field(
+        128, _p_int(lo=1), "int >= 1", "tokens generated per request at most", vllm="max_tokens")
+    temperature: float = job_field(
+        0.0, _p_float(lo=0.0), "float >= 0",
+        "0 = greedy; `1e-4` (read by YAML as a string) is accepted as a number", vllm="temperature")
+    top_p: float = job_field(
+        1.0, _p_float(lo=0.0, hi=1.0, lo_open=True), "float in (0, 1]",
+        "nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p; 1 = off",
+        vllm="top_p", sampling=True)
+    seed: int = job_field(
+        0, _p_int(lo=0, hi=2**63 - 1), "int >= 0",
+        "sampling is seeded per request id: same output whatever the batch", vllm="seed", sampling=True)
+    stop_at_eos: bool = job_field(
+        True, _p_bool, "bool", "finish a sequence when it emits the tokenizer's EOS id",
+        vllm="ignore_eos", vllm_default=False, to_job=_negate)
+    stop: tuple[str, ...] = job_field(
+        (), _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
+        "str or list of str",
+        "finish when the text contains one (found whatever tokens it spans); the text is cut before it, "
+        "`finish_reason: stop`", vllm="stop", vllm_default=None, to_job=_nonempty_list, when_set=True)
+    stop_token_ids: tuple[int, ...] = job_field(
+        (), _p_list(_p_int(lo=0)), "int or list of int",
+        "finish at one of these tokens (kept in `output_ids`), `finish_reason: stop`; each must be in the model's "
+        "vocabulary `[0, vocab_size)` (checked before any weight is read)",
+        vllm="stop_token_ids", vllm_default=None, to_job=_nonempty_list, when_set=True)
+    logprobs: Optional[int] = job_field(
+        None, _opt(_p_int(lo=0, hi=MAX_LOGPROBS)), f"int 0..{MAX_LOGPROBS} \\| null",
+        "per generated token its log-probability (fp32 log-softmax of the raw logits, before temperature and top-p, "
+        "as vLLM's default) and the k best alternatives: record fields `logprobs` and, for k >= 1, `top_logprobs`; "
+        "null: nothing computed", vllm="logprobs", when_set=True)
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Scoring parameters (``score:`` section); required by task score."""
+
+    mode: str  # "loglikelihood" | "multiple_choice" | "perplexity"
+    stride: Optional[int] = None  # perplexity only: rolling-window stride in tokens (None = one window, must fit)
+    length_normalize: bool = False  # multiple_choice: also rank choices by log-prob per byte of the choice text
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Partial-generation checkpoints (``checkpoint:`` section): how often the new tokens of every sequence in flight
+    are appended to the results' sidecar (``OutputConfig.partial_path``), whichever schedule comes first; both null:
+    only when a stop signal (SIGTERM / SIGINT) arrives."""
+
+    enabled: bool = True  # false: no partials are written (a kill or a stop loses the sequences in flight)
+    every_steps: Optional[int] = None  # append after every this many decode steps (>= 1); null = no step schedule
+    every_seconds: Optional[float] = 60.0  # append once this many seconds passed since the last append (> 0); null = no time schedule
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go (``output:`` section)."""
+
+    path: str  # absolute path of results.jsonl (one JSON record per request, appended, resumable)
+
+    @property
+    def report_path(self) -> str:
+        """``<dir>/<stem>.report.json`` beside the results file (run report, written atomically)."""
+        root, _ext = os.path.splitext(self.path)
+        return root + ".report.json"
+
+    @property
+    def meta_path(self) -> str:
+        """``<dir>/<stem>.meta.json`` beside the results file: what its records depend on (model, dtype, decoding or
+        scoring settings, prompt formatting), written with the first record and checked on every resume."""
+        root, _ext = os.path.splitext(self.path)
+        return root + ".meta.json"
+
+    @property
+    def partial_path(self) -> str:
+        """``<dir>/<stem>.partial.jsonl`` beside the results file: the tokens generated so far by sequences without a
+        record (one ``{"id", "start", "ids"}`` line per sequence per checkpoint, appended and fsync'd)."""
+        root, _ext = os.path.splitext(self.path)
+        return root + ".partial.jsonl"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated batch job (a job YAML)."""
+
+    model: str  # checkpoint directory (absolute) or "tiny-mixtral"
+    data: DataSource  # request source
+    output: Optional[OutputConfig]  # results file; None for a job whose requests and records stay in memory (the API)
+    task: str = "generate"  # "generate" | "score"
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # decoding parameters
+    score: Optional[ScoreConfig] = None  # scoring parameters; set iff task == "score"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # partial-generation checkpoints (generate)
+    device: str = "cuda"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "bfloat16"  # compute/weight dtype: "float32" | "bfloat16" | "float16"
+    executor: str = "serial"  # "serial" | "cgopipe" (YAML default: cgopipe on cuda, serial on cpu)
+    batch_size: int = 16  # sequences per batch of the serial executor (>= 1)
+    expert_ffn: str = "auto"  # cgopipe's expert FFN: "torch" (reference loop, tokens identical to serial), "triton"
+    #   (fused grouped kernel, no host syncs, ~1e-2 relative in bf16), "grouped_mm" (torch's grouped GEMM, the same
+    #   contract), "mm_loop" (one library GEMM per expert: one host sync per call), "auto" = on cuda with triton
+    #   importable, per call the kernel the hardware profile measured fastest at that call's token count (decode
+    #   steps: of triton and grouped_mm; triton where it has no measurement); on the cpu the torch loop
+    policy: Any = "auto"  # "auto" | absolute path of a policy YAML | dict of explicit policy fields | None
+    hardware: Optional[str] = None  # hardware preset name (e.g. "h200") or absolute path of a profile YAML
+    gpu_memory: Optional[int] = None  # GPU memory the planner may use, bytes (YAML accepts "24GiB")
+    cpu_memory: Optional[int] = None  # host memory the planner may use, bytes (YAML accepts "64GB")
+    gpus: int = 1  # GPUs of one host (expert parallelism, >= 1): > 1 plans per GPU (gpu_memory is per GPU) and `moe-batch
+    #   run` starts one process per GPU (executor: serial; device cpu runs the processes on the CPU over gloo)
+    on_error: str = "fail"  # bad request: "fail" (stop before heavy work) | "record" (write an error record)
+    shard: Optional[tuple[int, int]] = None  # (index, count), index 0-based in 0..count-1; None = all requests
+    name: str = "job"  # job name (YAML file stem by default), used in reports
+    config_path: Optional[str] = None  # absolute path of the YAML this job came from (None for job_from_dict)
+    source: Optional[str] = None  # the job as error messages name it: the YAML path as the user typed it
+    #   ("jobs/x.yaml"), or job_from_dict's source_name ("LLM", "moe-batch run-batch"); see :attr:`label`
+
+    @property
+    def label(self) -> str:
+        """What every error about this job starts with: :attr:`source` (the path as typed), else the name."""
+        return self.source or self.name
+
+    @property
+    def torch_dtype(self):
+        """The ``torch.dtype`` for :attr:`dtype` (imports torch lazily)."""
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    @property
+    def is_tiny(self) -> bool:
+        """True when the model is the embedded tiny Mixtral."""
+        return self.model == TINY_MODEL
+
+    def to_dict(self) -> dict:
+        """A JSON-serializable dict of every field (for run reports)."""
+        d = dataclasses.asdict(self)
+        if self.shard is not None:
+            d["shard"] = f"{self.shard[0]}/{self.shard[1]}"
+        return d
+
+
+# ================================================================================================
+# what the job fields' metadata gives (job_field): the API keywords, batch-file body keys, records, docs
+# ================================================================================================
+def vllm_fields(cls: type = GenerationConfig) -> list:
+    """The ``dataclasses.Field`` s of ``cls`` that have a vLLM name (``metadata["vllm"]``), in declaration order: one
+    keyword of ``lightning_moe.api.SamplingParams`` and one request-body key of a batch file each."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("vllm")]
+
+
+def generation_from_vllm(values: Mapping[str, Any], cls: type = GenerationConfig) -> dict:
+    """A ``generation:`` section (unchecked) from values under their vLLM names: each converted by its field's
+    ``to_job``; a name absent from ``values``, or a value that converts to None, sets nothing."""
+    gen = {}
+    for f in vllm_fields(cls):
+        if f.metadata["vllm"] in values:
+            v = f.metadata["to_job"](values[f.metadata["vllm"]])
+            if v is not None:
+                gen[f.name] = v
+    return gen
+
+
+def _at_default(f: dataclasses.Field, v: Any) -> bool:
+    """``v`` (a parsed value, or its JSON form: a list for a tuple) equals the field's default."""
+    return v == f.default or (isinstance(v, list) and isinstance(f.default, tuple) and tuple(v) == f.default)
+
+
+def recorded(gen: Mapping[str, Any], cls: type = GenerationConfig, greedy_defaults: bool = False) -> dict:
+    """``gen`` (a ``generation:`` section) as records of it keep it (tuples as lists): a ``when_set`` field at its
+    default left out, so results written before that field existed still match. ``greedy_defaults``: when decoding is
+    greedy (temperature 0), every ``sampling`` field first set to its default (it changes nothing). Used for the
+    results' provenance (app.engine, meta.json) and a batch file's groups (app.batch_files, with greedy_defaults)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    greedy = greedy_defaults and gen.get("temperature", fields["temperature"].default) == 0
+    out = {}
+    for k, v in gen.items():
+        f = fields[k]
+        v = f.default if greedy and f.metadata.get("sampling") else v
+        if not (f.metadata.get("when_set") and _at_default(f, v)):
+            out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _default_doc(v: Any) -> str:
+    return "null" if v is None else "none" if v == () else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def reference_rows(cls: type = GenerationConfig, section: str = "generation") -> list[str]:
+    """The rows of docs/REFERENCE.md's job-key table for ``cls``'s fields (``| `section.key` | type | default | doc
+    |``), from their metadata; tests/test_job_fields.py checks the document holds exactly these."""
+    return [f"| `{section}.{f.name}` | {f.metadata['type_doc']} | {_default_doc(f.default)} | {f.metadata['doc']} |"
+            for f in dataclasses.fields(cls)]
+
+
+# ================================================================================================
 # schema: section -> {key: (parser, required)}
 # ================================================================================================
 _Parser = Callable[[Any, str, _Ctx], Any]
@@ -486,16 +602,7 @@ _DATA_KEYS: dict[str, _Parser] = {
     "limit": _opt(_p_int(lo=1)),
     "truncate": _p_choice(TRUNCATE),
 }
-_GEN_KEYS: dict[str, _Parser] = {
-    "max_new_tokens": _p_int(lo=1),
-    "temperature": _p_float(lo=0.0),
-    "top_p": _p_float(lo=0.0, hi=1.0, lo_open=True),
-    "seed": _p_int(lo=0, hi=2**63 - 1),
-    "stop_at_eos": _p_bool,
-    "stop": _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
-    "stop_token_ids": _p_list(_p_int(lo=0)),
-    "logprobs": _opt(_p_int(lo=0, hi=MAX_LOGPROBS)),
-}
+_GEN_KEYS: dict[str, _Parser] = {f.name: f.metadata["parse"] for f in dataclasses.fields(GenerationConfig)}
 _SCORE_KEYS: dict[str, _Parser] = {
     "mode": _p_choice(SCORE_MODES),
     "stride": _opt(_p_int(lo=1)),
