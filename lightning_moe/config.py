@@ -538,13 +538,13 @@ class Job:
 # ================================================================================================
 # what the job fields' metadata gives (job_field): the API keywords, batch-file body keys, records, docs
 # ================================================================================================
-def vllm_fields(cls: type = GenerationConfig) -> list:
-    """The ``dataclasses.Field`` s of ``cls`` that have a vLLM name (``metadata["vllm"]``), in declaration order: one
+def vllm_fields(cls: Optional[type] = None) -> list:
+    """The ``dataclasses.Field`` s of ``cls`` (None: :class:`GenerationConfig`, looked up at each call) that have a vLLM name (``metadata["vllm"]``), in declaration order: one
     keyword of ``lightning_moe.api.SamplingParams`` and one request-body key of a batch file each."""
-    return [f for f in dataclasses.fields(cls) if f.metadata.get("vllm")]
+    return [f for f in dataclasses.fields(cls or GenerationConfig) if f.metadata.get("vllm")]
 
 
-def generation_from_vllm(values: Mapping[str, Any], cls: type = GenerationConfig) -> dict:
+def generation_from_vllm(values: Mapping[str, Any], cls: Optional[type] = None) -> dict:
     """A ``generation:`` section (unchecked) from values under their vLLM names: each converted by its field's
     ``to_job``; a name absent from ``values``, or a value that converts to None, sets nothing."""
     gen = {}
@@ -561,12 +561,12 @@ def _at_default(f: dataclasses.Field, v: Any) -> bool:
     return v == f.default or (isinstance(v, list) and isinstance(f.default, tuple) and tuple(v) == f.default)
 
 
-def recorded(gen: Mapping[str, Any], cls: type = GenerationConfig, greedy_defaults: bool = False) -> dict:
+def recorded(gen: Mapping[str, Any], cls: Optional[type] = None, greedy_defaults: bool = False) -> dict:
     """``gen`` (a ``generation:`` section) as records of it keep it (tuples as lists): a ``when_set`` field at its
     default left out, so results written before that field existed still match. ``greedy_defaults``: when decoding is
     greedy (temperature 0), every ``sampling`` field first set to its default (it changes nothing). Used for the
     results' provenance (app.engine, meta.json) and a batch file's groups (app.batch_files, with greedy_defaults)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls or GenerationConfig)}
     greedy = greedy_defaults and gen.get("temperature", fields["temperature"].default) == 0
     out = {}
     for k, v in gen.items():
@@ -581,11 +581,15 @@ def _default_doc(v: Any) -> str:
     return "null" if v is None else "none" if v == () else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def reference_rows(cls: type = GenerationConfig, section: str = "generation") -> list[str]:
+def reference_rows(cls: Optional[type] = None, section: str = "generation") -> list[str]:
     """The rows of docs/REFERENCE.md's job-key table for ``cls``'s fields (``| `section.key` | type | default | doc
-    |``), from their metadata; tests/test_job_fields.py checks the document holds exactly these."""
-    return [f"| `{section}.{f.name}` | {f.metadata['type_doc']} | {_default_doc(f.default)} | {f.metadata['doc']} |"
-            for f in dataclasses.fields(cls)]
+    (vLLM: `name`) |``), from their metadata; tests/test_job_fields.py checks the document holds exactly these."""
+    def notes(f):
+        vllm = f.metadata.get("vllm")
+        return f.metadata["doc"] + (f" (vLLM: `{vllm}`)" if vllm else "")
+
+    return [f"| `{section}.{f.name}` | {f.metadata['type_doc']} | {_default_doc(f.default)} | {notes(f)} |"
+            for f in dataclasses.fields(cls or GenerationConfig)]
 
 
 # ================================================================================================

@@ -25,7 +25,8 @@ Body fields. Used: ``messages`` (chat; ``content`` a string or a list of ``{"typ
 with newlines; roles system, user, assistant, tool) or ``prompt`` (completions; one string), ``max_tokens`` (chat also
 ``max_completion_tokens``; default ``--max-tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p`` (default 1),
 ``stop`` (a string or a list), ``seed`` (default 0; sampling is seeded by the seed and the custom_id, so a re-run draws
-the same tokens), and vLLM's ``stop_token_ids`` (each in the model's vocabulary) and ``ignore_eos``. Log-probs:
+the same tokens), and vLLM's ``stop_token_ids`` (each in the model's vocabulary) and ``ignore_eos``: every
+``GenerationConfig`` field under its vLLM name (``config.job_field``; :func:`_generation` reads them). Log-probs:
 chat's ``logprobs`` (true / false) and ``top_logprobs`` (0..20, with ``logprobs: true``), completions' ``logprobs``
 (0..20 alternatives); the choice's ``logprobs`` is then filled in the endpoint's format (:func:`_choice_logprobs`),
 from the fp32 log-softmax of the raw logits (vLLM's default: before temperature and top-p). Accepted and not used:
