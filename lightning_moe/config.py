@@ -423,6 +423,14 @@ class GenerationConfig:
         "per generated token its log-probability (fp32 log-softmax of the raw logits, before temperature and top-p, "
         "as vLLM's default) and the k best alternatives: record fields `logprobs` and, for k >= 1, `top_logprobs`; "
         "null: nothing computed", vllm="logprobs", when_set=True)
+    top_k: int = job_field(
+        0, lambda v, key, ctx: max(_p_int(lo=-1)(v, key, ctx), 0), "int >= -1",
+        "sample among the k most likely tokens only; 0 or -1 (vLLM's off) = off, -1 read as 0",
+        vllm="top_k", sampling=True, when_set=True)
+    min_p: float = job_field(
+        0.0, _p_float(lo=0.0, hi=1.0), "float in [0, 1]",
+        "drop the tokens whose probability is below min_p times the most likely token's; 0 = off",
+        vllm="min_p", sampling=True, when_set=True)
 
     @property
     def greedy(self) -> bool:

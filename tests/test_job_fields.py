@@ -146,3 +146,81 @@ def test_an_added_field_reaches_api_batch_provenance_and_docs(extended, tmp_path
     with pytest.raises(ConfigError, match=rf"^{yml}:6: generation.widget: must be <= 9, got 11$"):
         config.load_job(str(yml), notify=False)
     assert "lightning_moe.api" in sys.modules and sys.modules["lightning_moe.api"] is not api
+
+
+# ------------------------------------------------------------------------------------------------
+# generation.top_k and generation.min_p (added in config.py only: one job_field each)
+# ------------------------------------------------------------------------------------------------
+def _job_yaml(tmp_path, gen_lines: str):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
+    yml = tmp_path / "job.yaml"
+    yml.write_text(f"model: tiny-mixtral\ndata: {{path: in.jsonl}}\noutput: {{path: out.jsonl}}\ngeneration:\n"
+                   f"  temperature: 0.8\n{gen_lines}")
+    return yml
+
+
+def test_top_k_min_p_from_yaml(tmp_path):
+    rng = random.Random()
+    for _ in range(10):
+        k, p = rng.randint(1, 50000), rng.uniform(0.0, 1.0)
+        job = config.load_job(str(_job_yaml(tmp_path, f"  top_k: {k}\n  min_p: {p!r}\n")), notify=False)
+        assert (job.generation.top_k, job.generation.min_p) == (k, p)
+    job = config.load_job(str(_job_yaml(tmp_path, "  top_k: -1\n  min_p: 1e-2\n")), notify=False)
+    assert (job.generation.top_k, job.generation.min_p) == (0, 0.01)  # vLLM's -1 is off; YAML's '1e-2' a number
+    job = config.load_job(str(_job_yaml(tmp_path, "")), notify=False)
+    assert (job.generation.top_k, job.generation.min_p) == (0, 0.0)
+
+
+@pytest.mark.parametrize("line, msg", [
+    ("top_k: -2", "generation.top_k: must be >= -1, got -2"),
+    ("top_k: 1.5", "generation.top_k: expected an integer, got 1.5 (a number)"),
+    ("top_k: true", "generation.top_k: expected an integer, got True (a boolean)"),
+    ("min_p: 1.5", "generation.min_p: must be <= 1.0, got 1.5"),
+    ("min_p: -0.1", "generation.min_p: must be >= 0.0, got -0.1"),
+    ("min_p: low", "generation.min_p: expected a number, got 'low' (a string)"),
+])
+def test_top_k_min_p_bad_values_name_file_line_and_field(tmp_path, line, msg):
+    yml = _job_yaml(tmp_path, f"  seed: 1\n  {line}\n")
+    with pytest.raises(ConfigError) as e:
+        config.load_job(str(yml), notify=False)
+    assert str(e.value) == f"{yml}:7: {msg}"
+    assert "\n" not in str(e.value)
+
+
+def test_top_k_min_p_in_the_api():
+    gen = SamplingParams(temperature=1.0, top_k=40, min_p=0.05).generation()
+    assert (gen["top_k"], gen["min_p"]) == (40, 0.05)
+    assert SamplingParams(top_k=-1).generation()["top_k"] == -1  # checked as the job's: -1 is read as 0 there
+    job = config.job_from_dict({"model": "tiny-mixtral", "generation": SamplingParams(top_k=-1, min_p=0.5).generation()},
+                               in_memory=True)
+    assert (job.generation.top_k, job.generation.min_p) == (0, 0.5)
+    with pytest.raises(ConfigError, match=r"^SamplingParams: top_k \(generation.top_k\): must be >= -1, got -2$"):
+        SamplingParams(top_k=-2)
+    with pytest.raises(ConfigError, match=r"^SamplingParams: min_p \(generation.min_p\): must be <= 1.0, got 2.0$"):
+        SamplingParams(min_p=2)
+
+
+def test_top_k_min_p_in_a_batch_body():
+    body = {"prompt": "x", "temperature": 0.7, "top_k": 40, "min_p": 0.1}
+    _p, gen, _src = batch_files._body(body, "completion", 16)
+    assert (gen["top_k"], gen["min_p"]) == (40, 0.1)
+    _p, gen, _src = batch_files._body(dict(body, temperature=0), "completion", 16)
+    assert "top_k" not in gen and "min_p" not in gen  # greedy: they change nothing, the line joins the greedy group
+    _p, gen, _src = batch_files._body(dict(body, top_k=-1, min_p=0), "completion", 16)
+    assert "top_k" not in gen and "min_p" not in gen  # off: the group of a body without them
+    for k, v, msg in (("top_k", "5", "body.top_k: expected an integer, got a string"),
+                      ("top_k", -3, "body.top_k: must be >= -1, got -3"),
+                      ("min_p", 2, "body.min_p: must be <= 1.0, got 2.0")):
+        with pytest.raises(batch_files._Bad, match="^" + msg.replace(".", r"\.") + "$"):
+            batch_files._body(dict(body, **{k: v}), "completion", 16)
+
+
+def test_top_k_min_p_in_the_provenance(tmp_path):
+    from lightning_moe.app.engine import results_provenance
+
+    job = config.load_job(str(_job_yaml(tmp_path, "")), notify=False)
+    assert "top_k" not in results_provenance(job)["generation"]  # results written before the keys existed match
+    assert "min_p" not in results_provenance(job)["generation"]
+    job = config.load_job(str(_job_yaml(tmp_path, "  top_k: 7\n  min_p: 0.25\n")), notify=False)
+    assert results_provenance(job)["generation"]["top_k"] == 7
+    assert results_provenance(job)["generation"]["min_p"] == 0.25
