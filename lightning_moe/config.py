@@ -50,127 +50,8 @@ class ConfigError(ValueError):
 
 
 # ================================================================================================
-# value parsers
+# job fields: the value parsers a field names, and job_field (module docstring: "Job fields declared once")
 # ================================================================================================
-_TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
-               dict: "a mapping", type(None): "null"}
-
-
-def _describe(v: Any) -> str:
-    return f"{v!r} ({_TYPE_NAMES.get(type(v), type(v).__name__)})"
-
-
-_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_SHARD_RE = re.compile(r"^\s*(-?\d+)\s*/\s*(-?\d+)\s*$")
-
-
-class _Ctx:
-    """Error context: the source label (file name), the base dir for relative paths, overridden keys, and the line
-    of each dotted key in the file (:func:`_key_lines`; empty for a mapping that is not from a file)."""
-
-    def __init__(self, source: str, base_dir: str, overridden: frozenset = frozenset(),
-                 lines: Optional[Mapping[str, int]] = None):
-        self.source = source
-        self.base_dir = base_dir
-        self.overridden = overridden
-        self.lines = lines or {}
-
-    def line(self, key: str) -> Optional[int]:
-        """The file line of ``key``, else of its nearest enclosing key (a list item ``a.b[1]``: its list's; a missing
-        key: its section's); None for an overridden key or one outside the file."""
-        if key in self.overridden:
-            return None
-        while key:
-            if key in self.lines:
-                return self.lines[key]
-            key = key[:key.rindex("[")] if key.endswith("]") else key.rpartition(".")[0]  # a list item: its list
-        return None
-
-    def err(self, key: str, msg: str) -> ConfigError:
-        where = f"{key} (from override)" if key in self.overridden else key
-        line = self.line(key)
-        return ConfigError(f"{self.source}{f':{line}' if line else ''}: {where}: {msg}")
-
-    def resolve(self, p: str, key: str = "") -> str:
-        """``p`` as an absolute path: relative to the current directory when ``key`` came from a command-line
-        override (every command-line path is), else to the job file's directory."""
-        p = os.path.expanduser(p)
-        base = os.getcwd() if key in self.overridden else self.base_dir
-        return os.path.normpath(p if os.path.isabs(p) else os.path.join(base, p))
-
-
-def _key_lines(text: str) -> dict:
-    """The 1-based line of every dotted key of a YAML document's nested mappings (``data.path`` -> 4), from
-    ``yaml.compose``'s node marks; {} when the text does not compose."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return {}
-    lines: dict = {}
-
-    def walk(node, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode):
-                    lines[prefix + str(k.value)] = k.start_mark.line + 1
-                    walk(v, f"{prefix}{k.value}.")
-
-    walk(root, "")
-    return lines
-
-
-def _p_str(v, key, ctx, *, allow_empty=False):
-    if not isinstance(v, str):
-        raise ctx.err(key, f"expected a string, got {_describe(v)}")
-    if not allow_empty and not v.strip():
-        raise ctx.err(key, "expected a non-empty string")
-    return v
-
-
-# apply_chat_template's own arguments: a template variable of the same name would be taken by the call instead
-_TEMPLATE_RESERVED = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
-
-
-def _p_template_kwargs(v, key, ctx):
-    """A mapping of chat-template variables: identifier names (not apply_chat_template's own arguments) to JSON
-    values (strings, numbers, booleans, null, lists and mappings of them)."""
-    if not isinstance(v, dict):
-        raise ctx.err(key, f"expected a mapping of template variables (e.g. {{enable_thinking: false}}), got "
-                           f"{_describe(v)}")
-
-    def json_like(x):
-        if isinstance(x, (str, int, float, bool)) or x is None:
-            return True
-        if isinstance(x, list):
-            return all(json_like(i) for i in x)
-        return isinstance(x, dict) and all(isinstance(k, str) and json_like(i) for k, i in x.items())
-
-    for k, x in v.items():
-        if not isinstance(k, str) or not k.isidentifier():
-            raise ctx.err(key, f"template variable names must be identifiers, got {k!r}")
-        if k in _TEMPLATE_RESERVED:
-            raise ctx.err(f"{key}.{k}", "an argument of apply_chat_template, not a template variable")
-        if not json_like(x):
-            raise ctx.err(f"{key}.{k}", f"expected a JSON value, got {_describe(x)}")
-    return dict(v)
-
-
-def _p_choice(options):
-    def parse(v, key, ctx):
-        if not isinstance(v, str) or v not in options:
-            raise ctx.err(key, f"expected one of {', '.join(repr(o) for o in options)}, got {_describe(v)}")
-        return v
-    return parse
-
-
-def _p_device(v, key, ctx):
-    if isinstance(v, str) and (v in DEVICES or re.fullmatch(r"cuda:\d+", v)):
-        return v
-    raise ctx.err(key, f"expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {_describe(v)}")
-
-
 def _p_bool(v, key, ctx):
     if not isinstance(v, bool):
         raise ctx.err(key, f"expected true or false, got {_describe(v)}")
@@ -224,106 +105,6 @@ def _p_float(lo=None, hi=None, lo_open=False):
     return parse
 
 
-def parse_bytes(v: Any) -> int:
-    """A job's memory size: an int (bytes) or a string such as ``"24GiB"``, ``"16GB"``, ``"512 MiB"``
-    (policy.hardware.parse_bytes; 0 is an error). Raises ValueError (message without file/key)."""
-    return _parse_bytes(v, positive=True)
-
-
-def _p_bytes(v, key, ctx):
-    try:
-        return parse_bytes(v)
-    except ValueError as e:
-        raise ctx.err(key, str(e)) from None
-
-
-def parse_shard(v: Any) -> tuple[int, int]:
-    """Parse a shard spec ``"I/N"`` (or a 2-list ``[I, N]``) into ``(index, count)``.
-
-    ``index`` is 0-based: valid shards of ``N`` are ``0/N`` .. ``(N-1)/N`` (same as the CLI's ``--shard I/N``).
-    Raises ValueError (message without file/key) on a malformed spec or an index out of range.
-    """
-    if isinstance(v, str) and (m := _SHARD_RE.match(v)):
-        i, n = int(m.group(1)), int(m.group(2))
-    elif isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        i, n = v
-    else:
-        raise ValueError(f"expected 'I/N' (e.g. '0/4', index 0-based), got {_describe(v)}")
-    if n < 1:
-        raise ValueError(f"shard count must be >= 1, got {n}")
-    if not 0 <= i < n:
-        raise ValueError(f"shard index is 0-based and must be in 0..{n - 1}, got {i} (in {i}/{n})")
-    return i, n
-
-
-def _p_shard(v, key, ctx):
-    try:
-        return parse_shard(v)
-    except ValueError as e:
-        raise ctx.err(key, str(e)) from None
-
-
-def _p_input_file(v, key, ctx):
-    p = ctx.resolve(_p_str(v, key, ctx), key)
-    if not os.path.exists(p):
-        raise ctx.err(key, f"file not found: {p}")
-    if not os.path.isfile(p):
-        raise ctx.err(key, f"not a regular file: {p}")
-    return p
-
-
-def _p_output_file(v, key, ctx):
-    p = ctx.resolve(_p_str(v, key, ctx), key)
-    if os.path.isdir(p):
-        raise ctx.err(key, f"is a directory, expected a results file path: {p}")
-    return p
-
-
-def _p_model(v, key, ctx):
-    s = _p_str(v, key, ctx)
-    if s == TINY_MODEL:
-        return s
-    p = ctx.resolve(s, key)
-    if not os.path.isdir(p):
-        from .policy.registry import REGISTRY  # registry names are configs for `plan`, not weights
-
-        hint = (f"; {s!r} is a registry config that `moe-batch plan --model` takes, while run needs a checkpoint "
-                f"directory" if s.lower() in REGISTRY else "")
-        raise ctx.err(key, f"checkpoint directory not found: {p} (use {TINY_MODEL!r} for the embedded tiny model{hint})")
-    if not os.path.isfile(os.path.join(p, "config.json")):
-        raise ctx.err(key, f"not a Hugging Face checkpoint directory (no config.json): {p}")
-    return p
-
-
-def _p_policy(v, key, ctx):
-    if v is None or v == "auto":
-        return v
-    if isinstance(v, dict):
-        for k in v:
-            if not isinstance(k, str):
-                raise ctx.err(key, f"policy field names must be strings, got {_describe(k)}")
-        glued = _glued_keys(v)
-        if glued:
-            raise ctx.err(key, f"YAML read {glued[0]!r} as a field name without a value: write "
-                               f"{_unglue('{' + ','.join(glued) + '}')} (YAML needs a space after the colon)")
-        return copy.deepcopy(v)
-    if isinstance(v, str):
-        return _p_input_file(v, key, ctx)
-    raise ctx.err(key, f"expected 'auto', a policy YAML path or a mapping of policy fields, got {_describe(v)}")
-
-
-_PRESET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-def _p_hardware(v, key, ctx):
-    s = _p_str(v, key, ctx)
-    if os.sep in s or "/" in s or s.lower().endswith((".yaml", ".yml", ".json")):
-        return _p_input_file(s, key, ctx)
-    if not _PRESET_RE.match(s):
-        raise ctx.err(key, f"expected a preset name (e.g. 'h200') or a profile YAML path, got {s!r}")
-    return s.lower()
-
-
 def _opt(parse):
     """Accept null as None, otherwise delegate."""
     def p(v, key, ctx):
@@ -331,9 +112,7 @@ def _opt(parse):
     return p
 
 
-# ================================================================================================
-# dataclasses
-# ================================================================================================
+
 _SAME = object()  # job_field's vllm_default when the API default is the job default
 
 
@@ -374,6 +153,9 @@ def _nonempty_list(v: Any) -> Any:
     return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v
 
 
+# ================================================================================================
+# dataclasses
+# ================================================================================================
 @dataclass(frozen=True)
 class DataSource:
     """Where the requests come from (``data:`` section)."""
@@ -547,8 +329,9 @@ class Job:
 # what the job fields' metadata gives (job_field): the API keywords, batch-file body keys, records, docs
 # ================================================================================================
 def vllm_fields(cls: Optional[type] = None) -> list:
-    """The ``dataclasses.Field`` s of ``cls`` (None: :class:`GenerationConfig`, looked up at each call) that have a vLLM name (``metadata["vllm"]``), in declaration order: one
-    keyword of ``lightning_moe.api.SamplingParams`` and one request-body key of a batch file each."""
+    """The ``dataclasses.Field`` s of ``cls`` (None: :class:`GenerationConfig`, looked up at each call) that have a
+    vLLM name (``metadata["vllm"]``), in declaration order: one keyword of ``lightning_moe.api.SamplingParams`` and one
+    request-body key of a batch file each."""
     return [f for f in dataclasses.fields(cls or GenerationConfig) if f.metadata.get("vllm")]
 
 
@@ -598,6 +381,228 @@ def reference_rows(cls: Optional[type] = None, section: str = "generation") -> l
 
     return [f"| `{section}.{f.name}` | {f.metadata['type_doc']} | {_default_doc(f.default)} | {notes(f)} |"
             for f in dataclasses.fields(cls or GenerationConfig)]
+
+
+# ================================================================================================
+# value parsers
+# ================================================================================================
+_TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+               dict: "a mapping", type(None): "null"}
+
+
+def _describe(v: Any) -> str:
+    return f"{v!r} ({_TYPE_NAMES.get(type(v), type(v).__name__)})"
+
+
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_SHARD_RE = re.compile(r"^\s*(-?\d+)\s*/\s*(-?\d+)\s*$")
+
+
+class _Ctx:
+    """Error context: the source label (file name), the base dir for relative paths, overridden keys, and the line
+    of each dotted key in the file (:func:`_key_lines`; empty for a mapping that is not from a file)."""
+
+    def __init__(self, source: str, base_dir: str, overridden: frozenset = frozenset(),
+                 lines: Optional[Mapping[str, int]] = None):
+        self.source = source
+        self.base_dir = base_dir
+        self.overridden = overridden
+        self.lines = lines or {}
+
+    def line(self, key: str) -> Optional[int]:
+        """The file line of ``key``, else of its nearest enclosing key (a list item ``a.b[1]``: its list's; a missing
+        key: its section's); None for an overridden key or one outside the file."""
+        if key in self.overridden:
+            return None
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key[:key.rindex("[")] if key.endswith("]") else key.rpartition(".")[0]  # a list item: its list
+        return None
+
+    def err(self, key: str, msg: str) -> ConfigError:
+        where = f"{key} (from override)" if key in self.overridden else key
+        line = self.line(key)
+        return ConfigError(f"{self.source}{f':{line}' if line else ''}: {where}: {msg}")
+
+    def resolve(self, p: str, key: str = "") -> str:
+        """``p`` as an absolute path: relative to the current directory when ``key`` came from a command-line
+        override (every command-line path is), else to the job file's directory."""
+        p = os.path.expanduser(p)
+        base = os.getcwd() if key in self.overridden else self.base_dir
+        return os.path.normpath(p if os.path.isabs(p) else os.path.join(base, p))
+
+
+def _key_lines(text: str) -> dict:
+    """The 1-based line of every dotted key of a YAML document's nested mappings (``data.path`` -> 4), from
+    ``yaml.compose``'s node marks; {} when the text does not compose."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode):
+                    lines[prefix + str(k.value)] = k.start_mark.line + 1
+                    walk(v, f"{prefix}{k.value}.")
+
+    walk(root, "")
+    return lines
+
+
+def _p_str(v, key, ctx, *, allow_empty=False):
+    if not isinstance(v, str):
+        raise ctx.err(key, f"expected a string, got {_describe(v)}")
+    if not allow_empty and not v.strip():
+        raise ctx.err(key, "expected a non-empty string")
+    return v
+
+
+# apply_chat_template's own arguments: a template variable of the same name would be taken by the call instead
+_TEMPLATE_RESERVED = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _p_template_kwargs(v, key, ctx):
+    """A mapping of chat-template variables: identifier names (not apply_chat_template's own arguments) to JSON
+    values (strings, numbers, booleans, null, lists and mappings of them)."""
+    if not isinstance(v, dict):
+        raise ctx.err(key, f"expected a mapping of template variables (e.g. {{enable_thinking: false}}), got "
+                           f"{_describe(v)}")
+
+    def json_like(x):
+        if isinstance(x, (str, int, float, bool)) or x is None:
+            return True
+        if isinstance(x, list):
+            return all(json_like(i) for i in x)
+        return isinstance(x, dict) and all(isinstance(k, str) and json_like(i) for k, i in x.items())
+
+    for k, x in v.items():
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ctx.err(key, f"template variable names must be identifiers, got {k!r}")
+        if k in _TEMPLATE_RESERVED:
+            raise ctx.err(f"{key}.{k}", "an argument of apply_chat_template, not a template variable")
+        if not json_like(x):
+            raise ctx.err(f"{key}.{k}", f"expected a JSON value, got {_describe(x)}")
+    return dict(v)
+
+
+def _p_choice(options):
+    def parse(v, key, ctx):
+        if not isinstance(v, str) or v not in options:
+            raise ctx.err(key, f"expected one of {', '.join(repr(o) for o in options)}, got {_describe(v)}")
+        return v
+    return parse
+
+
+def _p_device(v, key, ctx):
+    if isinstance(v, str) and (v in DEVICES or re.fullmatch(r"cuda:\d+", v)):
+        return v
+    raise ctx.err(key, f"expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {_describe(v)}")
+
+
+def parse_bytes(v: Any) -> int:
+    """A job's memory size: an int (bytes) or a string such as ``"24GiB"``, ``"16GB"``, ``"512 MiB"``
+    (policy.hardware.parse_bytes; 0 is an error). Raises ValueError (message without file/key)."""
+    return _parse_bytes(v, positive=True)
+
+
+def _p_bytes(v, key, ctx):
+    try:
+        return parse_bytes(v)
+    except ValueError as e:
+        raise ctx.err(key, str(e)) from None
+
+
+def parse_shard(v: Any) -> tuple[int, int]:
+    """Parse a shard spec ``"I/N"`` (or a 2-list ``[I, N]``) into ``(index, count)``.
+
+    ``index`` is 0-based: valid shards of ``N`` are ``0/N`` .. ``(N-1)/N`` (same as the CLI's ``--shard I/N``).
+    Raises ValueError (message without file/key) on a malformed spec or an index out of range.
+    """
+    if isinstance(v, str) and (m := _SHARD_RE.match(v)):
+        i, n = int(m.group(1)), int(m.group(2))
+    elif isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        i, n = v
+    else:
+        raise ValueError(f"expected 'I/N' (e.g. '0/4', index 0-based), got {_describe(v)}")
+    if n < 1:
+        raise ValueError(f"shard count must be >= 1, got {n}")
+    if not 0 <= i < n:
+        raise ValueError(f"shard index is 0-based and must be in 0..{n - 1}, got {i} (in {i}/{n})")
+    return i, n
+
+
+def _p_shard(v, key, ctx):
+    try:
+        return parse_shard(v)
+    except ValueError as e:
+        raise ctx.err(key, str(e)) from None
+
+
+def _p_input_file(v, key, ctx):
+    p = ctx.resolve(_p_str(v, key, ctx), key)
+    if not os.path.exists(p):
+        raise ctx.err(key, f"file not found: {p}")
+    if not os.path.isfile(p):
+        raise ctx.err(key, f"not a regular file: {p}")
+    return p
+
+
+def _p_output_file(v, key, ctx):
+    p = ctx.resolve(_p_str(v, key, ctx), key)
+    if os.path.isdir(p):
+        raise ctx.err(key, f"is a directory, expected a results file path: {p}")
+    return p
+
+
+def _p_model(v, key, ctx):
+    s = _p_str(v, key, ctx)
+    if s == TINY_MODEL:
+        return s
+    p = ctx.resolve(s, key)
+    if not os.path.isdir(p):
+        from .policy.registry import REGISTRY  # registry names are configs for `plan`, not weights
+
+        hint = (f"; {s!r} is a registry config that `moe-batch plan --model` takes, while run needs a checkpoint "
+                f"directory" if s.lower() in REGISTRY else "")
+        raise ctx.err(key, f"checkpoint directory not found: {p} (use {TINY_MODEL!r} for the embedded tiny model{hint})")
+    if not os.path.isfile(os.path.join(p, "config.json")):
+        raise ctx.err(key, f"not a Hugging Face checkpoint directory (no config.json): {p}")
+    return p
+
+
+def _p_policy(v, key, ctx):
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, dict):
+        for k in v:
+            if not isinstance(k, str):
+                raise ctx.err(key, f"policy field names must be strings, got {_describe(k)}")
+        glued = _glued_keys(v)
+        if glued:
+            raise ctx.err(key, f"YAML read {glued[0]!r} as a field name without a value: write "
+                               f"{_unglue('{' + ','.join(glued) + '}')} (YAML needs a space after the colon)")
+        return copy.deepcopy(v)
+    if isinstance(v, str):
+        return _p_input_file(v, key, ctx)
+    raise ctx.err(key, f"expected 'auto', a policy YAML path or a mapping of policy fields, got {_describe(v)}")
+
+
+_PRESET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def _p_hardware(v, key, ctx):
+    s = _p_str(v, key, ctx)
+    if os.sep in s or "/" in s or s.lower().endswith((".yaml", ".yml", ".json")):
+        return _p_input_file(s, key, ctx)
+    if not _PRESET_RE.match(s):
+        raise ctx.err(key, f"expected a preset name (e.g. 'h200') or a profile YAML path, got {s!r}")
+    return s.lower()
 
 
 # ================================================================================================

@@ -133,7 +133,8 @@ def test_an_added_field_reaches_api_batch_provenance_and_docs(extended, tmp_path
         bf._body({"prompt": "x", "widget_v": 1}, "completion", 16)
     assert config.recorded({"temperature": 0.5, "widget": 3}) == {"temperature": 0.5, "widget": 3}
     assert config.recorded({"temperature": 0.5, "widget": 5}) == {"temperature": 0.5}
-    assert config.reference_rows()[-1] == "| `generation.widget` | int in 2..9 | 5 | a test-only key (vLLM: `widget_v`) |"
+    assert config.reference_rows()[-1] == ("| `generation.widget` | int in 2..9 | 5 | a test-only key "
+                                           "(vLLM: `widget_v`) |")
     yml = tmp_path / "job.yaml"
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
     yml.write_text("model: tiny-mixtral\ndata: {path: in.jsonl}\noutput: {path: out.jsonl}\ngeneration:\n"
@@ -191,8 +192,8 @@ def test_top_k_min_p_in_the_api():
     gen = SamplingParams(temperature=1.0, top_k=40, min_p=0.05).generation()
     assert (gen["top_k"], gen["min_p"]) == (40, 0.05)
     assert SamplingParams(top_k=-1).generation()["top_k"] == -1  # checked as the job's: -1 is read as 0 there
-    job = config.job_from_dict({"model": "tiny-mixtral", "generation": SamplingParams(top_k=-1, min_p=0.5).generation()},
-                               in_memory=True)
+    gen = SamplingParams(top_k=-1, min_p=0.5).generation()
+    job = config.job_from_dict({"model": "tiny-mixtral", "generation": gen}, in_memory=True)
     assert (job.generation.top_k, job.generation.min_p) == (0, 0.5)
     with pytest.raises(ConfigError, match=r"^SamplingParams: top_k \(generation.top_k\): must be >= -1, got -2$"):
         SamplingParams(top_k=-2)

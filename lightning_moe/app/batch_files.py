@@ -232,8 +232,8 @@ def _body(body: Any, kind: str, default_max_tokens: int) -> tuple[Any, dict, str
 
 def _generation(body: dict, default_max_tokens: int, name: str) -> dict:
     """The generation section of a body's fields under their vLLM names (config.job_field's ``vllm``; OpenAI's
-    default where it differs from the job's and the body has none), unchecked but for JSON's types: a number given as a string is
-    refused (a job YAML accepts ``'1e-4'``)."""
+    default where it differs from the job's and the body has none), unchecked but for JSON's types: a number given
+    as a string is refused (a job YAML accepts ``'1e-4'``)."""
     given = {}
     for f in vllm_fields():
         key, v = f.metadata["vllm"], body.get(f.metadata["vllm"])
