@@ -225,3 +225,38 @@ def test_top_k_min_p_in_the_provenance(tmp_path):
     job = config.load_job(str(_job_yaml(tmp_path, "  top_k: 7\n  min_p: 0.25\n")), notify=False)
     assert results_provenance(job)["generation"]["top_k"] == 7
     assert results_provenance(job)["generation"]["min_p"] == 0.25
+
+
+def test_top_k_min_p_reach_the_sampler_against_its_reference(tmp_path):
+    """A job's top_k / min_p drive the vectorized sampler (pipeline.sampling.DecodeSampling.from_config reads
+    ``job.generation.top_k`` and ``.min_p``): on fresh random logits (B 13, V 333) every drawn token lies in its
+    uniform's interval of the float64 reference distribution (kernels.sampling.reference_probs; 1e-5) and has
+    probability > 0 there (outside the top-k / below min_p: 0). Skipped where that sampler is not in the tree yet."""
+    sampling = pytest.importorskip("lightning_moe.pipeline.sampling")
+    if not hasattr(sampling, "DecodeSampling"):
+        pytest.skip("pipeline.sampling.DecodeSampling is not in this tree")
+    import torch
+
+    from lightning_moe.kernels.sampling import reference_probs, uniforms_from_seeds
+
+    rng = random.Random()
+    g = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    for _ in range(5):
+        k, p, t = rng.randint(1, 60), rng.choice([0.0, rng.uniform(0.001, 0.3)]), rng.uniform(0.5, 2.0)
+        job = config.load_job(str(_job_yaml(tmp_path, f"  temperature: {t!r}\n  top_k: {k}\n  min_p: {p!r}\n")),
+                              notify=False)
+        params = sampling.DecodeSampling.from_config(job.generation)
+        assert (params.top_k, params.min_p, params.temperature) == (k, p, t)
+        B, V = 13, 333
+        logits = torch.randn(B, V, generator=g) * 3
+        seeds = [rng.randint(0, 2**62) for _ in range(B)]
+        positions = [rng.randint(0, 100) for _ in range(B)]
+        tok = sampling.sample(logits, params, seeds, positions)
+        u = uniforms_from_seeds([sampling.position_seed(s, q) for s, q in zip(seeds, positions)]).double()
+        probs = reference_probs(logits, t, 1.0, k, p)
+        cdf = probs.cumsum(-1)
+        lo = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0).view(B, 1)).view(B), 0.0)
+        hi = cdf.gather(1, tok.view(B, 1)).view(B)
+        assert ((u >= lo - 1e-5) & (u <= hi + 1e-5)).all(), (k, p, t, tok, u)
+        assert (probs.gather(1, tok.view(B, 1)) > 0).all(), "drew a token that top_k / min_p remove"
+        assert ((probs > 0).sum(-1) <= k).all()  # the reference keeps at most k tokens
