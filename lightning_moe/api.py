@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from .config import SCORE_MODES, ConfigError, generation_from_dict, job_from_dict
+from .config import SCORE_MODES, ConfigError, generation_from_dict, generation_from_vllm, job_from_dict, vllm_fields
 
 Messages = Sequence[Mapping[str, str]]  # one chat conversation: [{"role": "user", "content": "..."}, ...]
 TokensPrompt = Mapping[str, Sequence[int]]  # {"prompt_token_ids": [...]}: token ids fed as they are (vLLM's name)
@@ -58,13 +58,7 @@ _LIBRARY_LOG = _LibraryLog()
 # ================================================================================================
 # sampling parameters
 # ================================================================================================
-_GEN_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-              "stop_token_ids": "stop_token_ids", "logprobs": "logprobs"}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to decode (vLLM's names; the job's ``generation:`` section).
+_SAMPLING_DOC = """How to decode (vLLM's names; the job's ``generation:`` section).
 
     Checked when made, with the job's rules (a ConfigError names the field). Greedy when ``temperature`` is 0;
     sampled tokens are seeded by ``seed`` and the request id (the same id and seed draw the same tokens, whatever the
@@ -74,45 +68,41 @@ class SamplingParams:
     (vLLM's): None returns none; k >= 0 (at most 20) returns, per generated token, its log-probability and those of
     the k most likely tokens, as vLLM does by default: the fp32 log-softmax of the model's raw logits (before
     temperature and top-p), whatever the sampling settings. Nothing is computed when it is None.
+
+    One keyword per ``config.GenerationConfig`` field with a vLLM name (``config.job_field``), made from those fields:
     """
 
-    max_tokens: int = 128  # tokens generated per request at most (generation.max_new_tokens)
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_p: float = 1.0  # nucleus sampling mass in (0, 1]
-    seed: int = 0  # sampling seed (with the request id: generation.seed)
-    ignore_eos: bool = False  # true: keep generating after EOS, up to max_tokens (generation.stop_at_eos: false)
-    stop: Optional[Union[str, Sequence[str]]] = None  # stop strings (generation.stop)
-    stop_token_ids: Optional[Sequence[int]] = None  # stop token ids (generation.stop_token_ids)
-    logprobs: Optional[int] = None  # per generated token: its log-prob and those of the k best (generation.logprobs)
 
-    def __post_init__(self):
-        self.generation()  # every check now, not at the first generate()
+def _sampling_post_init(self) -> None:
+    self.generation()  # every check now, not at the first generate()
 
-    def generation(self) -> dict:
-        """The job's ``generation:`` section for these parameters, validated (ConfigError names the field).
 
-        The one place a SamplingParams becomes job keys.
-        """
-        if not isinstance(self.ignore_eos, bool):
-            raise ConfigError(f"SamplingParams: ignore_eos: expected true or false, got {self.ignore_eos!r}")
-        gen = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-               "seed": self.seed, "stop_at_eos": not self.ignore_eos}
-        if self.stop:  # None and "" / [] ask for nothing
-            gen["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if self.stop_token_ids:
-            gen["stop_token_ids"] = list(self.stop_token_ids)
-        if self.logprobs is not None:
-            gen["logprobs"] = self.logprobs
-        try:
-            generation_from_dict(gen, "SamplingParams")
-        except ConfigError as e:  # name the field as the caller wrote it: "SamplingParams: max_tokens (generation...)"
-            msg = str(e)
-            for key, name in _GEN_NAMES.items():
-                prefix = f"SamplingParams: generation.{key}:"
-                if msg.startswith(prefix):
-                    msg = f"SamplingParams: {name} (generation.{key}):" + msg[len(prefix):]
-            raise ConfigError(msg) from None
-        return gen
+def _sampling_generation(self) -> dict:
+    """The job's ``generation:`` section for these parameters, validated (ConfigError names the field).
+
+    The one place a SamplingParams becomes job keys (``config.generation_from_vllm``: each field's ``to_job``).
+    """
+    fields = vllm_fields()
+    gen = generation_from_vllm({f.metadata["vllm"]: getattr(self, f.metadata["vllm"]) for f in fields})
+    try:
+        generation_from_dict(gen, "SamplingParams")
+    except ConfigError as e:  # name the field as the caller wrote it: "SamplingParams: max_tokens (generation...)"
+        msg = str(e)
+        for f in fields:
+            prefix = f"SamplingParams: generation.{f.name}:"
+            if msg.startswith(prefix):
+                msg = f"SamplingParams: {f.metadata['vllm']} (generation.{f.name}):" + msg[len(prefix):]
+        raise ConfigError(msg) from None
+    return gen
+
+
+SamplingParams = dataclasses.make_dataclass(
+    "SamplingParams",
+    [(f.metadata["vllm"], f.type, dataclasses.field(default=f.metadata["vllm_default"])) for f in vllm_fields()],
+    frozen=True,
+    namespace={"__module__": __name__, "__post_init__": _sampling_post_init, "generation": _sampling_generation,
+               "__doc__": _SAMPLING_DOC + "".join(f"\n    - ``{f.metadata['vllm']}`` (generation.{f.name}): "
+                                                  f"{f.metadata['doc']}" for f in vllm_fields()) + "\n"})
 
 
 # ================================================================================================

@@ -50,6 +50,110 @@ class ConfigError(ValueError):
 
 
 # ================================================================================================
+# job fields: the value parsers a field names, and job_field (module docstring: "Job fields declared once")
+# ================================================================================================
+def _p_bool(v, key, ctx):
+    if not isinstance(v, bool):
+        raise ctx.err(key, f"expected true or false, got {_describe(v)}")
+    return v
+
+
+def _p_list(item, one_ok: bool = True):
+    """A list of items parsed by ``item`` (a lone item too, when ``one_ok``) -> tuple."""
+    def parse(v, key, ctx):
+        if one_ok and not isinstance(v, list):
+            v = [v]
+        if not isinstance(v, list):
+            raise ctx.err(key, f"expected a list, got {_describe(v)}")
+        return tuple(item(x, f"{key}[{i}]", ctx) for i, x in enumerate(v))
+
+    return parse
+
+
+def _p_int(lo=None, hi=None):
+    def parse(v, key, ctx):
+        if isinstance(v, bool) or not isinstance(v, int):
+            hint = ""
+            if isinstance(v, str) and _FLOAT_RE.match(v.strip()):
+                hint = " (YAML read it as a string; write a plain integer such as 1000, not 1e3)"
+            elif isinstance(v, float) and v.is_integer():
+                hint = f" (write {int(v)} without the decimal point)"
+            raise ctx.err(key, f"expected an integer, got {_describe(v)}{hint}")
+        if lo is not None and v < lo:
+            raise ctx.err(key, f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ctx.err(key, f"must be <= {hi}, got {v}")
+        return v
+    return parse
+
+
+def _p_float(lo=None, hi=None, lo_open=False):
+    def parse(v, key, ctx):
+        if isinstance(v, str) and _FLOAT_RE.match(v.strip()):
+            # YAML 1.1 reads 1e-4 as the string '1e-4': accepted on purpose (module docstring).
+            v = float(v.strip())
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ctx.err(key, f"expected a number, got {_describe(v)}")
+        v = float(v)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ctx.err(key, f"expected a finite number, got {v}")
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise ctx.err(key, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ctx.err(key, f"must be <= {hi}, got {v}")
+        return v
+    return parse
+
+
+def _opt(parse):
+    """Accept null as None, otherwise delegate."""
+    def p(v, key, ctx):
+        return None if v is None else parse(v, key, ctx)
+    return p
+
+
+
+_SAME = object()  # job_field's vllm_default when the API default is the job default
+
+
+def job_field(default: Any, parse: "_Parser", type_doc: str, doc: str, *, vllm: Optional[str] = None,
+              vllm_default: Any = _SAME, to_job: Optional[Callable[[Any], Any]] = None, sampling: bool = False,
+              when_set: bool = False):
+    """A job key declared once: a dataclass field whose metadata every other place reads.
+
+    Args:
+        default: the value when the key is absent (immutable).
+        parse: ``parse(value, dotted_key, ctx)`` -> the checked value; raises ``ctx.err(key, ...)``.
+        type_doc, doc: the type and notes columns of the key's row in docs/REFERENCE.md (:func:`reference_rows`).
+        vllm: the key's name in vLLM's ``SamplingParams`` and in a batch file's request body (None: neither has it);
+            ``lightning_moe.api.SamplingParams`` has one keyword per such field.
+        vllm_default: that keyword's default (default: ``default``).
+        to_job: the vLLM value -> the job value (None from it: the key is not set); default: the value as given.
+        sampling: the key changes nothing when decoding is greedy (temperature 0): a batch file's greedy requests
+            run together whatever their value.
+        when_set: the key is recorded (results provenance, batch groups) only when it differs from its default, so
+            results written before the key existed still match; every key added later sets it.
+    """
+    meta = {"parse": parse, "type_doc": type_doc, "doc": doc, "vllm": vllm,
+            "vllm_default": default if vllm_default is _SAME else vllm_default, "to_job": to_job or (lambda v: v),
+            "sampling": sampling, "when_set": when_set}
+    return field(default=default, metadata=meta)
+
+
+def _negate(v: Any) -> Any:
+    """vLLM's ``ignore_eos`` -> ``stop_at_eos``: a boolean negated, anything else left for the parser to refuse."""
+    return not v if isinstance(v, bool) else v
+
+
+def _nonempty_list(v: Any) -> Any:
+    """vLLM's ``stop`` / ``stop_token_ids``: None, ``""`` and ``[]`` ask for nothing (None), one string is a list of
+    one, a tuple a list; anything else is left for the parser."""
+    if v is None or (isinstance(v, (str, list, tuple)) and len(v) == 0):
+        return None
+    return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v
+
+
+# ================================================================================================
 # dataclasses
 # ================================================================================================
 @dataclass(frozen=True)
@@ -67,17 +171,48 @@ class DataSource:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding parameters (``generation:`` section); used by task generate."""
+    """Decoding parameters (``generation:`` section); used by task generate. Each field is a :func:`job_field`: its
+    parser, default, doc line and vLLM name are declared here once, and every other place reads them (module
+    docstring, "Job fields declared once")."""
 
-    max_new_tokens: int = 128  # tokens generated per request at most (>= 1)
-    temperature: float = 0.0  # softmax temperature; 0 = greedy (argmax)
-    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = no truncation
-    seed: int = 0  # RNG seed for sampling (request order independent seeding is the executor's job)
-    stop_at_eos: bool = True  # finish a sequence when it emits the tokenizer's EOS id
-    stop: tuple[str, ...] = ()  # finish a sequence when its text contains one of these; the text is cut before it
-    stop_token_ids: tuple[int, ...] = ()  # finish a sequence when it emits one of these token ids (kept in output_ids)
-    logprobs: Optional[int] = None  # None: none; k in 0..MAX_LOGPROBS: every generated token's log-prob (fp32
-    #   log-softmax of the raw logits, before temperature / top-p, as vLLM's default) and its k best alternatives
+    max_new_tokens: int = job_field(
+        128, _p_int(lo=1), "int >= 1", "tokens generated per request at most", vllm="max_tokens")
+    temperature: float = job_field(
+        0.0, _p_float(lo=0.0), "float >= 0",
+        "0 = greedy; `1e-4` (read by YAML as a string) is accepted as a number", vllm="temperature")
+    top_p: float = job_field(
+        1.0, _p_float(lo=0.0, hi=1.0, lo_open=True), "float in (0, 1]",
+        "nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p; 1 = off",
+        vllm="top_p", sampling=True)
+    seed: int = job_field(
+        0, _p_int(lo=0, hi=2**63 - 1), "int >= 0",
+        "sampling is seeded per request id: same output whatever the batch", vllm="seed", sampling=True)
+    stop_at_eos: bool = job_field(
+        True, _p_bool, "bool", "finish a sequence when it emits the tokenizer's EOS id",
+        vllm="ignore_eos", vllm_default=False, to_job=_negate)
+    stop: tuple[str, ...] = job_field(
+        (), _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
+        "str or list of str",
+        "finish when the text contains one (found whatever tokens it spans); the text is cut before it, "
+        "`finish_reason: stop`", vllm="stop", vllm_default=None, to_job=_nonempty_list, when_set=True)
+    stop_token_ids: tuple[int, ...] = job_field(
+        (), _p_list(_p_int(lo=0)), "int or list of int",
+        "finish at one of these tokens (kept in `output_ids`), `finish_reason: stop`; each must be in the model's "
+        "vocabulary `[0, vocab_size)` (checked before any weight is read)",
+        vllm="stop_token_ids", vllm_default=None, to_job=_nonempty_list, when_set=True)
+    logprobs: Optional[int] = job_field(
+        None, _opt(_p_int(lo=0, hi=MAX_LOGPROBS)), f"int 0..{MAX_LOGPROBS} \\| null",
+        "per generated token its log-probability (fp32 log-softmax of the raw logits, before temperature and top-p, "
+        "as vLLM's default) and the k best alternatives: record fields `logprobs` and, for k >= 1, `top_logprobs`; "
+        "null: nothing computed", vllm="logprobs", when_set=True)
+    top_k: int = job_field(
+        0, lambda v, key, ctx: max(_p_int(lo=-1)(v, key, ctx), 0), "int >= -1",
+        "sample among the k most likely tokens only; 0 or -1 (vLLM's off) = off, -1 read as 0",
+        vllm="top_k", sampling=True, when_set=True)
+    min_p: float = job_field(
+        0.0, _p_float(lo=0.0, hi=1.0), "float in [0, 1]",
+        "drop the tokens whose probability is below min_p times the most likely token's; 0 = off",
+        vllm="min_p", sampling=True, when_set=True)
 
     @property
     def greedy(self) -> bool:
@@ -202,6 +337,64 @@ class Job:
 
 
 # ================================================================================================
+# what the job fields' metadata gives (job_field): the API keywords, batch-file body keys, records, docs
+# ================================================================================================
+def vllm_fields(cls: Optional[type] = None) -> list:
+    """The ``dataclasses.Field`` s of ``cls`` (None: :class:`GenerationConfig`, looked up at each call) that have a
+    vLLM name (``metadata["vllm"]``), in declaration order: one keyword of ``lightning_moe.api.SamplingParams`` and one
+    request-body key of a batch file each."""
+    return [f for f in dataclasses.fields(cls or GenerationConfig) if f.metadata.get("vllm")]
+
+
+def generation_from_vllm(values: Mapping[str, Any], cls: Optional[type] = None) -> dict:
+    """A ``generation:`` section (unchecked) from values under their vLLM names: each converted by its field's
+    ``to_job``; a name absent from ``values``, or a value that converts to None, sets nothing."""
+    gen = {}
+    for f in vllm_fields(cls):
+        if f.metadata["vllm"] in values:
+            v = f.metadata["to_job"](values[f.metadata["vllm"]])
+            if v is not None:
+                gen[f.name] = v
+    return gen
+
+
+def _at_default(f: dataclasses.Field, v: Any) -> bool:
+    """``v`` (a parsed value, or its JSON form: a list for a tuple) equals the field's default."""
+    return v == f.default or (isinstance(v, list) and isinstance(f.default, tuple) and tuple(v) == f.default)
+
+
+def recorded(gen: Mapping[str, Any], cls: Optional[type] = None, greedy_defaults: bool = False) -> dict:
+    """``gen`` (a ``generation:`` section) as records of it keep it (tuples as lists): a ``when_set`` field at its
+    default left out, so results written before that field existed still match. ``greedy_defaults``: when decoding is
+    greedy (temperature 0), every ``sampling`` field first set to its default (it changes nothing). Used for the
+    results' provenance (app.engine, meta.json) and a batch file's groups (app.batch_files, with greedy_defaults)."""
+    fields = {f.name: f for f in dataclasses.fields(cls or GenerationConfig)}
+    greedy = greedy_defaults and gen.get("temperature", fields["temperature"].default) == 0
+    out = {}
+    for k, v in gen.items():
+        f = fields[k]
+        v = f.default if greedy and f.metadata.get("sampling") else v
+        if not (f.metadata.get("when_set") and _at_default(f, v)):
+            out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _default_doc(v: Any) -> str:
+    return "null" if v is None else "none" if v == () else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def reference_rows(cls: Optional[type] = None, section: str = "generation") -> list[str]:
+    """The rows of docs/REFERENCE.md's job-key table for ``cls``'s fields (``| `section.key` | type | default | doc
+    (vLLM: `name`) |``), from their metadata; tests/test_job_fields.py checks the document holds exactly these."""
+    def notes(f):
+        vllm = f.metadata.get("vllm")
+        return f.metadata["doc"] + (f" (vLLM: `{vllm}`)" if vllm else "")
+
+    return [f"| `{section}.{f.name}` | {f.metadata['type_doc']} | {_default_doc(f.default)} | {notes(f)} |"
+            for f in dataclasses.fields(cls or GenerationConfig)]
+
+
+# ================================================================================================
 # value parsers
 # ================================================================================================
 _TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
@@ -323,59 +516,6 @@ def _p_device(v, key, ctx):
     raise ctx.err(key, f"expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {_describe(v)}")
 
 
-def _p_bool(v, key, ctx):
-    if not isinstance(v, bool):
-        raise ctx.err(key, f"expected true or false, got {_describe(v)}")
-    return v
-
-
-def _p_list(item, one_ok: bool = True):
-    """A list of items parsed by ``item`` (a lone item too, when ``one_ok``) -> tuple."""
-    def parse(v, key, ctx):
-        if one_ok and not isinstance(v, list):
-            v = [v]
-        if not isinstance(v, list):
-            raise ctx.err(key, f"expected a list, got {_describe(v)}")
-        return tuple(item(x, f"{key}[{i}]", ctx) for i, x in enumerate(v))
-
-    return parse
-
-
-def _p_int(lo=None, hi=None):
-    def parse(v, key, ctx):
-        if isinstance(v, bool) or not isinstance(v, int):
-            hint = ""
-            if isinstance(v, str) and _FLOAT_RE.match(v.strip()):
-                hint = " (YAML read it as a string; write a plain integer such as 1000, not 1e3)"
-            elif isinstance(v, float) and v.is_integer():
-                hint = f" (write {int(v)} without the decimal point)"
-            raise ctx.err(key, f"expected an integer, got {_describe(v)}{hint}")
-        if lo is not None and v < lo:
-            raise ctx.err(key, f"must be >= {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise ctx.err(key, f"must be <= {hi}, got {v}")
-        return v
-    return parse
-
-
-def _p_float(lo=None, hi=None, lo_open=False):
-    def parse(v, key, ctx):
-        if isinstance(v, str) and _FLOAT_RE.match(v.strip()):
-            # YAML 1.1 reads 1e-4 as the string '1e-4': accepted on purpose (module docstring).
-            v = float(v.strip())
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ctx.err(key, f"expected a number, got {_describe(v)}")
-        v = float(v)
-        if v != v or v in (float("inf"), float("-inf")):
-            raise ctx.err(key, f"expected a finite number, got {v}")
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            raise ctx.err(key, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise ctx.err(key, f"must be <= {hi}, got {v}")
-        return v
-    return parse
-
-
 def parse_bytes(v: Any) -> int:
     """A job's memory size: an int (bytes) or a string such as ``"24GiB"``, ``"16GB"``, ``"512 MiB"``
     (policy.hardware.parse_bytes; 0 is an error). Raises ValueError (message without file/key)."""
@@ -476,13 +616,6 @@ def _p_hardware(v, key, ctx):
     return s.lower()
 
 
-def _opt(parse):
-    """Accept null as None, otherwise delegate."""
-    def p(v, key, ctx):
-        return None if v is None else parse(v, key, ctx)
-    return p
-
-
 # ================================================================================================
 # schema: section -> {key: (parser, required)}
 # ================================================================================================
@@ -497,16 +630,7 @@ _DATA_KEYS: dict[str, _Parser] = {
     "limit": _opt(_p_int(lo=1)),
     "truncate": _p_choice(TRUNCATE),
 }
-_GEN_KEYS: dict[str, _Parser] = {
-    "max_new_tokens": _p_int(lo=1),
-    "temperature": _p_float(lo=0.0),
-    "top_p": _p_float(lo=0.0, hi=1.0, lo_open=True),
-    "seed": _p_int(lo=0, hi=2**63 - 1),
-    "stop_at_eos": _p_bool,
-    "stop": _p_list(lambda v, key, ctx: _p_str(v, key, ctx, allow_empty=True) or _p_str(v, key, ctx)),
-    "stop_token_ids": _p_list(_p_int(lo=0)),
-    "logprobs": _opt(_p_int(lo=0, hi=MAX_LOGPROBS)),
-}
+_GEN_KEYS: dict[str, _Parser] = {f.name: f.metadata["parse"] for f in dataclasses.fields(GenerationConfig)}
 _SCORE_KEYS: dict[str, _Parser] = {
     "mode": _p_choice(SCORE_MODES),
     "stride": _opt(_p_int(lo=1)),

@@ -184,7 +184,7 @@ def test_unknown_keyword_and_unsupported_sampling_fields_are_named(tiny_dir, mon
         SamplingParams(max_tokens=0)
     with pytest.raises(ConfigError, match=r"SamplingParams: temperature \(generation.temperature\): expected a number"):
         SamplingParams(temperature="hot")
-    with pytest.raises(ConfigError, match=r"SamplingParams: ignore_eos: expected true or false"):
+    with pytest.raises(ConfigError, match=r"SamplingParams: ignore_eos \(generation.stop_at_eos\): expected true or false"):
         SamplingParams(ignore_eos=1)
 
 

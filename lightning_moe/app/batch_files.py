@@ -25,7 +25,8 @@ Body fields. Used: ``messages`` (chat; ``content`` a string or a list of ``{"typ
 with newlines; roles system, user, assistant, tool) or ``prompt`` (completions; one string), ``max_tokens`` (chat also
 ``max_completion_tokens``; default ``--max-tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p`` (default 1),
 ``stop`` (a string or a list), ``seed`` (default 0; sampling is seeded by the seed and the custom_id, so a re-run draws
-the same tokens), and vLLM's ``stop_token_ids`` (each in the model's vocabulary) and ``ignore_eos``. Log-probs:
+the same tokens), and vLLM's ``stop_token_ids`` (each in the model's vocabulary) and ``ignore_eos``: every
+``GenerationConfig`` field under its vLLM name (``config.job_field``; :func:`_generation` reads them). Log-probs:
 chat's ``logprobs`` (true / false) and ``top_logprobs`` (0..20, with ``logprobs: true``), completions' ``logprobs``
 (0..20 alternatives); the choice's ``logprobs`` is then filled in the endpoint's format (:func:`_choice_logprobs`),
 from the fp32 log-softmax of the raw logits (vLLM's default: before temperature and top-p). Accepted and not used:
@@ -69,7 +70,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import MAX_LOGPROBS, ConfigError, generation_from_dict, job_from_dict
+from ..config import (MAX_LOGPROBS, ConfigError, generation_from_dict, generation_from_vllm, job_from_dict, recorded,
+                      vllm_fields)
 from ..data.sources import CHAT_ROLES, DataError, utf8_lines
 from ..data.writer import ResultsWriter, atomic_write, read_results, write_json_atomic
 
@@ -78,7 +80,9 @@ OBJECTS = {"chat": "chat.completion", "completion": "text_completion"}
 BODY_IDS = {"chat": "chatcmpl-", "completion": "cmpl-"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (sampling); give "temperature": 0 for greedy decoding
 _LINE_KEYS = ("custom_id", "method", "url", "body")
-_USED = {"model", "user", "max_tokens", "temperature", "top_p", "stop", "seed", "stop_token_ids", "ignore_eos"}
+_SPECIAL = ("max_new_tokens", "logprobs")  # generation keys whose body fields differ by endpoint: read by _body itself
+_BODY_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE}  # OpenAI's defaults where they differ from the job's
+_USED = {"model", "user", "max_tokens"} | {f.metadata["vllm"] for f in vllm_fields() if f.name not in _SPECIAL}
 _USED_BY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}, "completion": {"prompt", "logprobs"}}
 # fields taken only at their default: (endpoints, allowed values besides null, why another value is refused)
 _DEFAULT_ONLY = {
@@ -93,8 +97,6 @@ _DEFAULT_ONLY = {
     "best_of": (("completion",), (1,), "one candidate per request"),
     "suffix": (("completion",), (), "insertion (a suffix) is not implemented"),
 }
-_GEN_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-               "stop": "stop", "stop_token_ids": "stop_token_ids", "stop_at_eos": "ignore_eos", "logprobs": "logprobs"}
 
 
 class BatchFileError(DataError):
@@ -221,44 +223,46 @@ def _body(body: Any, kind: str, default_max_tokens: int) -> tuple[Any, dict, str
         raise _Bad(f"body.max_completion_tokens: {mct!r} differs from body.max_tokens {mt!r} (give one)")
     name = "max_completion_tokens" if mct is not None else "max_tokens"
     max_tokens = mct if mct is not None else mt
-    checks = {name: (max_tokens, _is_int, "an integer"), "temperature": (body.get("temperature"), _is_num, "a number"),
-              "top_p": (body.get("top_p"), _is_num, "a number"), "seed": (body.get("seed"), _is_int, "an integer"),
-              "ignore_eos": (body.get("ignore_eos"), lambda v: isinstance(v, bool), "true or false")}
-    for k, (v, ok, want) in checks.items():
-        if v is not None and not ok(v):
-            raise _Bad(f"body.{k}: expected {want}, got {_tname(v)}")
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _Bad(f"body.stop: expected a string or a list of strings, got {_tname(stop)}")
-    ids = body.get("stop_token_ids")
-    if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
-        raise _Bad(f"body.stop_token_ids: expected a list of integers, got {_tname(ids)}")
-    logprobs = _logprobs_field(body, kind)
-    gen: dict = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
-                 "temperature": float(DEFAULT_TEMPERATURE if body.get("temperature") is None else body["temperature"]),
-                 "top_p": float(1.0 if body.get("top_p") is None else body["top_p"]),
-                 "seed": 0 if body.get("seed") is None else body["seed"],
-                 "stop_at_eos": not body.get("ignore_eos", False)}
-    if stop:
-        gen["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if ids:
-        gen["stop_token_ids"] = list(ids)
-    if logprobs is not None:
-        gen["logprobs"] = logprobs
+    if max_tokens is not None and not _is_int(max_tokens):
+        raise _Bad(f"body.{name}: expected an integer, got {_tname(max_tokens)}")
+    gen = _generation(body, default_max_tokens, name)
+    gen["logprobs"] = _logprobs_field(body, kind)
+    return prompt, _checked(gen, name), "--max-tokens" if max_tokens is None else f"body.{name}"
+
+
+def _generation(body: dict, default_max_tokens: int, name: str) -> dict:
+    """The generation section of a body's fields under their vLLM names (config.job_field's ``vllm``; OpenAI's
+    default where it differs from the job's and the body has none), unchecked but for JSON's types: a number given
+    as a string is refused (a job YAML accepts ``'1e-4'``)."""
+    given = {}
+    for f in vllm_fields():
+        key, v = f.metadata["vllm"], body.get(f.metadata["vllm"])
+        if f.name in _SPECIAL or v is None:
+            continue
+        if isinstance(v, str) and isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
+            raise _Bad(f"body.{key}: expected {'an integer' if isinstance(f.default, int) else 'a number'}, got "
+                       f"{_tname(v)}")
+        given[key] = v
+    gen = {**_BODY_DEFAULTS, **generation_from_vllm(given)}
+    mt = body.get(name)
+    gen["max_new_tokens"] = default_max_tokens if mt is None else mt
+    return gen
+
+
+def _checked(gen: dict, name: str) -> dict:
+    """``gen`` checked by the job's rules (_Bad naming the body field: ``body.max_tokens: must be >= 1``) and as a
+    group keeps it (config.recorded: greedy requests run together whatever their seed, top_p, ...)."""
+    gen = {k: v for k, v in gen.items() if v is not None}
     try:
-        generation_from_dict(gen, "body")
+        parsed = generation_from_dict(gen, "body")
     except ConfigError as e:  # "body: generation.max_new_tokens: must be >= 1" -> "body.max_tokens: must be >= 1"
         msg = str(e).removeprefix("body: generation.")
-        for key, fld in _GEN_FIELDS.items():
-            if msg.startswith(key):
-                msg = (name if key == "max_new_tokens" else fld) + msg[len(key):]
+        for f in vllm_fields():
+            if msg.startswith((f"{f.name}:", f"{f.name}[")):
+                msg = (name if f.name == "max_new_tokens" else f.metadata["vllm"]) + msg[len(f.name):]
                 break
         raise _Bad(f"body.{msg}") from None
-    if gen["temperature"] == 0:  # greedy: the seed and top_p change nothing, so they do not split groups
-        gen.update(seed=0, top_p=1.0)
-    return prompt, gen, "--max-tokens" if max_tokens is None else f"body.{name}"
+    return recorded({f.name: getattr(parsed, f.name) for f in vllm_fields()}, greedy_defaults=True)
 
 
 def _logprobs_field(body: dict, kind: str) -> Optional[int]:

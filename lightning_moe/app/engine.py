@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..config import ConfigError, Job
+from ..config import ConfigError, Job, recorded
 from ..data.stops import StopWatch, cut_at_stop
 from ..data.writer import PartialsFile, ResultsWriter, error_record, read_partials, write_json_atomic
 from ..kernels.cpu_attention import cpu_attention_mode, native_available, native_loaded
@@ -345,10 +345,9 @@ def results_provenance(job: Job) -> dict:
     (generate) or scoring settings, and how prompts are formatted. Device, executor, batch size and policy are left
     out: they change speed, not what a record means."""
     gen = None
-    if job.task == "generate":  # as JSON holds it (lists); stop and logprobs settings only when set, so older results
-        #   still match
-        gen = {k: v for k, v in json.loads(json.dumps(asdict(job.generation))).items()
-               if not (k in ("stop", "stop_token_ids") and not v) and not (k == "logprobs" and v is None)}
+    if job.task == "generate":  # as JSON holds it (lists); a when_set field (config.job_field) only when set, so
+        #   older results still match
+        gen = recorded(json.loads(json.dumps(asdict(job.generation))))
     return {"model": job.model, "dtype": job.dtype, "task": job.task, "generation": gen,
             "score": asdict(job.score) if job.score is not None else None,
             "chat_template": job.data.chat_template, "system_prompt": job.data.system_prompt,
