@@ -53,6 +53,7 @@ import pulp
 from ..model.spec import MoESpec, dtype_bytes
 from . import hrm
 from .hardware import HardwareProfile
+from .jobplan import fit_job
 from .policy import DEFAULT_PREFILL_TOKENS, Budgets, PlanInfeasible, Policy, Workload
 
 log = logging.getLogger(__name__)
@@ -825,8 +826,9 @@ def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, bu
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
          candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
          time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True,
-         prefill_growth: bool = True) -> tuple[Policy, "hrm.Estimate"]:
-    """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets.
+         prefill_growth: bool = True, job_fit: bool = True) -> tuple[Policy, "hrm.Estimate"]:
+    """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets, re-shaped for
+    the job's request count (``job_fit``).
 
     Args:
         spec, hw, workload, budgets: the model, host, job shape and memory budgets (budgets.weight_quant
@@ -839,6 +841,8 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
             GPU-attention micro-batches, then fewer resident experts (local search with hrm.evaluate).
         prefill_growth: after the MILP, enlarge the prefill micro-batch into the GPU memory the decode policy leaves
             (:func:`grow_prefill`; the decode decisions do not change).
+        job_fit: with ``workload.num_requests``, re-shape the policy for the whole job (jobplan.fit_job: one batch of
+            every request where memory allows, else even batches; the least job time, every batch counted).
     Returns (Policy, Estimate): the estimate is hrm.evaluate of the policy, with solver notes.
     Raises PlanInfeasible (one line) when nothing fits; ValueError for a model without MoE layers.
     """
@@ -895,6 +899,8 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
         pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)
     if prefill_growth:
         pol, est = grow_prefill(pol, spec, hw, workload)
+    if job_fit:
+        pol, est = fit_job(pol, est, spec, hw, workload)
     hrm.check_memory(pol, spec, workload)  # raises PlanInfeasible if any budget is exceeded
     kv_note = (f", KV {workload.kv_positions(_kv_sizing_count(pol)):.1f} positions/sequence "
                f"(MILP pass(es) at {', '.join(passes)})" if workload.prompt_lens is not None else "")
