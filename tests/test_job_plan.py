@@ -210,3 +210,34 @@ def test_kill_after_checkpoint_replans_with_real_rows(tmp_path, tiny_dir):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(read_results(str(out))) == 12
+
+
+# ---- what plan and the report show ----------------------------------------------------------------------------------
+def test_plan_cli_prints_the_jobs_end_to_end(capsys, tmp_path):
+    """`moe-batch plan ... --num-prompts 2000` at 12 GiB: the table's job line names every batch and the job's
+    end-to-end (2000 x 200 tokens over the job time, rel. 1e-3 of the printed figure); the policy YAML's header too."""
+    from lightning_moe.plan_cli import main
+
+    out = tmp_path / "p.yaml"
+    rc = main(["plan", "--model", "mixtral-8x7b", "--hardware", H200_PROFILE, "--gpu-memory", "12GiB", "--cpu-memory",
+               "120GiB", "--prompt-len", "77", "--gen-len", "200", "--num-prompts", "2000", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    line = next(ln for ln in text.splitlines() if ln.startswith("job: "))
+    assert line.startswith("job: 2000 requests in 2 batch(es)")
+    e2e = float(line.split("predicted end-to-end ")[1].split(" tok/s")[0].replace(",", ""))
+    secs = float(line.split("tokens in ")[1].split(" s")[0])
+    assert e2e == pytest.approx(2000 * 200 / secs, rel=2e-3)
+    assert "job: 2000 requests in 2 batch(es), predicted end-to-end" in out.read_text()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slot_occupancy(seed):
+    from lightning_moe.app.report import slot_occupancy
+
+    rng = random.Random(seed)
+    N, G = rng.randint(5, 500), rng.randint(2, 300)
+    rows = [N] * rng.randint(1, 4) + [rng.randint(1, N - 1)]  # full batches and a tail, each decoding G - 1 steps
+    stats = {"decode_tokens": sum(r * (G - 1) for r in rows), "decode_steps": len(rows) * (G - 1)}
+    assert slot_occupancy(stats, {"N": N}) == pytest.approx(sum(rows) / (len(rows) * N), rel=1e-12)
+    assert slot_occupancy(stats, None) is None and slot_occupancy({"decode_steps": 0}, {"N": N}) is None

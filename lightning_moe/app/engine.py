@@ -48,7 +48,7 @@ from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, hardware_note, job_hardware, plan_job, policy_for_job
 from .report import (REPORT_EVERY_S, job_totals, memory_report, oom_message, other_parts, peak_host_bytes, previous_runs,
-                     reconcile_killed_runs, timing)
+                     reconcile_killed_runs, slot_occupancy, timing)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +81,8 @@ def predicted_report(job: Job, est) -> dict:
     names none got; what the estimate leaves out)."""
     hw = job_hardware(job)
     return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
-            "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
+            "end_to_end_tokens_per_s": est.job_e2e_tok_s, "batch_end_to_end_tokens_per_s": est.e2e_tok_s,
+            "job_batches": list(est.job_rows), "decode_binding": est.decode_binding,
             "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
@@ -683,6 +684,7 @@ def run_job(job: Job, progress: bool = True, log=None, runner: Optional[ModelRun
             report["metrics"] = scoring.summarize(score_records, job.score.mode)
         report["stats"] = {k: v for k, v in asdict(stats).items() if k != "extra"}
         report["stages"] = stats.extra
+        report["slot_occupancy"] = slot_occupancy(report["stats"], report.get("policy"))
         if own_runner:
             runner.close()
         try:

@@ -137,6 +137,17 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
     }
 
 
+def slot_occupancy(stats: Optional[dict], policy: Optional[dict]) -> Optional[float]:
+    """How full the decode slots were: tokens of decode steps / (decode steps x N), N the policy's sequences in flight
+    (``stats``: the report's ``stats``, ``policy``: its ``policy``). 1.0: every step decoded N live rows; a tail batch
+    of a few rows, or rows finished early keeping their slot, lower it. None without a policy or a decode step."""
+    N = (policy or {}).get("N")
+    steps = (stats or {}).get("decode_steps")
+    if not N or not steps:
+        return None
+    return (stats.get("decode_tokens") or 0) / (steps * N)
+
+
 def other_parts(wall: dict, parts: dict) -> dict:
     """``wall_seconds.other`` split (s): ``model_files`` (the model's config and tokenizer read: the first
     transformers import lands here), ``requests`` (the requests read and tokenized), ``plan`` (the policy and its
@@ -216,7 +227,15 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         rows.append({"phase": name, "measured tok/s": num(m), "predicted tok/s": num(p),
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
                      "wall s": num(spans[name], "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
-    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())] + [""]
+    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())]
+    if pred.get("job_batches"):
+        lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} batch(es) of "
+                     f"{' + '.join(map(str, pred['job_batches']))} rows, every batch counted (one batch: "
+                     f"{num(pred.get('batch_end_to_end_tokens_per_s'))} tok/s)")
+    occ = r.get("slot_occupancy")
+    if occ is not None:
+        lines.append(f"  slot occupancy {occ:.2f} (decode tokens / (decode steps x N))")
+    lines.append("")
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "
                   f"kernel) + load {w['load']:,.2f} + warmup {w.get('warmup', 0.0):,.2f} (one-time: kernel compile, "
