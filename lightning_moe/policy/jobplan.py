@@ -21,9 +21,39 @@ from dataclasses import replace
 from ..model.spec import MoESpec
 from . import hrm
 from .hardware import HardwareProfile
-from .policy import Policy, Workload
+from .policy import DEFAULT_PREFILL_TOKENS, Policy, Workload
 
 MAX_BATCH_COUNTS = 8  # batch counts k fit_job tries below ceil(P / N) (k = 1 and the ones nearest ceil(P / N))
+
+
+# policy shapes the MILP and the job plan share (milp imports them from here)
+def prefill_micro_batch(mu: int, prompt_len: float, prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> int:
+    """Prefill micro-batch (rows) for decode micro-batch ``mu``: the largest divisor d of mu with
+    d * ceil(prompt_len) <= ``prefill_tokens`` (>= 1), ``prompt_len`` the MEAN prompt length.
+
+    A divisor, so N = mu * n splits into whole prefill micro-batches. The executor also caps each prefill
+    micro-batch at ``Policy.prefill_tokens`` padded tokens (rows x longest row, length-sorted rows), so a
+    micro-batch of the longest prompts is split further and the workspace bound holds for any length mix;
+    sizing the row count by the mean keeps the typical micro-batch near PREFILL_TOKENS tokens (with the
+    max, one 425-token outlier of MT-Bench made every prefill micro-batch 8 rows, ~900 tokens).
+    """
+    s = max(1, int(-(-prompt_len // 1)))
+    best = 1
+    for d in range(1, mu + 1):
+        if mu % d == 0 and d * s <= prefill_tokens:
+            best = d
+    return best
+
+
+def _spread_resident(spec: MoESpec, total: int) -> tuple[int, ...]:
+    """``total`` resident experts spread evenly over the MoE layers (the first MoE layers get the extra; dense layers
+    none): the per-layer counts of :func:`policy_from_decisions`."""
+    L_moe, E = spec.num_moe_layers, spec.num_experts
+    r, x = divmod(total, L_moe)
+    if r > E or (r == E and x):
+        raise ValueError(f"{total} resident experts exceed {L_moe} x {E}")
+    rank = {layer: j for j, layer in enumerate(spec.moe_layers)}  # MoE layer -> its rank among the MoE layers
+    return tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
 
 
 def batch_rows(num_requests: int, N: int) -> tuple[int, ...]:
@@ -71,8 +101,6 @@ def _most_resident(policy: Policy, spec: MoESpec, workload: Workload):
     with the resident count (up to one expert's bytes where a layer's page buffers shrink) and host memory falls, so
     the counts that fit are those between the fewest the host allows and the most the GPU allows (binary searches);
     the result is re-checked with the exact memory model."""
-    from .milp import _spread_resident
-
     top = spec.num_moe_layers * spec.num_experts
 
     def mem(r: int):
@@ -124,10 +152,12 @@ def fit_job(policy: Policy, est: "hrm.Estimate", spec: MoESpec, hw: HardwareProf
     """The policy re-shaped for the job's request count (module docstring): returns the policy (the MILP's, or an
     even-batch or one-batch shape) whose job time is least, with its estimate carrying ``job_rows`` and ``job_time``.
     Every candidate fits its budgets by hrm's memory model (memory_violations); the MILP's policy is kept on ties."""
+    P = workload.num_requests
+    if P is None:  # a distribution, not a job: nothing to cut
+        return policy, est
     rows, seconds = job_time(policy, spec, hw, workload, est)
     best = (seconds, policy, with_job(est, rows, seconds))
-    P = workload.num_requests
-    if P is None or P <= 0 or (P % policy.N == 0 and P >= policy.N) or P < policy.N:
+    if P % policy.N == 0 or P < policy.N:  # whole batches only (or one batch of every request)
         return best[1], best[2]
     k0 = -(-P // policy.N)
     counts = sorted({1, *range(max(1, k0 - MAX_BATCH_COUNTS + 2), k0 + 1)})
@@ -147,7 +177,5 @@ def fit_job(policy: Policy, est: "hrm.Estimate", spec: MoESpec, hw: HardwareProf
 
 
 def _prefill_rows(policy: Policy, mu: int, workload: Workload) -> int:
-    """Prefill micro-batch rows for decode micro-batch ``mu`` at the policy's prefill tokens (milp.prefill_micro_batch)."""
-    from .milp import prefill_micro_batch
-
+    """Prefill micro-batch rows for decode micro-batch ``mu`` at the policy's prefill tokens (:func:`prefill_micro_batch`)."""
     return prefill_micro_batch(mu, workload.prompt_len, policy.prefill_tokens)
