@@ -57,7 +57,8 @@ from .expert_parallel import NoWriter, group_info, in_group, run_expert_parallel
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
 from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, plan_job, policy_for_job
-from .report import end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, report_head
+from .report import (end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, report_head,
+                     slot_occupancy)
 
 # pipeline.cgopipe, .expert_parallel and .expert_ffn are imported where used: a serial job (and `moe-batch --help`)
 # does not load the pipelined executor's and the grouped kernels' modules
@@ -708,6 +709,7 @@ def _report(run: JobRun, spans: Optional[list]) -> None:
                                  total=time.perf_counter() - run.t_start, t_setup=run.t_setup, parts=run.parts,
                                  written=run.writer.written, errors=len(run.errors), jplan=run.jplan, cap=run.cap,
                                  peaks=run.peaks, score_records=run.score_records))
+    run.report["slot_occupancy"] = slot_occupancy(run.report["stats"], run.report.get("policy"))
     if run.own_runner:
         run.runner.close()
     try:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -64,12 +65,14 @@ class Prepared:
             self.n_input = len(requests)
         self.treqs = encode_requests(requests, self.tokenizer, job, self.spec.max_position_embeddings)
         self.eos_token_id = self.files.eos_token_id
+        self._resumed_rows: Optional[tuple] = None  # (done ids, id -> partial tokens): resumed_rows' cache
 
 
 def job_workload_from_prepared(prep: "Prepared"):
     """The planner's Workload from a prepared job's real tokenized requests: prompt lengths (generation, ``gen_len`` =
     max_new_tokens) or the lengths of every sequence a scoring job feeds (perplexity windows included; a prefill-only
-    scoring workload)."""
+    scoring workload). A generation job that resumes (:func:`resumed_rows`) is planned for the rows it will run: those
+    without a record, a resumed one at its prompt + partial tokens (what its prefill feeds)."""
     from ..policy.policy import Workload
 
     job = prep.job
@@ -78,7 +81,34 @@ def job_workload_from_prepared(prep: "Prepared"):
         lens = [n for t in ok for n in scoring.sequence_lengths(t, job.score.mode, prep.spec.max_position_embeddings,
                                                                  job.score.stride)]
         return Workload.from_lengths(lens, 1, name=job.name, scoring=True)
-    return Workload.from_lengths([t.prompt_tokens for t in ok], job.generation.max_new_tokens, name=job.name)
+    G = job.generation.max_new_tokens
+    done, partial = resumed_rows(prep)
+    lens = [t.prompt_tokens + partial.get(t.id, 0) for t in ok if t.id not in done and partial.get(t.id, 0) < G]
+    if not lens:  # nothing left to run (the engine stops before any weight): the job as a first run
+        lens = [t.prompt_tokens for t in ok]
+    return Workload.from_lengths(lens, G, name=job.name)
+
+
+def resumed_rows(prep: "Prepared") -> tuple[set, dict]:
+    """(ids that have a record, id -> tokens of its partial generation) of a generation job's earlier runs: its results
+    file and its partial sidecar (``<stem>.partial.jsonl``, the engine's checkpoints), read only, once per
+    :class:`Prepared`. Empty for a first run, an in-memory job, or files the engine will refuse (it says why)."""
+    got = getattr(prep, "_resumed_rows", None)
+    if got is not None:
+        return got
+    from ..data.writer import WriterError, read_partials, read_results
+
+    job, done, partial = prep.job, set(), {}
+    out = getattr(job, "output", None)
+    if job.task == "generate" and out is not None:
+        try:
+            if os.path.exists(out.path):
+                done = {r.get("id") for r in read_results(out.path)}
+            partial = {i: len(p) for i, p in read_partials(out.partial_path).items() if i not in done and p}
+        except (OSError, ValueError, WriterError):  # a corrupt file: the engine's own check names it
+            done, partial = set(), {}
+    prep._resumed_rows = (done, partial)
+    return done, partial
 
 
 def job_workload(job_path: str, overrides: Optional[dict] = None):

@@ -47,7 +47,8 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
     profile a job that names none got; what the estimate leaves out)."""
     est, hw = jplan.estimate, jplan.hardware
     return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
-            "end_to_end_tokens_per_s": est.e2e_tok_s, "decode_binding": est.decode_binding,
+            "end_to_end_tokens_per_s": est.job_e2e_tok_s, "batch_end_to_end_tokens_per_s": est.e2e_tok_s,
+            "job_batches": list(est.job_rows), "decode_binding": est.decode_binding,
             "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
@@ -187,6 +188,17 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
     }
 
 
+def slot_occupancy(stats: Optional[dict], policy: Optional[dict]) -> Optional[float]:
+    """How full the decode slots were: tokens of decode steps / (decode steps x N), N the policy's sequences in flight
+    (``stats``: the report's ``stats``, ``policy``: its ``policy``). 1.0: every step decoded N live rows; a tail batch
+    of a few rows, or rows finished early keeping their slot, lower it. None without a policy or a decode step."""
+    N = (policy or {}).get("N")
+    steps = (stats or {}).get("decode_steps")
+    if not N or not steps:
+        return None
+    return (stats.get("decode_tokens") or 0) / (steps * N)
+
+
 def other_parts(wall: dict, parts: dict) -> dict:
     """``wall_seconds.other`` split (s): ``model_files`` (the model's config and tokenizer read: the first
     transformers import lands here), ``requests`` (the requests read and tokenized), ``plan`` (the policy and its
@@ -266,7 +278,15 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         rows.append({"phase": name, "measured tok/s": num(m), "predicted tok/s": num(p),
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
                      "wall s": num(spans[name], "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
-    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())] + [""]
+    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())]
+    if pred.get("job_batches"):
+        lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} batch(es) of "
+                     f"{' + '.join(map(str, pred['job_batches']))} rows, every batch counted (one batch: "
+                     f"{num(pred.get('batch_end_to_end_tokens_per_s'))} tok/s)")
+    occ = r.get("slot_occupancy")
+    if occ is not None:
+        lines.append(f"  slot occupancy {occ:.2f} (decode tokens / (decode steps x N))")
+    lines.append("")
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "
                   f"kernel) + load {w['load']:,.2f} + warmup {w.get('warmup', 0.0):,.2f} (one-time: kernel compile, "

@@ -806,6 +806,16 @@ class Estimate:
     decode_last_layers: tuple  # StageTimes per layer at the last decode step
     memory: MemoryEstimate  # peak bytes by component
     notes: tuple = ()  # lines on what the estimate leaves out (evaluate's) and on how it was solved (the planner's)
+    job_rows: tuple = ()  # rows of each batch of the job (policy.jobplan.fit_job; empty: the job is one batch of N)
+    job_time: float = 0.0  # seconds of the whole job, every batch summed (0: not planned as a job)
+
+    @property
+    def job_e2e_tok_s(self) -> float:
+        """The job's end-to-end generated tokens / s: sum(job_rows) G / job_time (every batch, the tail too); the
+        batch's :attr:`e2e_tok_s` when the estimate was not planned as a job."""
+        if not self.job_rows or self.job_time <= 0:
+            return self.e2e_tok_s
+        return sum(self.job_rows) * self.gen_len / self.job_time
 
     @property
     def total_time(self) -> float:

@@ -53,6 +53,7 @@ import pulp
 from ..model.spec import MoESpec, dtype_bytes
 from . import hrm
 from .hardware import HardwareProfile
+from .jobplan import _spread_resident, fit_job, prefill_micro_batch
 from .policy import DEFAULT_PREFILL_TOKENS, Budgets, PlanInfeasible, Policy, Workload
 
 log = logging.getLogger(__name__)
@@ -68,24 +69,6 @@ MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0,
 PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
 
 __all__ = ["plan", "plan_scoring", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
-
-
-def prefill_micro_batch(mu: int, prompt_len: float, prefill_tokens: int = PREFILL_TOKENS) -> int:
-    """Prefill micro-batch (rows) for decode micro-batch ``mu``: the largest divisor d of mu with
-    d * ceil(prompt_len) <= ``prefill_tokens`` (>= 1), ``prompt_len`` the MEAN prompt length.
-
-    A divisor, so N = mu * n splits into whole prefill micro-batches. The executor also caps each prefill
-    micro-batch at ``Policy.prefill_tokens`` padded tokens (rows x longest row, length-sorted rows), so a
-    micro-batch of the longest prompts is split further and the workspace bound holds for any length mix;
-    sizing the row count by the mean keeps the typical micro-batch near PREFILL_TOKENS tokens (with the
-    max, one 425-token outlier of MT-Bench made every prefill micro-batch 8 rows, ~900 tokens).
-    """
-    s = max(1, int(-(-prompt_len // 1)))
-    best = 1
-    for d in range(1, mu + 1):
-        if mu % d == 0 and d * s <= prefill_tokens:
-            best = d
-    return best
 
 
 def grow_prefill(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload,
@@ -128,17 +111,6 @@ def grow_prefill(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: W
         if ok and (best is policy or e.e2e_tok_s > est.e2e_tok_s):
             best, est = cand, e
     return best, est
-
-
-def _spread_resident(spec: MoESpec, total: int) -> tuple[int, ...]:
-    """``total`` resident experts spread evenly over the MoE layers (the first MoE layers get the extra; dense layers
-    none): the per-layer counts of :func:`policy_from_decisions`."""
-    L_moe, E = spec.num_moe_layers, spec.num_experts
-    r, x = divmod(total, L_moe)
-    if r > E or (r == E and x):
-        raise ValueError(f"{total} resident experts exceed {L_moe} x {E}")
-    rank = {layer: j for j, layer in enumerate(spec.moe_layers)}  # MoE layer -> its rank among the MoE layers
-    return tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
 
 
 def prefill_chunk_tokens(prefill_mu: int, max_prompt_len: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
@@ -825,8 +797,9 @@ def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, bu
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
          candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
          time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True,
-         prefill_growth: bool = True) -> tuple[Policy, "hrm.Estimate"]:
-    """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets.
+         prefill_growth: bool = True, job_fit: bool = True) -> tuple[Policy, "hrm.Estimate"]:
+    """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets, re-shaped for
+    the job's request count (``job_fit``).
 
     Args:
         spec, hw, workload, budgets: the model, host, job shape and memory budgets (budgets.weight_quant
@@ -839,6 +812,8 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
             GPU-attention micro-batches, then fewer resident experts (local search with hrm.evaluate).
         prefill_growth: after the MILP, enlarge the prefill micro-batch into the GPU memory the decode policy leaves
             (:func:`grow_prefill`; the decode decisions do not change).
+        job_fit: with ``workload.num_requests``, re-shape the policy for the whole job (jobplan.fit_job: one batch of
+            every request where memory allows, else even batches; the least job time, every batch counted).
     Returns (Policy, Estimate): the estimate is hrm.evaluate of the policy, with solver notes.
     Raises PlanInfeasible (one line) when nothing fits; ValueError for a model without MoE layers.
     """
@@ -895,6 +870,8 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
         pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)
     if prefill_growth:
         pol, est = grow_prefill(pol, spec, hw, workload)
+    if job_fit:
+        pol, est = fit_job(pol, est, spec, hw, workload)
     hrm.check_memory(pol, spec, workload)  # raises PlanInfeasible if any budget is exceeded
     kv_note = (f", KV {workload.kv_positions(_kv_sizing_count(pol)):.1f} positions/sequence "
                f"(MILP pass(es) at {', '.join(passes)})" if workload.prompt_lens is not None else "")

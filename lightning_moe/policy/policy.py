@@ -490,4 +490,18 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     add(f"predicted: prefill {estimate.prefill_tok_s:,.0f} tok/s, decode {estimate.decode_tok_s:,.1f} tok/s, "
         f"end-to-end {estimate.e2e_tok_s:,.1f} tok/s ({estimate.N} x {estimate.gen_len} tokens in {_fmt_time(estimate.total_time)}); "
         f"binding: prefill {estimate.prefill_binding}, decode {estimate.decode_binding}")
+    if estimate.job_rows:
+        add(job_line(estimate))
     return "\n".join(lines)
+
+
+def job_line(estimate: "Estimate") -> str:
+    """The job's prediction in one line: its batches (rows each) and end-to-end tokens/s over all of them."""
+    rows = estimate.job_rows
+    sizes: dict = {}
+    for r in rows:
+        sizes[r] = sizes.get(r, 0) + 1
+    shape = " + ".join(f"{c} x {r}" if c > 1 else f"{r}" for r, c in sizes.items())
+    return (f"job: {sum(rows)} requests in {len(rows)} batch(es) ({shape} rows), predicted end-to-end "
+            f"{estimate.job_e2e_tok_s:,.1f} tok/s ({sum(rows)} x {estimate.gen_len} tokens in "
+            f"{_fmt_time(estimate.job_time)}, every batch counted)")
