@@ -22,7 +22,7 @@ How a draw is made, and why. The draw is an exponential race (Gumbel-max): token
 ``x_i - log(E_i)``, ``E_i = -log(1 - w_i)`` ~ Exp(1), i.e. argmax ``p_i / E_i`` -- exactly what ``torch.multinomial``
 does for one sample. ``w_i`` is a counter-based hash of (row key, token id i): the row's 63-bit key (the pipeline's
 ``position_seed(request seed, output position)``) is split into two 32-bit words on the device and hashed with the
-token index by two rounds of murmur3's ``fmix32`` on int64 tensors (masked to 32 bits after each multiply), then
+token index by one round of murmur3's ``fmix32`` on int64 tensors (masked to 32 bits after each multiply), then
 ``w = (h + 0.5) / 2**32`` in fp32 (clamped below 1) and ``E = -log1p(-w)`` (full relative precision near 0, where the
 race is decided). So a row's token is a function of its own logits and its own key only: batch- and
 resume-invariant by construction, no generator state. And it is robust: a perturbation of the logits moves the
@@ -33,7 +33,7 @@ not: any change of the mass of the tokens before the drawn one moves the boundar
 0.9; the race 0). The distribution is the target's up to fp32 rounding of ``x``, ``w`` and ``log`` (relative ~1e-7)
 and E's truncation at ``-log(2**-24)`` (probability 6e-8 per token).
 
-Cost. One ``[B, V]`` int64 hash pass (~25 integer ops per element), a ``log1p`` and a ``log`` per element, an argmax;
+Cost. One ``[B, V]`` int64 hash pass (~13 integer ops per element), a ``log1p`` and a ``log`` per element, an argmax;
 top-k adds a ``topk`` of k values per row, top-p one stable sort of ``[B, V]`` (as vLLM's native path does), a
 softmax and a cumsum in sorted order, and a scatter back. Measured on this project's loaded 2-core CPU host
 (``benchmarks/bench_sampler.py``, V = 32000, temperature 1, one thread): see docs/DESIGN.md "Sampling"; the race
@@ -80,14 +80,14 @@ def _fmix32_(h: torch.Tensor) -> torch.Tensor:
 
 def race_uniforms(keys: torch.Tensor, V: int, device=None) -> torch.Tensor:
     """fp32 ``[B, V]`` values ``w`` in ``(0, 1)`` on ``device`` (default: the keys'): ``(h + 0.5) / 2**32`` with
-    ``h = fmix32(fmix32(i * 0x9E3779B1 + fmix32(a)) ^ fmix32(b ^ 0x85EBCA77))`` of token id i and key words
-    ``a = key & 0xFFFFFFFF``, ``b = key >> 32``; clamped to at most ``1 - 2**-24``."""
+    ``h = fmix32(((i * 0x9E3779B1 + fmix32(a)) mod 2**32) ^ fmix32(b ^ 0x85EBCA77))`` of token id i and key words
+    ``a = key & 0xFFFFFFFF``, ``b = key >> 32`` (a Weyl sequence through murmur3's finalizer, as SplitMix does; one
+    ``[B, V]`` round: a second doubled the CPU cost); clamped to at most ``1 - 2**-24``."""
     k = keys.to(device if device is not None else keys.device, torch.int64).view(-1, 1)
     ka = _fmix32_(k & _M32)  # [B, 1]
     kb = _fmix32_((k >> 32).bitwise_xor_(0x85EBCA77))  # [B, 1]
     h = torch.arange(V, dtype=torch.int64, device=k.device).mul_(0x9E3779B1).bitwise_and_(_M32)  # [V]
-    h = _fmix32_((h + ka).bitwise_and_(_M32))  # [B, V]
-    _fmix32_(h.bitwise_xor_(kb))
+    h = _fmix32_((h + ka).bitwise_and_(_M32).bitwise_xor_(kb))  # [B, V]
     return h.to(torch.float32).add_(0.5).mul_(2.0 ** -32).clamp_(max=_W_MAX)
 
 
