@@ -38,7 +38,8 @@ top-k adds a ``topk`` of k values per row, top-p one stable sort of ``[B, V]`` (
 softmax and a cumsum in sorted order, and a scatter back. Measured on this project's loaded 2-core CPU host
 (``benchmarks/bench_sampler.py``, V = 32000, temperature 1, one thread; docs/DESIGN.md "Sampling"): B = 80, 38 ms
 (the old per-row multinomial loop 63 ms); B = 512, 607 ms (the loop 516 ms). The race costs several times the
-inverse CDF it replaced on the CPU (B random numbers per step became B * V hashes; that measured 7.9 / 140 ms). GPU numbers are not measured yet. Memory: one fp32 ``[B, V]`` work buffer
+inverse CDF it replaced on the CPU (B random numbers per step became B * V hashes; that measured 7.9 / 140 ms).
+GPU numbers are not measured yet. Memory: one fp32 ``[B, V]`` work buffer
 and one int64 ``[B, V]`` hash buffer (plus the sort's keys and indices with top-p): at B = 2048, V = 200 000, 1.6 GB
 + 3.3 GB; a caller may split B into row chunks to bound it, the draws being batch-invariant.
 
