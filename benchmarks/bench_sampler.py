@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Token sampling (issue 43): the old per-row loop (fp32 logits to the host, softmax, top-p sort, one
 ``torch.Generator`` and ``torch.multinomial`` per row, as ``pipeline/serial.py``'s ``sample`` did) against
-``kernels.sampling.sample_tokens`` (vectorized, one uniform per row), best of ``--repeats`` milliseconds per call
+``kernels.sampling.sample_tokens`` (vectorized, an exponential race over hashed uniforms), best of ``--repeats`` milliseconds per call
 (the two paths alternating, so on a loaded host both see the same quiet windows), for each B in ``--batch`` at
 vocabulary ``--vocab`` on ``--device`` (a CPU benchmark by default; on CUDA the old path includes its device-to-host
 copy, the new one only the B token ids' copy).
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from lightning_moe.kernels.sampling import sample_tokens, uniforms_from_seeds  # noqa: E402
+from lightning_moe.kernels.sampling import keys_from_seeds, sample_tokens  # noqa: E402
 
 
 def old_sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: list[int]) -> torch.Tensor:
@@ -72,7 +72,7 @@ def main() -> None:
         for name, kw in [("temperature 1", {}), ("top_p 0.9", {"top_p": 0.9}), ("top_k 50", {"top_k": 50}),
                          ("min_p 0.05", {"min_p": 0.05}), ("top_k 50 top_p 0.9 min_p .05",
                                                             {"top_k": 50, "top_p": 0.9, "min_p": 0.05})]:
-            fns = [lambda: sample_tokens(logits, 1.0, uniforms=uniforms_from_seeds(seeds), **kw).cpu()]
+            fns = [lambda: sample_tokens(logits, 1.0, keys=keys_from_seeds(seeds), **kw).cpu()]
             if set(kw) <= {"top_p"}:
                 fns.append(lambda: old_sample(logits, 1.0, kw.get("top_p", 1.0), seeds))
             t = best_ms(fns, a.repeats, a.device)

@@ -203,13 +203,13 @@ def test_policy_auto_refuses_a_cap_larger_than_the_card(tiny_dir):
 
     from lightning_moe.app.plan import policy_for_job
 
-    job = SimpleNamespace(dtype="float32", policy="auto", hardware="t4", gpu_memory=16 << 30, cpu_memory=None)
+    job = SimpleNamespace(device="cuda", task="generate", dtype="float32", policy="auto", hardware="t4", gpu_memory=16 << 30, cpu_memory=None)
     with pytest.raises(ValueError, match="gpu_memory 16.0 GiB exceeds the 15.0 GiB of GPU memory of hardware 't4'"):
         policy_for_job(job, SimpleNamespace(model_path=tiny_dir))
-    job = SimpleNamespace(dtype="float32", policy="auto", hardware="h200", gpu_memory=None, cpu_memory=200 << 30)
+    job = SimpleNamespace(device="cuda", task="generate", dtype="float32", policy="auto", hardware="h200", gpu_memory=None, cpu_memory=200 << 30)
     with pytest.raises(ValueError, match="cpu_memory 200.0 GiB exceeds the 128.0 GiB of host memory of hardware 'h200'"):
         policy_for_job(job, SimpleNamespace(model_path=tiny_dir))
-    job = SimpleNamespace(dtype="float32", policy="auto", hardware="h200", gpu_memory=None, cpu_memory=200 << 30,
+    job = SimpleNamespace(device="cuda", task="generate", dtype="float32", policy="auto", hardware="h200", gpu_memory=None, cpu_memory=200 << 30,
                           config_path="/jobs/nightly.yaml")
     with pytest.raises(ValueError, match=r"^/jobs/nightly\.yaml: cpu_memory 200\.0 GiB exceeds"):  # names the job file
         policy_for_job(job, SimpleNamespace(model_path=tiny_dir))

@@ -50,10 +50,10 @@ def tiny(tiny_dir):
 
 
 def _counts(ex, prompts, gen):
-    from lightning_moe.pipeline.serial import SamplingParams
+    from lightning_moe.pipeline.sampling import DecodeSampling
 
     with OpCounter() as c:
-        ex.generate(prompts, SamplingParams(gen, stop_at_eos=False))
+        ex.generate(prompts, DecodeSampling(gen, stop_at_eos=False))
     return c.c
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from ..kernels.sampling import sample_tokens, uniforms_from_seeds
+from ..kernels.sampling import keys_from_seeds, sample_tokens
 
 if TYPE_CHECKING:  # the executor contract's types (pipeline.executor imports this module)
     from .executor import FinishCallback, LogprobsCallback, RunStats, StopRowsCallback, TokensCallback
@@ -83,18 +83,19 @@ def sample(logits: torch.Tensor, params: DecodeSampling, seeds: Optional[Sequenc
     """Next token per row. logits: [B, V] (any float dtype, any device). Returns int64 [B] on the CPU.
 
     Greedy: argmax (lowest id on ties). Otherwise :func:`kernels.sampling.sample_tokens` on the logits' device:
-    temperature, min-p, top-k, top-p (vLLM's order), then one inverse-CDF draw per row from the uniform of
+    temperature, min-p, top-k, top-p (vLLM's order), then an exponential race per row keyed by
     ``position_seed(seeds[b], positions[b])`` (the request's seed and the output position of the token drawn), so a
-    request samples the same tokens whatever batch it lands in and wherever a run resumed it. Only B uniforms go to
-    the device and B token ids come back. Without ``seeds`` the uniforms come from torch's global generator.
+    request samples the same tokens whatever batch it lands in and wherever a run resumed it, and fp32-level logit
+    differences (a resumed prefill against decode steps) almost never change a token. Only B int64 keys go to the
+    device and B token ids come back. Without ``seeds`` the keys come from torch's global generator.
     """
     if params.greedy:
         return sample_tokens(logits, 0.0).cpu()
     if seeds is not None:
-        u = uniforms_from_seeds([position_seed(s, p) for s, p in zip(seeds, positions)])
+        keys = keys_from_seeds([position_seed(s, p) for s, p in zip(seeds, positions)])
     else:
-        u = torch.rand(logits.shape[0], dtype=torch.float64)
-    return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, u).cpu()
+        keys = torch.randint(0, (1 << 63) - 1, (logits.shape[0],), dtype=torch.int64)
+    return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, keys).cpu()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list:
