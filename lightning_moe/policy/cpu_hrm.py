@@ -86,12 +86,18 @@ class CpuProfile:
     #   gather / scatter; dispatch + allocation)
     view_call: float  # seconds per view / metadata op (select, view, unsqueeze)
     attention_call: float  # seconds per CPU decode-attention call at a tiny shape (the native kernel's fixed cost)
+    glue_call: float  # seconds the executor's own Python code adds per GEMM or other op it issues, beyond gemm_call /
+    #   op_call (frames, argument handling, the expert loop's bookkeeping, cold caches over a long varied op stream):
+    #   the serial executor's best decode step on a probe model (pipeline.cpu_profile.PROBE_CONFIG), less its counted
+    #   ops at the costs above, per GEMM + op
     handoff: float  # seconds per hand-off of one call to a worker thread and back (cgopipe's CPU-attention worker)
     nonzero_call: float  # seconds per ``torch.where(mask)`` (nonzero) on a small mask: the expert loop's token gather
     argmax_rate: float  # elements/s of an argmax over fp32 logits rows (greedy sampling over the vocabulary)
     record_write: float  # seconds to append one result record with fsync (the results file, once per sequence)
     scatter_bandwidth: float  # bytes/s written by an advanced-index scatter into a KV cache (``K[slot, :, pos] = x``:
     #   cgopipe's grouped prefill KV write), per byte of the values written
+    sdpa_rate: float = 0.0  # (query, key, head) scores/s of the CPU SDPA with a boolean mask at a small head dim (the
+    #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
@@ -194,6 +200,7 @@ def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts
     n = ({k: v["head"] for k, v in OP_COUNTS[(executor, phase)].items()} if head
          else op_counts(executor, phase, experts, rows, groups))
     t = gemms * prof.gemm_call + n["op"] * prof.op_call + n["view"] * prof.view_call + attn_calls * prof.attention_call
+    t += (gemms + n["op"]) * prof.glue_call  # (C1') the executor's Python code around each op it issues
     if executor == "cgopipe" and phase == "decode" and not head:
         t += attn_calls * prof.handoff  # each CPU-attention call goes to the worker thread and back
     return t
@@ -230,8 +237,11 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
     if phase == "decode":
         flops += tokens * context * spec.attn_flops_per_position
         kv_bytes = tokens * context * spec.kv_elems_per_token * b
-    else:
-        flops += rows * padded_len * padded_len * spec.prefill_attn_flops_per_position
+    else:  # (C2') the padded R x S^2 attention: its FLOPs or its masked-softmax scores at sdpa_rate, the larger
+        pairs = rows * padded_len * padded_len
+        attn_s = max(pairs * spec.prefill_attn_flops_per_position / P,
+                     pairs * spec.num_heads / prof.sdpa_rate if prof.sdpa_rate > 0 else 0.0)
+        flops += attn_s * P
         kv_bytes = tokens * spec.kv_elems_per_token * b  # the prompt KV written to the cache
         if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by an index_put scatter, not a copy
             scatter = kv_bytes / prof.scatter_bandwidth
