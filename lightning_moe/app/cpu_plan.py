@@ -43,15 +43,21 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
 
 def cpu_profile(log=sys.stderr):
     """The CPU profile the prediction uses: ``$LIGHTNING_MOE_CPU_PROFILE``'s YAML; else this machine's cached
-    measurement (:func:`cpu_profile_path`); else measured now and cached (:func:`measure_and_cache`)."""
+    measurement (:func:`cpu_profile_path`); else (none, or one that no longer loads: an older version's fields) measured
+    now and cached (:func:`measure_and_cache`)."""
     from ..policy.cpu_hrm import CpuProfile
 
     env = os.environ.get(CPU_PROFILE_ENV)
     if env:
         return CpuProfile.load(env)
+    from ..policy.hardware import HardwareError
+
     path = cpu_profile_path()
     if os.path.isfile(path):
-        return CpuProfile.load(path)
+        try:
+            return CpuProfile.load(path)
+        except HardwareError as e:  # written by an older version (a field added since): measured again
+            print(f"moe-batch: the cached CPU profile does not load ({e}); measuring again", file=log, flush=True)
     return measure_and_cache(log, path)
 
 
