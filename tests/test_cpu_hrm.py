@@ -183,6 +183,22 @@ def test_prefill_attention_scores_at_sdpa_rate(tiny):
     assert estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 2).prefill_time < want * 1e-9
 
 
+def test_head_gemm_at_its_measured_rate(tiny):
+    """The lm_head's FLOPs go at head_matmul_flops when it is below the matmul peak (the layers' at the peak): with
+    every other cost 0, decode time is the layers' FLOPs / P + the heads' 2 rows D V / P_head per step and batch,
+    1e-9 relative; a head rate above the peak, or 0 (unmeasured), is the peak's."""
+    spec, _ = tiny
+    zero = dict(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30, nonzero_call=0.0,
+                argmax_rate=0.0, record_write=0.0, glue_call=0.0, matmul_flops_fp32=4e9)
+    wl = Workload.from_lengths([6, 14, 9], 5)
+    base = estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 2)
+    slow = estimate_cpu(spec, _prof(**zero, head_matmul_flops=1e9), wl, "fp32", "serial", 2)
+    head = sum(4 * 2 * r * spec.hidden_size * spec.vocab_size for r in (2, 1))  # 4 decode steps per batch
+    assert slow.decode_time - base.decode_time == pytest.approx(head / 1e9 - head / 4e9, rel=1e-9)
+    assert estimate_cpu(spec, _prof(**zero, head_matmul_flops=1e12), wl, "fp32", "serial", 2).decode_time == \
+        pytest.approx(base.decode_time, rel=1e-12)
+
+
 def test_plan_cpu_returns_a_fitting_prediction(tiny):
     """plan_cpu picks a cgopipe policy for the CPU (N no more than the job's prompts, all experts resident, CPU
     attention) with the best predicted end-to-end tokens/s of its candidates, its memory within the budget; an
@@ -222,7 +238,7 @@ def test_measured_profile_fields_are_sane():
     for f in ("gemm_call", "op_call", "view_call", "attention_call", "handoff", "nonzero_call", "record_write"):
         assert 1e-8 < getattr(p, f) < 0.1, f
     assert 0.0 <= p.glue_call < 1e-3  # the probe's step less its micro-benchmarked ops, per op
-    assert 1e6 < p.argmax_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13
+    assert 1e6 < p.argmax_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 
 

@@ -98,6 +98,8 @@ class CpuProfile:
     #   cgopipe's grouped prefill KV write), per byte of the values written
     sdpa_rate: float = 0.0  # (query, key, head) scores/s of the CPU SDPA with a boolean mask at a small head dim (the
     #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
+    head_matmul_flops: float = 0.0  # FLOP/s of an lm_head-shaped fp32 GEMM (64 rows x 64 -> 32768: a short
+    #   reduction into a vocabulary-wide output beyond the L2; 0 = unmeasured: the matmul peak's)
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
@@ -259,7 +261,10 @@ def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executo
     D, V = spec.hidden_size, spec.vocab_size
     ops = _ops_time(prof, executor, phase, 1, 0, 0, 0, head=True)
     ops += rows * V / prof.argmax_rate if prof.argmax_rate > 0 else 0.0  # greedy sampling: an argmax over V per row
-    return Terms(ops=ops, flops=2 * rows * D * V / prof.matmul_flops(dtype),
+    P = prof.matmul_flops(dtype)
+    if prof.head_matmul_flops > 0:  # the lm_head's shape class runs at its own measured rate (at most the peak)
+        P = min(P, prof.head_matmul_flops)
+    return Terms(ops=ops, flops=2 * rows * D * V / P,
                  bytes=(V * D * b + rows * V * 4 * 2) / prof.memory_bandwidth)
 
 
