@@ -9,6 +9,8 @@ import sys
 from typing import Optional
 
 CPU_PROFILE_ENV = "LIGHTNING_MOE_CPU_PROFILE"  # a CPU profile YAML to use instead of the cached measurement
+PROFILE_VERSION = 2  # in the cache file's name: bumped when CpuProfile's fields change, so versions keep their own
+#   files (an older version would refuse a newer file's keys)
 
 
 def is_cpu_job(job) -> bool:
@@ -18,12 +20,13 @@ def is_cpu_job(job) -> bool:
 
 def cpu_profile_path(machine: Optional[str] = None) -> str:
     """Where this machine's measured CPU profile is cached: ``<cache>/cpu-profiles/<machine key>.yaml`` under the
-    package cache directory (``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``)."""
+    package cache directory (``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``), named by the profile's
+    version (``v<PROFILE_VERSION>-<machine key>.yaml``)."""
     from ..model.tiny import default_cache_dir
     from ..pipeline.cpu_profile import machine_key
 
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", machine or machine_key()).strip("_")
-    return os.path.join(default_cache_dir(), "cpu-profiles", f"{key}.yaml")
+    return os.path.join(default_cache_dir(), "cpu-profiles", f"v{PROFILE_VERSION}-{key}.yaml")
 
 
 def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
