@@ -197,6 +197,14 @@ def test_head_gemm_at_its_measured_rate(tiny):
     assert slow.decode_time - base.decode_time == pytest.approx(head / 1e9 - head / 4e9, rel=1e-9)
     assert estimate_cpu(spec, _prof(**zero, head_matmul_flops=1e12), wl, "fp32", "serial", 2).decode_time == \
         pytest.approx(base.decode_time, rel=1e-12)
+    # a head of more than HEAD_ROWS[0] = 64 rows goes at head_matmul_flops_many (here 0.5e9), one of <= 64 not
+    wl = Workload.from_lengths([5] * 70 + [7] * 30, 3)
+    two = dict(head_matmul_flops=1e9, head_matmul_flops_many=0.5e9)
+    base = estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 70)
+    got = estimate_cpu(spec, _prof(**zero, **two), wl, "fp32", "serial", 70)
+    head = {r: 2 * 2 * r * spec.hidden_size * spec.vocab_size for r in (70, 30)}  # 2 decode steps per batch
+    assert got.decode_time - base.decode_time == pytest.approx(
+        head[70] / 0.5e9 + head[30] / 1e9 - (head[70] + head[30]) / 4e9, rel=1e-9)
 
 
 def test_plan_cpu_returns_a_fitting_prediction(tiny):
@@ -239,6 +247,7 @@ def test_measured_profile_fields_are_sane():
         assert 1e-8 < getattr(p, f) < 0.1, f
     assert 0.0 <= p.glue_call < 1e-3  # the probe's step less its micro-benchmarked ops, per op
     assert 1e6 < p.argmax_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14
+    assert 1e8 < p.head_matmul_flops_many < 1e14
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 
 

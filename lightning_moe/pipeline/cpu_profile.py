@@ -44,6 +44,9 @@ def matmul_flops(dtype: torch.dtype, n: int = 256) -> float:
     return 2 * n**3 / _per_call(lambda: torch.mm(a, b), 1, 60)
 
 
+HEAD_ROWS = (64, 256)  # rows of the two lm_head-shaped GEMMs measured (cpu_hrm.HEAD_ROWS: which one a head uses)
+
+
 def head_matmul_flops(rows: int = 64, hidden: int = 64, vocab: int = 32768) -> float:
     """FLOP/s of an lm_head-shaped fp32 ``F.linear``: ``rows`` x ``hidden`` times a ``vocab`` x ``hidden`` weight, a
     short reduction into a vocabulary-wide output (8 MiB: beyond the L2), which runs far below a square matmul's
@@ -254,7 +257,7 @@ def measure_cpu_profile(name: str = "cpu", directory: str = "") -> CpuProfile:
         name=name, machine=machine_key(), cpu_model=cpu_model(), cpu_cores=os.cpu_count() or 1,
         threads=torch.get_num_threads(), torch_version=str(torch.__version__), host_memory=host_memory_bytes(),
         memory_bandwidth=memory_bandwidth(), matmul_flops_fp32=matmul_flops(torch.float32), matmul_flops_bf16=bf16,
-        head_matmul_flops=head_matmul_flops(),
+        head_matmul_flops=head_matmul_flops(HEAD_ROWS[0]), head_matmul_flops_many=head_matmul_flops(HEAD_ROWS[1]),
         scatter_bandwidth=scatter_bandwidth(), sdpa_rate=sdpa_rate(), record_write=record_write(directory or tempfile.gettempdir()), source="measured by lightning_moe.pipeline.cpu_profile "
         "(best of repeated micro-benchmarks)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **costs)

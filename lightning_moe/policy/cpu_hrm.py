@@ -62,6 +62,8 @@ OP_COUNTS = {  # (executor, phase) -> {class -> {"fixed", "expert", "row", "grou
                              "view": dict(fixed=58, expert=4, row=0.5, group=8.5, head=10)},
 }  # "group": per KV length group of the chunk's rows beyond the first (cgopipe's grouped KV write, one per group)
 EXPERT_GEMMS = 3  # gate, up, down per routed expert hit (the torch expert FFN's loop)
+HEAD_ROWS = (64, 256)  # rows of the profile's two lm_head-shaped GEMMs: a head of <= 64 rows goes at the first's rate,
+#   a larger one at the second's (pipeline.cpu_profile.HEAD_ROWS measures them)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class CpuProfile:
     #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
     head_matmul_flops: float = 0.0  # FLOP/s of an lm_head-shaped fp32 GEMM (64 rows x 64 -> 32768: a short
     #   reduction into a vocabulary-wide output beyond the L2; 0 = unmeasured: the matmul peak's)
+    head_matmul_flops_many: float = 0.0  # the same GEMM over 256 rows (the BLAS changes its blocking above 64 rows:
+    #   ~4x slower per FLOP on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
@@ -262,8 +266,10 @@ def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executo
     ops = _ops_time(prof, executor, phase, 1, 0, 0, 0, head=True)
     ops += rows * V / prof.argmax_rate if prof.argmax_rate > 0 else 0.0  # greedy sampling: an argmax over V per row
     P = prof.matmul_flops(dtype)
-    if prof.head_matmul_flops > 0:  # the lm_head's shape class runs at its own measured rate (at most the peak)
-        P = min(P, prof.head_matmul_flops)
+    head = prof.head_matmul_flops_many if rows > HEAD_ROWS[0] and prof.head_matmul_flops_many > 0 else \
+        prof.head_matmul_flops
+    if head > 0:  # the lm_head's shape class runs at its own rate, measured at HEAD_ROWS[0] or HEAD_ROWS[1] rows
+        P = min(P, head)
     return Terms(ops=ops, flops=2 * rows * D * V / P,
                  bytes=(V * D * b + rows * V * 4 * 2) / prof.memory_bandwidth)
 
