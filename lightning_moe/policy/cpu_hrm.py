@@ -10,16 +10,20 @@ padded to S):
                  cgopipe's worker]: the per-call host cost of the torch ops the executor issues (Python + dispatcher +
                  the GEMM library's thread fork/join); the counts below are the executor's own, counted with a torch
                  dispatch counter (tests/test_cpu_hrm.py checks them against the executors on tiny-mixtral);
-                 a = E (1 - (1 - k/E)^T) routed experts receive tokens, each a loop iteration of the torch expert FFN
+                 a = E (1 - (1 - k/E)^T) routed experts receive tokens, each a loop iteration of the torch expert FFN;
+                 + (n_gemm + n_op) c_glue: the executor's own Python code around each op it issues (measured on a
+                 probe model's decode step, pipeline.cpu_profile.glue_call)
   (C2) t_flops = the layer's FLOPs / P_gemm (P_gemm: the measured fp32/bf16 matmul FLOP/s): q/k/v/o, router,
                  a experts' gate/up/down over their T k rows, shared / dense FFN, attention (decode: T c attended
-                 positions; prefill: the padded R S^2 layout the packed SDPA computes)
+                 positions; prefill: the padded R S^2 layout the packed SDPA computes, at the larger of its FLOPs /
+                 P_gemm and its R Hq S^2 scores / the measured SDPA score rate)
   (C3) t_bytes = the layer's bytes / B_mem (B_mem: the measured copy bandwidth, read + write): weights read once
                  (attention, router, the a experts hit), the KV read by decode attention, and each element-wise op's
                  read + write of one [T, D] row block
   (C4) layer visit = t_ops + max(t_flops, t_bytes): the fixed call costs are paid in series with the op bodies (a
                  small kernel does not start before its call is issued); the body is bound by compute or memory
-  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights) + its ops + the
+  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights; its FLOPs at the
+       measured lm_head-shaped GEMM rate of its row count) + its ops + the
                  greedy argmax over V per row at the measured argmax rate; (C1) also holds each routed expert's token
                  gather (a nonzero: ``nonzero_call``) and one durable result-record write per sequence (``record_write``)
   (C6) decode step: sum over micro-batches and layers of (C4) + (C5); prefill: per prefill chunk the same;
