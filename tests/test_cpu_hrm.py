@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import FIXED_CPU_PROFILE
+from tests.conftest import FIXED_CPU_PROFILE
 from lightning_moe.policy.cpu_hrm import (CPU_STAGES, OP_COUNTS, CpuProfile, active_experts, estimate_cpu,
                                           format_cpu_table, plan_cpu)
 from lightning_moe.policy.batching import KV_GROUPS, group_by_length
