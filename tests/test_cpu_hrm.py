@@ -125,7 +125,7 @@ def test_flops_term_matches_an_independent_count(tiny):
     lens = tuple(torch.randint(1, 60, (11,), generator=g).tolist())
     P = 3.7e9
     prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, handoff=0.0, memory_bandwidth=1e30,
-                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0)
+                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0)
     wl = Workload.from_lengths(list(lens), 5)
     est = estimate_cpu(spec, prof, wl, "fp32", "serial", 4)
     pre, dec = _reference_flops(spec, lens, 5, 4)
@@ -139,7 +139,7 @@ def test_ops_term_counts_calls(tiny):
     batch (cpu-ops binds): 1e-9 relative against the count written out."""
     spec, _ = tiny
     prof = _prof(gemm_call=0.0, op_call=1.0, view_call=0.0, attention_call=0.0, matmul_flops_fp32=1e30,
-                 memory_bandwidth=1e30, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0)
+                 memory_bandwidth=1e30, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0)
     wl = Workload.from_lengths([10, 12, 14], 3)
     est = estimate_cpu(spec, prof, wl, "fp32", "serial", 2)
     c = OP_COUNTS[("serial", "decode")]["op"]
@@ -147,6 +147,64 @@ def test_ops_term_counts_calls(tiny):
                     + c["head"]) for r in (2, 1))
     assert est.decode_time == pytest.approx(want, rel=1e-9)
     assert est.decode_binding == "cpu-ops"
+
+
+def test_glue_term_counts_gemms_and_ops(tiny):
+    """With only a glue cost of 1 s per issued op, decode time is the GEMMs + non-GEMM ops of every layer visit and
+    head (4 projections, the router, 3 per active expert; OP_COUNTS' ops), per step and batch: 1e-9 relative."""
+    spec, _ = tiny
+    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, matmul_flops_fp32=1e30,
+                 memory_bandwidth=1e30, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=1.0)
+    wl = Workload.from_lengths([9, 17, 11, 5, 23], 4)
+    est = estimate_cpu(spec, prof, wl, "fp32", "serial", 3)
+    c = OP_COUNTS[("serial", "decode")]["op"]
+    want = 0.0
+    for r in (3, 2):  # the batches' rows
+        a = active_experts(r, spec.num_experts, spec.top_k)
+        want += 3 * (spec.num_layers * (5 + 3 * a + c["fixed"] + c["expert"] * a) + 1 + c["head"])  # 3 decode steps
+    assert est.decode_time == pytest.approx(want, rel=1e-9)
+    assert est.decode_binding == "cpu-ops"
+
+
+def test_prefill_attention_scores_at_sdpa_rate(tiny):
+    """With only the SDPA's score rate (1e6 scores/s) and negligible FLOPs, prefill time is the padded layout's
+    R x Hq x S^2 scores per layer and batch / the rate (the batches of the job's sorted prompts): 1e-9 relative;
+    sdpa_rate 0 (unmeasured) leaves the FLOPs term alone."""
+    spec, _ = tiny
+    zero = dict(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30,
+                matmul_flops_fp32=1e30, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0)
+    lens = [31, 7, 12, 19, 3]
+    wl = Workload.from_lengths(lens, 2)
+    est = estimate_cpu(spec, _prof(**zero, sdpa_rate=1e6), wl, "fp32", "serial", 2)
+    b = sorted(lens)
+    want = sum(spec.num_layers * len(g) * spec.num_heads * max(g) ** 2 for g in (b[0:2], b[2:4], b[4:])) / 1e6
+    assert est.prefill_time == pytest.approx(want, rel=1e-9)
+    assert est.prefill_binding == "cpu-flops"
+    assert estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 2).prefill_time < want * 1e-9
+
+
+def test_head_gemm_at_its_measured_rate(tiny):
+    """The lm_head's FLOPs go at head_matmul_flops when it is below the matmul peak (the layers' at the peak): with
+    every other cost 0, decode time is the layers' FLOPs / P + the heads' 2 rows D V / P_head per step and batch,
+    1e-9 relative; a head rate above the peak, or 0 (unmeasured), is the peak's."""
+    spec, _ = tiny
+    zero = dict(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30, nonzero_call=0.0,
+                argmax_rate=0.0, record_write=0.0, glue_call=0.0, matmul_flops_fp32=4e9)
+    wl = Workload.from_lengths([6, 14, 9], 5)
+    base = estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 2)
+    slow = estimate_cpu(spec, _prof(**zero, head_matmul_flops=1e9), wl, "fp32", "serial", 2)
+    head = sum(4 * 2 * r * spec.hidden_size * spec.vocab_size for r in (2, 1))  # 4 decode steps per batch
+    assert slow.decode_time - base.decode_time == pytest.approx(head / 1e9 - head / 4e9, rel=1e-9)
+    assert estimate_cpu(spec, _prof(**zero, head_matmul_flops=1e12), wl, "fp32", "serial", 2).decode_time == \
+        pytest.approx(base.decode_time, rel=1e-12)
+    # a head of more than HEAD_ROWS[0] = 64 rows goes at head_matmul_flops_many (here 0.5e9), one of <= 64 not
+    wl = Workload.from_lengths([5] * 70 + [7] * 30, 3)
+    two = dict(head_matmul_flops=1e9, head_matmul_flops_many=0.5e9)
+    base = estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 70)
+    got = estimate_cpu(spec, _prof(**zero, **two), wl, "fp32", "serial", 70)
+    head = {r: 2 * 2 * r * spec.hidden_size * spec.vocab_size for r in (70, 30)}  # 2 decode steps per batch
+    assert got.decode_time - base.decode_time == pytest.approx(
+        head[70] / 0.5e9 + head[30] / 1e9 - (head[70] + head[30]) / 4e9, rel=1e-9)
 
 
 def test_plan_cpu_returns_a_fitting_prediction(tiny):
@@ -187,13 +245,17 @@ def test_measured_profile_fields_are_sane():
     assert 1e8 < p.matmul_flops_fp32 < 1e14 and 1e8 < p.memory_bandwidth < 1e13 and 1e7 < p.scatter_bandwidth < 1e13
     for f in ("gemm_call", "op_call", "view_call", "attention_call", "handoff", "nonzero_call", "record_write"):
         assert 1e-8 < getattr(p, f) < 0.1, f
-    assert 1e6 < p.argmax_rate < 1e13
+    assert 0.0 <= p.glue_call < 1e-3  # the probe's step less its micro-benchmarked ops, per op
+    assert 1e6 < p.argmax_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14
+    assert 1e8 < p.head_matmul_flops_many < 1e14
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 
 
 def test_cached_profile_is_reused(tmp_path, monkeypatch):
     """Without $LIGHTNING_MOE_CPU_PROFILE the first CPU prediction measures this machine once and caches it under
-    $LIGHTNING_MOE_CACHE; the next one reads the cache (no second measurement)."""
+    $LIGHTNING_MOE_CACHE; the next one reads the cache (no second measurement); a cache written by an older version
+    (a field missing) is measured again."""
+    import yaml
     from lightning_moe.app import cpu_plan
     from lightning_moe.pipeline import cpu_profile as measure
 
@@ -210,6 +272,10 @@ def test_cached_profile_is_reused(tmp_path, monkeypatch):
     second = cpu_plan.cpu_profile()
     assert len(calls) == 1 and first == second
     assert cpu_plan.cpu_profile_path().startswith(str(tmp_path)) and CpuProfile.load(cpu_plan.cpu_profile_path()) == first
+    old = {k: v for k, v in first.to_dict().items() if k != "glue_call"}  # an older version's cache: measured again
+    with open(cpu_plan.cpu_profile_path(), "w") as f:
+        yaml.safe_dump(old, f)
+    assert cpu_plan.cpu_profile() == first and len(calls) == 2
 
 
 @pytest.mark.parametrize("executor", ["serial", "cgopipe"])

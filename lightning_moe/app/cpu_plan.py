@@ -9,6 +9,8 @@ import sys
 from typing import Optional
 
 CPU_PROFILE_ENV = "LIGHTNING_MOE_CPU_PROFILE"  # a CPU profile YAML to use instead of the cached measurement
+PROFILE_VERSION = 3  # in the cache file's name: bumped when CpuProfile's fields change, so versions keep their own
+#   files (an older version would refuse a newer file's keys)
 
 
 def is_cpu_job(job) -> bool:
@@ -18,12 +20,13 @@ def is_cpu_job(job) -> bool:
 
 def cpu_profile_path(machine: Optional[str] = None) -> str:
     """Where this machine's measured CPU profile is cached: ``<cache>/cpu-profiles/<machine key>.yaml`` under the
-    package cache directory (``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``)."""
+    package cache directory (``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``), named by the profile's
+    version (``v<PROFILE_VERSION>-<machine key>.yaml``)."""
     from ..model.tiny import default_cache_dir
     from ..pipeline.cpu_profile import machine_key
 
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", machine or machine_key()).strip("_")
-    return os.path.join(default_cache_dir(), "cpu-profiles", f"{key}.yaml")
+    return os.path.join(default_cache_dir(), "cpu-profiles", f"v{PROFILE_VERSION}-{key}.yaml")
 
 
 def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
@@ -43,15 +46,21 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
 
 def cpu_profile(log=sys.stderr):
     """The CPU profile the prediction uses: ``$LIGHTNING_MOE_CPU_PROFILE``'s YAML; else this machine's cached
-    measurement (:func:`cpu_profile_path`); else measured now and cached (:func:`measure_and_cache`)."""
+    measurement (:func:`cpu_profile_path`); else (none, or one that no longer loads: an older version's fields) measured
+    now and cached (:func:`measure_and_cache`)."""
     from ..policy.cpu_hrm import CpuProfile
 
     env = os.environ.get(CPU_PROFILE_ENV)
     if env:
         return CpuProfile.load(env)
+    from ..policy.hardware import HardwareError
+
     path = cpu_profile_path()
     if os.path.isfile(path):
-        return CpuProfile.load(path)
+        try:
+            return CpuProfile.load(path)
+        except HardwareError as e:  # written by an older version (a field added since): measured again
+            print(f"moe-batch: the cached CPU profile does not load ({e}); measuring again", file=log, flush=True)
     return measure_and_cache(log, path)
 
 

@@ -1,7 +1,8 @@
 """Measure a CPU-only host for the CPU executor's roofline (policy.cpu_hrm): peak rates and per-call costs.
 
-Each number is a micro-benchmark, the minimum over repeats of a timed loop (the machine's best, as a roofline's peak
-is): a large fp32 (and bf16) matmul's FLOP/s, a 64 MiB copy's bandwidth (bytes read + written), the per-call cost of a
+Each number is a micro-benchmark, the minimum over many repeats of a short timed loop (the machine's best, as a
+roofline's peak is; a loop of a few calls, or a single call of a long op, so that a machine shared with other
+processes still shows its peak between their time slices: a long loop almost always holds a preemption): a large fp32 (and bf16) matmul's FLOP/s, a 64 MiB copy's bandwidth (bytes read + written), the per-call cost of a
 small ``F.linear``, a small element-wise op, a view op, a nonzero, a tiny CPU decode-attention call, a hand-off to a
 worker thread and an fsync'd record append, an argmax's rate over logits rows, and the write rate of an advanced-index scatter into a KV-cache-shaped tensor. A few seconds in all, run
 with the process's torch thread count (which the executors use).
@@ -23,8 +24,9 @@ from ..policy.cpu_hrm import CpuProfile
 from ..policy.hardware import MiB
 
 
-def _per_call(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
-    """Seconds per call of ``fn``: the best over ``repeats`` loops of ``calls`` calls, after one warm-up loop."""
+def _per_call(fn: Callable[[], object], calls: int, repeats: int = 40) -> float:
+    """Seconds per call of ``fn``: the best over ``repeats`` loops of ``calls`` calls, after one warm-up loop (short
+    loops, many repeats: the peak of a shared machine)."""
     for _ in range(calls):
         fn()
     best = float("inf")
@@ -36,20 +38,31 @@ def _per_call(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
     return best
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 512) -> float:
+def matmul_flops(dtype: torch.dtype, n: int = 256) -> float:
     """FLOP/s of an n x n x n matmul in ``dtype`` (2 n^3 FLOP per call)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _per_call(lambda: torch.mm(a, b), 4, 3)
+    return 2 * n**3 / _per_call(lambda: torch.mm(a, b), 1, 60)
+
+
+HEAD_ROWS = (64, 256)  # rows of the two lm_head-shaped GEMMs measured (cpu_hrm.HEAD_ROWS: which one a head uses)
+
+
+def head_matmul_flops(rows: int = 64, hidden: int = 64, vocab: int = 32768) -> float:
+    """FLOP/s of an lm_head-shaped fp32 ``F.linear``: ``rows`` x ``hidden`` times a ``vocab`` x ``hidden`` weight, a
+    short reduction into a vocabulary-wide output (8 MiB: beyond the L2), which runs far below a square matmul's
+    peak (its output's stores, not its multiply-adds, set its time)."""
+    x, w = torch.randn(rows, hidden), torch.randn(vocab, hidden)
+    return 2 * rows * hidden * vocab / _per_call(lambda: F.linear(x, w), 1, 20)
 
 
 def memory_bandwidth(nbytes: int = 64 * MiB) -> float:
     """Copy bandwidth in bytes/s: 2 nbytes / time of ``dst.copy_(src)`` (read + write)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _per_call(lambda: dst.copy_(src), 3, 3)
+    return 2 * nbytes / _per_call(lambda: dst.copy_(src), 1, 25)
 
 
-def call_costs(calls: int = 400) -> dict:
+def call_costs(calls: int = 40) -> dict:
     """Per-call seconds of the small ops the executors issue at decode shapes: ``gemm_call`` (F.linear of 16 rows
     64 -> 128), ``op_call`` (:func:`op_mix_call`), ``view_call`` (a select), ``attention_call`` (the CPU
     decode-attention routine on 4 rows of 16 positions), ``handoff`` (a no-op submitted to a worker thread, waited)."""
@@ -66,8 +79,20 @@ def call_costs(calls: int = 400) -> dict:
     ids = torch.randint(0, 8, (32,))
     out["nonzero_call"] = _per_call(lambda: torch.where(ids == 3), calls // 2)
     logits = torch.randn(16, 32000)
-    out["argmax_rate"] = logits.numel() / _per_call(lambda: logits.argmax(dim=-1), 20)
+    out["argmax_rate"] = logits.numel() / _per_call(lambda: logits.argmax(dim=-1), 1, 30)
     return out
+
+
+def sdpa_rate(rows: int = 4, heads: int = 4, seq: int = 256, head_dim: int = 16) -> float:
+    """(query, key, head) scores per second of torch's CPU ``scaled_dot_product_attention`` with a boolean causal mask
+    over a padded [rows, heads, seq, head_dim] layout (the prefill's packed attention on the CPU): at a small head dim
+    the per-score work of the masked softmax (exp, max, sum, the mask), not the QK^T / PV FLOPs, sets its time."""
+    q, k, v = (torch.randn(rows, heads, seq, head_dim) for _ in range(3))
+    i = torch.arange(seq)
+    mask = (i[None, :] <= i[:, None])[None, None].expand(rows, 1, seq, seq)
+    with torch.inference_mode():
+        t = _per_call(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), 1, 15)
+    return rows * heads * seq * seq / t
 
 
 def record_write(directory: str, calls: int = 20) -> float:
@@ -82,7 +107,7 @@ def record_write(directory: str, calls: int = 20) -> float:
             os.write(fd, line)
             os.fsync(fd)
 
-        return _per_call(write, calls, 3)
+        return _per_call(write, 1, calls)
     finally:
         os.close(fd)
         os.unlink(path)
@@ -91,7 +116,7 @@ def record_write(directory: str, calls: int = 20) -> float:
 MIX_OPS = 16  # non-GEMM ops of one :func:`op_mix_call` iteration
 
 
-def op_mix_call(calls: int = 100) -> float:
+def op_mix_call(calls: int = 10) -> float:
     """Seconds per non-GEMM op of the mix a decoder layer issues at decode shapes (16 rows, hidden 64): an RMSNorm
     (pow, mean, add, rsqrt, mul, mul), SiLU and a product, a router's softmax, top-k and renormalization (sum, div), an
     expert's id match, a zeroed buffer and a gather / scatter pair: MIX_OPS ops, each on fresh outputs as a layer's
@@ -125,7 +150,74 @@ def scatter_bandwidth(rows: int = 64, positions: int = 256, heads: int = 2, head
     def write():
         K[slot, :, pos] = x
 
-    return x.numel() * x.element_size() / _per_call(write, 3, 3)
+    return x.numel() * x.element_size() / _per_call(write, 1, 10)
+
+
+# The glue probe: a small Mixtral-architecture model that is not any job's (its own sizes, random weights) decoded by
+# the serial executor at PROBE_ROWS rows, to measure what the executor's own Python code adds to each torch op it
+# issues (function frames, argument handling, the expert loop's bookkeeping, cold instruction caches over a long
+# and varied op stream) beyond the call costs the tight loops above measure.
+PROBE_CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 512,
+                "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 24, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": None,
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+PROBE_ROWS, PROBE_PROMPT, PROBE_STEPS = 16, 24, 12  # decode rows, prompt tokens per row, decode steps per run
+
+
+def _count_ops(fn: Callable[[], object]) -> dict:
+    """Torch ops ``fn`` issues, by class: {"gemm", "op", "view"} (a dispatch counter; the classes of cpu_hrm's
+    OP_COUNTS)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gemm = {"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul"}
+    view = {"aten.view", "aten.select", "aten.slice", "aten.unsqueeze", "aten.alias", "aten.reshape", "aten.expand",
+            "aten.permute", "aten.transpose", "aten.t", "aten.detach", "aten.detach_", "aten.lift_fresh",
+            "aten.resolve_conj", "aten.resolve_neg", "aten.promote_types", "aten.to", "aten.squeeze",
+            "aten._unsafe_view", "aten.as_strided", "aten.item", "aten._local_scalar_dense", "aten.split",
+            "aten.chunk", "aten.unbind"}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            out[("gemm" if name in gemm else "view" if name in view else "op")] += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {"gemm": 0, "op": 0, "view": 0}
+    with Counter():
+        fn()
+    return out
+
+
+def glue_call(costs: dict, repeats: int = 6) -> float:
+    """Seconds the serial executor's Python code adds per torch op it issues (GEMMs and other ops; views are
+    ``view_call``'s), beyond ``costs`` (``call_costs``'s gemm_call, op_call, view_call, attention_call, argmax_rate):
+    the best decode step of the probe model (PROBE_CONFIG, PROBE_ROWS rows; its matmuls and attention bodies are
+    microseconds), less its counted ops at those costs and its argmax, over its GEMMs + ops. >= 0."""
+    from ..model.spec import MoESpec
+    from ..model.weights import dummy_weights
+    from .sampling import DecodeSampling
+    from .serial import SerialExecutor
+
+    spec = MoESpec.from_hf_config(dict(PROBE_CONFIG), name="cpu-profile-probe")
+    ex = SerialExecutor(dummy_weights(spec, torch.float32, seed=7), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, spec.vocab_size, (PROBE_PROMPT,), generator=g).tolist() for _ in range(PROBE_ROWS)]
+
+    def run(steps: int, marks: list) -> None:
+        ex.generate(prompts, DecodeSampling(steps + 1, stop_at_eos=False), on_step=lambda n: marks.append(
+            time.perf_counter()))
+
+    c1, c2 = _count_ops(lambda: run(1, [])), _count_ops(lambda: run(2, []))
+    n = {k: c2[k] - c1[k] for k in c1}  # one decode step's ops
+    best = float("inf")
+    for _ in range(repeats):
+        marks: list = []
+        run(PROBE_STEPS, marks)
+        best = min([best] + [b - a for a, b in zip(marks, marks[1:])])
+    known = (n["gemm"] * costs["gemm_call"] + n["op"] * costs["op_call"] + n["view"] * costs["view_call"]
+             + spec.num_layers * costs["attention_call"] + PROBE_ROWS * spec.vocab_size / costs["argmax_rate"])
+    return max(0.0, (best - known) / (n["gemm"] + n["op"]))
 
 
 def machine_key() -> str:
@@ -160,10 +252,12 @@ def measure_cpu_profile(name: str = "cpu", directory: str = "") -> CpuProfile:
 
     bf16 = matmul_flops(torch.bfloat16, 256) if hasattr(torch, "bfloat16") else 0.0
     costs = call_costs()
+    costs["glue_call"] = glue_call(costs)
     return CpuProfile(
         name=name, machine=machine_key(), cpu_model=cpu_model(), cpu_cores=os.cpu_count() or 1,
         threads=torch.get_num_threads(), torch_version=str(torch.__version__), host_memory=host_memory_bytes(),
         memory_bandwidth=memory_bandwidth(), matmul_flops_fp32=matmul_flops(torch.float32), matmul_flops_bf16=bf16,
-        scatter_bandwidth=scatter_bandwidth(), record_write=record_write(directory or tempfile.gettempdir()), source="measured by lightning_moe.pipeline.cpu_profile "
+        head_matmul_flops=head_matmul_flops(HEAD_ROWS[0]), head_matmul_flops_many=head_matmul_flops(HEAD_ROWS[1]),
+        scatter_bandwidth=scatter_bandwidth(), sdpa_rate=sdpa_rate(), record_write=record_write(directory or tempfile.gettempdir()), source="measured by lightning_moe.pipeline.cpu_profile "
         "(best of repeated micro-benchmarks)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **costs)

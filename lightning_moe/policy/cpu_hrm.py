@@ -10,16 +10,20 @@ padded to S):
                  cgopipe's worker]: the per-call host cost of the torch ops the executor issues (Python + dispatcher +
                  the GEMM library's thread fork/join); the counts below are the executor's own, counted with a torch
                  dispatch counter (tests/test_cpu_hrm.py checks them against the executors on tiny-mixtral);
-                 a = E (1 - (1 - k/E)^T) routed experts receive tokens, each a loop iteration of the torch expert FFN
+                 a = E (1 - (1 - k/E)^T) routed experts receive tokens, each a loop iteration of the torch expert FFN;
+                 + (n_gemm + n_op) c_glue: the executor's own Python code around each op it issues (measured on a
+                 probe model's decode step, pipeline.cpu_profile.glue_call)
   (C2) t_flops = the layer's FLOPs / P_gemm (P_gemm: the measured fp32/bf16 matmul FLOP/s): q/k/v/o, router,
                  a experts' gate/up/down over their T k rows, shared / dense FFN, attention (decode: T c attended
-                 positions; prefill: the padded R S^2 layout the packed SDPA computes)
+                 positions; prefill: the padded R S^2 layout the packed SDPA computes, at the larger of its FLOPs /
+                 P_gemm and its R Hq S^2 scores / the measured SDPA score rate)
   (C3) t_bytes = the layer's bytes / B_mem (B_mem: the measured copy bandwidth, read + write): weights read once
                  (attention, router, the a experts hit), the KV read by decode attention, and each element-wise op's
                  read + write of one [T, D] row block
   (C4) layer visit = t_ops + max(t_flops, t_bytes): the fixed call costs are paid in series with the op bodies (a
                  small kernel does not start before its call is issued); the body is bound by compute or memory
-  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights) + its ops + the
+  (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights; its FLOPs at the
+       measured lm_head-shaped GEMM rate of its row count) + its ops + the
                  greedy argmax over V per row at the measured argmax rate; (C1) also holds each routed expert's token
                  gather (a nonzero: ``nonzero_call``) and one durable result-record write per sequence (``record_write``)
   (C6) decode step: sum over micro-batches and layers of (C4) + (C5); prefill: per prefill chunk the same;
@@ -62,6 +66,8 @@ OP_COUNTS = {  # (executor, phase) -> {class -> {"fixed", "expert", "row", "grou
                              "view": dict(fixed=58, expert=4, row=0.5, group=8.5, head=10)},
 }  # "group": per KV length group of the chunk's rows beyond the first (cgopipe's grouped KV write, one per group)
 EXPERT_GEMMS = 3  # gate, up, down per routed expert hit (the torch expert FFN's loop)
+HEAD_ROWS = (64, 256)  # rows of the profile's two lm_head-shaped GEMMs: a head of <= 64 rows goes at the first's rate,
+#   a larger one at the second's (pipeline.cpu_profile.HEAD_ROWS measures them)
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,22 @@ class CpuProfile:
     #   gather / scatter; dispatch + allocation)
     view_call: float  # seconds per view / metadata op (select, view, unsqueeze)
     attention_call: float  # seconds per CPU decode-attention call at a tiny shape (the native kernel's fixed cost)
+    glue_call: float  # seconds the executor's own Python code adds per GEMM or other op it issues, beyond gemm_call /
+    #   op_call (frames, argument handling, the expert loop's bookkeeping, cold caches over a long varied op stream):
+    #   the serial executor's best decode step on a probe model (pipeline.cpu_profile.PROBE_CONFIG), less its counted
+    #   ops at the costs above, per GEMM + op
     handoff: float  # seconds per hand-off of one call to a worker thread and back (cgopipe's CPU-attention worker)
     nonzero_call: float  # seconds per ``torch.where(mask)`` (nonzero) on a small mask: the expert loop's token gather
     argmax_rate: float  # elements/s of an argmax over fp32 logits rows (greedy sampling over the vocabulary)
     record_write: float  # seconds to append one result record with fsync (the results file, once per sequence)
     scatter_bandwidth: float  # bytes/s written by an advanced-index scatter into a KV cache (``K[slot, :, pos] = x``:
     #   cgopipe's grouped prefill KV write), per byte of the values written
+    sdpa_rate: float = 0.0  # (query, key, head) scores/s of the CPU SDPA with a boolean mask at a small head dim (the
+    #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
+    head_matmul_flops: float = 0.0  # FLOP/s of an lm_head-shaped fp32 GEMM (64 rows x 64 -> 32768: a short
+    #   reduction into a vocabulary-wide output beyond the L2; 0 = unmeasured: the matmul peak's)
+    head_matmul_flops_many: float = 0.0  # the same GEMM over 256 rows (the BLAS changes its blocking above 64 rows:
+    #   ~4x slower per FLOP on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
@@ -194,6 +210,7 @@ def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts
     n = ({k: v["head"] for k, v in OP_COUNTS[(executor, phase)].items()} if head
          else op_counts(executor, phase, experts, rows, groups))
     t = gemms * prof.gemm_call + n["op"] * prof.op_call + n["view"] * prof.view_call + attn_calls * prof.attention_call
+    t += (gemms + n["op"]) * prof.glue_call  # (C1') the executor's Python code around each op it issues
     if executor == "cgopipe" and phase == "decode" and not head:
         t += attn_calls * prof.handoff  # each CPU-attention call goes to the worker thread and back
     return t
@@ -230,8 +247,11 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
     if phase == "decode":
         flops += tokens * context * spec.attn_flops_per_position
         kv_bytes = tokens * context * spec.kv_elems_per_token * b
-    else:
-        flops += rows * padded_len * padded_len * spec.prefill_attn_flops_per_position
+    else:  # (C2') the padded R x S^2 attention: its FLOPs or its masked-softmax scores at sdpa_rate, the larger
+        pairs = rows * padded_len * padded_len
+        attn_s = max(pairs * spec.prefill_attn_flops_per_position / P,
+                     pairs * spec.num_heads / prof.sdpa_rate if prof.sdpa_rate > 0 else 0.0)
+        flops += attn_s * P
         kv_bytes = tokens * spec.kv_elems_per_token * b  # the prompt KV written to the cache
         if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by an index_put scatter, not a copy
             scatter = kv_bytes / prof.scatter_bandwidth
@@ -249,7 +269,12 @@ def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executo
     D, V = spec.hidden_size, spec.vocab_size
     ops = _ops_time(prof, executor, phase, 1, 0, 0, 0, head=True)
     ops += rows * V / prof.argmax_rate if prof.argmax_rate > 0 else 0.0  # greedy sampling: an argmax over V per row
-    return Terms(ops=ops, flops=2 * rows * D * V / prof.matmul_flops(dtype),
+    P = prof.matmul_flops(dtype)
+    head = prof.head_matmul_flops_many if rows > HEAD_ROWS[0] and prof.head_matmul_flops_many > 0 else \
+        prof.head_matmul_flops
+    if head > 0:  # the lm_head's shape class runs at its own rate, measured at HEAD_ROWS[0] or HEAD_ROWS[1] rows
+        P = min(P, head)
+    return Terms(ops=ops, flops=2 * rows * D * V / P,
                  bytes=(V * D * b + rows * V * 4 * 2) / prof.memory_bandwidth)
 
 
