@@ -299,3 +299,38 @@ def test_argument_errors(kw, field):
         sample_tokens(torch.zeros(3, 4), **args)
     with pytest.raises(ValueError, match="^logits"):
         sample_tokens(torch.zeros(3), 1.0, keys=torch.zeros(3, dtype=torch.int64))
+
+
+def test_pipeline_sample_draws_in_chunks_the_memory_model_counts(monkeypatch):
+    """pipeline.sampling.sample splits the rows into calls of policy.hrm.sampler_rows(V) rows (so the sampler's
+    temporaries stay within what hrm.micro_batch_workspace counts), and the tokens equal one call over every row."""
+    from lightning_moe.pipeline import sampling as ps
+    from lightning_moe.policy import hrm
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(37, 301, generator=g)
+    params = ps.DecodeSampling(8, temperature=0.9, top_p=0.8, top_k=40)
+    seeds, pos = list(range(100, 137)), [i % 5 for i in range(37)]
+    whole = ps.sample(logits, params, seeds, pos)
+    monkeypatch.setattr(hrm, "SAMPLER_CHUNK_ELEMS", 301 * 5)  # 5 rows a call
+    seen = []
+    real = ps.sample_tokens
+    monkeypatch.setattr(ps, "sample_tokens", lambda lg, *a: seen.append(lg.shape[0]) or real(lg, *a))
+    assert torch.equal(ps.sample(logits, params, seeds, pos), whole)
+    assert max(seen) <= 5 and sum(seen) == 37 and len(seen) == 8
+    assert ps.sample(logits[:0], params, [], []).shape == (0,)
+
+
+def test_micro_batch_workspace_covers_the_sampler():
+    """The decode workspace of a micro-batch holds the sampler's call: sampler_rows(V) rows x V x
+    SAMPLER_BYTES_PER_ELEM bytes (a model whose layers are tiny next to its vocabulary, so the sampler binds)."""
+    from types import SimpleNamespace
+
+    from lightning_moe.policy import hrm
+
+    spec = SimpleNamespace(attn_query_elems=8, kv_elems_per_token=8, attn_output_elems=8, hidden_size=8,
+                           vocab_size=50000, intermediate_size=8, top_k=1, num_experts=2, num_shared_experts=0,
+                           shared_intermediate_size=0, dense_intermediate_size=0)
+    for mu in (1, 7, 64, 1000):
+        rows = min(mu, hrm.sampler_rows(50000))
+        assert hrm.micro_batch_workspace(spec, mu, mu, "bf16", 1) >= rows * 50000 * hrm.SAMPLER_BYTES_PER_ELEM

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from ..policy.hrm import sampler_rows
 from ..kernels.sampling import keys_from_seeds, sample_tokens
 
 if TYPE_CHECKING:  # the executor contract's types (pipeline.executor imports this module)
@@ -95,7 +96,11 @@ def sample(logits: torch.Tensor, params: DecodeSampling, seeds: Optional[Sequenc
         keys = keys_from_seeds([position_seed(s, p) for s, p in zip(seeds, positions)])
     else:
         keys = torch.randint(0, (1 << 63) - 1, (logits.shape[0],), dtype=torch.int64)
-    return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, keys).cpu()
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64)
+    step = sampler_rows(logits.shape[1])  # rows per call: the temporaries the memory model counts (policy.hrm)
+    return torch.cat([sample_tokens(logits[i:i + step], params.temperature, params.top_p, params.top_k, params.min_p,
+                                    keys[i:i + step]).cpu() for i in range(0, logits.shape[0], step)])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list:

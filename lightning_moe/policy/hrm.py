@@ -417,6 +417,18 @@ LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs 
 FFN_SPARE_ROWS = 32  # padding rows of the per-expert GEMM loop's buffers (kernels.fused_moe.MM_LOOP_TILE)
 
 
+SAMPLER_CHUNK_ELEMS = 1 << 21  # logit elements per sampler call: pipeline.sampling.sample draws rows in chunks of
+#   sampler_rows(V) rows, so the sampler's temporaries are bounded whatever the micro-batch
+SAMPLER_BYTES_PER_ELEM = 48  # GPU bytes per logit element inside kernels.sampling.sample_tokens at its peak (counted:
+#   fp32 scores 4, top-p's sorted values 4 + order 8 + softmax 4 + cumsum 4 + mask 1, or the race's int64 hash 8 + its
+#   shifted copy 8 + fp32 uniforms 4: at most 29; 48 leaves the allocator's rounding room)
+
+
+def sampler_rows(vocab_size: int) -> int:
+    """Rows of logits one sampler call takes (:data:`SAMPLER_CHUNK_ELEMS` / V, at least 1)."""
+    return max(1, SAMPLER_CHUNK_ELEMS // vocab_size)
+
+
 def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16", groups: int = 2) -> int:
     """Bytes of GPU temporaries of one decode micro-batch of ``tokens`` rows through one layer (its input hidden
     rows are counted by :func:`decode_row_bytes`), with ``logit_rows`` rows of the final lm_head and ``groups``
@@ -425,14 +437,15 @@ def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: st
     The layer's stages run one after the other, so the peak is q/k/v (alive for the whole layer) plus the larger
     of the attention stage and the FFN stage (:func:`_ffn_stage_bytes`); the head adds its own rows:
     ``logit_rows (D b + V b)`` (final norm and the lm_head output before its fp32 copy, which decode_row_bytes
-    keeps).
+    keeps); the sampler then runs on at most :func:`sampler_rows` rows at a time (:data:`SAMPLER_BYTES_PER_ELEM`).
     """
     b = dtype_bytes(dtype)
     T = tokens
     qkv = T * (spec.attn_query_elems + spec.kv_elems_per_token) * b
     attn = T * (spec.attn_query_elems + spec.attn_output_elems) * b  # rotated q + attention output
     head = logit_rows * (spec.hidden_size + spec.vocab_size) * b
-    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups), head)
+    sample = min(logit_rows, sampler_rows(spec.vocab_size)) * spec.vocab_size * SAMPLER_BYTES_PER_ELEM  # a sampled step
+    return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups), head, sample)
 
 
 def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
