@@ -417,7 +417,7 @@ LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs 
 FFN_SPARE_ROWS = 32  # padding rows of the per-expert GEMM loop's buffers (kernels.fused_moe.MM_LOOP_TILE)
 
 
-SAMPLER_CHUNK_ELEMS = 1 << 21  # logit elements per sampler call: pipeline.sampling.sample draws rows in chunks of
+SAMPLER_CHUNK_ELEMS = 1 << 20  # logit elements per sampler call: pipeline.sampling.sample draws rows in chunks of
 #   sampler_rows(V) rows, so the sampler's temporaries are bounded whatever the micro-batch
 SAMPLER_BYTES_PER_ELEM = 48  # GPU bytes per logit element inside kernels.sampling.sample_tokens at its peak (counted:
 #   fp32 scores 4, top-p's sorted values 4 + order 8 + softmax 4 + cumsum 4 + mask 1, or the race's int64 hash 8 + its
