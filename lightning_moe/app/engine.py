@@ -770,8 +770,11 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
                                 f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=False)
 
         batch = max(1, getattr(executor, "batch_size", job.batch_size))
+        chunks = _generation_batches(rest, partials, batch)
+        if getattr(executor, "refills", False) and rest:  # one call: N rows decode, the rest wait for a freed slot
+            chunks = [[t for c in chunks for t in c]]
         try:  # the bar ends its line whatever ends the loop (a stop, an out-of-memory)
-            for chunk in _generation_batches(rest, partials, batch):
+            for chunk in chunks:
                 outs = [list(partials.get(t.id, [])) for t in chunk]  # every row's output so far
                 saved = [len(o) for o in outs]  # how much of it the sidecar holds
                 finished = [False] * len(chunk)

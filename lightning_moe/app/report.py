@@ -133,6 +133,7 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
         "prompt_tokens": s.prefill_tokens, "generated_tokens": s.generated_tokens,
         "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
         "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
+        "slot_occupancy": s.slot_occupancy,  # decode tokens / (decode steps x slots): continuous refill keeps it near 1
         "end_to_end_tokens_per_s": (s.generated_tokens if task == "generate" else s.prefill_tokens) / busy if busy else None,
     }
 
@@ -204,6 +205,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         f"{r.get('generated_tokens', 0):,} generated",
         "",
     ]
+    if r.get("slot_occupancy") is not None:  # generate: decode tokens per decode-step slot (continuous refill)
+        lines[-1:-1] = [f"  slot occupancy: {r['slot_occupancy']:.3f} (decode tokens / (decode steps x slots))"]
     # each row's wall seconds are the span its tokens/s is over: end-to-end is warm-up + prefill + decode
     spans = {"prefill": w.get("prefill"), "decode": w.get("decode"),
              "end-to-end": sum(w.get(k) or 0.0 for k in ("warmup", "prefill", "decode")) if w else None}
