@@ -164,17 +164,24 @@ def test_slot_table_best_fit_and_due():
     order, skipping one that fits none; refills wait for min_free free slots unless nothing decodes or every waiting
     request fits the free count."""
     t = SlotTable([5, 9, 3, 12, 7], slots=3, min_free=2)
-    assert t.caps == [12, 9, 7]
-    assert t.due() and t.assign() == [(2, 0), (1, 1), (0, 2)]  # need 5 -> cap 7, 9 -> 9, 3 -> 12
+    assert t.caps == [7, 9, 12]
+    assert t.due() and t.assign() == [(0, 0), (1, 1), (2, 2)]  # need 5 -> cap 7, 9 -> 9, 3 -> 12
     assert t.waiting == [3, 4] and t.live == 3 and not t.due()
-    assert t.release([0]) == [2] and not t.due()  # one free (< min_free), two waiting
-    assert t.release([2]) == [0] and t.due()
-    assert t.assign() == [(0, 3), (2, 4)]  # need 12 fits only slot 0 (cap 12); need 7 -> cap 7
-    t2 = SlotTable([4, 10, 4], slots=2, min_free=1)  # caps [10, 4]
+    assert t.release([0]) == [0] and not t.due()  # one free (< min_free), two waiting
+    assert t.release([2]) == [2] and t.due()
+    assert t.assign() == [(2, 3), (0, 4)]  # need 12 fits only slot 2 (cap 12); need 7 -> cap 7
+    t2 = SlotTable([4, 10, 4], slots=2, min_free=1)  # caps [4, 10]
     t2.assign()
-    assert t2.req == [1, 0] and t2.waiting == [2]
-    t2.release([1])  # slot 0 (cap 10) frees: request 2 (need 4) fits it
-    assert t2.due() and t2.assign() == [(0, 2)]
+    assert t2.req == [0, 1] and t2.waiting == [2]
+    assert t2.release([1]) == [1] and t2.due()  # slot 1 (cap 10) frees: request 2 (need 4) fits it
+    assert t2.assign() == [(1, 2)]
+    t3 = SlotTable([4, 10, 10], slots=2, min_free=1)  # caps [10, 10]: nothing waits once both are taken
+    t3.assign()
+    t3.release([0])
+    assert t3.due() and t3.assign() == [(0, 2)]
+    t4 = SlotTable([3, 9, 4, 9], slots=2, min_free=1)  # caps [9, 9]
+    assert t4.assign() == [(0, 0), (1, 1)] and t4.release([1]) == [1]
+    assert t4.assign() == [(1, 2)]  # request 2 (need 4) before request 3, caller order
 
 
 def _job_file(tmp_path, prompts):

@@ -37,7 +37,9 @@ class SlotTable:
             raise ValueError(f"SlotTable: slots {slots} and min_free {min_free} must be >= 1")
         self.needs = [int(n) for n in needs]
         n = min(slots, len(self.needs))
-        self.caps = sorted(self.needs, reverse=True)[:n]  # slot s's KV positions, largest first
+        # slot s's KV positions: the n largest needs, ascending (requests in ascending order of length take slots in
+        # ascending order: with N or fewer prompts the micro-batches group them as they grouped the prompts before)
+        self.caps = sorted(sorted(self.needs, reverse=True)[:n])
         self.req = [-1] * n  # request in slot s, -1: free
         self.slot_of: dict[int, int] = {}  # request -> its slot while it decodes
         self.waiting = list(range(len(self.needs)))  # requests not started, in the caller's order

@@ -232,11 +232,11 @@ class SerialExecutor:
                     self._refill(seqs, table, rows, kv, on_step)
                     t2 = time.perf_counter()
                     continue
-                slots = [s for s, r in enumerate(table.req) if r >= 0]
-                reqs = [table.req[s] for s in slots]
+                live = sorted((r, s) for s, r in enumerate(table.req) if r >= 0)  # in request order, as without refill
+                reqs, slots = [r for r, _ in live], [s for _, s in live]
                 toks = torch.tensor([rows.outputs[r][-1] for r in reqs], dtype=torch.int64)
                 logits = self._decode_step(toks, torch.tensor(slots, dtype=torch.int64), kv,
-                                           all_rows=len(slots) == len(table.caps))
+                                           all_rows=slots == list(range(len(table.caps))))  # KV rows in order
                 rows.commit(reqs, logits)
                 self.stats.decode_tokens += len(slots)
                 self.stats.decode_steps += 1
