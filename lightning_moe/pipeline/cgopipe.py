@@ -213,6 +213,8 @@ class CGOPipeExecutor(CGOPipePrefill):
         """Prefill waiting requests into free slots (:meth:`SlotTable.assign`) in one pass over the layers; their first
         tokens committed (a step of their own: ``on_step``, then :meth:`DecodeRows.end_step`), repeated while a refill
         is due and no slot decodes (every request finished at its first token). Returns when the decode resumes."""
+        for mb in mbs:  # the last step's hidden states are not needed (the next step embeds its tokens): the refill's
+            mb.x = None  #   prefill has the device memory the planner gave the prefill phase
         while True:
             self._enter("prefill")
             t0 = time.perf_counter()
