@@ -709,7 +709,8 @@ def _report(run: JobRun, spans: Optional[list]) -> None:
                                  total=time.perf_counter() - run.t_start, t_setup=run.t_setup, parts=run.parts,
                                  written=run.writer.written, errors=len(run.errors), jplan=run.jplan, cap=run.cap,
                                  peaks=run.peaks, score_records=run.score_records))
-    run.report["slot_occupancy"] = slot_occupancy(run.report["stats"], run.report.get("policy"))
+    run.report["slot_occupancy"] = (stats.slot_occupancy if stats.slot_steps  # the executor's own count (refill)
+                                    else slot_occupancy(run.report["stats"], run.report.get("policy")))
     if run.own_runner:
         run.runner.close()
     try:
@@ -827,8 +828,11 @@ def _generate_work(job: Job, prep: "Prepared", executor, work: list, writer, bar
                             f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=refresh)
 
     batch = max(1, getattr(executor, "batch_size", job.batch_size))
+    chunks = _generation_batches(rest, partials, batch)
+    if getattr(executor, "refills", False) and rest:  # one call: N rows decode, the rest wait for a freed slot
+        chunks = [[t for c in chunks for t in c]]
     try:  # the bar ends its line whatever ends the loop (a stop, an out-of-memory)
-        for chunk in _generation_batches(rest, partials, batch):
+        for chunk in chunks:
             _generate_batch(job, executor, gen, chunk, partials, plps if gen.k is not None else None, ckpt, stop,
                             bar, done, show)
             written += len(chunk)

@@ -184,6 +184,7 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
         "prompt_tokens": s.prefill_tokens, "generated_tokens": s.generated_tokens,
         "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
         "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
+        "slot_occupancy": s.slot_occupancy,  # decode tokens / (decode steps x slots): continuous refill keeps it near 1
         "end_to_end_tokens_per_s": (s.generated_tokens if task == "generate" else s.prefill_tokens) / busy if busy else None,
     }
 

@@ -50,6 +50,7 @@ from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_a
 from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
+from .refill import SlotTable
 from .sampling import DecodeRows, DecodeSampling, check_prefixes
 from .stage_stats import StageTimer, add_counts
 from .weight_stream import WeightStream, packed_layout
@@ -74,6 +75,8 @@ class CGOPipeExecutor(CGOPipePrefill):
             ``attention_h2d``, ``gpu_attention``, ``score_chunk_tokens``, ``hardware``, ``warmup``), checked once;
             ValueError naming a bad or unknown one, or what the model cannot run (``cgopipe_options.check_model``).
     """
+
+    refills = True  # generate takes any number of prompts: N decode at once, freed slots refilled (pipeline/refill.py)
 
     def __init__(self, weights: ModelWeights, policy: Policy, device: str | torch.device = "cuda",
                  dtype: Optional[torch.dtype] = None, **options):
@@ -115,7 +118,7 @@ class CGOPipeExecutor(CGOPipePrefill):
         self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
 
-    # ---- generate: prefill, then decode steps -----------------------------------------------------
+    # ---- generate: prefill, then decode steps, refilling freed slots ------------------------------
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: DecodeSampling,
                  on_finish: Optional[FinishCallback] = None, seeds: Optional[Sequence[int]] = None,
@@ -123,63 +126,136 @@ class CGOPipeExecutor(CGOPipePrefill):
                  prefixes: Optional[Sequence[Sequence[int]]] = None, on_tokens: Optional[TokensCallback] = None,
                  stop_rows: Optional[StopRowsCallback] = None,
                  on_logprobs: Optional[LogprobsCallback] = None) -> list[tuple[list[int], str]]:
-        """The contract of :meth:`.executor.Executor.generate`, at most ``policy.N`` prompts per call. ``on_logprobs``
-        is called per micro-batch as its tokens are chosen; ``on_finish``, ``stop_rows`` and ``on_tokens`` once per
-        step, after every micro-batch (:class:`.sampling.DecodeRows`).
+        """The contract of :meth:`.executor.Executor.generate`, any number of prompts: at most ``policy.N`` decode at
+        once, the others wait in the caller's order for a freed slot (:mod:`.refill`: continuous refill; a refill's
+        prefill runs between decode steps). ``on_logprobs`` is called per micro-batch as its tokens are chosen;
+        ``on_finish``, ``stop_rows`` and ``on_tokens`` once per step (a decode step, or a prefill), after every
+        micro-batch (:class:`.sampling.DecodeRows`); rows are indices into ``prompts``.
 
-        Finished rows keep their slot until the batch ends (their extra tokens are discarded, never reported), so the
-        micro-batch shapes stay fixed for the whole batch.
+        The micro-batch shapes stay fixed: a free slot decodes a throwaway token (never sampled, its KV length reset)
+        until a waiting request takes it.
         """
-        if len(prompts) > self.policy.N:
-            raise ValueError(f"{len(prompts)} prompts exceed the policy's batch N = {self.policy.N}")
         eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
         pre = check_prefixes(prompts, prefixes, params)
-        prompts = [list(p) + q for p, q in zip(prompts, pre)]
+        seqs = [list(p) + q for p, q in zip(prompts, pre)]
         rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
-        self._enter("prefill")
-        # every row runs until the batch's last finishes: KV for the longest remaining run (prefix lengths that
-        # differ within a batch cost KV positions; the runner batches equal prefix lengths together)
-        mbs = self._micro_batches(prompts, params.max_new_tokens - min(len(q) for q in pre), True, self.policy.mu)
-        t0 = time.perf_counter()
-        logits = self._prefill(prompts, mbs)  # prefill chunks of prefill_mu rows; KV lands in the micro-batch's cache
-        tokens = [rows.commit(mb.rows, lg) for mb, lg in zip(mbs, logits)]
-        del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
-        self._sync()
-        if on_step is not None:
-            on_step(len(prompts))
-        t1 = time.perf_counter()
-        self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        self.stats.prefill_seconds += t1 - t0 - self._warm_s  # a warm-up (prefill._warm_up) is not prefill time
-        self.timer.span("phase", t0, t1, "prefill")
-        self._prefill_done(t1 - t0 - self._warm_s)  # the prefill's stage times, apart from the decode's
-        self.attention.attn_kv_bytes = 0
-        native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
-        rows.end_step()
-        self._enter("decode")
+        if not seqs:
+            return []
+        min_free = self.opts.refill_min_free or max(1, self.policy.N // 16)
+        table = SlotTable([len(p) + params.max_new_tokens for p in prompts], self.policy.N, min_free)
+        # slot s holds table.caps[s] positions; micro-batches of slots grouped by capacity, mb.rows their slots
+        mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
+        table.place([mb.rows for mb in mbs])
+        tokens = []  # per micro-batch, the token each row feeds the next decode step
+        for mb in mbs:
+            mb.kv.lengths.zero_()
+            tokens.append(torch.zeros(len(mb.rows), dtype=torch.int64))
+        t1 = self._refill(seqs, mbs, table, rows, tokens, on_step)
         try:
-            while rows.running:
-                alive = rows.running
-                ts = time.perf_counter() if self.timer.spans_on else 0.0
-                logits = self._decode_step(mbs, tokens)
-                tokens = [rows.commit(mb.rows, lg) for mb, lg in zip(mbs, logits)]
-                del logits
-                if self.timer.spans_on:
-                    self.timer.span("step", ts, time.perf_counter())  # host issue of one decode step
-                self.stats.decode_tokens += alive
-                self.stats.decode_steps += 1
-                if on_step is not None:
-                    on_step(alive)
-                rows.end_step()
+            while table.live or table.waiting:
+                if table.due():
+                    self._decode_done(t1)  # the decode so far, apart from the refill's prefill
+                    t1 = self._refill(seqs, mbs, table, rows, tokens, on_step)
+                    if not table.live:
+                        continue
+                self._one_step(mbs, table, rows, tokens, on_step)
         finally:  # a callback that stops the run still leaves this batch's decode time in the stats
             self._decode_done(t1)
         return rows.results
+
+    def _one_step(self, mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows, tokens: list, on_step) -> None:
+        """One decode step of every slot; its tokens committed for the slots that hold a request (``tokens`` replaced
+        in place: the next step's inputs), finished requests' slots freed and reset (:meth:`_reset_slots`)."""
+        alive = table.live
+        ts = time.perf_counter() if self.timer.spans_on else 0.0
+        logits = self._decode_step(mbs, tokens)
+        tokens[:] = [self._commit(table.requests(mb.rows), lg, rows) for mb, lg in zip(mbs, logits)]
+        del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
+        if self.timer.spans_on:
+            self.timer.span("step", ts, time.perf_counter())  # host issue of one decode step
+        self.stats.decode_tokens += alive
+        self.stats.decode_steps += 1
+        self.stats.slot_steps += len(table.caps)
+        if on_step is not None:
+            on_step(alive)
+        self._reset_slots(mbs, table, table.release(rows.end_step()))
+
+    @staticmethod
+    def _commit(reqs: list[int], logits: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        """:meth:`DecodeRows.commit` of one micro-batch's logits [mu_k, V] for the rows whose slot holds a request
+        (``reqs``: the request per row, -1 free); returns every row's next input token (0 for a free row)."""
+        if min(reqs) >= 0:
+            return rows.commit(reqs, logits)
+        live = [j for j, r in enumerate(reqs) if r >= 0]
+        toks = torch.zeros(len(reqs), dtype=torch.int64)
+        if live:
+            toks[live] = rows.commit([reqs[j] for j in live], logits[live])
+        return toks
+
+    def _reset_slots(self, mbs: list[MicroBatch], table: SlotTable, freed: list[int]) -> None:
+        """Free slots decode throwaway tokens: reset the KV length of those just ``freed`` (their attention reads
+        nothing stale) and of any free slot about to fill its capacity, to 0; their micro-batch's positions and RoPE
+        are rebuilt from the cache lengths in the next step."""
+        for s in freed:
+            k, j = table.where[s]
+            mbs[k].kv.lengths[j] = 0
+            mbs[k].pos = mbs[k].rope = None
+        if len(table.free) == len(freed):
+            return
+        for mb, caps in zip(mbs, table.mb_caps):
+            full = (mb.kv.lengths >= caps - 1) & (torch.tensor(table.requests(mb.rows)) < 0)
+            if bool(full.any()):
+                mb.kv.lengths[full] = 0
+                mb.pos = mb.rope = None
+
+    def _refill(self, seqs: list[list[int]], mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows,
+                tokens: list, on_step) -> float:
+        """Prefill waiting requests into free slots (:meth:`SlotTable.assign`) in one pass over the layers; their first
+        tokens committed (a step of their own: ``on_step``, then :meth:`DecodeRows.end_step`), repeated while a refill
+        is due and no slot decodes (every request finished at its first token). Returns when the decode resumes."""
+        for mb in mbs:  # the last step's hidden states are not needed (the next step embeds its tokens): the refill's
+            mb.x = None  #   prefill has the device memory the planner gave the prefill phase
+        while True:
+            self._enter("prefill")
+            t0 = time.perf_counter()
+            pairs = table.assign()
+            fill: list[tuple[list[int], list[int]]] = [([], []) for _ in mbs]
+            for s, r in pairs:
+                k, j = table.where[s]
+                fill[k][0].append(j)
+                fill[k][1].append(r)
+            logits = self._prefill(seqs, mbs, fill=fill)  # prefill chunks of prefill_mu rows into the slots' KV rows
+            for k, (mb, (js, rs), lg) in enumerate(zip(mbs, fill, logits)):
+                if not js:
+                    continue
+                tokens[k][js] = rows.commit(rs, lg)
+                mb.kv.lengths[js] = torch.tensor([len(seqs[r]) for r in rs])
+                mb.pos = mb.rope = None  # rebuilt from the cache lengths in the next step
+            del logits
+            self._sync()
+            if on_step is not None:
+                on_step(len(pairs))
+            t1 = time.perf_counter()
+            self.stats.prefill_tokens += sum(len(seqs[r]) for _, r in pairs)
+            self.stats.prefill_seconds += t1 - t0 - self._warm_s  # a warm-up (prefill._warm_up) is not prefill time
+            self.timer.span("phase", t0, t1, "prefill")
+            self._prefill_done(t1 - t0 - self._warm_s)  # the prefill's stage times, apart from the decode's
+            self._warm_s = 0.0
+            self._reset_slots(mbs, table, table.release(rows.end_step()))
+            if table.live or not table.due():
+                break
+        self.attention.attn_kv_bytes = 0
+        native_stats(reset=True)  # the native CPU attention kernel's own time split, for this decode only
+        self._enter("decode")
+        return t1
 
     def _decode_step(self, mbs: list[MicroBatch], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Feed one token per row of every micro-batch; returns fp32 logits [mu_k, V] per micro-batch."""
         for mb, t in zip(mbs, tokens):
             mb.x = self.embed[t.to(self.device, non_blocking=True)]  # [mu_k, D]
-            if mb.pos is None:
-                mb.pos = mb.kv.lengths.to(self.device, copy=True)  # [mu_k]
+            if mb.pos is None:  # first step, or a slot refilled / reset: from the host lengths, no stream sync (a
+                #   pageable source is staged before the call returns; the host changes the lengths only after)
+                mb.pos = mb.kv.lengths.to(self.device, copy=True, non_blocking=True)  # [mu_k]
         for l in range(self.spec.num_layers):
             self._decode_layer(l, mbs)
         for mb in mbs:

@@ -41,6 +41,8 @@ class CGOPipeOptions:
     #   logits + log_softmax take score_chunk_tokens * V * 8 bytes, whatever the prefill chunk's token count)
     hardware: Any = None  # the hardware profile whose expert_ffn_rates drive ffn "auto" (None: Triton everywhere)
     warmup: Optional[bool] = None  # one warm-up pass inside the first prefill; None: on CUDA only
+    refill_min_free: Optional[int] = None  # free slots that trigger a refill while others decode (pipeline/refill.py);
+    #   None: max(1, N // 16)
 
     def __post_init__(self):
         def bad(name: str, want: str) -> ValueError:
@@ -59,6 +61,8 @@ class CGOPipeOptions:
             raise bad("cpu_threads", "None or an int >= 1")
         if self.ffn not in FFN_KINDS:
             raise bad("ffn", "torch, auto, triton, grouped_mm or mm_loop")
+        if self.refill_min_free is not None and not count(self.refill_min_free):
+            raise bad("refill_min_free", "None or an int >= 1")
         if not count(self.kv_groups):
             raise bad("kv_groups", "an int >= 1")
 

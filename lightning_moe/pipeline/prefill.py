@@ -90,7 +90,8 @@ class CGOPipePrefill:
         self.stats.prefill_seconds += t1 - t0 - self._warm_s
         return out
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], score: bool = False) -> list:
+    def _prefill(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], score: bool = False,
+                 fill: Optional[list[tuple[list[int], list[int]]]] = None) -> list:
         """Prefill every micro-batch layer by layer (weights streamed once per layer for the whole batch).
 
         Each micro-batch is computed in prefill chunks (:func:`prefill_chunks`), writing each chunk's KV into its
@@ -98,9 +99,15 @@ class CGOPipePrefill:
         the layer. Returns per micro-batch: fp32 logits of the last token of each row [mu_k, V]; with ``score``, (fp32
         logprob [T_k], bool greedy [T_k]) of every packed row's next token instead (:func:`token_scores.token_scores`,
         run per prefill chunk, ``score_chunk_tokens`` rows at a time: no chunk's [T, V] logits exist).
+
+        ``fill`` (a refill, :mod:`.refill`): per micro-batch ``(cache rows, prompt indices)``, the prompts to prefill into
+        those rows of its cache (none: every row j of ``mb.rows`` takes prompt ``mb.rows[j]``); the logits of a
+        micro-batch with nothing to fill are None.
         """
-        chunks = [self._prefill_chunk(prompts, i, mb, off, rows)
-                  for i, mb in enumerate(mbs) for off, rows in prefill_chunks(prompts, mb.rows, self.policy)]
+        fill = fill if fill is not None else [(list(range(len(mb.rows))), list(mb.rows)) for mb in mbs]
+        chunks = [self._prefill_chunk(prompts, i, mb, cache_rows[off: off + len(rows)], rows)
+                  for i, (mb, (cache_rows, reqs)) in enumerate(zip(mbs, fill))
+                  for off, rows in prefill_chunks(prompts, reqs, self.policy)]
         pending: list[Future] = []  # KV writes of CPU-cache chunks in flight (worker thread)
         self._warm_s = 0.0
         with self._prefill_pass():
@@ -121,7 +128,7 @@ class CGOPipePrefill:
         for ch in chunks:
             x = ch.x[(ch.ends - 1).to(self.device)]
             per_mb[ch.mb].append(self.family.final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps))
-        return [torch.cat(parts) for parts in per_mb]
+        return [torch.cat(parts) if parts else None for parts in per_mb]
 
     def _prefill_pass(self):
         """The context of a prefill pass for the expert FFN's kernel choice (``KernelChoice.prefill_pass``: kernels
@@ -129,10 +136,11 @@ class CGOPipePrefill:
         choice = getattr(self.expert_ffn, "choice", None)
         return choice.prefill_pass() if choice is not None else contextlib.nullcontext()
 
-    def _prefill_chunk(self, prompts: Sequence[Sequence[int]], i: int, mb: MicroBatch, off: int,
+    def _prefill_chunk(self, prompts: Sequence[Sequence[int]], i: int, mb: MicroBatch, cache_rows: list[int],
                        rows: list[int]) -> PrefillChunk:
-        """Rows ``off..`` of micro-batch ``i`` packed as one chunk: embedded tokens, positions, RoPE tables and the
-        attention layout (once, for every layer), and the scatter index of its KV (:meth:`_prefill_kv_index`)."""
+        """Prompts ``rows`` into cache rows ``cache_rows`` of micro-batch ``i``, packed as one chunk: embedded tokens,
+        positions, RoPE tables and the attention layout (once, for every layer), and the scatter index of its KV
+        (:meth:`_prefill_kv_index`)."""
         lens = [len(prompts[r]) for r in rows]
         ids = torch.tensor([t for r in rows for t in prompts[r]], dtype=torch.int64)
         ends = torch.tensor(lens).cumsum(0)
@@ -141,15 +149,15 @@ class CGOPipePrefill:
         x = self.embed[ids.to(self.device, non_blocking=True)]  # [T, D]
         rope = None if self.mla else self.family.rope_cos_sin(self.spec, pos, self.inv_freq.to(self.device), x.dtype)  # [T, hd] x2
         layout = self.family.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
-        return PrefillChunk(i, rows, self._prefill_kv_index(mb, off, spans), x, pos, spans, ends, rope, layout)
+        return PrefillChunk(i, rows, self._prefill_kv_index(mb, cache_rows, spans), x, pos, spans, ends, rope, layout)
 
-    def _prefill_kv_index(self, mb: MicroBatch, off: int, spans) -> Optional[list]:
-        """The chunk's scatter index into its micro-batch's cache rows off.. (GroupedKVCache.prefill_index), on
+    def _prefill_kv_index(self, mb: MicroBatch, cache_rows: list[int], spans) -> Optional[list]:
+        """The chunk's scatter index into its micro-batch's ``cache_rows`` (GroupedKVCache.prefill_index), on
         the device its k / v are written from (the GPU for GPU caches, the host for CPU caches); None without KV."""
         if mb.kv is None:
             return None
         src = self.device if (mb.on_gpu or not self.cuda) else torch.device("cpu")
-        return mb.kv.prefill_index(range(off, off + len(spans)), spans, src)
+        return mb.kv.prefill_index(cache_rows, spans, src)
 
     def _prefill_layer(self, l: int, ch: PrefillChunk, mb: MicroBatch, ffn, pending: list) -> None:
         """Layer ``l`` over one chunk: attention on the device, its KV to the micro-batch's cache, then o_proj,

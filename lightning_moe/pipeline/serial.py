@@ -25,6 +25,7 @@ from ..model.weights import ModelWeights
 from .cpu_attention import bucket_len, cpu_decode_attention
 from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
 from .kv_cache import KVCache, LatentKVCache, make_kv_cache
+from .refill import SlotTable
 from .sampling import DecodeRows, DecodeSampling, check_prefixes
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
@@ -37,10 +38,16 @@ class SerialExecutor:
         dtype: compute dtype (default: the weights' dtype).
         score_chunk_tokens: rows per chunk of the scoring head in :meth:`prompt_logprobs` (default
             SCORE_CHUNK_TOKENS; its fp32 logits + log_softmax take ``score_chunk_tokens * V * 8`` bytes).
+        slots: the most sequences a generate call decodes at once (None: all its prompts); more prompts wait for a
+            freed slot (continuous refill, :mod:`.refill`).
     """
 
     def __init__(self, weights: ModelWeights, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
-                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
+                 score_chunk_tokens: int = SCORE_CHUNK_TOKENS, slots: Optional[int] = None):
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise ValueError(f"SerialExecutor: slots must be None or an int >= 1, got {slots!r}")
+        self.slots = slots  # sequences decoding at once (None: every prompt of a generate call)
+        self.refills = slots is not None  # whether a caller may pass more prompts than it should decode at once
         if isinstance(score_chunk_tokens, bool) or not isinstance(score_chunk_tokens, int) or score_chunk_tokens < 1:
             raise ValueError(f"SerialExecutor: score_chunk_tokens must be an int >= 1, got {score_chunk_tokens!r}")
         self.score_chunk_tokens = score_chunk_tokens
@@ -107,8 +114,9 @@ class SerialExecutor:
         return ew.to(self.device, non_blocking=False), self.experts_ffn
 
     def _prefill_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]],
-                       kv: Optional[KVCache | LatentKVCache]) -> torch.Tensor:
-        """One decoder layer over a packed ragged batch. x: [T, D]; spans: (start, end) per sequence."""
+                       kv: Optional[KVCache | LatentKVCache], kv_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """One decoder layer over a packed ragged batch. x: [T, D]; spans: (start, end) per sequence, its KV into row
+        ``kv_rows[j]`` of ``kv`` (default row j)."""
         lw, fam = self.layers[layer], self.family
         q, k, v = fam.pre_attention(lw, x, positions, self.spec, self.inv_freq)  # [T,Hq,hd], [T,Hkv,hd] x2
         #   (MLA: q [T, Hq, hd], the latent c [T, kv_lora] and the rope key k_pe [T, rope] as k and v)
@@ -120,15 +128,15 @@ class SerialExecutor:
         else:
             attn = fam.prefill_attention_packed(q, k, v, spans, window)  # [T, Hq*hd], one fused call
         if kv is not None:
-            for row, (s, e) in enumerate(spans):
-                kv.write_prefill(layer, row, k[s:e], v[s:e])
+            for j, (s, e) in enumerate(spans):
+                kv.write_prefill(layer, j if kv_rows is None else kv_rows[j], k[s:e], v[s:e])
         ew, ffn = self._experts_and_ffn(layer)
         return fam.post_attention(lw, ew, x, attn, self.spec, ffn)
 
-    def _forward_prefill(self, prompts: Sequence[Sequence[int]],
-                         kv: Optional[KVCache | LatentKVCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill a ragged batch; returns the final hidden states [T, D] (before the final norm) and the
-        packed end of each prompt (int64 [B], on the host)."""
+    def _forward_prefill(self, prompts: Sequence[Sequence[int]], kv: Optional[KVCache | LatentKVCache],
+                         kv_rows: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill a ragged batch (prompt j's KV into row ``kv_rows[j]`` of ``kv``, default row j); returns the final
+        hidden states [T, D] (before the final norm) and the packed end of each prompt (int64 [B], on the host)."""
         lens = [len(p) for p in prompts]
         if min(lens) < 1:
             raise ValueError("prefill: every prompt needs at least one token")
@@ -138,7 +146,7 @@ class SerialExecutor:
         spans = [(int(e) - n, int(e)) for e, n in zip(ends, lens)]
         x = self.embed[ids]  # [T, D]
         for layer in range(self.spec.num_layers):
-            x = self._prefill_layer(layer, x, positions, spans, kv)
+            x = self._prefill_layer(layer, x, positions, spans, kv, kv_rows)
         return x, ends
 
     def _decode_step(self, tokens: torch.Tensor, rows: torch.Tensor, kv: KVCache, all_rows: bool) -> torch.Tensor:
@@ -201,49 +209,68 @@ class SerialExecutor:
         """Generate continuations for a ragged batch of token-id prompts: the contract of
         :meth:`.executor.Executor.generate` (arguments, callbacks and their order, the result).
 
-        Prefill packs every prompt (with its prefix) token-wise; each decode step then runs the rows still running,
-        one token each, and :class:`.sampling.DecodeRows` turns the step's logits into tokens and finishes rows.
+        At most ``slots`` sequences decode at once (all of them when ``slots`` is None); the others wait in the
+        caller's order and take a slot as soon as one is freed (:mod:`.refill`; the serial executor refills at every
+        freed slot, before the next decode step). A prefill packs the prompts it fills (with their prefixes)
+        token-wise; each decode step then runs the rows still running, one token each, and
+        :class:`.sampling.DecodeRows` turns the step's logits into tokens and finishes rows.
         """
-        B = len(prompts)
         eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
         pre = check_prefixes(prompts, prefixes, params)
-        max_len = max(len(p) for p in prompts) + params.max_new_tokens
-        prompts = [list(p) + q for p, q in zip(prompts, pre)]
-        kv = make_kv_cache(self.spec, B, max_len, self.dtype, "cpu")  # MLA: the latent cache
         rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
-
-        self._enter("prefill")
-        t0 = time.perf_counter()
-        rows.commit(list(range(B)), self._prefill_logits(prompts, kv))  # [B, V] -> the first generated token
-        self._sync()
-        self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        self.stats.prefill_seconds += time.perf_counter() - t0
-        if on_step is not None:
-            on_step(B)
-        rows.end_step()
-
-        self._enter("decode")
+        if not prompts:
+            return []
+        seqs = [list(p) + q for p, q in zip(prompts, pre)]
+        table = SlotTable([len(p) + params.max_new_tokens for p in prompts], self.slots or len(prompts), 1)
+        kv = make_kv_cache(self.spec, len(table.caps), max(table.caps), self.dtype, "cpu")  # MLA: the latent cache
+        self._refill(seqs, table, rows, kv, on_step)
         t2 = time.perf_counter()
         try:
-            while rows.running:
-                alive = rows.alive()
-                toks = torch.tensor([rows.outputs[r][-1] for r in alive], dtype=torch.int64)
-                logits = self._decode_step(toks, torch.tensor(alive, dtype=torch.int64), kv, all_rows=len(alive) == B)
-                rows.commit(alive, logits)
-                self.stats.decode_tokens += len(alive)
+            while table.live or table.waiting:
+                if table.due():
+                    self.stats.decode_seconds += time.perf_counter() - t2
+                    self._refill(seqs, table, rows, kv, on_step)
+                    t2 = time.perf_counter()
+                    continue
+                live = sorted((r, s) for s, r in enumerate(table.req) if r >= 0)  # in request order, as without refill
+                reqs, slots = [r for r, _ in live], [s for _, s in live]
+                toks = torch.tensor([rows.outputs[r][-1] for r in reqs], dtype=torch.int64)
+                logits = self._decode_step(toks, torch.tensor(slots, dtype=torch.int64), kv,
+                                           all_rows=slots == list(range(len(table.caps))))  # KV rows in order
+                rows.commit(reqs, logits)
+                self.stats.decode_tokens += len(slots)
                 self.stats.decode_steps += 1
+                self.stats.slot_steps += len(table.caps)
                 if on_step is not None:
-                    on_step(len(alive))
-                rows.end_step()
+                    on_step(len(slots))
+                table.release(rows.end_step())
             self._sync()
         finally:  # a callback that stops the run still leaves this batch's decode time in the stats
             self.stats.decode_seconds += time.perf_counter() - t2
         return rows.results  # type: ignore[return-value]
 
-    def _prefill_logits(self, prompts: Sequence[Sequence[int]], kv: KVCache | LatentKVCache) -> torch.Tensor:
-        """Prefill ``prompts`` into ``kv`` (its lengths set to the prompts'); fp32 logits [B, V] of each last token."""
-        x, ends = self._forward_prefill(prompts, kv)  # [T, D]
-        kv.lengths[:] = torch.tensor([len(p) for p in prompts])
+    def _refill(self, seqs: list[list[int]], table: SlotTable, rows: DecodeRows, kv, on_step) -> None:
+        """Prefill waiting requests into free slots (:meth:`SlotTable.assign`; slot s is KV row s), their first tokens
+        committed (``on_step``, then :meth:`DecodeRows.end_step`); the finished requests' slots freed."""
+        self._enter("prefill")
+        t0 = time.perf_counter()
+        pairs = table.assign()
+        slots, reqs = [s for s, _ in pairs], [r for _, r in pairs]
+        rows.commit(reqs, self._prefill_logits([seqs[r] for r in reqs], kv, slots))  # [B', V] -> the first tokens
+        self._sync()
+        self.stats.prefill_tokens += sum(len(seqs[r]) for r in reqs)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        if on_step is not None:
+            on_step(len(reqs))
+        table.release(rows.end_step())
+        self._enter("decode")
+
+    def _prefill_logits(self, prompts: Sequence[Sequence[int]], kv: KVCache | LatentKVCache,
+                        kv_rows: Sequence[int]) -> torch.Tensor:
+        """Prefill ``prompts`` into rows ``kv_rows`` of ``kv`` (their lengths set to the prompts'); fp32 logits [B, V]
+        of each last token."""
+        x, ends = self._forward_prefill(prompts, kv, kv_rows)  # [T, D]
+        kv.lengths[list(kv_rows)] = torch.tensor([len(p) for p in prompts])
         return self.family.final_logits(x[(ends - 1).to(self.device)], self.norm, self.lm_head, self.spec.rms_norm_eps)
 
     @torch.inference_mode()
