@@ -78,29 +78,24 @@ def _serial_logits(ex, prompts, steps, forced=None):
 
 
 def _forced_logits(ex, prompts, forced):
-    """Teacher-forced CGOPipe run: each row is fed ``forced[row]`` (the serial executor's tokens) whatever
-    its own argmax; returns fp32 logits {(row, step): [V]} (sample() is called per micro-batch in order)."""
-    import lightning_moe.pipeline.sampling as C  # DecodeRows.commit, once per micro-batch
+    """Teacher-forced CGOPipe run: each request is fed ``forced[request]`` (the serial executor's tokens) whatever
+    its own argmax; returns fp32 logits {(request, step): [V]}. Recorded at DecodeRows.commit, the one place logits
+    become tokens, by request index and output position (a refilling executor's rows are slots, not requests)."""
+    import lightning_moe.pipeline.sampling as S
 
-    got, calls, holder = {}, [], {}
-    orig = ex._micro_batches
+    got = {}
+    orig = S.DecodeRows.commit
 
-    def capture(*a, **k):
-        holder["mbs"] = orig(*a, **k)
-        return holder["mbs"]
-
-    def forced_sample(lg, params, *seed_and_counts):  # sampling.sample(logits, params, seeds, generated counts)
-        mbs = holder["mbs"]
-        c = len(calls)
-        calls.append(c)
-        mb, t = mbs[c % len(mbs)], c // len(mbs)
-        for j, r in enumerate(mb.rows):
-            got[(r, t)] = lg[j].float().cpu()
-        return torch.tensor([forced[r][t] for r in mb.rows])
+    def commit(self, rows, logits):
+        steps = [len(self.outputs[r]) for r in rows]
+        for j, (r, t) in enumerate(zip(rows, steps)):
+            got[(r, t)] = logits[j].float().cpu()
+        with pytest.MonkeyPatch.context() as inner:
+            inner.setattr(S, "sample", lambda lg, params, *a: torch.tensor([forced[r][t] for r, t in zip(rows, steps)]))
+            return orig(self, rows, logits)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ex, "_micro_batches", capture)
-        mp.setattr(C, "sample", forced_sample)
+        mp.setattr(S.DecodeRows, "commit", commit)
         ex.generate(prompts, DecodeSampling(max_new_tokens=len(forced[0]), stop_at_eos=False))
     return got
 
