@@ -131,19 +131,17 @@ def _most_resident(policy: Policy, spec: MoESpec, workload: Workload):
 
 def _shapes(policy: Policy, B: int) -> list[tuple[int, int, int]]:
     """(mu, n, n_gpu_attn) shapes of N >= B rows (N - B < n) to try for a batch of ``B``: the policy's n, n scaled
-    to B and the n of the policy's mu, each with the GPU-attention share of the policy (and one more micro-batch with
-    GPU attention when the policy has any: GPU attention is allowed for the model)."""
+    to B, the n of the policy's mu, twice the policy's n and 2, 4, 8 micro-batches; each without GPU attention and,
+    when the policy has any (GPU attention is allowed for the model), with the policy's share and one more."""
     out = []
-    for n in sorted({policy.n, max(1, round(policy.n * B / policy.N)), -(-B // policy.mu)}):
+    ns = {policy.n, max(1, round(policy.n * B / policy.N)), -(-B // policy.mu), 2 * policy.n, 2, 4, 8}
+    for n in sorted(ns):
         n = min(n, B)
         mu = -(-B // n)
         n = -(-B // mu)  # no empty micro-batch
-        g = min(n, round(policy.n_gpu_attn * n / policy.n)) if policy.n_gpu_attn else 0
-        if policy.n_gpu_attn and g == 0:
-            g = 1
-        out.append((mu, n, g))
-        if policy.n_gpu_attn and g < n:  # one more GPU-attention micro-batch: its KV leaves the host
-            out.append((mu, n, g + 1))
+        share = min(n, max(1, round(policy.n_gpu_attn * n / policy.n))) if policy.n_gpu_attn else 0
+        for g in sorted({0, share, min(n, share + 1)} if policy.n_gpu_attn else {0}):
+            out.append((mu, n, g))  # g > 0: those micro-batches' KV leaves the host
     return list(dict.fromkeys(out))
 
 
