@@ -147,7 +147,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spec = resolve_spec(model)
         budgets = _plan_budgets(args, job, model, spec, hw)
         t0 = time.perf_counter()
-        policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit)
+        policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit,
+                            job_fit=True)
         elapsed = time.perf_counter() - t0
     except PlanInfeasible as e:
         print(f"moe-batch plan: {e}", file=sys.stderr)

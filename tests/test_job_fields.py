@@ -229,15 +229,15 @@ def test_top_k_min_p_in_the_provenance(tmp_path):
 
 def test_top_k_min_p_reach_the_sampler_against_its_reference(tmp_path):
     """A job's top_k / min_p drive the vectorized sampler (pipeline.sampling.DecodeSampling.from_config reads
-    ``job.generation.top_k`` and ``.min_p``): on fresh random logits (B 13, V 333) every drawn token lies in its
-    uniform's interval of the float64 reference distribution (kernels.sampling.reference_probs; 1e-5) and has
-    probability > 0 there (outside the top-k / below min_p: 0). Skipped where that sampler is not in the tree yet."""
+    ``job.generation.top_k`` and ``.min_p``): on fresh random logits (B 13, V 333) the drawn tokens equal the float64
+    reference race's with the same keys (kernels.sampling.sample_tokens_reference; >= 90% of rows: fp32 near-ties)
+    and each has probability > 0 in the reference distribution (outside the top-k / below min_p: 0). Skipped where that sampler is not in the tree yet."""
     sampling = pytest.importorskip("lightning_moe.pipeline.sampling")
     if not hasattr(sampling, "DecodeSampling"):
         pytest.skip("pipeline.sampling.DecodeSampling is not in this tree")
     import torch
 
-    from lightning_moe.kernels.sampling import reference_probs, uniforms_from_seeds
+    from lightning_moe.kernels.sampling import keys_from_seeds, reference_probs, sample_tokens_reference
 
     rng = random.Random()
     g = torch.Generator().manual_seed(rng.randint(0, 2**31))
@@ -252,11 +252,9 @@ def test_top_k_min_p_reach_the_sampler_against_its_reference(tmp_path):
         seeds = [rng.randint(0, 2**62) for _ in range(B)]
         positions = [rng.randint(0, 100) for _ in range(B)]
         tok = sampling.sample(logits, params, seeds, positions)
-        u = uniforms_from_seeds([sampling.position_seed(s, q) for s, q in zip(seeds, positions)]).double()
+        keys = keys_from_seeds([sampling.position_seed(s, q) for s, q in zip(seeds, positions)])
         probs = reference_probs(logits, t, 1.0, k, p)
-        cdf = probs.cumsum(-1)
-        lo = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0).view(B, 1)).view(B), 0.0)
-        hi = cdf.gather(1, tok.view(B, 1)).view(B)
-        assert ((u >= lo - 1e-5) & (u <= hi + 1e-5)).all(), (k, p, t, tok, u)
+        ref = sample_tokens_reference(logits, t, 1.0, k, p, keys)  # the same race in float64, row by row
+        assert (tok == ref).float().mean() >= 0.9, (k, p, t, tok, ref)  # fp32 vs float64 near-ties aside
         assert (probs.gather(1, tok.view(B, 1)) > 0).all(), "drew a token that top_k / min_p remove"
         assert ((probs > 0).sum(-1) <= k).all()  # the reference keeps at most k tokens

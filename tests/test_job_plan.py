@@ -77,7 +77,7 @@ def test_2000_requests_run_as_one_batch_where_memory_allows():
     w = Workload(prompt_len=77, gen_len=200, num_requests=2000)
     b = Budgets.for_hardware(hw, gpu_memory=parse_bytes("40GiB"), cpu_memory=parse_bytes("125GiB"))
     t = time.perf_counter()
-    pol, est = plan(spec, hw, w, b)
+    pol, est = plan(spec, hw, w, b, job_fit=True)
     took = time.perf_counter() - t
     assert pol.N >= 2000 and pol.N - 2000 < pol.n and est.job_rows == (2000,)
     assert not hrm.memory_violations(pol, spec, w)
@@ -95,7 +95,7 @@ def test_job_plan_counts_every_batch_when_memory_does_not_allow_one():
     spec, hw = _mixtral()
     w = Workload(prompt_len=77, gen_len=200, num_requests=2000)
     b = Budgets.for_hardware(hw, gpu_memory=parse_bytes("12GiB"), cpu_memory=parse_bytes("120GiB"))
-    pol, est = plan(spec, hw, w, b)
+    pol, est = plan(spec, hw, w, b, job_fit=True)
     rows, seconds = jobplan.job_time(pol, spec, hw, w)
     assert len(est.job_rows) >= 2 and sum(est.job_rows) == 2000 and est.job_rows == rows
     assert est.job_time == pytest.approx(seconds, rel=1e-12)

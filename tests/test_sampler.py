@@ -333,4 +333,6 @@ def test_micro_batch_workspace_covers_the_sampler():
                            shared_intermediate_size=0, dense_intermediate_size=0)
     for mu in (1, 7, 64, 1000):
         rows = min(mu, hrm.sampler_rows(50000))
-        assert hrm.micro_batch_workspace(spec, mu, mu, "bf16", 1) >= rows * 50000 * hrm.SAMPLER_BYTES_PER_ELEM
+        assert hrm.micro_batch_workspace(spec, mu, mu, "bf16", 1, sampling=True) >= rows * 50000 * hrm.SAMPLER_BYTES_PER_ELEM
+    # greedy decoding is an argmax: no sampler temporaries (one row: far below the sampler's term)
+    assert hrm.micro_batch_workspace(spec, 1, 1, "bf16", 1) < 50000 * hrm.SAMPLER_BYTES_PER_ELEM

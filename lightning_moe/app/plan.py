@@ -86,7 +86,7 @@ def job_workload_from_prepared(prep: "Prepared"):
     lens = [t.prompt_tokens + partial.get(t.id, 0) for t in ok if t.id not in done and partial.get(t.id, 0) < G]
     if not lens:  # nothing left to run (the engine stops before any weight): the job as a first run
         lens = [t.prompt_tokens for t in ok]
-    return Workload.from_lengths(lens, G, name=job.name)
+    return Workload.from_lengths(lens, G, name=job.name, sampling=job.generation.temperature > 0)
 
 
 def resumed_rows(prep: "Prepared") -> tuple[set, dict]:
@@ -214,7 +214,7 @@ def policy_for_job(job, prep, hw=None):
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq, gpus=getattr(job, "gpus", 1),
                                    gpu_memory=job_gpu_budget(job, hw),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
-    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets)
+    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets, job_fit=True)
 
 
 @dataclass(frozen=True)

@@ -429,7 +429,8 @@ def sampler_rows(vocab_size: int) -> int:
     return max(1, SAMPLER_CHUNK_ELEMS // vocab_size)
 
 
-def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16", groups: int = 2) -> int:
+def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: str = "bf16", groups: int = 2,
+                          sampling: bool = False) -> int:
     """Bytes of GPU temporaries of one decode micro-batch of ``tokens`` rows through one layer (its input hidden
     rows are counted by :func:`decode_row_bytes`), with ``logit_rows`` rows of the final lm_head and ``groups``
     expert groups (:func:`expert_groups`).
@@ -437,14 +438,16 @@ def micro_batch_workspace(spec: MoESpec, tokens: int, logit_rows: int, dtype: st
     The layer's stages run one after the other, so the peak is q/k/v (alive for the whole layer) plus the larger
     of the attention stage and the FFN stage (:func:`_ffn_stage_bytes`); the head adds its own rows:
     ``logit_rows (D b + V b)`` (final norm and the lm_head output before its fp32 copy, which decode_row_bytes
-    keeps); the sampler then runs on at most :func:`sampler_rows` rows at a time (:data:`SAMPLER_BYTES_PER_ELEM`).
+    keeps); with ``sampling`` the sampler then runs on at most :func:`sampler_rows` rows at a time
+    (:data:`SAMPLER_BYTES_PER_ELEM`).
     """
     b = dtype_bytes(dtype)
     T = tokens
     qkv = T * (spec.attn_query_elems + spec.kv_elems_per_token) * b
     attn = T * (spec.attn_query_elems + spec.attn_output_elems) * b  # rotated q + attention output
     head = logit_rows * (spec.hidden_size + spec.vocab_size) * b
-    sample = min(logit_rows, sampler_rows(spec.vocab_size)) * spec.vocab_size * SAMPLER_BYTES_PER_ELEM  # a sampled step
+    sample = (min(logit_rows, sampler_rows(spec.vocab_size)) * spec.vocab_size * SAMPLER_BYTES_PER_ELEM
+              if sampling else 0)  # a sampled step (greedy is an argmax: no temporaries)
     return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups), head, sample)
 
 
@@ -742,7 +745,7 @@ def memory_estimate(policy: Policy, spec: MoESpec, workload: Workload) -> Memory
         ctx = workload.max_prompt + workload.gen_len
         attn_ws = gpu_decode_attention_workspace(spec, policy.n_gpu_attn * mu, ctx, policy.dtype)
         phases["decode"] = {**common, "GPU KV cache": kv_gpu, "decode rows (N: hidden, logits)": N * decode_row_bytes(spec, policy.dtype),
-                            "decode workspaces (2 micro-batches)": (ws := 2 * micro_batch_workspace(spec, mu, mu, policy.dtype, groups)
+                            "decode workspaces (2 micro-batches)": (ws := 2 * micro_batch_workspace(spec, mu, mu, policy.dtype, groups, workload.sampling)
                                                                     + attn_ws),
                             "fragmentation allowance": math.ceil(FRAGMENTATION * ws),
                             "allocator reserve": policy.gpu_reserve}

@@ -310,7 +310,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q, g, prefill=True) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
         C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
         slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
-        C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q))
+        C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q), workload.sampling)
         # the exact model takes max(chunk temporaries, head); the MILP charges their sum (linear, never smaller)
         C.mem_ws_pre_cpu[m] = slack * 2 * tp * spec.kv_elems_per_token * b
         C.mem_ws_pre[m] = (slack * hrm.prefill_chunk_workspace(spec, tp, tp, min(s_max, tp), dt, cpu_kv=False,
@@ -797,7 +797,7 @@ def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, bu
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
          candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
          time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True,
-         prefill_growth: bool = True, job_fit: bool = True) -> tuple[Policy, "hrm.Estimate"]:
+         prefill_growth: bool = True, job_fit: bool = False) -> tuple[Policy, "hrm.Estimate"]:
     """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets, re-shaped for
     the job's request count (``job_fit``).
 

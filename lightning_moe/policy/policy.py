@@ -50,6 +50,7 @@ class Workload:
     name: str = ""  # label for tables ("mtbench", "synthetic 77/128")
     prompt_lens: Optional[tuple[int, ...]] = None  # every tokenized prompt length of the job (None: unknown)
     scoring: bool = False  # prefill-only scoring (no KV cache, no decode; gen_len is 1): the sequences are scored texts
+    sampling: bool = False  # sampled decoding (temperature > 0): the sampler's temporaries count in the decode workspace
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_len, bool) or not isinstance(self.prompt_len, (int, float)) or not self.prompt_len >= 1:
@@ -165,7 +166,8 @@ class Workload:
         return (dc / nc if nc else 0.0), (dg / ng if ng else 0.0)
 
     @classmethod
-    def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "", scoring: bool = False) -> "Workload":
+    def from_lengths(cls, prompt_lens: Sequence[int], gen_len: int, name: str = "", scoring: bool = False,
+                     sampling: bool = False) -> "Workload":
         """From the tokenized prompt lengths of a job: mean, max, count and the lengths themselves (``scoring``: the
         lengths are the sequences a scoring job feeds, gen_len must be 1).
 
@@ -174,7 +176,7 @@ class Workload:
         if not lens:
             raise ValueError("workload: no prompts")
         return cls(prompt_len=max(1.0, sum(lens) / len(lens)), gen_len=gen_len, max_prompt_len=max(1, max(lens)),
-                   num_requests=len(lens), name=name, prompt_lens=tuple(lens), scoring=scoring)
+                   num_requests=len(lens), name=name, prompt_lens=tuple(lens), scoring=scoring, sampling=sampling)
 
 
 def _short(x: Any) -> str:
