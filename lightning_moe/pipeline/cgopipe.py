@@ -50,7 +50,7 @@ from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_a
 from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
-from .refill import SlotTable
+from .refill import SlotTable, commit_live, reset_slots
 from .sampling import DecodeRows, DecodeSampling, check_prefixes
 from .stage_stats import StageTimer, add_counts
 from .weight_stream import WeightStream, packed_layout
@@ -165,11 +165,11 @@ class CGOPipeExecutor(CGOPipePrefill):
 
     def _one_step(self, mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows, tokens: list, on_step) -> None:
         """One decode step of every slot; its tokens committed for the slots that hold a request (``tokens`` replaced
-        in place: the next step's inputs), finished requests' slots freed and reset (:meth:`_reset_slots`)."""
+        in place: the next step's inputs), finished requests' slots freed and reset (:func:`.refill.reset_slots`)."""
         alive = table.live
         ts = time.perf_counter() if self.timer.spans_on else 0.0
         logits = self._decode_step(mbs, tokens)
-        tokens[:] = [self._commit(table.requests(mb.rows), lg, rows) for mb, lg in zip(mbs, logits)]
+        tokens[:] = [commit_live(table.requests(mb.rows), lg, rows) for mb, lg in zip(mbs, logits)]
         del logits  # sampled: each step's logits are the only ones alive during the next (the memory model's rows)
         if self.timer.spans_on:
             self.timer.span("step", ts, time.perf_counter())  # host issue of one decode step
@@ -178,35 +178,7 @@ class CGOPipeExecutor(CGOPipePrefill):
         self.stats.slot_steps += len(table.caps)
         if on_step is not None:
             on_step(alive)
-        self._reset_slots(mbs, table, table.release(rows.end_step()))
-
-    @staticmethod
-    def _commit(reqs: list[int], logits: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
-        """:meth:`DecodeRows.commit` of one micro-batch's logits [mu_k, V] for the rows whose slot holds a request
-        (``reqs``: the request per row, -1 free); returns every row's next input token (0 for a free row)."""
-        if min(reqs) >= 0:
-            return rows.commit(reqs, logits)
-        live = [j for j, r in enumerate(reqs) if r >= 0]
-        toks = torch.zeros(len(reqs), dtype=torch.int64)
-        if live:
-            toks[live] = rows.commit([reqs[j] for j in live], logits[live])
-        return toks
-
-    def _reset_slots(self, mbs: list[MicroBatch], table: SlotTable, freed: list[int]) -> None:
-        """Free slots decode throwaway tokens: reset the KV length of those just ``freed`` (their attention reads
-        nothing stale) and of any free slot about to fill its capacity, to 0; their micro-batch's positions and RoPE
-        are rebuilt from the cache lengths in the next step."""
-        for s in freed:
-            k, j = table.where[s]
-            mbs[k].kv.lengths[j] = 0
-            mbs[k].pos = mbs[k].rope = None
-        if len(table.free) == len(freed):
-            return
-        for mb, caps in zip(mbs, table.mb_caps):
-            full = (mb.kv.lengths >= caps - 1) & (torch.tensor(table.requests(mb.rows)) < 0)
-            if bool(full.any()):
-                mb.kv.lengths[full] = 0
-                mb.pos = mb.rope = None
+        reset_slots(mbs, table, table.release(rows.end_step()))
 
     def _refill(self, seqs: list[list[int]], mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows,
                 tokens: list, on_step) -> float:
@@ -241,7 +213,7 @@ class CGOPipeExecutor(CGOPipePrefill):
             self.timer.span("phase", t0, t1, "prefill")
             self._prefill_done(t1 - t0 - self._warm_s)  # the prefill's stage times, apart from the decode's
             self._warm_s = 0.0
-            self._reset_slots(mbs, table, table.release(rows.end_step()))
+            reset_slots(mbs, table, table.release(rows.end_step()))
             if table.live or not table.due():
                 break
         self.attention.attn_kv_bytes = 0
@@ -369,29 +341,3 @@ class CGOPipeExecutor(CGOPipePrefill):
                 "n_gpu_attn": p.n_gpu_attn if self.cuda else 0,  # on the CPU every micro-batch attends on the CPU
                 "expert_pages": ws.page_layout.scheme if ws.page_layout is not None else str(self.dtype).replace("torch.", ""),
                 "host_pool_bytes": ws.pool.nbytes, "page_buffer_bytes": ws.buffers.nbytes, "resident_bytes": ws.resident.nbytes}
-
-    def _count_kernel_calls(self, phase: str) -> None:
-        """Move the grouped expert calls per kernel since the last count into ``stats.extra``
-        (``expert_ffn_<phase>_calls_<kernel>``: which kernel the profile picked, per phase)."""
-        choice = getattr(self.expert_ffn, "choice", None)
-        if choice is None:
-            return
-        add_counts(self.stats.extra, {k: v for k, v in choice.calls.items() if v}, prefix=f"expert_ffn_{phase}_calls_")
-        choice.calls = dict.fromkeys(choice.calls, 0)
-
-    def _decode_done(self, t1: float) -> None:
-        """Add a batch's decode wall time (since ``t1``) and stage timings to the stats."""
-        self._sync()
-        dt = time.perf_counter() - t1
-        self.timer.span("phase", t1, t1 + dt, "decode")
-        self.stats.decode_seconds += dt
-        stages = self.timer.collect()
-        stages["decode_wall"] = dt
-        add_counts(self.stats.extra, stages)
-        self._count_kernel_calls("decode")
-        # bytes, not seconds: with cpu_attention_compute it gives the CPU attention rate the HRM's (H5) assumes
-        add_counts(self.stats.extra, {"cpu_attention_valid_kv_bytes": self.attention.attn_kv_bytes})
-        # inside the kernel's parallel regions (kernels.cpu_attention.native_stats): region wall time vs the worker's
-        # cpu_attention_compute says how much of the stage is the wrapper / thread hand-off; busy vs team
-        # thread-seconds says whether the team worked the whole region (memory-bound) or waited for cores
-        add_counts(self.stats.extra, native_stats(), prefix="cpu_attention_native_")

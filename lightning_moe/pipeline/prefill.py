@@ -9,6 +9,8 @@ cache by pinned D2H and a scatter on the worker thread, at most two chunks in fl
 
 :class:`CGOPipePrefill` is the prefill half of :class:`~.cgopipe.CGOPipeExecutor` (a mixin over the executor's model
 weights, weight stream, expert FFN, timer and attention placement); the decode half is in :mod:`.cgopipe`.
+It also holds the phases' bookkeeping both halves use (``_count_kernel_calls``, ``_decode_done``, ``_prefill_done``:
+stage times and counters into the executor's stats).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..kernels.cpu_attention import native_stats
 from .attention_placement import MicroBatch
 from .stage_stats import add_counts
 from .token_scores import next_token_targets, split_scores, token_scores
@@ -249,6 +252,32 @@ class CGOPipePrefill:
                                               self.family.final_logits))  # [T_c] x2
             ch.x = None  # this chunk's hidden states are no longer needed
         return [(torch.cat([lp for lp, _ in parts]), torch.cat([g for _, g in parts])) for parts in per_mb]
+
+    def _count_kernel_calls(self, phase: str) -> None:
+        """Move the grouped expert calls per kernel since the last count into ``stats.extra``
+        (``expert_ffn_<phase>_calls_<kernel>``: which kernel the profile picked, per phase)."""
+        choice = getattr(self.expert_ffn, "choice", None)
+        if choice is None:
+            return
+        add_counts(self.stats.extra, {k: v for k, v in choice.calls.items() if v}, prefix=f"expert_ffn_{phase}_calls_")
+        choice.calls = dict.fromkeys(choice.calls, 0)
+
+    def _decode_done(self, t1: float) -> None:
+        """Add a batch's decode wall time (since ``t1``) and stage timings to the stats."""
+        self._sync()
+        dt = time.perf_counter() - t1
+        self.timer.span("phase", t1, t1 + dt, "decode")
+        self.stats.decode_seconds += dt
+        stages = self.timer.collect()
+        stages["decode_wall"] = dt
+        add_counts(self.stats.extra, stages)
+        self._count_kernel_calls("decode")
+        # bytes, not seconds: with cpu_attention_compute it gives the CPU attention rate the HRM's (H5) assumes
+        add_counts(self.stats.extra, {"cpu_attention_valid_kv_bytes": self.attention.attn_kv_bytes})
+        # inside the kernel's parallel regions (kernels.cpu_attention.native_stats): region wall time vs the worker's
+        # cpu_attention_compute says how much of the stage is the wrapper / thread hand-off; busy vs team
+        # thread-seconds says whether the team worked the whole region (memory-bound) or waited for cores
+        add_counts(self.stats.extra, native_stats(), prefix="cpu_attention_native_")
 
     def _prefill_done(self, wall: float) -> None:
         """Add a prefill's (or a scoring pass's) stage times to the stats as ``prefill_<stage>`` with its wall time

@@ -102,3 +102,32 @@ class SlotTable:
             bisect.insort(self.free, (self.caps[s], s))
             out.append(s)
         return out
+
+
+def commit_live(reqs: list[int], logits: torch.Tensor, rows) -> torch.Tensor:
+    """:meth:`.sampling.DecodeRows.commit` of one micro-batch's logits [mu_k, V] for the rows whose slot holds a request
+    (``reqs``: the request per row, -1 free); returns every row's next input token (0 for a free row)."""
+    if min(reqs) >= 0:
+        return rows.commit(reqs, logits)
+    live = [j for j, r in enumerate(reqs) if r >= 0]
+    toks = torch.zeros(len(reqs), dtype=torch.int64)
+    if live:
+        toks[live] = rows.commit([reqs[j] for j in live], logits[live])
+    return toks
+
+
+def reset_slots(mbs: list, table: SlotTable, freed: list[int]) -> None:
+    """Free slots decode throwaway tokens: reset the KV length of those just ``freed`` (their attention reads
+    nothing stale) and of any free slot about to fill its capacity, to 0; their micro-batch's positions and RoPE
+    are rebuilt from the cache lengths in the next step."""
+    for s in freed:
+        k, j = table.where[s]
+        mbs[k].kv.lengths[j] = 0
+        mbs[k].pos = mbs[k].rope = None
+    if len(table.free) == len(freed):
+        return
+    for mb, caps in zip(mbs, table.mb_caps):
+        full = (mb.kv.lengths >= caps - 1) & (torch.tensor(table.requests(mb.rows)) < 0)
+        if bool(full.any()):
+            mb.kv.lengths[full] = 0
+            mb.pos = mb.rope = None
