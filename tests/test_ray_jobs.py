@@ -30,8 +30,8 @@ ray = pytest.importorskip("ray")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = random.SystemRandom().randrange(2**31)
-N_REQ = 10
-SHARD0 = 8  # requests of shard 0 of 2
+N_REQ = 24
+SHARD0 = 22  # requests of shard 0 of 2 (enough that the shard is still running when the test kills it)
 
 
 @pytest.fixture(scope="module")
