@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Token sampling (issue 43): the old per-row loop (fp32 logits to the host, softmax, top-p sort, one
 ``torch.Generator`` and ``torch.multinomial`` per row, as ``pipeline/serial.py``'s ``sample`` did) against
-``kernels.sampling.sample_tokens`` (vectorized, an exponential race over hashed uniforms), best of ``--repeats`` milliseconds per call
-(the two paths alternating, so on a loaded host both see the same quiet windows), for each B in ``--batch`` at
+``kernels.sampling.sample_tokens`` (vectorized, an exponential race over hashed uniforms) and, on CUDA with triton,
+``kernels.sampling.sample_tokens_triton`` (one launch; the path ``pipeline.sampling.sample`` takes there), best of
+``--repeats`` milliseconds per call (the paths alternating, so on a loaded host both see the same quiet windows), for each B in ``--batch`` at
 vocabulary ``--vocab`` on ``--device`` (a CPU benchmark by default; on CUDA the old path includes its device-to-host
 copy, the new one only the B token ids' copy).
 
@@ -20,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from lightning_moe.kernels.sampling import keys_from_seeds, sample_tokens  # noqa: E402
+from lightning_moe.kernels.fused_moe import triton_available  # noqa: E402
+from lightning_moe.kernels.sampling import keys_from_seeds, sample_tokens, sample_tokens_triton  # noqa: E402
 
 
 def old_sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: list[int]) -> torch.Tensor:
@@ -65,22 +67,25 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     print(f"device {a.device}, V {a.vocab}, threads {torch.get_num_threads()}; ms per call, best of {a.repeats}")
-    print(f"{'B':>6} {'case':<28} {'old loop':>10} {'vectorized':>11} {'speed-up':>9}")
+    tri = a.device.startswith("cuda") and triton_available()
+    print(f"{'B':>6} {'case':<28} {'old loop':>10} {'vectorized':>11} {'triton':>8} {'speed-up':>9}")
     for B in (int(b) for b in a.batch.split(",")):
         logits = (torch.randn(B, a.vocab, generator=g) * 2).to(a.device)
         seeds = [int(s) for s in torch.randint(0, 2**62, (B,), generator=g)]
         for name, kw in [("temperature 1", {}), ("top_p 0.9", {"top_p": 0.9}), ("top_k 50", {"top_k": 50}),
                          ("min_p 0.05", {"min_p": 0.05}), ("top_k 50 top_p 0.9 min_p .05",
                                                             {"top_k": 50, "top_p": 0.9, "min_p": 0.05})]:
-            fns = [lambda: sample_tokens(logits, 1.0, keys=keys_from_seeds(seeds), **kw).cpu()]
+            fns = {"vec": lambda: sample_tokens(logits, 1.0, keys=keys_from_seeds(seeds), **kw).cpu()}
+            if tri:  # the path pipeline.sampling.sample takes on CUDA: one launch, the keys copied over
+                fns["tri"] = lambda: sample_tokens_triton(logits, 1.0, keys=keys_from_seeds(seeds).to(a.device),
+                                                          **kw).cpu()
             if set(kw) <= {"top_p"}:
-                fns.append(lambda: old_sample(logits, 1.0, kw.get("top_p", 1.0), seeds))
-            t = best_ms(fns, a.repeats, a.device)
-            if len(t) == 2:
-                print(f"{B:>6} {name:<28} {t[1]:>10.1f} {t[0]:>11.1f} {t[1] / t[0]:>8.1f}x")
-            else:
-                print(f"{B:>6} {name:<28} {'-':>10} {t[0]:>11.1f} {'-':>9}")
-
+                fns["old"] = lambda: old_sample(logits, 1.0, kw.get("top_p", 1.0), seeds)
+            t = dict(zip(fns, best_ms(list(fns.values()), a.repeats, a.device)))
+            best = min(t.get("tri", t["vec"]), t["vec"])
+            cols = [f"{t[k]:.1f}" if k in t else "-" for k in ("old", "vec", "tri")]
+            up = f"{t['old'] / best:.1f}x" if "old" in t else "-"
+            print(f"{B:>6} {name:<28} {cols[0]:>10} {cols[1]:>11} {cols[2]:>8} {up:>9}")
 
 if __name__ == "__main__":
     main()

@@ -55,7 +55,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["check_sampling_args", "keys_from_seeds", "race_uniforms", "reference_probs", "sample_tokens",
-           "sample_tokens_reference"]
+           "sample_tokens_reference", "sample_tokens_triton"]
 
 _KEY_BITS = 63  # position_seed's width: a row key is in [0, 2**63)
 _M32 = 0xFFFFFFFF  # the low 32 bits of an int64
@@ -160,6 +160,35 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     x = _filtered_logits(logits, float(temperature), float(top_p), int(top_k), float(min_p))
     return _race(x, keys)
+
+
+def sample_tokens_triton(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                         min_p: float = 0.0, keys: torch.Tensor | None = None, block: int = 4096) -> torch.Tensor:
+    """:func:`sample_tokens` in one Triton launch (``kernels/_sampling_triton.py``): one program per row streams the
+    row in blocks of ``block`` tokens, so no ``[B, V]`` temporary exists (the torch path allocates an fp32 and an int64
+    ``[B, V]``, and sorts for top-p). Same rules and the same hash; the filtering's sums run in another order than
+    the torch path's sort and cumsum, so a token at top-p's boundary within fp32 rounding of ``top_p`` may be kept by
+    one and not the other. Needs triton (CUDA, or its CPU interpreter). Returns int64 [B] on the logits' device."""
+    check_sampling_args(logits, temperature, top_p, top_k, min_p, keys)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block: {block} (a power of two >= 16 expected)")
+    from . import _sampling_triton as kern  # imports triton: only when this path runs
+
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    keys = keys.to(logits.device, torch.int64).contiguous()
+    block = min(block, max(16, 1 << (V - 1).bit_length()))
+    kern.race_sample_kernel[(B,)](
+        logits, keys, out, V, logits.stride(0), float(temperature), math.log(min_p) if min_p > 0 else 0.0,
+        int(top_k), float(top_p), USE_MINP=min_p > 0, USE_TOPK=0 < top_k < V, USE_TOPP=top_p < 1.0, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4)
+    return out
 
 
 def _reference_probs(row: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float) -> torch.Tensor:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from ..policy.hrm import sampler_rows
-from ..kernels.sampling import keys_from_seeds, sample_tokens
+from ..kernels.fused_moe import triton_available
+from ..kernels.sampling import keys_from_seeds, sample_tokens, sample_tokens_triton
 
 if TYPE_CHECKING:  # the executor contract's types (pipeline.executor imports this module)
     from .executor import FinishCallback, LogprobsCallback, RunStats, StopRowsCallback, TokensCallback
@@ -67,6 +68,7 @@ def request_seed(seed: int, request_id: str) -> int:
 
 
 _MASK64 = (1 << 64) - 1
+_TRITON = triton_available()  # CUDA logits are sampled by the Triton kernel
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -88,7 +90,9 @@ def sample(logits: torch.Tensor, params: DecodeSampling, seeds: Optional[Sequenc
     ``position_seed(seeds[b], positions[b])`` (the request's seed and the output position of the token drawn), so a
     request samples the same tokens whatever batch it lands in and wherever a run resumed it, and fp32-level logit
     differences (a resumed prefill against decode steps) almost never change a token. Only B int64 keys go to the
-    device and B token ids come back. Without ``seeds`` the keys come from torch's global generator.
+    device and B token ids come back. Without ``seeds`` the keys come from torch's global generator. On CUDA with
+    triton: :func:`kernels.sampling.sample_tokens_triton` (one launch over every row); elsewhere the torch path in
+    row chunks of ``policy.hrm.sampler_rows(V)`` (the temporaries the memory model counts).
     """
     if params.greedy:
         return sample_tokens(logits, 0.0).cpu()
@@ -98,6 +102,9 @@ def sample(logits: torch.Tensor, params: DecodeSampling, seeds: Optional[Sequenc
         keys = torch.randint(0, (1 << 63) - 1, (logits.shape[0],), dtype=torch.int64)
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64)
+    if logits.is_cuda and _TRITON:  # one launch, no [B, V] temporaries, one copy of B ids to the host
+        return sample_tokens_triton(logits, params.temperature, params.top_p, params.top_k, params.min_p,
+                                    keys.to(logits.device, non_blocking=True)).cpu()
     step = sampler_rows(logits.shape[1])  # rows per call: the temporaries the memory model counts (policy.hrm)
     return torch.cat([sample_tokens(logits[i:i + step], params.temperature, params.top_p, params.top_k, params.min_p,
                                     keys[i:i + step]).cpu() for i in range(0, logits.shape[0], step)])
