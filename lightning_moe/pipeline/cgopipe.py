@@ -47,19 +47,19 @@ from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from .attention_placement import AttentionPlacement, MicroBatch, micro_batches
 from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_attention_refusal
-from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
+from .executor import Executor, RunStats, StepCallback
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
 from .refill import SlotTable, commit_live, reset_slots
-from .sampling import DecodeRows, DecodeSampling, check_prefixes
-from .stage_stats import StageTimer, add_counts
+from .sampling import DecodeRows
+from .stage_stats import StageTimer
 from .weight_stream import WeightStream, packed_layout
 
 # re-exported where callers have always found them (the engine's refusals, the FFN choice, the batch pieces)
 __all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "cgopipe_refusal", "expert_ffn_for", "gpu_attention_refusal"]
 
 
-class CGOPipeExecutor(CGOPipePrefill):
+class CGOPipeExecutor(CGOPipePrefill, Executor):
     """Pipelined executor driven by a :class:`Policy`; the contract of :class:`.executor.Executor`.
 
     Args:
@@ -118,31 +118,20 @@ class CGOPipeExecutor(CGOPipePrefill):
         self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
 
-    # ---- generate: prefill, then decode steps, refilling freed slots ------------------------------
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: DecodeSampling,
-                 on_finish: Optional[FinishCallback] = None, seeds: Optional[Sequence[int]] = None,
-                 eos_token_id: Optional[int] = None, on_step: Optional[StepCallback] = None,
-                 prefixes: Optional[Sequence[Sequence[int]]] = None, on_tokens: Optional[TokensCallback] = None,
-                 stop_rows: Optional[StopRowsCallback] = None,
-                 on_logprobs: Optional[LogprobsCallback] = None) -> list[tuple[list[int], str]]:
-        """The contract of :meth:`.executor.Executor.generate`, any number of prompts: at most ``policy.N`` decode at
-        once, the others wait in the caller's order for a freed slot (:mod:`.refill`: continuous refill; a refill's
-        prefill runs between decode steps). ``on_logprobs`` is called per micro-batch as its tokens are chosen;
-        ``on_finish``, ``stop_rows`` and ``on_tokens`` once per step (a decode step, or a prefill), after every
-        micro-batch (:class:`.sampling.DecodeRows`); rows are indices into ``prompts``.
+    # ---- generate (:meth:`.executor.Executor.generate`): prefill, then decode steps, refilling freed slots ----
+    def _decode(self, seqs: list[list[int]], caps: list[int], rows: DecodeRows,
+                on_step: Optional[StepCallback]) -> list[tuple[list[int], str]]:
+        """The loop of :meth:`.executor.Executor.generate` (its contract), any number of prompts: at most ``policy.N``
+        decode at once, the others wait in the caller's order for a freed slot (:mod:`.refill`: continuous refill; a
+        refill's prefill runs between decode steps). ``on_logprobs`` is called per micro-batch as its tokens are
+        chosen; ``on_finish``, ``stop_rows`` and ``on_tokens`` once per step (a decode step, or a prefill), after every
+        micro-batch (:class:`.sampling.DecodeRows`); rows are indices into the prompts.
 
         The micro-batch shapes stay fixed: a free slot decodes a throwaway token (never sampled, its KV length reset)
         until a waiting request takes it.
         """
-        eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
-        pre = check_prefixes(prompts, prefixes, params)
-        seqs = [list(p) + q for p, q in zip(prompts, pre)]
-        rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
-        if not seqs:
-            return []
         min_free = self.opts.refill_min_free or max(1, self.policy.N // 16)
-        table = SlotTable([len(p) + params.max_new_tokens for p in prompts], self.policy.N, min_free)
+        table = SlotTable(caps, self.policy.N, min_free)
         # slot s holds table.caps[s] positions; micro-batches of slots grouped by capacity, mb.rows their slots
         mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
         table.place([mb.rows for mb in mbs])
