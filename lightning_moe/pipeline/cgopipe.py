@@ -45,6 +45,7 @@ from ..kernels.cpu_attention import native_stats
 from ..model.families import family_of
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
+from ..policy.refill_schedule import RefillCall, default_min_free
 from .attention_placement import AttentionPlacement, MicroBatch, micro_batches
 from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_attention_refusal
 from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
@@ -52,7 +53,7 @@ from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
 from .refill import SlotTable, commit_live, reset_slots
 from .sampling import DecodeRows, DecodeSampling, check_prefixes
-from .stage_stats import StageTimer, add_counts
+from .stage_stats import StageTimer
 from .weight_stream import WeightStream, packed_layout
 
 # re-exported where callers have always found them (the engine's refusals, the FFN choice, the batch pieces)
@@ -117,6 +118,8 @@ class CGOPipeExecutor(CGOPipePrefill):
                                             lambda: self.stats)
         self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
+        self.estimate = None  # the job plan's hrm.Estimate (set by app.engine): its refill_min_free, when planned
+        self.calls: list[RefillCall] = []  # per finished generate call, its lengths and slots (refill_schedule)
 
     # ---- generate: prefill, then decode steps, refilling freed slots ------------------------------
     @torch.inference_mode()
@@ -141,7 +144,8 @@ class CGOPipeExecutor(CGOPipePrefill):
         rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
         if not seqs:
             return []
-        min_free = self.opts.refill_min_free or max(1, self.policy.N // 16)
+        plan = getattr(self.estimate, "refill_min_free", 0)  # the job plan's (jobplan.job_min_free)
+        min_free = self.opts.refill_min_free or plan or default_min_free(self.policy.N)
         table = SlotTable([len(p) + params.max_new_tokens for p in prompts], self.policy.N, min_free)
         # slot s holds table.caps[s] positions; micro-batches of slots grouped by capacity, mb.rows their slots
         mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
@@ -161,6 +165,9 @@ class CGOPipeExecutor(CGOPipePrefill):
                 self._one_step(mbs, table, rows, tokens, on_step)
         finally:  # a callback that stops the run still leaves this batch's decode time in the stats
             self._decode_done(t1)
+        # what the call ran, for the report's schedule from measured lengths (app.report.refill_report)
+        made = [len(o) - len(s) + len(p) for (o, _), s, p in zip(rows.results, seqs, prompts)]  # tokens of this call
+        self.calls.append(RefillCall(table.needs, [len(s) for s in seqs], made, len(table.caps), min_free))
         return rows.results
 
     def _one_step(self, mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows, tokens: list, on_step) -> None:
@@ -191,6 +198,7 @@ class CGOPipeExecutor(CGOPipePrefill):
             self._enter("prefill")
             t0 = time.perf_counter()
             pairs = table.assign()
+            self.stats.prefill_passes += 1
             fill: list[tuple[list[int], list[int]]] = [([], []) for _ in mbs]
             for s, r in pairs:
                 k, j = table.where[s]
