@@ -3,6 +3,7 @@ schedules worked out by hand and against what the cgopipe executor ran (decode s
 decode tokens: exact integers); the HRM's per-step / per-pass times against hrm.evaluate; the HRM refill threshold;
 the report's ``refill`` block (the schedule over the measured lengths and its HRM price)."""
 
+import dataclasses
 import math
 import os
 import random
@@ -77,6 +78,11 @@ def test_hrm_step_and_pass_times_add_up_to_evaluate(seed):
     assert steps == pytest.approx(est.decode_time, rel=1e-12)
     assert hrm.prefill_pass_time(pol, spec, hw, pol.N, w.prompt_len) == pytest.approx(est.prefill_time, rel=1e-12)
     assert hrm.prefill_pass_time(pol, spec, hw, 1, w.prompt_len) < est.prefill_time  # fewer rows, same pages
+    # where the prefill KV's D2H binds (a slow link), a pass's CPU-KV rows are the policy's share of its rows
+    slow = dataclasses.replace(hw, pcie_d2h=hw.pcie_d2h / 1e4)
+    half = Policy(mu=48, n=4, n_gpu_attn=2, prefill_mu=16)
+    assert hrm.prefill_pass_time(half, spec, slow, half.N, 100.0) == pytest.approx(
+        hrm.evaluate(half, spec, slow, Workload(prompt_len=100.0, gen_len=2)).prefill_time, rel=1e-12)
 
 
 def test_hrm_min_free_is_the_least_cost_threshold():
