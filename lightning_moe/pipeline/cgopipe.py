@@ -45,6 +45,7 @@ from ..kernels.cpu_attention import native_stats
 from ..model.families import family_of
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
+from ..policy.refill_schedule import RefillCall, default_min_free
 from .attention_placement import AttentionPlacement, MicroBatch, micro_batches
 from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_attention_refusal
 from .executor import Executor, RunStats, StepCallback
@@ -117,6 +118,8 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
                                             lambda: self.stats)
         self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
+        self.estimate = None  # the job plan's hrm.Estimate (set by app.engine): its refill_min_free, when planned
+        self.calls: list[RefillCall] = []  # per finished generate call, its lengths and slots (refill_schedule)
 
     # ---- generate (:meth:`.executor.Executor.generate`): prefill, then decode steps, refilling freed slots ----
     def _decode(self, seqs: list[list[int]], caps: list[int], rows: DecodeRows,
@@ -130,7 +133,8 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         The micro-batch shapes stay fixed: a free slot decodes a throwaway token (never sampled, its KV length reset)
         until a waiting request takes it.
         """
-        min_free = self.opts.refill_min_free or max(1, self.policy.N // 16)
+        plan = getattr(self.estimate, "refill_min_free", 0)  # the job plan's (jobplan.job_min_free)
+        min_free = self.opts.refill_min_free or plan or default_min_free(self.policy.N)
         table = SlotTable(caps, self.policy.N, min_free)
         # slot s holds table.caps[s] positions; micro-batches of slots grouped by capacity, mb.rows their slots
         mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
@@ -150,6 +154,10 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
                 self._one_step(mbs, table, rows, tokens, on_step)
         finally:  # a callback that stops the run still leaves this batch's decode time in the stats
             self._decode_done(t1)
+        # what the call ran, for the report's schedule from measured lengths (app.report.refill_report)
+        new = rows.params.max_new_tokens  # a cap is prompt + new, a seq prompt + prefix: tokens made by this call
+        made = [len(o) - len(s) + c - new for (o, _), s, c in zip(rows.results, seqs, caps)]
+        self.calls.append(RefillCall(table.needs, [len(s) for s in seqs], made, len(table.caps), min_free))
         return rows.results
 
     def _one_step(self, mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows, tokens: list, on_step) -> None:
@@ -180,6 +188,7 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
             self._enter("prefill")
             t0 = time.perf_counter()
             pairs = table.assign()
+            self.stats.prefill_passes += 1
             fill: list[tuple[list[int], list[int]]] = [([], []) for _ in mbs]
             for s, r in pairs:
                 k, j = table.where[s]

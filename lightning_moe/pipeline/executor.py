@@ -38,6 +38,7 @@ class RunStats:
     warmup_seconds: float = 0.0  # one-time kernel warm-up before the first prefill (CGOPipe on CUDA), not in prefill_seconds
     decode_steps: int = 0  # decode iterations
     slot_steps: int = 0  # sum over decode steps of the slots the step ran (N): slot occupancy = decode_tokens / slot_steps
+    prefill_passes: int = 0  # prefill passes over the layers of a refilling call (the first fill and every refill)
     h2d_bytes: int = 0  # bytes copied host -> device (expert weights, activations)
     d2h_bytes: int = 0  # bytes copied device -> host
     extra: dict = field(default_factory=dict)  # executor-specific timings (stage waits, ...)
@@ -50,7 +51,7 @@ class RunStats:
     def merge(self, other: "RunStats") -> None:
         """Add another run's counters into this one."""
         for k in ("prefill_tokens", "prefill_seconds", "decode_tokens", "generated_tokens", "decode_seconds",
-                  "warmup_seconds", "decode_steps", "slot_steps", "h2d_bytes", "d2h_bytes"):
+                  "warmup_seconds", "decode_steps", "slot_steps", "prefill_passes", "h2d_bytes", "d2h_bytes"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         for k, v in other.extra.items():
             self.extra[k] = self.extra.get(k, 0) + v if isinstance(v, (int, float)) else v
