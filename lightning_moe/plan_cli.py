@@ -26,6 +26,16 @@ class CommandError(Exception):
     """A user error in a sub-command: printed as one line, exit status 2."""
 
 
+_PLAN_ERRORS = (CommandError, HardwareError, ValueError, OSError)  # what a plan's inputs raise (PlanInfeasible too)
+
+
+def _plan_failed(e: Exception) -> int:
+    """``moe-batch plan``'s one line on stderr for a plan it cannot make (a PlanInfeasible says what does not fit;
+    any other error prints as ``error: ...``); returns the exit status 2."""
+    print(f"moe-batch plan: {e}" if isinstance(e, PlanInfeasible) else f"moe-batch plan: error: {e}", file=sys.stderr)
+    return 2
+
+
 def _bytes_arg(s: str) -> int:
     try:
         return parse_bytes(s)
@@ -150,12 +160,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit,
                             job_fit=True)
         elapsed = time.perf_counter() - t0
-    except PlanInfeasible as e:
-        print(f"moe-batch plan: {e}", file=sys.stderr)
-        return 2
-    except (CommandError, HardwareError, ValueError, OSError) as e:
-        print(f"moe-batch plan: error: {e}", file=sys.stderr)
-        return 2
+    except _PLAN_ERRORS as e:
+        return _plan_failed(e)
     print(format_table(policy, est, spec, hw))
     for note in (*est.notes, *notes):
         print(note)
@@ -166,8 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         try:
             print(f"roofline drawn to {save_plan_plot(args.plot, spec, hw, policy, workload, est)}")
         except PlotError as e:
-            print(f"moe-batch plan: error: {e}", file=sys.stderr)
-            return 2
+            return _plan_failed(e)
     return _save_policy(args, policy, est, spec, hw, budgets, workload) if args.output else 0
 
 
@@ -299,7 +304,6 @@ def _plan_cpu_job(job, workload) -> int:
     from .model.spec import MoESpec
     from .model.tiny import resolve_model_path
     from .policy.cpu_hrm import format_cpu_table
-    from .policy.policy import PlanInfeasible
 
     try:
         path = resolve_model_path(job.model)
@@ -313,12 +317,8 @@ def _plan_cpu_job(job, workload) -> int:
             policy, est = plan_cpu_job(job, spec, workload, wq)
         else:
             est = cpu_estimate(job, spec, workload)
-    except PlanInfeasible as e:
-        print(f"moe-batch plan: {e}", file=sys.stderr)
-        return 2
-    except (CommandError, HardwareError, ValueError, OSError) as e:
-        print(f"moe-batch plan: error: {e}", file=sys.stderr)
-        return 2
+    except _PLAN_ERRORS as e:
+        return _plan_failed(e)
     print(format_cpu_table(spec, prof, est, job.executor, policy))
     return 0
 

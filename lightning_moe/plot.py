@@ -78,13 +78,7 @@ def save_plan_plot(path: str, spec: MoESpec, hw: HardwareProfile, policy: Policy
                    est: Estimate) -> str:
     """Draw the roofline and the predicted stage times of ``policy`` to ``path`` (PNG, or any format matplotlib
     infers from the suffix). Returns ``path``. Raises PlotError."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise PlotError("--plot needs matplotlib: pip install 'lightning-moe[plot]'") from e
+    plt = _pyplot("--plot")
     import numpy as np
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
@@ -141,14 +135,7 @@ def save_plan_plot(path: str, spec: MoESpec, hw: HardwareProfile, policy: Policy
              f"attention of {policy.n_gpu_attn} of {policy.n} micro-batches on the GPU")
     sub = f"prefill {est.prefill_tok_s:,.0f} tok/s" + ("" if workload.scoring else f", decode {est.decode_tok_s:,.1f} tok/s")
     bx.set_title(f"{title}\n{sub}", fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise PlotError(f"cannot write {path}: {e}") from e
-    finally:
-        plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 _LANE_COLORS = {"H2D expert pages": "tab:red", "GPU waits for pages": "tab:gray", "GPU attention": "tab:green",
@@ -162,6 +149,30 @@ def check_matplotlib(flag: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise PlotError(f"{flag} needs matplotlib: pip install 'lightning-moe[plot]'") from e
+
+
+def _pyplot(flag: str):
+    """matplotlib.pyplot on the Agg backend (files only); PlotError naming ``flag`` when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotError(f"{flag} needs matplotlib: pip install 'lightning-moe[plot]'") from e
+    return plt
+
+
+def _save(plt, fig, path: str) -> str:
+    """Lay out ``fig``, write it to ``path`` and close it; returns ``path`` (PlotError when it cannot be written)."""
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise PlotError(f"cannot write {path}: {e}") from e
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _draw_lanes(ax, spans: list[dict], lanes: list[str], t0: float, t1: float) -> None:
@@ -189,11 +200,7 @@ def save_timeline(path: str, spans: list[dict], title: str) -> str:
     phase's own interval, ``"step"``: one decode step's host issue). Top: the whole run, one lane per stage, bars
     hatched in prefill, solid in decode, the phases shaded, each lane's busy seconds and share of the wall time at
     the right. Bottom: one decode step (the middle one), to see what overlaps. Returns ``path``. Raises PlotError."""
-    check_matplotlib("--timeline")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot("--timeline")
     from matplotlib.patches import Patch
 
     from .pipeline.stage_stats import SPAN_LANES
@@ -227,11 +234,4 @@ def save_timeline(path: str, spans: list[dict], title: str) -> str:
         bx.set_xlabel("wall seconds since the run's first batch")
         bx.set_title(f"decode step {len(steps) // 2 + 1} of {len(steps)}, zoomed ({1e3 * (st['end'] - st['start']):.1f} ms "
                      f"of host issue)", fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise PlotError(f"cannot write {path}: {e}") from e
-    finally:
-        plt.close(fig)
-    return path
+    return _save(plt, fig, path)

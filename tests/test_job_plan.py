@@ -6,7 +6,6 @@ Issue 43: 2000 prompts at gen 200 planned as N = 1920 + a second batch of 80 tha
 a job killed after its first checkpoint ran out of GPU memory in prefill at the same cap on every re-run (its resumed
 rows are prompt + partial tokens, longer than the prompts the plan assumed)."""
 
-import dataclasses
 import json
 import os
 import random
@@ -28,46 +27,37 @@ H200_PROFILE = os.path.join(REPO, "lightning_moe", "policy", "profiles", "h200-h
 ENV = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
 
 
-def test_batch_rows_and_batch_shapes_by_hand():
-    assert jobplan.batch_rows(2000, 1920) == (1920, 80)
-    assert jobplan.batch_rows(2000, 1000) == (1000, 1000)
-    assert jobplan.batch_rows(7, 10) == (7,)
-    pol = Policy(mu=192, n=10, prefill_mu=32, n_gpu_attn=2)
-    assert jobplan.batch_policy(pol, 1920) is pol
-    tail = jobplan.batch_policy(pol, 80)  # attention_placement.micro_batches: ceil(80 / 192) = 1 micro-batch of 80
-    assert (tail.mu, tail.n, tail.n_gpu_attn) == (80, 1, 1)
-    mid = jobplan.batch_policy(pol, 500)  # 3 micro-batches of <= 167
-    assert (mid.mu, mid.n, mid.n_gpu_attn) == (167, 3, 2)
-
-
 def _mixtral():
     return resolve_spec("mixtral-8x7b"), resolve_hardware(H200_PROFILE)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_job_time_is_the_sum_of_every_batch(seed):
-    """job_time against a reference that cuts the job as the runner does and evaluates each batch at the shape the
-    executor gives it (rel. 1e-12): the tail batch is counted, at its own micro-batch shape."""
+def test_job_time_is_every_fill_and_step_of_the_refill_schedule(seed):
+    """job_time against a reference built by hand: every request at max_new_tokens, so the N slots free together and
+    the job is fills of N, N, ..., P mod N rows, each a prefill pass of its rows (hrm.prefill_pass_time) and G - 1
+    steps of all N slots (hrm.decode_step_time) at the live rows' positions over N; rel. 1e-12. The tail fill's
+    steps cost steps of N slots (the executor's shapes stay fixed)."""
     spec, hw = _mixtral()
     rng = random.Random(seed)
     mu, n = rng.choice([16, 48, 64, 192]), rng.randint(1, 6)
     g = rng.randint(0, n)
     pol = Policy(mu=mu, n=n, n_gpu_attn=g, prefill_mu=min(mu, 16), resident_experts=rng.randint(0, 2))
     P = rng.randint(mu * n + 1, 3 * mu * n - 1)
-    w = Workload(prompt_len=rng.uniform(20, 200), gen_len=rng.randint(8, 40), num_requests=P)
-    want, left = 0.0, P
+    s, G = rng.uniform(20, 200), rng.randint(8, 40)
+    w = Workload(prompt_len=s, gen_len=G, num_requests=P)
+    want, left, fills = 0.0, P, []
     while left > 0:
         B = min(left, pol.N)
-        nb = -(-B // mu)
-        shape = dataclasses.replace(pol, mu=-(-B // nb), n=nb, n_gpu_attn=min(g, nb))
-        want += hrm.evaluate(shape, spec, hw, w).total_time
+        fills.append(B)
+        want += hrm.prefill_pass_time(pol, spec, hw, B, s)
+        want += sum(hrm.decode_step_time(pol, spec, hw, w, (B * s + B * j) / pol.N) for j in range(1, G))
         left -= B
     rows, got = jobplan.job_time(pol, spec, hw, w)
-    assert sum(rows) == P and rows[0] == pol.N
+    assert rows == tuple(fills) and rows[0] == pol.N
     assert got == pytest.approx(want, rel=1e-12)
     est = jobplan.with_job(hrm.evaluate(pol, spec, hw, w), rows, got)
-    assert est.job_e2e_tok_s == pytest.approx(P * w.gen_len / want, rel=1e-12)
-    assert est.job_e2e_tok_s < est.e2e_tok_s  # the tail batch decodes as long as a full one for fewer rows
+    assert est.job_e2e_tok_s == pytest.approx(P * G / want, rel=1e-12)
+    assert est.job_e2e_tok_s < est.e2e_tok_s  # the tail fill decodes as long as a full one for fewer rows
 
 
 def test_2000_requests_run_as_one_batch_where_memory_allows():

@@ -66,3 +66,26 @@ def test_plan_plot_writes_png(tmp_path):
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 20_000
+
+
+def test_unwritable_path_is_a_plot_error_and_closes_the_figure(tmp_path):
+    """Both drawings save through one place: a path that cannot be written is a PlotError naming it, and the figure is
+    closed either way (no figure left open in a long-running process)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from lightning_moe.plot import PlotError, save_plan_plot, save_timeline
+    from lightning_moe.policy.hrm import evaluate
+
+    spec, hw, policy, wl = _case()
+    bad = str(tmp_path / "no-such-dir" / "x.png")
+    spans = [{"stage": "phase", "lane": "", "phase": "prefill", "start": 0.0, "end": 1.0},
+             {"stage": "h2d", "lane": "H2D expert pages", "phase": "prefill", "start": 0.1, "end": 0.5}]
+    for draw in (lambda p: save_plan_plot(p, spec, hw, policy, wl, evaluate(policy, spec, hw, wl)),
+                 lambda p: save_timeline(p, spans, "run")):
+        with pytest.raises(PlotError, match="cannot write .*no-such-dir"):
+            draw(bad)
+        assert plt.get_fignums() == []
+        ok = tmp_path / "ok.png"
+        assert draw(str(ok)) == str(ok) and ok.stat().st_size > 0
+        assert plt.get_fignums() == []

@@ -226,3 +226,13 @@ def test_ragged_job_occupancy(tmp_path, tiny_dir):
     assert got == want
     rep = json.load(open(job.output.report_path))
     assert rep["slot_occupancy"] >= 0.9, rep["slot_occupancy"]
+    # the report's refill block: the schedule replayed over the records' lengths is what the executor ran (exact
+    # counts); on the CPU no GPU-host price (predicted_from_lengths) is given
+    ref = rep["refill"]
+    sim, ran = ref["schedule_from_lengths"], ref["measured"]
+    assert (sim["decode_steps"], sim["prefill_passes"]) == (ran["decode_steps"], ran["prefill_passes"]) == (
+        rep["stats"]["decode_steps"], rep["stats"]["prefill_passes"])
+    assert sim["slot_occupancy"] == pytest.approx(rep["slot_occupancy"], rel=1e-12)
+    assert sim["generated_tokens"] == sum(len(o) for o, _ in want.values()) == rep["generated_tokens"]
+    assert ref["slots"] == 2 and ref["min_free"] == 1 and "predicted_from_lengths" not in ref
+    assert 0 < sim["drain_steps"] < G

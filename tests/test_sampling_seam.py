@@ -140,3 +140,30 @@ def test_options_checked_once_by_name(field, value, msg):
     assert CGOPipeOptions(ffn="triton").ffn_kind(cuda=False) == "torch"  # Triton needs CUDA: the torch loop
     with pytest.raises(AttributeError):
         opts.ffn = "torch"  # frozen
+
+
+@pytest.mark.parametrize("kind", ["serial", "cgopipe"])
+def test_generate_prologue_eos_default_and_empty_batch(tiny_dir, kind):
+    """Executor.generate (one body for both executors): no prompts -> [] without running anything; eos_token_id
+    defaults to the spec's (the run stops at its first occurrence) and an explicit one overrides it."""
+    import dataclasses
+
+    from lightning_moe.model.weights import load_checkpoint
+    from lightning_moe.policy.policy import Policy
+
+    w = load_checkpoint(tiny_dir, torch.float32)
+    if kind == "serial":
+        ex = SerialExecutor(w, "cpu")
+    else:
+        ex = CGOPipeExecutor(w, Policy(mu=2, n=1, prefill_mu=2, dtype="fp32", weight_quant="fp32"), "cpu")
+    params = DecodeSampling(max_new_tokens=6)
+    assert ex.generate([], params) == [] and ex.stats.decode_steps == 0 and ex.stats.prefill_tokens == 0
+    prompts = [[5, 17, 300, 42], [9, 8]]
+    free = ex.generate(prompts, params, eos_token_id=-1)  # an EOS no token equals: both rows run to the length
+    assert [r for _, r in free] == ["length", "length"]
+    t = free[0][0][2]  # row 0's third token as the spec's EOS
+    ex.spec = dataclasses.replace(ex.spec, eos_token_id=t)
+    got = ex.generate(prompts, params)
+    cut = free[0][0].index(t) + 1
+    assert got[0] == (free[0][0][:cut], "stop")
+    assert ex.generate(prompts, params, eos_token_id=-1) == free  # the argument wins over the spec's

@@ -56,9 +56,10 @@ from .checkpointing import InFlight, PartialCheckpoints, RunProgress
 from .expert_parallel import NoWriter, group_info, in_group, run_expert_parallel, share_work
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
-from .plan import JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, plan_job, policy_for_job
-from .report import (end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, report_head,
-                     slot_occupancy)
+from .plan import (JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, job_workload_from_prepared, plan_job,
+                   policy_for_job)
+from .report import (end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, refill_report,
+                     report_head, slot_occupancy)
 
 # pipeline.cgopipe, .expert_parallel and .expert_ffn are imported where used: a serial job (and `moe-batch --help`)
 # does not load the pipelined executor's and the grouped kernels' modules
@@ -651,6 +652,8 @@ def _load(run: JobRun, spans: Optional[list]) -> None:
     run.executor = run.runner.executor(job, run.prep, run.jplan)  # reads the weights
     run.executor.phase_hook = run.peaks.enter
     run.t_load = time.perf_counter() - t0
+    if hasattr(run.executor, "calls"):  # this run's calls only (a ModelRunner's executor outlives a run)
+        run.executor.calls = []
     if spans is not None:
         run.executor.timer.start_spans()
     report["gpu_memory_fraction"] = run.cap["fraction"] if run.cap else None
@@ -711,6 +714,11 @@ def _report(run: JobRun, spans: Optional[list]) -> None:
                                  peaks=run.peaks, score_records=run.score_records))
     run.report["slot_occupancy"] = (stats.slot_occupancy if stats.slot_steps  # the executor's own count (refill)
                                     else slot_occupancy(run.report["stats"], run.report.get("policy")))
+    calls = getattr(run.executor, "calls", None)
+    if calls and run.job.task == "generate":  # the schedule over the measured lengths (and its HRM price on a GPU)
+        gpu = run.jplan is not None and run.job.device.startswith("cuda")
+        run.report["refill"] = refill_report(calls, stats, run.jplan if gpu else None, run.prep.spec,
+                                             job_workload_from_prepared(run.prep) if gpu else None)
     if run.own_runner:
         run.runner.close()
     try:

@@ -48,9 +48,41 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
     est, hw = jplan.estimate, jplan.hardware
     return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
             "end_to_end_tokens_per_s": est.job_e2e_tok_s, "batch_end_to_end_tokens_per_s": est.e2e_tok_s,
-            "job_batches": list(est.job_rows), "decode_binding": est.decode_binding,
+            "job_batches": list(est.job_rows), "job_seconds": est.job_time or None,
+            "refill_min_free": est.refill_min_free or None, "decode_binding": est.decode_binding,
             "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
+
+
+def refill_report(calls: list, stats: RunStats, jplan: Optional[JobPlan] = None, spec=None, workload=None) -> Optional[dict]:
+    """The report's ``refill`` block for a refilling executor's finished ``generate`` calls (``calls``:
+    policy.refill_schedule.RefillCall, the lengths each request generated): the schedule replayed over the measured
+    lengths (decode steps, prefill passes, drain steps, occupancy) next to the executor's counts, and, given the job
+    plan, its spec and workload (a GPU job), ``predicted_from_lengths``: that schedule priced by the HRM (every pass at
+    hrm.prefill_pass_time, every step at hrm.decode_step_time): the bound at the profile's peak rates for the job's
+    real lengths, no measured time in it. None without a finished call."""
+    if not calls:
+        return None
+    from ..policy import jobplan
+
+    scheds = [c.schedule() for c in calls]
+    sim = {k: sum(s.summary()[k] for s in scheds)
+           for k in ("decode_steps", "prefill_passes", "drain_steps", "decode_tokens", "generated_tokens")}
+    sim["slot_occupancy"] = (sim["decode_tokens"] / sum(s.decode_steps * s.slots for s in scheds)
+                             if sim["decode_steps"] else None)
+    out = {"min_free": calls[-1].min_free, "slots": calls[-1].slots, "schedule_from_lengths": sim,
+           "measured": {"decode_steps": stats.decode_steps, "prefill_passes": stats.prefill_passes,
+                        "slot_occupancy": stats.slot_occupancy}}
+    if jplan is not None and spec is not None and workload is not None:
+        pre = dec = 0.0
+        for sch in scheds:
+            p, d = jobplan.schedule_seconds(sch, jplan.policy, spec, jplan.hardware, workload)
+            pre, dec = pre + p, dec + d
+        out["predicted_from_lengths"] = {
+            "prefill_seconds": pre, "decode_seconds": dec,
+            "decode_tokens_per_s": sim["decode_tokens"] / dec if dec else None,
+            "end_to_end_tokens_per_s": sim["generated_tokens"] / (pre + dec) if pre + dec else None}
+    return out
 
 
 def end_of_run(job: Job, spec, stats: RunStats, *, t_load: float, total: float, t_setup: float, parts: dict,
@@ -223,6 +255,22 @@ _POLICY_NAMES = {"mu": "micro-batch rows (mu)", "n": "micro-batches (n)", "N": "
                  "page_buffer_bytes": "GPU page buffers", "resident_bytes": "resident expert bytes"}
 
 
+def _refill_lines(ref: Optional[dict], e2e: Optional[float]) -> list[str]:
+    """The summary's lines of the ``refill`` block (:func:`refill_report`)."""
+    if not ref:
+        return []
+    sim, meas = ref["schedule_from_lengths"], ref["measured"]
+    out = [f"  refill (N {ref['slots']}, min_free {ref['min_free']}): over the measured lengths {sim['decode_steps']} "
+           f"decode steps ({sim['drain_steps']} draining), {sim['prefill_passes']} prefill passes, occupancy "
+           f"{sim['slot_occupancy'] or 0:.2f}; the executor ran {meas['decode_steps']} steps, {meas['prefill_passes']} passes"]
+    pl = ref.get("predicted_from_lengths")
+    if pl and pl.get("end_to_end_tokens_per_s"):
+        ratio = f" (measured / predicted {e2e / pl['end_to_end_tokens_per_s']:.2f})" if e2e else ""
+        out.append(f"  predicted end-to-end over the measured lengths: {pl['end_to_end_tokens_per_s']:,.1f} tok/s"
+                   f" (passes {pl['prefill_seconds']:,.2f} s + steps {pl['decode_seconds']:,.2f} s){ratio}")
+    return out
+
+
 def _gib(v) -> str:
     return "-" if v is None else f"{v / 2**30:,.2f}"
 
@@ -287,6 +335,7 @@ def format_report(r: dict, top_stages: int = 8) -> str:
     occ = r.get("slot_occupancy")
     if occ is not None:
         lines.append(f"  slot occupancy {occ:.2f} (decode tokens / (decode steps x N))")
+    lines += _refill_lines(r.get("refill"), r.get("end_to_end_tokens_per_s"))
     lines.append("")
     if "setup" in w:
         lines += [f"  wall s: total {w['total']:,.2f} = setup {w['setup']:,.2f} (one-time: model creation, native "

@@ -189,17 +189,24 @@ def _no_requests(label: str) -> DataError:
                      f"request; check data.path)")
 
 
-def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
-    limit = job.data.limit
-    label = label or path
-    seen: dict[str, int] = {}
-    out: list[Request] = []
+def _json_lines(path: str, label: str) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, "label:line", parsed value)`` of each non-blank line of a JSONL file (:func:`utf8_lines`); a
+    line that is not JSON raises DataError."""
     for lineno, line in utf8_lines(path, label):
         where = f"{label}:{lineno}"
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+        yield lineno, where, rec
+
+
+def _read_jsonl(path: str, job, label: Optional[str] = None) -> list[Request]:
+    limit = job.data.limit
+    label = label or path
+    seen: dict[str, int] = {}
+    out: list[Request] = []
+    for lineno, where, rec in _json_lines(path, label):
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {_tname(rec)}")
         if "id" not in rec or rec["id"] is None:
@@ -279,12 +286,7 @@ def _mtbench_records_from_file(path: str, job) -> list[Request]:
     label = path
     out: list[Request] = []
     seen: dict[str, int] = {}
-    for lineno, line in utf8_lines(path, label):
-        where = f"{label}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+    for lineno, where, rec in _json_lines(path, label):
         if not isinstance(rec, dict) or "question_id" not in rec:
             raise DataError(f"{where}: question_id: missing (not an MT-Bench question record)")
         turns = rec.get("turns")

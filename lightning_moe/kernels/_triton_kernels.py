@@ -10,7 +10,9 @@ Every FFN kernel works on blocks of ``BLOCK_M`` routed (token, slot) pairs that 
 Tiles: activations ``[BLOCK_M, BLOCK_K]``, weights ``[BLOCK_K, BLOCK_N]`` (loaded transposed from the HF
 ``[out, in]`` layout), fp32 accumulators ``[BLOCK_M, BLOCK_N]``. ``UPCAST_DOT`` is set only under the Triton
 interpreter (TRITON_INTERPRET=1), whose ``tl.dot`` mishandles bf16 operands: the operands are converted to
-fp32 first (same values, products exact). The kernels call no ``@triton.jit`` helpers of triton's own
+fp32 first (same values, products exact). The six FFN kernels share their block set-up (``_block_tile``), the
+activation tile load of the packed ones (``_load_rows``), that dot (``_dot``) and their stores (``_store_h``,
+``_store_weighted``): inlined ``@triton.jit`` helpers. The kernels call no ``@triton.jit`` helpers of triton's own
 standard library (``tl.cdiv``, ``tl.sigmoid``, ``tl.zeros``, ``tl.max``): those are compiled-mode objects
 if triton was imported before ``TRITON_INTERPRET`` was set, and the interpreter then refuses to call them.
 
@@ -29,6 +31,50 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
+@triton.jit
+def _block_tile(pair_ptr, num_pairs, N, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block ``(pid_m, pid_n)`` of an FFN kernel: its ``BLOCK_M`` pairs (padding rows hold ``num_pairs``), which of
+    them are real, its ``BLOCK_N`` output columns and which of them are ``< N``."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair < num_pairs, offs_n, offs_n < N
+
+
+@triton.jit
+def _load_rows(ptr, rows64, offs_k, stride_r, stride_k, row_mask, k_mask):
+    """Activation tile ``[BM, BK]`` of the packed kernels: rows ``rows64`` (int64), columns ``offs_k``; 0 where a
+    mask is off."""
+    return tl.load(ptr + rows64[:, None] * stride_r + offs_k[None, :] * stride_k,
+                   mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """``acc + a @ b`` (fp32 accumulator). ``UPCAST_DOT`` (the Triton interpreter, whose tl.dot mishandles bf16):
+    the operands converted to fp32 first, the same values, fp32 products."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _store_h(h, h_ptr, pair, row_mask, offs_n, n_mask, stride_hp, stride_hf):
+    """Gate/up epilogue: ``h`` (fp32 ``[BM, BN]``) cast to h's dtype, stored at rows ``pair``, columns ``offs_n``."""
+    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _store_weighted(acc, y_ptr, rw_ptr, pair64, row_mask, offs_n, n_mask, stride_yp, stride_yd):
+    """Down epilogue: ``y[p, n] = topk_weight[p] * acc[p, n]`` in fp32 for the block's pairs ``pair64``."""
+    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)  # [BM]
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
+    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_kernel(
     x_ptr, w1_ptr, w3_ptr, h_ptr, pair_ptr, block_expert_ptr,
@@ -42,17 +88,12 @@ def gate_up_kernel(
 ):
     """h[p, n] = silu(x[t] . w1[e, n]) * (x[t] . w3[e, n]) for the BLOCK_M pairs p of this block."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:  # trailing block past the last expert's run
         return
     e64 = expert.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + offs_m)  # [BM] (padding rows hold num_pairs)
-    row_mask = pair < num_pairs
+    pair, row_mask, offs_n, n_mask = _block_tile(pair_ptr, num_pairs, F, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N)
     token = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd  # [BM, BK]
     w1_ptrs = w1_ptr + e64 * stride_w1e + offs_n[None, :].to(tl.int64) * stride_w1n + offs_k[:, None] * stride_w1k
@@ -64,18 +105,13 @@ def gate_up_kernel(
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b1 = tl.load(w1_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
         b3 = tl.load(w3_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST_DOT:  # Triton interpreter: its tl.dot mishandles bf16, so multiply in fp32
-            a = a.to(tl.float32)
-            b1 = b1.to(tl.float32)
-            b3 = b3.to(tl.float32)
-        acc_g = tl.dot(a, b1, acc=acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, b3, acc=acc_u, input_precision=DOT_PRECISION)
+        acc_g = _dot(a, b1, acc_g, DOT_PRECISION, UPCAST_DOT)
+        acc_u = _dot(a, b3, acc_u, DOT_PRECISION, UPCAST_DOT)
         x_ptrs += BLOCK_K * stride_xd
         w1_ptrs += BLOCK_K * stride_w1k
         w3_ptrs += BLOCK_K * stride_w3k
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SwiGLU in fp32: silu(g) = g * sigmoid(g)
-    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    _store_h(h, h_ptr, pair, row_mask, offs_n, n_mask, stride_hp, stride_hf)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -90,17 +126,12 @@ def down_kernel(
 ):
     """y[p, n] = topk_weight[p] * (h[p] . w2[e, n]) in fp32 for the BLOCK_M pairs p of this block."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + offs_m)
-    row_mask = pair < num_pairs
+    pair, row_mask, offs_n, n_mask = _block_tile(pair_ptr, num_pairs, D, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N)
     pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair64[:, None] * stride_hp + offs_k[None, :] * stride_hf  # [BM, BK]
     w2_ptrs = w2_ptr + e64 * stride_w2e + offs_n[None, :].to(tl.int64) * stride_w2n + offs_k[:, None] * stride_w2k
@@ -109,16 +140,10 @@ def down_kernel(
         k_mask = offs_k < F - kb * BLOCK_K
         a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+        acc = _dot(a, b, acc, DOT_PRECISION, UPCAST_DOT)
         h_ptrs += BLOCK_K * stride_hf
         w2_ptrs += BLOCK_K * stride_w2k
-    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)  # [BM]
-    acc = acc * rw[:, None]
-    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
-    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+    _store_weighted(acc, y_ptr, rw_ptr, pair64, row_mask, offs_n, n_mask, stride_yp, stride_yd)
 
 
 @triton.jit
@@ -164,24 +189,18 @@ def gate_up_q_kernel(
 ):
     """h[p, n] = silu(x[t] . deq(w1_e)[n]) * (x[t] . deq(w3_e)[n]) for the pairs p of this block."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + offs_m)
-    row_mask = pair < num_pairs
+    pair, row_mask, offs_n, n_mask = _block_tile(pair_ptr, num_pairs, F, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N)
     token = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
     acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < D
-        a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, k_mask)
         wmask = k_mask[:, None] & n_mask[None, :]
         b1 = dequant_tile(q1_ptr, s1_ptr, z1_ptr, e64, stride_q1e, stride_q1r, stride_s1e, stride_s1r,
                           stride_z1e, stride_z1r, kb * BLOCK_K, offs_k, offs_n, wmask, n_mask,
@@ -191,15 +210,10 @@ def gate_up_q_kernel(
                           BITS_3, GROUP, TILE_IN_GROUP)
         b1 = b1.to(x_ptr.dtype.element_ty)  # the dequantized weight in the activation dtype, as the reference
         b3 = b3.to(x_ptr.dtype.element_ty)
-        if UPCAST_DOT:  # Triton interpreter: its tl.dot mishandles bf16; same values, fp32 products
-            a = a.to(tl.float32)
-            b1 = b1.to(tl.float32)
-            b3 = b3.to(tl.float32)
-        acc_g = tl.dot(a, b1, acc=acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, b3, acc=acc_u, input_precision=DOT_PRECISION)
+        acc_g = _dot(a, b1, acc_g, DOT_PRECISION, UPCAST_DOT)
+        acc_u = _dot(a, b3, acc_u, DOT_PRECISION, UPCAST_DOT)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SwiGLU in fp32
-    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    _store_h(h, h_ptr, pair, row_mask, offs_n, n_mask, stride_hp, stride_hf)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -214,35 +228,23 @@ def down_q_kernel(
 ):
     """y[p, n] = topk_weight[p] * (h[p] . deq(w2_e)[n]) in fp32 for the pairs p of this block."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + offs_m)
-    row_mask = pair < num_pairs
+    pair, row_mask, offs_n, n_mask = _block_tile(pair_ptr, num_pairs, D, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N)
     pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < D
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < F
-        a = tl.load(h_ptr + pair64[:, None] * stride_hp + offs_k[None, :] * stride_hf,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _load_rows(h_ptr, pair64, offs_k, stride_hp, stride_hf, row_mask, k_mask)
         b = dequant_tile(q2_ptr, s2_ptr, z2_ptr, e64, stride_q2e, stride_q2r, stride_s2e, stride_s2r,
                          stride_z2e, stride_z2r, kb * BLOCK_K, offs_k, offs_n, k_mask[:, None] & n_mask[None, :],
                          n_mask, BITS_2, GROUP, TILE_IN_GROUP)
         b = b.to(h_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
-    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)
-    acc = acc * rw[:, None]
-    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
-    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+        acc = _dot(a, b, acc, DOT_PRECISION, UPCAST_DOT)
+    _store_weighted(acc, y_ptr, rw_ptr, pair64, row_mask, offs_n, n_mask, stride_yp, stride_yd)
 
 
 @triton.jit
@@ -473,17 +475,12 @@ def gate_up_mx_kernel(
     u = x[t] . W[e, 2n + 1] + b[e, 2n + 1] (gpt-oss: gate and up interleaved in the 2F rows of gate_up), for the
     BLOCK_M pairs p of this block; W dequantized from MXFP4 in registers (:func:`mxfp4_tile`)."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + offs_m)
-    row_mask = pair < num_pairs
+    pair, row_mask, offs_n, n_mask = _block_tile(pair_ptr, num_pairs, F, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N)
     token = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
     g_rows = 2 * offs_n  # gate: even rows of gate_up
     u_rows = 2 * offs_n + 1  # up: odd rows
     acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
@@ -491,27 +488,21 @@ def gate_up_mx_kernel(
     for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < D
-        a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, k_mask)
         wmask = k_mask[:, None] & n_mask[None, :]
         bg = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows, offs_k, wmask)
         bu = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, u_rows, offs_k, wmask)
         bg = bg.to(x_ptr.dtype.element_ty)  # the dequantized weight in the activation dtype, as the reference
         bu = bu.to(x_ptr.dtype.element_ty)
-        if UPCAST_DOT:  # Triton interpreter: its tl.dot mishandles bf16; same values, fp32 products
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        acc_g = tl.dot(a, bg, acc=acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, bu, acc=acc_u, input_precision=DOT_PRECISION)
+        acc_g = _dot(a, bg, acc_g, DOT_PRECISION, UPCAST_DOT)
+        acc_u = _dot(a, bu, acc_u, DOT_PRECISION, UPCAST_DOT)
     b_row = bias_ptr + e64 * stride_bias_e
     g = acc_g + tl.load(b_row + g_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     u = acc_u + tl.load(b_row + u_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     g = tl.minimum(g, limit)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))  # clamped SwiGLU in fp32
-    h_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_hp + offs_n[None, :] * stride_hf
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    _store_h(h, h_ptr, pair, row_mask, offs_n, n_mask, stride_hp, stride_hf)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -525,35 +516,23 @@ def down_mx_kernel(
 ):
     """y[p, n] = topk_weight[p] * (h[p] . W2[e, n] + b2[e, n]) in fp32 for the pairs p of this block (W2 MXFP4)."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + offs_m)
-    row_mask = pair < num_pairs
+    pair, row_mask, offs_n, n_mask = _block_tile(pair_ptr, num_pairs, D, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N)
     pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < D
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < F
-        a = tl.load(h_ptr + pair64[:, None] * stride_hp + offs_k[None, :] * stride_hf,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _load_rows(h_ptr, pair64, offs_k, stride_hp, stride_hf, row_mask, k_mask)
         b = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, offs_n, offs_k,
                        k_mask[:, None] & n_mask[None, :])
         b = b.to(h_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+        acc = _dot(a, b, acc, DOT_PRECISION, UPCAST_DOT)
     acc = acc + tl.load(bias_ptr + e64 * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    rw = tl.load(rw_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)
-    acc = acc * rw[:, None]
-    y_ptrs = y_ptr + pair64[:, None] * stride_yp + offs_n[None, :] * stride_yd
-    tl.store(y_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+    _store_weighted(acc, y_ptr, rw_ptr, pair64, row_mask, offs_n, n_mask, stride_yp, stride_yd)
 
 
 # --------------------------------------------------------------------------------------------------

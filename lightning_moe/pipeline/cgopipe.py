@@ -45,21 +45,22 @@ from ..kernels.cpu_attention import native_stats
 from ..model.families import family_of
 from ..model.weights import ModelWeights
 from ..policy.policy import Policy
+from ..policy.refill_schedule import RefillCall, default_min_free
 from .attention_placement import AttentionPlacement, MicroBatch, micro_batches
 from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_attention_refusal
-from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
+from .executor import Executor, RunStats, StepCallback
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
 from .refill import SlotTable, commit_live, reset_slots
-from .sampling import DecodeRows, DecodeSampling, check_prefixes
-from .stage_stats import StageTimer, add_counts
+from .sampling import DecodeRows
+from .stage_stats import StageTimer
 from .weight_stream import WeightStream, packed_layout
 
 # re-exported where callers have always found them (the engine's refusals, the FFN choice, the batch pieces)
 __all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "cgopipe_refusal", "expert_ffn_for", "gpu_attention_refusal"]
 
 
-class CGOPipeExecutor(CGOPipePrefill):
+class CGOPipeExecutor(CGOPipePrefill, Executor):
     """Pipelined executor driven by a :class:`Policy`; the contract of :class:`.executor.Executor`.
 
     Args:
@@ -117,32 +118,24 @@ class CGOPipeExecutor(CGOPipePrefill):
                                             lambda: self.stats)
         self.phase: Optional[str] = None  # the phase running now (:meth:`_enter`)
         self.phase_hook = None  # called with each phase's name as it starts (the runner's per-phase memory peaks)
+        self.estimate = None  # the job plan's hrm.Estimate (set by app.engine): its refill_min_free, when planned
+        self.calls: list[RefillCall] = []  # per finished generate call, its lengths and slots (refill_schedule)
 
-    # ---- generate: prefill, then decode steps, refilling freed slots ------------------------------
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: DecodeSampling,
-                 on_finish: Optional[FinishCallback] = None, seeds: Optional[Sequence[int]] = None,
-                 eos_token_id: Optional[int] = None, on_step: Optional[StepCallback] = None,
-                 prefixes: Optional[Sequence[Sequence[int]]] = None, on_tokens: Optional[TokensCallback] = None,
-                 stop_rows: Optional[StopRowsCallback] = None,
-                 on_logprobs: Optional[LogprobsCallback] = None) -> list[tuple[list[int], str]]:
-        """The contract of :meth:`.executor.Executor.generate`, any number of prompts: at most ``policy.N`` decode at
-        once, the others wait in the caller's order for a freed slot (:mod:`.refill`: continuous refill; a refill's
-        prefill runs between decode steps). ``on_logprobs`` is called per micro-batch as its tokens are chosen;
-        ``on_finish``, ``stop_rows`` and ``on_tokens`` once per step (a decode step, or a prefill), after every
-        micro-batch (:class:`.sampling.DecodeRows`); rows are indices into ``prompts``.
+    # ---- generate (:meth:`.executor.Executor.generate`): prefill, then decode steps, refilling freed slots ----
+    def _decode(self, seqs: list[list[int]], caps: list[int], rows: DecodeRows,
+                on_step: Optional[StepCallback]) -> list[tuple[list[int], str]]:
+        """The loop of :meth:`.executor.Executor.generate` (its contract), any number of prompts: at most ``policy.N``
+        decode at once, the others wait in the caller's order for a freed slot (:mod:`.refill`: continuous refill; a
+        refill's prefill runs between decode steps). ``on_logprobs`` is called per micro-batch as its tokens are
+        chosen; ``on_finish``, ``stop_rows`` and ``on_tokens`` once per step (a decode step, or a prefill), after every
+        micro-batch (:class:`.sampling.DecodeRows`); rows are indices into the prompts.
 
         The micro-batch shapes stay fixed: a free slot decodes a throwaway token (never sampled, its KV length reset)
         until a waiting request takes it.
         """
-        eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
-        pre = check_prefixes(prompts, prefixes, params)
-        seqs = [list(p) + q for p, q in zip(prompts, pre)]
-        rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
-        if not seqs:
-            return []
-        min_free = self.opts.refill_min_free or max(1, self.policy.N // 16)
-        table = SlotTable([len(p) + params.max_new_tokens for p in prompts], self.policy.N, min_free)
+        plan = getattr(self.estimate, "refill_min_free", 0)  # the job plan's (jobplan.job_min_free)
+        min_free = self.opts.refill_min_free or plan or default_min_free(self.policy.N)
+        table = SlotTable(caps, self.policy.N, min_free)
         # slot s holds table.caps[s] positions; micro-batches of slots grouped by capacity, mb.rows their slots
         mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
         table.place([mb.rows for mb in mbs])
@@ -161,6 +154,10 @@ class CGOPipeExecutor(CGOPipePrefill):
                 self._one_step(mbs, table, rows, tokens, on_step)
         finally:  # a callback that stops the run still leaves this batch's decode time in the stats
             self._decode_done(t1)
+        # what the call ran, for the report's schedule from measured lengths (app.report.refill_report)
+        new = rows.params.max_new_tokens  # a cap is prompt + new, a seq prompt + prefix: tokens made by this call
+        made = [len(o) - len(s) + c - new for (o, _), s, c in zip(rows.results, seqs, caps)]
+        self.calls.append(RefillCall(table.needs, [len(s) for s in seqs], made, len(table.caps), min_free))
         return rows.results
 
     def _one_step(self, mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows, tokens: list, on_step) -> None:
@@ -191,6 +188,7 @@ class CGOPipeExecutor(CGOPipePrefill):
             self._enter("prefill")
             t0 = time.perf_counter()
             pairs = table.assign()
+            self.stats.prefill_passes += 1
             fill: list[tuple[list[int], list[int]]] = [([], []) for _ in mbs]
             for s, r in pairs:
                 k, j = table.where[s]

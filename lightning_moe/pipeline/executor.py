@@ -8,11 +8,14 @@ The decoding rules themselves (parameters, sampling, finish rules, log-probs, se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .sampling import DecodeSampling
+from .sampling import DecodeRows, DecodeSampling, check_prefixes
+
+if TYPE_CHECKING:
+    from ..model.spec import MoESpec
 
 FinishCallback = Callable[[int, list[int], str], None]  # (row, output_ids, reason) the moment a row finishes
 StepCallback = Callable[[int], None]  # called after prefill and after every decode step with the tokens it generated
@@ -35,6 +38,7 @@ class RunStats:
     warmup_seconds: float = 0.0  # one-time kernel warm-up before the first prefill (CGOPipe on CUDA), not in prefill_seconds
     decode_steps: int = 0  # decode iterations
     slot_steps: int = 0  # sum over decode steps of the slots the step ran (N): slot occupancy = decode_tokens / slot_steps
+    prefill_passes: int = 0  # prefill passes over the layers of a refilling call (the first fill and every refill)
     h2d_bytes: int = 0  # bytes copied host -> device (expert weights, activations)
     d2h_bytes: int = 0  # bytes copied device -> host
     extra: dict = field(default_factory=dict)  # executor-specific timings (stage waits, ...)
@@ -47,7 +51,7 @@ class RunStats:
     def merge(self, other: "RunStats") -> None:
         """Add another run's counters into this one."""
         for k in ("prefill_tokens", "prefill_seconds", "decode_tokens", "generated_tokens", "decode_seconds",
-                  "warmup_seconds", "decode_steps", "slot_steps", "h2d_bytes", "d2h_bytes"):
+                  "warmup_seconds", "decode_steps", "slot_steps", "prefill_passes", "h2d_bytes", "d2h_bytes"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         for k, v in other.extra.items():
             self.extra[k] = self.extra.get(k, 0) + v if isinstance(v, (int, float)) else v
@@ -56,12 +60,17 @@ class RunStats:
 class Executor(Protocol):
     """What the engine asks of an executor. ``stats`` accumulates over calls (the caller resets it per job); ``phase``
     names the phase running ("prefill", "decode", "scoring"; out-of-memory messages) and ``phase_hook``, when set, is
-    called with each phase's name as it starts. No file I/O in an executor."""
+    called with each phase's name as it starts. No file I/O in an executor.
 
+    The executors subclass it: :meth:`generate` is theirs as written here (its arguments checked and the batch's
+    :class:`.sampling.DecodeRows` made in one place), each one's own loop is :meth:`_decode`."""
+
+    spec: "MoESpec"
     stats: RunStats
     phase: Optional[str]
     phase_hook: Optional[Callable[[str], None]]
 
+    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: DecodeSampling,
                  on_finish: Optional[FinishCallback] = None, seeds: Optional[Sequence[int]] = None,
                  eos_token_id: Optional[int] = None, on_step: Optional[StepCallback] = None,
@@ -77,7 +86,21 @@ class Executor(Protocol):
         Callbacks, as things happen (the order of :class:`.sampling.DecodeRows`): on_logprobs (rows, entries) with
         ``params.logprobs`` set, before those rows' on_finish; on_step (tokens generated) after prefill and each decode
         step; on_finish (row, output_ids, reason); stop_rows ({row: output}) -> rows to finish with "stop";
-        on_tokens (rows, tokens) once per step, after its on_finish calls."""
+        on_tokens (rows, tokens) once per step, after its on_finish calls. The executor's :meth:`_decode` runs the
+        batch (none for no prompts)."""
+        eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
+        pre = check_prefixes(prompts, prefixes, params)
+        rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
+        if not prompts:
+            return []
+        seqs = [list(p) + q for p, q in zip(prompts, pre)]
+        return self._decode(seqs, [len(p) + params.max_new_tokens for p in prompts], rows, on_step)
+
+    def _decode(self, seqs: list[list[int]], caps: list[int], rows: DecodeRows,
+                on_step: Optional[StepCallback]) -> list[tuple[list[int], str]]:
+        """The executor's loop over a checked, non-empty batch: ``seqs`` the prompts with their prefixes, ``caps`` each
+        one's most positions (prompt + max_new_tokens); decodes until every row of ``rows`` finished and returns
+        ``rows.results``."""
         ...
 
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

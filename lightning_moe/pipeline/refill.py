@@ -14,38 +14,20 @@ fill of any N requests always fits (the i-th largest of any N needs is at most t
 
 from __future__ import annotations
 
-import bisect
 from typing import Sequence
 
 import torch
 
+from ..policy.refill_schedule import Slots
 
-class SlotTable:
-    """Which request each of ``len(caps)`` slots holds, the waiting requests, and when to refill.
 
-    Args:
-        needs: per request (the caller's index), the KV positions it may use: prompt + max_new_tokens (a prefix
-            counts in both its prompt side and its output side, so it adds nothing).
-        slots: the most requests decoding at once (N); the table has min(slots, len(needs)) slots.
-        min_free: free slots that trigger a refill while others still decode (a refill's prefill pass costs a pass
-            over every layer's pages, shared by the rows it fills); a refill also runs when the waiting requests all fit
-            the free slots' count, or when no slot decodes.
-    """
+class SlotTable(Slots):
+    """:class:`~lightning_moe.policy.refill_schedule.Slots` (the slots, the waiting requests, when to refill: the
+    rules the planner's schedule simulation replays) with each slot's place in the micro-batches (:meth:`place`)."""
 
     def __init__(self, needs: Sequence[int], slots: int, min_free: int):
-        if slots < 1 or min_free < 1:
-            raise ValueError(f"SlotTable: slots {slots} and min_free {min_free} must be >= 1")
-        self.needs = [int(n) for n in needs]
-        n = min(slots, len(self.needs))
-        # slot s's KV positions: the n largest needs, ascending (requests in ascending order of length take slots in
-        # ascending order: with N or fewer prompts the micro-batches group them as they grouped the prompts before)
-        self.caps = sorted(sorted(self.needs, reverse=True)[:n])
-        self.req = [-1] * n  # request in slot s, -1: free
-        self.slot_of: dict[int, int] = {}  # request -> its slot while it decodes
-        self.waiting = list(range(len(self.needs)))  # requests not started, in the caller's order
-        self.free = sorted((c, s) for s, c in enumerate(self.caps))  # free slots by (capacity, slot)
-        self.min_free = min_free
-        self.where: list[tuple[int, int]] = [(-1, -1)] * n  # slot -> (micro-batch, row in it), set by place()
+        super().__init__(needs, slots, min_free)
+        self.where: list[tuple[int, int]] = [(-1, -1)] * len(self.caps)  # slot -> (micro-batch, row in it), place()
         self.mb_caps: list[torch.Tensor] = []  # per micro-batch, its slots' capacities (int64 [mu_k]), set by place()
 
     def place(self, mb_slots: Sequence[Sequence[int]]) -> None:
@@ -54,54 +36,6 @@ class SlotTable:
             for j, s in enumerate(ss):
                 self.where[s] = (k, j)
         self.mb_caps = [torch.tensor([self.caps[s] for s in ss], dtype=torch.int64) for ss in mb_slots]  # int64 [mu_k]
-
-    @property
-    def live(self) -> int:
-        """Slots holding a request that still decodes."""
-        return len(self.slot_of)
-
-    def requests(self, slots: Sequence[int]) -> list[int]:
-        """The request of each of ``slots`` (-1: free)."""
-        return [self.req[s] for s in slots]
-
-    def due(self) -> bool:
-        """Whether to refill now: requests wait, some slot is free, and either no slot decodes, at least
-        ``min_free`` are free, or the free slots can take every waiting request."""
-        free, wait = len(self.free), len(self.waiting)
-        if not (wait and free and (not self.slot_of or free >= min(self.min_free, wait))):
-            return False
-        largest = self.free[-1][0]
-        return any(self.needs[r] <= largest for r in self.waiting)  # some waiting request fits a free slot
-
-    def assign(self) -> list[tuple[int, int]]:
-        """Give free slots to waiting requests: in the caller's order, each request takes the smallest free slot whose
-        capacity fits it (a request that fits none waits on). Returns the ``(slot, request)`` pairs."""
-        out, rest = [], []
-        for i, r in enumerate(self.waiting):
-            if not self.free:
-                rest.extend(self.waiting[i:])
-                break
-            j = bisect.bisect_left(self.free, (self.needs[r], -1))
-            if j == len(self.free):
-                rest.append(r)
-                continue
-            _, s = self.free.pop(j)
-            self.req[s], self.slot_of[r] = r, s
-            out.append((s, r))
-        self.waiting = rest
-        return out
-
-    def release(self, finished: Sequence[int]) -> list[int]:
-        """Free the slots of ``finished`` requests; returns those slots."""
-        out = []
-        for r in finished:
-            s = self.slot_of.pop(r, None)
-            if s is None:
-                continue
-            self.req[s] = -1
-            bisect.insort(self.free, (self.caps[s], s))
-            out.append(s)
-        return out
 
 
 def commit_live(reqs: list[int], logits: torch.Tensor, rows) -> torch.Tensor:

@@ -23,13 +23,13 @@ from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
 from .cpu_attention import bucket_len, cpu_decode_attention
-from .executor import FinishCallback, LogprobsCallback, RunStats, StepCallback, StopRowsCallback, TokensCallback
+from .executor import Executor, RunStats, StepCallback
 from .kv_cache import KVCache, LatentKVCache, make_kv_cache
 from .refill import SlotTable
-from .sampling import DecodeRows, DecodeSampling, check_prefixes
+from .sampling import DecodeRows
 from .token_scores import SCORE_CHUNK_TOKENS, next_token_targets, split_scores, token_scores
 
-class SerialExecutor:
+class SerialExecutor(Executor):
     """Reference executor over :class:`ModelWeights` on ``device`` (no overlap, same math as CGOPipe).
 
     Args:
@@ -198,16 +198,11 @@ class SerialExecutor:
         ew, ffn = self._experts_and_ffn(layer)
         return fam.post_attention(lw, ew, x, attn, spec, ffn)  # [B', D]
 
-    # ---- public API -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: DecodeSampling,
-                 on_finish: Optional[FinishCallback] = None, seeds: Optional[Sequence[int]] = None,
-                 eos_token_id: Optional[int] = None, on_step: Optional[StepCallback] = None,
-                 prefixes: Optional[Sequence[Sequence[int]]] = None, on_tokens: Optional[TokensCallback] = None,
-                 stop_rows: Optional[StopRowsCallback] = None,
-                 on_logprobs: Optional[LogprobsCallback] = None) -> list[tuple[list[int], str]]:
-        """Generate continuations for a ragged batch of token-id prompts: the contract of
-        :meth:`.executor.Executor.generate` (arguments, callbacks and their order, the result).
+    # ---- public API: generate (:meth:`.executor.Executor.generate`) runs _decode ------------------
+    def _decode(self, seqs: list[list[int]], caps: list[int], rows: DecodeRows,
+                on_step: Optional[StepCallback]) -> list[tuple[list[int], str]]:
+        """The serial loop of :meth:`.executor.Executor.generate` (its contract: arguments, callbacks and their order,
+        the result).
 
         At most ``slots`` sequences decode at once (all of them when ``slots`` is None); the others wait in the
         caller's order and take a slot as soon as one is freed (:mod:`.refill`; the serial executor refills at every
@@ -215,13 +210,7 @@ class SerialExecutor:
         token-wise; each decode step then runs the rows still running, one token each, and
         :class:`.sampling.DecodeRows` turns the step's logits into tokens and finishes rows.
         """
-        eos = self.spec.eos_token_id if eos_token_id is None else eos_token_id
-        pre = check_prefixes(prompts, prefixes, params)
-        rows = DecodeRows(pre, params, eos, seeds, self.stats, on_finish, on_tokens, stop_rows, on_logprobs)
-        if not prompts:
-            return []
-        seqs = [list(p) + q for p, q in zip(prompts, pre)]
-        table = SlotTable([len(p) + params.max_new_tokens for p in prompts], self.slots or len(prompts), 1)
+        table = SlotTable(caps, self.slots or len(seqs), 1)
         kv = make_kv_cache(self.spec, len(table.caps), max(table.caps), self.dtype, "cpu")  # MLA: the latent cache
         self._refill(seqs, table, rows, kv, on_step)
         t2 = time.perf_counter()

@@ -379,14 +379,17 @@ def decode_host_issue_time(hw: HardwareProfile, policy: Policy) -> float:
     return policy.n_cpu_attn * hw.host_issue_cpu_attn + policy.n_gpu_attn * hw.host_issue_gpu_attn
 
 
-def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float) -> StageTimes:
+def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float,
+                        rows: int | None = None, cpu_rows: float | None = None) -> StageTimes:
     """(H8) one prefill layer: experts paged the same way, attention on the GPU per prefill micro-batch; quantized
     pages add T_deq once (CGOPipe dequantizes the layer's experts on the visit's first FFN call and reuses the dense
-    experts for the rest of the layer visit)."""
+    experts for the rest of the layer visit). ``rows`` / ``cpu_rows``: the sequences prefilled / those of them with
+    CPU KV (default: the policy's N / its CPU-attention micro-batches' rows; a refill's pass fills fewer)."""
     dt, q, g = policy.dtype, policy.weight_quant, policy.gpus
     dense = spec.is_dense_layer(layer)
     gpu = 0.0
-    mbs = prefill_micro_batches(policy.N, policy.prefill_mu)
+    cpu_rows = policy.n_cpu_attn * policy.mu if cpu_rows is None else cpu_rows
+    mbs = prefill_micro_batches(policy.N if rows is None else rows, policy.prefill_mu)
     for count, size in mbs:
         tokens = size * prompt_len
         gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g, prefill=True) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt)
@@ -394,7 +397,7 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     if not dense and mbs and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)
     h2d = 0.0 if dense else expert_h2d_time(spec, hw, paged_per_gpu(non_resident, g), q)
-    return StageTimes(h2d=h2d, d2h=prefill_d2h_time(spec, hw, policy.n_cpu_attn * policy.mu, prompt_len, dt), cpu=0.0, gpu=gpu)
+    return StageTimes(h2d=h2d, d2h=prefill_d2h_time(spec, hw, cpu_rows, prompt_len, dt), cpu=0.0, gpu=gpu)
 
 
 def decode_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy) -> float:
@@ -403,11 +406,11 @@ def decode_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy) -> floa
 
 
 def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt_len: float,
-                      all_tokens: bool = False) -> float:
+                      all_tokens: bool = False, rows: int | None = None) -> float:
     """Prefill, not overlapped: per prefill micro-batch, embedding of its tokens and lm_head of its last tokens (of
-    every token with ``all_tokens``: scoring)."""
+    every token with ``all_tokens``: scoring); ``rows``: the sequences prefilled (default the policy's N)."""
     return sum(count * gpu_head_time(spec, hw, size * (prompt_len if all_tokens else 1), size * prompt_len, policy.dtype)
-               for count, size in prefill_micro_batches(policy.N, policy.prefill_mu))
+               for count, size in prefill_micro_batches(policy.N if rows is None else rows, policy.prefill_mu))
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -824,6 +827,7 @@ class Estimate:
     notes: tuple = ()  # lines on what the estimate leaves out (evaluate's) and on how it was solved (the planner's)
     job_rows: tuple = ()  # rows of each batch of the job (policy.jobplan.fit_job; empty: the job is one batch of N)
     job_time: float = 0.0  # seconds of the whole job, every batch summed (0: not planned as a job)
+    refill_min_free: int = 0  # the refill threshold the job plan chose (policy.jobplan; 0: the executor's default)
 
     @property
     def job_e2e_tok_s(self) -> float:
@@ -947,3 +951,33 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         memory=memory_estimate(policy, spec, workload),
         notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not has_host_stage(hw) else (),
     )
+
+
+# ---- a refilling call's steps and passes (policy.refill_schedule prices its schedule with these) -------------------
+def _layer_classes(policy: Policy, spec: MoESpec) -> dict:
+    """(dense, paged experts) -> (first layer of that kind, layers of that kind): layers priced once per class."""
+    counts = policy.resident_counts(spec)
+    out: dict = {}
+    for i, c in enumerate(counts):
+        key = (spec.is_dense_layer(i), 0 if spec.is_dense_layer(i) else spec.num_experts - c)
+        first, w = out.get(key, (i, 0))
+        out[key] = (first, w + 1)
+    return out
+
+
+def decode_step_time(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload, context: float) -> float:
+    """(H7) one decode step of all N slots at ``context`` attended positions per slot: every layer's (H2) at that
+    context (CPU / GPU rows shifted by Workload.attention_context_offsets, as :func:`evaluate`) + the head."""
+    dc, dg = workload.attention_context_offsets(policy.N, policy.mu, policy.n, policy.n_gpu_attn)
+    return (sum(w * decode_layer_times(spec, hw, policy, first, key[1], context, dc, dg).time
+                for key, (first, w) in _layer_classes(policy, spec).items())
+            + decode_head_time(spec, hw, policy))
+
+
+def prefill_pass_time(policy: Policy, spec: MoESpec, hw: HardwareProfile, rows: int, prompt_len: float) -> float:
+    """(H8) one prefill pass of ``rows`` sequences of ``prompt_len`` mean tokens over every layer's pages (a refill:
+    its rows spread over the micro-batches, so a share n_cpu_attn / n of them has CPU KV) + its head."""
+    cpu_rows = rows * policy.n_cpu_attn / policy.n
+    return (sum(w * prefill_layer_times(spec, hw, policy, first, key[1], prompt_len, rows, cpu_rows).time
+                for key, (first, w) in _layer_classes(policy, spec).items())
+            + prefill_head_time(spec, hw, policy, prompt_len, rows=rows))

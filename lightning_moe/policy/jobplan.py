@@ -1,25 +1,24 @@
-"""The job, planned: how a job of P requests is cut into batches of the policy's N, what the whole job costs (every
-batch, the last one too), and the policy shape that runs it fastest (:func:`fit_job`).
+"""The job, planned: what the whole job costs (its refill schedule, the last fill and the drain too), the refill
+threshold, and the policy shape that runs it fastest (:func:`fit_job`).
 
-The MILP (milp.py) maximises one batch's throughput N G / T(N). A job of P requests with P not a multiple of N then
-ends with a tail batch of P mod N rows that decodes as many steps as a full one (2000 requests at N = 1920: 1920 + 80,
-the 80-row batch nearly as long as the 1920-row one, since a PCIe-bound decode step costs the same whatever its rows).
-:func:`fit_job` re-shapes the MILP's policy for the job: for every batch count k from 1 to ceil(P / N), the even
-batch ceil(P / k) (one batch of P wherever memory allows P), as n' micro-batches of mu' = ceil(B / n') rows, with the
-most resident experts that fit, and keeps the shape whose job time (the sum over its batches) is least.
-
-Batches as the runner and executor form them (app.engine._generation_batches, pipeline.attention_placement): the job's
-rows cut into consecutive batches of N; a batch of B rows runs as ceil(B / mu) micro-batches of near-equal size, the
-first min(n_gpu_attn, that count) of them with GPU attention; every batch decodes max_new_tokens steps (a fixed-length
-job; a batch runs until its longest row is done). Nothing here imports torch.
+The MILP (milp.py) maximises one batch's throughput N G / T(N). A job of P requests runs as one refilling call
+(app.engine; pipeline/refill.py): N slots, a prefill pass per fill. With every request at max_new_tokens (what a plan
+knows) the slots free together, so P not a multiple of N ends with a fill of P mod N rows that decodes as many steps
+as a full one (2000 requests at N = 1920: 1920 + 80, the 80-row fill as long as the 1920-row one, since a PCIe-bound
+decode step of N slots costs the same whatever rows are live). :func:`job_time` prices the schedule
+(policy.refill_schedule.simulate) with the HRM's per-pass and per-step times. :func:`fit_job` re-shapes the MILP's
+policy for the job: for every fill count k from 1 to ceil(P / N), the even N' = ceil(P / k) (one fill of P wherever
+memory allows P), as n' micro-batches of mu' = ceil(N' / n') rows, with the most resident experts that fit, and keeps
+the shape whose job time is least. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..model.spec import MoESpec
-from . import hrm
+from . import hrm, refill_schedule
 from .hardware import HardwareProfile
 from .policy import DEFAULT_PREFILL_TOKENS, Policy, Workload
 
@@ -56,44 +55,58 @@ def _spread_resident(spec: MoESpec, total: int) -> tuple[int, ...]:
     return tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
 
 
-def batch_rows(num_requests: int, N: int) -> tuple[int, ...]:
-    """Rows of each batch of a job of ``num_requests`` rows cut into consecutive batches of ``N`` (the last shorter)."""
-    if num_requests < 1 or N < 1:
-        raise ValueError(f"batch_rows: need num_requests >= 1 and N >= 1, got {num_requests}, {N}")
-    full, rest = divmod(num_requests, N)
-    return (N,) * full + ((rest,) if rest else ())
+def job_schedule(policy: Policy, workload: Workload, min_free: int | None = None) -> refill_schedule.Schedule:
+    """The refill schedule the executor runs for the job (one ``generate`` call: app.engine passes the whole work list
+    to a refilling executor), planned with every request at max_new_tokens (``workload.gen_len``): what a plan knows.
+    A job that stops on EOS / stop ids / stop strings ends rows earlier; the run report recomputes the schedule from
+    the measured lengths (app.report.refill_report). Requests in the engine's order (ascending prompt length; without
+    ``prompt_lens`` every prompt at the mean)."""
+    P, G = workload.num_requests or policy.N, workload.gen_len
+    lens = (sorted(workload.prompt_lens) if workload.prompt_lens and len(workload.prompt_lens) == P
+            else [workload.prompt_len] * P)
+    needs = [math.ceil(x) + G for x in lens]
+    return refill_schedule.simulate(needs, lens, [G] * P, policy.N,
+                                    min_free or refill_schedule.default_min_free(policy.N))
 
 
-def batch_policy(policy: Policy, rows: int) -> Policy:
-    """The shape a batch of ``rows`` (<= policy.N) runs with: ceil(rows / mu) micro-batches of ceil(rows / that)
-    rows, the first min(n_gpu_attn, that) with GPU attention (attention_placement.micro_batches)."""
-    if rows >= policy.N:
-        return policy
-    n = -(-rows // policy.mu)
-    return replace(policy, mu=-(-rows // n), n=n, n_gpu_attn=min(policy.n_gpu_attn, n))
+def schedule_seconds(sched: refill_schedule.Schedule, policy: Policy, spec: MoESpec, hw: HardwareProfile,
+                     workload: Workload) -> tuple[float, float]:
+    """(prefill, decode) seconds of ``sched`` by the HRM: each pass at hrm.prefill_pass_time of its rows and mean
+    prompt, each step at hrm.decode_step_time of all N slots at its mean attended positions per slot."""
+    return refill_schedule.schedule_seconds(
+        sched, lambda c: hrm.decode_step_time(policy, spec, hw, workload, c),
+        lambda rows, s: hrm.prefill_pass_time(policy, spec, hw, rows, s))
+
+
+def job_min_free(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload,
+                 mean_out: float | None = None) -> int:
+    """The refill threshold for the job (refill_schedule.hrm_min_free): a pass's fixed cost is the HRM's pass of one
+    row (the page pass), a step's the HRM's step at the mean prompt + half the output; ``mean_out`` the expected
+    output tokens (default max_new_tokens, the plan's assumption)."""
+    G = mean_out or workload.gen_len
+    step = hrm.decode_step_time(policy, spec, hw, workload, workload.prompt_len + G / 2)
+    return refill_schedule.hrm_min_free(policy.N, hrm.prefill_pass_time(policy, spec, hw, 1, workload.prompt_len),
+                                        step, G)
 
 
 def job_time(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload,
              est: "hrm.Estimate | None" = None) -> tuple[tuple[int, ...], float]:
-    """(rows of each batch, seconds of the whole job): the sum over the job's batches of each batch's prefill and
-    decode time (hrm.evaluate of :func:`batch_policy`); ``est``: the full batch's estimate when known. Without a
-    request count the job is one batch of N."""
+    """(rows of each prefill pass, seconds of the whole job): the job's refill schedule (:func:`job_schedule`) priced
+    by the HRM (:func:`schedule_seconds`): every pass (the first fill, each refill) and every decode step of the N
+    slots, the drain included. With every request at max_new_tokens the passes are N, N, ..., P mod N (all slots free
+    together); the tail's steps cost a step of N slots. ``est``: unused (kept for callers). Without a request count
+    the job is one batch of N."""
     if workload.num_requests is None:
         e = est or hrm.evaluate(policy, spec, hw, workload)
         return (policy.N,), e.total_time
-    rows = batch_rows(workload.num_requests, policy.N)
-    seconds, cache = 0.0, {}
-    for r in rows:
-        if r not in cache:
-            p = batch_policy(policy, r)
-            cache[r] = (est if (est is not None and p == policy) else hrm.evaluate(p, spec, hw, workload)).total_time
-        seconds += cache[r]
-    return rows, seconds
+    sched = job_schedule(policy, workload)
+    pre, dec = schedule_seconds(sched, policy, spec, hw, workload)
+    return tuple(r for r, _ in sched.passes if r), pre + dec
 
 
-def with_job(est: "hrm.Estimate", rows: tuple[int, ...], seconds: float) -> "hrm.Estimate":
-    """``est`` with the job's batches and time (Estimate.job_rows, job_time)."""
-    return replace(est, job_rows=tuple(rows), job_time=seconds)
+def with_job(est: "hrm.Estimate", rows: tuple[int, ...], seconds: float, min_free: int = 0) -> "hrm.Estimate":
+    """``est`` with the job's passes, time and refill threshold (Estimate.job_rows, job_time, refill_min_free)."""
+    return replace(est, job_rows=tuple(rows), job_time=seconds, refill_min_free=min_free)
 
 
 def _most_resident(policy: Policy, spec: MoESpec, workload: Workload):
@@ -156,7 +169,7 @@ def fit_job(policy: Policy, est: "hrm.Estimate", spec: MoESpec, hw: HardwareProf
     rows, seconds = job_time(policy, spec, hw, workload, est)
     best = (seconds, policy, with_job(est, rows, seconds))
     if P % policy.N == 0 or P < policy.N:  # whole batches only (or one batch of every request)
-        return best[1], best[2]
+        return best[1], with_min_free(best[1], best[2], spec, hw, workload)
     k0 = -(-P // policy.N)
     counts = sorted({1, *range(max(1, k0 - MAX_BATCH_COUNTS + 2), k0 + 1)})
     for k in counts:
@@ -171,7 +184,13 @@ def fit_job(policy: Policy, est: "hrm.Estimate", spec: MoESpec, hw: HardwareProf
             r, s = job_time(fit, spec, hw, workload, e)
             if s < best[0] * (1 - 1e-9):
                 best = (s, fit, with_job(e, r, s))
-    return best[1], best[2]
+    return best[1], with_min_free(best[1], best[2], spec, hw, workload)
+
+
+def with_min_free(policy: Policy, est: "hrm.Estimate", spec: MoESpec, hw: HardwareProfile,
+                  workload: Workload) -> "hrm.Estimate":
+    """``est`` with the job's refill threshold (:func:`job_min_free`), which the engine gives the executor."""
+    return replace(est, refill_min_free=job_min_free(policy, spec, hw, workload))
 
 
 def _prefill_rows(policy: Policy, mu: int, workload: Workload) -> int:
