@@ -285,8 +285,8 @@ def _save_policy(args: argparse.Namespace, policy, est, spec, hw, budgets, workl
     header = (f"moe-batch plan: {spec.name} on {hw.name}, GPU {format_bytes(budgets.gpu_memory)}{per}, host {format_bytes(budgets.cpu_memory)}, "
               f"{workload.name or 'workload'}\npredicted end-to-end {est.e2e_tok_s:.1f} tok/s (prefill {est.prefill_tok_s:.0f}, "
               f"decode {est.decode_tok_s:.1f}); binding: prefill {est.prefill_binding}, decode {est.decode_binding}"
-              + (f"\njob: {sum(est.job_rows)} requests in {len(est.job_rows)} batch(es), predicted end-to-end "
-                 f"{est.job_e2e_tok_s:.1f} tok/s (every batch counted)" if est.job_rows else ""))
+              + (f"\njob: {sum(est.job_rows)} requests through {est.N} slots in {len(est.job_rows)} prefill pass(es), "
+                 f"predicted end-to-end {est.job_e2e_tok_s:.1f} tok/s (the whole schedule)" if est.job_rows else ""))
     try:
         policy.save(args.output, header=header)
     except OSError as e:

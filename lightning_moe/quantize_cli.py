@@ -40,7 +40,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Register ``quantize`` on an argparse subparsers object (sets ``func``)."""
     q = subparsers.add_parser(
-        "quantize", help="write a copy of a checkpoint (mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek) with int4 / int2 expert pages",
+        "quantize", help="write a copy of a checkpoint (any supported family; its routed experts) with int4 / int2 expert pages",
         description="Quantize a Hugging Face Mixtral checkpoint's routed experts group-wise (int4; int4 with an "
                     "int2 up_proj, --up int2; or int2 everywhere, --experts int2, the largest error) into one fixed-size "
                     "page per expert; other weights keep the source dtype. "

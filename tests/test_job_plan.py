@@ -214,11 +214,11 @@ def test_plan_cli_prints_the_jobs_end_to_end(capsys, tmp_path):
     text = capsys.readouterr().out
     assert rc == 0
     line = next(ln for ln in text.splitlines() if ln.startswith("job: "))
-    assert line.startswith("job: 2000 requests in 2 batch(es)")
+    assert line.startswith("job: 2000 requests through ") and " slots in 2 prefill pass(es)" in line
     e2e = float(line.split("predicted end-to-end ")[1].split(" tok/s")[0].replace(",", ""))
     secs = float(line.split("tokens in ")[1].split(" s")[0])
     assert e2e == pytest.approx(2000 * 200 / secs, rel=2e-3)
-    assert "job: 2000 requests in 2 batch(es), predicted end-to-end" in out.read_text()
+    assert " slots in 2 prefill pass(es), predicted end-to-end" in out.read_text()
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -34,7 +34,7 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
     from ..pipeline.cpu_profile import measure_cpu_profile
 
     path = path or cpu_profile_path()
-    print("moe-batch: measuring this machine's CPU rates for the prediction (once per machine, a few seconds)",
+    print("moe-batch: measuring this machine's CPU rates for the prediction (~10-60 s; cached for later runs)",
           file=log, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof = measure_cpu_profile(directory=os.path.dirname(os.path.abspath(path)))

@@ -329,8 +329,9 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                      "wall s": num(spans[name], "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
     lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())]
     if pred.get("job_batches"):
-        lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} batch(es) of "
-                     f"{' + '.join(map(str, pred['job_batches']))} rows, every batch counted (one batch: "
+        lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} prefill pass(es) of "
+                     f"{' + '.join(map(str, pred['job_batches']))} rows into {r.get('policy', {}).get('N', '?')} "
+                     f"slots, every pass and decode step counted (N slots in steady state: "
                      f"{num(pred.get('batch_end_to_end_tokens_per_s'))} tok/s)")
     occ = r.get("slot_occupancy")
     if occ is not None:

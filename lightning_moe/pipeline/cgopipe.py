@@ -15,7 +15,8 @@ max(T_io, T_cpu, T_gpu), which is what the HRM (policy/hrm.py) predicts. Micro-b
 policy puts on the GPU run attention on the GPU instead. Prefill runs per prefill chunk with GPU
 attention, writing KV to the micro-batch's home (CPU or GPU), with experts paged the same way.
 
-This module is the loop: :meth:`CGOPipeExecutor.generate` (prefill, then decode steps until every row finished),
+This module is the loop: :meth:`CGOPipeExecutor._decode` (called by :meth:`.executor.Executor.generate`: prefill,
+then decode steps until every row finished, refilling freed slots),
 :meth:`~CGOPipeExecutor._decode_step` (embed, every layer, the logits) and :meth:`~CGOPipeExecutor._decode_layer` (the
 schedule above). The parts: the options (:mod:`.cgopipe_options`, checked once), prefill chunks, warm-up and scoring
 passes (:mod:`.prefill`), the micro-batches and where their attention runs with the host transfers around it

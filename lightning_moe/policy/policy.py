@@ -498,12 +498,13 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
 
 
 def job_line(estimate: "Estimate") -> str:
-    """The job's prediction in one line: its batches (rows each) and end-to-end tokens/s over all of them."""
+    """The job's prediction in one line: its requests through N slots refilled as rows finish, the refill schedule's
+    prefill passes (rows each), and end-to-end tokens/s over the whole schedule (every pass and step, the drain too)."""
     rows = estimate.job_rows
     sizes: dict = {}
     for r in rows:
         sizes[r] = sizes.get(r, 0) + 1
     shape = " + ".join(f"{c} x {r}" if c > 1 else f"{r}" for r, c in sizes.items())
-    return (f"job: {sum(rows)} requests in {len(rows)} batch(es) ({shape} rows), predicted end-to-end "
-            f"{estimate.job_e2e_tok_s:,.1f} tok/s ({sum(rows)} x {estimate.gen_len} tokens in "
-            f"{_fmt_time(estimate.job_time)}, every batch counted)")
+    return (f"job: {sum(rows)} requests through {estimate.N} slots in {len(rows)} prefill pass(es) ({shape} rows), "
+            f"predicted end-to-end {estimate.job_e2e_tok_s:,.1f} tok/s ({sum(rows)} x {estimate.gen_len} tokens in "
+            f"{_fmt_time(estimate.job_time)}, every pass and decode step counted, the drain too)")

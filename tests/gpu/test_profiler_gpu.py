@@ -15,7 +15,7 @@ from lightning_moe.pipeline.profiler import measure_expert_kernel_flops
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _gemm_flops(n: int = 4096, repeats: int = 5) -> float:
+def _gemm_flops(n: int = 4096, repeats: int = 10) -> float:
     """cuBLAS n x n x n GEMM FLOP/s in the probe's dtype (best of ``repeats``)."""
     dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     a = torch.randn(n, n, device="cuda", dtype=dt)
@@ -33,9 +33,16 @@ def _gemm_flops(n: int = 4096, repeats: int = 5) -> float:
 
 def test_expert_kernel_flops_between_a_floor_and_the_gemm_peak():
     """The grouped kernel's rate is positive, finite, and not above ~the cuBLAS GEMM rate of the same GPU (a timing
-    or FLOP-count error shows as a rate far outside); small and prefill-sized calls both."""
-    peak = _gemm_flops()
+    or FLOP-count error shows as a rate far outside); small and prefill-sized calls both.
+
+    The GEMM peak is the best of rounds taken before and after each kernel measurement: under pytest-xdist other
+    workers share the GPU, and one GEMM measurement taken while they ran read 150 TFLOP/s on an H100 against a kernel
+    measured at 254 in a quieter moment (a failure at random). Sharing only lowers a measured rate, so the best over
+    the test's whole window is the GPU's rate."""
+    peak, rates = _gemm_flops(), []
     for kw in (dict(tokens=33, hidden=512, intermediate=1024, experts=4, top_k=2), dict(tokens=4096)):
-        f = measure_expert_kernel_flops(**kw)
+        rates.append((kw, measure_expert_kernel_flops(**kw)))
+        peak = max(peak, _gemm_flops())
+    for kw, f in rates:
         assert 1e9 < f < 1.3 * peak, (kw, f / 1e12, peak / 1e12)
     print(f"grouped expert kernel at 4096 tokens: {f / 1e12:.0f} TFLOP/s, cuBLAS {peak / 1e12:.0f} TFLOP/s")
