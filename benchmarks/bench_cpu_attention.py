@@ -22,6 +22,12 @@ costs the factor of ~4:
 6. with ``--threads 12 8``: conditions 3 and 5 again at each intra-op thread count (``torch.set_num_threads``),
    to see whether leaving cores free for the host thread pays.
 
+``--mla``: instead, MLA decode over the latent cache (DeepSeek-V2-Lite shapes: 16 heads, kv_lora_rank 512, rope 64,
+bf16): CGOPipe's path ``GroupedLatentKVCache.append_attend`` with the native kernel (one fused append + attention call
+over the length groups) vs the torch path (``LIGHTNING_MOE_CPU_ATTENTION=sdpa``: append + the family's einsum latent
+attention per group), at ``--rows`` rows of ~``--mla-len`` positions; GB/s of valid latent bytes read ((L + 1) x 576 x
+2 per row), best of --repeats.
+
 Run: ``python benchmarks/bench_cpu_attention.py --rows 256 512 --layers 8``. Prints one markdown table
 (GB/s of valid KV = 2 Hkv hd itemsize bytes per attended position; ms per layer; best of --repeats). Runs
 without CUDA (conditions 1-3b, no pinning).
@@ -133,6 +139,42 @@ def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -
     return [(name, b / 1e9, per_layer / b * 1e3) for name, b in out]
 
 
+def run_mla(rows: int, length: int, layers: int, repeats: int, heads: int = 16) -> list[tuple[str, float, float]]:
+    """[(path, GB/s of valid latent bytes, ms per layer)]: native kernel vs torch path through GroupedLatentKVCache."""
+    from lightning_moe.model.families import deepseek_v2
+    from lightning_moe.model.spec import MoESpec
+    from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
+
+    spec = MoESpec(name="v2-lite-mla", model_type="deepseek_v2", vocab_size=64, hidden_size=2048, intermediate_size=64,
+                   num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=192, num_experts=2, top_k=1,
+                   rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=4096, kv_lora_rank=512, qk_rope_head_dim=64)
+    g = torch.Generator().manual_seed(0)
+    lens = (length + torch.randint(-length // 10, length // 10 + 1, (rows,), generator=g)).tolist()
+    kv = GroupedLatentKVCache(spec, [n + 8 for n in lens], torch.bfloat16)
+    for layer in range(layers):
+        for t in kv.lat[layer]:
+            t.normal_(generator=g)
+    kv.lengths[:] = torch.tensor(lens)
+    E = 576
+    q = torch.randn(rows, heads, E, generator=g).bfloat16()
+    c, k = torch.randn(rows, 512, generator=g).bfloat16(), torch.randn(rows, 64, generator=g).bfloat16()
+    out = torch.empty(rows, heads, 512, dtype=torch.bfloat16)
+    fn = lambda qg, x, n: deepseek_v2.latent_attention(qg, x, n, spec)  # noqa: E731
+    per_layer = (sum(lens) + rows) * E * 2
+    res = []
+    for name, mode in (("native kernel (one fused call)", "native"), ("torch (append + einsum per group)", "sdpa")):
+        os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = mode
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                kv.append_attend(layer, q, c, k, fn, out)
+            best = min(best, (time.perf_counter() - t0) / layers)
+        res.append((name, per_layer / best / 1e9, best * 1e3))
+    os.environ.pop("LIGHTNING_MOE_CPU_ATTENTION")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 512])
@@ -141,7 +183,19 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128, help="generation length the caches are sized for")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="*", default=[], help="also run at these intra-op thread counts")
+    ap.add_argument("--mla", action="store_true", help="MLA latent attention: native kernel vs the torch path")
+    ap.add_argument("--mla-len", type=int, default=500, help="--mla: mean cached positions per row")
     a = ap.parse_args()
+    if a.mla:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MLA 16 heads, 512 + 64, bf16")
+        print("| rows | path | GB/s of valid latents | ms per layer |")
+        print("|---|---|---|---|")
+        for rows in a.rows:
+            res = run_mla(rows, a.mla_len, a.layers, a.repeats)
+            for name, gbs, ms in res:
+                print(f"| {rows} | {name} | {gbs:.2f} | {ms:.2f} |", flush=True)
+            print(f"| {rows} | native / torch speed | {res[1][2] / res[0][2]:.2f}x | |", flush=True)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'}")
     print("| rows | condition | GB/s of valid KV | ms per layer |")

@@ -324,12 +324,13 @@ void attend_groups(const std::vector<Group<typename Tr::raw>>& groups, const typ
 // anything is written: "" when they hold, else the message (the Python wrapper raises ValueError with it). Here
 // rather than as tensor ops in Python: the wrapper runs once per CPU micro-batch and layer, and ~40 small tensor ops
 // cost ~1 ms per call there.
+// pos_dim: the caches' position dimension (2 for K [B_g, Hkv, S, hd], 1 for MLA's latents [B_g, S, Dl + rd])
 std::string check_indices(const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& K,
-                          const std::vector<at::Tensor>& lens, int64_t B, bool append) {
+                          const std::vector<at::Tensor>& lens, int64_t B, bool append, int64_t pos_dim = 2) {
   std::vector<char> seen(static_cast<size_t>(std::max<int64_t>(B, 0)), 0);
   for (size_t g = 0; g < K.size(); ++g) {
     const std::string where = K.size() > 1 ? " (group " + std::to_string(g) + ")" : "";
-    const int64_t Bg = K[g].size(0), S = K[g].size(2);
+    const int64_t Bg = K[g].size(0), S = K[g].size(pos_dim);
     if (Bg == 0) continue;
     const int64_t* r = rows[g].data_ptr<int64_t>();
     const int64_t* n = lens[g].data_ptr<int64_t>();
@@ -388,10 +389,211 @@ std::string decode_attention_append_groups(at::Tensor q, at::Tensor k_new, at::T
   return "";
 }
 
+// ---- MLA (DeepSeek multi-head latent attention) decode over the latent cache -------------------------------------
+// Every query head attends to ONE shared key row X_j = [c_j, k_pe_j] (width E = Dl + rd) per position; the value is
+// its first Dl entries. So one cache row feeds all Hq heads (one KV head, G = Hq): the kernel reads each row once per
+// item (all of the item's heads) in tiles of LT positions, a tile staying in L1/L2 while every head block uses it,
+// with an online softmax (flash-decoding) so no pass over the positions repeats.
+
+constexpr int64_t LT = 32;  // positions per tile (32 x 576 bf16 = 36 KB)
+
+// acc[g*Dl + d] += sum_j p[g*t + j] X_j[d], d < Dl, for GB heads over t positions (rows of E elements)
+template <typename Tr, int GB>
+inline void lat_pv(const float* __restrict p, int64_t t, const typename Tr::raw* __restrict X, int64_t E, int64_t Dl,
+                   float* __restrict acc) {
+  int64_t d0 = 0;
+  for (; d0 + CH <= Dl; d0 += CH) {
+    float a[GB][CH];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < CH; ++c) a[g][c] = acc[g * Dl + d0 + c];
+    for (int64_t j = 0; j < t; ++j) {
+      const typename Tr::raw* __restrict xr = X + j * E + d0;
+      float v[CH];
+      for (int c = 0; c < CH; ++c) v[c] = Tr::f(xr[c]);
+      for (int g = 0; g < GB; ++g) {
+        const float w = p[g * t + j];
+        for (int c = 0; c < CH; ++c) a[g][c] += w * v[c];
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < CH; ++c) acc[g * Dl + d0 + c] = a[g][c];
+  }
+  for (; d0 < Dl; ++d0) {  // tail columns (Dl not a multiple of CH)
+    for (int g = 0; g < GB; ++g) {
+      float a = acc[g * Dl + d0];
+      for (int64_t j = 0; j < t; ++j) a += p[g * t + j] * Tr::f(X[j * E + d0]);
+      acc[g * Dl + d0] = a;
+    }
+  }
+}
+
+// one tile of t positions for GB heads: scores (qk, q pre-scaled), the online softmax update of the running max m,
+// sum l and accumulator acc (rescaled by exp(m_old - m_new); the first tile's factor is exp(-inf) = 0), then p X
+template <typename Tr, int GB, int E_>
+inline void lat_block(const float* qf, const typename Tr::raw* Xt, int64_t t, int64_t E, int64_t Dl, float* m,
+                      float* l, float* acc, float* s) {
+  qk<Tr, GB, E_>(qf, E, Xt, t, s);  // s[g*t + j]
+  for (int g = 0; g < GB; ++g) {
+    float* sg = s + g * t;
+    float mx = m[g];
+    for (int64_t j = 0; j < t; ++j) mx = std::max(mx, sg[j]);
+    const float alpha = std::exp(m[g] - mx);
+    float sum = 0.f;
+    for (int64_t j = 0; j < t; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      sum += sg[j];
+    }
+    l[g] = l[g] * alpha + sum;
+    m[g] = mx;
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < Dl; ++d) acc[g * Dl + d] *= alpha;
+  }
+  lat_pv<Tr, GB>(s, t, Xt, E, Dl, acc);
+}
+
+// one cache group of latents: [B_g, S_g, E], each position's E elements contiguous
+template <typename raw>
+struct LatGroup {
+  raw* X;
+  const int64_t* rows;  // caller row of each cache row
+  const int64_t* lens;  // positions cached per cache row
+  int64_t Bg, c_row;  // cache rows, row stride
+};
+
+struct LatScratch {  // one team thread's buffers: the item's pre-scaled queries, accumulators, softmax state, scores
+  std::vector<float> qf, acc, m, l, s;
+};
+
+// one item: cache row b, query heads [h0, h0 + nh) (the new row already appended): n = L (+1) positions in tiles
+template <typename Tr, int E_>
+void lat_item(const LatGroup<typename Tr::raw>& gr, int64_t b, int64_t h0, int64_t nh, const typename Tr::raw* q,
+              typename Tr::raw* out, int64_t E, int64_t Dl, bool append, int64_t q_row, int64_t out_row, float scale,
+              LatScratch& w) {
+  using raw = typename Tr::raw;
+  const int64_t r = gr.rows[b], n = gr.lens[b] + (append ? 1 : 0);
+  const raw* X = gr.X + b * gr.c_row;
+  const raw* qh = q + r * q_row + h0 * E;
+  for (int64_t i = 0; i < nh * E; ++i) w.qf[i] = Tr::f(qh[i]) * scale;
+  std::fill(w.m.begin(), w.m.begin() + nh, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + nh, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + nh * Dl, 0.f);
+  for (int64_t j0 = 0; j0 < n; j0 += LT) {
+    const int64_t t = std::min(LT, n - j0);
+    const raw* Xt = X + j0 * E;
+    int64_t h = 0;
+    for (; h + 4 <= nh; h += 4)
+      lat_block<Tr, 4, E_>(&w.qf[h * E], Xt, t, E, Dl, &w.m[h], &w.l[h], &w.acc[h * Dl], w.s.data());
+    for (; h + 2 <= nh; h += 2)
+      lat_block<Tr, 2, E_>(&w.qf[h * E], Xt, t, E, Dl, &w.m[h], &w.l[h], &w.acc[h * Dl], w.s.data());
+    for (; h < nh; ++h) lat_block<Tr, 1, E_>(&w.qf[h * E], Xt, t, E, Dl, &w.m[h], &w.l[h], &w.acc[h * Dl], w.s.data());
+  }
+  raw* o = out + r * out_row + h0 * Dl;
+  for (int64_t h = 0; h < nh; ++h) {
+    const float inv = 1.f / w.l[h];
+    for (int64_t d = 0; d < Dl; ++d) o[h * Dl + d] = Tr::to(w.acc[h * Dl + d] * inv);
+  }
+}
+
+// Items: (cache row, block of hc query heads), longest rows first, handed out dynamically (attend_groups' reasons).
+// hc = Hq unless there are too few rows for the team (DeepSeek-V3's 128 heads over a few rows): then the heads are
+// split in blocks of >= 16, each block reading the row once. The appends run first (one omp for, its barrier before
+// any item reads a row). Team size: torch's intra-op threads, at most one per item and per kGrainBytes of work
+// (cache bytes x Hq / 8: an MLA position costs Hq heads' FLOPs per byte, ~G / 8 times a GQA position's).
+template <typename Tr>
+void latent_groups(const std::vector<LatGroup<typename Tr::raw>>& groups, const typename Tr::raw* q,
+                   const typename Tr::raw* c_new, const typename Tr::raw* kpe_new, typename Tr::raw* out, int64_t Hq,
+                   int64_t E, int64_t Dl, bool append, int64_t q_row, int64_t c_row, int64_t kpe_row,
+                   int64_t out_row, float scale) {
+  using raw = typename Tr::raw;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (-length, group << 32 | cache row)
+  int64_t bytes = 0;
+  for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
+    for (int64_t b = 0; b < groups[g].Bg; ++b) {
+      order.emplace_back(-groups[g].lens[b], (g << 32) | b);
+      bytes += (groups[g].lens[b] + 1) * E * static_cast<int64_t>(sizeof(raw));
+    }
+  std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  const int64_t rows_n = static_cast<int64_t>(order.size());
+  const int64_t by_work = std::max<int64_t>(1, bytes * std::max<int64_t>(1, Hq / 8) / kGrainBytes);
+  const int64_t nt_max = std::min<int64_t>(at::get_num_threads(), by_work);
+  int64_t hc = Hq;
+  while (hc > 16 && rows_n * ((Hq + hc - 1) / hc) < 2 * nt_max) hc = (hc + 1) / 2;
+  const int64_t blocks = (Hq + hc - 1) / hc, items = rows_n * blocks;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nt_max, items)));
+  const int64_t rd = E - Dl;
+  std::vector<int64_t> t_start(nt, -1), t_end(nt, -1);
+  int team = 1;
+  const int64_t t0 = now_ns();
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    t_start[tid] = now_ns();
+    if (tid == 0) team = omp_get_num_threads();
+    if (append) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < rows_n; ++i) {  // X[b, L_b] = [c_new[r], kpe_new[r]]
+        const int64_t key = order[i].second;
+        const LatGroup<raw>& gr = groups[key >> 32];
+        const int64_t b = key & 0xffffffffLL, r = gr.rows[b];
+        raw* dst = gr.X + b * gr.c_row + gr.lens[b] * E;
+        std::memcpy(dst, c_new + r * c_row, Dl * sizeof(raw));
+        std::memcpy(dst + Dl, kpe_new + r * kpe_row, rd * sizeof(raw));
+      }  // implicit barrier: every row appended before any item reads one
+    }
+    LatScratch w{std::vector<float>(hc * E), std::vector<float>(hc * Dl), std::vector<float>(hc),
+                 std::vector<float>(hc), std::vector<float>(4 * LT)};
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t key = order[i / blocks].second, h0 = (i % blocks) * hc;
+      const LatGroup<raw>& gr = groups[key >> 32];
+      const int64_t b = key & 0xffffffffLL, nh = std::min(hc, Hq - h0);
+      if (E == 576)  // DeepSeek-V2 / V3: kv_lora_rank 512 + rope 64, a compile-time row width
+        lat_item<Tr, 576>(gr, b, h0, nh, q, out, E, Dl, append, q_row, out_row, scale, w);
+      else
+        lat_item<Tr, 0>(gr, b, h0, nh, q, out, E, Dl, append, q_row, out_row, scale, w);
+    }
+    t_end[tid] = now_ns();
+  }
+  record_region(t0, now_ns(), team, t_start, t_end);
+}
+
+// groups: latents [B_g, S_g, E], rows and lens int64 [B_g]; q [B, Hq, E], c_new [B, Dl], kpe_new [B, rd], out
+// [B, Hq, Dl] (rows contiguous; checked by the Python wrapper with the shapes and dtypes). Returns "" or the message
+// of a failed index check (check_indices).
+std::string latent_attention_append_groups(at::Tensor q, at::Tensor c_new, at::Tensor kpe_new,
+                                           std::vector<at::Tensor> rows, std::vector<at::Tensor> X,
+                                           std::vector<at::Tensor> lens, at::Tensor out, double scale, bool append) {
+  TORCH_CHECK(!X.empty() && X.size() == rows.size() && X.size() == lens.size(),
+              "latent_attention_append_groups: one cache, rows and lengths tensor per group");
+  const std::string bad = check_indices(rows, X, lens, q.size(0), append, 1);
+  if (!bad.empty()) return bad;
+  const int64_t Hq = q.size(1), E = X[0].size(2), Dl = out.size(2);
+  auto run = [&](auto tr) {
+    using Tr = decltype(tr);
+    using raw = typename Tr::raw;
+    std::vector<LatGroup<raw>> groups;
+    for (size_t g = 0; g < X.size(); ++g)
+      groups.push_back({static_cast<raw*>(X[g].data_ptr()), rows[g].data_ptr<int64_t>(), lens[g].data_ptr<int64_t>(),
+                        X[g].size(0), X[g].stride(0)});
+    latent_groups<Tr>(groups, static_cast<const raw*>(q.data_ptr()), static_cast<const raw*>(c_new.data_ptr()),
+                      static_cast<const raw*>(kpe_new.data_ptr()), static_cast<raw*>(out.data_ptr()), Hq, E, Dl,
+                      append, q.stride(0), c_new.stride(0), kpe_new.stride(0), out.stride(0),
+                      static_cast<float>(scale));
+  };
+  switch (X[0].scalar_type()) {
+    case at::kFloat: run(F32()); break;
+    case at::kBFloat16: run(BF16()); break;
+    case at::kHalf: run(F16()); break;
+    default: TORCH_CHECK(false, "latent_attention_append_groups: unsupported dtype ", X[0].scalar_type());
+  }
+  return "";
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_append_groups", &decode_attention_append_groups, py::call_guard<py::gil_scoped_release>());
+  m.def("latent_attention_append_groups", &latent_attention_append_groups, py::call_guard<py::gil_scoped_release>());
   m.def("native_stats", &native_stats);
 }
 """

@@ -2,7 +2,8 @@
 
 A decode micro-batch (:class:`MicroBatch`) keeps its KV cache and runs its attention either on the GPU (the first
 ``policy.n_gpu_attn`` micro-batches, on CUDA) or on the CPU: q/k/v go to pinned host buffers on the D2H stream, the
-worker thread appends k/v to the CPU cache and attends (the native kernel, or torch latent attention for MLA), and the
+worker thread appends k/v to the CPU cache and attends (the native kernel, GQA or MLA's latent attention; torch
+where it is not built), and the
 result comes back to the GPU by a zero-copy kernel read or a DMA on its own stream (``attention_h2d``), never queued
 behind the expert pages. :class:`AttentionPlacement` owns the worker thread, the two transfer streams and these paths;
 :func:`micro_batches` builds a batch's micro-batches and their caches.
@@ -101,7 +102,7 @@ class AttentionPlacement:
         # the layers' sinks on the host (fp32 [Hq]), for the worker's CPU attention (no device read per layer and step)
         self._cpu_sinks = [lw.sinks.to("cpu", torch.float32).contiguous() for lw in layers] \
             if self.sinks else None  # (from the device copies: on CUDA the host layers were released)
-        if not self.mla and (not self.cuda or policy.n_gpu_attn < max(1, policy.n)):  # some micro-batch attends on the CPU
+        if not self.cuda or policy.n_gpu_attn < max(1, policy.n):  # some micro-batch attends on the CPU (GQA or MLA)
             from ..kernels.cpu_attention import native_available
 
             native_available()  # builds the native CPU attention kernel now (once; cached), not in the first decode step
@@ -164,7 +165,8 @@ class AttentionPlacement:
 
     def _cpu_attention(self, l: int, mb: MicroBatch, qkv, ready) -> torch.Tensor:
         """Worker thread: wait for q/k/v to land, append k/v to the CPU cache, attend. Returns [mu, Hq*hd] (MLA:
-        q_lat, c, k_pe in, the family's torch latent attention, the attention-weighted latents [mu, Hq, kv_lora])."""
+        q_lat, c, k_pe in, the native MLA kernel or the family's torch latent attention, the attention-weighted latents
+        [mu, Hq, kv_lora])."""
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
@@ -180,7 +182,7 @@ class AttentionPlacement:
             out = mb.attn_out
             t2 = time.perf_counter()
             window = self.spec.layer_sliding_window(l)
-            if self.mla:  # the native kernel is GQA-only: torch latent attention per length group
+            if self.mla:  # one native MLA call over the length groups (or append + torch latent attention per group)
                 mb.kv.append_attend(l, q, k, v, self._latent_attention, out)
             else:  # one native call over the length groups (or append + SDPA per group), with gpt-oss's sinks
                 mb.kv.append_attend(l, q, k, v, out, sliding_window=window,

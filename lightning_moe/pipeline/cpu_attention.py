@@ -7,7 +7,7 @@ Reads only up to the longest valid length of the batch, rounded up to a small bu
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,3 +69,32 @@ def cpu_decode_attention(
     out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, hd), k[:, :, :S], v[:, :, :S],
                                          attn_mask=valid[:, None, None, :])  # [B, Hkv, G, hd]
     return out.reshape(B, Hq * hd)
+
+
+def _latent_native_ok(q_lat: torch.Tensor, lat: torch.Tensor) -> bool:
+    """Whether the native MLA kernel (kernels.cpu_latent_attention) can run these operands: built and not disabled
+    (``LIGHTNING_MOE_CPU_ATTENTION=sdpa`` selects the torch routine, as for GQA), a CPU latent cache of bf16 / fp16 /
+    fp32 with q_lat's dtype, each position's elements contiguous and consecutive."""
+    from ..kernels.cpu_attention import native_available
+
+    return (lat.device.type == "cpu" and lat.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and q_lat.dtype == lat.dtype and q_lat.device.type == "cpu" and lat.dim() == 3
+            and lat.stride(2) == 1 and lat.stride(1) == lat.shape[2]
+            and (q_lat.shape[0] == 0 or q_lat[0].is_contiguous()) and native_available())
+
+
+def cpu_latent_attention(q_lat: torch.Tensor, lat: torch.Tensor, lengths: torch.Tensor, kv_lora_rank: int,
+                         scale: float, fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                         ) -> torch.Tensor:
+    """MLA decode attention over CPU latents (the new token's latent already written) in ONE call: the native kernel
+    (kernels.cpu_latent_attention.latent_attention_append without an append: one pass over each valid latent row for
+    all heads) when the operands fit it, else ``fallback(q_lat, lat, lengths)`` (the family's torch
+    ``latent_attention`` with the spec bound). q_lat [B, Hq, Dl + rd]; lat [B, S, Dl + rd]; lengths int64 [B], each in
+    1..S; ``scale`` the spec's softmax_scale. Returns the attention-weighted latents [B, Hq, kv_lora_rank]."""
+    if _latent_native_ok(q_lat, lat):
+        from ..kernels.cpu_latent_attention import latent_attention_append
+
+        B, Hq = q_lat.shape[0], q_lat.shape[1]
+        out = torch.empty((B, Hq, kv_lora_rank), dtype=q_lat.dtype)
+        return latent_attention_append(q_lat, None, None, torch.arange(B), lat, lengths.to(torch.int64), out, scale)
+    return fallback(q_lat, lat, lengths)

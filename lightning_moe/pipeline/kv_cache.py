@@ -444,7 +444,8 @@ class GroupedLatentKVCache(GroupedKVCache):
     micro-batches): group g stores ``[B_g, S_g, kv_lora_rank + qk_rope_head_dim]`` per layer, per token the normed
     latent c and the rotated rope key k_pe (:class:`LatentKVCache`'s layout), with c and k_pe in place of k and v.
     The rows, groups, :meth:`prefill_index` and :attr:`lengths` are GroupedKVCache's; attention takes the family's
-    ``latent_attention`` (the absorbed query in, the attention-weighted latents out); no Triton kernel.
+    ``latent_attention`` (the absorbed query in, the attention-weighted latents out), or on the CPU the native kernel
+    (:meth:`append_attend`); no Triton kernel.
 
     Memory: ``L * (kv_lora_rank + qk_rope_head_dim) * itemsize * sum_g B_g * S_g`` bytes = ``padded_positions *
     spec.kv_bytes_per_token(dtype)`` (the planner's count per position), see :attr:`nbytes`.
@@ -458,6 +459,7 @@ class GroupedLatentKVCache(GroupedKVCache):
             raise ValueError(f"GroupedLatentKVCache: {spec.name} has no kv_lora_rank (not multi-head latent attention)")
         dev, pin = self._group_rows(final_lengths, device, pin, max_groups)
         width = spec.kv_lora_rank + spec.qk_rope_head_dim
+        self.kv_lora_rank, self.softmax_scale = spec.kv_lora_rank, spec.softmax_scale  # the native kernel's arguments
         self.lat = [[torch.zeros((len(r), S, width), dtype=dtype, device=dev, pin_memory=pin)
                      for r, S in zip(self.rows, self.sizes)] for _ in range(spec.num_layers)]  # lat[layer][g]
         self.sliding_window = None
@@ -502,13 +504,28 @@ class GroupedLatentKVCache(GroupedKVCache):
     def append_attend(self, layer: int, q_lat: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, fn: LatentAttendFn,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode step of one layer for every row: append c / k_pe at position lengths[row], attend over lengths + 1
-        positions with ``fn`` (:meth:`attend`; no length update), into ``out`` [B, Hq, kv_lora] (e.g. pinned) or a new
-        tensor. q_lat [B, Hq, kv_lora + rope], c [B, kv_lora], k_pe [B, rope] on the cache's device. Returns ``out``.
-        Raises ValueError on a full row or mismatched shapes."""
+        positions (no length update), into ``out`` [B, Hq, kv_lora] (e.g. pinned) or a new tensor.
+
+        One native call over all groups (kernels.cpu_latent_attention.latent_attention_append_groups: append and
+        attention in one pass, the spec's softmax_scale, output rows straight into ``out``) when the kernel is
+        available for these operands (pipeline.cpu_attention._latent_native_ok); else :meth:`append` +
+        :meth:`attend` with ``fn`` (the family's torch ``latent_attention``). q_lat [B, Hq, kv_lora + rope],
+        c [B, kv_lora], k_pe [B, rope] on the cache's device. Returns ``out``. Raises ValueError on a full row or
+        mismatched shapes."""
+        from .cpu_attention import _latent_native_ok
+
         B = self.lengths.shape[0]
         if q_lat.shape[0] != B or c.shape[0] != B or k_pe.shape[0] != B:
             raise ValueError(f"GroupedLatentKVCache.append_attend: q_lat {tuple(q_lat.shape)} / c {tuple(c.shape)} / "
                              f"k_pe {tuple(k_pe.shape)} do not have the cache's {B} rows")
+        if c.dtype == k_pe.dtype == q_lat.dtype and (out is None or out.dtype == q_lat.dtype) \
+                and _latent_native_ok(q_lat, self.lat[layer][0]):
+            from ..kernels.cpu_latent_attention import latent_attention_append_groups
+
+            if out is None:
+                out = torch.empty((B, q_lat.shape[1], self.kv_lora_rank), dtype=q_lat.dtype)
+            return latent_attention_append_groups(q_lat, c, k_pe, self.rows, self.lat[layer],
+                                                  [self.lengths[r] for r in self.rows], out, self.softmax_scale)
         self.append(layer, self._all, c, k_pe)
         o = self.attend(layer, q_lat, self.lengths + 1, fn)  # [B, Hq, kv_lora]
         if out is None:

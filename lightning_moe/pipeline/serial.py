@@ -22,7 +22,7 @@ from ..model.families import family_of
 from ..model.layers import ExpertWeights
 from ..model.quantized import QuantExperts
 from ..model.weights import ModelWeights
-from .cpu_attention import bucket_len, cpu_decode_attention
+from .cpu_attention import bucket_len, cpu_decode_attention, cpu_latent_attention
 from .executor import Executor, RunStats, StepCallback
 from .kv_cache import KVCache, LatentKVCache, make_kv_cache
 from .refill import SlotTable
@@ -182,8 +182,9 @@ class SerialExecutor(Executor):
 
     def _decode_layer_mla(self, layer: int, x: torch.Tensor, pos_dev: torch.Tensor, rows: torch.Tensor,
                           kv: LatentKVCache, all_rows: bool, upto: int, new_len: torch.Tensor) -> torch.Tensor:
-        """One MLA decode layer: the absorbed query on the compute device, attention over the CPU latent cache, the
-        values (W_UV) back on the device. x: [B', D] -> [B', D]."""
+        """One MLA decode layer: the absorbed query on the compute device, attention over the CPU latent cache (the
+        native kernel when available, else the family's torch ``latent_attention``), the values (W_UV) back on the
+        device. x: [B', D] -> [B', D]."""
         lw, fam, spec = self.layers[layer], self.family, self.spec
         q, c, k_pe = fam.pre_attention(lw, x, pos_dev, spec, self.inv_freq)  # [B', Hq, hd], [B', Dl], [B', rope]
         q_lat = fam.mla_absorb(lw, q, spec)  # [B', Hq, Dl + rope]
@@ -191,7 +192,9 @@ class SerialExecutor(Executor):
         if not self.on_host:
             self.stats.d2h_bytes += (q_lat.numel() + c.numel() + k_pe.numel()) * q_lat.element_size()
         kv.append(layer, rows, c, k_pe)
-        o_lat = fam.latent_attention(q_lat, kv.view(layer, None if all_rows else rows, upto), new_len, spec)  # [B', Hq, Dl]
+        lat = kv.view(layer, None if all_rows else rows, upto)  # [B', upto, Dl + rope]
+        o_lat = cpu_latent_attention(q_lat, lat, new_len, spec.kv_lora_rank, spec.softmax_scale,
+                                     lambda qg, x, n: fam.latent_attention(qg, x, n, spec))  # [B', Hq, Dl]
         if not self.on_host:
             self.stats.h2d_bytes += o_lat.numel() * o_lat.element_size()
         attn = fam.mla_unabsorb(lw, o_lat.to(self.device), spec)  # [B', Hq*v_hd]

@@ -39,6 +39,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F_
 
+from ...kernels.cpu_latent_attention import latent_attention_torch
 from .. import layers as L
 from ..spec import MoESpec
 from .base import (HARMLESS_COMMON_KEYS, HF_EXPERT_KEYS, HF_MODEL_KEYS, QUANTIZED_REFUSED_KEYS, ROPE_CONFIG_KEYS,
@@ -390,12 +391,9 @@ def latent_attention(q_lat: torch.Tensor, cache: torch.Tensor, lengths: torch.Te
     """Decode attention over the latent cache (torch reference): every head attends to one shared key ``[c, k_pe]``
     per position with logits ``q_lat . [c, k_pe] * softmax_scale``; the value is c. Softmax in fp32; row b sees its
     first ``lengths[b]`` positions. q_lat: [B, Hq, Dl + rd]; cache: [B, S, Dl + rd]; lengths int64 [B].
-    Returns the attention-weighted latents [B, Hq, Dl] in q_lat's dtype."""
-    S, Dl = cache.shape[1], spec.kv_lora_rank
-    scores = torch.einsum("bhe,bse->bhs", q_lat.float(), cache.float()) * spec.softmax_scale  # [B, Hq, S]
-    valid = torch.arange(S, device=cache.device)[None, :] < lengths.to(cache.device)[:, None]  # [B, S]
-    p = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)  # [B, Hq, S]
-    return torch.einsum("bhs,bsd->bhd", p, cache[..., :Dl].float()).to(q_lat.dtype)  # [B, Hq, Dl]
+    Returns the attention-weighted latents [B, Hq, Dl] in q_lat's dtype (kernels.cpu_latent_attention's torch
+    routine; its native kernel is the CPU executors' fast path)."""
+    return latent_attention_torch(q_lat, cache, lengths, spec.kv_lora_rank, spec.softmax_scale)
 
 
 def mla_unabsorb(lw, o_lat: torch.Tensor, spec: MoESpec) -> torch.Tensor:
