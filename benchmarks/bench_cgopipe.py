@@ -244,7 +244,7 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     rows, tok = v.get("prefill", (policy.prefill_mu, policy.prefill_tokens))
     ex.policy = dataclasses.replace(policy, prefill_mu=rows, prefill_tokens=tok)
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
-    ex.attention.workers.submit(torch.set_num_threads, n).result()  # torch's intra-op setting (process-wide)
+    torch.set_num_threads(n)  # torch's intra-op setting (process-wide: the CUDA worker thread sees it too)
     os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
     sys.setswitchinterval(v.get("switch", _DEFAULT_SWITCH))
     if not hasattr(ex, "_bench_h2d"):

@@ -124,7 +124,7 @@ def test_flops_term_matches_an_independent_count(tiny):
     g = torch.Generator().manual_seed(7)
     lens = tuple(torch.randint(1, 60, (11,), generator=g).tolist())
     P = 3.7e9
-    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, handoff=0.0, memory_bandwidth=1e30,
+    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30,
                  matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0)
     wl = Workload.from_lengths(list(lens), 5)
     est = estimate_cpu(spec, prof, wl, "fp32", "serial", 4)
@@ -243,7 +243,7 @@ def test_measured_profile_fields_are_sane():
 
     p = measure_cpu_profile()
     assert 1e8 < p.matmul_flops_fp32 < 1e14 and 1e8 < p.memory_bandwidth < 1e13 and 1e7 < p.scatter_bandwidth < 1e13
-    for f in ("gemm_call", "op_call", "view_call", "attention_call", "handoff", "nonzero_call", "record_write"):
+    for f in ("gemm_call", "op_call", "view_call", "attention_call", "nonzero_call", "record_write"):
         assert 1e-8 < getattr(p, f) < 0.1, f
     assert 0.0 <= p.glue_call < 1e-3  # the probe's step less its micro-benchmarked ops, per op
     assert 1e6 < p.argmax_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14

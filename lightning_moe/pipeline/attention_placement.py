@@ -3,10 +3,11 @@
 A decode micro-batch (:class:`MicroBatch`) keeps its KV cache and runs its attention either on the GPU (the first
 ``policy.n_gpu_attn`` micro-batches, on CUDA) or on the CPU: q/k/v go to pinned host buffers on the D2H stream, the
 worker thread appends k/v to the CPU cache and attends (the native kernel, GQA or MLA's latent attention; torch
-where it is not built), and the
-result comes back to the GPU by a zero-copy kernel read or a DMA on its own stream (``attention_h2d``), never queued
-behind the expert pages. :class:`AttentionPlacement` owns the worker thread, the two transfer streams and these paths;
-:func:`micro_batches` builds a batch's micro-batches and their caches.
+where it is not built), and the result comes back to the GPU by a zero-copy kernel read or a DMA on its own stream
+(``attention_h2d``), never queued behind the expert pages. On a CPU-only job (device cpu) there is no worker: the
+attention runs inline, since a second thread would only compete with the layer's matmuls for the same cores.
+:class:`AttentionPlacement` owns the worker thread, the two transfer streams and these paths; :func:`micro_batches`
+builds a batch's micro-batches and their caches.
 """
 
 from __future__ import annotations
@@ -108,7 +109,12 @@ class AttentionPlacement:
             native_available()  # builds the native CPU attention kernel now (once; cached), not in the first decode step
         threads = opts.cpu_threads
         init = (torch.set_num_threads, (threads,)) if threads else (None, ())
-        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn", initializer=init[0], initargs=init[1])
+        # device cpu: CPU attention runs inline on the calling thread. A worker would only share the cores with the
+        # layer's own matmuls (two thread teams on the same cores: tiny-mixtral on 2 cores decoded 2.4x slower).
+        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attn", initializer=init[0],
+                                          initargs=init[1]) if self.cuda else None
+        if not self.cuda and threads:
+            torch.set_num_threads(threads)  # process-wide, as the worker's initializer would do
         h2d = opts.attention_h2d
         if self.cuda and h2d == "auto":
             h2d = "kernel" if host_read_available(device) else "dma"
@@ -118,8 +124,9 @@ class AttentionPlacement:
         self.attn_kv_bytes = 0  # valid K and V bytes read by CPU attention in this decode (worker thread)
 
     def close(self) -> None:
-        """Release the worker thread."""
-        self.workers.shutdown(wait=True)
+        """Release the worker thread (CUDA)."""
+        if self.workers is not None:
+            self.workers.shutdown(wait=True)
 
     # ---- host transfers ---------------------------------------------------------------------------
     def to_host(self, *tensors: torch.Tensor):
@@ -158,9 +165,14 @@ class AttentionPlacement:
 
     # ---- CPU attention ----------------------------------------------------------------------------
     def submit_cpu(self, l: int, mb: MicroBatch, q, k, v) -> Future:
-        """D2H of q/k/v (after the compute stream produced them; on the CPU they are used as they are), then the
-        micro-batch's CPU attention on the worker thread (:meth:`_cpu_attention`)."""
-        qkv, ready = ((q, k, v), None) if not self.cuda else self.to_host(q, k, v)
+        """D2H of q/k/v (after the compute stream produced them), then the micro-batch's CPU attention on the worker
+        thread (:meth:`_cpu_attention`). On the CPU (device cpu) q/k/v are used as they are and the attention runs
+        here, inline: the returned future is done."""
+        if not self.cuda:
+            done: Future = Future()
+            done.set_result(self._cpu_attention(l, mb, (q, k, v), None))
+            return done
+        qkv, ready = self.to_host(q, k, v)
         return self.workers.submit(self._cpu_attention, l, mb, qkv, ready)
 
     def _cpu_attention(self, l: int, mb: MicroBatch, qkv, ready) -> torch.Tensor:

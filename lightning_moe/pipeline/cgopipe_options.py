@@ -29,7 +29,8 @@ class CGOPipeOptions:
     #   prefill passes only, Triton where the profile has none; CUDA only: on the CPU the torch loop)
     kv_groups: int = KV_GROUPS  # length groups per micro-batch KV cache (GroupedKVCache; the planner assumes 8)
     cpu_threads: Optional[int] = None  # None: CPU attention uses torch's intra-op thread count; n >= 1: the worker
-    #   thread calls torch.set_num_threads(n) when it starts (process-wide; an A/B switch of bench_cgopipe.py)
+    #   thread calls torch.set_num_threads(n) when it starts (device cpu, no worker: the executor calls it when it is
+    #   made; process-wide either way; an A/B switch of bench_cgopipe.py)
     attention_h2d: str = "auto"  # how a CPU micro-batch's attention output reaches the GPU: "kernel" (a zero-copy
     #   kernel on the compute stream reads the pinned buffer over PCIe, beside the page copies), "dma" (a copy on the
     #   attention H2D stream, in issue order with the pages on the copy engine), "auto" ("kernel" where

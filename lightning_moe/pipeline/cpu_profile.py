@@ -14,7 +14,6 @@ import datetime
 import os
 import platform
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -65,7 +64,7 @@ def memory_bandwidth(nbytes: int = 64 * MiB) -> float:
 def call_costs(calls: int = 40) -> dict:
     """Per-call seconds of the small ops the executors issue at decode shapes: ``gemm_call`` (F.linear of 16 rows
     64 -> 128), ``op_call`` (:func:`op_mix_call`), ``view_call`` (a select), ``attention_call`` (the CPU
-    decode-attention routine on 4 rows of 16 positions), ``handoff`` (a no-op submitted to a worker thread, waited)."""
+    decode-attention routine on 4 rows of 16 positions)."""
     from .cpu_attention import cpu_decode_attention
 
     x, w = torch.randn(16, 64), torch.randn(128, 64)
@@ -74,8 +73,6 @@ def call_costs(calls: int = 40) -> dict:
     out = {"gemm_call": _per_call(lambda: F.linear(x, w), calls), "op_call": op_mix_call(calls // 4),
            "view_call": _per_call(lambda: x.select(0, 3), calls),
            "attention_call": _per_call(lambda: cpu_decode_attention(q, k, v, lengths), calls // 4)}
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        out["handoff"] = _per_call(lambda: pool.submit(int).result(), calls // 4)
     ids = torch.randint(0, 8, (32,))
     out["nonzero_call"] = _per_call(lambda: torch.where(ids == 3), calls // 2)
     logits = torch.randn(16, 32000)

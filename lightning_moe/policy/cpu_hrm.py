@@ -6,8 +6,7 @@ count taken from the model's shapes and the executor's op structure; nothing is 
 Per layer visit of one (micro-)batch of T rows (decode: T rows, one token each; prefill: T packed tokens of R rows
 padded to S):
 
-  (C1) t_ops   = n_gemm c_gemm + n_op c_op + n_view c_view + n_attn c_attn [+ c_handoff per CPU-attention call of
-                 cgopipe's worker]: the per-call host cost of the torch ops the executor issues (Python + dispatcher +
+  (C1) t_ops   = n_gemm c_gemm + n_op c_op + n_view c_view + n_attn c_attn: the per-call host cost of the torch ops the executor issues (Python + dispatcher +
                  the GEMM library's thread fork/join); the counts below are the executor's own, counted with a torch
                  dispatch counter (tests/test_cpu_hrm.py checks them against the executors on tiny-mixtral);
                  a = E (1 - (1 - k/E)^T) routed experts receive tokens, each a loop iteration of the torch expert FFN;
@@ -96,7 +95,6 @@ class CpuProfile:
     #   op_call (frames, argument handling, the expert loop's bookkeeping, cold caches over a long varied op stream):
     #   the serial executor's best decode step on a probe model (pipeline.cpu_profile.PROBE_CONFIG), less its counted
     #   ops at the costs above, per GEMM + op
-    handoff: float  # seconds per hand-off of one call to a worker thread and back (cgopipe's CPU-attention worker)
     nonzero_call: float  # seconds per ``torch.where(mask)`` (nonzero) on a small mask: the expert loop's token gather
     argmax_rate: float  # elements/s of an argmax over fp32 logits rows (greedy sampling over the vocabulary)
     record_write: float  # seconds to append one result record with fsync (the results file, once per sequence)
@@ -211,9 +209,7 @@ def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts
          else op_counts(executor, phase, experts, rows, groups))
     t = gemms * prof.gemm_call + n["op"] * prof.op_call + n["view"] * prof.view_call + attn_calls * prof.attention_call
     t += (gemms + n["op"]) * prof.glue_call  # (C1') the executor's Python code around each op it issues
-    if executor == "cgopipe" and phase == "decode" and not head:
-        t += attn_calls * prof.handoff  # each CPU-attention call goes to the worker thread and back
-    return t
+    return t  # (cgopipe on the CPU attends inline: no hand-off to a worker thread)
 
 
 def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtype: str, executor: str, phase: str,
