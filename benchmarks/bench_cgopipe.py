@@ -244,7 +244,9 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
     rows, tok = v.get("prefill", (policy.prefill_mu, policy.prefill_tokens))
     ex.policy = dataclasses.replace(policy, prefill_mu=rows, prefill_tokens=tok)
     n = v.get("threads", case.cpu_threads or _DEFAULT_THREADS)
-    torch.set_num_threads(n)  # torch's intra-op setting (process-wide: the CUDA worker thread sees it too)
+    torch.set_num_threads(n)  # torch's intra-op setting, here and on the CPU-attention worker thread (CUDA)
+    if ex.attention.workers is not None:
+        ex.attention.workers.submit(torch.set_num_threads, n).result()
     os.environ["LIGHTNING_MOE_CPU_ATTENTION"] = "sdpa" if v.get("attn") == "sdpa" else "auto"  # read at every call
     sys.setswitchinterval(v.get("switch", _DEFAULT_SWITCH))
     if not hasattr(ex, "_bench_h2d"):
