@@ -134,6 +134,29 @@ def test_flops_term_matches_an_independent_count(tiny):
     assert est.prefill_binding == est.decode_binding == "cpu-flops"
 
 
+def test_cgopipe_prices_the_refill_schedule(tiny):
+    """cgopipe refills N slots (pipeline/refill.py): 11 prompts of 7 tokens, N = 4 slots in micro-batches of 2, 5 new
+    tokens: three passes of 4, 4 and 3 rows, 3 x 4 decode steps, each computing all 4 slots (the free slot of the last
+    pass decodes a throwaway token) while the live rows attend prompt + j positions. With every call cost 0 and an
+    unbounded memory the times are the FLOPs / P of that schedule written out: 1e-9 relative. (Batches of N, the
+    former model, would price the last 4 steps at 3 rows.)"""
+    spec, _ = tiny
+    D, E, k, F, V, L = (spec.hidden_size, spec.num_experts, spec.top_k, spec.intermediate_size, spec.vocab_size,
+                        spec.num_layers)
+    proj = 2 * (spec.attn_in_params + spec.attn_out_params) + 2 * E * D + 2 * k * 3 * D * F
+    P, n, S, G = 3.7e9, 7, 4, 5
+    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30,
+                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0)
+    est = estimate_cpu(spec, prof, Workload.from_lengths([n] * 11, G), "fp32", "cgopipe", S, 2, 4)
+    pre = dec = 0.0
+    for rows in (4, 4, 3):
+        pre += L * (rows * n * proj + rows * n * n * spec.prefill_attn_flops_per_position) + 2 * rows * D * V
+        for j in range(1, G):
+            dec += L * (S * proj + rows * (n + j) * spec.attn_flops_per_position) + 2 * S * D * V
+    assert est.prefill_time == pytest.approx(pre / P, rel=1e-9)
+    assert est.decode_time == pytest.approx(dec / P, rel=1e-9)
+
+
 def test_ops_term_counts_calls(tiny):
     """With only a per-op cost of 1 s, decode time is the number of non-GEMM ops OP_COUNTS gives, per step and
     batch (cpu-ops binds): 1e-9 relative against the count written out."""

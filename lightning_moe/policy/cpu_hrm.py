@@ -27,8 +27,9 @@ padded to S):
                  gather (a nonzero: ``nonzero_call``) and one durable result-record write per sequence (``record_write``)
   (C6) decode step: sum over micro-batches and layers of (C4) + (C5); prefill: per prefill chunk the same;
        the batches are the job's: its prompts sorted by length (engine.work_order), cut into batches of
-       ``batch_size`` (serial) or the policy's N (cgopipe: micro-batches group_by_length, prefill chunks of at most
-       prefill_mu rows and prefill_tokens padded tokens), each batch decoding max_new_tokens - 1 steps
+       ``batch_size`` (serial), each batch decoding max_new_tokens - 1 steps; cgopipe refills: the policy's N slots
+       decode every step of the refill schedule (policy.refill_schedule.simulate, every request at max_new_tokens),
+       each pass prefilled in chunks of at most prefill_mu rows and prefill_tokens padded tokens
   (C7) throughput as hrm (H9): prefill prompt tokens / T_prefill, decode tokens / T_decode, generated / total
 
 The binding stage of a phase is the largest of its summed terms: ``cpu-ops`` (C1), ``cpu-flops`` (C2) or
@@ -43,6 +44,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Optional, Sequence
 
 from ..model.spec import MoESpec, dtype_bytes
+from . import refill_schedule
 from .batching import KV_GROUPS, group_by_length
 from .hardware import HardwareError
 from .yaml_io import read_yaml, write_yaml
@@ -366,6 +368,33 @@ def _batch_terms(spec, prof, lens, dtype, executor, gen_len, mu, prefill_mu, pre
     return pre, dec
 
 
+def _cgopipe_terms(spec, prof, lens, dtype, gen_len, N, mu, prefill_mu, prefill_tokens) -> tuple:
+    """(prefill Terms, decode Terms) of a cgopipe job with continuous refill (pipeline/refill.py): min(N, P) slots in
+    micro-batches of ``mu`` decode every step (a free slot decodes a throwaway token: the shapes stay fixed), the
+    passes and steps those of :func:`refill_schedule.simulate` with every request at max_new_tokens (the executor's
+    default threshold); each pass's requests (the next in the engine's order) prefilled in chunks. A step's terms are
+    linear in the positions its rows attend, so the steps are summed at 0 positions plus their attended total."""
+    S = min(N, len(lens))
+    sched = refill_schedule.simulate([n + gen_len for n in lens], list(lens), [gen_len] * len(lens), S,
+                                     refill_schedule.default_min_free(S))
+    pre, i = Terms(), 0
+    for rows, _ in sched.passes:
+        for ch in prefill_chunks(lens[i:i + rows], prefill_mu, prefill_tokens):
+            pre = pre + _sum_layers(spec, prof, tokens=sum(ch), dtype=dtype, executor="cgopipe", phase="prefill",
+                                    rows=len(ch), padded_len=max(ch), groups=min(KV_GROUPS, len(set(ch))))
+            pre = pre + head_terms(spec, prof, len(ch), dtype, "cgopipe", "prefill")
+        i += rows
+    sizes = [len(g) for g in group_by_length([1] * S, mu, -(-S // mu)) if g]  # the slots' micro-batches
+    step0 = Terms()
+    for m in sizes:
+        step0 = step0 + _sum_layers(spec, prof, tokens=m, dtype=dtype, executor="cgopipe", phase="decode", context=0.0)
+        step0 = step0 + head_terms(spec, prof, m, dtype, "cgopipe", "decode")
+    one = [_sum_layers(spec, prof, tokens=1, dtype=dtype, executor="cgopipe", phase="decode", context=c) for c in (0, 1)]
+    per_pos = Terms(ops=0.0, flops=one[1].flops - one[0].flops, bytes=one[1].bytes - one[0].bytes)  # a row's position
+    attended = sum(pos for _, pos in sched.steps)  # positions attended by the live rows over the job
+    return pre, step0.scaled(sched.decode_steps) + per_pos.scaled(attended)
+
+
 def _stages(t: Terms) -> dict:
     return {"cpu-ops": t.ops, "cpu-flops": t.flops, "cpu-memory": t.bytes}
 
@@ -373,8 +402,8 @@ def _stages(t: Terms) -> dict:
 def estimate_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, executor: str, batch_size: int,
                  mu: Optional[int] = None, prefill_mu: Optional[int] = None, prefill_tokens: int = 1 << 62) -> CpuEstimate:
     """(C1)-(C7) of a generation job on the CPU: ``executor`` "serial" (batches of ``batch_size``) or "cgopipe"
-    (batches of ``batch_size`` = the policy's N, micro-batches of ``mu`` rows, prefill chunks of ``prefill_mu`` rows
-    and ``prefill_tokens`` padded tokens)."""
+    (``batch_size`` = the policy's N slots refilled as rows finish (:func:`_cgopipe_terms`), micro-batches of ``mu``
+    rows, prefill chunks of ``prefill_mu`` rows and ``prefill_tokens`` padded tokens)."""
     if executor not in ("serial", "cgopipe"):
         raise ValueError(f"estimate_cpu: executor must be serial or cgopipe, got {executor!r}")
     lens = job_lengths(workload)
@@ -382,9 +411,14 @@ def estimate_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, executor
     mu = mu or batch_size
     pre, dec = Terms(), Terms(ops=len(lens) * prof.record_write)  # each sequence's record is written (fsync) as it
     #   finishes, during decode
-    for i in range(0, len(lens), batch_size):
-        p, d = _batch_terms(spec, prof, lens[i:i + batch_size], dtype, executor, G, mu, prefill_mu or mu, prefill_tokens)
+    if executor == "cgopipe" and G > 1:  # one refilling call over every request (app.engine)
+        p, d = _cgopipe_terms(spec, prof, lens, dtype, G, batch_size, mu, prefill_mu or mu, prefill_tokens)
         pre, dec = pre + p, dec + d
+    else:
+        for i in range(0, len(lens), batch_size):
+            p, d = _batch_terms(spec, prof, lens[i:i + batch_size], dtype, executor, G, mu, prefill_mu or mu,
+                                prefill_tokens)
+            pre, dec = pre + p, dec + d
     ps, ds = _stages(pre), _stages(dec)
     return CpuEstimate(
         N=min(batch_size, len(lens)), prompt_tokens=sum(lens), generated_tokens=len(lens) * G,
