@@ -76,6 +76,13 @@ def reference(tmp_path_factory):
     return d, read_results(job.output.path)
 
 
+def _as_written_by(job, record, ref_dir):
+    """The reference run's record as a run of `job` writes it: an error record's message names `job`'s input file."""
+    if "error" not in record:
+        return record
+    return {**record, "error": record["error"].replace(ref_dir, os.path.dirname(job.data.path))}
+
+
 def _check_output(job, reference):
     """Every input id exactly once, in input order (a single-process run writes them as they finish), each record
     equal to the single-process run's (an error record's message names the input file: this job's)."""
@@ -84,8 +91,7 @@ def _check_output(job, reference):
     ids = [r["id"] for r in got]
     with open(job.data.path) as f:
         assert ids == [json.loads(line)["id"] for line in f], f"seed {SEED}: not every input id once in input order"
-    here = os.path.dirname(job.data.path)
-    by_id = {r["id"]: {**r, "error": r["error"].replace(ref_dir, here)} if "error" in r else r for r in ref}
+    by_id = {r["id"]: _as_written_by(job, r, ref_dir) for r in ref}
     assert got == [by_id[i] for i in ids], f"seed {SEED}: the Ray job's records differ from the single-process run's"
 
 
@@ -235,10 +241,10 @@ def test_resumes_prior_records_and_another_shard_count(ray_runtime, reference, t
     from lightning_moe.app.ray_jobs import run_ray_job
     from lightning_moe.data.writer import ResultsWriter, write_json_atomic
 
-    _ref_dir, ref = reference
+    ref_dir, ref = reference
     job = load_job(_write_job(str(tmp_path)), {"ray.shards": 2})
     rng = random.Random(SEED + 1)
-    picked = rng.sample(ref, 5)
+    picked = [_as_written_by(job, r, ref_dir) for r in rng.sample(ref, 5)]  # records an earlier run of this job wrote
     with ResultsWriter(job.output.path) as w:  # a run without Ray stopped after 3 records
         for r in picked[:3]:
             w.write(r)
