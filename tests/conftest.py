@@ -52,7 +52,7 @@ def tiny_dir(tmp_path_factory):
 FIXED_CPU_PROFILE = dict(  # a CPU profile with fixed rates for tests (policy.cpu_hrm), so no test measures this host
     name="cpu-test", machine="test machine", cpu_model="test CPU", cpu_cores=2, threads=2, torch_version="test",
     host_memory=64 * 2**30, memory_bandwidth=10e9, matmul_flops_fp32=50e9, matmul_flops_bf16=0.0, gemm_call=5e-6,
-    op_call=3e-6, view_call=1e-6, glue_call=2e-6, attention_call=2e-5, nonzero_call=1e-5, argmax_rate=1e9, record_write=1e-3,
+    op_call=3e-6, view_call=1e-6, glue_call=2e-6, attention_call=2e-5, nonzero_call=1e-5, argmax_rate=1e9, sample_rate=2e8, record_write=1e-3,
     scatter_bandwidth=2e9)
 
 

@@ -157,6 +157,27 @@ def test_cgopipe_prices_the_refill_schedule(tiny):
     assert est.decode_time == pytest.approx(dec / P, rel=1e-9)
 
 
+def test_sampled_job_prices_the_sampler(tiny):
+    """(C5) the draw: with every other cost 0, a greedy job's head time is its rows x V / argmax_rate, a sampled job's
+    rows x V / sample_rate (serial: N prefill rows, N x (G - 1) decode rows); an unmeasured sample_rate (0) falls
+    back to argmax_rate."""
+    spec, _ = tiny
+    g = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 40, (9,), generator=g).tolist()
+    G, V, A, S = 6, spec.vocab_size, 3.1e8, 0.7e8
+    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30,
+                 scatter_bandwidth=1e30, matmul_flops_fp32=1e30, nonzero_call=0.0, argmax_rate=A, sample_rate=S,
+                 record_write=0.0, glue_call=0.0)
+    n = len(lens)
+    for sampling, rate in ((False, A), (True, S)):
+        est = estimate_cpu(spec, prof, Workload.from_lengths(lens, G, sampling=sampling), "fp32", "serial", 4)
+        assert est.prefill_time == pytest.approx(n * V / rate, rel=1e-6), sampling
+        assert est.decode_time == pytest.approx(n * (G - 1) * V / rate, rel=1e-6), sampling
+    est = estimate_cpu(spec, dataclasses.replace(prof, sample_rate=0.0),
+                       Workload.from_lengths(lens, G, sampling=True), "fp32", "serial", 4)
+    assert est.decode_time == pytest.approx(n * (G - 1) * V / A, rel=1e-6)
+
+
 def test_ops_term_counts_calls(tiny):
     """With only a per-op cost of 1 s, decode time is the number of non-GEMM ops OP_COUNTS gives, per step and
     batch (cpu-ops binds): 1e-9 relative against the count written out."""
@@ -269,7 +290,7 @@ def test_measured_profile_fields_are_sane():
     for f in ("gemm_call", "op_call", "view_call", "attention_call", "nonzero_call", "record_write"):
         assert 1e-8 < getattr(p, f) < 0.1, f
     assert 0.0 <= p.glue_call < 1e-3  # the probe's step less its micro-benchmarked ops, per op
-    assert 1e6 < p.argmax_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14
+    assert 1e6 < p.argmax_rate < 1e13 and 1e5 < p.sample_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14
     assert 1e8 < p.head_matmul_flops_many < 1e14
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 

@@ -64,7 +64,9 @@ def memory_bandwidth(nbytes: int = 64 * MiB) -> float:
 def call_costs(calls: int = 40) -> dict:
     """Per-call seconds of the small ops the executors issue at decode shapes: ``gemm_call`` (F.linear of 16 rows
     64 -> 128), ``op_call`` (:func:`op_mix_call`), ``view_call`` (a select), ``attention_call`` (the CPU
-    decode-attention routine on 4 rows of 16 positions)."""
+    decode-attention routine on 4 rows of 16 positions), ``argmax_rate`` and ``sample_rate`` (elements/s of greedy's
+    argmax and of the sampler at temperature 1, over 16 rows of 32,000 logits)."""
+    from ..kernels.sampling import keys_from_seeds, sample_tokens
     from .cpu_attention import cpu_decode_attention
 
     x, w = torch.randn(16, 64), torch.randn(128, 64)
@@ -77,6 +79,9 @@ def call_costs(calls: int = 40) -> dict:
     out["nonzero_call"] = _per_call(lambda: torch.where(ids == 3), calls // 2)
     logits = torch.randn(16, 32000)
     out["argmax_rate"] = logits.numel() / _per_call(lambda: logits.argmax(dim=-1), 1, 30)
+    seeds = [(s * 0x9E3779B97F4A7C15) & ((1 << 63) - 1) for s in range(1, 17)]  # a sampled step's per-row keys
+    out["sample_rate"] = logits.numel() / _per_call(
+        lambda: sample_tokens(logits, 1.0, keys=keys_from_seeds(seeds)), 1, 10)
     return out
 
 

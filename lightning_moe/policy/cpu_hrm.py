@@ -106,6 +106,8 @@ class CpuProfile:
     #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
     head_matmul_flops: float = 0.0  # FLOP/s of an lm_head-shaped fp32 GEMM (64 rows x 64 -> 32768: a short
     #   reduction into a vocabulary-wide output beyond the L2; 0 = unmeasured: the matmul peak's)
+    sample_rate: float = 0.0  # elements/s of the sampler over fp32 logits rows (kernels.sampling.sample_tokens at
+    #   temperature 1, no filter: the hashed race over V per row), a sampled job's draw (0 = unmeasured: argmax_rate)
     head_matmul_flops_many: float = 0.0  # the same GEMM over 256 rows (the BLAS changes its blocking above 64 rows:
     #   ~4x slower per FLOP on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
     source: str = ""  # how it was measured
@@ -261,12 +263,15 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
     return Terms(ops=ops, flops=flops / P, bytes=(wbytes + kv_bytes + act_bytes) / B + scatter)
 
 
-def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executor: str, phase: str) -> Terms:
-    """(C5) the head of one (micro-)batch: final norm and lm_head over ``rows`` rows, embedding, sampling."""
+def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executor: str, phase: str,
+               sampling: bool = False) -> Terms:
+    """(C5) the head of one (micro-)batch: final norm and lm_head over ``rows`` rows, embedding, sampling (greedy's
+    argmax, or with ``sampling`` the sampler's race over V per row at the profile's ``sample_rate``)."""
     b = dtype_bytes(dtype)
     D, V = spec.hidden_size, spec.vocab_size
     ops = _ops_time(prof, executor, phase, 1, 0, 0, 0, head=True)
-    ops += rows * V / prof.argmax_rate if prof.argmax_rate > 0 else 0.0  # greedy sampling: an argmax over V per row
+    rate = prof.sample_rate if sampling and prof.sample_rate > 0 else prof.argmax_rate
+    ops += rows * V / rate if rate > 0 else 0.0  # the draw: an argmax (greedy) or the sampler over V per row
     P = prof.matmul_flops(dtype)
     head = prof.head_matmul_flops_many if rows > HEAD_ROWS[0] and prof.head_matmul_flops_many > 0 else \
         prof.head_matmul_flops
@@ -346,7 +351,7 @@ def prefill_chunks(lens: Sequence[int], rows: int, tokens: int) -> list:
     return out + ([cur] if cur else [])
 
 
-def _batch_terms(spec, prof, lens, dtype, executor, gen_len, mu, prefill_mu, prefill_tokens) -> tuple:
+def _batch_terms(spec, prof, lens, dtype, executor, gen_len, mu, prefill_mu, prefill_tokens, sampling=False) -> tuple:
     """(prefill Terms, decode Terms) of one batch of prompts ``lens`` (sorted)."""
     if executor == "serial":
         groups, chunks = [list(lens)], [[list(lens)]]
@@ -357,18 +362,18 @@ def _batch_terms(spec, prof, lens, dtype, executor, gen_len, mu, prefill_mu, pre
     for ch in (c for cs in chunks for c in cs):
         pre = pre + _sum_layers(spec, prof, tokens=sum(ch), dtype=dtype, executor=executor, phase="prefill",
                                 rows=len(ch), padded_len=max(ch), groups=min(KV_GROUPS, len(set(ch))))
-        pre = pre + head_terms(spec, prof, len(ch), dtype, executor, "prefill")
+        pre = pre + head_terms(spec, prof, len(ch), dtype, executor, "prefill", sampling)
     dec = Terms()
     for g in groups:
         mean = sum(g) / len(g)
         for j in range(1, gen_len):
             dec = dec + _sum_layers(spec, prof, tokens=len(g), dtype=dtype, executor=executor, phase="decode",
                                     context=mean + j)
-            dec = dec + head_terms(spec, prof, len(g), dtype, executor, "decode")
+            dec = dec + head_terms(spec, prof, len(g), dtype, executor, "decode", sampling)
     return pre, dec
 
 
-def _cgopipe_terms(spec, prof, lens, dtype, gen_len, N, mu, prefill_mu, prefill_tokens) -> tuple:
+def _cgopipe_terms(spec, prof, lens, dtype, gen_len, N, mu, prefill_mu, prefill_tokens, sampling=False) -> tuple:
     """(prefill Terms, decode Terms) of a cgopipe job with continuous refill (pipeline/refill.py): min(N, P) slots in
     micro-batches of ``mu`` decode every step (a free slot decodes a throwaway token: the shapes stay fixed), the
     passes and steps those of :func:`refill_schedule.simulate` with every request at max_new_tokens (the executor's
@@ -382,13 +387,13 @@ def _cgopipe_terms(spec, prof, lens, dtype, gen_len, N, mu, prefill_mu, prefill_
         for ch in prefill_chunks(lens[i:i + rows], prefill_mu, prefill_tokens):
             pre = pre + _sum_layers(spec, prof, tokens=sum(ch), dtype=dtype, executor="cgopipe", phase="prefill",
                                     rows=len(ch), padded_len=max(ch), groups=min(KV_GROUPS, len(set(ch))))
-            pre = pre + head_terms(spec, prof, len(ch), dtype, "cgopipe", "prefill")
+            pre = pre + head_terms(spec, prof, len(ch), dtype, "cgopipe", "prefill", sampling)
         i += rows
     sizes = [len(g) for g in group_by_length([1] * S, mu, -(-S // mu)) if g]  # the slots' micro-batches
     step0 = Terms()
     for m in sizes:
         step0 = step0 + _sum_layers(spec, prof, tokens=m, dtype=dtype, executor="cgopipe", phase="decode", context=0.0)
-        step0 = step0 + head_terms(spec, prof, m, dtype, "cgopipe", "decode")
+        step0 = step0 + head_terms(spec, prof, m, dtype, "cgopipe", "decode", sampling)
     one = [_sum_layers(spec, prof, tokens=1, dtype=dtype, executor="cgopipe", phase="decode", context=c) for c in (0, 1)]
     per_pos = Terms(ops=0.0, flops=one[1].flops - one[0].flops, bytes=one[1].bytes - one[0].bytes)  # a row's position
     attended = sum(pos for _, pos in sched.steps)  # positions attended by the live rows over the job
@@ -412,12 +417,13 @@ def estimate_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, executor
     pre, dec = Terms(), Terms(ops=len(lens) * prof.record_write)  # each sequence's record is written (fsync) as it
     #   finishes, during decode
     if executor == "cgopipe" and G > 1:  # one refilling call over every request (app.engine)
-        p, d = _cgopipe_terms(spec, prof, lens, dtype, G, batch_size, mu, prefill_mu or mu, prefill_tokens)
+        p, d = _cgopipe_terms(spec, prof, lens, dtype, G, batch_size, mu, prefill_mu or mu, prefill_tokens,
+                              workload.sampling)
         pre, dec = pre + p, dec + d
     else:
         for i in range(0, len(lens), batch_size):
             p, d = _batch_terms(spec, prof, lens[i:i + batch_size], dtype, executor, G, mu, prefill_mu or mu,
-                                prefill_tokens)
+                                prefill_tokens, workload.sampling)
             pre, dec = pre + p, dec + d
     ps, ds = _stages(pre), _stages(dec)
     return CpuEstimate(

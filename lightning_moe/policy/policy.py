@@ -50,7 +50,8 @@ class Workload:
     name: str = ""  # label for tables ("mtbench", "synthetic 77/128")
     prompt_lens: Optional[tuple[int, ...]] = None  # every tokenized prompt length of the job (None: unknown)
     scoring: bool = False  # prefill-only scoring (no KV cache, no decode; gen_len is 1): the sequences are scored texts
-    sampling: bool = False  # sampled decoding (temperature > 0): the sampler's temporaries count in the decode workspace
+    sampling: bool = False  # sampled decoding (temperature > 0): the sampler's temporaries count in the GPU decode
+    #   workspace, its draw in the CPU roofline's head (C5)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_len, bool) or not isinstance(self.prompt_len, (int, float)) or not self.prompt_len >= 1:
