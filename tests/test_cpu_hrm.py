@@ -109,7 +109,8 @@ def _reference_flops(spec, lens, gen, batch):
     pre = dec = 0.0
     for i in range(0, len(lens), batch):
         b = lens[i:i + batch]
-        pre += spec.num_layers * (sum(b) * proj + len(b) * max(b) ** 2 * spec.prefill_attn_flops_per_position)
+        pre += spec.num_layers * (sum(b) * proj + len(b) * max(b) * (max(b) + 1) / 2  # the causal pairs
+                                  * spec.prefill_attn_flops_per_position)
         pre += 2 * len(b) * D * V
         for j in range(1, gen):
             ctx = sum(b) / len(b) + j
@@ -146,15 +147,37 @@ def test_cgopipe_prices_the_refill_schedule(tiny):
     proj = 2 * (spec.attn_in_params + spec.attn_out_params) + 2 * E * D + 2 * k * 3 * D * F
     P, n, S, G = 3.7e9, 7, 4, 5
     prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=1e30,
-                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0)
+                 matmul_flops_fp32=P, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0, glue_call=0.0, scatter_bandwidth=1e30)
     est = estimate_cpu(spec, prof, Workload.from_lengths([n] * 11, G), "fp32", "cgopipe", S, 2, 4)
     pre = dec = 0.0
     for rows in (4, 4, 3):
-        pre += L * (rows * n * proj + rows * n * n * spec.prefill_attn_flops_per_position) + 2 * rows * D * V
+        pre += L * (rows * n * proj + rows * n * (n + 1) / 2 * spec.prefill_attn_flops_per_position) + 2 * rows * D * V
         for j in range(1, G):
             dec += L * (S * proj + rows * (n + j) * spec.attn_flops_per_position) + 2 * S * D * V
     assert est.prefill_time == pytest.approx(pre / P, rel=1e-9)
     assert est.decode_time == pytest.approx(dec / P, rel=1e-9)
+
+
+def test_element_wise_traffic_is_not_hidden(tiny):
+    """(C3') the element-wise ops' traffic adds to the visit (a CPU op runs alone: no GEMM hides it), the weights and
+    KV the GEMMs read hide under their FLOPs: serial decode of one batch of R rows, the stream term is layers x steps
+    x R rows x (fixed ops + top_k x per-expert ops) x 2 D x 4 bytes / B, 1e-9 relative, and the decode time is
+    ops + max(flops, memory) + stream."""
+    from lightning_moe.policy.cpu_hrm import OP_COUNTS
+
+    spec, _ = tiny
+    R, G, B = 12, 5, 3e9
+    prof = _prof(gemm_call=0.0, op_call=0.0, view_call=0.0, attention_call=0.0, memory_bandwidth=B,
+                 scatter_bandwidth=1e30, matmul_flops_fp32=2e9, nonzero_call=0.0, argmax_rate=0.0, record_write=0.0,
+                 glue_call=0.0)
+    est = estimate_cpu(spec, prof, Workload.from_lengths([9] * R, G), "fp32", "serial", R)
+    c = OP_COUNTS[("serial", "decode")]["op"]
+    rows_per_visit = R * (c["fixed"] + spec.top_k * c["expert"])
+    stream = spec.num_layers * (G - 1) * rows_per_visit * 2 * spec.hidden_size * 4 / B
+    st = est.decode_stages
+    assert st["cpu-stream"] == pytest.approx(stream, rel=1e-9)
+    assert st["cpu-flops"] > st["cpu-memory"] > 0  # the weights' and KV's bytes hidden under the FLOPs
+    assert est.decode_time == pytest.approx(st["cpu-ops"] + st["cpu-flops"] + stream, rel=1e-9)
 
 
 def test_sampled_job_prices_the_sampler(tiny):
@@ -241,14 +264,21 @@ def test_head_gemm_at_its_measured_rate(tiny):
     assert slow.decode_time - base.decode_time == pytest.approx(head / 1e9 - head / 4e9, rel=1e-9)
     assert estimate_cpu(spec, _prof(**zero, head_matmul_flops=1e12), wl, "fp32", "serial", 2).decode_time == \
         pytest.approx(base.decode_time, rel=1e-12)
-    # a head of more than HEAD_ROWS[0] = 64 rows goes at head_matmul_flops_many (here 0.5e9), one of <= 64 not
-    wl = Workload.from_lengths([5] * 70 + [7] * 30, 3)
-    two = dict(head_matmul_flops=1e9, head_matmul_flops_many=0.5e9)
+    # a head of more than HEAD_ROWS[1] = 64 rows goes at head_matmul_flops_many (here 0.5e9), one of 17-64 rows at
+    # head_matmul_flops (1e9), one of <= HEAD_ROWS[0] = 16 at head_matmul_flops_few (0.7e9)
+    wl = Workload.from_lengths([5] * 70 + [7] * 30 + [9] * 16, 3)
+    three = dict(head_matmul_flops=1e9, head_matmul_flops_many=0.5e9, head_matmul_flops_few=0.7e9)
     base = estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 70)
-    got = estimate_cpu(spec, _prof(**zero, **two), wl, "fp32", "serial", 70)
-    head = {r: 2 * 2 * r * spec.hidden_size * spec.vocab_size for r in (70, 30)}  # 2 decode steps per batch
+    got = estimate_cpu(spec, _prof(**zero, **three), wl, "fp32", "serial", 70)
+    head = {r: 2 * 2 * r * spec.hidden_size * spec.vocab_size for r in (70, 46)}  # 2 decode steps per batch
     assert got.decode_time - base.decode_time == pytest.approx(
-        head[70] / 0.5e9 + head[30] / 1e9 - (head[70] + head[30]) / 4e9, rel=1e-9)
+        head[70] / 0.5e9 + head[46] / 1e9 - (head[70] + head[46]) / 4e9, rel=1e-9)
+    wl = Workload.from_lengths([4] * 16 + [6] * 17, 3)  # batches of 16 and 17 rows
+    got = estimate_cpu(spec, _prof(**zero, **three), wl, "fp32", "serial", 16)
+    base = estimate_cpu(spec, _prof(**zero), wl, "fp32", "serial", 16)
+    head = {r: 2 * 2 * r * spec.hidden_size * spec.vocab_size for r in (16, 16, 1)}
+    assert got.decode_time - base.decode_time == pytest.approx(
+        2 * head[16] / 0.7e9 + head[1] / 0.7e9 - (2 * head[16] + head[1]) / 4e9, rel=1e-9)
 
 
 def test_plan_cpu_returns_a_fitting_prediction(tiny):
@@ -291,7 +321,7 @@ def test_measured_profile_fields_are_sane():
         assert 1e-8 < getattr(p, f) < 0.1, f
     assert 0.0 <= p.glue_call < 1e-3  # the probe's step less its micro-benchmarked ops, per op
     assert 1e6 < p.argmax_rate < 1e13 and 1e5 < p.sample_rate < 1e13 and 1e6 < p.sdpa_rate < 1e13 and 1e8 < p.head_matmul_flops < 1e14
-    assert 1e8 < p.head_matmul_flops_many < 1e14
+    assert 1e8 < p.head_matmul_flops_many < 1e14 and 1e8 < p.head_matmul_flops_few < 1e14
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 
 

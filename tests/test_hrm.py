@@ -371,11 +371,13 @@ def test_expert_kernel_probe_argument_errors():
 
 def test_sinks_attention_counts_its_materialized_scores():
     """gpt-oss's prefill attention (sinks: no fused kernel) materializes [rows, Hq, S, S] scores: the memory model's
-    attention stage grows by (3 b + 12) bytes per score."""
+    attention stage grows by (3 b + 12) bytes per score, and by its mask (1 + b bytes per (query, key) pair: full causal
+    attention passes none)."""
     import dataclasses
 
     spec = two_layer_spec()
     sinks = dataclasses.replace(spec, attention_sinks=True)
     rows, S = 3, 40
     base = hrm._packed_attention_stage_bytes(spec, 100, rows * S, S, "bf16")
-    assert hrm._packed_attention_stage_bytes(sinks, 100, rows * S, S, "bf16") - base == rows * S * S * spec.num_heads * 18
+    assert hrm._packed_attention_stage_bytes(sinks, 100, rows * S, S, "bf16") - base == \
+        rows * S * S * spec.num_heads * 18 + rows * S * S * 3

@@ -9,7 +9,7 @@ import sys
 from typing import Optional
 
 CPU_PROFILE_ENV = "LIGHTNING_MOE_CPU_PROFILE"  # a CPU profile YAML to use instead of the cached measurement
-PROFILE_VERSION = 5  # in the cache file's name: bumped when CpuProfile's fields change, so versions keep their own
+PROFILE_VERSION = 6  # in the cache file's name: bumped when CpuProfile's fields change, so versions keep their own
 #   files (an older version would refuse a newer file's keys)
 
 

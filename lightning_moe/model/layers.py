@@ -367,17 +367,20 @@ def prefill_packed_layout(spans: list[tuple[int, int]], T: int, device) -> tuple
 
 
 def packed_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
-                              sliding_window: Optional[int], layout=None):
+                              sliding_window: Optional[int], layout=None, mask: bool = True):
     """The padded operands of packed prefill attention: (qp, kp, vp [B, Hq, S, *] with k, v repeated to every query
-    head, allowed [B, S(q), S(k)]: causal, within the sequence and the sliding window, keep [T]: the packed rows of
-    the [B*S] output). q: [T, Hq, hd]; k, v: [T, Hkv, *]; ``layout``: :func:`prefill_packed_layout` of the spans."""
+    head, allowed [B, S(q), S(k)]: causal, within the sequence and the sliding window (None without ``mask``), keep
+    [T]: the packed rows of the [B*S] output). q: [T, Hq, hd]; k, v: [T, Hkv, *]; ``layout``:
+    :func:`prefill_packed_layout` of the spans."""
     G = q.shape[1] // k.shape[1]
     src, keep, valid = layout if layout is not None else prefill_packed_layout(spans, q.shape[0], q.device)
     S = src.shape[1]
-    i = torch.arange(S, device=q.device)
-    allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
-    if sliding_window is not None:
-        allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
+    allowed = None
+    if mask:
+        i = torch.arange(S, device=q.device)
+        allowed = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # [B, S(q), S(k)]
+        if sliding_window is not None:
+            allowed &= (i[None, :] > i[:, None] - sliding_window)[None]
     qp = q[src].permute(0, 2, 1, 3)  # [B, Hq, S, hd]
     kp = k[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, hd]
     vp = v[src].permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # [B, Hq, S, v_hd]
@@ -393,8 +396,8 @@ def prefill_attention_packed(
     q: [T, Hq, hd]; k, v: [T, Hkv, hd]; spans: (start, end) of each sequence in the packed dim; ``layout``:
     :func:`prefill_packed_layout` of these spans (built here when None).
     On CUDA, where torch's varlen flash attention takes the operands (:mod:`..kernels.prefill_attention`), one call
-    on the packed rows. Otherwise sequences are padded to the longest (S) into [B, H, S, hd]; a mask keeps each query
-    on its own sequence's keys j <= i (and j > i - sliding_window); one fused ``scaled_dot_product_attention`` call
+    on the packed rows. Otherwise sequences are padded at their ends to the longest (S) into [B, H, S, hd]; each query
+    sees its own sequence's keys j <= i (``is_causal``; with a sliding window a mask, also j > i - sliding_window); one fused ``scaled_dot_product_attention`` call
     (fp32 softmax inside the kernel; on CUDA the memory-efficient kernel first: no plan per new chunk shape).
     Logits scaled by ``scale`` (default 1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns
     [T, Hq*v_hd] in q's dtype. Equals :func:`prefill_attention` per sequence up to floating-point summation order.
@@ -408,12 +411,17 @@ def prefill_attention_packed(
         cu = torch.tensor([0] + ends, dtype=torch.int32).to(q.device, non_blocking=True)  # [B + 1]
         o = _pa.attention_varlen(q, k, v, cu, max(e - s for s, e in spans), sliding_window, scale)  # [T, Hq, hd]
         return o.reshape(q.shape[0], Hq * v.shape[-1])
-    qp, kp, vp, allowed, keep = packed_attention_operands(q, k, v, spans, sliding_window, layout)
+    qp, kp, vp, allowed, keep = packed_attention_operands(q, k, v, spans, sliding_window, layout,
+                                                          mask=sliding_window is not None)
     B, _, S, _ = qp.shape
     # fused SDPA (memory-efficient kernel on CUDA): never materializes the [B, Hq, S, S] scores,
-    # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace
+    # whose fp32 copy is ~185 MB for 8 prompts of 425 tokens with 32 heads and is not in the planner's workspace.
+    # Without a sliding window no mask: sequences are padded at their ends, so a kept query i < len sees only its
+    # own keys j <= i under is_causal (a pad query's row is dropped by keep). SDPA turned a boolean [B, 1, S, S]
+    # mask into a float one on every call: 45 ms per layer on 2 CPU cores at 16 x 425, more than the attention.
     with _pa.sdpa_backends(q.device, mode):
-        o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)  # [B, Hq, S, v_hd]
+        o = F_.scaled_dot_product_attention(qp, kp, vp, attn_mask=None if allowed is None else allowed[:, None],
+                                            is_causal=allowed is None, scale=scale)  # [B, Hq, S, v_hd]
     out = o.permute(0, 2, 1, 3).reshape(B * S, Hq * v.shape[-1])  # [B*S, Hq*v_hd]
     # packed order (spans are consecutive); an index computed on the host, not out[valid], whose boolean indexing
     # synchronized the host with the GPU once per prefill chunk and layer

@@ -43,7 +43,7 @@ def matmul_flops(dtype: torch.dtype, n: int = 256) -> float:
     return 2 * n**3 / _per_call(lambda: torch.mm(a, b), 1, 60)
 
 
-HEAD_ROWS = (64, 256)  # rows of the two lm_head-shaped GEMMs measured (cpu_hrm.HEAD_ROWS: which one a head uses)
+HEAD_ROWS = (16, 64, 256)  # rows of the lm_head-shaped GEMMs measured (cpu_hrm.HEAD_ROWS: which one a head uses)
 
 
 def head_matmul_flops(rows: int = 64, hidden: int = 64, vocab: int = 32768) -> float:
@@ -86,14 +86,13 @@ def call_costs(calls: int = 40) -> dict:
 
 
 def sdpa_rate(rows: int = 4, heads: int = 4, seq: int = 256, head_dim: int = 16) -> float:
-    """(query, key, head) scores per second of torch's CPU ``scaled_dot_product_attention`` with a boolean causal mask
-    over a padded [rows, heads, seq, head_dim] layout (the prefill's packed attention on the CPU): at a small head dim
-    the per-score work of the masked softmax (exp, max, sum, the mask), not the QK^T / PV FLOPs, sets its time."""
+    """(query, key, head) pairs per second of torch's CPU ``scaled_dot_product_attention`` with ``is_causal`` over a
+    padded [rows, heads, seq, head_dim] layout, every pair of the seq x seq square counted (the causal half the kernel
+    skips too): the prefill's packed attention on the CPU. At a small head dim the per-score work of the softmax
+    (exp, max, sum), not the QK^T / PV FLOPs, sets its time."""
     q, k, v = (torch.randn(rows, heads, seq, head_dim) for _ in range(3))
-    i = torch.arange(seq)
-    mask = (i[None, :] <= i[:, None])[None, None].expand(rows, 1, seq, seq)
     with torch.inference_mode():
-        t = _per_call(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), 1, 15)
+        t = _per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 1, 15)
     return rows * heads * seq * seq / t
 
 
@@ -259,7 +258,8 @@ def measure_cpu_profile(name: str = "cpu", directory: str = "") -> CpuProfile:
         name=name, machine=machine_key(), cpu_model=cpu_model(), cpu_cores=os.cpu_count() or 1,
         threads=torch.get_num_threads(), torch_version=str(torch.__version__), host_memory=host_memory_bytes(),
         memory_bandwidth=memory_bandwidth(), matmul_flops_fp32=matmul_flops(torch.float32), matmul_flops_bf16=bf16,
-        head_matmul_flops=head_matmul_flops(HEAD_ROWS[0]), head_matmul_flops_many=head_matmul_flops(HEAD_ROWS[1]),
+        head_matmul_flops_few=head_matmul_flops(HEAD_ROWS[0]), head_matmul_flops=head_matmul_flops(HEAD_ROWS[1]),
+        head_matmul_flops_many=head_matmul_flops(HEAD_ROWS[2]),
         scatter_bandwidth=scatter_bandwidth(), sdpa_rate=sdpa_rate(), record_write=record_write(directory or tempfile.gettempdir()), source="measured by lightning_moe.pipeline.cpu_profile "
         "(best of repeated micro-benchmarks)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **costs)

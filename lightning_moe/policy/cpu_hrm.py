@@ -16,14 +16,18 @@ padded to S):
                  a experts' gate/up/down over their T k rows, shared / dense FFN, attention (decode: T c attended
                  positions; prefill: the padded R S^2 layout the packed SDPA computes, at the larger of its FLOPs /
                  P_gemm and its R Hq S^2 scores / the measured SDPA score rate)
-  (C3) t_bytes = the layer's bytes / B_mem (B_mem: the measured copy bandwidth, read + write): weights read once
-                 (attention, router, the a experts hit), the KV read by decode attention, and each element-wise op's
-                 read + write of one [T, D] row block
-  (C4) layer visit = t_ops + max(t_flops, t_bytes): the fixed call costs are paid in series with the op bodies (a
-                 small kernel does not start before its call is issued); the body is bound by compute or memory
+  (C3) t_bytes = the bytes the GEMMs and attention read / B_mem (B_mem: the measured copy bandwidth, read + write):
+                 weights read once (attention, router, the a experts hit), the KV read by decode attention
+  (C3') t_stream = the element-wise ops' own traffic / B_mem: each one's read + write of one [T, D] row block (and
+                 cgopipe's prefill KV scatter / the measured scatter bandwidth); those ops run alone between the
+                 GEMMs (a CPU op runs to completion before the next is issued), so no FLOPs hide them
+  (C4) layer visit = t_ops + max(t_flops, t_bytes) + t_stream: the fixed call costs are paid in series with the op
+                 bodies (a small kernel does not start before its call is issued); a GEMM's body is bound by compute
+                 or by the memory it reads; the element-wise bodies are bound by their traffic
   (C5) head per (micro-)batch and step: the lm_head over its rows ((C2)/(C3) with V x D weights; its FLOPs at the
        measured lm_head-shaped GEMM rate of its row count) + its ops + the
-                 greedy argmax over V per row at the measured argmax rate; (C1) also holds each routed expert's token
+                 draw over V per row (greedy's argmax at the measured argmax rate; a sampled job's sampler at the
+                 measured sample rate); (C1) also holds each routed expert's token
                  gather (a nonzero: ``nonzero_call``) and one durable result-record write per sequence (``record_write``)
   (C6) decode step: sum over micro-batches and layers of (C4) + (C5); prefill: per prefill chunk the same;
        the batches are the job's: its prompts sorted by length (engine.work_order), cut into batches of
@@ -32,8 +36,8 @@ padded to S):
        each pass prefilled in chunks of at most prefill_mu rows and prefill_tokens padded tokens
   (C7) throughput as hrm (H9): prefill prompt tokens / T_prefill, decode tokens / T_decode, generated / total
 
-The binding stage of a phase is the largest of its summed terms: ``cpu-ops`` (C1), ``cpu-flops`` (C2) or
-``cpu-memory`` (C3). For the embedded tiny model (D 64, 8 experts of F 128) every kernel is tiny, so ``cpu-ops`` binds
+The binding stage of a phase is the largest of its summed terms: ``cpu-ops`` (C1), ``cpu-flops`` (C2),
+``cpu-memory`` (C3) or ``cpu-stream`` (C3'). For the embedded tiny model (D 64, 8 experts of F 128) every kernel is tiny, so ``cpu-ops`` binds
 both phases: a decode step of 16 rows issues ~950 torch ops for ~30 MFLOP of work.
 """
 
@@ -49,7 +53,8 @@ from .batching import KV_GROUPS, group_by_length
 from .hardware import HardwareError
 from .yaml_io import read_yaml, write_yaml
 
-CPU_STAGES = ("cpu-ops", "cpu-flops", "cpu-memory")  # the terms (C1)-(C3) a phase's binding stage names
+CPU_STAGES = ("cpu-ops", "cpu-flops", "cpu-memory", "cpu-stream")  # the terms (C1)-(C3') a phase's binding stage
+#   names
 
 # Torch ops per layer visit of one (micro-)batch, by executor and phase, counted with a dispatch counter
 # (tests/test_cpu_hrm.py::test_op_counts_match_executor). "fixed": per layer visit; "expert": per routed expert that
@@ -67,8 +72,8 @@ OP_COUNTS = {  # (executor, phase) -> {class -> {"fixed", "expert", "row", "grou
                              "view": dict(fixed=58, expert=4, row=0.5, group=8.5, head=10)},
 }  # "group": per KV length group of the chunk's rows beyond the first (cgopipe's grouped KV write, one per group)
 EXPERT_GEMMS = 3  # gate, up, down per routed expert hit (the torch expert FFN's loop)
-HEAD_ROWS = (64, 256)  # rows of the profile's two lm_head-shaped GEMMs: a head of <= 64 rows goes at the first's rate,
-#   a larger one at the second's (pipeline.cpu_profile.HEAD_ROWS measures them)
+HEAD_ROWS = (16, 64, 256)  # rows of the profile's lm_head-shaped GEMMs: a head of <= 16 rows goes at the first's
+#   rate, of <= 64 at the second's, a larger one at the third's (pipeline.cpu_profile.HEAD_ROWS measures them)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class CpuProfile:
     #   temperature 1, no filter: the hashed race over V per row), a sampled job's draw (0 = unmeasured: argmax_rate)
     head_matmul_flops_many: float = 0.0  # the same GEMM over 256 rows (the BLAS changes its blocking above 64 rows:
     #   ~4x slower per FLOP on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
+    head_matmul_flops_few: float = 0.0  # the same GEMM over 16 rows (a serial decode batch's head: ~0.65x the
+    #   64 rows' rate on the development VM), the rate of a head of at most 16 rows (0 = the 64 rows')
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
@@ -180,19 +187,21 @@ class Terms:
 
     ops: float = 0.0  # (C1) per-call host cost
     flops: float = 0.0  # (C2) FLOPs / P_gemm
-    bytes: float = 0.0  # (C3) bytes / B_mem
+    bytes: float = 0.0  # (C3) bytes the GEMMs and attention read (weights, KV) / B_mem: hidden under their FLOPs
+    stream: float = 0.0  # (C3') the element-wise ops' own traffic (a [T, D] read and write each, cgopipe's KV
+    #   scatter) / B_mem: those ops run alone, between the GEMMs, so nothing hides it
 
     @property
     def time(self) -> float:
-        """(C4) ops + max(flops, bytes)."""
-        return self.ops + max(self.flops, self.bytes)
+        """(C4) ops + max(flops, bytes) + stream."""
+        return self.ops + max(self.flops, self.bytes) + self.stream
 
     def __add__(self, o: "Terms") -> "Terms":
-        return Terms(self.ops + o.ops, self.flops + o.flops, self.bytes + o.bytes)
+        return Terms(self.ops + o.ops, self.flops + o.flops, self.bytes + o.bytes, self.stream + o.stream)
 
     def scaled(self, w: float) -> "Terms":
         """These terms ``w`` times."""
-        return Terms(self.ops * w, self.flops * w, self.bytes * w)
+        return Terms(self.ops * w, self.flops * w, self.bytes * w, self.stream * w)
 
 
 def active_experts(tokens: float, num_experts: int, top_k: int) -> float:
@@ -204,6 +213,14 @@ def op_counts(executor: str, phase: str, experts: float, rows: float, groups: fl
     """Non-GEMM ops and view ops of one layer visit (OP_COUNTS): {"op": n, "view": n}."""
     return {k: v["fixed"] + v["expert"] * experts + v["row"] * rows + v["group"] * max(0.0, groups - 1)
             for k, v in OP_COUNTS[(executor, phase)].items()}
+
+
+def stream_blocks(executor: str, phase: str, tokens: float, top_k: int, groups: float = 1.0) -> float:
+    """(C3') rows of width D the element-wise ops of one layer visit of ``tokens`` rows touch: a "fixed" op all
+    ``tokens``, a routed expert's ops its own rows (over the experts hit: tokens x top_k), a prefill row's ops that
+    row's tokens (over the rows: tokens), a KV length group's ops its rows (over the groups: tokens)."""
+    c = OP_COUNTS[(executor, phase)]["op"]
+    return tokens * (c["fixed"] + c["expert"] * top_k + c["row"] + c["group"] * (1.0 if groups > 1 else 0.0))
 
 
 def _ops_time(prof: CpuProfile, executor: str, phase: str, gemms: float, experts: float, rows: float,
@@ -248,19 +265,19 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
         flops += tokens * context * spec.attn_flops_per_position
         kv_bytes = tokens * context * spec.kv_elems_per_token * b
     else:  # (C2') the padded R x S^2 attention: its FLOPs or its masked-softmax scores at sdpa_rate, the larger
-        pairs = rows * padded_len * padded_len
-        attn_s = max(pairs * spec.prefill_attn_flops_per_position / P,
+        pairs = rows * padded_len * padded_len  # the padded squares (sdpa_rate counts them so)
+        causal = rows * padded_len * (padded_len + 1) / 2  # the pairs j <= i its causal kernel computes
+        attn_s = max(causal * spec.prefill_attn_flops_per_position / P,
                      pairs * spec.num_heads / prof.sdpa_rate if prof.sdpa_rate > 0 else 0.0)
         flops += attn_s * P
         kv_bytes = tokens * spec.kv_elems_per_token * b  # the prompt KV written to the cache
         if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by an index_put scatter, not a copy
             scatter = kv_bytes / prof.scatter_bandwidth
             kv_bytes = 0.0
-    act_bytes = op_counts(executor, phase, a, rows, groups)["op"] * 2 * tokens * D * b  # each element-wise op reads
-    #   and writes one [T, D] block
+    act_bytes = stream_blocks(executor, phase, tokens, k, groups) * 2 * D * b  # each op reads and writes its rows
     ops = _ops_time(prof, executor, phase, gemms, a, rows, attn_calls, groups=groups)
     ops += a * max(0.0, prof.nonzero_call - prof.op_call)  # each expert's token gather is a nonzero, not a small op
-    return Terms(ops=ops, flops=flops / P, bytes=(wbytes + kv_bytes + act_bytes) / B + scatter)
+    return Terms(ops=ops, flops=flops / P, bytes=(wbytes + kv_bytes) / B, stream=act_bytes / B + scatter)
 
 
 def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executor: str, phase: str,
@@ -273,9 +290,12 @@ def head_terms(spec: MoESpec, prof: CpuProfile, rows: float, dtype: str, executo
     rate = prof.sample_rate if sampling and prof.sample_rate > 0 else prof.argmax_rate
     ops += rows * V / rate if rate > 0 else 0.0  # the draw: an argmax (greedy) or the sampler over V per row
     P = prof.matmul_flops(dtype)
-    head = prof.head_matmul_flops_many if rows > HEAD_ROWS[0] and prof.head_matmul_flops_many > 0 else \
-        prof.head_matmul_flops
-    if head > 0:  # the lm_head's shape class runs at its own rate, measured at HEAD_ROWS[0] or HEAD_ROWS[1] rows
+    head = prof.head_matmul_flops
+    if rows > HEAD_ROWS[1] and prof.head_matmul_flops_many > 0:
+        head = prof.head_matmul_flops_many
+    elif rows <= HEAD_ROWS[0] and prof.head_matmul_flops_few > 0:
+        head = prof.head_matmul_flops_few
+    if head > 0:  # the lm_head's shape class runs at its own rate, measured at the HEAD_ROWS class of its rows
         P = min(P, head)
     return Terms(ops=ops, flops=2 * rows * D * V / P,
                  bytes=(V * D * b + rows * V * 4 * 2) / prof.memory_bandwidth)
@@ -301,7 +321,7 @@ class CpuEstimate:
     decode_tokens: int  # tokens generated by decode steps (the first of each sequence comes from prefill)
     prefill_time: float  # seconds
     decode_time: float  # seconds
-    prefill_stages: dict  # CPU_STAGES -> seconds summed over the phase (ops, flops, bytes)
+    prefill_stages: dict  # CPU_STAGES -> seconds summed over the phase (ops, flops, bytes, stream)
     decode_stages: dict  # the same for decode
     prefill_binding: str  # the largest of prefill_stages
     decode_binding: str  # the largest of decode_stages ("-" without decode)
@@ -401,7 +421,7 @@ def _cgopipe_terms(spec, prof, lens, dtype, gen_len, N, mu, prefill_mu, prefill_
 
 
 def _stages(t: Terms) -> dict:
-    return {"cpu-ops": t.ops, "cpu-flops": t.flops, "cpu-memory": t.bytes}
+    return dict(zip(CPU_STAGES, (t.ops, t.flops, t.bytes, t.stream)))
 
 
 def estimate_cpu(spec: MoESpec, prof: CpuProfile, workload, dtype: str, executor: str, batch_size: int,
@@ -483,7 +503,7 @@ def format_cpu_table(spec: MoESpec, prof: CpuProfile, est: CpuEstimate, executor
     for phase, stages, bind, t in (("prefill", est.prefill_stages, est.prefill_binding, est.prefill_time),
                                    ("decode", est.decode_stages, est.decode_binding, est.decode_time)):
         parts = ", ".join(f"{k} {v:.3f}" + (" *" if k == bind else "") for k, v in stages.items())
-        lines.append(f"  {phase:8s} {t:.3f} s = ops + max(flops, memory): {parts}")
+        lines.append(f"  {phase:8s} {t:.3f} s = ops + max(flops, memory) + stream: {parts}")
     lines += ["", f"predicted tokens/s: prefill {est.prefill_tok_s:,.1f}, decode {est.decode_tok_s:,.1f}, "
               f"end-to-end {est.e2e_tok_s:,.1f}; binding: prefill {est.prefill_binding}, decode {est.decode_binding}"]
     return "\n".join(lines)

@@ -503,14 +503,16 @@ def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: in
 
 def _packed_attention_stage_bytes(spec: MoESpec, tokens: int, padded: int, longest: int, dtype: str) -> int:
     """Temporaries of packed prefill attention (model.layers.prefill_attention_packed) above q/k/v: 4 padded x q
-    (gathered q, repeated k and v, the SDPA output; then its packed copy), the selected rows (tokens x q), the
-    boolean mask (rows x longest^2) and SDPA's copy of it in the dtype. With attention sinks (gpt-oss: no fused
+    (gathered q, repeated k and v, the SDPA output; then its packed copy), the selected rows (tokens x q), and with a
+    sliding window or sinks the boolean mask (rows x longest^2) and SDPA's copy of it in the dtype (full causal
+    attention passes no mask). With attention sinks (gpt-oss: no fused
     kernel) the [rows, Hq, longest, longest] scores are materialized: the matmul output and its masked copy in the
     dtype, the fp32 copy, the fp32 concatenation with the sink column and its softmax, the probabilities in the dtype
     (3 b + 12 bytes per score)."""
     b, q = dtype_bytes(dtype), spec.attn_query_elems
     scores = padded * longest * spec.num_heads * (3 * b + 12) if spec.attention_sinks else 0
-    return 4 * padded * q * b + tokens * q * b + padded * longest * (1 + b) + scores
+    mask = padded * longest * (1 + b) if spec.sliding_window is not None or spec.attention_sinks else 0
+    return 4 * padded * q * b + tokens * q * b + mask + scores
 
 
 def score_head_bytes(spec: MoESpec, tokens: int, dtype: str = "bf16") -> int:
