@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Issue 45 on the GPU host: every peer on the same checkpoint, prompts, lengths and cap; steps in the order given.
+#
+#   bash benchmarks/peers/run_all.sh STEP...      steps: setup build ckpt convert ours llama accelerate deepspeed table
+#
+# Device-call plan (each call < 600 s; a step whose row is already written is skipped, so a call that ran out of
+# time is continued by the next one with the same steps; see benchmarks/peers/README.md):
+#   1. setup build ckpt convert      (~450 s: the CUDA build of llama.cpp runs beside checkpoint + quantize + GGUF)
+#   2. setup ours llama              (~550 s)
+#   3. setup accelerate deepspeed table   (~450 s)
+#
+# Env: WORK (checkpoints, GGUFs; default /tmp/peers-work), OUT (rows, logs, table; default ${OUT:-/tmp/out}/peers),
+# LAYERS (4), CAP (12GiB), GENS ("128 32"), REQUESTS (2000, ours), MAXB (256, accelerate/deepspeed),
+# DEADLINE (seconds this call may use, default 570; each run step gets the time left as its timeout),
+# PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width).
+# SMOKE=1: the same steps on this CPU machine with a tiny checkpoint (2 layers, width 128), a CPU build of llama.cpp,
+# 40 requests, gen 8 and 16: proves the scripts and parsers, its numbers are not results.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+T_START=$(date +%s)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export LIGHTNING_MOE_CACHE=${LIGHTNING_MOE_CACHE:-$PWD/.carry/cache}
+WORK=${WORK:-/tmp/peers-work}
+OUT=${OUT:-/tmp/out}/peers
+LAYERS=${LAYERS:-4}; CAP=${CAP:-12GiB}; GENS=${GENS:-"128 32"}; REQUESTS=${REQUESTS:-2000}; MAXB=${MAXB:-256}
+DEADLINE=${DEADLINE:-570}; PRESET=${PRESET:-}   # empty: make_checkpoint's defaults, the Mixtral-8x7B width
+MODE=cuda; CKARGS=(--device cuda); OURS=(); LLAMA=(); HF=(); BUILD=()
+if [[ ${SMOKE:-0} == 1 ]]; then
+  WORK=${WORK%-work}-smoke; LAYERS=2; GENS=${GENS_SMOKE:-"16 8"}; REQUESTS=40; MAXB=8; MODE=cpu; DEADLINE=${DEADLINE_SMOKE:-1800}
+  CKARGS=(--hidden 128 --intermediate 256 --heads 4 --kv-heads 2)
+  OURS=(--device cpu --dtype float32 --cap ''); LLAMA=(--ngl 0 --threads 2 --npl 16,8,4,2,1); HF=(--device cpu); BUILD=(--cpu)
+fi
+NAME=${PRESET:-mixtral-8x7b}; CK=$WORK/ckpt-$NAME-L$LAYERS; CK4=$CK-int4; GG=$WORK/gguf-$NAME-L$LAYERS
+PRESET_ARG=(); [[ -n $PRESET ]] && PRESET_ARG=(--preset "$PRESET")
+P=benchmarks/peers
+mkdir -p "$WORK" "$OUT"
+left() { echo $(( DEADLINE - ($(date +%s) - T_START) )); }
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T_START ))s] $*"; }
+have_row() { python3 -c "import json,sys; sys.exit(0 if json.load(open('$OUT/$1.json')).get('status')=='ok' else 1)" 2>/dev/null; }
+
+step_setup() {
+  python3 -c "import highspy, pulp, sentencepiece, deepspeed" 2>/dev/null && return
+  python3 -m pip install -q --no-index --no-deps .carry/wheels/*.whl .carry/peers/wheels/*.whl 2>&1 | tail -2
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h "$WORK" | tail -1; nproc; free -g | head -2
+  python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)"
+}
+step_build() {   # in the background: ckpt/convert run beside it; convert's Q4_0 waits for it
+  if [[ -x build/peers/llama-build-$MODE/bin/llama-batched-bench ]]; then return; fi
+  log "llama.cpp CUDA build started (log $OUT/build.log)"
+  PEERS_DIR=build/peers bash $P/build_llama_cpp.sh "${BUILD[@]}" > "$OUT/build.log" 2>&1 &
+  BUILD_PID=$!
+}
+step_ckpt() {
+  [[ -f $CK/config.json ]] || python3 benchmarks/make_checkpoint.py "$CK" "${PRESET_ARG[@]}" --layers "$LAYERS" \
+      "${CKARGS[@]}" > "$OUT/ckpt.log" 2>&1 || { tail -5 "$OUT/ckpt.log"; return 1; }
+  tail -1 "$OUT/ckpt.log"
+  [[ -f $CK4/config.json ]] || python3 -m lightning_moe.cli quantize "$CK" "$CK4" --experts int4 > "$OUT/quantize.log" 2>&1 \
+      || { tail -5 "$OUT/quantize.log"; return 1; }
+  tail -2 "$OUT/quantize.log"; du -sh "$CK" "$CK4"
+}
+step_convert() {
+  python3 $P/convert_gguf.py "$CK" --out "$GG" > "$OUT/convert-bf16.log" 2>&1 || { tail -8 "$OUT/convert-bf16.log"; return 1; }
+  if [[ -n ${BUILD_PID:-} ]]; then log "waiting for the llama.cpp build"; wait "$BUILD_PID"; tail -4 "$OUT/build.log"; fi
+  python3 $P/convert_gguf.py "$CK" --out "$GG" --quant Q4_0 > "$OUT/convert-q4.log" 2>&1 || { tail -8 "$OUT/convert-q4.log"; return 1; }
+  tail -1 "$OUT/convert-q4.log"; df -h "$WORK" | tail -1
+}
+step_ours() {
+  for g in $GENS; do for ck in "$CK" "$CK4"; do
+    w=bf16; [[ $ck == "$CK4" ]] && w=int4
+    have_row ours-$w-g$g && continue
+    (( $(left) > 30 )) || { log "no time left for ours $w g$g"; return; }
+    log "ours $w gen $g"
+    python3 $P/run_ours.py "$ck" --gen "$g" --requests "$REQUESTS" --cap "$CAP" --out "$OUT" --work "$WORK/ours" \
+      --timeout $(( $(left) - 10 )) "${OURS[@]}"
+  done; done
+}
+step_llama() {
+  local gl=${GENS// /,}
+  for w in bf16 Q4_0; do
+    have_row llama-$w-g${GENS##* } && continue
+    (( $(left) > 40 )) || { log "no time left for llama.cpp $w"; return; }
+    local t=$(( $(left) - 10 )); [[ $w == bf16 ]] && (( t > ($(left) - 10) * 55 / 100 )) && t=$(( ($(left) - 10) * 55 / 100 ))
+    log "llama.cpp $w gen $gl (timeout $t s)"
+    python3 $P/run_llama_cpp.py "$GG/model-$w.gguf" --tokenizer "$CK" --gen "$gl" --cap "$CAP" --out "$OUT" --timeout "$t" "${LLAMA[@]}"
+  done
+}
+step_hf() {  # accelerate | deepspeed
+  local who=$1
+  for g in $GENS; do
+    have_row $who-bf16-g$g && continue
+    (( $(left) > 60 )) || { log "no time left for $who g$g"; return; }
+    local budget=$(( ($(left) - 60) / 2 )); (( budget > 200 )) && budget=200
+    log "$who gen $g (time budget $budget s)"
+    timeout $(( $(left) - 5 )) python3 $P/run_$who.py "$CK" --gen "$g" --cap "$CAP" --max-batch "$MAXB" --batches 2 \
+      --time-budget "$budget" --out "$OUT" "${HF[@]}" > "$OUT/$who-g$g.log" 2>&1; tail -1 "$OUT/$who-g$g.log"
+  done
+}
+step_accelerate() { step_hf accelerate; }
+step_deepspeed() { step_hf deepspeed; }
+step_table() { python3 $P/make_table.py "$OUT" --md "$OUT/peers-table.md"; }
+
+for s in "$@"; do
+  log "step $s"
+  "step_$s" || log "step $s failed"
+done
+if [[ -n ${BUILD_PID:-} ]] && kill -0 "$BUILD_PID" 2>/dev/null; then log "waiting for the llama.cpp build"; wait "$BUILD_PID"; fi
+log "done"

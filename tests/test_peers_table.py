@@ -1,0 +1,69 @@
+"""benchmarks/peers/make_table.py: the llama-batched-bench parser (on captured real output) and the table."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks.peers import make_table
+
+SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "llama_batched_bench_sample.txt")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    with open(SAMPLE) as f:
+        return make_table.parse_batched_bench(f.read())
+
+
+def test_parses_the_markdown_table_and_the_jsonl_lines(rows):
+    md, js = rows[:6], rows[6:]
+    assert len(md) == 6 and len(js) == 2
+    assert [r["pl"] for r in md] == [1, 2, 4, 8, 16, 32] and [r["pl"] for r in js] == [1, 4]
+    first = md[0]
+    assert first == pytest.approx({"pp": 80, "tg": 32, "pl": 1, "n_kv": 112, "t_pp": 0.001, "speed_pp": 55172.41,
+                                   "t_tg": 0.005, "speed_tg": 6707.19, "t": 0.006, "speed": 18003.54,
+                                   "gen_tok_s": 32 / 0.006})
+    assert isinstance(first["pl"], int) and isinstance(first["t"], float)
+    # a number wider than its column (104255.76 in the 8-wide S_PP column) still parses
+    assert md[5]["speed_pp"] == 104255.76
+    assert js[1]["t"] == pytest.approx(0.217387) and js[1]["n_kv"] == 448
+
+
+def test_best_row_is_the_highest_generated_rate_not_llamas_total_rate(rows):
+    best = make_table.best_batched_bench(rows[:6], pp=80, tg=32)
+    assert best["pl"] == 32 and best["gen_tok_s"] == pytest.approx(32 * 32 / 0.094)
+    assert make_table.best_batched_bench(rows, pp=80, tg=128) is None
+    # S t/s counts prompt tokens too: B=1 has a higher S t/s than B=2 and B=4 here, gen_tok_s orders by output
+    assert all(r["gen_tok_s"] == pytest.approx(r["pl"] * r["tg"] / r["t"]) for r in rows)
+
+
+def test_log_lines_headers_and_garbage_are_skipped():
+    text = ("llama_batched_bench: n_kv_max = 8192\n|    PP |     TG |    B |\n|-------|--------|\n"
+            "| 1 | 2 | 3 |\n{\"not\": \"a row\"}\n{broken json\n")
+    assert make_table.parse_batched_bench(text) == []
+
+
+def _row(peer, weights, tok_s, gen=128, status="ok", **kw):
+    return {"peer": peer, "weights": weights, "model": "mixtral h4096 x14336 E8 L4", "gen_len": gen,
+            "tok_s": tok_s, "status": status, "N": 8, "cap": "12GiB", **kw}
+
+
+def test_table_ratios_pair_ours_with_peers_of_the_same_weight_class(tmp_path):
+    rows = [_row("ours", "bf16", 1000.0), _row("ours", "int4", 3000.0), _row("llama.cpp", "bf16", 250.0),
+            _row("llama.cpp", "Q4_0", 600.0), _row("accelerate", "bf16", 100.0),
+            _row("deepspeed", "bf16", None, status="skipped", reason="no wheel"),
+            _row("accelerate", "bf16", 50.0, gen=32)]
+    for i, r in enumerate(rows):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(r))
+    (tmp_path / "other.json").write_text(json.dumps({"not": "a row"}))
+    table = make_table.make_table(make_table.load_rows([str(tmp_path)]))
+    lines = {tuple(c.strip() for c in ln.strip("|").split("|")[:4]): ln for ln in table.splitlines()
+             if ln.startswith("| mixtral")}
+    assert "**4.00**" in lines[("mixtral h4096 x14336 E8 L4", "128", "llama.cpp", "bf16")]
+    assert "**5.00**" in lines[("mixtral h4096 x14336 E8 L4", "128", "llama.cpp", "Q4_0")]
+    assert "**10.00**" in lines[("mixtral h4096 x14336 E8 L4", "128", "accelerate", "bf16")]
+    assert "**skipped**: no wheel" in lines[("mixtral h4096 x14336 E8 L4", "128", "deepspeed", "bf16")]
+    # no ours row at gen 32: no ratio
+    assert "**" not in lines[("mixtral h4096 x14336 E8 L4", "32", "accelerate", "bf16")]
+    assert len(lines) == 7
