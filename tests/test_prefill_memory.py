@@ -149,15 +149,22 @@ def test_scoring_chunk_counts_the_packed_tokens_the_lengths_allow():
 def test_long_row_attention_counts_the_mask_and_its_copy_by_hand():
     """One 32768-token row (Mixtral widths, bf16): packed attention holds q/k/v (T (4096 + 2 x 1024) x 2 B), then the
     gathered q, repeated k and v, the SDPA output and its packed copy (4 x T x 4096 x 2 B), the selected rows
-    (T x 4096 x 2 B), the boolean mask T^2 and SDPA's bf16 copy of it (2 T^2); the chunk term is the larger of that
-    and the FFN stage (about equal here)."""
-    spec = resolve_spec("mixtral-8x7b")
+    (T x 4096 x 2 B); with a sliding window also the boolean mask T^2 and SDPA's bf16 copy of it (2 T^2: full causal
+    attention passes no mask); the chunk term is the larger of that and the FFN stage (about equal here)."""
+    import dataclasses
+
     T = 32768
-    want = T * (4096 + 2 * 1024) * 2 + 4 * T * 4096 * 2 + T * 4096 * 2 + T * T * 3
-    attn_only = want - T * (4096 + 2 * 1024) * 2
-    ffn = hrm._ffn_stage_bytes(spec, T, "bf16", 1)
-    assert hrm.prefill_chunk_workspace(spec, T, T, T, "bf16", cpu_kv=False, groups=1) == want - attn_only + max(attn_only, ffn)
-    assert hrm.prefill_chunk_workspace(spec, T, 4 * T, T, "bf16", cpu_kv=False) == want + 3 * T * (4 * 4096 * 2 + T * 3)  # 4 rows padded to T
+    for window, mask in ((None, 0), (4096, T * T * 3)):
+        spec = dataclasses.replace(resolve_spec("mixtral-8x7b"), sliding_window=window)
+        want = T * (4096 + 2 * 1024) * 2 + 4 * T * 4096 * 2 + T * 4096 * 2 + mask
+        attn_only = want - T * (4096 + 2 * 1024) * 2
+        ffn = hrm._ffn_stage_bytes(spec, T, "bf16", 1)
+        got = hrm.prefill_chunk_workspace(spec, T, T, T, "bf16", cpu_kv=False, groups=1)
+        assert got == want - attn_only + max(attn_only, ffn), window
+        qkv = T * (4096 + 2 * 1024) * 2
+        attn4 = 4 * (4 * T) * 4096 * 2 + T * 4096 * 2 + 4 * mask  # 4 rows padded to T: 4x the padded terms
+        assert hrm.prefill_chunk_workspace(spec, T, 4 * T, T, "bf16", cpu_kv=False) == \
+            qkv + max(attn4, hrm._ffn_stage_bytes(spec, T, "bf16", 2)), window
 
 
 @pytest.mark.parametrize("n_seqs,mean,tokens,rows", [(256, 200, 32768, 128), (256, 200, 16384, 64), (1000, 300, 16384, 53),

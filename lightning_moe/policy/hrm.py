@@ -489,7 +489,7 @@ def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: in
 
     q/k/v (alive for the layer) + the larger of: packed attention (q, k, v gathered to the padded layout and k, v
     repeated to every query head, the SDPA output and its packed copy: 4 padded x q, the selected rows: tokens x q,
-    the boolean mask rows x longest^2 and SDPA's copy of it in the dtype) and the FFN stage
+    with a sliding window or sinks the boolean mask rows x longest^2 and SDPA's copy of it in the dtype) and the FFN stage
     (:func:`_ffn_stage_bytes` with ``groups`` expert groups); with ``cpu_kv`` (some micro-batch keeps its KV on the
     CPU) + k/v of two chunks on their way there.
     """
