@@ -497,6 +497,11 @@ def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: in
     q, kv = spec.attn_query_elems, spec.kv_elems_per_token // 2
     T = tokens
     qkv = T * (q + 2 * kv) * b
+    # Kept conservative for every fused path: the planner cannot know that the run's host has CUDA and triton nor
+    # the run's LIGHTNING_MOE_PREFILL_ATTENTION, so the padded call's temporaries (and with sinks the materialized
+    # scores of gpt-oss's torch path) stay counted. They bound what the fused kernels allocate: torch's varlen and
+    # the Triton kernel (kernels.prefill_attention.attention_varlen_triton, issue 44: MLA, fp32, sinks) allocate
+    # only the [T, Hq, v_hd] output (<= the selected rows' tokens x q), no padded copy and no [S, S] scores.
     attn = _packed_attention_stage_bytes(spec, T, padded, longest, dtype)
     return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups)) + (2 * T * 2 * kv * b if cpu_kv else 0)
 
