@@ -510,10 +510,11 @@ def _packed_attention_stage_bytes(spec: MoESpec, tokens: int, padded: int, longe
     """Temporaries of packed prefill attention (model.layers.prefill_attention_packed) above q/k/v: 4 padded x q
     (gathered q, repeated k and v, the SDPA output; then its packed copy), the selected rows (tokens x q), and with a
     sliding window or sinks the boolean mask (rows x longest^2) and SDPA's copy of it in the dtype (full causal
-    attention passes no mask). With attention sinks (gpt-oss: no fused
-    kernel) the [rows, Hq, longest, longest] scores are materialized: the matmul output and its masked copy in the
+    attention passes no mask). With attention sinks (gpt-oss's torch path, taken off CUDA or without triton) the
+    [rows, Hq, longest, longest] scores are materialized: the matmul output and its masked copy in the
     dtype, the fp32 copy, the fp32 concatenation with the sink column and its softmax, the probabilities in the dtype
-    (3 b + 12 bytes per score)."""
+    (3 b + 12 bytes per score). Counted also where the Triton kernel will run (it allocates none of them): see
+    :func:`prefill_chunk_workspace`."""
     b, q = dtype_bytes(dtype), spec.attn_query_elems
     scores = padded * longest * spec.num_heads * (3 * b + 12) if spec.attention_sinks else 0
     mask = padded * longest * (1 + b) if spec.sliding_window is not None or spec.attention_sinks else 0
