@@ -109,7 +109,7 @@ def test_rerun_of_a_finished_job_validates_like_a_fresh_run(tmp_path, tiny_dir, 
     assert cli.main(["run", p, "--no-progress", "--set", "policy={mu: 4, nn: 2}"]) == 2
     assert _one_line_error(capsys).startswith(f"moe-batch: error: {p}: policy: unknown key(s) nn (known: mu, n,")
     for var, known in (("LIGHTNING_MOE_CPU_ATTENTION", "auto, native, sdpa"),
-                       ("LIGHTNING_MOE_PREFILL_ATTENTION", "auto, varlen, efficient, sdpa")):
+                       ("LIGHTNING_MOE_PREFILL_ATTENTION", "auto, varlen, triton, efficient, sdpa")):
         monkeypatch.setenv(var, "fast")
         assert cli.main(["run", p, "--no-progress"]) == 2
         assert _one_line_error(capsys) == f"moe-batch: error: {p}: environment variable {var}='fast': expected one " \

@@ -18,7 +18,7 @@ def test_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv("LIGHTNING_MOE_PREFILL_ATTENTION", " Efficient ")
     assert PA.prefill_attention_mode() == "efficient"
     monkeypatch.setenv("LIGHTNING_MOE_PREFILL_ATTENTION", "cudnn")
-    with pytest.raises(ValueError, match="LIGHTNING_MOE_PREFILL_ATTENTION='cudnn'.*auto, varlen, efficient, sdpa"):
+    with pytest.raises(ValueError, match="LIGHTNING_MOE_PREFILL_ATTENTION='cudnn'.*auto, varlen, triton, efficient, sdpa"):
         PA.prefill_attention_mode()
 
 

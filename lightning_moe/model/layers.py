@@ -348,6 +348,18 @@ def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, e
     return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
 
 
+def packed_cu_seqlens(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, int]:
+    """(int32 cumulative lengths [B + 1] on ``device``, the longest span) of spans consecutive from 0 (the packed
+    chunk's rows): a host list copied without a stream sync, as :func:`prefill_packed_layout` copies."""
+    cu = torch.tensor([0] + [e for _, e in spans], dtype=torch.int32).to(device, non_blocking=True)  # [B + 1]
+    return cu, max(e - s for s, e in spans)
+
+
+def spans_packed(spans: list[tuple[int, int]], T: int) -> bool:
+    """Whether ``spans`` cover rows 0..T consecutively (what the packed fused kernels take)."""
+    return bool(spans) and spans[-1][1] == T and all(a == b for (_, a), (b, _) in zip([(0, 0)] + spans, spans))
+
+
 def prefill_packed_layout(spans: list[tuple[int, int]], T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Index tensors of :func:`prefill_attention_packed` for one packed chunk (the same for every layer, so callers
     may build them once): ``src`` int64 [B, S] (packed token of each (sequence, position); pad slots point at token
@@ -401,11 +413,19 @@ def prefill_attention_packed(
     (fp32 softmax inside the kernel; on CUDA the memory-efficient kernel first: no plan per new chunk shape).
     Logits scaled by ``scale`` (default 1/sqrt(hd)); v may have its own head width v_hd (MLA). Returns
     [T, Hq*v_hd] in q's dtype. Equals :func:`prefill_attention` per sequence up to floating-point summation order.
+
+    Where varlen refuses the operands (v narrower than q / k: MLA; fp32) and triton is importable, the CUDA path is
+    this package's Triton flash attention on the packed rows instead (``kernels.prefill_attention.use_triton``;
+    ``LIGHTNING_MOE_PREFILL_ATTENTION=triton`` takes it wherever it runs). The CPU path is never changed by it.
     """
     Hq = q.shape[1]
     mode = _pa.prefill_attention_mode()
     ends = [e for _, e in spans]
     packed = ends[-1] == q.shape[0] and all(a == b for (_, a), (b, _) in zip([(0, 0)] + spans, spans))  # 0..T, no gaps
+    if packed and _pa.use_triton(q, k, v, sliding_window, scale, mode):  # what varlen refuses: MLA's widths, fp32
+        cu, longest = packed_cu_seqlens(spans, q.device)
+        o = _pa.attention_varlen_triton(q, k, v, cu, longest, sliding_window, scale)  # [T, Hq, v_hd]
+        return o.reshape(q.shape[0], Hq * v.shape[-1])
     if packed and _pa.use_varlen(q, k, v, sliding_window, scale, mode):
         # spans are consecutive from 0; a host list copied without a stream sync (as prefill_packed_layout does)
         cu = torch.tensor([0] + ends, dtype=torch.int32).to(q.device, non_blocking=True)  # [B + 1]

@@ -497,6 +497,11 @@ def prefill_chunk_workspace(spec: MoESpec, tokens: int, padded: int, longest: in
     q, kv = spec.attn_query_elems, spec.kv_elems_per_token // 2
     T = tokens
     qkv = T * (q + 2 * kv) * b
+    # Kept conservative for every fused path: the planner cannot know that the run's host has CUDA and triton nor
+    # the run's LIGHTNING_MOE_PREFILL_ATTENTION, so the padded call's temporaries (and with sinks the materialized
+    # scores of gpt-oss's torch path) stay counted. They bound what the fused kernels allocate: torch's varlen and
+    # the Triton kernel (kernels.prefill_attention.attention_varlen_triton, issue 44: MLA, fp32, sinks) allocate
+    # only the [T, Hq, v_hd] output (<= the selected rows' tokens x q), no padded copy and no [S, S] scores.
     attn = _packed_attention_stage_bytes(spec, T, padded, longest, dtype)
     return qkv + max(attn, _ffn_stage_bytes(spec, T, dtype, groups)) + (2 * T * 2 * kv * b if cpu_kv else 0)
 
@@ -505,10 +510,11 @@ def _packed_attention_stage_bytes(spec: MoESpec, tokens: int, padded: int, longe
     """Temporaries of packed prefill attention (model.layers.prefill_attention_packed) above q/k/v: 4 padded x q
     (gathered q, repeated k and v, the SDPA output; then its packed copy), the selected rows (tokens x q), and with a
     sliding window or sinks the boolean mask (rows x longest^2) and SDPA's copy of it in the dtype (full causal
-    attention passes no mask). With attention sinks (gpt-oss: no fused
-    kernel) the [rows, Hq, longest, longest] scores are materialized: the matmul output and its masked copy in the
+    attention passes no mask). With attention sinks (gpt-oss's torch path, taken off CUDA or without triton) the
+    [rows, Hq, longest, longest] scores are materialized: the matmul output and its masked copy in the
     dtype, the fp32 copy, the fp32 concatenation with the sink column and its softmax, the probabilities in the dtype
-    (3 b + 12 bytes per score)."""
+    (3 b + 12 bytes per score). Counted also where the Triton kernel will run (it allocates none of them): see
+    :func:`prefill_chunk_workspace`."""
     b, q = dtype_bytes(dtype), spec.attn_query_elems
     scores = padded * longest * spec.num_heads * (3 * b + 12) if spec.attention_sinks else 0
     mask = padded * longest * (1 + b) if spec.sliding_window is not None or spec.attention_sinks else 0

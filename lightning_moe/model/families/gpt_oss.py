@@ -48,6 +48,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn.functional as F_
 
+from ...kernels import prefill_attention as PA
 from ...kernels.mxfp4 import mxfp4_dequantize, mxfp4_page_layout, pack_mxfp4_pages
 from .. import layers as L
 from ..checkpoint_io import CheckpointError
@@ -307,9 +308,17 @@ def prefill_attention_packed(
     q: [T, Hq, hd]; k, v: [T, Hkv, hd]; spans: (start, end) of each sequence; ``layout``: ``layers.prefill_packed_layout``
     of the spans (built here when None). Each query sees its own sequence's keys j <= i (and j > i - sliding_window);
     logits ``q k^T / sqrt(hd)``, softmax in fp32 together with the head's sink (``lw.sinks``), which is then dropped.
-    The [B, Hq, S, S] scores are materialized (the serial executor's reference). Returns [T, Hq*hd] in q's dtype.
+    On CUDA with triton (``kernels.prefill_attention.use_triton``: ``LIGHTNING_MOE_PREFILL_ATTENTION`` auto / varlen /
+    triton), one launch of ``kernels.prefill_attention.attention_varlen_triton`` on the packed rows (fp32 online
+    softmax with the sink, no [S, S] matrix). Otherwise (the CPU, ``efficient`` / ``sdpa``) the [B, Hq, S, S] scores
+    are materialized: the torch path, which is also the reference. Returns [T, Hq*hd] in q's dtype.
     """
     T, Hq, hd = q.shape
+    if L.spans_packed(spans, T) and PA.use_triton(q, k, v, sliding_window, None, PA.prefill_attention_mode(),
+                                                  sinks=True):
+        cu, longest = L.packed_cu_seqlens(spans, q.device)
+        o = PA.attention_varlen_triton(q, k, v, cu, longest, sliding_window, sinks=lw.sinks.to(q.device))
+        return o.reshape(T, Hq * hd)  # [T, Hq*hd]
     qp, kp, vp, allowed, keep = L.packed_attention_operands(q, k, v, spans, sliding_window, layout)
     B, _, S, _ = qp.shape
     scores = torch.matmul(qp, kp.transpose(2, 3)) * hd ** -0.5  # [B, Hq, S, S]
