@@ -420,16 +420,12 @@ def prefill_attention_packed(
     """
     Hq = q.shape[1]
     mode = _pa.prefill_attention_mode()
-    ends = [e for _, e in spans]
-    packed = ends[-1] == q.shape[0] and all(a == b for (_, a), (b, _) in zip([(0, 0)] + spans, spans))  # 0..T, no gaps
-    if packed and _pa.use_triton(q, k, v, sliding_window, scale, mode):  # what varlen refuses: MLA's widths, fp32
+    packed = spans_packed(spans, q.shape[0])  # 0..T, no gaps
+    triton = packed and _pa.use_triton(q, k, v, sliding_window, scale, mode)  # what varlen refuses: MLA's widths, fp32
+    if triton or (packed and _pa.use_varlen(q, k, v, sliding_window, scale, mode)):
         cu, longest = packed_cu_seqlens(spans, q.device)
-        o = _pa.attention_varlen_triton(q, k, v, cu, longest, sliding_window, scale)  # [T, Hq, v_hd]
-        return o.reshape(q.shape[0], Hq * v.shape[-1])
-    if packed and _pa.use_varlen(q, k, v, sliding_window, scale, mode):
-        # spans are consecutive from 0; a host list copied without a stream sync (as prefill_packed_layout does)
-        cu = torch.tensor([0] + ends, dtype=torch.int32).to(q.device, non_blocking=True)  # [B + 1]
-        o = _pa.attention_varlen(q, k, v, cu, max(e - s for s, e in spans), sliding_window, scale)  # [T, Hq, hd]
+        fn = _pa.attention_varlen_triton if triton else _pa.attention_varlen
+        o = fn(q, k, v, cu, longest, sliding_window, scale)  # [T, Hq, v_hd]
         return o.reshape(q.shape[0], Hq * v.shape[-1])
     qp, kp, vp, allowed, keep = packed_attention_operands(q, k, v, spans, sliding_window, layout,
                                                           mask=sliding_window is not None)
