@@ -745,6 +745,21 @@ def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_ne
                                           sinks=sinks, fn="decode_attention_append")
 
 
+def check_operands(fn: str, tensors: list, dtype: torch.dtype, names: str) -> None:
+    """The per-call tensors ``[(name, t)]`` of a native CPU attention call: on the CPU, of the cache's ``dtype``
+    (bf16 / fp16 / fp32), each row contiguous; ``names`` lists them for the dtype message. Raises ValueError."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{fn}: cache dtype {dtype}; one of bf16 / fp16 / fp32 is needed")
+    for name, t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"{fn}: {name} must be on the CPU, got {t.device}")
+        if t.dtype != dtype:
+            raise ValueError(f"{fn}: {name} dtype {t.dtype}; all of {names}, caches, out must share one of "
+                             f"bf16 / fp16 / fp32 (cache: {dtype})")
+        if t.shape[0] and not t[0].is_contiguous():  # each row contiguous (rows may be strided)
+            raise ValueError(f"{fn}: {name} rows must be contiguous, got strides {t.stride()}")
+
+
 def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
                                    rows: Sequence[torch.Tensor], k_caches: Sequence[torch.Tensor],
                                    v_caches: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor], out: torch.Tensor,
@@ -779,17 +794,8 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
                          f"{tuple(v_new.shape)}")
     if out.shape != (B, Hq * hd):
         raise ValueError(f"{fn}: out must be [B, Hq*hd] = {(B, Hq * hd)}, got {tuple(out.shape)}")
-    tensors = [("q", q), ("out", out)] + ([("k_new", k_new), ("v_new", v_new)] if append else [])
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{fn}: cache dtype {dtype}; one of bf16 / fp16 / fp32 is needed")
-    for name, t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"{fn}: {name} must be on the CPU, got {t.device}")
-        if t.dtype != dtype:
-            raise ValueError(f"{fn}: {name} dtype {t.dtype}; all of q, k_new, v_new, caches, out must share one of "
-                             f"bf16 / fp16 / fp32 (cache: {dtype})")
-        if t.shape[0] and not t[0].is_contiguous():  # each row contiguous (rows may be strided)
-            raise ValueError(f"{fn}: {name} rows must be contiguous, got strides {t.stride()}")
+    check_operands(fn, [("q", q), ("out", out)] + ([("k_new", k_new), ("v_new", v_new)] if append else []), dtype,
+                   "q, k_new, v_new")
     cleaned = []
     for g, (r, kc, vc, n) in enumerate(zip(rows, k_caches, v_caches, lengths)):
         where = f" (group {g})" if len(k_caches) > 1 else ""

@@ -79,16 +79,8 @@ def _check_shared(fn: str, q_lat, c_new, kpe_new, out, E: int, dtype: torch.dtyp
     if append and (c_new.shape != (B, Dl) or kpe_new.shape != (B, E - Dl)):
         raise ValueError(f"{fn}: c_new / kpe_new must be [B, Dl] = {(B, Dl)} / [B, rd] = {(B, E - Dl)}, got "
                          f"{tuple(c_new.shape)} / {tuple(kpe_new.shape)}")
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{fn}: cache dtype {dtype}; one of bf16 / fp16 / fp32 is needed")
-    for name, t in [("q_lat", q_lat), ("out", out)] + ([("c_new", c_new), ("kpe_new", kpe_new)] if append else []):
-        if t.device.type != "cpu":
-            raise ValueError(f"{fn}: {name} must be on the CPU, got {t.device}")
-        if t.dtype != dtype:
-            raise ValueError(f"{fn}: {name} dtype {t.dtype}; all of q_lat, c_new, kpe_new, caches, out must share "
-                             f"one of bf16 / fp16 / fp32 (cache: {dtype})")
-        if t.shape[0] and not t[0].is_contiguous():  # each row contiguous (rows may be strided)
-            raise ValueError(f"{fn}: {name} rows must be contiguous, got strides {t.stride()}")
+    new = [("c_new", c_new), ("kpe_new", kpe_new)] if append else []
+    _ca.check_operands(fn, [("q_lat", q_lat), ("out", out)] + new, dtype, "q_lat, c_new, kpe_new")
 
 
 def _check_group(fn: str, where: str, r, X, n, E: int, dtype: torch.dtype) -> None:

@@ -51,7 +51,7 @@ from ..model.spec import MoESpec, dtype_bytes
 from . import refill_schedule
 from .batching import KV_GROUPS, group_by_length
 from .hardware import HardwareError
-from .yaml_io import read_yaml, write_yaml
+from .yaml_io import YamlRecord
 
 CPU_STAGES = ("cpu-ops", "cpu-flops", "cpu-memory", "cpu-stream")  # the terms (C1)-(C3') a phase's binding stage
 #   names
@@ -77,7 +77,7 @@ HEAD_ROWS = (16, 64, 256)  # rows of the profile's lm_head-shaped GEMMs: a head 
 
 
 @dataclass(frozen=True)
-class CpuProfile:
+class CpuProfile(YamlRecord):
     """One CPU-only host's measured rates for the CPU executor's roofline (units: s, FLOP/s, bytes/s, bytes).
 
     Measured by ``pipeline.cpu_profile.measure_cpu_profile`` (``moe-batch profile --cpu``, or at first use by a CPU
@@ -136,6 +136,8 @@ class CpuProfile:
         key = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "fp16": "bf16"}.get(dtype, dtype)
         return self.matmul_flops_bf16 if key == "bf16" and self.matmul_flops_bf16 > 0 else self.matmul_flops_fp32
 
+    ERROR, WHAT = HardwareError, "CPU profile fields"  # for YamlRecord (not fields: no annotation)
+
     def to_dict(self) -> dict:
         """Plain dict in field order (what :meth:`save` writes)."""
         return asdict(self)
@@ -143,12 +145,7 @@ class CpuProfile:
     @classmethod
     def from_dict(cls, d: Any, where: str = "<dict>") -> "CpuProfile":
         """Build from a mapping; unknown or missing keys and wrong types raise HardwareError naming ``where``."""
-        if not isinstance(d, dict):
-            raise HardwareError(f"{where}: expected a mapping of CPU profile fields, got {type(d).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise HardwareError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(known)})")
+        known = cls._known_fields(d, where)
         kw: dict = {}
         for name, f in known.items():
             if name not in d:
@@ -160,19 +157,7 @@ class CpuProfile:
             if isinstance(v, bool) or not isinstance(v, want):
                 raise HardwareError(f"{where}: {name}: expected {f.type}, got {v!r}")
             kw[name] = float(v) if f.type == "float" else v
-        try:
-            return cls(**kw)
-        except HardwareError as e:
-            raise HardwareError(f"{where}: {e}") from None
-
-    @classmethod
-    def load(cls, path: str) -> "CpuProfile":
-        """Read a YAML written by :meth:`save`."""
-        return cls.from_dict(read_yaml(path, HardwareError), where=path)
-
-    def save(self, path: str, header: str = "") -> None:
-        """Write as YAML."""
-        write_yaml(path, self.to_dict(), header)
+        return cls._build(kw, where)
 
 
 def is_cpu_profile_dict(d: Any) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any, Sequence
 
 
-from .yaml_io import read_yaml, write_yaml
+from .yaml_io import YamlRecord
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 GB = 1e9
@@ -135,7 +135,7 @@ class ExpertFFNRate:
 
 
 @dataclass(frozen=True)
-class HardwareProfile:
+class HardwareProfile(YamlRecord):
     """One host: GPU, PCIe link, host DRAM, CPU attention throughput. Units: bytes, bytes/s, FLOP/s.
 
     Load with :meth:`load` (YAML; unknown keys and wrong types are errors), or :func:`get_preset`.
@@ -245,6 +245,8 @@ class HardwareProfile:
         return getattr(self, f"gpu_flops_{key}")
 
     # ---- YAML ------------------------------------------------------------------------------------
+    ERROR, WHAT = HardwareError, "hardware fields"  # for YamlRecord (not fields: no annotation)
+
     def to_dict(self) -> dict:
         """Plain dict in field order (what :meth:`save` writes)."""
         d = asdict(self)
@@ -259,12 +261,7 @@ class HardwareProfile:
         numeric strings (YAML 1.1 reads ``1.6e12`` without a dot as a string).
         Raises HardwareError naming ``where`` and the key.
         """
-        if not isinstance(d, dict):
-            raise HardwareError(f"{where}: expected a mapping of hardware fields, got {type(d).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise HardwareError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(known)})")
+        known = cls._known_fields(d, where)
         kw: dict[str, Any] = {}
         for name, f in known.items():
             if name not in d:
@@ -296,22 +293,7 @@ class HardwareProfile:
                     raise HardwareError(f"{where}: {name}: expected a number, got {v!r} ({type(v).__name__})")
                 v = float(v)
             kw[name] = v
-        try:
-            return cls(**kw)
-        except HardwareError as e:
-            raise HardwareError(f"{where}: {e}") from None
-
-    @classmethod
-    def load(cls, path: str) -> "HardwareProfile":
-        """Read a profile YAML written by :meth:`save` or ``moe-batch profile``.
-
-        Raises FileNotFoundError, HardwareError (bad YAML, unknown key, wrong type; names the file).
-        """
-        return cls.from_dict(read_yaml(path, HardwareError), where=path)
-
-    def save(self, path: str, header: str = "") -> None:
-        """Write as YAML (field order kept); ``header`` lines are written as comments first."""
-        write_yaml(path, self.to_dict(), header)
+        return cls._build(kw, where)
 
     def with_overrides(self, **kw: Any) -> "HardwareProfile":
         """A copy with some fields replaced (e.g. ``gpu_memory``)."""

@@ -8,12 +8,12 @@ expert is paged from pinned host memory layer by layer through two GPU page buff
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 
-from .yaml_io import read_yaml, write_yaml
+from .yaml_io import YamlRecord
 
 from ..model.spec import DTYPE_BYTES, PACKED_FORMATS, QUANT_FORMATS, MoESpec
 from .hardware import GiB, HardwareProfile, format_bytes, parse_bytes
@@ -267,7 +267,7 @@ Resident = Union[int, tuple]  # an int (same count in every MoE layer), per-laye
 
 
 @dataclass(frozen=True)
-class Policy:
+class Policy(YamlRecord):
     """A CGOPipe execution policy (MoE-Lightning Sec. 4): batch shape, expert placement, attention split.
 
     ``resident_experts`` is one of: an int r (r experts resident in every MoE layer); a tuple of
@@ -363,6 +363,8 @@ class Policy:
         return sum(self.resident_counts(spec))
 
     # ---- YAML ------------------------------------------------------------------------------------
+    ERROR, WHAT = PolicyError, "policy fields"  # for YamlRecord (not fields: no annotation)
+
     def to_dict(self) -> dict:
         """Plain dict (lists instead of tuples) in field order."""
         d = asdict(self)
@@ -373,12 +375,7 @@ class Policy:
     @classmethod
     def from_dict(cls, d: Any, where: str = "<policy>") -> "Policy":
         """Build from a mapping; unknown keys, missing required keys and wrong types raise PolicyError naming ``where``."""
-        if not isinstance(d, dict):
-            raise PolicyError(f"{where}: expected a mapping of policy fields, got {type(d).__name__}")
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(names))
-        if unknown:
-            raise PolicyError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(names)})")
+        cls._known_fields(d, where)
         for k in ("mu", "n", "prefill_mu"):
             if k not in d:
                 raise PolicyError(f"{where}: {k}: missing")
@@ -389,19 +386,7 @@ class Policy:
                     kw[k] = parse_bytes(kw[k], f"{where}: {k}")
                 except ValueError as e:
                     raise PolicyError(str(e)) from None
-        try:
-            return cls(**kw)
-        except PolicyError as e:
-            raise PolicyError(f"{where}: {str(e).removeprefix('policy: ')}") from None
-
-    @classmethod
-    def load(cls, path: str) -> "Policy":
-        """Read a policy YAML written by :meth:`save` (``moe-batch plan --output``). Raises PolicyError."""
-        return cls.from_dict(read_yaml(path, PolicyError), where=path)
-
-    def save(self, path: str, header: str = "") -> None:
-        """Write as YAML; ``header`` lines (e.g. the predicted throughput) go first as comments."""
-        write_yaml(path, self.to_dict(), header)
+        return cls._build(kw, where, strip="policy: ")
 
 
 def _fmt_time(s: float) -> str:
