@@ -107,3 +107,21 @@ def test_edge_cases():
     assert torch.equal(st(x, 0.0), x.argmax(-1))  # greedy: the argmax, no keys needed
     with pytest.raises(ValueError, match="^block"):
         st(torch.zeros(3, 9), 1.0, keys=u3, block=24)
+
+
+def test_interpreter_copy_after_compiled_import(monkeypatch):
+    """The kernel module loaded in compiled mode first (as a CUDA caller in the same process would) does not stick:
+    under TRITON_INTERPRET=1 the wrapper takes the interpreted copy (a plain import kept the compiled one and failed
+    with "0 active drivers" on a CPU tensor)."""
+    import sys
+
+    from lightning_moe.kernels.fused_moe import _KERNEL_MODULES, _triton_kernels
+
+    for key in [k for k in _KERNEL_MODULES if k[0] == "_sampling_triton"]:
+        monkeypatch.delitem(_KERNEL_MODULES, key)
+    monkeypatch.delitem(sys.modules, "lightning_moe.kernels._sampling_triton", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    _triton_kernels("_sampling_triton")  # the compiled copy, first
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.tensor([[0.0, 5.0, 0.0]])
+    assert sample_tokens_triton(logits, 1.0, top_k=1, keys=torch.tensor([7])).tolist() == [1]

@@ -186,7 +186,9 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: float, top_p: float 
         return out
     if block < 16 or block & (block - 1):
         raise ValueError(f"block: {block} (a power of two >= 16 expected)")
-    from . import _sampling_triton as kern  # imports triton: only when this path runs
+    from .fused_moe import _triton_kernels
+
+    kern = _triton_kernels("_sampling_triton")  # imports triton now; a copy per mode (compiled / TRITON_INTERPRET)
 
     if logits.stride(1) != 1:
         logits = logits.contiguous()
