@@ -325,6 +325,26 @@ def test_measured_profile_fields_are_sane():
     assert p.machine == machine_key() and p.threads == torch.get_num_threads() and p.host_memory > 2**28
 
 
+def test_head_rate_is_timed_cold(monkeypatch):
+    """The lm_head-shaped GEMM is timed cold: every timed call uses another copy of the weight than the call before,
+    and the copies together exceed COLD_BYTES (a warm loop over one weight reads 2-3x faster on the development VM
+    than the head inside a decode step, whose layers evict it)."""
+    from lightning_moe.pipeline import cpu_profile as measure
+
+    seen = []
+    real = measure.F.linear
+
+    def linear(x, w):
+        seen.append((w.data_ptr(), w.numel() * w.element_size()))
+        return real(x, w)
+
+    monkeypatch.setattr(measure.F, "linear", linear)
+    assert measure.head_matmul_flops(16, 64, 4096, rounds=2) > 0
+    copies = dict(seen)
+    assert len(copies) >= 2 and sum(copies.values()) >= measure.COLD_BYTES
+    assert all(a[0] != b[0] for a, b in zip(seen, seen[1:]))
+
+
 def test_cached_profile_is_reused(tmp_path, monkeypatch):
     """Without $LIGHTNING_MOE_CPU_PROFILE the first CPU prediction measures this machine once and caches it under
     $LIGHTNING_MOE_CACHE; the next one reads the cache (no second measurement); a cache written by an older version

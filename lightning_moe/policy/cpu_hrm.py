@@ -110,13 +110,14 @@ class CpuProfile(YamlRecord):
     sdpa_rate: float = 0.0  # (query, key, head) scores/s of the CPU SDPA with a boolean mask at a small head dim (the
     #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
     head_matmul_flops: float = 0.0  # FLOP/s of an lm_head-shaped fp32 GEMM (64 rows x 64 -> 32768: a short
-    #   reduction into a vocabulary-wide output beyond the L2; 0 = unmeasured: the matmul peak's)
+    #   reduction into a vocabulary-wide output beyond the L2), timed cold (the calls rotate over 64 MiB of weight
+    #   copies: a step's layers run between two heads, so its weight comes from memory); 0 = unmeasured: the matmul peak's
     sample_rate: float = 0.0  # elements/s of the sampler over fp32 logits rows (kernels.sampling.sample_tokens at
     #   temperature 1, no filter: the hashed race over V per row), a sampled job's draw (0 = unmeasured: argmax_rate)
     head_matmul_flops_many: float = 0.0  # the same GEMM over 256 rows (the BLAS changes its blocking above 64 rows:
-    #   ~4x slower per FLOP on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
-    head_matmul_flops_few: float = 0.0  # the same GEMM over 16 rows (a serial decode batch's head: ~0.65x the
-    #   64 rows' rate on the development VM), the rate of a head of at most 16 rows (0 = the 64 rows')
+    #   ~0.6x the 64 rows' rate cold on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
+    head_matmul_flops_few: float = 0.0  # the same GEMM over 16 rows (a serial decode batch's head: ~0.55x the
+    #   64 rows' rate cold on the development VM), the rate of a head of at most 16 rows (0 = the 64 rows')
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
