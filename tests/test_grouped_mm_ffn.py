@@ -441,3 +441,43 @@ def test_cgopipe_warmup_runs_once_and_changes_nothing(tiny_dir):
     assert w0 == 0.0 and w1 > 0.0 and w1_after == w1
     L = ex.spec.num_layers  # generate: 7 chunks (micro-batches of 3, 3, 3, 2); scoring: 6 chunks of <= 2 rows
     assert st1["expert_ffn_prefill_calls_grouped_mm"] == st0["expert_ffn_prefill_calls_grouped_mm"] == L * (7 + 6)
+
+
+@pytest.mark.parametrize("family,kinds", [("mixtral", [0]), ("deepseek_v2", [0, 1]), ("gpt_oss", [0, 1])])
+def test_cgopipe_warmup_covers_every_layer_kind(family, kinds):
+    """The warm-up runs at the first layer of each kind (a dense FFN or experts, the attention window): DeepSeek's
+    dense layer 0 and MoE layer 1, gpt-oss's sliding layer 0 and full layer 1, Mixtral's layer 0 only (a kind's
+    first prefill call would otherwise compile inside prefill time). Greedy tokens equal the run without it."""
+    from lightning_moe.model.families import read_spec
+    from lightning_moe.model.weights import dummy_weights
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.policy.policy import Policy
+
+    base = {"vocab_size": 32, "hidden_size": 60, "num_hidden_layers": 3, "num_attention_heads": 6,
+            "num_key_value_heads": 2, "num_experts_per_tok": 2, "rope_theta": 1000.0}
+    cfg = {"mixtral": {**base, "model_type": "mixtral", "intermediate_size": 14, "num_local_experts": 5},
+           "deepseek_v2": {**base, "model_type": "deepseek_v2", "num_key_value_heads": 6, "intermediate_size": 22,
+                           "moe_intermediate_size": 14, "n_routed_experts": 6, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1, "kv_lora_rank": 12, "q_lora_rank": None,
+                           "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 6, "topk_method": "greedy",
+                           "norm_topk_prob": False},
+           "gpt_oss": {**base, "model_type": "gpt_oss", "intermediate_size": 14, "num_local_experts": 5,
+                       "head_dim": 10, "sliding_window": 4,
+                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}}[family]
+    spec = read_spec(cfg)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 32, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    pol = Policy(mu=2, n=2, prefill_mu=2, resident_experts=0, dtype="fp32", weight_quant="fp32")
+    outs = {}
+    for warm in (False, True):
+        ex = CGOPipeExecutor(dummy_weights(spec, torch.float32, seed=5, scale=0.2), pol, "cpu", warmup=warm)
+        warmed = []
+        real = ex._warm_up
+        ex._warm_up = lambda l, chunks, ffn: (warmed.append(l), real(l, chunks, ffn))[1]
+        outs[warm] = ex.generate(prompts, DecodeSampling(max_new_tokens=4, stop_at_eos=False))
+        ex.generate(prompts[:2], DecodeSampling(max_new_tokens=2, stop_at_eos=False))  # no warm-up again
+        ex.close()
+        assert warmed == (kinds if warm else [])
+        assert (ex.stats.warmup_seconds > 0) == warm
+    assert outs[True] == outs[False]

@@ -226,6 +226,10 @@ def dummy_weights(spec: MoESpec, dtype: torch.dtype = torch.bfloat16, seed: int 
     layers, experts = [], []
     for i in range(spec.num_layers):
         layers.append(fam.dummy_layer(spec, rnd, dtype, i))
-        experts.append(None if spec.is_dense_layer(i) else ExpertWeights(rnd(E, F, D), rnd(E, F, D), rnd(E, D, F)))
+        if spec.is_dense_layer(i):
+            experts.append(None)
+        else:  # a family whose experts carry biases (gpt-oss) gets them: a stream refuses experts without them
+            w = (rnd(E, F, D), rnd(E, F, D), rnd(E, D, F))
+            experts.append(ExpertWeights(*w, rnd(E, F), rnd(E, F), rnd(E, D)) if spec.expert_bias else ExpertWeights(*w))
     embed = rnd(spec.vocab_size, D)
     return ModelWeights(spec, embed, torch.ones(D, dtype=dtype), rnd(spec.vocab_size, D), layers, experts)

@@ -101,10 +101,11 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
             weights.release_non_expert()
         self.inv_freq = fam.rope_inv_freq(spec, dev)
         self.stats = RunStats()
-        # one warm-up pass before the first prefill (prefill._warm_up); default: on CUDA (its kernels compile, load
-        # and plan on first use), off on the CPU (nothing to warm)
+        # a warm-up at the first layer of each kind in the first prefill (prefill._warm_up); default: on CUDA (its
+        # kernels compile, load and plan on first use), off on the CPU (nothing to warm)
         self.warmup = self.cuda if opts.warmup is None else bool(opts.warmup)
         self._warm_s = 0.0  # seconds of the warm-up inside the running prefill (its callers take them out of its wall)
+        self._warmed: set = set()  # layer kinds warmed up (prefill._layer_kind)
         self.timer = StageTimer(self.cuda)
         self.compute = torch.cuda.current_stream(dev) if self.cuda else None
         self.weight_stream = ws = WeightStream(weights.experts, spec, policy, dev, dt, self.compute, self.timer,

@@ -117,11 +117,12 @@ class CGOPipePrefill:
             for l in range(self.spec.num_layers):
                 visit, ffn = self._begin_visit()
                 self.weight_stream.prefetch_slot(visit + 1, 0, 1)
-                if self.warmup and (ffn is not None or l == self.spec.num_layers - 1):
+                if self.warmup and self._layer_kind(l, ffn) not in self._warmed:
                     self._warm_up(l, chunks, ffn)
                 for ch in chunks:
                     self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
                 self.weight_stream.end_visit(visit)
+        self.warmup = self.warmup and not self._warmed  # one pass warms every kind its layers have
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
         self._count_kernel_calls("prefill")
@@ -214,14 +215,20 @@ class CGOPipePrefill:
             at.host_stage("host_wait_kv_write", t0)  # the host thread held back by the bounded staging
         pending.append(at.workers.submit(write))
 
+    def _layer_kind(self, l: int, ffn) -> tuple:
+        """What sets layer ``l``'s kernels apart from another layer's: a dense FFN or the experts (``ffn`` None: a dense
+        layer), and its attention window (gpt-oss alternates sliding and full layers)."""
+        return ffn is None, self.spec.layer_sliding_window(l)
+
     def _warm_up(self, l: int, chunks: list[PrefillChunk], ffn) -> None:
-        """Once per executor, inside its first prefill's first MoE layer visit (the last layer if none is MoE): layer
-        ``l`` over a throwaway copy of each distinct chunk shape (rows, tokens, longest row; at most
-        ``WARMUP_SHAPES``), no KV written, outputs dropped, kernel-call counts restored. The kernels' one-time costs
-        (Triton compilation or cache load, the attention library's plans, cuBLAS heuristics, lazy module loads) land
-        in ``stats.warmup_seconds`` and ``self._warm_s`` (the callers take them out of the prefill's wall), not in
-        prefill tokens/s; the run's end-to-end time keeps them."""
-        self.warmup = False
+        """Inside the executor's first prefill, at the first layer of each kind (:meth:`_layer_kind`: DeepSeek's dense
+        first layer and its MoE layers, gpt-oss's sliding and full layers): layer ``l`` over a throwaway copy of each
+        distinct chunk shape (rows, tokens, longest row; at most ``WARMUP_SHAPES``), no KV written, outputs dropped,
+        kernel-call counts restored. The kernels' one-time costs (Triton compilation or cache load, the attention
+        library's plans, cuBLAS heuristics, lazy module loads) land in ``stats.warmup_seconds`` and ``self._warm_s``
+        (the callers take them out of the prefill's wall), not in prefill tokens/s; the run's end-to-end time keeps
+        them."""
+        self._warmed.add(self._layer_kind(l, ffn))
         t0 = time.perf_counter()
         choice = getattr(self.expert_ffn, "choice", None)
         calls = dict(choice.calls) if choice is not None else None
@@ -237,8 +244,9 @@ class CGOPipePrefill:
         self._sync()
         if choice is not None:
             choice.calls = calls
-        self._warm_s = time.perf_counter() - t0
-        self.stats.warmup_seconds += self._warm_s
+        dt = time.perf_counter() - t0
+        self._warm_s += dt
+        self.stats.warmup_seconds += dt
 
     def _score_chunks(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], chunks: list[PrefillChunk]) -> list:
         """The scoring head over each prefill chunk's final hidden states (in :meth:`_prefill`'s chunk order, which
