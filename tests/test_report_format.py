@@ -34,7 +34,12 @@ def test_phases_measured_predicted_binding():
     text = format_report(_report())
     assert _row(text, "prefill") == ["prefill", "500.0", "1,000.0", "0.50", "2.50", "gpu"]
     assert _row(text, "decode") == ["decode", "30.0", "40.0", "0.75", "9.00", "h2d"]
-    assert _row(text, "end-to-end") == ["end-to-end", "25.0", "33.3", "0.75", "11.50", "-"]
+    # end-to-end: the phase with more predicted seconds (decode: 320 / 40 = 8 s against prefill's 1234 / 1000)
+    assert _row(text, "end-to-end") == ["end-to-end", "25.0", "33.3", "0.75", "11.50", "decode:", "h2d"]
+    fast_decode = _report(predicted={**_report()["predicted"], "decode_tokens_per_s": 1000.0})
+    assert _row(format_report(fast_decode), "end-to-end")[-2:] == ["prefill:", "gpu"]
+    no_pred = _report(predicted={})
+    assert _row(format_report(no_pred), "end-to-end")[-1] == "-"
 
 
 def test_end_to_end_wall_is_the_span_its_rate_is_over():

@@ -221,6 +221,16 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
     }
 
 
+def _end_to_end_binding(r: dict, pred: dict) -> str:
+    """The end-to-end row's binding stage: the phase the HRM gives more seconds (prompt tokens over its prefill rate,
+    generated tokens over its decode rate) and that phase's stage, e.g. ``decode: cpu-ops``; "-" without rates."""
+    pre, dec = pred.get("prefill_tokens_per_s"), pred.get("decode_tokens_per_s")
+    if not pre or not dec or not pred.get("decode_binding"):
+        return "-"
+    t_pre, t_dec = (r.get("prompt_tokens") or 0) / pre, (r.get("generated_tokens") or 0) / dec
+    return f"prefill: {pred.get('prefill_binding')}" if t_pre > t_dec else f"decode: {pred['decode_binding']}"
+
+
 def slot_occupancy(stats: Optional[dict], policy: Optional[dict]) -> Optional[float]:
     """How full the decode slots were: tokens of decode steps / (decode steps x N), N the policy's sequences in flight
     (``stats``: the report's ``stats``, ``policy``: its ``policy``). 1.0: every step decoded N live rows; a tail batch
@@ -326,7 +336,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         m, p = r.get(key), pred.get(key)
         rows.append({"phase": name, "measured tok/s": num(m), "predicted tok/s": num(p),
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
-                     "wall s": num(spans[name], "{:,.2f}"), "bound by (HRM)": pred.get(bind) if bind else "-"})
+                     "wall s": num(spans[name], "{:,.2f}"),
+                     "bound by (HRM)": pred.get(bind) if bind else _end_to_end_binding(r, pred)})
     lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())]
     if pred.get("job_batches"):
         lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} prefill pass(es) of "
