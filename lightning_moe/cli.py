@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
     SIGTERM / SIGINT stops a run after its current decode step with one "resumable" line and exit 75 (records and
     partial generations saved); an interrupt outside a run exits 130; a Ray shard that failed past its retries prints one
-    line and exits 1 (the records that came back kept)."""
+    line and exits 1 (the records that came back kept); stdout's reader leaving early (``| head``) is not an error."""
     from .config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -186,6 +186,9 @@ def main(argv=None) -> int:
             raise
         print(f"moe-batch: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, GpuOutOfMemory) else 1
+    except BrokenPipeError:  # stdout's reader left (`moe-batch run JOB | head`); a run prints after its files are written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0
     except KeyboardInterrupt:
         print("moe-batch: interrupted; finished records are saved, re-run the same command to resume", file=sys.stderr)
         return 130

@@ -190,3 +190,20 @@ def test_plan_refuses_what_run_cannot_execute_for_gpt_oss(extra, want, capsys):
     assert run(args + extra) == 2
     assert f"moe-batch plan: error: {want}" in capsys.readouterr().err
     assert run(L4_ARGS + extra + ["--time-limit", "5"]) == 0
+
+
+def test_reader_leaving_stdout_early_is_not_an_error():
+    """`moe-batch plan ... | head -1`: the reader closes the pipe before the table is written; the command exits 0
+    with nothing on stderr (was exit 1 with Python's broken-pipe noise)."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "lightning_moe.cli", "plan", "--model", "mixtral-8x7b", "--hardware", "l4",
+           "--gpu-memory", "24GiB", "--cpu-memory", "192GiB", "--prompt-len", "77", "--gen-len", "32"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root, env=env)
+    p.stdout.close()  # the reader is gone before the command writes anything
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0, err
+    assert "BrokenPipe" not in err and "Traceback" not in err
