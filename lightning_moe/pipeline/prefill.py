@@ -122,7 +122,7 @@ class CGOPipePrefill:
                 for ch in chunks:
                     self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
                 self.weight_stream.end_visit(visit)
-        self.warmup = self.warmup and not self._warmed  # one pass warms every kind its layers have
+        self.warmup = False  # the first pass warmed every kind of layer the model has
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
         self._count_kernel_calls("prefill")
