@@ -447,7 +447,8 @@ def test_cgopipe_warmup_runs_once_and_changes_nothing(tiny_dir):
 def test_cgopipe_warmup_covers_every_layer_kind(family, kinds):
     """The warm-up runs at the first layer of each kind (a dense FFN or experts, the attention window): DeepSeek's
     dense layer 0 and MoE layer 1, gpt-oss's sliding layer 0 and full layer 1, Mixtral's layer 0 only (a kind's
-    first prefill call would otherwise compile inside prefill time). Greedy tokens equal the run without it."""
+    first prefill call would otherwise compile inside prefill time), over the prefill chunks' shapes and then the decode
+    micro-batches' (the decode step's FFN kernel choice). Greedy tokens equal the run without it."""
     from lightning_moe.model.families import read_spec
     from lightning_moe.model.weights import dummy_weights
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
@@ -456,7 +457,7 @@ def test_cgopipe_warmup_covers_every_layer_kind(family, kinds):
 
     base = {"vocab_size": 32, "hidden_size": 60, "num_hidden_layers": 3, "num_attention_heads": 6,
             "num_key_value_heads": 2, "num_experts_per_tok": 2, "rope_theta": 1000.0}
-    cfg = {"mixtral": {**base, "model_type": "mixtral", "intermediate_size": 14, "num_local_experts": 5},
+    cfg = {"mixtral": {**base, "model_type": "mixtral", "intermediate_size": 16, "num_local_experts": 5},
            "deepseek_v2": {**base, "model_type": "deepseek_v2", "num_key_value_heads": 6, "intermediate_size": 22,
                            "moe_intermediate_size": 14, "n_routed_experts": 6, "n_shared_experts": 1,
                            "first_k_dense_replace": 1, "kv_lora_rank": 12, "q_lora_rank": None,
@@ -471,13 +472,29 @@ def test_cgopipe_warmup_covers_every_layer_kind(family, kinds):
     pol = Policy(mu=2, n=2, prefill_mu=2, resident_experts=0, dtype="fp32", weight_quant="fp32")
     outs = {}
     for warm in (False, True):
-        ex = CGOPipeExecutor(dummy_weights(spec, torch.float32, seed=5, scale=0.2), pol, "cpu", warmup=warm)
-        warmed = []
-        real = ex._warm_up
-        ex._warm_up = lambda l, chunks, ffn: (warmed.append(l), real(l, chunks, ffn))[1]
+        ffn_kind = "grouped_mm" if family == "mixtral" else "torch"  # a kernel choice (KernelChoice) / none
+        ex = CGOPipeExecutor(dummy_weights(spec, torch.float32, seed=5, scale=0.2), pol, "cpu", warmup=warm,
+                             ffn=ffn_kind)
+        warmed, ffn_calls = [], []  # the warm-ups' layers; the expert FFN's (layer, tokens, prefill choice) in them
+        real, choice = ex._warm_up, getattr(ex.expert_ffn, "choice", None)
+
+        def spy(l, chunks, ffn, mbs):
+            warmed.append(l)
+            seen = None if ffn is None else (
+                lambda h, ew, w, ids: (ffn_calls.append((l, h.shape[0], choice and choice.prefill)), ffn(h, ew, w, ids))[1])
+            real(l, chunks, seen, mbs)
+            assert choice is None or choice.prefill  # the prefill pass's kernel choice again after the warm-up
+
+        ex._warm_up = spy
         outs[warm] = ex.generate(prompts, DecodeSampling(max_new_tokens=4, stop_at_eos=False))
         ex.generate(prompts[:2], DecodeSampling(max_new_tokens=2, stop_at_eos=False))  # no warm-up again
         ex.close()
         assert warmed == (kinds if warm else [])
         assert (ex.stats.warmup_seconds > 0) == warm
+        moe_kinds = [l for l in warmed if not spec.is_dense_layer(l)]
+        # each MoE kind's warm-up runs the prefill chunks' FFN and the decode step's at the micro-batch size (2), the
+        #   latter with the decode kernel choice (KernelChoice.prefill False; the torch FFN has no choice)
+        decode = {(l, t) for l, t, pre in ffn_calls if pre is False or (choice is None and t == 2)}
+        assert decode == {(l, 2) for l in moe_kinds}
+        assert {l for l, t, pre in ffn_calls if pre or (choice is None and t != 2)} == set(moe_kinds)
     assert outs[True] == outs[False]

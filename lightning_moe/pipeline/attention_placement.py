@@ -214,6 +214,19 @@ class AttentionPlacement:
         """The family's latent attention of one length group (worker thread): [B_g, Hq, kv_lora]."""
         return self.family.latent_attention(q_lat, lat, lengths, self.spec)
 
+    def warm_up_receive(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros of ``shape`` brought to the device the way :meth:`receive` brings a CPU micro-batch's attention output
+        (not counted in the stats): a warm-up pays the transfer's one-time costs (the zero-copy kernel's compile)."""
+        host = torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)
+        if not self.cuda:
+            return host
+        if self.attention_h2d == "kernel":
+            dev = torch.empty(shape, dtype=dtype, device=self.device)
+            copy_from_host_triton(host, dev)
+            torch.cuda.synchronize(self.device)  # the kernel reads ``host`` before it is freed
+            return dev
+        return host.to(self.device)
+
     def receive(self, fut: Future) -> torch.Tensor:
         """Host waits for the worker, then H2D of the attention output; the compute stream waits on it."""
         t0 = time.perf_counter()

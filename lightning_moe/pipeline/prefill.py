@@ -118,7 +118,7 @@ class CGOPipePrefill:
                 visit, ffn = self._begin_visit()
                 self.weight_stream.prefetch_slot(visit + 1, 0, 1)
                 if self.warmup and self._layer_kind(l, ffn) not in self._warmed:
-                    self._warm_up(l, chunks, ffn)
+                    self._warm_up(l, chunks, ffn, [] if score else mbs)
                 for ch in chunks:
                     self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
                 self.weight_stream.end_visit(visit)
@@ -220,14 +220,15 @@ class CGOPipePrefill:
         layer), and its attention window (gpt-oss alternates sliding and full layers)."""
         return ffn is None, self.spec.layer_sliding_window(l)
 
-    def _warm_up(self, l: int, chunks: list[PrefillChunk], ffn) -> None:
+    def _warm_up(self, l: int, chunks: list[PrefillChunk], ffn, mbs: list[MicroBatch]) -> None:
         """Inside the executor's first prefill, at the first layer of each kind (:meth:`_layer_kind`: DeepSeek's dense
         first layer and its MoE layers, gpt-oss's sliding and full layers): layer ``l`` over a throwaway copy of each
         distinct chunk shape (rows, tokens, longest row; at most ``WARMUP_SHAPES``), no KV written, outputs dropped,
+        then at the decode micro-batches' sizes (:meth:`_warm_up_decode`; ``mbs`` empty: a scoring pass, no decode),
         kernel-call counts restored. The kernels' one-time costs (Triton compilation or cache load, the attention
         library's plans, cuBLAS heuristics, lazy module loads) land in ``stats.warmup_seconds`` and ``self._warm_s``
-        (the callers take them out of the prefill's wall), not in prefill tokens/s; the run's end-to-end time keeps
-        them."""
+        (the callers take them out of the prefill's wall), not in prefill or decode tokens/s; the run's end-to-end time
+        keeps them."""
         self._warmed.add(self._layer_kind(l, ffn))
         t0 = time.perf_counter()
         choice = getattr(self.expert_ffn, "choice", None)
@@ -241,12 +242,46 @@ class CGOPipePrefill:
                 break
             seen.add(key)
             self._prefill_layer(l, replace(ch), MicroBatch(ch.rows, None, False), ffn, [])
+        if chunks and mbs:
+            self._warm_up_decode(l, mbs, chunks[0].x, ffn, choice)
         self._sync()
         if choice is not None:
             choice.calls = calls
         dt = time.perf_counter() - t0
         self._warm_s += dt
         self.stats.warmup_seconds += dt
+
+    def _warm_up_decode(self, l: int, mbs: list[MicroBatch], x: torch.Tensor, ffn, choice) -> None:
+        """Layer ``l``'s decode-step kernels at each distinct (micro-batch size, attention place) of ``mbs`` (at most
+        ``WARMUP_SHAPES``): pre-attention, the attention (a GPU micro-batch's Triton decode kernel over its own cache,
+        writing position 0 of layer ``l``, which this prefill then overwrites; elsewhere attention compiles nothing
+        and zeros stand in, a CPU micro-batch's brought to the device as its output is), post-attention with the expert FFN's decode kernel choice. Rows are
+        throwaway copies of the chunk's hidden states ``x`` [T, D]; outputs are dropped."""
+        seen: set = set()
+        for mb in mbs:
+            key = (len(mb.rows), mb.on_gpu)
+            if key in seen or len(seen) == WARMUP_SHAPES or not mb.rows:
+                continue
+            seen.add(key)
+            m = len(mb.rows)
+            rows = torch.arange(m, device=x.device) % x.shape[0]
+            tmp = MicroBatch(mb.rows, mb.kv, mb.on_gpu, x=x[rows], pos=torch.zeros(m, dtype=torch.int64, device=x.device))
+            q, k, v = self._pre_attention(l, tmp)
+            if mb.on_gpu and self.attention.gpu_attention == "triton":  # torch's attention compiles nothing
+                attn = self.attention.gpu(l, tmp, q, k, v)
+            else:  # zeros stand in for the attention (CPU attention compiles nothing), brought over as receive() does
+                shape = (m, q.shape[1], self.spec.kv_lora_rank) if self.mla else (m, q.shape[1] * q.shape[2])
+                attn = (self.attention.warm_up_receive(shape, q.dtype) if not mb.on_gpu
+                        else torch.zeros(shape, dtype=q.dtype, device=q.device))
+            if self.mla:
+                attn = self.family.mla_unabsorb(self.layers[l], attn, self.spec)
+            if choice is not None:
+                choice.prefill = False  # the decode step's kernel choice (KernelChoice.prefill_pass: set again below)
+            try:
+                self.family.post_attention(self.layers[l], None, tmp.x, attn, self.spec, ffn)
+            finally:
+                if choice is not None:
+                    choice.prefill = True
 
     def _score_chunks(self, prompts: Sequence[Sequence[int]], mbs: list[MicroBatch], chunks: list[PrefillChunk]) -> list:
         """The scoring head over each prefill chunk's final hidden states (in :meth:`_prefill`'s chunk order, which
