@@ -48,6 +48,7 @@ def _pages(E: int, D: int, F: int, dev: str):
 
 def main() -> None:
     from lightning_moe.kernels.fused_moe import MoEKernelConfig, default_kernel_config, fused_experts_triton
+    from lightning_moe.kernels import mxfp4
     from lightning_moe.kernels.mxfp4 import fused_experts_mxfp4_triton
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,30 +73,34 @@ def main() -> None:
         wts = torch.rand(T, k, generator=gc).softmax(-1).to(dev)
         flop = 2 * T * k * 3 * D * F
 
-        def mx(cfg):
+        def mx(cfg, paired):
+            mxfp4.PAIRED_NIBBLES = paired
             return cuda_ms(lambda: fused_experts_mxfp4_triton(x, pages, lay, wts, ids, limit=7.0, alpha=1.702,
                                                              config=cfg, validate=False), reps=3)
 
-        rows = []
+        def line(name, t):
+            return f"{name}: {t:.3f} ms ({flop / t / 1e9:.1f} TFLOP/s, {tb / t:.2f} of bf16)"
+
         tb = cuda_ms(lambda: fused_experts_triton(x, w1, w3, w2, wts, ids, validate=False), reps=3)
         d = default_kernel_config(T * k, E)
-        td = mx(None)
         print(f"T {T}: bf16 grouped {tb:.3f} ms ({flop / tb / 1e9:.1f} TFLOP/s); MXFP4 default "
-              f"{d.block_m}x{d.block_n}x{d.block_k} w{d.num_warps} s{d.num_stages}: {td:.3f} ms "
-              f"({flop / td / 1e9:.1f} TFLOP/s, {tb / td:.2f} of bf16)")
-        t0 = time.perf_counter()
+              f"{d.block_m}x{d.block_n}x{d.block_k} w{d.num_warps} s{d.num_stages}")
+        for paired in (False, True):
+            print("  " + line(f"default, {'paired' if paired else 'one column'}", mx(None, paired)))
+        rows, t0 = [], time.perf_counter()
         for bm, bn, bk, w, s in (PREFILL_SWEEP if T * k / E > 16 else DECODE_SWEEP):
             if time.perf_counter() - t0 > a.seconds:
                 print("  (sweep time spent)")
                 break
-            try:
-                t = mx(MoEKernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s))
-            except Exception as e:  # out of shared memory / registers for this tile
-                print(f"  {bm}x{bn}x{bk} w{w} s{s}: {type(e).__name__}")
-                continue
-            rows.append((t, bm, bn, bk, w, s))
-        for t, bm, bn, bk, w, s in sorted(rows)[:8]:
-            print(f"  {bm}x{bn}x{bk} w{w} s{s}: {t:.3f} ms ({flop / t / 1e9:.1f} TFLOP/s, {tb / t:.2f} of bf16)")
+            for paired in (True, False):
+                try:
+                    t = mx(MoEKernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s), paired)
+                except Exception as e:  # out of shared memory / registers for this tile
+                    print(f"  {bm}x{bn}x{bk} w{w} s{s} paired {paired}: {type(e).__name__}")
+                    continue
+                rows.append((t, f"{bm}x{bn}x{bk} w{w} s{s} {'paired' if paired else 'one column'}"))
+        for t, name in sorted(rows)[:10]:
+            print("  " + line(name, t))
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ CASE_IDS = ["T1-k1", "T7-k4-empty-expert-D96-F160", "T33-k2-empty-expert", "T5-k
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecation inside the interpreter
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("config", [None, MoEKernelConfig(16, 16, 32, 1, 1)], ids=["default", "tiny-tiles"])
+@pytest.mark.parametrize("config", [None, MoEKernelConfig(16, 16, 32, 1, 1), MoEKernelConfig(16, 16, 16, 1, 1)],
+                         ids=["default", "tiny-tiles", "k16-one-column-at-a-time"])  # block_k >= 32: paired nibbles
 def test_kernel_matches_reference_in_the_interpreter(interpret, case, dtype, tol, config):
     T, D, F, E, k, avoid = case
     t = make_experts(E, D, F, seed=T, bias_dtype=dtype)

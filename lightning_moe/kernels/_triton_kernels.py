@@ -462,6 +462,30 @@ def mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr,
     return tl.where(mask, val * pow2, 0.0)
 
 
+@triton.jit
+def _e2m1_values(code):
+    """E2M1 codes (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) as fp32, built as fp32 bits: exponent 0 ->
+    mantissa * 0.5 (0 or 2^-1), else (1 + mantissa / 2) * 2^(exponent - 1)."""
+    ex = (code >> 1) & 3
+    man = code & 1
+    bits = tl.where(ex == 0, man * (126 << 23), ((ex + 126) << 23) | (man << 22))
+    return (bits | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_pair_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, rows, offs_p, mask):
+    """The even and odd input columns of an MXFP4 weight tile of expert ``e64``: ``([BKH, BN], [BKH, BN])`` fp32,
+    columns ``2 * offs_p`` and ``2 * offs_p + 1`` of output rows ``rows`` (:func:`mxfp4_tile`'s values): one byte
+    load and one scale load per pair of columns (byte ``p`` of a row holds columns 2p, low nibble, and 2p + 1).
+    ``mask`` ``[BKH, BN]``: pairs that exist (masked pairs read byte 0, the value 0)."""
+    r = rows[None, :].to(tl.int64)
+    p = offs_p[:, None]
+    byte = tl.load(blk_ptr + e64 * stride_be + r * stride_br + p, mask=mask, other=0).to(tl.int32)
+    s = tl.load(sc_ptr + e64 * stride_se + r * stride_sr + p // 16, mask=mask, other=127).to(tl.int32)
+    pow2 = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) as fp32 bits
+    return _e2m1_values(byte & 15) * pow2, _e2m1_values(byte >> 4) * pow2
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_mx_kernel(
     x_ptr, blk_ptr, sc_ptr, bias_ptr, h_ptr, pair_ptr, block_expert_ptr,
@@ -469,11 +493,12 @@ def gate_up_mx_kernel(
     stride_xt, stride_xd, stride_hp, stride_hf,
     stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False,
 ):
     """h[p, n] = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(x[t] . W[e, 2n] + b[e, 2n], limit),
     u = x[t] . W[e, 2n + 1] + b[e, 2n + 1] (gpt-oss: gate and up interleaved in the 2F rows of gate_up), for the
-    BLOCK_M pairs p of this block; W dequantized from MXFP4 in registers (:func:`mxfp4_tile`)."""
+    BLOCK_M pairs p of this block; W dequantized from MXFP4 in registers (:func:`mxfp4_tile`; ``PAIRED``:
+    :func:`mxfp4_pair_tiles`, the even and odd input columns as two dot products)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -486,16 +511,30 @@ def gate_up_mx_kernel(
     acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < D
-        a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, k_mask)
-        wmask = k_mask[:, None] & n_mask[None, :]
-        bg = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows, offs_k, wmask)
-        bu = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, u_rows, offs_k, wmask)
-        bg = bg.to(x_ptr.dtype.element_ty)  # the dequantized weight in the activation dtype, as the reference
-        bu = bu.to(x_ptr.dtype.element_ty)
-        acc_g = _dot(a, bg, acc_g, DOT_PRECISION, UPCAST_DOT)
-        acc_u = _dot(a, bu, acc_u, DOT_PRECISION, UPCAST_DOT)
+        if PAIRED:  # columns 2p (low nibbles) and 2p + 1 (high) of BLOCK_K // 2 byte columns p
+            offs_p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            p_mask = offs_p < D // 2
+            a0 = _load_rows(x_ptr, token, 2 * offs_p, stride_xt, stride_xd, row_mask, p_mask)
+            a1 = _load_rows(x_ptr, token, 2 * offs_p + 1, stride_xt, stride_xd, row_mask, p_mask)
+            wmask = p_mask[:, None] & n_mask[None, :]
+            g0, g1 = mxfp4_pair_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows,
+                                      offs_p, wmask)
+            u0, u1 = mxfp4_pair_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, u_rows,
+                                      offs_p, wmask)
+            dt = x_ptr.dtype.element_ty  # the dequantized weight in the activation dtype, as the reference
+            acc_g = _dot(a1, g1.to(dt), _dot(a0, g0.to(dt), acc_g, DOT_PRECISION, UPCAST_DOT), DOT_PRECISION, UPCAST_DOT)
+            acc_u = _dot(a1, u1.to(dt), _dot(a0, u0.to(dt), acc_u, DOT_PRECISION, UPCAST_DOT), DOT_PRECISION, UPCAST_DOT)
+        else:
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < D
+            a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, k_mask)
+            wmask = k_mask[:, None] & n_mask[None, :]
+            bg = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows, offs_k, wmask)
+            bu = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, u_rows, offs_k, wmask)
+            bg = bg.to(x_ptr.dtype.element_ty)  # the dequantized weight in the activation dtype, as the reference
+            bu = bu.to(x_ptr.dtype.element_ty)
+            acc_g = _dot(a, bg, acc_g, DOT_PRECISION, UPCAST_DOT)
+            acc_u = _dot(a, bu, acc_u, DOT_PRECISION, UPCAST_DOT)
     b_row = bias_ptr + e64 * stride_bias_e
     g = acc_g + tl.load(b_row + g_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     u = acc_u + tl.load(b_row + u_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -512,9 +551,10 @@ def down_mx_kernel(
     stride_hp, stride_hf, stride_yp, stride_yd,
     stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False,
 ):
-    """y[p, n] = topk_weight[p] * (h[p] . W2[e, n] + b2[e, n]) in fp32 for the pairs p of this block (W2 MXFP4)."""
+    """y[p, n] = topk_weight[p] * (h[p] . W2[e, n] + b2[e, n]) in fp32 for the pairs p of this block (W2 MXFP4;
+    ``PAIRED`` as :func:`gate_up_mx_kernel`'s)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -524,13 +564,23 @@ def down_mx_kernel(
     pair64 = pair.to(tl.int64)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < F
-        a = _load_rows(h_ptr, pair64, offs_k, stride_hp, stride_hf, row_mask, k_mask)
-        b = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, offs_n, offs_k,
-                       k_mask[:, None] & n_mask[None, :])
-        b = b.to(h_ptr.dtype.element_ty)
-        acc = _dot(a, b, acc, DOT_PRECISION, UPCAST_DOT)
+        if PAIRED:
+            offs_p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            p_mask = offs_p < F // 2
+            a0 = _load_rows(h_ptr, pair64, 2 * offs_p, stride_hp, stride_hf, row_mask, p_mask)
+            a1 = _load_rows(h_ptr, pair64, 2 * offs_p + 1, stride_hp, stride_hf, row_mask, p_mask)
+            b0, b1 = mxfp4_pair_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, offs_n, offs_p,
+                                      p_mask[:, None] & n_mask[None, :])
+            dt = h_ptr.dtype.element_ty
+            acc = _dot(a1, b1.to(dt), _dot(a0, b0.to(dt), acc, DOT_PRECISION, UPCAST_DOT), DOT_PRECISION, UPCAST_DOT)
+        else:
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < F
+            a = _load_rows(h_ptr, pair64, offs_k, stride_hp, stride_hf, row_mask, k_mask)
+            b = mxfp4_tile(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, offs_n, offs_k,
+                           k_mask[:, None] & n_mask[None, :])
+            b = b.to(h_ptr.dtype.element_ty)
+            acc = _dot(a, b, acc, DOT_PRECISION, UPCAST_DOT)
     acc = acc + tl.load(bias_ptr + e64 * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     _store_weighted(acc, y_ptr, rw_ptr, pair64, row_mask, offs_n, n_mask, stride_yp, stride_yd)
 

@@ -47,6 +47,7 @@ from .pages import PageLayout
 # E2M1 code -> value (code 8..15: the negatives; 8 is -0.0), transformers' integrations/mxfp4.py FP4_VALUES
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # values per scale
+PAIRED_NIBBLES = True  # the kernels dequantize a byte's two columns at once (_triton_kernels.mxfp4_pair_tiles)
 SCALE_BIAS = 127  # E8M0 exponent bias
 
 
@@ -296,6 +297,7 @@ def fused_experts_mxfp4_triton(x: torch.Tensor, pages: torch.Tensor, layout: MXF
     y = (torch.zeros if skip else torch.empty)((P, D), dtype=torch.float32, device=x.device)  # [P, D]; skipped rows 0
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION=_dot_precision(x.dtype), UPCAST_DOT=_interpret_mode(),
+                  PAIRED=PAIRED_NIBBLES and cfg.block_k >= 32,  # a dot needs >= 16 columns per half
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     max_blocks = block_expert.numel()
 
