@@ -103,6 +103,26 @@ def test_profile_cpu_side(tmp_path, monkeypatch):
     assert HardwareProfile.load(str(path)) == prof
 
 
+def test_latent_attention_probe_counts_mla_flops(monkeypatch):
+    """measure_cpu_latent_attention: rows seq heads (2 (Dl + rd) + 2 Dl) FLOPs over the native kernel's best time
+    (a fake clock: every call 0.5 s), the kernel called on the probe's shapes; 0.0 without the native kernel."""
+    from lightning_moe.kernels import cpu_attention as ca
+    from lightning_moe.kernels import cpu_latent_attention as cla
+    from lightning_moe.pipeline import profiler as P
+
+    seen = []
+    monkeypatch.setattr(cla, "latent_attention_append", lambda q, c, k, rows, cache, lengths, out, scale:
+                        seen.append((tuple(q.shape), tuple(cache.shape), lengths.tolist(), c, k)))
+    monkeypatch.setattr(ca, "native_available", lambda: True)
+    calls = iter(range(10**6))
+    monkeypatch.setattr(P.time, "perf_counter", lambda: 0.5 * next(calls))
+    flops = P.measure_cpu_latent_attention(rows=3, heads=4, kv_lora_rank=32, rope_dim=16, seq=10, repeats=2)
+    assert flops == pytest.approx(3 * 10 * 4 * (2 * 48 + 2 * 32) / 0.5)
+    assert seen and all(x == ((3, 4, 48), (3, 10, 48), [10] * 3, None, None) for x in seen)
+    monkeypatch.setattr(ca, "native_available", lambda: False)
+    assert P.measure_cpu_latent_attention(rows=3, seq=10) == 0.0
+
+
 def test_cpu_attention_executor_probe_counts_valid_kv(monkeypatch):
     """measure_cpu_attention_executor: bytes/s of valid KV = sum(len + 1) * 2 Hkv hd * 2 bytes / seconds per
     layer; checked against a clock that makes every layer take exactly 0.5 s (fake perf_counter)."""

@@ -237,6 +237,19 @@ def test_deepseek_mla_kv_and_dense_layer():
     assert est.prefill_layers[0].h2d == 0.0 and est.prefill_layers[1].h2d > 0
 
 
+def test_mla_cpu_attention_uses_the_latent_kernel_rate_by_hand():
+    """(H5) of an MLA model: S c attn_flops_per_position / cpu_latent_attention_flops when the profile measured it (the
+    GQA probe's cpu_attention_flops is a memory-bound shape's rate), cpu_attention_flops when not; a GQA model never
+    uses the latent rate."""
+    mla, gqa = resolve_spec("deepseek-v2-lite"), resolve_spec("mixtral-8x7b")
+    hw = toy_hw(cpu_attention_flops=1e11, cpu_attention_bandwidth=1e14)  # the FLOP term binds
+    S, c = 80, 215
+    assert hrm.cpu_decode_attention_time(mla, hw, S, c) == pytest.approx(S * c * 16 * (2 * 576 + 2 * 512) / 1e11)
+    fast = toy_hw(cpu_attention_flops=1e11, cpu_attention_bandwidth=1e14, cpu_latent_attention_flops=4e11)
+    assert hrm.cpu_decode_attention_time(mla, fast, S, c) == pytest.approx(S * c * mla.attn_flops_per_position / 4e11)
+    assert hrm.cpu_decode_attention_time(gqa, fast, S, c) == hrm.cpu_decode_attention_time(gqa, hw, S, c)
+
+
 def test_resolve_spec_aliases_and_errors(tmp_path):
     assert resolve_spec("mistralai/Mixtral-8x7B-v0.1").name == "mixtral-8x7b"
     with pytest.raises(ValueError, match="registry"):

@@ -97,6 +97,29 @@ def measure_cpu_attention(batch: int = 32, q_heads: int = 32, kv_heads: int = 8,
     return nbytes / t, flops / t, which
 
 
+def measure_cpu_latent_attention(rows: int = 256, heads: int = 16, kv_lora_rank: int = 512, rope_dim: int = 64,
+                                 seq: int = 256, repeats: int = 3) -> float:
+    """FLOP/s of the native MLA decode-attention kernel (:func:`~..kernels.cpu_latent_attention.latent_attention_append`,
+    no append) on a compute-bound shape: ``rows`` rows x ``seq`` cached latents [kv_lora_rank + rope_dim] (bf16),
+    ``heads`` query heads sharing each row (DeepSeek-V2-Lite's widths by default); FLOPs = rows seq heads
+    (2 (Dl + rd) + 2 Dl) (scores and values), as MoESpec.attn_flops_per_position counts them. 0.0 without the
+    native kernel (the profile's field then stays unmeasured)."""
+    from ..kernels.cpu_attention import native_available
+    from ..kernels.cpu_latent_attention import latent_attention_append
+
+    if not native_available():
+        return 0.0
+    E = kv_lora_rank + rope_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, E, generator=g).to(torch.bfloat16)
+    cache = torch.randn(rows, seq, E, generator=g).to(torch.bfloat16)
+    lengths = torch.full((rows,), seq, dtype=torch.int64)
+    out = torch.empty(rows, heads, kv_lora_rank, dtype=torch.bfloat16)
+    idx = torch.arange(rows)
+    t = _best_time(lambda: latent_attention_append(q, None, None, idx, cache, lengths, out, E ** -0.5), repeats)
+    return rows * seq * heads * (2 * E + 2 * kv_lora_rank) / t
+
+
 def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: int = 64, layers: int = 4,
                                    repeats: int = 3, lengths: Optional[Sequence[int]] = None,
                                    worker: bool = True) -> float:
@@ -453,6 +476,9 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
         mm_bw = _time_attention(_matmul_decode_attention, batch=attn["batch"], seq=attn["seq"])
         log(f"  (unfused matmul routine at {attn['batch']} x {attn['seq']}: {mm_bw / 1e9:.1f} GB/s, for reference; "
             f"the executors use cpu_decode_attention)")
+    mla_flops = measure_cpu_latent_attention(**(dict(rows=16, seq=64, repeats=2) if quick else {}))
+    log(f"CPU MLA decode attention (native latent kernel, 16 heads x 576-wide latents): {mla_flops / 1e9:.1f} GFLOP/s "
+        f"(the profile's cpu_latent_attention_flops; 0: no native kernel)")
     small_bw, _, _ = measure_cpu_attention(batch=16, seq=128, repeats=2 if quick else 20)
     small_bytes = 2 * 16 * 8 * 128 * 128 * 2  # K and V of 16 rows x 128 positions (bf16, 8 KV heads, hd 128)
     cpu_ovh = max(0.0, small_bytes / small_bw - small_bytes / probe_bw)  # fixed cost of a decode-shaped call
@@ -461,7 +487,7 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     notes = [f"CPU side measured by moe-batch profile ({which}; bandwidth under executor conditions: grouped KV "
              f"cache, worker thread)"]
     fields = dict(host_memory=mem, host_memory_bandwidth=host_bw, cpu_attention_bandwidth=cpu_bw, cpu_attention_flops=cpu_flops,
-                  cpu_attention_overhead=cpu_ovh,
+                  cpu_latent_attention_flops=mla_flops, cpu_attention_overhead=cpu_ovh,
                   cpu_cores=cores, host=desc, date=datetime.date.today().isoformat(), name=name)
     if torch.cuda.is_available():
         g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))

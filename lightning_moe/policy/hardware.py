@@ -156,6 +156,11 @@ class HardwareProfile(YamlRecord):
     cpu_cores: int  # physical CPU cores available to the attention workers
     microbatch_overhead: float = 0.0  # seconds of host-side issue cost per micro-batch per layer (Python + kernel launches of
     #   pre/post-attention and the expert FFN); measured by `moe-batch profile` on CUDA, 0 for presets (the artifact has none)
+    cpu_latent_attention_flops: float = 0.0  # FLOP/s of the native MLA decode-attention kernel (DeepSeek's latent
+    #   cache: every query head reads one shared row, ~Hq FLOP per byte) at a compute-bound shape; the (H5) FLOP term of
+    #   MLA models uses it (the GQA probe's cpu_attention_flops is a memory-bound shape's rate, ~4x below this kernel's
+    #   on the H200 host); `moe-batch profile` measures it (profiler.measure_cpu_latent_attention); 0 = unmeasured:
+    #   cpu_attention_flops
     cpu_attention_overhead: float = 0.0  # seconds of fixed cost per CPU decode-attention call (one micro-batch, one layer):
     #   thread wake-ups and op dispatch, which dominate at decode shapes; `moe-batch profile` fits it, 0 for presets
     host_issue_cpu_attn: float = 0.0  # seconds of host-thread time per CPU-attention micro-batch per decode layer as

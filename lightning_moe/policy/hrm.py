@@ -259,10 +259,12 @@ def cpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, c
     """(H5) CPU decode attention of ``seqs`` sequences over ``context`` positions (one layer).
 
     max(S c attn_flops_per_position / P_cpu_attn, S c kv_elems b / B_cpu_attn): the CPU attention routine's
-    measured FLOP/s and KV streaming bytes/s (HardwareProfile.cpu_attention_*).
+    measured FLOP/s and KV streaming bytes/s (HardwareProfile.cpu_attention_*); an MLA model's FLOP rate is the
+    latent kernel's (``cpu_latent_attention_flops``, when measured).
     """
     b = dtype_bytes(dtype)
-    return max(seqs * context * spec.attn_flops_per_position / hw.cpu_attention_flops,
+    flops = hw.cpu_latent_attention_flops if spec.is_mla and hw.cpu_latent_attention_flops > 0 else hw.cpu_attention_flops
+    return max(seqs * context * spec.attn_flops_per_position / flops,
                seqs * context * spec.kv_elems_per_token * b / hw.cpu_attention_bandwidth)
 
 
