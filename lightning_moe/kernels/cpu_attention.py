@@ -77,6 +77,29 @@ struct F16 {
   static inline c10::Half to(float x) { return c10::Half(x); }
 };
 
+// exp(x) for the softmax (x <= 0 there; any finite x works): 2^k e^r, k = round(x log2 e), r = x - k ln 2, e^r by Cephes' expf polynomial (|r| <= ln2 / 2, ~1 ulp); x clamped to [-87.3, 88.3] (e^-87.3 ~ 1e-38 stands
+// for 0 beside a softmax's largest term, 1). Branch-free, so a loop of it vectorizes (std::exp is a libm call per
+// element: at head width 64 a score's exp cost more than its 128 multiply-adds).
+inline float exp_fast(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float t = x * 1.44269504088896341f;
+  const int32_t ki = static_cast<int32_t>(t + (t >= 0.f ? 0.5f : -0.5f));  // round half away from zero
+  const float k = static_cast<float>(ki);
+  // in double: the build's -fassociative-math may fold a two-part (Cody-Waite) ln 2 into one float constant
+  const float r = static_cast<float>(static_cast<double>(x) - static_cast<double>(k) * 0.6931471805599453);
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(ki + 127) << 23;
+  float p;
+  std::memcpy(&p, &bits, 4);
+  return y * p;
+}
+
 #ifdef __AVX512F__
 constexpr int CH = 64;  // output columns per query head kept in registers in the V pass (4 heads x 64 = 16 zmm)
 #else
@@ -163,9 +186,9 @@ inline void head_block(const typename Tr::raw* q, const typename Tr::raw* Kb, co
     float* sg = scores + g * n;
     float m = sink ? sink[g] : -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    float sum = sink ? std::exp(sink[g] - m) : 0.f;
+    float sum = sink ? exp_fast(sink[g] - m) : 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      sg[j] = std::exp(sg[j] - m);
+      sg[j] = exp_fast(sg[j] - m);
       sum += sg[j];
     }
     const float inv = 1.f / sum;
@@ -227,6 +250,8 @@ inline void attend_item(const Group<typename Tr::raw>& gr, int64_t b, int64_t h,
   const float* sh = sinks ? sinks + h * G : nullptr;  // this KV head's G query heads' sinks
   if (hd == 128)
     heads<Tr, 128>(qh, Ks, Vs, oh, G, n, hd, scale, sh, qf, scores.data(), acc);
+  else if (hd == 64)  // gpt-oss
+    heads<Tr, 64>(qh, Ks, Vs, oh, G, n, hd, scale, sh, qf, scores.data(), acc);
   else
     heads<Tr, 0>(qh, Ks, Vs, oh, G, n, hd, scale, sh, qf, scores.data(), acc);
 }
@@ -589,9 +614,20 @@ std::string latent_attention_append_groups(at::Tensor q, at::Tensor c_new, at::T
   return "";
 }
 
+// exp_fast over an fp32 tensor (for its test against torch.exp)
+torch::Tensor softmax_exp(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "softmax_exp: a contiguous fp32 tensor");
+  auto y = torch::empty_like(x);
+  const float* a = x.data_ptr<float>();
+  float* b = y.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) b[i] = exp_fast(a[i]);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("softmax_exp", &softmax_exp);
   m.def("decode_attention_append_groups", &decode_attention_append_groups, py::call_guard<py::gil_scoped_release>());
   m.def("latent_attention_append_groups", &latent_attention_append_groups, py::call_guard<py::gil_scoped_release>());
   m.def("native_stats", &native_stats);
@@ -713,6 +749,14 @@ def native_stats(reset: bool = False) -> dict[str, float]:
     if not _module:
         return {k: 0.0 for k in NATIVE_STATS_KEYS}
     return dict(zip(NATIVE_STATS_KEYS, _module.native_stats(reset)))
+
+
+def softmax_exp(x: torch.Tensor) -> torch.Tensor:
+    """The native kernel's softmax exponential (``exp_fast``: x clamped to [-87.3, 88.3], ~1 ulp) of a contiguous
+    fp32 CPU tensor; its reference is torch.exp. RuntimeError without the native kernel."""
+    if not native_available():
+        raise RuntimeError("softmax_exp: the native CPU attention kernel is not available")
+    return _module.softmax_exp(x)
 
 
 def decode_attention_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
