@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_moe.kernels import fused_moe as fm
+from lightning_moe.kernels import mxfp4
 from lightning_moe.kernels.fused_moe import MoEKernelConfig
 from lightning_moe.kernels.mxfp4 import (experts_ffn_mxfp4_reference, fused_experts_mxfp4_triton, mxfp4_dequantize,
                                          mxfp4_expert_bytes, mxfp4_page_layout, pack_mxfp4_pages, unpack_mxfp4_page)
@@ -120,8 +121,10 @@ CASE_IDS = ["T1-k1", "T7-k4-empty-expert-D96-F160", "T33-k2-empty-expert", "T5-k
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("config", [None, MoEKernelConfig(16, 16, 32, 1, 1), MoEKernelConfig(16, 16, 16, 1, 1)],
-                         ids=["default", "tiny-tiles", "k16-one-column-at-a-time"])  # block_k >= 32: paired nibbles
-def test_kernel_matches_reference_in_the_interpreter(interpret, case, dtype, tol, config):
+                         ids=["default", "tiny-tiles", "k16"])  # block_k 16: one column at a time even when paired
+@pytest.mark.parametrize("paired", [False, True], ids=["one-column", "paired-nibbles"])
+def test_kernel_matches_reference_in_the_interpreter(interpret, case, dtype, tol, config, paired, monkeypatch):
+    monkeypatch.setattr(mxfp4, "PAIRED_NIBBLES", paired)
     T, D, F, E, k, avoid = case
     t = make_experts(E, D, F, seed=T, bias_dtype=dtype)
     pages, lay = pack_mxfp4_pages(*t)

@@ -47,7 +47,9 @@ from .pages import PageLayout
 # E2M1 code -> value (code 8..15: the negatives; 8 is -0.0), transformers' integrations/mxfp4.py FP4_VALUES
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # values per scale
-PAIRED_NIBBLES = True  # the kernels dequantize a byte's two columns at once (_triton_kernels.mxfp4_pair_tiles)
+PAIRED_NIBBLES = False  # True: the kernels dequantize a byte's two columns at once (_triton_kernels.mxfp4_pair_tiles,
+#   half the loads and index math per weight); equal to the reference in the interpreter, not yet timed on a GPU
+#   (benchmarks/bench_mxfp4_ffn.py compares the two), so off until it is
 SCALE_BIAS = 127  # E8M0 exponent bias
 
 
