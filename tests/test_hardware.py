@@ -103,6 +103,23 @@ def test_profile_cpu_side(tmp_path, monkeypatch):
     assert HardwareProfile.load(str(path)) == prof
 
 
+def test_profile_keeps_the_compute_bound_attention_flop_rate(monkeypatch):
+    """cpu_attention_flops is the higher of the decode-shaped probe's FLOP rate and the 8-query-heads-per-KV-head
+    probe's (where the routine is compute-bound): (H5)'s FLOP term must be a peak."""
+    from lightning_moe.pipeline import profiler as P
+
+    real = P.measure_cpu_attention
+
+    def fake(batch=32, q_heads=32, kv_heads=8, seq=1024, head_dim=128, **kw):
+        bw, _, which = real(batch=4, q_heads=q_heads, kv_heads=kv_heads, seq=16, head_dim=head_dim, repeats=1)
+        return bw, (3e9 if q_heads // kv_heads == 8 else 2e9), which
+
+    monkeypatch.setattr(P, "measure_cpu_attention", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lambda s: None)
+    assert prof.cpu_attention_flops == 3e9
+
+
 def test_latent_attention_probe_counts_mla_flops(monkeypatch):
     """measure_cpu_latent_attention: rows seq heads (2 (Dl + rd) + 2 Dl) FLOPs over the native kernel's best time
     (a fake clock: every call 0.5 s), the kernel called on the probe's shapes; 0.0 without the native kernel."""
