@@ -12,16 +12,20 @@ from lightning_moe.policy.policy import Budgets, PlanInfeasible, Workload
 from lightning_moe.policy.registry import resolve_spec
 
 
-def tiny_spec(L=2, E=4, dense=0, shared=0) -> MoESpec:
-    return MoESpec(name="tiny", model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=L,
-                   num_heads=4, num_kv_heads=2, head_dim=16, num_experts=E, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5,
-                   max_position_embeddings=512, dense_layers=tuple(range(dense)), dense_intermediate_size=256 if dense else 0,
-                   num_shared_experts=shared, shared_intermediate_size=64 if shared else 0)
+def tiny_spec(L=2, E=4, dense=0, shared=0, mla=False) -> MoESpec:
+    """A tiny Mixtral-like spec; ``mla``: DeepSeek-V2's attention (latent cache 32 + rope 8, 4 heads of 16 + 8)."""
+    attn = (dict(model_type="deepseek_v2", num_kv_heads=4, head_dim=24, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16)
+            if mla else dict(model_type="mixtral", num_kv_heads=2, head_dim=16))
+    return MoESpec(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=L, num_heads=4,
+                   num_experts=E, top_k=2, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=512,
+                   dense_layers=tuple(range(dense)), dense_intermediate_size=256 if dense else 0,
+                   num_shared_experts=shared, shared_intermediate_size=64 if shared else 0, **attn)
 
 
-def random_case(seed: int):
+def random_case(seed: int, mla: bool = False):
     rng = random.Random(seed)
-    spec = tiny_spec(L=rng.choice([2, 3]), E=rng.choice([3, 4]), dense=rng.choice([0, 0, 1]), shared=rng.choice([0, 1]))
+    spec = tiny_spec(L=rng.choice([2, 3]), E=rng.choice([3, 4]), dense=rng.choice([0, 0, 1]), shared=rng.choice([0, 1]),
+                     mla=mla)
     hw = HardwareProfile(
         name="toy", gpu_memory=1 << 30, gpu_hbm_bandwidth=10 ** rng.uniform(9.5, 11.5), gpu_flops_bf16=10 ** rng.uniform(10.5, 12.5),
         gpu_flops_fp16=1e12, gpu_flops_fp32=1e11, pcie_h2d=10 ** rng.uniform(6.5, 8.5), pcie_d2h=10 ** rng.uniform(6.5, 8.5),
@@ -38,12 +42,14 @@ def random_case(seed: int):
 
 
 def brute_force(spec, hw, wl, budgets, cands, n_max):
-    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm."""
+    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm (MLA and sinks:
+    no GPU-attention micro-batch, which CGOPipe refuses)."""
     best = None
+    gpu_attn = not (spec.is_mla or spec.attention_sinks)
     for mu in cands:
         for n in range(1, n_max + 1):
             for R in range(spec.num_moe_layers * spec.num_experts + 1):
-                for g in range(n + 1):
+                for g in range(n + 1 if gpu_attn else 1):
                     pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
                     if hrm.memory_violations(pol, spec, wl):
                         continue

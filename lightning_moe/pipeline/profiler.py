@@ -376,14 +376,17 @@ def expert_shapes_of(names: Sequence[str]) -> tuple:
     return tuple(out)
 
 
-def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, steps: int = 8) -> tuple[float, float]:
+def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, steps: int = 8,
+                       mla: bool = False) -> tuple[float, float]:
     """Host-thread seconds per micro-batch per decode layer as CGOPipe runs it: (CPU-attention micro-batch,
-    GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py).
+    GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py); ``mla``:
+    (host_issue_cpu_attn_mla, 0.0) on a DeepSeek-V2-shaped model (MLA has no GPU-attention micro-batch).
 
     Runs the executor's own decode (pre-attention, q/k/v copies, hand-offs with the CPU-attention worker, the
     attention output's transfer, page slots, post-attention with the Triton expert FFN; for GPU attention the KV
-    append and attention of every length group) on a tiny Mixtral-shaped model (D = 256, 8 experts, ``layers``
-    layers, 2 resident per layer) with 2 micro-batches of ``mu`` prompts of spread lengths (8 KV length groups), so
+    append and attention of every length group) on a tiny model (D = 256, 8 experts, ``layers`` layers, 2 resident
+    per layer; Mixtral-shaped, or with ``mla`` DeepSeek-V2-shaped: latent cache, absorbed projections, a shared
+    expert, every layer MoE) with 2 micro-batches of ``mu`` prompts of spread lengths (8 KV length groups), so
     the GPU, PCIe and CPU-attention work are negligible and the decode time is the host's: decode seconds /
     (``steps`` x layers x 2), once with both micro-batches attending on the CPU and once with both on the GPU. A
     short warm-up run compiles the kernels first. On ``device="cpu"`` (tests) the same loop runs synchronously and
@@ -393,22 +396,19 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
     micro-batch's decode layer). :func:`measure_microbatch_overhead` times only a bare pre + post attention, far less
     than the host spends issuing a real micro-batch's work.
     """
-    from ..model.spec import MoESpec
     from ..model.weights import dummy_weights
     from .cgopipe import CGOPipeExecutor
     from .sampling import DecodeSampling
     from ..policy.policy import Policy
 
     cuda = torch.device(device).type == "cuda"
-    spec = MoESpec(name="probe", model_type="mixtral", vocab_size=256, hidden_size=256, intermediate_size=512,
-                   num_layers=layers, num_heads=8, num_kv_heads=2, head_dim=32, num_experts=8, top_k=2, rope_theta=1e4,
-                   rms_norm_eps=1e-5, max_position_embeddings=1024)
+    spec = _host_probe_spec(layers, mla)
     dt, name = (torch.bfloat16, "bf16") if cuda else (torch.float32, "fp32")
     g = torch.Generator().manual_seed(0)
     lens = torch.linspace(8, 200, 2 * mu).round().long().tolist()  # spread lengths: 8 KV groups per micro-batch
     prompts = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
     out = []
-    for n_gpu in (0, 2):
+    for n_gpu in ((0,) if mla else (0, 2)):
         pol = Policy(mu=mu, n=2, prefill_mu=mu, resident_experts=2, n_gpu_attn=n_gpu, dtype=name, weight_quant=name)
         ex = CGOPipeExecutor(dummy_weights(spec, dt), pol, device, ffn="triton" if cuda else "torch")
         try:
@@ -418,7 +418,22 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
             out.append((ex.stats.decode_seconds - before) / (steps * layers * 2))
         finally:
             ex.close()
-    return out[0], out[1]
+    return out[0], (0.0 if mla else out[1])
+
+
+def _host_probe_spec(layers: int, mla: bool):
+    """The host-issue probe's tiny model: Mixtral-shaped, or DeepSeek-V2-shaped (``mla``, every layer MoE)."""
+    from ..model.families import read_spec
+
+    cfg = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": layers, "num_attention_heads": 8,
+           "num_experts_per_tok": 2, "rope_theta": 1e4, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024}
+    if mla:
+        cfg.update(model_type="deepseek_v2", num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=512,
+                   n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=None,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, topk_method="greedy", norm_topk_prob=False)
+    else:
+        cfg.update(model_type="mixtral", num_key_value_heads=2, head_dim=32, intermediate_size=512, num_local_experts=8)
+    return read_spec(cfg)
 
 
 def host_description() -> tuple[str, int, int]:
@@ -535,6 +550,13 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
             fields.update(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g)
             log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
                 f"{h_g * 1e3:.2f} ms (GPU attention)")
+            try:
+                fields["host_issue_cpu_attn_mla"] = measure_host_issue(mla=True)[0]
+            except Exception as e:  # noqa: BLE001 - MLA models then take the GQA probe's number
+                log(f"CGOPipe host issue probe (MLA) failed ({type(e).__name__}); host_issue_cpu_attn_mla left at 0")
+            else:
+                log(f"  MLA (DeepSeek-shaped): {fields['host_issue_cpu_attn_mla'] * 1e3:.2f} ms per CPU-attention "
+                    f"micro-batch per decode layer (the profile's host_issue_cpu_attn_mla)")
         notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
                      "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
     else:

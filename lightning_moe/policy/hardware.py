@@ -168,6 +168,9 @@ class HardwareProfile(YamlRecord):
     #   page slot, post-attention with the expert FFN); `moe-batch profile` measures it on CUDA
     #   (profiler.measure_host_issue); 0 = unmeasured: the HRM has no host stage
     host_issue_gpu_attn: float = 0.0  # the same for a GPU-attention micro-batch (KV append + attention per length group)
+    host_issue_cpu_attn_mla: float = 0.0  # host_issue_cpu_attn of an MLA model (DeepSeek: absorbed projections, the
+    #   latent cache's hand-offs, shared experts), measured on a DeepSeek-V2-shaped probe; 0 = unmeasured:
+    #   host_issue_cpu_attn
     gpu_expert_flops: float = 0.0  # FLOP/s CGOPipe's grouped expert kernel (kernels.fused_moe.fused_experts_triton) reaches
     #   at prefill sizes in the compute dtype; the HRM's routed-expert term uses min(this, the GEMM peak). `moe-batch
     #   profile` measures it on CUDA (profiler.measure_expert_kernel_flops); 0 = unmeasured: the GEMM peak

@@ -355,7 +355,7 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
     # (H10) every process attends over the same CPU rows on one shared host: x g
     cpu = (policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)) * g
-    host = decode_host_issue_time(hw, policy)
+    host = decode_host_issue_time(hw, policy, spec)
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
         cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)) * g
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
@@ -374,11 +374,17 @@ def has_host_stage(hw: HardwareProfile) -> bool:
     return hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0
 
 
-def decode_host_issue_time(hw: HardwareProfile, policy: Policy) -> float:
+def decode_host_issue_time(hw: HardwareProfile, policy: Policy, spec: MoESpec) -> float:
     """(H6') without the wait: seconds the host thread spends issuing one decode layer's work,
-    (n - n_g) host_issue_cpu_attn + n_g host_issue_gpu_attn (profile fields, measured by running CGOPipe's decode
-    on a tiny model: profiler.measure_host_issue); 0 when the profile has neither."""
-    return policy.n_cpu_attn * hw.host_issue_cpu_attn + policy.n_gpu_attn * hw.host_issue_gpu_attn
+    (n - n_g) h_c + n_g host_issue_gpu_attn (profile fields, measured by running CGOPipe's decode on a tiny model:
+    profiler.measure_host_issue); 0 when the profile has neither. h_c: :func:`host_issue_cpu_time`."""
+    return policy.n_cpu_attn * host_issue_cpu_time(hw, spec) + policy.n_gpu_attn * hw.host_issue_gpu_attn
+
+
+def host_issue_cpu_time(hw: HardwareProfile, spec: MoESpec) -> float:
+    """h_c of (H6') for ``spec``: an MLA model's probe (host_issue_cpu_attn_mla) where measured, else the GQA probe's
+    host_issue_cpu_attn."""
+    return hw.host_issue_cpu_attn_mla if spec.is_mla and hw.host_issue_cpu_attn_mla > 0 else hw.host_issue_cpu_attn
 
 
 def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float,
