@@ -59,6 +59,7 @@ def cmd_run(args) -> int:
     report = run_job(job, progress=not args.no_progress, spans=spans)
     if report.get("nothing_to_do"):
         print("nothing to do; the earlier run that finished this job reported:")
+        _say_settings_differ(report, job)
     print(format_report(report))
     print(f"  report: {job.output.report_path}")
     if spans:
@@ -76,6 +77,16 @@ def cmd_run(args) -> int:
     elif spans is not None:
         print("  timeline: nothing ran (no batch), nothing drawn")
     return 0
+
+
+def _say_settings_differ(report: dict, job) -> None:
+    """A finished job re-run with another executor or device reads the earlier run's report: say so (those settings
+    change speed, not records, so the finished file stands)."""
+    for key in ("executor", "device"):
+        was, now = report.get(key), getattr(job, key)
+        if was is not None and was != now:
+            print(f"note: this job asks for {key} {now}, the earlier run used {was}; the records are done, so nothing "
+                  f"ran (set output.path to a new file to run it with {key} {now})")
 
 
 def _run_on_ray(job, args) -> int:

@@ -7,6 +7,7 @@ YAML flow mapping without spaces (the corrected value), and one skip reason for 
 
 import json
 import os
+import types
 import random
 import re
 import shutil
@@ -117,7 +118,28 @@ def test_rerun_of_a_finished_job_validates_like_a_fresh_run(tmp_path, tiny_dir, 
         monkeypatch.delenv(var)
     assert {f: (tmp_path / "out" / f).read_bytes() for f in os.listdir(tmp_path / "out")} == files
     assert cli.main(["run", p, "--no-progress"]) == 0
-    assert "nothing to do" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "note:" not in out
+    assert cli.main(["run", p, "--no-progress", "--set", "executor=cgopipe"]) == 0  # another executor: says so
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "note: this job asks for executor cgopipe, the earlier run used serial" in out
+    assert {f: (tmp_path / "out" / f).read_bytes() for f in os.listdir(tmp_path / "out")} == files
+
+
+def test_kernel_compile_message_only_when_a_build_is_due(monkeypatch):
+    """The run says it compiles the native CPU attention kernel only when no build is on disk (a later run loads it
+    in well under a second and says nothing)."""
+    import io
+
+    from lightning_moe.app import engine
+    job = types.SimpleNamespace(task="generate", device="cpu")
+    for built, want in ((True, ""), (False, "compiling the native CPU attention kernel")):
+        log = io.StringIO()
+        monkeypatch.setattr(engine, "native_loaded", lambda: False)
+        monkeypatch.setattr(engine, "native_built", lambda b=built: b)
+        monkeypatch.setattr(engine, "native_available", lambda: True)
+        engine._prepare_cpu_attention(job, None, log)
+        assert (want in log.getvalue()) and (bool(log.getvalue()) == (not built))
 
 
 # ------------------------------------------------------------------------------------------- tokenizer files

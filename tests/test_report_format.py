@@ -126,3 +126,12 @@ def test_prediction_notes_print_under_the_throughput_table():
     at = lines.index("  " + note)
     assert lines[at - 1].split()[:1] == ["end-to-end"]
     assert not any("note:" in line for line in format_report(_report()).splitlines())
+
+
+def test_busy_host_at_start_gets_a_note():
+    """A run that started on a busy host (1-minute load >= half its CPUs, as recorded in host_load_at_start) says
+    so under the table; a quiet host, or no load average, says nothing."""
+    busy = format_report(_report(host_load_at_start=[2.6, 2]))
+    assert "note: the host's load average was 2.6 on 2 CPUs as the run started" in busy
+    for load in ([0.4, 2], None):
+        assert "load average" not in format_report(_report(host_load_at_start=load))

@@ -34,8 +34,11 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
     from ..pipeline.cpu_profile import measure_cpu_profile
 
     path = path or cpu_profile_path()
-    print("moe-batch: measuring this machine's CPU rates for the prediction (~10-60 s; cached for later runs)",
-          file=log, flush=True)
+    from ..kernels.cpu_attention import cpu_attention_mode, native_built
+
+    builds = cpu_attention_mode() != "sdpa" and not native_built()
+    print("moe-batch: measuring this machine's CPU rates for the prediction (~10-60 s; cached for later runs"
+          + ("; this includes compiling the native CPU attention kernel, once)" if builds else ")"), file=log, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof = measure_cpu_profile(directory=os.path.dirname(os.path.abspath(path)))
     tmp = f"{path}.tmp{os.getpid()}"

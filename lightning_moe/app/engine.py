@@ -41,7 +41,7 @@ from tqdm import tqdm
 from ..config import ConfigError, Job, recorded
 from ..data.stops import StopWatch, cut_at_stop
 from ..data.writer import PartialsFile, ResultsWriter, error_record, read_partials, write_json_atomic
-from ..kernels.cpu_attention import cpu_attention_mode, native_available, native_loaded
+from ..kernels.cpu_attention import cpu_attention_mode, native_available, native_built, native_loaded
 from ..kernels.prefill_attention import prefill_attention_mode
 from ..model.quantized import checkpoint_expert_scheme
 from ..model.spec import MoESpec
@@ -456,8 +456,8 @@ def _prepare_cpu_attention(job: Job, jplan: Optional[JobPlan], log) -> None:
     if job.task != "generate" or (jplan is not None and job.device.startswith("cuda")
                                   and jplan.policy.n_gpu_attn >= jplan.policy.n):
         return
-    if not native_loaded():
-        print("moe-batch: loading the native CPU attention kernel (compiled on the first run per torch install, ~20-60 s)",
+    if not native_loaded() and cpu_attention_mode() != "sdpa" and not native_built():
+        print("moe-batch: compiling the native CPU attention kernel (once per torch install and CPU, ~20-60 s)",
               file=log, flush=True)
     native_available()
 

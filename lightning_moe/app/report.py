@@ -32,6 +32,7 @@ def report_head(job: Job, prep: Prepared, results: str, skipped: int, partials_f
         "job": job.name, "config": job.config_path, "task": job.task, "mode": job.score.mode if job.score else None,
         "model": job.model, "model_path": prep.model_path, "device": job.device, "dtype": job.dtype,
         "executor": job.executor, "shard": list(job.shard) if job.shard else None, "host": platform.node(),
+        "host_load_at_start": host_load(),
         "requests_in_input": prep.n_input, "requests_in_shard": len(prep.treqs), "skipped_already_done": skipped,
         "results": results, "status": "running",
         "expert_parallel": {"processes": job.gpus, "backend": "nccl" if job.device.startswith("cuda") else "gloo"}
@@ -307,6 +308,23 @@ def _table(rows: list[dict]) -> str:
     return "\n".join("  " + line for line in df.to_string(index=False).splitlines())
 
 
+def host_load() -> Optional[list]:
+    """[1-minute load average, CPUs] of this host (None where the OS has no load average)."""
+    try:
+        return [round(os.getloadavg()[0], 2), os.cpu_count() or 1]
+    except (AttributeError, OSError):
+        return None
+
+
+def _load_note(load) -> list:
+    """A note when the host was busy as the run started (1-minute load >= half its CPUs): other processes then
+    share the cores the measured rates assume, and measured / predicted reads low."""
+    if not load or load[0] < 0.5 * load[1]:
+        return []
+    return [f"  note: the host's load average was {load[0]:g} on {load[1]} CPUs as the run started: other processes "
+            f"shared the cores, so measured tok/s (and measured / predicted) read low"]
+
+
 def format_report(r: dict, top_stages: int = 8) -> str:
     """Human-readable summary of a run report (printed at the end of ``moe-batch run``; the JSON keeps everything):
     throughput measured vs predicted per phase with the HRM's binding stage, the policy's fields by name, GPU
@@ -338,7 +356,7 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
                      "wall s": num(spans[name], "{:,.2f}"),
                      "bound by (HRM)": pred.get(bind) if bind else _end_to_end_binding(r, pred)})
-    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())]
+    lines += [_table(rows)] + [f"  {n}" for n in pred.get("notes", ())] + _load_note(r.get("host_load_at_start"))
     if pred.get("job_batches"):
         lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} prefill pass(es) of "
                      f"{' + '.join(map(str, pred['job_batches']))} rows into {r.get('policy', {}).get('N', '?')} "

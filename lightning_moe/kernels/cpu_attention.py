@@ -699,6 +699,13 @@ def native_loaded() -> bool:
     return _module is not None
 
 
+def native_built() -> bool:
+    """Whether a build of the native kernel for this source, torch and CPU is on disk (loading it then takes well
+    under a second; without it the first use compiles, ~20-60 s)."""
+    name, build_dir = build_directory()
+    return os.path.exists(os.path.join(build_dir, f"{name}.so"))
+
+
 CPU_ATTENTION_MODES = ("auto", "native", "sdpa")  # values of LIGHTNING_MOE_CPU_ATTENTION
 
 
