@@ -498,3 +498,29 @@ def test_cgopipe_warmup_covers_every_layer_kind(family, kinds):
         assert decode == {(l, 2) for l in moe_kinds}
         assert {l for l, t, pre in ffn_calls if pre or (choice is None and t != 2)} == set(moe_kinds)
     assert outs[True] == outs[False]
+
+
+def test_cgopipe_scoring_first_still_warms_the_decode():
+    """A scoring pass warms the prefill kernels only; the executor's first generation after it warms each kind again
+    with its decode step (lm-eval runs loglikelihood requests before generate_until); later passes warm nothing."""
+    from lightning_moe.model.families import read_spec
+    from lightning_moe.model.weights import dummy_weights
+    from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
+    from lightning_moe.pipeline.sampling import DecodeSampling
+    from lightning_moe.policy.policy import Policy
+
+    spec = read_spec({"model_type": "mixtral", "vocab_size": 32, "hidden_size": 60, "num_hidden_layers": 2,
+                      "num_attention_heads": 6, "num_key_value_heads": 2, "num_experts_per_tok": 2,
+                      "intermediate_size": 16, "num_local_experts": 5, "rope_theta": 1000.0})
+    pol = Policy(mu=2, n=2, prefill_mu=2, resident_experts=0, dtype="fp32", weight_quant="fp32")
+    ex = CGOPipeExecutor(dummy_weights(spec, torch.float32, seed=5, scale=0.2), pol, "cpu", warmup=True)
+    warmed, real = [], ex._warm_up
+    ex._warm_up = lambda l, chunks, ffn, mbs: (warmed.append((l, bool(mbs))), real(l, chunks, ffn, mbs))[1]
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    ex.prompt_logprobs([p + [1] for p in prompts])
+    assert warmed == [(0, False)]
+    ex.generate(prompts, DecodeSampling(max_new_tokens=2, stop_at_eos=False))
+    ex.prompt_logprobs([p + [1] for p in prompts])
+    ex.generate(prompts, DecodeSampling(max_new_tokens=2, stop_at_eos=False))
+    ex.close()
+    assert warmed == [(0, False), (0, True)]

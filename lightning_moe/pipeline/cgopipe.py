@@ -105,7 +105,7 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         # kernels compile, load and plan on first use), off on the CPU (nothing to warm)
         self.warmup = self.cuda if opts.warmup is None else bool(opts.warmup)
         self._warm_s = 0.0  # seconds of the warm-up inside the running prefill (its callers take them out of its wall)
-        self._warmed: set = set()  # layer kinds warmed up (prefill._layer_kind)
+        self._warmed: set = set()  # (layer kind (prefill._layer_kind), decode kernels too) warmed up
         self.timer = StageTimer(self.cuda)
         self.compute = torch.cuda.current_stream(dev) if self.cuda else None
         self.weight_stream = ws = WeightStream(weights.experts, spec, policy, dev, dt, self.compute, self.timer,

@@ -117,12 +117,14 @@ class CGOPipePrefill:
             for l in range(self.spec.num_layers):
                 visit, ffn = self._begin_visit()
                 self.weight_stream.prefetch_slot(visit + 1, 0, 1)
-                if self.warmup and self._layer_kind(l, ffn) not in self._warmed:
+                if self.warmup and (self._layer_kind(l, ffn), True) not in self._warmed and (
+                        self._layer_kind(l, ffn), not score) not in self._warmed:
                     self._warm_up(l, chunks, ffn, [] if score else mbs)
                 for ch in chunks:
                     self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
                 self.weight_stream.end_visit(visit)
-        self.warmup = False  # the first pass warmed every kind of layer the model has
+        if not score:  # the first generation pass warmed every kind of layer, decode included (a scoring pass
+            self.warmup = False  # warms the prefill kernels only: a later generation still warms its decode)
         for f in pending:  # every KV row is in its cache before decode reads it
             f.result()
         self._count_kernel_calls("prefill")
@@ -229,7 +231,7 @@ class CGOPipePrefill:
         library's plans, cuBLAS heuristics, lazy module loads) land in ``stats.warmup_seconds`` and ``self._warm_s``
         (the callers take them out of the prefill's wall), not in prefill or decode tokens/s; the run's end-to-end time
         keeps them."""
-        self._warmed.add(self._layer_kind(l, ffn))
+        self._warmed.add((self._layer_kind(l, ffn), bool(mbs)))  # (kind, decode kernels warmed too)
         t0 = time.perf_counter()
         choice = getattr(self.expert_ffn, "choice", None)
         calls = dict(choice.calls) if choice is not None else None
