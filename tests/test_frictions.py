@@ -119,7 +119,7 @@ def test_rerun_of_a_finished_job_validates_like_a_fresh_run(tmp_path, tiny_dir, 
     assert {f: (tmp_path / "out" / f).read_bytes() for f in os.listdir(tmp_path / "out")} == files
     assert cli.main(["run", p, "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "nothing to do" in out and "note:" not in out
+    assert "nothing to do" in out and "note: this job asks for" not in out
     assert cli.main(["run", p, "--no-progress", "--set", "executor=cgopipe"]) == 0  # another executor: says so
     out = capsys.readouterr().out
     assert "nothing to do" in out and "note: this job asks for executor cgopipe, the earlier run used serial" in out
