@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from lightning_moe.app.report import format_report
+
 from tests.support.prompt_files import jsonl_prompts as _prompts
 from lightning_moe import cli
 from lightning_moe.config import job_from_dict
@@ -144,6 +146,10 @@ def test_empty_prompt_error_or_record(tmp_path, tiny_dir):
     recs = _by_id(job.output.path)
     assert set(recs) == {"a", "b"} and "error" in recs["b"] and "prompt" in recs["b"]["error"]
     assert rep["errors_recorded"] == 1 and recs["a"]["finish_reason"] == "length"
+    # the printed report shows why, not only how many (the reason is otherwise only inside the results file)
+    assert rep["first_error"] == recs["b"]["error"]
+    assert f"  first error record: {recs['b']['error']} (every error record" in format_report(rep)
+    assert "first error record" not in format_report({**rep, "first_error": None})
 
 
 def test_shards_then_merge_reproduce_unsharded(tmp_path, tiny_dir):

@@ -712,6 +712,8 @@ def _report(run: JobRun, spans: Optional[list]) -> None:
                                  total=time.perf_counter() - run.t_start, t_setup=run.t_setup, parts=run.parts,
                                  written=run.writer.written, errors=len(run.errors), jplan=run.jplan, cap=run.cap,
                                  peaks=run.peaks, score_records=run.score_records))
+    if run.errors:  # the first error record's reason, so the terminal shows why (all of them are in the results)
+        run.report["first_error"] = run.errors[0].error
     run.report["slot_occupancy"] = (stats.slot_occupancy if stats.slot_steps  # the executor's own count (refill)
                                     else slot_occupancy(run.report["stats"], run.report.get("policy")))
     calls = getattr(run.executor, "calls", None)

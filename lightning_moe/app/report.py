@@ -341,8 +341,10 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         f"{r['skipped_already_done']} already done, {r['records_written_this_run']} written now, "
         f"{r['errors_recorded']} error records; tokens: {r.get('prompt_tokens', 0):,} prompt, "
         f"{r.get('generated_tokens', 0):,} generated",
-        "",
     ]
+    if r.get("first_error"):
+        lines.append(f"  first error record: {r['first_error']} (every error record is in the results file)")
+    lines.append("")
     # each row's wall seconds are the span its tokens/s is over: end-to-end is warm-up + prefill + decode
     spans = {"prefill": w.get("prefill"), "decode": w.get("decode"),
              "end-to-end": sum(w.get(k) or 0.0 for k in ("warmup", "prefill", "decode")) if w else None}
