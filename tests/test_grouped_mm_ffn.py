@@ -455,17 +455,10 @@ def test_cgopipe_warmup_covers_every_layer_kind(family, kinds):
     from lightning_moe.pipeline.sampling import DecodeSampling
     from lightning_moe.policy.policy import Policy
 
-    base = {"vocab_size": 32, "hidden_size": 60, "num_hidden_layers": 3, "num_attention_heads": 6,
-            "num_key_value_heads": 2, "num_experts_per_tok": 2, "rope_theta": 1000.0}
-    cfg = {"mixtral": {**base, "model_type": "mixtral", "intermediate_size": 16, "num_local_experts": 5},
-           "deepseek_v2": {**base, "model_type": "deepseek_v2", "num_key_value_heads": 6, "intermediate_size": 22,
-                           "moe_intermediate_size": 14, "n_routed_experts": 6, "n_shared_experts": 1,
-                           "first_k_dense_replace": 1, "kv_lora_rank": 12, "q_lora_rank": None,
-                           "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 6, "topk_method": "greedy",
-                           "norm_topk_prob": False},
-           "gpt_oss": {**base, "model_type": "gpt_oss", "intermediate_size": 14, "num_local_experts": 5,
-                       "head_dim": 10, "sliding_window": 4,
-                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}}[family]
+    from tests.support.tiny_configs import tiny_family_config
+
+    cfg = tiny_family_config(family, vocab=32, hidden=60, inter=16 if family == "mixtral" else 14, dense_inter=22,
+                             lora=12, head=10 if family == "gpt_oss" else 6, rope=4)
     spec = read_spec(cfg)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 32, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
@@ -509,9 +502,9 @@ def test_cgopipe_scoring_first_still_warms_the_decode():
     from lightning_moe.pipeline.sampling import DecodeSampling
     from lightning_moe.policy.policy import Policy
 
-    spec = read_spec({"model_type": "mixtral", "vocab_size": 32, "hidden_size": 60, "num_hidden_layers": 2,
-                      "num_attention_heads": 6, "num_key_value_heads": 2, "num_experts_per_tok": 2,
-                      "intermediate_size": 16, "num_local_experts": 5, "rope_theta": 1000.0})
+    from tests.support.tiny_configs import tiny_family_config
+
+    spec = read_spec(tiny_family_config("mixtral", vocab=32, hidden=60, inter=16))
     pol = Policy(mu=2, n=2, prefill_mu=2, resident_experts=0, dtype="fp32", weight_quant="fp32")
     ex = CGOPipeExecutor(dummy_weights(spec, torch.float32, seed=5, scale=0.2), pol, "cpu", warmup=True)
     warmed, real = [], ex._warm_up

@@ -117,8 +117,8 @@ class CGOPipePrefill:
             for l in range(self.spec.num_layers):
                 visit, ffn = self._begin_visit()
                 self.weight_stream.prefetch_slot(visit + 1, 0, 1)
-                if self.warmup and (self._layer_kind(l, ffn), True) not in self._warmed and (
-                        self._layer_kind(l, ffn), not score) not in self._warmed:
+                kind = self._layer_kind(l, ffn)
+                if self.warmup and (kind, True) not in self._warmed and (kind, not score) not in self._warmed:
                     self._warm_up(l, chunks, ffn, [] if score else mbs)
                 for ch in chunks:
                     self._prefill_layer(l, ch, mbs[ch.mb], ffn, pending)
@@ -257,8 +257,9 @@ class CGOPipePrefill:
         """Layer ``l``'s decode-step kernels at each distinct (micro-batch size, attention place) of ``mbs`` (at most
         ``WARMUP_SHAPES``): pre-attention, the attention (a GPU micro-batch's Triton decode kernel over its own cache,
         writing position 0 of layer ``l``, which this prefill then overwrites; elsewhere attention compiles nothing
-        and zeros stand in, a CPU micro-batch's brought to the device as its output is), post-attention with the expert FFN's decode kernel choice. Rows are
-        throwaway copies of the chunk's hidden states ``x`` [T, D]; outputs are dropped."""
+        and zeros stand in, a CPU micro-batch's brought to the device as its output is), post-attention with the
+        expert FFN's decode kernel choice. Rows are throwaway copies of the chunk's hidden states ``x`` [T, D];
+        outputs are dropped."""
         seen: set = set()
         for mb in mbs:
             key = (len(mb.rows), mb.on_gpu)

@@ -43,6 +43,7 @@ def _executor(family: str, warm: bool, tmp: str):
     from lightning_moe.model.weights import dummy_weights, load_checkpoint
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
     from lightning_moe.policy.policy import Policy
+    from tests.support.tiny_configs import tiny_family_config
 
     if family == "gpt_oss":
         from tests.test_family_gpt_oss import _mxfp4_checkpoint, make_hf_gpt_oss
@@ -52,14 +53,8 @@ def _executor(family: str, warm: bool, tmp: str):
         pol = Policy(mu=3, n=2, prefill_mu=2, resident_experts=0, dtype="bf16", weight_quant="bf16")
         w = load_checkpoint(qdir, torch.bfloat16, lazy_experts=True, packed_experts=True)
         return CGOPipeExecutor(w, pol, "cuda", ffn="triton", warmup=warm)
-    base = {"vocab_size": 64, "hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 6,
-            "num_key_value_heads": 2, "num_experts_per_tok": 2, "rope_theta": 1000.0}
-    cfg = {"mixtral": {**base, "model_type": "mixtral", "intermediate_size": 40, "num_local_experts": 5},
-           "deepseek_v2": {**base, "model_type": "deepseek_v2", "num_key_value_heads": 6, "intermediate_size": 64,
-                           "moe_intermediate_size": 32, "n_routed_experts": 6, "n_shared_experts": 1,
-                           "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": None,
-                           "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "topk_method": "greedy",
-                           "norm_topk_prob": False}}[family]
+    cfg = tiny_family_config(family, vocab=64, hidden=96, inter=40 if family == "mixtral" else 32, dense_inter=64,
+                             lora=32, head=16, rope=16)
     gpu_attn = 1 if family == "mixtral" else 0  # MLA has no GPU-attention micro-batch
     pol = Policy(mu=3, n=2, prefill_mu=2, resident_experts=0, n_gpu_attn=gpu_attn, dtype="bf16", weight_quant="bf16")
     return CGOPipeExecutor(dummy_weights(read_spec(cfg), torch.bfloat16, seed=3, scale=0.1), pol, "cuda",
