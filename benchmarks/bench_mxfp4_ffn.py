@@ -22,12 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_quant_ffn import cuda_ms  # noqa: E402
 
 # (block_m, block_n, block_k, warps, stages), most promising first: prefill (many pairs per expert), decode (few)
-PREFILL_SWEEP = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (128, 64, 64, 8, 3), (128, 64, 32, 8, 3), (64, 32, 64, 4, 3),
-                 (128, 32, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 32, 8, 3), (128, 64, 64, 8, 4),
-                 (64, 64, 128, 4, 3), (128, 64, 128, 8, 3), (32, 64, 64, 4, 3), (128, 128, 32, 8, 4),
-                 (64, 128, 64, 4, 3), (128, 32, 128, 4, 3), (64, 32, 128, 4, 4)]
-DECODE_SWEEP = [(16, 32, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (16, 64, 64, 2, 3), (16, 32, 128, 2, 4),
-                (16, 128, 128, 4, 3), (32, 64, 64, 4, 3), (16, 64, 256, 4, 2)]
+PREFILL_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 2),
+                 (256, 128, 128, 8, 3), (128, 256, 128, 8, 2), (128, 128, 256, 8, 2), (64, 128, 128, 8, 3),
+                 (128, 64, 128, 4, 3), (256, 64, 128, 8, 3), (64, 64, 128, 4, 3), (128, 128, 64, 8, 4),
+                 (64, 256, 128, 8, 3), (128, 64, 64, 4, 3)]
+MODES = {"one column": (False, False), "paired": (True, False), "scaled": (True, True)}  # (PAIRED_NIBBLES, DOT_SCALED)
+DECODE_SWEEP = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 64, 4, 3), (16, 32, 128, 2, 4),
+                (16, 64, 256, 4, 2), (32, 64, 64, 4, 3), (16, 128, 64, 4, 3), (64, 64, 128, 4, 3)]
 
 
 def _pages(E: int, D: int, F: int, dev: str):
@@ -47,9 +48,9 @@ def _pages(E: int, D: int, F: int, dev: str):
 
 
 def main() -> None:
-    from lightning_moe.kernels.fused_moe import MoEKernelConfig, default_kernel_config, fused_experts_triton
+    from lightning_moe.kernels.fused_moe import MoEKernelConfig, fused_experts_triton
     from lightning_moe.kernels import mxfp4
-    from lightning_moe.kernels.mxfp4 import fused_experts_mxfp4_triton
+    from lightning_moe.kernels.mxfp4 import fused_experts_mxfp4_triton, mxfp4_kernel_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
@@ -73,8 +74,8 @@ def main() -> None:
         wts = torch.rand(T, k, generator=gc).softmax(-1).to(dev)
         flop = 2 * T * k * 3 * D * F
 
-        def mx(cfg, paired):
-            mxfp4.PAIRED_NIBBLES = paired
+        def mx(cfg, mode):
+            mxfp4.PAIRED_NIBBLES, mxfp4.DOT_SCALED = MODES[mode]
             return cuda_ms(lambda: fused_experts_mxfp4_triton(x, pages, lay, wts, ids, limit=7.0, alpha=1.702,
                                                              config=cfg, validate=False), reps=3)
 
@@ -82,25 +83,26 @@ def main() -> None:
             return f"{name}: {t:.3f} ms ({flop / t / 1e9:.1f} TFLOP/s, {tb / t:.2f} of bf16)"
 
         tb = cuda_ms(lambda: fused_experts_triton(x, w1, w3, w2, wts, ids, validate=False), reps=3)
-        d = default_kernel_config(T * k, E)
+        d = mxfp4_kernel_config(T * k, E)
         print(f"T {T}: bf16 grouped {tb:.3f} ms ({flop / tb / 1e9:.1f} TFLOP/s); MXFP4 default "
               f"{d.block_m}x{d.block_n}x{d.block_k} w{d.num_warps} s{d.num_stages}")
-        for paired in (False, True):
-            print("  " + line(f"default, {'paired' if paired else 'one column'}", mx(None, paired)))
+        for mode in MODES:
+            print("  " + line(f"default, {mode}", mx(None, mode)))
         rows, t0 = [], time.perf_counter()
         for bm, bn, bk, w, s in (PREFILL_SWEEP if T * k / E > 16 else DECODE_SWEEP):
             if time.perf_counter() - t0 > a.seconds:
                 print("  (sweep time spent)")
                 break
-            for paired in (True, False):
+            for mode in ("scaled", "paired"):
                 try:
-                    t = mx(MoEKernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s), paired)
+                    t = mx(MoEKernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s), mode)
                 except Exception as e:  # out of shared memory / registers for this tile
-                    print(f"  {bm}x{bn}x{bk} w{w} s{s} paired {paired}: {type(e).__name__}")
+                    print(f"  {bm}x{bn}x{bk} w{w} s{s} {mode}: {type(e).__name__}")
                     continue
-                rows.append((t, f"{bm}x{bn}x{bk} w{w} s{s} {'paired' if paired else 'one column'}"))
-        for t, name in sorted(rows)[:10]:
+                rows.append((t, f"{bm}x{bn}x{bk} w{w} s{s} {mode}"))
+        for t, name in sorted(rows)[:12]:
             print("  " + line(name, t))
+        mxfp4.PAIRED_NIBBLES, mxfp4.DOT_SCALED = MODES["scaled"]
 
 
 if __name__ == "__main__":

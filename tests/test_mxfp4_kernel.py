@@ -5,7 +5,8 @@
 * the Triton kernel (fused_experts_mxfp4_triton), run by Triton's CPU interpreter (TRITON_INTERPRET=1), equals the
   reference within ||a - b|| / ||b|| <= 1e-5 in fp32 and <= 1e-2 in fp16 (the interpreter mishandles bf16 tl.dot, as
   tests/test_kernels_ref.py says; tests/gpu/test_mxfp4_gpu.py checks bf16 on CUDA) on awkward shapes: 1 token, an
-  expert with no tokens, odd T, D / F odd multiples of 32, k = 1 and 4, the skip id.
+  expert with no tokens, odd T, D / F odd multiples of 32, k = 1 and 4, the skip id; bf16 through tl.dot_scaled
+  (which the interpreter runs as Triton defines it) within 1e-2.
 """
 
 from __future__ import annotations
@@ -135,6 +136,41 @@ def test_kernel_matches_reference_in_the_interpreter(interpret, case, dtype, tol
         want = experts_ffn_mxfp4_reference(x, pages, lay, w, ids, limit=limit, alpha=1.702)
         assert got.dtype == dtype and got.shape == (T, D)
         assert rel_err(got, want) <= tol, (limit, rel_err(got, want))
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("config", [None, MoEKernelConfig(16, 16, 64, 1, 1), MoEKernelConfig(16, 32, 128, 1, 1)],
+                         ids=["default", "k64", "k128-past-D"])
+def test_dot_scaled_kernel_matches_reference_bf16(interpret, case, config, monkeypatch):
+    """bf16 x: the packed bytes and scales go to tl.dot_scaled (DOT_SCALED, block_k >= 64), which the interpreter
+    runs as Triton defines it; scales over 2^-27..2^13 (E8M0 100..140) so a wrong exponent shows; 1e-2 (bf16
+    rounding of the reference's dequantized weights and its outputs)."""
+    monkeypatch.setattr(mxfp4, "DOT_SCALED", True)
+    T, D, F, E, k, avoid = case
+    gub, gus, gubias, db, ds, dbias = make_experts(E, D, F, seed=T, bias_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(T + 3)
+    gus, ds = (torch.randint(100, 141, s.shape, dtype=torch.uint8, generator=g) for s in (gus, ds))
+    pages, lay = pack_mxfp4_pages(gub, gus, gubias, db, ds, dbias)
+    x = (torch.randn(T, D, generator=torch.Generator().manual_seed(7 + T)) * 2.0**-10).to(torch.bfloat16)
+    w, ids = make_routing(T, E, k, seed=T, avoid=avoid)
+    for limit in (1.0, 7.0):
+        got = fused_experts_mxfp4_triton(x, pages, lay, w, ids, limit=limit, alpha=1.702, config=config)
+        want = experts_ffn_mxfp4_reference(x, pages, lay, w, ids, limit=limit, alpha=1.702)
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        assert rel_err(got, want) <= 1e-2, (limit, rel_err(got, want))
+
+
+def test_kernel_configs_pad_within_the_memory_model():
+    """Every tile config the MXFP4 and bf16 kernels pick has block_m <= hrm.MAX_BLOCK_M (the pair-index padding the
+    memory model counts per expert)."""
+    from lightning_moe.policy.hrm import MAX_BLOCK_M
+
+    for pairs in (1, 16 * 8, 64 * 8, 65 * 8, 10**6):
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            assert mxfp4.mxfp4_kernel_config(pairs, 8, dt).block_m <= MAX_BLOCK_M
+            assert fm.default_kernel_config(pairs, 8, dt).block_m <= MAX_BLOCK_M
 
 
 @needs_triton

@@ -486,6 +486,22 @@ def mxfp4_pair_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stri
     return _e2m1_values(byte & 15) * pow2, _e2m1_values(byte >> 4) * pow2
 
 
+@triton.jit
+def mxfp4_packed_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, rows, kb, K,
+                       BLOCK_K: tl.constexpr, n_mask):
+    """Block ``kb`` of ``BLOCK_K`` input columns of expert ``e64``'s MXFP4 weight, as ``tl.dot_scaled`` takes it:
+    the packed E2M1 bytes ``uint8 [BLOCK_K / 2, BN]`` (byte p of row ``rows[n]``: columns 2p, low nibble, and 2p + 1)
+    and the E8M0 scales ``uint8 [BN, BLOCK_K / 32]``; bytes past ``K`` read 0 (the value 0), their scales 127."""
+    r = rows.to(tl.int64)
+    offs_p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    offs_s = kb * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    byte = tl.load(blk_ptr + e64 * stride_be + r[None, :] * stride_br + offs_p[:, None],
+                   mask=(offs_p < K // 2)[:, None] & n_mask[None, :], other=0)
+    scale = tl.load(sc_ptr + e64 * stride_se + r[:, None] * stride_sr + offs_s[None, :],
+                    mask=n_mask[:, None] & (offs_s < K // 32)[None, :], other=127)
+    return byte, scale
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_mx_kernel(
     x_ptr, blk_ptr, sc_ptr, bias_ptr, h_ptr, pair_ptr, block_expert_ptr,
@@ -493,12 +509,13 @@ def gate_up_mx_kernel(
     stride_xt, stride_xd, stride_hp, stride_hf,
     stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False,
+    UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     """h[p, n] = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(x[t] . W[e, 2n] + b[e, 2n], limit),
     u = x[t] . W[e, 2n + 1] + b[e, 2n + 1] (gpt-oss: gate and up interleaved in the 2F rows of gate_up), for the
     BLOCK_M pairs p of this block; W dequantized from MXFP4 in registers (:func:`mxfp4_tile`; ``PAIRED``:
-    :func:`mxfp4_pair_tiles`, the even and odd input columns as two dot products)."""
+    :func:`mxfp4_pair_tiles`, the even and odd input columns as two dot products; ``SCALED``: the packed bytes and
+    scales (:func:`mxfp4_packed_tiles`) to ``tl.dot_scaled``, which upcasts them to bf16: x bf16 only)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -511,7 +528,16 @@ def gate_up_mx_kernel(
     acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
-        if PAIRED:  # columns 2p (low nibbles) and 2p + 1 (high) of BLOCK_K // 2 byte columns p
+        if SCALED:
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, offs_k < D)
+            bg, sg = mxfp4_packed_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows, kb,
+                                        D, BLOCK_K, n_mask)
+            bu, su = mxfp4_packed_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, u_rows, kb,
+                                        D, BLOCK_K, n_mask)
+            acc_g = tl.dot_scaled(a, None, "bf16", bg, sg, "e2m1", acc=acc_g)
+            acc_u = tl.dot_scaled(a, None, "bf16", bu, su, "e2m1", acc=acc_u)
+        elif PAIRED:  # columns 2p (low nibbles) and 2p + 1 (high) of BLOCK_K // 2 byte columns p
             offs_p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             p_mask = offs_p < D // 2
             a0 = _load_rows(x_ptr, token, 2 * offs_p, stride_xt, stride_xd, row_mask, p_mask)
@@ -551,10 +577,10 @@ def down_mx_kernel(
     stride_hp, stride_hf, stride_yp, stride_yd,
     stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False,
+    UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     """y[p, n] = topk_weight[p] * (h[p] . W2[e, n] + b2[e, n]) in fp32 for the pairs p of this block (W2 MXFP4;
-    ``PAIRED`` as :func:`gate_up_mx_kernel`'s)."""
+    ``PAIRED``, ``SCALED`` as :func:`gate_up_mx_kernel`'s)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -564,7 +590,13 @@ def down_mx_kernel(
     pair64 = pair.to(tl.int64)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (F + BLOCK_K - 1) // BLOCK_K):
-        if PAIRED:
+        if SCALED:
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = _load_rows(h_ptr, pair64, offs_k, stride_hp, stride_hf, row_mask, offs_k < F)
+            b, sb = mxfp4_packed_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, offs_n, kb,
+                                       F, BLOCK_K, n_mask)
+            acc = tl.dot_scaled(a, None, "bf16", b, sb, "e2m1", acc=acc)
+        elif PAIRED:
             offs_p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             p_mask = offs_p < F // 2
             a0 = _load_rows(h_ptr, pair64, 2 * offs_p, stride_hp, stride_hf, row_mask, p_mask)

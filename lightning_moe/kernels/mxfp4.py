@@ -47,9 +47,9 @@ from .pages import PageLayout
 # E2M1 code -> value (code 8..15: the negatives; 8 is -0.0), transformers' integrations/mxfp4.py FP4_VALUES
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # values per scale
-PAIRED_NIBBLES = False  # True: the kernels dequantize a byte's two columns at once (_triton_kernels.mxfp4_pair_tiles,
-#   half the loads and index math per weight); equal to the reference in the interpreter, not yet timed on a GPU
-#   (benchmarks/bench_mxfp4_ffn.py compares the two), so off until it is
+PAIRED_NIBBLES = True  # the kernels dequantize a byte's two columns at once (_triton_kernels.mxfp4_pair_tiles): 2.5-3x
+#   the one-column path's rate on an H100 (benchmarks/bench_mxfp4_ffn.py, benchmarks/RESULTS.md session 33)
+DOT_SCALED = True  # bf16 x: the kernels hand the packed bytes and scales to tl.dot_scaled (Triton's own E2M1 upcast)
 SCALE_BIAS = 127  # E8M0 exponent bias
 
 
@@ -253,6 +253,21 @@ def experts_ffn_mxfp4_reference(x: torch.Tensor, pages: torch.Tensor, layout: MX
 # --------------------------------------------------------------------------------------------------
 # the gpt-oss expert FFN from MXFP4 pages: Triton
 # --------------------------------------------------------------------------------------------------
+def mxfp4_kernel_config(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoEKernelConfig:
+    """Tile sizes of :func:`fused_experts_mxfp4_triton` from the mean rows per expert: with ``tl.dot_scaled`` (bf16 x)
+    the fastest of benchmarks/bench_mxfp4_ffn.py's sweep on an H100 at gpt-oss's shape (D = F = 2880, E 128, top-4;
+    benchmarks/RESULTS.md session 33): decode 16 x 64 x 64, mid 64 x 64 x 128, prefill 128 x 128 x 128 with 8
+    warps; otherwise :func:`~.fused_moe.default_kernel_config`."""
+    if not (DOT_SCALED and dtype == torch.bfloat16):
+        return default_kernel_config(num_pairs, num_experts, dtype)
+    per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        return MoEKernelConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    if per_expert <= 64:
+        return MoEKernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return MoEKernelConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
 def fused_experts_mxfp4_triton(x: torch.Tensor, pages: torch.Tensor, layout: MXFP4PageLayout,
                                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, limit: float, alpha: float,
                                config: Optional[MoEKernelConfig] = None, validate: bool = True,
@@ -267,7 +282,7 @@ def fused_experts_mxfp4_triton(x: torch.Tensor, pages: torch.Tensor, layout: MXF
         topk_weights: ``[T, k]`` floating (fp32); topk_ids: ``[T, k]`` int64/int32 in ``[0, E)`` (``[0, E]`` with
             ``skip``).
         limit, alpha: the spec's ``swiglu_limit`` / ``swiglu_alpha``.
-        config: tile sizes (default :func:`~.fused_moe.default_kernel_config`).
+        config: tile sizes (default :func:`mxfp4_kernel_config`).
         validate: range-check ids (one host sync); pass False in a pipelined loop.
         skip: ids equal to ``E`` mark pairs this call does not compute (they add 0), as
             :func:`~.fused_moe.fused_experts_triton`'s.
@@ -290,7 +305,7 @@ def fused_experts_mxfp4_triton(x: torch.Tensor, pages: torch.Tensor, layout: MXF
     if T == 0:
         return torch.empty((0, D), dtype=x.dtype, device=x.device)
     P = T * k
-    cfg = config or default_kernel_config(P, E, x.dtype)
+    cfg = config or mxfp4_kernel_config(P, E, x.dtype)
     kern = _triton_kernels()
     v = mxfp4_page_views(pages, layout)
     padded_pair_idx, block_expert = kernel_alignment(topk_ids, E, cfg.block_m, skip)
@@ -300,6 +315,7 @@ def fused_experts_mxfp4_triton(x: torch.Tensor, pages: torch.Tensor, layout: MXF
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION=_dot_precision(x.dtype), UPCAST_DOT=_interpret_mode(),
                   PAIRED=PAIRED_NIBBLES and cfg.block_k >= 32,  # a dot needs >= 16 columns per half
+                  SCALED=DOT_SCALED and x.dtype == torch.bfloat16 and cfg.block_k >= 64,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     max_blocks = block_expert.numel()
 

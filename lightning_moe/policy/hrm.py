@@ -426,6 +426,8 @@ FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's tr
 # other chunk sizes); budgeted, not in the allocated peak
 LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
 FFN_SPARE_ROWS = 32  # padding rows of the per-expert GEMM loop's buffers (kernels.fused_moe.MM_LOOP_TILE)
+MAX_BLOCK_M = 128  # the largest block_m of the grouped Triton kernels' tile configs (kernels.fused_moe and
+#   kernels.mxfp4's config functions): each expert's block of the padded pair index pads to it (int32 per row)
 
 
 SAMPLER_CHUNK_ELEMS = 1 << 20  # logit elements per sampler call: pipeline.sampling.sample draws rows in chunks of
@@ -468,7 +470,8 @@ def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
     probabilities, top-k weights and ids), the kernel's pair indexes, gate|up product [T k, F] in the dtype, slot
     outputs [T k, D] fp32, their fp32 sum and its cast; with ``groups`` = 2 (paged and resident experts in separate
     calls: :func:`expert_groups`) the first group's result beside the second's; the shared / dense FFN
-    intermediate. The grouped_mm kernel (kernels.fused_moe.fused_experts_grouped_mm) holds no more: its gate/up GEMMs
+    intermediate; each expert's padding of the Triton kernels' pair index (:data:`MAX_BLOCK_M` int32 rows).
+    The grouped_mm kernel (kernels.fused_moe.fused_experts_grouped_mm) holds no more: its gate/up GEMMs
     run in column chunks chosen to fit these per-pair bytes (grouped_mm_gate_up_chunks); the per-expert GEMM loop
     (fused_experts_mm_loop) holds the same per pair and ``FFN_SPARE_ROWS`` padding rows of its [P, D] and [P, F]
     buffers."""
@@ -478,7 +481,7 @@ def _ffn_stage_bytes(spec: MoESpec, T: int, dtype: str, groups: int = 2) -> int:
     side = max(spec.num_shared_experts * spec.shared_intermediate_size, spec.dense_intermediate_size)
     return (T * spec.attn_output_elems * b + 2 * T * D * b + 2 * T * E * 4 + T * k * 12
             + P * 48 + P * F * b + P * D * 4 + T * D * 4 + groups * T * D * b + T * 3 * side * b
-            + FFN_SPARE_ROWS * (D + F) * b)
+            + FFN_SPARE_ROWS * (D + F) * b + E * MAX_BLOCK_M * 4)
 
 
 def expert_groups(weight_quant: str) -> int:
