@@ -41,8 +41,9 @@ def _rel(a, b):
 
 
 # (T, D, F, E, k, expert without tokens)
-SHAPES = [(1, 64, 32, 4, 1, None), (7, 96, 160, 5, 4, 2), (33, 224, 96, 8, 2, 5), (300, 2880, 2880, 32, 4, 7)]
-IDS = ["T1-k1", "T7-k4-empty-D96-F160", "T33-k2-empty-D224", "T300-gpt-oss-20b"]
+SHAPES = [(1, 64, 32, 4, 1, None), (7, 96, 160, 5, 4, 2), (33, 224, 96, 8, 2, 5), (300, 2880, 2880, 32, 4, 7),
+          (1100, 2880, 2880, 16, 4, 3)]
+IDS = ["T1-k1", "T7-k4-empty-D96-F160", "T33-k2-empty-D224", "T300-gpt-oss-20b", "T1100-gpt-oss-prefill-tiles"]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
@@ -70,3 +71,31 @@ def test_mxfp4_kernel_skip_id_adds_nothing():
     want = experts_ffn_mxfp4_reference(x, pages, lay, torch.where(ids >= 4, torch.zeros_like(w), w),
                                        torch.where(ids >= 4, 0, ids), limit=7.0, alpha=1.702)
     assert _rel(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("mode", ["one-column", "paired", "scaled"])
+@pytest.mark.parametrize("T", [5, 700], ids=["decode-tiles", "prefill-tiles"])
+def test_mxfp4_paths_bf16_wide_scales_nan_workspaces(mode, T, monkeypatch):
+    """Each dequantization path (mxfp4.PAIRED_NIBBLES / DOT_SCALED) on its default tiles (mxfp4_kernel_config: T 700
+    at top-2 of 8 gives 175 pairs per expert, the 128 x 128 x 128 prefill tiles; D 352 = 2.75 K blocks of 128),
+    scales over 2^-27..2^13 (E8M0 100..140) so a wrong exponent shows, every wrapper allocation NaN-filled first;
+    bf16, 1e-2."""
+    from lightning_moe.kernels import mxfp4
+    from tests.support.nan_workspace import nan_empty
+
+    monkeypatch.setattr(mxfp4, "PAIRED_NIBBLES", mode != "one-column")
+    monkeypatch.setattr(mxfp4, "DOT_SCALED", mode == "scaled")
+    E, D, F, k = 8, 352, 224, 2
+    g = torch.Generator().manual_seed(T)
+    gub = torch.randint(0, 256, (E, 2 * F, D // 32, 16), dtype=torch.uint8, generator=g)
+    gus = torch.randint(100, 141, (E, 2 * F, D // 32), dtype=torch.uint8, generator=g)
+    db = torch.randint(0, 256, (E, D, F // 32, 16), dtype=torch.uint8, generator=g)
+    ds = torch.randint(100, 141, (E, D, F // 32), dtype=torch.uint8, generator=g)
+    bias = [(torch.randn(E, n, generator=g) * 0.5).to(torch.bfloat16) for n in (2 * F, D)]
+    pages, lay = pack_mxfp4_pages(*(t.to(DEV) for t in (gub, gus, bias[0], db, ds, bias[1])))
+    x = (torch.randn(T, D, generator=g) * 2.0**-10).to(DEV, torch.bfloat16)
+    w, ids = _routing(T, E, k, seed=T)
+    want = experts_ffn_mxfp4_reference(x, pages, lay, w, ids, limit=7.0, alpha=1.702)
+    nan_empty(monkeypatch)
+    got = fused_experts_mxfp4_triton(x, pages, lay, w, ids, limit=7.0, alpha=1.702)
+    assert torch.isfinite(got).all() and _rel(got, want) <= 1e-2, _rel(got, want)
