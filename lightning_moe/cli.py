@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit)
-    print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
+    """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit, a
+    package the embedded model needs) print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
     SIGTERM / SIGINT stops a run after its current decode step with one "resumable" line and exit 75 (records and
     partial generations saved); an interrupt outside a run exits 130; a Ray shard that failed past its retries prints one
     line and exits 1 (the records that came back kept); stdout's reader leaving early (``| head``) is not an error."""
@@ -192,11 +192,12 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         from .app.engine import GpuOutOfMemory
         from .app.ray_jobs import ShardFailed
+        from .model.tiny import MissingPackage
 
-        if not isinstance(e, (GpuOutOfMemory, ShardFailed)):
+        if not isinstance(e, (GpuOutOfMemory, ShardFailed, MissingPackage)):
             raise
         print(f"moe-batch: error: {e}", file=sys.stderr)
-        return 3 if isinstance(e, GpuOutOfMemory) else 1
+        return 3 if isinstance(e, GpuOutOfMemory) else 2 if isinstance(e, MissingPackage) else 1
     except BrokenPipeError:  # stdout's reader left (`moe-batch run JOB | head`); a run prints after its files are written
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         return 0

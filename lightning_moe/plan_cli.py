@@ -343,12 +343,32 @@ def cmd_profile(args: argparse.Namespace) -> int:
         kw = {} if args.expert_shapes is None else {"expert_shapes": args.expert_shapes}
         prof = profile_host(name=args.name, gpu_preset=args.gpu_preset, gpu_memory=args.gpu_memory, quick=args.quick,
                             **kw)
-        prof.save(args.output, header=f"moe-batch profile, {prof.date}\nhost: {prof.host}\n{prof.source}")
+        header = f"moe-batch profile, {prof.date}\nhost: {prof.host}\n{prof.source}"
+        prof.save(args.output, header=header)
+        cached = _cache_gpu_profile(prof, header)
     except (HardwareError, ValueError, OSError) as e:
         print(f"moe-batch profile: error: {e}", file=sys.stderr)
         return 2
-    print(f"profile written to {args.output}")
+    print(f"profile written to {args.output}" + (f" and cached as {cached}: jobs on this host that name no hardware "
+                                                  "plan with it" if cached else ""))
     return 0
+
+
+def _cache_gpu_profile(prof, header: str) -> Optional[str]:
+    """Copy a profile measured on CUDA to this host's cache (app.plan.gpu_profile_path), where jobs that name no
+    hardware find it; returns the path, or None without CUDA (then the GPU fields are a preset's, not measured)."""
+    from .app.gpu import device_name
+    from .app.plan import gpu_profile_path
+
+    name = device_name("cuda")
+    if name is None:
+        return None
+    path = gpu_profile_path(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    prof.save(tmp, header=header)
+    os.replace(tmp, path)
+    return path
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,7 +3,8 @@
 One test per friction: gpu_memory on device cpu (a notice), an empty data file (an error), a re-run of a finished job
 (validated like a fresh run), a checkpoint without tokenizer files (the files looked for), a bad
 LIGHTNING_MOE_CPU_ATTENTION (an error before any file), a non-UTF-8 line (file, line and byte column), ``--set`` with a
-YAML flow mapping without spaces (the corrected value), and one skip reason for a missing triton."""
+YAML flow mapping without spaces (the corrected value), one skip reason for a missing triton, and a missing
+mistral-common (the embedded model's tokenizer source) on an offline host."""
 
 import json
 import os
@@ -243,3 +244,21 @@ def test_one_skip_reason_for_a_missing_triton():
                         and reason != "triton not installed":
                     offenders.append(f"{os.path.relpath(path, TESTS)}: {m.group(1)!r}")
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------------------------------- mistral-common missing
+def test_missing_mistral_common_is_a_one_line_error_before_any_file(tmp_path, monkeypatch, capsys):
+    """Helper-30 on an offline GPU host: tiny-mixtral without the 'mistral-common' package (its tokenizer's source)
+    gave a traceback. Now one line naming the package and the offline route, exit 2, no results written and no
+    half-built model left in the cache."""
+    import sys
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "mistral_common", None)  # `import mistral_common` raises ImportError
+    p = _job(tmp_path, "tiny-mixtral")
+    assert cli.main(["run", p, "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert "'mistral-common' package, which is not installed: pip install mistral-common" in err, err
+    assert "A host without network" in err and "tiny-mixtral-v" in err
+    assert not (tmp_path / "out").exists()
+    assert [n for n in os.listdir(tmp_path / "cache")] == []  # the temporary model directory removed

@@ -333,8 +333,8 @@ def test_job_without_hardware_plans_with_its_devices_preset(tmp_path, tiny_dir, 
     hw = plan.job_hardware(job)
     assert (hw.name, hw.gpu_memory, hw.pcie_h2d) == ("l4", card, get_preset("l4").pcie_h2d)
     assert plan.hardware_note(job, hw) == ("note: the job names no hardware: planned for the l4 preset (device: "
-                                           "NVIDIA L4); set hardware: a `moe-batch profile` YAML for this host's "
-                                           "measured rates")
+                                           "NVIDIA L4); `moe-batch profile` measures this host (~30 s, once) and "
+                                           "later jobs plan with it")
     assert plan.plan_job(job, plan.Prepared(job)).gpu_budget == card
     named = job_from_dict({**keys, "hardware": "t4"}, "t.yaml")
     assert plan.job_hardware(named).name == "t4" and plan.hardware_note(named, plan.job_hardware(named)) is None
@@ -347,6 +347,46 @@ def test_job_without_hardware_plans_with_its_devices_preset(tmp_path, tiny_dir, 
     assert cli.main(["plan", str(path)]) == 0
     out = capsys.readouterr().out
     assert "planned for the l4 preset (device: NVIDIA L4)" in out and "hardware  l4" in out
+
+
+def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(tmp_path, tiny_dir, monkeypatch, capsys):
+    """`moe-batch profile` on CUDA also writes the profile to this host's cache (app.plan.gpu_profile_path: the card
+    and the CPU); a cuda job that names no hardware then plans with it and says so; another card does not take it,
+    and a job's hardware still wins."""
+    import argparse
+    import dataclasses
+
+    from lightning_moe import plan_cli
+    from lightning_moe.config import job_from_dict
+    from lightning_moe.policy.hardware import get_preset
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+    card = [lambda device: "NVIDIA H100 80GB HBM3" if device.startswith("cuda") else None]
+    monkeypatch.setattr(plan, "device_name", lambda device: card[0](device))
+    monkeypatch.setattr(gpu, "device_name", lambda device: card[0](device))
+    monkeypatch.setattr(plan, "device_memory", lambda device: 80 * GiB if device.startswith("cuda") else None)
+    keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+            "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+            "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
+    job = job_from_dict(keys, "t.yaml")
+    assert plan.cached_gpu_profile(job) is None and plan.job_hardware(job).name == "h100"
+    measured = dataclasses.replace(get_preset("h100"), name="measured", pcie_h2d=12.5e9)
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", lambda **kw: measured)
+    args = argparse.Namespace(cpu=False, expert_shapes=None, name="measured", gpu_preset="h200", gpu_memory=None,
+                              quick=True, output=str(tmp_path / "profile.yaml"))
+    assert plan_cli.cmd_profile(args) == 0
+    cached = plan.gpu_profile_path("NVIDIA H100 80GB HBM3")
+    assert f"cached as {cached}" in capsys.readouterr().out and os.path.isfile(tmp_path / "profile.yaml")
+    hw = plan.job_hardware(job)
+    assert (hw.name, hw.pcie_h2d) == ("measured", 12.5e9) and plan.cached_gpu_profile(job) == cached
+    assert plan.hardware_note(job, hw) == (f"note: the job names no hardware: planned with this host's measured "
+                                           f"profile {cached} (moe-batch profile)")
+    assert plan.job_hardware(job_from_dict({**keys, "hardware": "t4"}, "t.yaml")).name == "t4"
+    card[0] = lambda device: "NVIDIA L4" if device.startswith("cuda") else None
+    assert plan.cached_gpu_profile(job) is None and plan.job_hardware(job).name == "l4"
+    card[0] = lambda device: None  # no CUDA: moe-batch profile writes only --output (its GPU fields are a preset's)
+    args.output = str(tmp_path / "cpu-only.yaml")
+    assert plan_cli.cmd_profile(args) == 0 and "cached as" not in capsys.readouterr().out
 
 
 def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_path, tiny_dir, monkeypatch):

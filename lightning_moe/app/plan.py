@@ -142,14 +142,42 @@ def check_stop_token_ids(job, spec, where: Optional[str] = None) -> None:
             raise ConfigError(f"{field}: {t} is outside the model's vocabulary [0, {V}) (the ids it can generate)")
 
 
+GPU_PROFILE_VERSION = 1  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
+
+
+def gpu_profile_path(device: str) -> str:
+    """Where ``moe-batch profile`` caches this host's measured profile for the CUDA card named ``device``:
+    ``<cache>/gpu-profiles/v<GPU_PROFILE_VERSION>-<card>-<CPU machine key>.yaml`` under the package cache directory
+    (``$LIGHTNING_MOE_CACHE``, default ``~/.cache/lightning-moe``): the card, the CPU, its threads and torch."""
+    import re
+
+    from ..model.tiny import default_cache_dir
+    from ..pipeline.cpu_profile import machine_key
+
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device} {machine_key()}").strip("_")
+    return os.path.join(default_cache_dir(), "gpu-profiles", f"v{GPU_PROFILE_VERSION}-{key}.yaml")
+
+
+def cached_gpu_profile(job) -> Optional[str]:
+    """The path of this host's cached ``moe-batch profile`` for a CUDA job's card (:func:`gpu_profile_path`), or None
+    (a job on the CPU, no CUDA, none measured yet)."""
+    name = device_name(job.device)
+    path = gpu_profile_path(name) if name else None
+    return path if path and os.path.isfile(path) else None
+
+
 def job_hardware(job):
     """The hardware profile a cgopipe job plans and runs with: its ``hardware`` (a preset or a profile YAML); else, on
-    CUDA, the preset of the device's family by its name (``gpu.PRESET_BY_DEVICE_NAME``) with the device's memory;
-    else the h200 preset. :func:`hardware_note` says which, when the job names none."""
-    from ..policy.hardware import get_preset, resolve_hardware
+    CUDA, this host's profile cached by ``moe-batch profile`` (:func:`cached_gpu_profile`); else the preset of the
+    device's family by its name (``gpu.PRESET_BY_DEVICE_NAME``) with the device's memory; else the h200 preset.
+    :func:`hardware_note` says which, when the job names none."""
+    from ..policy.hardware import HardwareProfile, get_preset, resolve_hardware
 
     if getattr(job, "hardware", None):
         return resolve_hardware(job.hardware)
+    cached = cached_gpu_profile(job)
+    if cached:
+        return HardwareProfile.load(cached)
     name = device_name(job.device)
     preset = preset_for_device_name(name) if name else None
     if preset is None:
@@ -167,10 +195,13 @@ def hardware_note(job, hw) -> Optional[str]:
     """A line for a job that names no hardware: the profile :func:`job_hardware` took, and the device's name."""
     if getattr(job, "hardware", None):
         return None
+    cached = cached_gpu_profile(job)
+    if cached:
+        return f"note: the job names no hardware: planned with this host's measured profile {cached} (moe-batch profile)"
     name = device_name(job.device)
     return (f"note: the job names no hardware: planned for the {hw.name} preset"
-            + (f" (device: {name})" if name else "") + "; set hardware: a `moe-batch profile` YAML for this host's "
-            "measured rates")
+            + (f" (device: {name})" if name else "") + "; `moe-batch profile` measures this host (~30 s, once) "
+            "and later jobs plan with it")
 
 
 def policy_for_job(job, prep, hw=None):

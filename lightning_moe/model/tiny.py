@@ -97,12 +97,19 @@ def _weights(seed: int = 1234) -> dict[str, torch.Tensor]:
     return out
 
 
+class MissingPackage(RuntimeError):
+    """A package the embedded model needs is not installed (the CLI prints the message as one line, exit 2)."""
+
+
 def _write_tokenizer(dst: str) -> None:
     """Convert mistral-common's Mixtral v1 SentencePiece model into tokenizer.json in ``dst``."""
     try:
         import mistral_common
-    except ImportError as e:  # pragma: no cover - dependency declared in pyproject
-        raise RuntimeError("tiny-mixtral needs the 'mistral-common' package (pip install mistral-common)") from e
+    except ImportError as e:  # declared in pyproject; missing where pip could not reach an index
+        raise MissingPackage("the embedded tiny-mixtral builds its tokenizer from the 'mistral-common' package, which "
+                             "is not installed: pip install mistral-common (a host without network: docs/GPU.md, "
+                             "'A host without network'; or set LIGHTNING_MOE_CACHE to a cache that holds "
+                             f"{NAME}-v{VERSION}/)") from e
     from transformers import AutoTokenizer
 
     sp = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1")
