@@ -171,9 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# module -> pip name of pyproject's runtime dependencies a command imports lazily (a missing one: one line, exit 2)
+DECLARED_PACKAGES = {"highspy": "highspy", "pulp": "pulp", "mistral_common": "mistral-common", "yaml": "pyyaml",
+                     "safetensors": "safetensors", "transformers": "transformers", "pandas": "pandas", "tqdm": "tqdm",
+                     "sentencepiece": "sentencepiece", "psutil": "psutil", "google.protobuf": "protobuf"}
+
+
 def main(argv=None) -> int:
     """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit, a
-    package the embedded model needs) print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
+    missing dependency: DECLARED_PACKAGES) print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
     SIGTERM / SIGINT stops a run after its current decode step with one "resumable" line and exit 75 (records and
     partial generations saved); an interrupt outside a run exits 130; a Ray shard that failed past its retries prints one
     line and exits 1 (the records that came back kept); stdout's reader leaving early (``| head``) is not an error."""
@@ -188,6 +194,13 @@ def main(argv=None) -> int:
         if os.environ.get("MOE_BATCH_DEBUG"):
             raise
         print(f"moe-batch: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name not in DECLARED_PACKAGES or os.environ.get("MOE_BATCH_DEBUG"):
+            raise
+        pkg = DECLARED_PACKAGES[e.name]
+        print(f"moe-batch: error: the package '{pkg}' (a dependency of lightning-moe) is not installed: pip install "
+              f"'{pkg}' (a host without network: docs/GPU.md, 'A host without network')", file=sys.stderr)
         return 2
     except RuntimeError as e:
         from .app.engine import GpuOutOfMemory

