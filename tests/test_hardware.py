@@ -103,6 +103,33 @@ def test_profile_cpu_side(tmp_path, monkeypatch):
     assert HardwareProfile.load(str(path)) == prof
 
 
+def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkeypatch):
+    """The CUDA side of profile_host with its probes stubbed (this machine has no GPU): every measured field lands in
+    the profile; a failing kernel probe leaves its field at the preset's and says so in one line, the rest stands."""
+    from lightning_moe.pipeline import profiler as P
+
+    def fail(*a, **k):
+        raise RuntimeError("probe broke\nsecond line")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P, "_measure_cpu_attention_side", lambda quick, log: (dict(cpu_attention_flops=1e9), "stub"))
+    gpu = dict(gpu_name="Stub GPU", pcie_h2d=11e9, pcie_d2h=12e9, gpu_hbm_bandwidth=1e12, gpu_flops_bf16=2e14)
+    monkeypatch.setattr(P, "measure_gpu", lambda **kw: dict(gpu))
+    monkeypatch.setattr(P, "measure_microbatch_overhead", lambda: 1.5e-3)
+    monkeypatch.setattr(P, "measure_expert_kernel_flops", lambda: 3e14)
+    monkeypatch.setattr(P, "measure_expert_ffn_rates", fail)
+    monkeypatch.setattr(P, "measure_host_issue", lambda mla=False: (7e-3, 0.0) if mla else (4e-3, 6e-3))
+    lines = []
+    prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append)
+    assert (prof.pcie_h2d, prof.gpu_flops_bf16, prof.microbatch_overhead, prof.gpu_expert_flops) == (11e9, 2e14, 1.5e-3, 3e14)
+    assert (prof.host_issue_cpu_attn, prof.host_issue_gpu_attn, prof.host_issue_cpu_attn_mla) == (4e-3, 6e-3, 7e-3)
+    assert prof.expert_ffn_rates == get_preset("l4").expert_ffn_rates and "GPU side measured" in prof.source
+    assert "expert FFN kernel probe failed (RuntimeError: probe broke); expert_ffn_rates left empty" in "\n".join(lines)
+    monkeypatch.setattr(P, "measure_host_issue", fail)
+    prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append)
+    assert prof.host_issue_cpu_attn == get_preset("l4").host_issue_cpu_attn and prof.gpu_expert_flops == 3e14
+
+
 def test_profile_keeps_the_compute_bound_attention_flop_rate(monkeypatch):
     """cpu_attention_flops is the higher of the decode-shaped probe's FLOP rate and the 8-query-heads-per-KV-head
     probe's (where the routine is compute-bound): (H5)'s FLOP term must be a peak."""

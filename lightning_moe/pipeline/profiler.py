@@ -475,6 +475,29 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     sizes = dict(nbytes=64 * MiB, repeats=2) if quick else {}
     host_bw = measure_host_bandwidth(**sizes)
     log(f"host memory copy: {host_bw / 1e9:.1f} GB/s")
+    fields, which = _measure_cpu_attention_side(quick, log)
+    base = get_preset(gpu_preset)
+    notes = [f"CPU side measured by moe-batch profile ({which}; bandwidth under executor conditions: grouped KV "
+             f"cache, worker thread)"]
+    fields.update(host_memory=mem, host_memory_bandwidth=host_bw, cpu_cores=cores, host=desc,
+                  date=datetime.date.today().isoformat(), name=name)
+    if torch.cuda.is_available():
+        fields.update(_measure_gpu_side(quick, shapes, log))
+        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
+                     "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
+    else:
+        log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
+        notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")
+    if gpu_memory is not None:
+        fields["gpu_memory"] = int(gpu_memory)
+        notes.append(f"gpu_memory set by --gpu-memory to {gpu_memory} bytes")
+    fields["source"] = "; ".join(notes)
+    return replace(base, **fields)
+
+
+def _measure_cpu_attention_side(quick: bool, log: Callable[[str], None]) -> tuple[dict, str]:
+    """The CPU attention fields of a profile (cpu_attention_bandwidth / _flops / _overhead,
+    cpu_latent_attention_flops) and the routine's name, one log line per measurement."""
     # decode-shaped calls (many rows, MT-Bench-like contexts), the shapes the executor runs: bandwidth from a
     # large call, fixed cost per call from a small one (a line t = overhead + bytes / bandwidth through both)
     attn = dict(batch=16, seq=128, repeats=2) if quick else dict(batch=512, seq=128)
@@ -506,64 +529,69 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     small_bytes = 2 * 16 * 8 * 128 * 128 * 2  # K and V of 16 rows x 128 positions (bf16, 8 KV heads, hd 128)
     cpu_ovh = max(0.0, small_bytes / small_bw - small_bytes / probe_bw)  # fixed cost of a decode-shaped call
     log(f"CPU decode attention fixed cost per call (16 rows x 128 positions): {cpu_ovh * 1e3:.2f} ms")
-    base = get_preset(gpu_preset)
-    notes = [f"CPU side measured by moe-batch profile ({which}; bandwidth under executor conditions: grouped KV "
-             f"cache, worker thread)"]
-    fields = dict(host_memory=mem, host_memory_bandwidth=host_bw, cpu_attention_bandwidth=cpu_bw, cpu_attention_flops=cpu_flops,
-                  cpu_latent_attention_flops=mla_flops, cpu_attention_overhead=cpu_ovh,
-                  cpu_cores=cores, host=desc, date=datetime.date.today().isoformat(), name=name)
-    if torch.cuda.is_available():
-        g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))
-        log(f"GPU {g['gpu_name']}: h2d {g['pcie_h2d'] / 1e9:.1f} GB/s, d2h {g['pcie_d2h'] / 1e9:.1f} GB/s, "
-            f"HBM {g['gpu_hbm_bandwidth'] / 1e9:.0f} GB/s, bf16 {g['gpu_flops_bf16'] / 1e12:.0f} TFLOP/s")
-        fields.update(g)
-        fields["microbatch_overhead"] = measure_microbatch_overhead()
-        log(f"per-micro-batch issue overhead: {fields['microbatch_overhead'] * 1e3:.2f} ms per layer")
-        try:
-            fields["gpu_expert_flops"] = measure_expert_kernel_flops()
-        except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then uses the GEMM peak
-            log(f"expert kernel probe failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
-                " gpu_expert_flops left at 0 (the HRM uses the GEMM peak for experts)")
-        else:
-            log(f"grouped expert kernel (fused_experts_triton), 4096 tokens top-2 of 8 Mixtral-8x7B experts: "
-                f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
-        if shapes:
-            try:
-                toks = EXPERT_FFN_TOKENS[:4] if quick else EXPERT_FFN_TOKENS
-                fields["expert_ffn_rates"] = measure_expert_ffn_rates(shapes, toks, repeats=2 if quick else 5, log=log)
-            except Exception as e:  # noqa: BLE001 - the rest of the profile stands; CGOPipe then runs Triton
-                log(f"expert FFN kernel probe failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); expert_ffn_rates left empty (Triton everywhere)")
-            else:
-                from ..policy.hardware import NO_SYNC_KERNELS
+    return dict(cpu_attention_bandwidth=cpu_bw, cpu_attention_flops=cpu_flops, cpu_latent_attention_flops=mla_flops,
+                cpu_attention_overhead=cpu_ovh), which
 
-                picks = ", ".join(f"T={r.tokens}: {r.best_of(NO_SYNC_KERNELS)}" + (
-                    f" (prefill: {r.best})" if r.best != r.best_of(NO_SYNC_KERNELS) else "")
-                    for r in fields["expert_ffn_rates"])
-                log(f"expert FFN kernels by measured shape (the profile's expert_ffn_rates): {picks}")
-        try:
-            h_c, h_g = measure_host_issue()
-        except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then has no host stage
-            log(f"CGOPipe host issue probe failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
-                " host_issue_* left at 0 (no host stage in the HRM)")
-        else:
-            fields.update(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g)
-            log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
-                f"{h_g * 1e3:.2f} ms (GPU attention)")
-            try:
-                fields["host_issue_cpu_attn_mla"] = measure_host_issue(mla=True)[0]
-            except Exception as e:  # noqa: BLE001 - MLA models then take the GQA probe's number
-                log(f"CGOPipe host issue probe (MLA) failed ({type(e).__name__}); host_issue_cpu_attn_mla left at 0")
-            else:
-                log(f"  MLA (DeepSeek-shaped): {fields['host_issue_cpu_attn_mla'] * 1e3:.2f} ms per CPU-attention "
-                    f"micro-batch per decode layer (the profile's host_issue_cpu_attn_mla)")
-        notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
-                     "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
+
+def _failure(e: Exception) -> str:
+    """``Type: first line`` of a probe's exception (at most 200 characters of the line)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _measure_gpu_side(quick: bool, shapes, log: Callable[[str], None]) -> dict:
+    """The CUDA fields of a profile: copies, HBM, GEMM, micro-batch overhead, then the kernel probes (each failing
+    alone: the rest of the profile stands), one log line per measurement."""
+    g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))
+    log(f"GPU {g['gpu_name']}: h2d {g['pcie_h2d'] / 1e9:.1f} GB/s, d2h {g['pcie_d2h'] / 1e9:.1f} GB/s, "
+        f"HBM {g['gpu_hbm_bandwidth'] / 1e9:.0f} GB/s, bf16 {g['gpu_flops_bf16'] / 1e12:.0f} TFLOP/s")
+    fields = dict(g, microbatch_overhead=measure_microbatch_overhead())
+    log(f"per-micro-batch issue overhead: {fields['microbatch_overhead'] * 1e3:.2f} ms per layer")
+    try:
+        fields["gpu_expert_flops"] = measure_expert_kernel_flops()
+    except Exception as e:  # noqa: BLE001 - the rest of the profile stands; the HRM then uses the GEMM peak
+        log(f"expert kernel probe failed ({_failure(e)}); gpu_expert_flops left at 0 (the HRM uses the GEMM peak for "
+            "experts)")
     else:
-        log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
-        notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")
-    if gpu_memory is not None:
-        fields["gpu_memory"] = int(gpu_memory)
-        notes.append(f"gpu_memory set by --gpu-memory to {gpu_memory} bytes")
-    fields["source"] = "; ".join(notes)
-    return replace(base, **fields)
+        log(f"grouped expert kernel (fused_experts_triton), 4096 tokens top-2 of 8 Mixtral-8x7B experts: "
+            f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
+    if shapes:
+        fields.update(_expert_ffn_rates_field(quick, shapes, log))
+    fields.update(_host_issue_fields(log))
+    return fields
+
+
+def _expert_ffn_rates_field(quick: bool, shapes, log: Callable[[str], None]) -> dict:
+    """``{"expert_ffn_rates": ...}`` from the expert-FFN kernel probe, or {} where it fails (Triton everywhere)."""
+    from ..policy.hardware import NO_SYNC_KERNELS
+
+    try:
+        toks = EXPERT_FFN_TOKENS[:4] if quick else EXPERT_FFN_TOKENS
+        rates = measure_expert_ffn_rates(shapes, toks, repeats=2 if quick else 5, log=log)
+    except Exception as e:  # noqa: BLE001 - the rest of the profile stands; CGOPipe then runs Triton
+        log(f"expert FFN kernel probe failed ({_failure(e)}); expert_ffn_rates left empty (Triton everywhere)")
+        return {}
+    picks = ", ".join(f"T={r.tokens}: {r.best_of(NO_SYNC_KERNELS)}" + (
+        f" (prefill: {r.best})" if r.best != r.best_of(NO_SYNC_KERNELS) else "") for r in rates)
+    log(f"expert FFN kernels by measured shape (the profile's expert_ffn_rates): {picks}")
+    return {"expert_ffn_rates": rates}
+
+
+def _host_issue_fields(log: Callable[[str], None]) -> dict:
+    """host_issue_cpu_attn / _gpu_attn / _cpu_attn_mla from the CGOPipe host issue probes ({} where the first fails:
+    no host stage in the HRM; no MLA field where the MLA probe fails: MLA models then take the GQA probe's)."""
+    try:
+        h_c, h_g = measure_host_issue()
+    except Exception as e:  # noqa: BLE001
+        log(f"CGOPipe host issue probe failed ({_failure(e)}); host_issue_* left at 0 (no host stage in the HRM)")
+        return {}
+    fields = dict(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g)
+    log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
+        f"{h_g * 1e3:.2f} ms (GPU attention)")
+    try:
+        fields["host_issue_cpu_attn_mla"] = measure_host_issue(mla=True)[0]
+    except Exception as e:  # noqa: BLE001
+        log(f"CGOPipe host issue probe (MLA) failed ({type(e).__name__}); host_issue_cpu_attn_mla left at 0")
+    else:
+        log(f"  MLA (DeepSeek-shaped): {fields['host_issue_cpu_attn_mla'] * 1e3:.2f} ms per CPU-attention "
+            f"micro-batch per decode layer (the profile's host_issue_cpu_attn_mla)")
+    return fields
