@@ -26,7 +26,9 @@ PREFILL_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 128, 128, 8
                  (256, 128, 128, 8, 3), (128, 256, 128, 8, 2), (128, 128, 256, 8, 2), (64, 128, 128, 8, 3),
                  (128, 64, 128, 4, 3), (256, 64, 128, 8, 3), (64, 64, 128, 4, 3), (128, 128, 64, 8, 4),
                  (64, 256, 128, 8, 3), (128, 64, 64, 4, 3)]
-MODES = {"one column": (False, False), "paired": (True, False), "scaled": (True, True)}  # (PAIRED_NIBBLES, DOT_SCALED)
+# (PAIRED_NIBBLES, DOT_SCALED, JOINT_GATE_UP)
+MODES = {"one column": (False, False, False), "paired": (True, False, False), "scaled": (True, True, False),
+         "scaled joint": (True, True, True)}
 DECODE_SWEEP = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 64, 4, 3), (16, 32, 128, 2, 4),
                 (16, 64, 256, 4, 2), (32, 64, 64, 4, 3), (16, 128, 64, 4, 3), (64, 64, 128, 4, 3)]
 
@@ -75,7 +77,7 @@ def main() -> None:
         flop = 2 * T * k * 3 * D * F
 
         def mx(cfg, mode):
-            mxfp4.PAIRED_NIBBLES, mxfp4.DOT_SCALED = MODES[mode]
+            mxfp4.PAIRED_NIBBLES, mxfp4.DOT_SCALED, mxfp4.JOINT_GATE_UP = MODES[mode]
             return cuda_ms(lambda: fused_experts_mxfp4_triton(x, pages, lay, wts, ids, limit=7.0, alpha=1.702,
                                                              config=cfg, validate=False), reps=3)
 
@@ -93,7 +95,7 @@ def main() -> None:
             if time.perf_counter() - t0 > a.seconds:
                 print("  (sweep time spent)")
                 break
-            for mode in ("scaled", "paired"):
+            for mode in ("scaled", "scaled joint"):
                 try:
                     t = mx(MoEKernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s), mode)
                 except Exception as e:  # out of shared memory / registers for this tile
@@ -102,7 +104,7 @@ def main() -> None:
                 rows.append((t, f"{bm}x{bn}x{bk} w{w} s{s} {mode}"))
         for t, name in sorted(rows)[:12]:
             print("  " + line(name, t))
-        mxfp4.PAIRED_NIBBLES, mxfp4.DOT_SCALED = MODES["scaled"]
+        mxfp4.PAIRED_NIBBLES, mxfp4.DOT_SCALED, mxfp4.JOINT_GATE_UP = MODES["scaled"]
 
 
 if __name__ == "__main__":

@@ -143,11 +143,13 @@ def test_kernel_matches_reference_in_the_interpreter(interpret, case, dtype, tol
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("config", [None, MoEKernelConfig(16, 16, 64, 1, 1), MoEKernelConfig(16, 32, 128, 1, 1)],
                          ids=["default", "k64", "k128-past-D"])
-def test_dot_scaled_kernel_matches_reference_bf16(interpret, case, config, monkeypatch):
-    """bf16 x: the packed bytes and scales go to tl.dot_scaled (DOT_SCALED, block_k >= 64), which the interpreter
-    runs as Triton defines it; scales over 2^-27..2^13 (E8M0 100..140) so a wrong exponent shows; 1e-2 (bf16
+@pytest.mark.parametrize("joint", [False, True], ids=["gate-up-apart", "gate-up-joint"])
+def test_dot_scaled_kernel_matches_reference_bf16(interpret, case, config, joint, monkeypatch):
+    """bf16 x: the packed bytes and scales go to tl.dot_scaled (DOT_SCALED, block_k >= 64; JOINT_GATE_UP: one dot
+    over the block's interleaved gate/up rows, split after), which the interpreter runs as Triton defines it; scales over 2^-27..2^13 (E8M0 100..140) so a wrong exponent shows; 1e-2 (bf16
     rounding of the reference's dequantized weights and its outputs)."""
     monkeypatch.setattr(mxfp4, "DOT_SCALED", True)
+    monkeypatch.setattr(mxfp4, "JOINT_GATE_UP", joint)
     T, D, F, E, k, avoid = case
     gub, gus, gubias, db, ds, dbias = make_experts(E, D, F, seed=T, bias_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(T + 3)

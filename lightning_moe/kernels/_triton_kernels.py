@@ -510,12 +510,15 @@ def gate_up_mx_kernel(
     stride_be, stride_br, stride_se, stride_sr, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr, PAIRED: tl.constexpr = False, SCALED: tl.constexpr = False,
+    JOINT: tl.constexpr = False,
 ):
     """h[p, n] = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(x[t] . W[e, 2n] + b[e, 2n], limit),
     u = x[t] . W[e, 2n + 1] + b[e, 2n + 1] (gpt-oss: gate and up interleaved in the 2F rows of gate_up), for the
     BLOCK_M pairs p of this block; W dequantized from MXFP4 in registers (:func:`mxfp4_tile`; ``PAIRED``:
     :func:`mxfp4_pair_tiles`, the even and odd input columns as two dot products; ``SCALED``: the packed bytes and
-    scales (:func:`mxfp4_packed_tiles`) to ``tl.dot_scaled``, which upcasts them to bf16: x bf16 only)."""
+    scales (:func:`mxfp4_packed_tiles`) to ``tl.dot_scaled``, which upcasts them to bf16: x bf16 only; ``SCALED`` and
+    ``JOINT``: one dot_scaled over the 2 BLOCK_N contiguous gate_up rows 2n, 2n + 1 of the block, its accumulator's even
+    and odd columns split into gate and up after the loop)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -527,8 +530,16 @@ def gate_up_mx_kernel(
     u_rows = 2 * offs_n + 1  # up: odd rows
     acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    gu_rows = 2 * tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # JOINT: gate_up rows 2n and 2n + 1
+    acc_gu = tl.full((BLOCK_M, 2 * BLOCK_N), 0.0, dtype=tl.float32)
     for kb in range(0, (D + BLOCK_K - 1) // BLOCK_K):
-        if SCALED:
+        if SCALED and JOINT:
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, offs_k < D)
+            b, sb = mxfp4_packed_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, gu_rows, kb,
+                                       D, BLOCK_K, gu_rows < 2 * F)
+            acc_gu = tl.dot_scaled(a, None, "bf16", b, sb, "e2m1", acc=acc_gu)
+        elif SCALED:
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             a = _load_rows(x_ptr, token, offs_k, stride_xt, stride_xd, row_mask, offs_k < D)
             bg, sg = mxfp4_packed_tiles(blk_ptr, sc_ptr, e64, stride_be, stride_br, stride_se, stride_sr, g_rows, kb,
@@ -561,6 +572,8 @@ def gate_up_mx_kernel(
             bu = bu.to(x_ptr.dtype.element_ty)
             acc_g = _dot(a, bg, acc_g, DOT_PRECISION, UPCAST_DOT)
             acc_u = _dot(a, bu, acc_u, DOT_PRECISION, UPCAST_DOT)
+    if SCALED and JOINT:  # column 2i: gate of output n = pid_n BLOCK_N + i, column 2i + 1: its up
+        acc_g, acc_u = tl.split(tl.reshape(acc_gu, (BLOCK_M, BLOCK_N, 2)))
     b_row = bias_ptr + e64 * stride_bias_e
     g = acc_g + tl.load(b_row + g_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     u = acc_u + tl.load(b_row + u_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]

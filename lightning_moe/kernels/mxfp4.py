@@ -50,6 +50,9 @@ MXFP4_BLOCK = 32  # values per scale
 PAIRED_NIBBLES = True  # the kernels dequantize a byte's two columns at once (_triton_kernels.mxfp4_pair_tiles): 2.5-3x
 #   the one-column path's rate on an H100 (benchmarks/bench_mxfp4_ffn.py, benchmarks/RESULTS.md session 33)
 DOT_SCALED = True  # bf16 x: the kernels hand the packed bytes and scales to tl.dot_scaled (Triton's own E2M1 upcast)
+JOINT_GATE_UP = False  # with DOT_SCALED: gate_up as one dot_scaled over the block's contiguous gate/up rows, split
+#   after the loop (_triton_kernels.gate_up_mx_kernel JOINT); equal to the reference in the interpreter, not yet timed
+#   on a GPU (benchmarks/bench_mxfp4_ffn.py compares it), so off until it is
 SCALE_BIAS = 127  # E8M0 exponent bias
 
 
@@ -326,7 +329,7 @@ def fused_experts_mxfp4_triton(x: torch.Tensor, pages: torch.Tensor, layout: MXF
     kern.gate_up_mx_kernel[(max_blocks, _cdiv(Fd, cfg.block_n))](
         x, v["gate_up.blocks"], v["gate_up.scales"], v["gate_up.bias"], h, padded_pair_idx, block_expert,
         P, D, Fd, k, float(limit), float(alpha),
-        x.stride(0), x.stride(1), h.stride(0), h.stride(1), *strides("gate_up"), **common,
+        x.stride(0), x.stride(1), h.stride(0), h.stride(1), *strides("gate_up"), JOINT=JOINT_GATE_UP, **common,
     )
     kern.down_mx_kernel[(max_blocks, _cdiv(D, cfg.block_n))](
         h, v["down.blocks"], v["down.scales"], v["down.bias"], y, padded_pair_idx, block_expert, rw,

@@ -73,10 +73,10 @@ def test_mxfp4_kernel_skip_id_adds_nothing():
     assert _rel(got, want) <= 1e-2
 
 
-@pytest.mark.parametrize("mode", ["one-column", "paired", "scaled"])
+@pytest.mark.parametrize("mode", ["one-column", "paired", "scaled", "scaled-joint"])
 @pytest.mark.parametrize("T", [5, 700], ids=["decode-tiles", "prefill-tiles"])
 def test_mxfp4_paths_bf16_wide_scales_nan_workspaces(mode, T, monkeypatch):
-    """Each dequantization path (mxfp4.PAIRED_NIBBLES / DOT_SCALED) on its default tiles (mxfp4_kernel_config: T 700
+    """Each dequantization path (mxfp4.PAIRED_NIBBLES / DOT_SCALED / JOINT_GATE_UP) on its default tiles (mxfp4_kernel_config: T 700
     at top-2 of 8 gives 175 pairs per expert, the 128 x 128 x 128 prefill tiles; D 352 = 2.75 K blocks of 128),
     scales over 2^-27..2^13 (E8M0 100..140) so a wrong exponent shows, every wrapper allocation NaN-filled first;
     bf16, 1e-2."""
@@ -84,7 +84,8 @@ def test_mxfp4_paths_bf16_wide_scales_nan_workspaces(mode, T, monkeypatch):
     from tests.support.nan_workspace import nan_empty
 
     monkeypatch.setattr(mxfp4, "PAIRED_NIBBLES", mode != "one-column")
-    monkeypatch.setattr(mxfp4, "DOT_SCALED", mode == "scaled")
+    monkeypatch.setattr(mxfp4, "DOT_SCALED", mode.startswith("scaled"))
+    monkeypatch.setattr(mxfp4, "JOINT_GATE_UP", mode == "scaled-joint")
     E, D, F, k = 8, 352, 224, 2
     g = torch.Generator().manual_seed(T)
     gub = torch.randint(0, 256, (E, 2 * F, D // 32, 16), dtype=torch.uint8, generator=g)
