@@ -100,7 +100,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    "measure it on first use otherwise)")
     q.add_argument("--expert-shapes", type=lambda v: [x for x in v.split(",") if x], default=None, metavar="MODEL[,MODEL]",
                    help="models (registry names or checkpoint directories) whose expert shape the expert-FFN kernel "
-                        "probe rates on CUDA, Triton vs grouped_mm per tokens-per-call bucket (default mixtral-8x7b)")
+                        "probe rates on CUDA, Triton vs grouped_mm per tokens-per-call bucket, and for an MXFP4 model "
+                        "(gpt-oss) the MXFP4 kernel too (default mixtral-8x7b)")
     q.set_defaults(func=cmd_profile)
 
 

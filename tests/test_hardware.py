@@ -128,6 +128,16 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
     monkeypatch.setattr(P, "measure_host_issue", fail)
     prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append)
     assert prof.host_issue_cpu_attn == get_preset("l4").host_issue_cpu_attn and prof.gpu_expert_flops == 3e14
+    # an MXFP4 model among the expert shapes: the MXFP4 kernel's entries join the dense ones
+    from lightning_moe.policy.hardware import ExpertFFNRate
+
+    dense = ExpertFFNRate(2880, 2880, 128, 4, "bf16", 16, triton=1e12)
+    monkeypatch.setattr(P, "measure_expert_ffn_rates", lambda shapes, toks, **kw: (dense,))
+    monkeypatch.setattr(P, "measure_mxfp4_ffn_rates", lambda shapes, toks, **kw: tuple(
+        ExpertFFNRate(*sh, "bf16", 16, triton=2e12, weights="mxfp4") for sh in shapes))
+    prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append,
+                          expert_shapes=["gpt-oss-120b", "mixtral-8x7b"])
+    assert prof.expert_ffn_rates == (dense, ExpertFFNRate(2880, 2880, 128, 4, "bf16", 16, triton=2e12, weights="mxfp4"))
 
 
 def test_profile_keeps_the_compute_bound_attention_flop_rate(monkeypatch):
@@ -180,3 +190,65 @@ def test_cpu_attention_executor_probe_counts_valid_kv(monkeypatch):
     lens = (ramp / ramp.mean() * mean).round().clamp(min=1).long()
     valid = int((lens + 1).sum())
     assert bw == pytest.approx(valid * 2 * 8 * 128 * 2 / (0.25 / layers))
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 kernel rates
+def test_mxfp4_rates_are_their_own_entries_and_the_hrm_charges_mxfp4_pages_with_them(tmp_path):
+    """expert_ffn_rates entries with weights: mxfp4 (the MXFP4 kernel's measured rate) are looked up only for MXFP4
+    pages: hrm.gpu_experts_time with quant "mxfp4" uses them (log-T interpolated), with bf16 experts the dense
+    entries; without an mxfp4 entry MXFP4 pages fall back to gpu_expert_flops, as before. The YAML keeps weights for
+    mxfp4 entries and leaves the default out; an unknown storage is refused by name."""
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.hardware import ExpertFFNRate
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec = resolve_spec("gpt-oss-120b")
+    shape = (spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k)
+    rows = [ExpertFFNRate(*shape, "bf16", 1024, triton=4e14, grouped_mm=5e14),
+            ExpertFFNRate(*shape, "bf16", 1024, triton=1e14, weights="mxfp4"),
+            ExpertFFNRate(*shape, "bf16", 4096, triton=2e14, weights="mxfp4")]
+    hw = get_preset("h100").with_overrides(expert_ffn_rates=rows, gpu_expert_flops=3e14)
+    assert hw.expert_ffn_rate(*shape, "bf16", 1024) == 5e14  # dense: the best kernel
+    assert hw.expert_ffn_rate(*shape, "bf16", 2048, ("triton",), "mxfp4") == pytest.approx(1.5e14)  # halfway in log T
+    flops = 2 * 2048 * spec.top_k * spec.expert_params
+    t_mx = hrm.gpu_experts_time(spec, hw, 2048, "bf16", "mxfp4", prefill=True)
+    assert t_mx == pytest.approx(flops / 1.5e14, rel=1e-9)  # compute-bound at this size
+    assert hrm.gpu_experts_time(spec, hw, 65536, "bf16", "bf16", prefill=True) == pytest.approx(
+        2 * 65536 * spec.top_k * spec.expert_params / 5e14, rel=1e-9)  # dense: the end bucket's best, compute-bound
+    dense_only = hw.with_overrides(expert_ffn_rates=rows[:1])
+    assert hrm.gpu_experts_time(spec, dense_only, 2048, "bf16", "mxfp4", prefill=True) == pytest.approx(
+        flops / 3e14, rel=1e-9)  # no MXFP4 measurement: gpu_expert_flops
+    path = tmp_path / "p.yaml"
+    hw.save(str(path))
+    text = path.read_text()
+    assert text.count("weights: mxfp4") == 2 and "weights: dense" not in text
+    assert HardwareProfile.load(str(path)).expert_ffn_rates == tuple(rows)
+    with pytest.raises(HardwareError, match="weights: expected one of dense, mxfp4"):
+        ExpertFFNRate(*shape, "bf16", 16, weights="int4")
+
+
+def test_mxfp4_rate_probe_times_the_mxfp4_kernel_per_bucket(monkeypatch):
+    """measure_mxfp4_ffn_rates: one weights: mxfp4 entry per (shape, T), FLOPs 2 T k 3 D F over the best time (a fake
+    timer: 0.5 s), the kernel called on the shape's pages; a failing call gives rate 0 and a line. mxfp4_shapes_of
+    keeps only the MXFP4 models (gpt-oss by name, not Mixtral)."""
+    from lightning_moe.kernels import mxfp4
+
+    seen = []
+    monkeypatch.setattr(mxfp4, "fused_experts_mxfp4_triton", lambda x, pages, lay, w, ids, **kw:
+                        seen.append((tuple(x.shape), x.dtype, lay.hidden_size, lay.intermediate_size, tuple(pages.shape),
+                                     tuple(ids.shape))))
+    monkeypatch.setattr(profiler, "_best_time", lambda fn, repeats, sync: (fn(), 0.5)[1])
+    got = profiler.measure_mxfp4_ffn_rates([(64, 32, 4, 2)], tokens=(3, 8), device="cpu", repeats=1)
+    assert [(r.tokens, r.weights, r.dtype, r.triton, r.grouped_mm) for r in got] == [
+        (3, "mxfp4", "bf16", 2 * 3 * 2 * 3 * 64 * 32 / 0.5, 0.0), (8, "mxfp4", "bf16", 2 * 8 * 2 * 3 * 64 * 32 / 0.5, 0.0)]
+    assert seen[0][:5] == ((3, 64), torch.bfloat16, 64, 32, seen[0][4]) and seen[0][4][0] == 4 and seen[0][5] == (3, 2)
+
+    def fail(*a, **k):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(mxfp4, "fused_experts_mxfp4_triton", fail)
+    lines = []
+    got = profiler.measure_mxfp4_ffn_rates([(64, 32, 4, 2)], tokens=(3,), device="cpu", repeats=1, log=lines.append)
+    assert got[0].triton == 0.0 and "failed (RuntimeError: no kernel here); rate 0" in lines[0]
+    assert profiler.mxfp4_shapes_of(["gpt-oss-120b", "mixtral-8x7b", "gpt-oss-120b"]) == ((2880, 2880, 128, 4),)
+    assert profiler.mxfp4_shapes_of(["mixtral-8x7b"]) == ()

@@ -362,6 +362,57 @@ def measure_expert_ffn_rates(shapes: Sequence[tuple] = ((4096, 14336, 8, 2),), t
     return tuple(out)
 
 
+def measure_mxfp4_ffn_rates(shapes: Sequence[tuple], tokens: Sequence[int] = EXPERT_FFN_TOKENS, device: str = "cuda",
+                            repeats: int = 5, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> tuple:
+    """The profile's ``expert_ffn_rates`` entries of MXFP4 expert pages (``weights: mxfp4``): FLOP/s (2 T k 3 D F per
+    call) of kernels.mxfp4.fused_experts_mxfp4_triton, the kernel CGOPipe runs over them, per expert shape ``(hidden,
+    intermediate, experts, top_k)`` and tokens-per-call bucket, bf16 activations, uniformly random top-k routing,
+    random pages (E2M1 bytes, E8M0 scales 118..126: the rate does not depend on the values); the best of
+    ``repeats`` timed calls after a warm-up. A failing call is logged and gets rate 0 (no measurement)."""
+    from ..kernels import mxfp4
+    from ..policy.hardware import ExpertFFNRate
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = []
+    for D, Fd, E, k in shapes:
+        g = torch.Generator(device=dev).manual_seed(seed)
+
+        def codes(R, C, lo=0, hi=256, last=(16,)):
+            return torch.randint(lo, hi, (E, R, C // 32, *last), device=dev, generator=g, dtype=torch.uint8)
+
+        bias = [torch.randn(E, n, device=dev, generator=g).to(torch.bfloat16) for n in (2 * Fd, D)]
+        pages, lay = mxfp4.pack_mxfp4_pages(codes(2 * Fd, D), codes(2 * Fd, D, 118, 127, ()), bias[0],
+                                            codes(D, Fd), codes(D, Fd, 118, 127, ()), bias[1])
+        for T in tokens:
+            x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)  # [T, D]
+            wts, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev, generator=g), -1), k, dim=-1)
+            try:
+                sec = _best_time(lambda: mxfp4.fused_experts_mxfp4_triton(x, pages, lay, wts, ids, limit=7.0,
+                                                                          alpha=1.702, validate=False), repeats, sync)
+                rate = 2 * T * k * 3 * D * Fd / sec
+            except Exception as e:  # noqa: BLE001 - the other entries stand
+                log(f"  MXFP4 expert FFN at D={D} F={Fd} E={E} k={k} T={T} failed ({_failure(e)}); rate 0")
+                rate = 0.0
+            out.append(ExpertFFNRate(D, Fd, E, k, "bf16", int(T), triton=rate, weights="mxfp4"))
+            log(f"  expert FFN D={D} F={Fd} E={E} top-{k} MXFP4 pages, T={T}: {rate / 1e12:.1f} TFLOP/s")
+        pages = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return tuple(out)
+
+
+def mxfp4_shapes_of(names: Sequence[str]) -> tuple:
+    """``(hidden, intermediate, experts, top_k)`` of those models whose experts are MXFP4 (a registry name of a Hub
+    checkpoint that holds them, ``policy.registry.registry_expert_format``; a checkpoint directory with
+    ``quant_method: mxfp4``, ``model.quantized.checkpoint_expert_scheme``)."""
+    from ..model.quantized import checkpoint_expert_scheme
+    from ..policy.registry import registry_expert_format
+
+    mx = [n for n in names if (checkpoint_expert_scheme(n) if os.path.isdir(n) else registry_expert_format(n)) == "mxfp4"]
+    return expert_shapes_of(mx)
+
+
 def expert_shapes_of(names: Sequence[str]) -> tuple:
     """``(hidden, intermediate, experts, top_k)`` of registry models (``policy.registry.resolve_spec``: a name or a
     checkpoint directory). Raises ValueError on an unknown name."""
@@ -470,7 +521,7 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     (:func:`measure_expert_ffn_rates`; the profile's ``expert_ffn_rates``); unknown names are an error before
     anything is measured.
     """
-    shapes = expert_shapes_of(expert_shapes)
+    shapes, mx_shapes = expert_shapes_of(expert_shapes), mxfp4_shapes_of(expert_shapes)
     desc, cores, mem = host_description()
     sizes = dict(nbytes=64 * MiB, repeats=2) if quick else {}
     host_bw = measure_host_bandwidth(**sizes)
@@ -482,7 +533,7 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     fields.update(host_memory=mem, host_memory_bandwidth=host_bw, cpu_cores=cores, host=desc,
                   date=datetime.date.today().isoformat(), name=name)
     if torch.cuda.is_available():
-        fields.update(_measure_gpu_side(quick, shapes, log))
+        fields.update(_measure_gpu_side(quick, shapes, mx_shapes, log))
         notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
                      "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
     else:
@@ -538,7 +589,7 @@ def _failure(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def _measure_gpu_side(quick: bool, shapes, log: Callable[[str], None]) -> dict:
+def _measure_gpu_side(quick: bool, shapes, mx_shapes, log: Callable[[str], None]) -> dict:
     """The CUDA fields of a profile: copies, HBM, GEMM, micro-batch overhead, then the kernel probes (each failing
     alone: the rest of the profile stands), one log line per measurement."""
     g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))
@@ -555,25 +606,27 @@ def _measure_gpu_side(quick: bool, shapes, log: Callable[[str], None]) -> dict:
         log(f"grouped expert kernel (fused_experts_triton), 4096 tokens top-2 of 8 Mixtral-8x7B experts: "
             f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
     if shapes:
-        fields.update(_expert_ffn_rates_field(quick, shapes, log))
+        fields.update(_expert_ffn_rates_field(quick, shapes, mx_shapes, log))
     fields.update(_host_issue_fields(log))
     return fields
 
 
-def _expert_ffn_rates_field(quick: bool, shapes, log: Callable[[str], None]) -> dict:
-    """``{"expert_ffn_rates": ...}`` from the expert-FFN kernel probe, or {} where it fails (Triton everywhere)."""
+def _expert_ffn_rates_field(quick: bool, shapes, mx_shapes, log: Callable[[str], None]) -> dict:
+    """``{"expert_ffn_rates": ...}`` from the expert-FFN kernel probe (and, for ``mx_shapes``, the MXFP4 kernel's:
+    :func:`measure_mxfp4_ffn_rates`), or {} where it fails (Triton everywhere)."""
     from ..policy.hardware import NO_SYNC_KERNELS
 
+    toks, reps = (EXPERT_FFN_TOKENS[:4], 2) if quick else (EXPERT_FFN_TOKENS, 5)
     try:
-        toks = EXPERT_FFN_TOKENS[:4] if quick else EXPERT_FFN_TOKENS
-        rates = measure_expert_ffn_rates(shapes, toks, repeats=2 if quick else 5, log=log)
+        rates = measure_expert_ffn_rates(shapes, toks, repeats=reps, log=log)
     except Exception as e:  # noqa: BLE001 - the rest of the profile stands; CGOPipe then runs Triton
         log(f"expert FFN kernel probe failed ({_failure(e)}); expert_ffn_rates left empty (Triton everywhere)")
         return {}
+    mx = measure_mxfp4_ffn_rates(mx_shapes, toks, repeats=reps, log=log) if mx_shapes else ()
     picks = ", ".join(f"T={r.tokens}: {r.best_of(NO_SYNC_KERNELS)}" + (
         f" (prefill: {r.best})" if r.best != r.best_of(NO_SYNC_KERNELS) else "") for r in rates)
     log(f"expert FFN kernels by measured shape (the profile's expert_ffn_rates): {picks}")
-    return {"expert_ffn_rates": rates}
+    return {"expert_ffn_rates": rates + mx}
 
 
 def _host_issue_fields(log: Callable[[str], None]) -> dict:

@@ -72,6 +72,7 @@ def format_bytes(n: float) -> str:
 
 EXPERT_FFN_KERNELS = ("triton", "grouped_mm", "mm_loop")  # the grouped expert-FFN kernels a profile can rate and CGOPipe
 #   can pick (a tie goes to the earlier one)
+EXPERT_WEIGHTS = ("dense", "mxfp4")  # ExpertFFNRate.weights: how a measured call's experts were stored
 NO_SYNC_KERNELS = ("triton", "grouped_mm")  # the kernels with no host sync: the ones a decode step may run (mm_loop
 #   waits for the host to read each call's per-expert row counts, so only prefill passes run it)
 
@@ -97,6 +98,8 @@ class ExpertFFNRate:
     triton: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_triton; 0 = not measured
     grouped_mm: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_grouped_mm; 0 = not measured
     mm_loop: float = 0.0  # FLOP/s of kernels.fused_moe.fused_experts_mm_loop (one host sync per call); 0 = not measured
+    weights: str = "dense"  # how the experts are stored: "dense" (in dtype) | "mxfp4" (MXFP4 pages: ``triton`` is then
+    #   kernels.mxfp4.fused_experts_mxfp4_triton's rate, the only kernel over them; grouped_mm and mm_loop 0)
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "experts", "top_k", "tokens"):
@@ -105,6 +108,9 @@ class ExpertFFNRate:
                 raise HardwareError(f"expert_ffn_rates: {name}: expected an integer >= 1, got {v!r}")
         if self.dtype not in ("bf16", "fp16", "fp32"):
             raise HardwareError(f"expert_ffn_rates: dtype: expected bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.weights not in EXPERT_WEIGHTS:
+            raise HardwareError(f"expert_ffn_rates: weights: expected one of {', '.join(EXPERT_WEIGHTS)}, got "
+                                f"{self.weights!r}")
         for name in EXPERT_FFN_KERNELS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -208,11 +214,12 @@ class HardwareProfile(YamlRecord):
         return self.gpu_link if self.gpu_link > 0 else self.pcie_h2d
 
     def expert_ffn_table(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
-                         kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> tuple:
-        """The profile's :class:`ExpertFFNRate` entries of one expert shape and dtype that measure one of ``kernels``,
-        by increasing ``tokens``."""
+                         kernels: Sequence[str] = EXPERT_FFN_KERNELS, weights: str = "dense") -> tuple:
+        """The profile's :class:`ExpertFFNRate` entries of one expert shape, dtype and weight storage that measure one
+        of ``kernels``, by increasing ``tokens``."""
         key = (hidden, intermediate, experts, top_k, _dtype_key(dtype))
-        return tuple(sorted((r for r in self.expert_ffn_rates if r.shape == key and r.best_rate_of(kernels) > 0),
+        return tuple(sorted((r for r in self.expert_ffn_rates
+                             if r.shape == key and r.weights == weights and r.best_rate_of(kernels) > 0),
                             key=lambda r: r.tokens))
 
     def expert_ffn_kernel(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
@@ -227,11 +234,11 @@ class HardwareProfile(YamlRecord):
         return min(table, key=lambda r: (abs(math.log(r.tokens) - lt), r.tokens)).best_of(kernels)
 
     def expert_ffn_rate(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
-                        tokens: float, kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> float:
-        """FLOP/s of the fastest measured of ``kernels`` at ``tokens`` tokens per call for this shape: piecewise
-        linear in log T between the measured buckets, the end buckets' rates outside them; 0.0 when the profile has
-        no measurement of the shape."""
-        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype, kernels)
+                        tokens: float, kernels: Sequence[str] = EXPERT_FFN_KERNELS, weights: str = "dense") -> float:
+        """FLOP/s of the fastest measured of ``kernels`` at ``tokens`` tokens per call for this shape (and expert
+        ``weights`` storage): piecewise linear in log T between the measured buckets, the end buckets' rates outside
+        them; 0.0 when the profile has no measurement of the shape."""
+        table = self.expert_ffn_table(hidden, intermediate, experts, top_k, dtype, kernels, weights)
         if not table:
             return 0.0
         rate = [r.best_rate_of(kernels) for r in table]
@@ -258,7 +265,8 @@ class HardwareProfile(YamlRecord):
     def to_dict(self) -> dict:
         """Plain dict in field order (what :meth:`save` writes)."""
         d = asdict(self)
-        d["expert_ffn_rates"] = [asdict(r) for r in self.expert_ffn_rates]  # YAML has no tuples
+        d["expert_ffn_rates"] = [{k: v for k, v in asdict(r).items() if (k, v) != ("weights", "dense")}  # the default
+                                 for r in self.expert_ffn_rates]  # YAML has no tuples
         return d
 
     @classmethod

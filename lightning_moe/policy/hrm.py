@@ -135,14 +135,17 @@ def gpu_experts_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dtype: s
     The FLOP rate, capped by the dtype's GEMM peak: the profile's measured rate of the fastest expert-FFN kernel
     CGOPipe may run for this expert shape (D, F, E, k) and dtype at ``tokens`` tokens per call (``prefill``: any of
     EXPERT_FFN_KERNELS; a decode step: the NO_SYNC_KERNELS) (:meth:`HardwareProfile.expert_ffn_rate`:
-    ``expert_ffn_rates``, log-T interpolated between measured buckets), where the profile has that shape; else its
+    ``expert_ffn_rates``, log-T interpolated between measured buckets; MXFP4 pages, ``quant`` "mxfp4": the MXFP4
+    kernel's entries, ``weights: mxfp4``), where the profile has that shape; else its
     ``gpu_expert_flops`` (the grouped Triton kernel's rate at one prefill size) when measured; else the GEMM peak
     (optimistic: the grouped kernels run below the cuBLAS peak).
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
+    mx = quant == "mxfp4"  # MXFP4 pages: the MXFP4 Triton kernel's own measured rate, where the profile has it
     rate = hw.expert_ffn_rate(spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, dtype, tokens,
-                              EXPERT_FFN_KERNELS if prefill else NO_SYNC_KERNELS)
+                              ("triton",) if mx else EXPERT_FFN_KERNELS if prefill else NO_SYNC_KERNELS,
+                              "mxfp4" if mx else "dense")
     if rate > 0:
         P = min(P, rate)
     elif hw.gpu_expert_flops > 0:
