@@ -132,6 +132,39 @@ def test_refill_records_equal_no_refill(tiny_dir, executor):
     assert ex.stats.decode_steps < steps_batched  # refill: fewer decode steps for the same tokens
 
 
+def test_free_slots_attend_nothing(tiny_dir, monkeypatch):
+    """A ragged call through cgopipe (13 prompts, N = 4 slots in 2 micro-batches, stop ids from the unstopped
+    outputs): before every decode step each free slot's KV length is 0, so its throwaway token attends one position,
+    as the refill schedule prices a free slot (``schedule_seconds``: a free slot attends ~nothing). Before the fix a
+    freed slot's length grew by one a step through the drain (the GPU host's ragged job: CPU attention 2.5x its HRM
+    price). Steps with free slots must occur; records equal the serial executor's without refill."""
+    seed = int(torch.randint(0, 10_000, (1,)))
+    prompts = _prompts(13, seed)
+    G = 10
+    ref_ex = _serial(tiny_dir)
+    free = ref_ex.generate(prompts, DecodeSampling(max_new_tokens=G, stop_at_eos=False))
+    sp = DecodeSampling(max_new_tokens=G, stop_at_eos=False, stop_token_ids=tuple(_stops(free, seed)))
+    ref = _run(ref_ex, prompts, sp, len(prompts), None)
+    tables, seen = [], {"free": 0}
+    place = SlotTable.place
+    monkeypatch.setattr(SlotTable, "place", lambda self, mb_slots: (tables.append(self), place(self, mb_slots))[1])
+    step = CGOPipeExecutor._decode_step
+
+    def checked(self, mbs, tokens):
+        for mb in mbs:
+            free_rows = torch.tensor(tables[-1].requests(mb.rows)) < 0
+            seen["free"] += int(free_rows.sum())
+            assert (mb.kv.lengths[free_rows] == 0).all(), mb.kv.lengths[free_rows].tolist()
+        return step(self, mbs, tokens)
+
+    monkeypatch.setattr(CGOPipeExecutor, "_decode_step", checked)
+    ex = _cgopipe(tiny_dir, 2, 2, refill_min_free=2)
+    got = _run(ex, prompts, sp, len(prompts), None)
+    ex.close()
+    _same(got, ref)
+    assert seen["free"] > 0  # some step ran with free slots (the refill threshold, the drain)
+
+
 @pytest.mark.parametrize("kind", ["eos", "stop_id", "stop_string", "length"])
 @pytest.mark.parametrize("executor", ["serial", "cgopipe"])
 def test_each_stop_kind_frees_its_slot(tiny_dir, executor, kind):

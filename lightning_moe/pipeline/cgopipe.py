@@ -177,7 +177,8 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         self.stats.slot_steps += len(table.caps)
         if on_step is not None:
             on_step(alive)
-        reset_slots(mbs, table, table.release(rows.end_step()))
+        table.release(rows.end_step())
+        reset_slots(mbs, table)
 
     def _refill(self, seqs: list[list[int]], mbs: list[MicroBatch], table: SlotTable, rows: DecodeRows,
                 tokens: list, on_step) -> float:
@@ -213,7 +214,8 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
             self.timer.span("phase", t0, t1, "prefill")
             self._prefill_done(t1 - t0 - self._warm_s)  # the prefill's stage times, apart from the decode's
             self._warm_s = 0.0
-            reset_slots(mbs, table, table.release(rows.end_step()))
+            table.release(rows.end_step())
+            reset_slots(mbs, table)
             if table.live or not table.due():
                 break
         self.attention.attn_kv_bytes = 0

@@ -28,14 +28,12 @@ class SlotTable(Slots):
     def __init__(self, needs: Sequence[int], slots: int, min_free: int):
         super().__init__(needs, slots, min_free)
         self.where: list[tuple[int, int]] = [(-1, -1)] * len(self.caps)  # slot -> (micro-batch, row in it), place()
-        self.mb_caps: list[torch.Tensor] = []  # per micro-batch, its slots' capacities (int64 [mu_k]), set by place()
 
     def place(self, mb_slots: Sequence[Sequence[int]]) -> None:
         """Record the micro-batches' rows: ``mb_slots[k]`` the slots of micro-batch k, in its row order."""
         for k, ss in enumerate(mb_slots):
             for j, s in enumerate(ss):
                 self.where[s] = (k, j)
-        self.mb_caps = [torch.tensor([self.caps[s] for s in ss], dtype=torch.int64) for ss in mb_slots]  # int64 [mu_k]
 
 
 def commit_live(reqs: list[int], logits: torch.Tensor, rows) -> torch.Tensor:
@@ -50,18 +48,16 @@ def commit_live(reqs: list[int], logits: torch.Tensor, rows) -> torch.Tensor:
     return toks
 
 
-def reset_slots(mbs: list, table: SlotTable, freed: list[int]) -> None:
-    """Free slots decode throwaway tokens: reset the KV length of those just ``freed`` (their attention reads
-    nothing stale) and of any free slot about to fill its capacity, to 0; their micro-batch's positions and RoPE
-    are rebuilt from the cache lengths in the next step."""
-    for s in freed:
-        k, j = table.where[s]
-        mbs[k].kv.lengths[j] = 0
-        mbs[k].pos = mbs[k].rope = None
-    if len(table.free) == len(freed):
+def reset_slots(mbs: list, table: SlotTable) -> None:
+    """Free slots decode throwaway tokens over an empty cache: after each step (and each refill) every free slot's KV
+    length goes back to 0, so its next throwaway token attends one position, as the refill schedule prices it (a free
+    slot attends ~nothing: :func:`~lightning_moe.policy.refill_schedule.schedule_seconds`), instead of a context that
+    grows through the drain; the micro-batch's positions and RoPE are rebuilt from the cache lengths in the next
+    step."""
+    if not table.free:
         return
-    for mb, caps in zip(mbs, table.mb_caps):
-        full = (mb.kv.lengths >= caps - 1) & (torch.tensor(table.requests(mb.rows)) < 0)
-        if bool(full.any()):
-            mb.kv.lengths[full] = 0
+    for mb in mbs:
+        stale = (torch.tensor(table.requests(mb.rows)) < 0) & (mb.kv.lengths > 0)  # bool [mu_k]
+        if bool(stale.any()):
+            mb.kv.lengths[stale] = 0
             mb.pos = mb.rope = None
