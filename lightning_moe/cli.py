@@ -177,6 +177,15 @@ DECLARED_PACKAGES = {"highspy": "highspy", "pulp": "pulp", "mistral_common": "mi
                      "sentencepiece": "sentencepiece", "psutil": "psutil", "google.protobuf": "protobuf"}
 
 
+def split_set_argument(argv: list) -> str:
+    """The message for a ``--set KEY VALUE`` written as two arguments (argparse would say only "unrecognized
+    arguments: VALUE"), or ''."""
+    for a, b in zip(argv, argv[1:] + [""]):
+        if a == "--set" and b and "=" not in b and not b.startswith("-"):
+            return f"--set takes KEY=VALUE as one argument, got '--set {b}': write --set {b}=VALUE"
+    return ""
+
+
 def main(argv=None) -> int:
     """Entry point of the ``moe-batch`` console script. Input errors (the job, its data, a policy that does not fit, a
     missing dependency: DECLARED_PACKAGES) print one line and exit 2; running out of GPU memory prints one line and exits 3 (finished records kept); a
@@ -185,6 +194,10 @@ def main(argv=None) -> int:
     line and exits 1 (the records that came back kept); stdout's reader leaving early (``| head``) is not an error."""
     from .config import ConfigError
 
+    bad_set = split_set_argument(sys.argv[1:] if argv is None else list(argv))
+    if bad_set:
+        print(f"moe-batch: error: {bad_set}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if getattr(args, "debug", False):
         os.environ["MOE_BATCH_DEBUG"] = "1"

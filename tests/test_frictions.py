@@ -3,7 +3,7 @@
 One test per friction: gpu_memory on device cpu (a notice), an empty data file (an error), a re-run of a finished job
 (validated like a fresh run), a checkpoint without tokenizer files (the files looked for), a bad
 LIGHTNING_MOE_CPU_ATTENTION (an error before any file), a non-UTF-8 line (file, line and byte column), ``--set`` with a
-YAML flow mapping without spaces (the corrected value), one skip reason for a missing triton, and a missing
+YAML flow mapping without spaces (the corrected value), ``--set KEY VALUE`` as two arguments, one skip reason for a missing triton, and a missing
 mistral-common (the embedded model's tokenizer source) on an offline host."""
 
 import json
@@ -278,3 +278,16 @@ def test_missing_solver_package_is_a_one_line_error(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(cli, "DECLARED_PACKAGES", {})
     with pytest.raises(ModuleNotFoundError):
         cli.main(["plan", "--model", "mixtral-8x7b", "--hardware", "h100", "--prompt-len", "64", "--gen-len", "8"])
+
+
+def test_set_key_and_value_as_two_arguments_is_one_line(tmp_path, tiny_dir, no_weights, capsys):
+    """Helper-31: `--set executor cgopipe` (a space for the '=') gave argparse's usage and "unrecognized arguments:
+    cgopipe"; now one line saying how to write it, exit 2, before any file. `--set key=value` and a flag after
+    `--set` are left to argparse."""
+    p = _job(tmp_path, tiny_dir)
+    assert cli.main(["run", p, "--no-progress", "--set", "executor", "cgopipe"]) == 2
+    assert _one_line_error(capsys) == ("moe-batch: error: --set takes KEY=VALUE as one argument, got '--set executor': "
+                                       "write --set executor=VALUE")
+    assert not (tmp_path / "out").exists()
+    assert cli.split_set_argument(["run", p, "--set", "executor=serial", "--no-progress"]) == ""
+    assert cli.split_set_argument(["run", p, "--set", "--no-progress"]) == ""  # argparse: "expected one argument"

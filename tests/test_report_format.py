@@ -100,6 +100,18 @@ def test_cpu_device_host_prediction_names_the_device_tensors():
     assert "device cpu holds" not in format_report(_report(memory=mem))  # cuda: the GPU's own memory
 
 
+def test_host_reserve_named_and_no_gpu_table_on_cpu():
+    """Helper-31: a CPU report printed a GPU memory table of dashes, and host predicted 2.01 GiB against 0.39 measured
+    without a word: 2 GiB of it is the planner's host reserve (an allowance). The host line names the reserve of the
+    predicted phase; device cpu prints no GPU memory table (its bytes are in the host line); cuda still does."""
+    comps = {"load": {"host reserve": 2 * GiB, "page pool": GiB}, "run": {"host reserve": 3 * GiB}}
+    mem = _report()["memory"] | {"predicted_host_components": comps}
+    text = " ".join(format_report(_report(device="cpu", memory=mem)).split())
+    assert "(predicted 4.00 GiB, load phase, of which 2.00 GiB the planner's host reserve (policy cpu_reserve" in text
+    assert "GPU memory (GiB)" not in text
+    assert "GPU memory (GiB)" in format_report(_report(memory=mem))
+
+
 def test_timing_counts_the_warmup_in_end_to_end_not_in_prefill():
     """wall_seconds.warmup (the first prefill's warm-up pass) is inside end-to-end and the wall sum, outside prefill
     tokens/s."""

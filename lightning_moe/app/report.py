@@ -381,7 +381,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         fields = [f"{_POLICY_NAMES.get(k, k)} {format_bytes(v) if k.endswith('_bytes') else v}" for k, v in pol.items()]
         lines += _wrap_fields("policy:", fields)
     mem = r.get("memory") or {}
-    if mem.get("predicted_by_phase"):
+    on_cpu = str(r.get("device", "")).startswith("cpu")
+    if mem.get("predicted_by_phase") and not on_cpu:  # device cpu: the GPU model's bytes are in the host line below
         cap = mem.get("cap_bytes")
         meas = mem.get("measured_by_phase") or {}
         rows = []
@@ -392,9 +393,13 @@ def format_report(r: dict, top_stages: int = 8) -> str:
         lines += ["", _table(rows)]
     peak_gpu = r.get("peak_gpu_memory_bytes")
     host_pred = (r.get("memory") or {}).get("predicted_host_bytes")
-    dev_pred = mem.get("predicted_peak_bytes") if str(r.get("device", "")).startswith("cpu") else None
+    dev_pred = mem.get("predicted_peak_bytes") if on_cpu else None
+    phase = mem.get("predicted_host_phase", "run")
+    reserve = ((mem.get("predicted_host_components") or {}).get(phase) or {}).get("host reserve")
     lines.append(f"  peak memory: host {r['peak_host_memory_bytes'] / 2**30:.2f} GiB"
-                 + (f" (predicted {host_pred / 2**30:.2f} GiB, {r['memory'].get('predicted_host_phase', 'run')} phase"
+                 + (f" (predicted {host_pred / 2**30:.2f} GiB, {phase} phase"
+                    + (f", of which {reserve / 2**30:.2f} GiB the planner's host reserve (policy cpu_reserve: an "
+                       f"allowance for the process, not a measurement)" if reserve else "")
                     + (f", + {dev_pred / 2**30:.2f} GiB the GPU model counts, which device cpu holds in host memory"
                        if dev_pred else "") + ")" if host_pred else "")
                  + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
