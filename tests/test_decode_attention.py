@@ -66,6 +66,35 @@ def test_kernel_matches_reference(interpret, B, Hq, Hkv, hd, caps, pos, window, 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 6])
+def test_kernel_with_sinks_matches_reference_and_the_model_math(interpret, dtype, tol, window):
+    """Per-head sink logits (gpt-oss) in the kernel's softmax: against the reference (sinks appended to the scores)
+    and against ``model.layers.decode_attention(..., sinks=)`` (the family's math, checked against transformers in
+    tests/test_family_gpt_oss.py) over the same cache; sinks from -4 to +6 (a sink that dominates a head included);
+    the output buffer's rows are not read (the wrapper allocates it). Without the sinks the result differs."""
+    B, Hq, Hkv, hd = 5, 8, 2, 24
+    caps, pos = [40, 7, 19, 2 * BLOCK_N + 3, 4], [39, 3, 18, 2 * BLOCK_N + 1, 0]
+    q, kn, vn, kf, vf, base, cap, p = ragged_case(B, Hq, Hkv, hd, caps, pos, dtype, seed=11)
+    sinks = torch.linspace(-4.0, 6.0, Hq)[torch.randperm(Hq)].contiguous()
+    k1, v1, k2, v2 = kf.clone(), vf.clone(), kf.clone(), vf.clone()
+    got = decode_append_attention_triton(q, kn, vn, k1, v1, base, cap, p, window, sinks=sinks)
+    want = decode_append_attention_reference(q, kn, vn, k2, v2, base, cap, p, window, sinks=sinks)
+    assert rel_err(got, want) < tol and torch.equal(k1, k2) and torch.equal(v1, v2)
+    Smax = max(caps)
+    K = torch.zeros(B, Hkv, Smax, hd, dtype=dtype)
+    V = torch.zeros_like(K)
+    for r in range(B):
+        blk = base[r] + torch.arange(Hkv)[:, None] * cap[r] + torch.arange(caps[r])  # [Hkv, cap]
+        K[r, :, :caps[r]], V[r, :, :caps[r]] = k1.view(-1, hd)[blk], v1.view(-1, hd)[blk]
+    model = M.decode_attention(q, K, V, p + 1, window, sinks=sinks)
+    assert rel_err(got, model) < tol
+    plain = decode_append_attention_triton(q, kn, vn, kf.clone(), vf.clone(), base, cap, p, window)
+    assert rel_err(plain, got) > 10 * tol
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 6])
 def test_grouped_cache_one_launch_equals_per_group_torch_path(interpret, dtype, tol, window):
     """GroupedKVCache.append_attend_triton == append + attend with model.layers.decode_attention (the executor's torch
     path) for 13 rows in 4 length groups over 2 decode steps; the caches end identical."""
@@ -134,6 +163,9 @@ def test_argument_errors(interpret):
             decode_append_attention_triton(*args)
     with pytest.raises(ValueError, match="sliding_window"):
         decode_append_attention_triton(*ok, sliding_window=0)
+    for sinks in (torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(8)[::2]):
+        with pytest.raises(ValueError, match="sinks"):
+            decode_append_attention_triton(*ok, sinks=sinks)
     with pytest.raises(ValueError, match="full"):
         decode_append_attention_reference(q, kn, vn, kf, vf, base, cap, torch.tensor([5, 0]))
 

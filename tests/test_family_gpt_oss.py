@@ -338,8 +338,8 @@ def test_cgopipe_prompt_logprobs_equal_serial(hf_oss):
 
 def test_cgopipe_runs_gpt_oss_and_refuses_what_it_does_not_compute_by_name(hf_oss):
     """CGOPipe runs the family (no refusal); the grouped expert kernels (silu, no biases) are refused by name, and a
-    job's expert_ffn auto resolves to the torch loop for it; GPU-attention micro-batches with sinks are refused by name
-    where the micro-batches are built (on the CPU every micro-batch attends on the CPU)."""
+    job's expert_ffn auto resolves to the torch loop for it; GPU-attention micro-batches with sinks are built (on the
+    CPU every micro-batch attends on the CPU; tests/test_decode_attention.py runs their attention against the CPU's)."""
     from types import SimpleNamespace
 
     from lightning_moe.pipeline.cgopipe import cgopipe_refusal, expert_ffn_for
@@ -355,18 +355,69 @@ def test_cgopipe_runs_gpt_oss_and_refuses_what_it_does_not_compute_by_name(hf_os
                                          r"and expert biases \(use expert_ffn: torch\)"):
         _cgopipe(path, ffn="grouped_mm")
     ex = _cgopipe(path, n_gpu_attn=1)
-    ex.cuda = True  # as on a CUDA device: the first micro-batch would keep its KV on the GPU
-    with pytest.raises(ValueError, match=r"gpt_oss: n_gpu_attn > 0 with attention sinks is not implemented \(policy "
-                                         r"n_gpu_attn=1; set it to 0\)"):
-        ex._micro_batches(CGO_PROMPTS, 4, True, 2)
-    assert len(ex._micro_batches(CGO_PROMPTS, 0, False, 2)) == 4  # scoring keeps no KV: nothing refused
+    ex.cuda = True  # as on a CUDA device: the first micro-batch keeps its KV (on the GPU there) and attends there
+    mbs = ex._micro_batches(CGO_PROMPTS, 4, True, 2)
+    assert [mb.on_gpu for mb in mbs] == [True, False, False, False]  # sinks: GPU-attention micro-batches run
     ex.cuda = False
     ex.close()
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_gpu_attention_micro_batch_with_sinks_equals_cpu_attention(hf_oss, monkeypatch, kernel):
+    """A GPU-attention micro-batch's decode attention (AttentionPlacement.gpu: the family's torch attention with the
+    layer's sinks per length group, or the one-launch Triton kernel with the sinks, under Triton's interpreter here)
+    equals the CPU attention of the same rows (the native kernel with the layer's sinks), every layer (sliding and
+    full), over two steps: fp32 1e-5 relative. Caches filled from random prompt K/V; a control with the sinks zeroed
+    differs (the sinks are read)."""
+    if kernel == "triton":
+        from lightning_moe.kernels import fused_moe as fm
+
+        if not fm.triton_available():
+            pytest.skip("triton not installed")
+        import triton  # noqa: F401  (compiled-mode import first: tests/test_kernels_ref.py)
+
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path, _ = hf_oss
+    ex = _cgopipe(path, n_gpu_attn=1)
+    at, spec = ex.attention, ex.spec
+    at.gpu_attention = kernel
+    prompts = [[3] * n for n in (5, 17, 2, 9)]
+    ex.cuda = True  # the micro-batch that would keep its KV on the GPU (here: the CPU's memory)
+    gpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
+    ex.cuda = False
+    cpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
+    assert gpu_mb.on_gpu and not cpu_mb.on_gpu
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    Hq, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    for l in range(spec.num_layers):
+        for j, r in enumerate(gpu_mb.rows):
+            k, v = torch.randn(len(prompts[r]), Hkv, hd, generator=g), torch.randn(len(prompts[r]), Hkv, hd, generator=g)
+            gpu_mb.kv.write_prefill(l, j, k, v)
+            cpu_mb.kv.write_prefill(l, j, k, v)
+    B = len(gpu_mb.rows)
+    for _ in range(2):
+        gpu_mb.pos = gpu_mb.kv.lengths.clone()
+        for l in range(spec.num_layers):
+            q, k, v = torch.randn(B, Hq, hd, generator=g), torch.randn(B, Hkv, hd, generator=g), \
+                torch.randn(B, Hkv, hd, generator=g)
+            got = at.gpu(l, gpu_mb, q, k, v).clone()
+            want = at.receive(at.submit_cpu(l, cpu_mb, q, k, v)).clone()
+            assert float((got - want).norm() / want.norm()) < 1e-5, (l, kernel)
+        for mb in (gpu_mb, cpu_mb):
+            mb.kv.lengths += 1
+    gpu_mb.pos = gpu_mb.kv.lengths.clone()
+    at._gpu_sinks = [torch.zeros_like(s) for s in at._gpu_sinks]  # control: no sinks
+    at._layers = [dataclasses.replace(lw, sinks=torch.zeros_like(lw.sinks)) for lw in at._layers]
+    q, k, v = torch.randn(B, Hq, hd, generator=g), torch.randn(B, Hkv, hd, generator=g), torch.randn(B, Hkv, hd, generator=g)
+    got = at.gpu(0, gpu_mb, q, k, v).clone()
+    want = at.receive(at.submit_cpu(0, cpu_mb, q, k, v)).clone()
+    assert float((got - want).norm() / want.norm()) > 1e-3
+    ex.close()
+
+
 def test_a_cgopipe_job_is_planned_and_what_is_not_implemented_refused_before_any_weight(hf_oss, monkeypatch):
-    """plan_for_job plans gpt-oss under executor: cgopipe; a generation policy with n_gpu_attn > 0 on CUDA, and
-    expert_ffn triton or grouped_mm, are refused by name before any weight is read."""
+    """plan_for_job plans gpt-oss under executor: cgopipe, with n_gpu_attn > 0 on CUDA as well (the sinks run in the
+    GPU decode attention); expert_ffn triton or grouped_mm are refused by name before any weight is read."""
     import types
 
     from lightning_moe.app import engine
@@ -391,9 +442,7 @@ def test_a_cgopipe_job_is_planned_and_what_is_not_implemented_refused_before_any
                                                       r"grouped expert kernels compute silu.*\(use expert_ffn: torch\)"):
                     engine.plan_for_job(job(expert_ffn=k), prep)
         else:
-            with pytest.raises(ConfigError, match=r"job\.yaml: executor: cgopipe: ckpt: n_gpu_attn > 0 with attention "
-                                                  r"sinks is not implemented \(policy n_gpu_attn=1; set it to 0\)"):
-                engine.plan_for_job(job(), prep)
+            assert engine.plan_for_job(job(), prep).policy is pol
 
 
 def test_quantize_refuses_gpt_oss_by_name(hf_oss, tmp_path):

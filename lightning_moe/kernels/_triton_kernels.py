@@ -379,10 +379,10 @@ def moe_align_kernel(
 
 @triton.jit
 def decode_append_attention_kernel(
-    q_ptr, knew_ptr, vnew_ptr, kc_ptr, vc_ptr, out_ptr, base_ptr, cap_ptr, pos_ptr,
+    q_ptr, knew_ptr, vnew_ptr, kc_ptr, vc_ptr, out_ptr, base_ptr, cap_ptr, pos_ptr, sinks_ptr,
     G, HD, window, sm_scale,
     stride_qb, stride_qh, stride_nb, stride_nh, stride_ob,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
     """One decode step of one (row r, KV head h) over a ragged flat KV cache: append, then GQA attention.
 
@@ -391,7 +391,8 @@ def decode_append_attention_kernel(
     and the G query heads ``h*G .. h*G+G-1`` of row r attend over positions ``[start, pos[r]]`` (start = 0, or
     pos[r] + 1 - window with a sliding window): cached positions streamed in blocks of BLOCK_N, the new one from
     registers (no read-after-write of the same program's store). Online softmax and accumulation in fp32
-    (Flash-Decoding's single-split case); output [B, Hq*hd] in ``out``'s dtype. Offsets in int64.
+    (Flash-Decoding's single-split case); output [B, Hq*hd] in ``out``'s dtype. Offsets in int64. With SINKS each
+    query head's sink logit (fp32 ``sinks`` [Hq], gpt-oss) joins its softmax's denominator and adds no value.
     """
     r = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -432,6 +433,12 @@ def decode_append_attention_kernel(
         acc = acc * alpha[:, None] + tl.reduce(p[:, :, None] * v[None, :, :], 1, _sum_combine)
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         m_i = m_new
+    if SINKS:  # one more logit per query head, with no value: rescale to the joint max, add exp(sink) to l
+        sk = tl.load(sinks_ptr + h * G + offs_g, mask=mg, other=float("-inf")).to(tl.float32)  # [G_PAD]
+        m_new = tl.maximum(m_i, sk)
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp(sk - m_new)
     o = acc / l_i[:, None]
     o_ptrs = out_ptr + r64 * stride_ob + (h * G + offs_g)[:, None] * HD + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mg[:, None] & md[None, :])

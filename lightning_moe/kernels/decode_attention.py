@@ -54,9 +54,11 @@ def _check(fn: str, q, k_new, v_new, k_flat, v_flat, row_base, row_cap, pos) -> 
 
 def decode_append_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor,
                                       v_flat: torch.Tensor, row_base: torch.Tensor, row_cap: torch.Tensor,
-                                      pos: torch.Tensor, sliding_window: Optional[int] = None) -> torch.Tensor:
+                                      pos: torch.Tensor, sliding_window: Optional[int] = None,
+                                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_append_attention_triton` (same arguments, same effect on the cache):
-    a loop over rows, softmax in fp32 over scores computed in fp32. Returns [B, Hq*hd] in q's dtype."""
+    a loop over rows, softmax in fp32 over scores computed in fp32 (with ``sinks``: each head's sink logit appended
+    to its scores, its probability dropped). Returns [B, Hq*hd] in q's dtype."""
     B, Hq, Hkv, G, hd = _check("decode_append_attention_reference", q, k_new, v_new, k_flat, v_flat, row_base, row_cap, pos)
     K, V = k_flat.view(-1, hd), v_flat.view(-1, hd)  # [vectors, hd]
     out = torch.empty((B, Hq * hd), dtype=q.dtype, device=q.device)
@@ -70,14 +72,18 @@ def decode_append_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_ne
         blocks = base + torch.arange(Hkv, device=q.device)[:, None] * cap + torch.arange(start, L + 1, device=q.device)
         Kr, Vr = K[blocks].float(), V[blocks].float()  # [Hkv, n, hd]
         qr = q[r].float().view(Hkv, G, hd)  # [Hkv, G, hd]
-        p = torch.softmax(qr @ Kr.transpose(1, 2) / math.sqrt(hd), dim=-1)  # [Hkv, G, n]
+        s = qr @ Kr.transpose(1, 2) / math.sqrt(hd)  # [Hkv, G, n]
+        if sinks is not None:
+            s = torch.cat([s, sinks.float().view(Hkv, G, 1)], dim=-1)  # [Hkv, G, n + 1]
+        p = torch.softmax(s, dim=-1)[..., :Kr.shape[1]]  # [Hkv, G, n]
         out[r] = (p @ Vr).reshape(Hq * hd).to(q.dtype)
     return out
 
 
 def decode_append_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor,
                                    v_flat: torch.Tensor, row_base: torch.Tensor, row_cap: torch.Tensor, pos: torch.Tensor,
-                                   sliding_window: Optional[int] = None) -> torch.Tensor:
+                                   sliding_window: Optional[int] = None,
+                                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Append one decode token per row to a ragged flat KV cache and attend, in one kernel launch.
 
     Args:
@@ -89,6 +95,8 @@ def decode_append_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: 
         pos: int32/int64 [B] positions already cached per row; the new token is written at ``pos[r]`` and the row
             attends over ``pos[r] + 1`` positions (the last ``sliding_window`` of them with a window).
         sliding_window: None or the attention window in positions.
+        sinks: None, or fp32 [Hq] on q's device: one sink logit per query head (gpt-oss), counted in each head's
+            softmax and dropped from its output.
     Returns:
         [B, Hq*hd] in q's dtype (softmax and accumulation in fp32; bf16 differs from the bf16 torch path by its
         rounding, ~1e-2 relative).
@@ -103,6 +111,10 @@ def decode_append_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     _check_triton_device(fn, q)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{fn}: sliding_window must be None or >= 1, got {sliding_window}")
+    if sinks is not None and (sinks.shape != (Hq,) or sinks.dtype != torch.float32 or sinks.device != q.device
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"{fn}: sinks must be a contiguous fp32 [Hq] = [{Hq}] tensor on {q.device}, got "
+                         f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
     out = torch.empty((B, Hq * hd), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
@@ -110,11 +122,11 @@ def decode_append_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: 
         q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
     kern = _triton_kernels()
     kern.decode_append_attention_kernel[(B, Hkv)](
-        q, k_new, v_new, k_flat, v_flat, out, row_base, row_cap, pos,
+        q, k_new, v_new, k_flat, v_flat, out, row_base, row_cap, pos, sinks if sinks is not None else q,
         G, hd, sliding_window or 0, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0),
         G_PAD=max(2, 1 << (G - 1).bit_length()), D_PAD=max(16, 1 << (hd - 1).bit_length()), BLOCK_N=BLOCK_N,
-        WINDOW=sliding_window is not None, num_warps=4,
+        WINDOW=sliding_window is not None, SINKS=sinks is not None, num_warps=4,
     )
     return out
 

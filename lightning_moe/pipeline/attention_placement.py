@@ -103,6 +103,10 @@ class AttentionPlacement:
         # the layers' sinks on the host (fp32 [Hq]), for the worker's CPU attention (no device read per layer and step)
         self._cpu_sinks = [lw.sinks.to("cpu", torch.float32).contiguous() for lw in layers] \
             if self.sinks else None  # (from the device copies: on CUDA the host layers were released)
+        # and on the device, for GPU-attention micro-batches (fp32 [Hq] per layer: the Triton kernel's operand)
+        self._gpu_sinks = [lw.sinks.to(device, torch.float32).contiguous() for lw in layers] \
+            if self.sinks and policy.n_gpu_attn > 0 else None
+        self._layers = layers  # the family's sinks attention takes the layer's weights (torch GPU path)
         if not self.cuda or policy.n_gpu_attn < max(1, policy.n):  # some micro-batch attends on the CPU (GQA or MLA)
             from ..kernels.cpu_attention import native_available
 
@@ -157,10 +161,14 @@ class AttentionPlacement:
         kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy)."""
         sw = self.spec.layer_sliding_window(l)
         if self.gpu_attention == "triton":
-            return mb.kv.append_attend_triton(l, q, k, v, mb.pos, sliding_window=sw)
+            sinks = self._gpu_sinks[l] if self.sinks else None
+            return mb.kv.append_attend_triton(l, q, k, v, mb.pos, sliding_window=sw, sinks=sinks)
         rows = torch.arange(len(mb.rows))
         mb.kv.append(l, rows, k, v)
         attend = self.family.decode_attention
+        if self.sinks:  # gpt-oss: the family's attention takes the layer's weights (its sinks)
+            lw = self._layers[l]
+            return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(lw, qg, K, V, n, sw))
         return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(qg, K, V, n, sw))
 
     # ---- CPU attention ----------------------------------------------------------------------------

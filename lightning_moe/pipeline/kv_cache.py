@@ -372,7 +372,8 @@ class GroupedKVCache:
         return out
 
     def append_attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             pos: torch.Tensor, sliding_window=SPEC_WINDOW) -> torch.Tensor:
+                             pos: torch.Tensor, sliding_window=SPEC_WINDOW,
+                             sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """GPU decode step of one layer for every row in ONE kernel launch (kernels.decode_attention): append k/v at
         position lengths[row], attend over lengths + 1 positions (no length update), rows in the caller's order.
 
@@ -380,7 +381,9 @@ class GroupedKVCache:
         bf16: ~1e-2 relative, the kernel keeps scores in fp32), without a torch op per length group.
         q [B, Hq, hd], k / v [B, Hkv, hd] on the cache's device; ``pos`` int64 [B] on that device: the rows'
         positions, equal to :attr:`lengths` (CGOPipe's ``MicroBatch.pos``; no host-to-device copy per layer);
-        ``sliding_window`` as in :meth:`append_attend`. Returns [B, Hq*hd]. Raises ValueError if a row is full (checked on the host lengths) or on a shape mismatch.
+        ``sliding_window`` as in :meth:`append_attend`; ``sinks`` None or the layer's fp32 [Hq] sink logits on the
+        device (gpt-oss). Returns [B, Hq*hd]. Raises ValueError if a row is full (checked on the host lengths) or on a
+        shape mismatch.
         """
         from ..kernels.decode_attention import decode_append_attention_triton
 
@@ -390,7 +393,8 @@ class GroupedKVCache:
             self._row_meta_dev = (self.row_base.to(self.device), self.row_cap.to(self.device))
         base, cap = self._row_meta_dev
         sw = self.sliding_window if sliding_window is SPEC_WINDOW else sliding_window
-        return decode_append_attention_triton(q, k, v, self.k_flat[layer], self.v_flat[layer], base, cap, pos, sw)
+        return decode_append_attention_triton(q, k, v, self.k_flat[layer], self.v_flat[layer], base, cap, pos, sw,
+                                              sinks=sinks)
 
     def attend(self, layer: int, q: torch.Tensor, new_lengths: torch.Tensor, fn: AttendFn) -> torch.Tensor:
         """Decode attention of every row, group by group, back in the caller's row order.

@@ -43,6 +43,20 @@ def test_kernel_matches_reference_cuda(B, Hq, Hkv, hd, max_cap, window, dtype, t
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_with_sinks_matches_reference_cuda(window, dtype, tol):
+    """gpt-oss's decode shape (64 query heads, 8 KV heads, hd 64, sliding 128 or full) with a sink logit per query
+    head, some large enough to dominate their head."""
+    q, kn, vn, kf, vf, base, cap, pos = _case(40, 64, 8, 64, 400, dtype, seed=5)
+    sinks = torch.linspace(-4.0, 6.0, 64)[torch.randperm(64)].contiguous().cuda()
+    k1, v1, k2, v2 = kf.clone(), vf.clone(), kf.clone(), vf.clone()
+    got = decode_append_attention_triton(q, kn, vn, k1, v1, base, cap, pos, window, sinks=sinks)
+    want = decode_append_attention_reference(q, kn, vn, k2, v2, base, cap, pos, window, sinks=sinks)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < tol
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_launch_does_not_synchronize():
     q, kn, vn, kf, vf, base, cap, pos = _case(64, 32, 8, 128, 200, torch.bfloat16, seed=3)
     decode_append_attention_triton(q, kn, vn, kf, vf, base, cap, pos)  # compiles

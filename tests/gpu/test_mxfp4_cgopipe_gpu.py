@@ -58,3 +58,20 @@ def test_serial_cuda_on_packed_mxfp4_pages_equals_the_dequantize_on_load_path(mx
     b = SerialExecutor(load_checkpoint(qdir, torch.float32), "cuda").prompt_logprobs(seqs)
     for (x, _), (y, _) in zip(a, b):
         assert torch.equal(x.cpu(), y.cpu())
+
+
+@pytest.mark.parametrize("gpu_attention", ["torch", "triton"])
+def test_cgopipe_cuda_gpu_attention_micro_batches_with_sinks_equal_transformers(mx, gpu_attention):
+    """GPU-attention micro-batches of an attention-sinks model (2 of 4 keep their KV on the GPU; sliding and full
+    layers): the family's torch attention per length group, or the one-launch Triton kernel with the sinks; greedy
+    tokens equal transformers' (fp32)."""
+    qdir, deq = mx
+    pol = Policy(mu=2, n=4, prefill_mu=2, n_gpu_attn=2, dtype="fp32", weight_quant="fp32")
+    ex = CGOPipeExecutor(load_checkpoint(qdir, torch.float32, lazy_experts=True, packed_experts=True), pol, "cuda",
+                         ffn="triton", gpu_attention=gpu_attention)
+    try:
+        out = ex.generate(CGO_PROMPTS, DecodeSampling(max_new_tokens=12, stop_at_eos=False))
+        assert sum(mb.on_gpu for mb in ex._micro_batches(CGO_PROMPTS, 12, True, 2)) == 2
+    finally:
+        ex.close()
+    assert [o for o, _ in out] == hf_greedy(deq, CGO_PROMPTS, 12)
