@@ -167,7 +167,8 @@ def test_cli_quantize_then_run_job(tiny_dir, tmp_path, capsys):
     assert cli.main(["quantize", tiny_dir, str(dst), "--experts", "int4", "--up", "int2", "--group-size", "64",
                      "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "int2-up expert pages (group 64" in out and "4 layers x 8 experts" in out
+    assert "int2-up expert pages (group 64" in out and "4 layers x 8 experts, in " in out
+    assert f"GiB/s of source experts; codes on {'cuda' if torch.cuda.is_available() else 'cpu'})" in out  # --device auto
     assert json.load(open(dst / "config.json"))["quantization"]["group_size"] == 64
     assert not [n for n in os.listdir(dst.parent) if n.startswith(".")]  # no temporary directory left behind
 
@@ -222,7 +223,10 @@ def test_bad_inputs_give_clear_errors(tiny_dir, quant_dirs, tmp_path):
         (dict(group_size=1.5), r"group_size must be a positive integer, got 1.5"),
         (dict(scale_dtype="int8"), r"scale_dtype must be one of"),
         (dict(dst_dir=quant_dirs["int2-up"]), r"destination already exists and is not an empty directory"),
+        (dict(device="gpu"), r"quantize: device must be cpu, cuda or cuda:N, got 'gpu'"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), r"quantize: device cuda: CUDA is not available here \(use device cpu\)"))
     for kw, msg in cases:
         args = {"src_dir": tiny_dir, "dst_dir": out, **kw}
         with pytest.raises(QuantizeError, match=msg):
@@ -284,3 +288,55 @@ def test_plan_reads_the_checkpoint_scheme(quant_dirs, capsys):
     assert re.search(r"expert pages\s+int4,", out), out
     assert cli.main(args + ["--quant", "bf16"]) == 2
     assert "holds int4" in capsys.readouterr().err
+
+
+def test_pack_codes_equals_the_arithmetic_packing():
+    """quant._pack_codes ORs shifted uint8 codes (was: int32 shifts summed); the packed bytes equal the sum
+    sum_i code_i << (i * bits) of each byte's codes, low bits first, on random codes of awkward lengths (a partial
+    last byte completed with zeros), int4 and int2."""
+    from lightning_moe.kernels.quant import _pack_codes, _unpack_codes
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    for bits in (4, 2):
+        per = 8 // bits
+        for C in (1, 7, 128, 301):
+            codes = torch.randint(0, 1 << bits, (3, 5, C), generator=g, dtype=torch.uint8)
+            padded = torch.cat([codes, codes.new_zeros(3, 5, -C % per)], dim=-1).to(torch.int64)
+            want = sum(padded[..., i::per] << (i * bits) for i in range(per)).to(torch.uint8)
+            got = _pack_codes(codes, bits)
+            assert torch.equal(got, want)
+            assert torch.equal(_unpack_codes(got, bits)[..., :C], codes)
+
+
+def test_pages_computed_on_another_device_are_the_same_bytes(monkeypatch):
+    """pack_expert_pages(device=...) copies each expert there and its page back, one expert at a time. On this machine
+    "cpu:0" is such another device (not equal to the weights' "cpu"): the per-expert route is taken (counted) and the
+    pages are the same bytes as packed in place (the CUDA comparison: tests/gpu/test_quant_gpu.py)."""
+    from lightning_moe.kernels import quant
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    E, F, D = 3, 40, 96
+    w1, w3 = torch.randn(E, F, D, generator=g).bfloat16(), torch.randn(E, F, D, generator=g).bfloat16()
+    w2 = torch.randn(E, D, F, generator=g).bfloat16()
+    base, lay = quant.pack_expert_pages(w1, w3, w2, "int4", 32)
+    calls = []
+    real = quant.pack_expert_page
+    monkeypatch.setattr(quant, "pack_expert_page", lambda *a, **k: (calls.append(k.get("out") is None), real(*a, **k))[1])
+    same, _ = quant.pack_expert_pages(w1, w3, w2, "int4", 32, device="cpu")
+    assert torch.equal(same, base) and calls == [False] * E  # the weights' device: packed in place
+    calls.clear()
+    other, _ = quant.pack_expert_pages(w1, w3, w2, "int4", 32, device="cpu:0")
+    assert torch.equal(other, base) and calls == [True] * E  # another device: a page there, copied back
+    assert other.device == w1.device
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_quantize_groupwise_leaves_its_input_alone(dtype):
+    """quantize_groupwise rewrites its float64 copy in place: the caller's tensor (a float64 one too, which .to()
+    would not copy) is unchanged."""
+    from lightning_moe.kernels.quant import quantize_groupwise
+
+    w = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)).to(dtype)  # whole groups: no padded copy
+    w0 = w.clone()
+    quantize_groupwise(w, 4, 128)
+    assert torch.equal(w, w0)

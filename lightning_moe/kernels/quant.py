@@ -195,18 +195,18 @@ def quantize_groupwise(
         raise ValueError(f"{fn}: w must be a floating [..., R, C] tensor, got {w.dtype} {tuple(w.shape)}")
     if scale_dtype not in _SCALE_DTYPES:
         raise ValueError(f"{fn}: scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype}")
-    if w.numel() and not bool(torch.isfinite(w).all()):
-        raise ValueError(f"{fn}: w contains inf or nan")
     *lead, R, C = w.shape
     G = group_size
     NG = _cdiv(C, G)
     Cp = NG * G
     L = (1 << bits) - 1
-    wd = w.detach().to(torch.float64)  # [..., R, C]
+    wd = w.detach().to(torch.float64, copy=True)  # [..., R, C]: our own copy, rewritten in place below
     if Cp > C:  # pad the last group by repeating the last column (min/max unchanged)
         wd = torch.cat([wd, wd[..., -1:].expand(*lead, R, Cp - C)], dim=-1)
     g = wd.reshape(*lead, R, NG, G)  # [..., R, NG, G]
     mn, mx = g.amin(dim=-1), g.amax(dim=-1)  # [..., R, NG] fp64
+    if mn.numel() and not (bool(torch.isfinite(mn).all()) and bool(torch.isfinite(mx).all())):  # NaN propagates
+        raise ValueError(f"{fn}: w contains inf or nan")  # through amin/amax, an inf is a group's min or max
 
     inf = torch.tensor(float("inf"), dtype=scale_dtype, device=w.device)
     zero = mn.to(scale_dtype)
@@ -220,7 +220,9 @@ def quantize_groupwise(
         raise ValueError(f"{fn}: group scales/zeros overflow {scale_dtype}; use scale_dtype=torch.bfloat16 or float32")
 
     safe = torch.where(sd > 0, sd, torch.ones_like(sd))  # constant group: scale 0, every code 0
-    codes = torch.round((g - zd[..., None]) / safe[..., None]).clamp_(0, L).to(torch.uint8)  # [..., R, NG, G]
+    t = g.sub_(zd[..., None])  # [..., R, NG, G] fp64, in place in the copy (no other temporary)
+    codes = t.div_(safe[..., None]).round_().clamp_(0, L).to(torch.uint8)  # [..., R, NG, G]
+    del wd, g, t
     packed = _pack_codes(codes.reshape(*lead, R, Cp)[..., :C], bits)  # [..., R, cdiv(C * bits, 8)]
     return QuantTensor(packed, scale, zero, tuple(w.shape), bits, G, w.dtype)
 
@@ -234,9 +236,11 @@ def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.shape[-1] % per:
         pad = per - codes.shape[-1] % per
         codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], dim=-1)
-    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
-    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
-    return (c << shifts).sum(dim=-1).to(torch.uint8)
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)  # uint8 [..., B, per]
+    out = c[..., 0].clone()  # [..., B]: the codes are < 2^bits, so OR-ing the shifted ones is their sum
+    for i in range(1, per):
+        out |= c[..., i] << (i * bits)
+    return out
 
 
 def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -486,17 +490,25 @@ def pack_expert_pages(
     scheme: Union[str, ExpertPageLayout],
     group_size: int = 128,
     scale_dtype: torch.dtype = torch.float16,
+    device: Optional[Union[str, torch.device]] = None,
 ) -> tuple[torch.Tensor, ExpertPageLayout]:
     """Pack a layer's stacked experts (w1/w3 ``[E, F, D]``, w2 ``[E, D, F]``) into ``uint8 [E, page_bytes]``.
 
-    Returns ``(pages, layout)``. Row ``e`` is :func:`pack_expert_page` of expert ``e``.
+    Returns ``(pages, layout)``, the pages on w1's device. Row ``e`` is :func:`pack_expert_page` of expert ``e``.
+    ``device``: where to compute (None: w1's): each expert's weights are copied there and its page back, one expert
+    at a time (a layer's experts need not fit there). The pages are the same bytes on any device: the codes'
+    float64 arithmetic (subtract, divide, round half to even) is exactly rounded everywhere, min / max are exact.
     """
     fn = "pack_expert_pages"
     D, Fd = _check_expert_weights(fn, w1, w3, w2, stacked=True)
     lay = _as_layout(fn, scheme, D, Fd, group_size, scale_dtype)
     pages = torch.zeros((w1.shape[0], lay.page_bytes), dtype=torch.uint8, device=w1.device)
+    dev = torch.device(device) if device is not None else w1.device
     for e in range(w1.shape[0]):
-        pack_expert_page(w1[e], w3[e], w2[e], lay, out=pages[e])
+        if dev == w1.device:
+            pack_expert_page(w1[e], w3[e], w2[e], lay, out=pages[e])
+        else:
+            pages[e].copy_(pack_expert_page(w1[e].to(dev), w3[e].to(dev), w2[e].to(dev), lay))
     return pages, lay
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ def quantize_checkpoint(
     group_size: int = 128,
     scale_dtype: str = "float16",
     progress: Optional[Callable[[int, int], None]] = None,
+    device: str = "cpu",
 ) -> QuantizeResult:
     """Write a copy of the checkpoint ``src_dir`` to ``dst_dir`` with packed, quantized expert pages.
 
@@ -119,6 +121,8 @@ def quantize_checkpoint(
             byte model, ``MoESpec.expert_bytes``, assumes).
         scale_dtype: ``"float16"`` (default), ``"bfloat16"`` (weights beyond fp16 range) or ``"float32"``.
         progress: called as ``progress(layer, num_layers)`` after each layer is written.
+        device: where the expert codes are computed: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (expert by expert; the
+            same bytes on either, :func:`~lightning_moe.kernels.quant.pack_expert_pages`).
 
     Returns:
         :class:`QuantizeResult`. The source is loaded in its own storage dtype (whole model in host memory)
@@ -128,11 +132,11 @@ def quantize_checkpoint(
 
     Raises:
         QuantizeError (a ValueError): missing source / config.json, a model type no family reads, an already quantized
-            source, an existing non-empty ``dst_dir``, an unsupported scheme, group size or scale dtype,
-            scales that overflow ``scale_dtype``.
+            source, an existing non-empty ``dst_dir``, an unsupported scheme, group size, scale dtype or device
+            (CUDA asked for without one), scales that overflow ``scale_dtype``.
         CheckpointError (a ValueError): a missing weight file or tensor in the source (named).
     """
-    scheme, cfg_path, raw, fam = _check_request(src_dir, dst_dir, experts, up, group_size, scale_dtype)
+    scheme, cfg_path, raw, fam = _check_request(src_dir, dst_dir, experts, up, group_size, scale_dtype, device)
     try:
         spec = MoESpec.from_pretrained_dir(src_dir)
     except (FileNotFoundError, ValueError) as e:
@@ -148,7 +152,7 @@ def quantize_checkpoint(
     try:
         out = _Shards(tmp, L + 1)
         layout = _write_layers(out, w, spec, fam.keys, scheme, group_size, SCALE_DTYPES[scale_dtype], src_dir,
-                               progress)
+                               progress, device)
         out.write_index()
         raw["quantization"] = {"method": METHOD, "scheme": scheme, "group_size": group_size,
                                "scale_dtype": scale_dtype, "page_bytes": layout.page_bytes}
@@ -167,10 +171,14 @@ def quantize_checkpoint(
 
 
 def _check_request(src_dir: str, dst_dir: str, experts: str, up: Optional[str], group_size: int,
-                   scale_dtype: str) -> tuple[str, str, dict, object]:
+                   scale_dtype: str, device: str = "cpu") -> tuple[str, str, dict, object]:
     """(scheme, config.json path, config, family) of a quantize request, every argument and the source checked
     (QuantizeError naming the file or argument) before anything is read or written."""
     scheme = _resolve_scheme(experts, up)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+        raise QuantizeError(f"quantize: device must be cpu, cuda or cuda:N, got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise QuantizeError(f"quantize: device {device}: CUDA is not available here (use device cpu)")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise QuantizeError(f"quantize: group_size must be a positive integer, got {group_size!r}")
     if scale_dtype not in SCALE_DTYPES:
@@ -220,7 +228,7 @@ class _Shards:
 
 
 def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: int, sdt, src_dir: str,
-                  progress: Optional[Callable[[int, int], None]]):
+                  progress: Optional[Callable[[int, int], None]], device: str = "cpu"):
     """Write every layer of weights ``w`` (a MoE layer's routed experts as packed pages, released from ``w`` as they
     are written; a dense layer as it is), then the embedding, norm and head; returns the pages' layout."""
     L = spec.num_layers
@@ -232,7 +240,7 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
             out.write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
         else:
             try:
-                qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt)
+                qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt, device=device)
             except ValueError as e:
                 raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
             w.experts[l] = None  # release the source copy of this layer's experts

@@ -76,9 +76,10 @@ class QuantExperts:
 
     @classmethod
     def quantize(cls, ew: ExpertWeights, scheme: str, group_size: int = 128,
-                 scale_dtype: torch.dtype = torch.float16) -> "QuantExperts":
-        """Pack stacked experts (w1/w3 ``[E, F, D]``, w2 ``[E, D, F]``) with :func:`pack_expert_pages`."""
-        pages, layout = pack_expert_pages(ew.w1, ew.w3, ew.w2, scheme, group_size, scale_dtype)
+                 scale_dtype: torch.dtype = torch.float16, device=None) -> "QuantExperts":
+        """Pack stacked experts (w1/w3 ``[E, F, D]``, w2 ``[E, D, F]``) with :func:`pack_expert_pages`, computed on
+        ``device`` (None: where the experts are; the same bytes either way), the pages where the experts are."""
+        pages, layout = pack_expert_pages(ew.w1, ew.w3, ew.w2, scheme, group_size, scale_dtype, device=device)
         return cls(pages, layout)
 
     @property

@@ -107,6 +107,23 @@ def test_pages_on_gpu_equal_cpu_pages():
     assert rel_err(fused_experts_paged_triton(x, pages, lay, wts, ids), dense) < 0.2  # int4 error, Gaussian weights
 
 
+def test_quantize_checkpoint_on_cuda_writes_the_cpu_bytes(tiny_dir, tmp_path):
+    """moe-batch quantize's codes computed on CUDA (expert by expert, pages copied back): the written checkpoint's
+    tensors equal the CPU run's, byte for byte."""
+    from safetensors.torch import load_file
+
+    from lightning_moe.model.quantize import quantize_checkpoint
+
+    a = quantize_checkpoint(tiny_dir, str(tmp_path / "cpu"), "int4", device="cpu")
+    b = quantize_checkpoint(tiny_dir, str(tmp_path / "cuda"), "int4", device="cuda")
+    assert a.page_bytes == b.page_bytes
+    names = sorted(n for n in (tmp_path / "cpu").iterdir() if n.suffix == ".safetensors")
+    assert names
+    for n in names:
+        ta, tb = load_file(str(n)), load_file(str(tmp_path / "cuda" / n.name))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), n.name
+
+
 def test_paged_kernel_errors():
     x, w1, w3, w2, wts, ids = make_inputs(4, 128, 256, 8, 2, None, torch.bfloat16, seed=206)
     pages, lay = pack_expert_pages(w1, w3, w2, "fp16")
