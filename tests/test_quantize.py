@@ -3,6 +3,7 @@
 All on the embedded tiny-mixtral (fp32, D=64, F=128, 8 experts, 4 layers), CPU only.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -340,3 +341,35 @@ def test_quantize_groupwise_leaves_its_input_alone(dtype):
     w0 = w.clone()
     quantize_groupwise(w, 4, 128)
     assert torch.equal(w, w0)
+
+
+def test_experts_are_read_one_layer_at_a_time(tiny_dir, tmp_path, monkeypatch):
+    """quantize reads a layer's routed experts from the files just before packing them and writes that layer's shard
+    before the next layer's experts are read (one layer of experts in host memory: a full-size source need not fit);
+    the result equals an unobserved run's, byte for byte."""
+    from safetensors.torch import load_file
+
+    from lightning_moe.model import quantize as Q
+
+    events = []
+    real_load, real_write = Q.load_checkpoint, Q._Shards.write
+
+    def load(*a, **k):
+        w = real_load(*a, **k)
+        assert k.get("lazy_experts") is True
+        for l, e in enumerate(w.experts):
+            if e is not None:
+                w.experts[l] = dataclasses.replace(e, read=lambda e=e, l=l: (events.append(("read", l)), e.read())[1])
+        return w
+
+    monkeypatch.setattr(Q, "load_checkpoint", load)
+    monkeypatch.setattr(Q._Shards, "write", lambda self, i, t: (events.append(("write", i)), real_write(self, i, t))[1])
+    res = quantize_checkpoint(tiny_dir, str(tmp_path / "q"), "int4")
+    L = res.num_layers
+    assert events == [e for l in range(L) for e in (("read", l), ("write", l))] + [("write", L)]
+    ref = quantize_checkpoint(tiny_dir, str(tmp_path / "ref"), "int4")  # the same run, unpatched reads
+    assert res.source_expert_bytes == ref.source_expert_bytes > 0
+    for n in os.listdir(tmp_path / "q"):
+        if n.endswith(".safetensors"):
+            a, b = load_file(str(tmp_path / "q" / n)), load_file(str(tmp_path / "ref" / n))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

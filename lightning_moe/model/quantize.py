@@ -24,7 +24,7 @@ from .checkpoint_io import CheckpointError, _tensor_index
 from .families import KeyMap, family_for, supported_model_types
 from .quantized import METHOD, PACKED_NAME, SCALE_DTYPES, SCHEMES, _ST_DTYPES, _WEIGHT_SUFFIXES, QuantExperts
 from .spec import MoESpec
-from .weights import load_checkpoint
+from .weights import ExpertsOnDisk, load_checkpoint
 
 
 class QuantizeError(ValueError):
@@ -125,8 +125,8 @@ def quantize_checkpoint(
             same bytes on either, :func:`~lightning_moe.kernels.quant.pack_expert_pages`).
 
     Returns:
-        :class:`QuantizeResult`. The source is loaded in its own storage dtype (whole model in host memory)
-        and non-expert weights (shared experts and dense layers' MLPs among them) are written in that dtype, under
+        :class:`QuantizeResult`. The source is loaded in its own storage dtype (the non-expert weights whole, the
+        routed experts one layer at a time) and non-expert weights (shared experts and dense layers' MLPs among them) are written in that dtype, under
         their own names; only routed experts are packed; expert codes are computed in float64
         (:func:`~lightning_moe.kernels.quant.quantize_groupwise`).
 
@@ -142,8 +142,7 @@ def quantize_checkpoint(
     except (FileNotFoundError, ValueError) as e:
         raise QuantizeError(str(e)) from None
     src_dtype = _source_dtype(src_dir, fam.keys)
-    w = load_checkpoint(src_dir, src_dtype, spec)
-    source_expert_bytes = w.expert_bytes
+    w = load_checkpoint(src_dir, src_dtype, spec, lazy_experts=True)  # experts read layer by layer in _write_layers
     L = spec.num_layers
     dst = os.path.abspath(dst_dir)
     parent = os.path.dirname(dst)
@@ -151,8 +150,8 @@ def quantize_checkpoint(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}-", dir=parent)
     try:
         out = _Shards(tmp, L + 1)
-        layout = _write_layers(out, w, spec, fam.keys, scheme, group_size, SCALE_DTYPES[scale_dtype], src_dir,
-                               progress, device)
+        layout, source_expert_bytes = _write_layers(out, w, spec, fam.keys, scheme, group_size,
+                                                    SCALE_DTYPES[scale_dtype], src_dir, progress, device)
         out.write_index()
         raw["quantization"] = {"method": METHOD, "scheme": scheme, "group_size": group_size,
                                "scale_dtype": scale_dtype, "page_bytes": layout.page_bytes}
@@ -229,21 +228,24 @@ class _Shards:
 
 def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: int, sdt, src_dir: str,
                   progress: Optional[Callable[[int, int], None]], device: str = "cpu"):
-    """Write every layer of weights ``w`` (a MoE layer's routed experts as packed pages, released from ``w`` as they
-    are written; a dense layer as it is), then the embedding, norm and head; returns the pages' layout."""
+    """Write every layer of weights ``w`` (a MoE layer's routed experts, read from the files now (``ExpertsOnDisk``),
+    as packed pages, released as they are written: one layer's experts in host memory at a time; a dense layer as it
+    is), then the embedding, norm and head; returns (the pages' layout, bytes of the source's routed experts)."""
     L = spec.num_layers
-    layout = None
+    layout, source_bytes = None, 0
     block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
     for l in range(L):
         lw = w.layers[l]
         if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
             out.write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
         else:
+            ew = w.experts[l].read() if isinstance(w.experts[l], ExpertsOnDisk) else w.experts[l]
+            source_bytes += ew.nbytes
             try:
-                qe = QuantExperts.quantize(w.experts[l], scheme, group_size, sdt, device=device)
+                qe = QuantExperts.quantize(ew, scheme, group_size, sdt, device=device)
             except ValueError as e:
                 raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
-            w.experts[l] = None  # release the source copy of this layer's experts
+            w.experts[l] = ew = None  # release the source copy of this layer's experts
             layout = qe.layout
             out.write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items()
                              if getattr(lw, f) is not None}, keys.layer_prefix(l) + block + PACKED_NAME: qe.pages})
@@ -253,7 +255,7 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
     if w.lm_head is not w.embed:  # tied embeddings: load_checkpoint re-ties from tie_word_embeddings
         last[keys.lm_head] = w.lm_head
     out.write(L, last)
-    return layout
+    return layout, source_bytes
 
 
 def _finish_directory(tmp: str, src_dir: str) -> list[str]:
