@@ -249,26 +249,59 @@ def test_the_grouped_latent_cache_holds_the_planners_kv_bytes(hf_ds):
     assert hrm.kv_cache_bytes(pol, spec, wl) == (0, sum(mb.kv.nbytes for mb in mbs)) == (0, 6 * 32 * 3 * 24 * 4)
 
 
-def test_cgopipe_refuses_gpu_attention_micro_batches_by_name(hf_ds):
-    """GPU-attention micro-batches keeping a latent KV cache are not implemented: refused by name (on the CPU every
-    micro-batch attends on the CPU, so the refusal is checked where the micro-batches are built)."""
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_gpu_attention_micro_batch_equals_cpu_attention(hf_ds, kernel, monkeypatch):
+    """A GPU-attention micro-batch of an MLA model (a latent cache kept where the GPU's would be: here the CPU's
+    memory; AttentionPlacement.gpu: the family's torch latent attention per length group, for gpu_attention "triton"
+    too: there is no Triton latent kernel) equals the CPU attention of the same rows (the native MLA kernel), every
+    layer, two steps: fp32 1e-5 relative, the attention-weighted latents [B, Hq, kv_lora]."""
     path, _, _ = hf_ds
     ex = _cgopipe(path, n_gpu_attn=1)
-    ex.cuda = True  # as on a CUDA device: the first micro-batch would keep its KV on the GPU
-    with pytest.raises(ValueError, match=r"n_gpu_attn > 0 with multi-head latent attention is not implemented"):
-        ex._micro_batches(CGO_PROMPTS, 4, True, 2)
-    assert len(ex._micro_batches(CGO_PROMPTS, 0, False, 2)) == 4  # scoring keeps no KV: nothing refused
+    at, spec = ex.attention, ex.spec
+    at.gpu_attention = kernel
+    prompts = [[3] * n for n in (5, 17, 2, 9)]
+    ex.cuda = True  # the micro-batch that would keep its latents on the GPU
+    gpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
     ex.cuda = False
+    cpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
+    assert gpu_mb.on_gpu and not cpu_mb.on_gpu
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    Hq, Dl, rd = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    for l in range(spec.num_layers):
+        for j, r in enumerate(gpu_mb.rows):
+            c, k_pe = torch.randn(len(prompts[r]), Dl, generator=g), torch.randn(len(prompts[r]), rd, generator=g)
+            gpu_mb.kv.write_prefill(l, j, c, k_pe)
+            cpu_mb.kv.write_prefill(l, j, c, k_pe)
+    B = len(gpu_mb.rows)
+    from lightning_moe.kernels import cpu_latent_attention as CLA
+
+    native = []
+    real = CLA.latent_attention_append_groups
+    monkeypatch.setattr(CLA, "latent_attention_append_groups", lambda *a, **k: (native.append(1), real(*a, **k))[1])
+    for _ in range(2):
+        for l in range(spec.num_layers):
+            q = torch.randn(B, Hq, Dl + rd, generator=g)
+            c, k_pe = torch.randn(B, Dl, generator=g), torch.randn(B, rd, generator=g)
+            n0 = len(native)
+            got = at.gpu(l, gpu_mb, q, c, k_pe).clone()
+            assert len(native) == n0  # the GPU path is the torch one, whatever device the cache is on
+            want = at.receive(at.submit_cpu(l, cpu_mb, q, c, k_pe)).clone()
+            assert got.shape == (B, Hq, Dl)
+            assert float((got - want).norm() / want.norm()) < 1e-5, (l, kernel)
+        for mb in (gpu_mb, cpu_mb):
+            mb.kv.lengths += 1
+    for l in range(spec.num_layers):  # the appends landed in both caches alike
+        for a, b in zip(gpu_mb.kv.lat[l], cpu_mb.kv.lat[l]):
+            assert torch.equal(a, b)
     ex.close()
 
 
-def test_a_cgopipe_job_is_planned_and_gpu_attention_refused_before_any_weight(hf_ds, monkeypatch):
-    """plan_for_job no longer refuses an MLA model under executor: cgopipe; a generation policy with n_gpu_attn > 0
-    on CUDA is refused by name (the planner plans none; a policy file could)."""
+def test_a_cgopipe_job_with_gpu_attention_micro_batches_is_planned(hf_ds, monkeypatch):
+    """plan_for_job plans an MLA model under executor: cgopipe, with a generation policy of n_gpu_attn > 0 on CUDA as
+    well (a policy file may ask for them; the planner plans none while milp.MLA_GPU_ATTENTION_PLANNED is off)."""
     import types
 
     from lightning_moe.app import engine
-    from lightning_moe.config import ConfigError
     from lightning_moe.policy.policy import Policy
 
     path, _, _ = hf_ds
@@ -278,12 +311,7 @@ def test_a_cgopipe_job_is_planned_and_gpu_attention_refused_before_any_weight(hf
     for g in (0, 1):
         pol = Policy(mu=2, n=2, prefill_mu=2, n_gpu_attn=g, dtype="fp32", weight_quant="fp32")
         monkeypatch.setattr(engine, "plan_job", lambda j, p, pol=pol: types.SimpleNamespace(policy=pol))
-        if g == 0:
-            assert engine.plan_for_job(job, prep).policy is pol
-        else:
-            with pytest.raises(ConfigError, match=r"job\.yaml: executor: cgopipe: ckpt: n_gpu_attn > 0 with multi-head "
-                                                  r"latent attention is not implemented \(policy n_gpu_attn=1; set it to 0\)"):
-                engine.plan_for_job(job, prep)
+        assert engine.plan_for_job(job, prep).policy is pol
 
 
 def test_mtp_layers_are_skipped_at_load_with_a_message(hf_ds, capsys):

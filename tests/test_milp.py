@@ -42,10 +42,11 @@ def random_case(seed: int, mla: bool = False):
 
 
 def brute_force(spec, hw, wl, budgets, cands, n_max):
-    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm (MLA: no
-    GPU-attention micro-batch, which CGOPipe refuses; sinks: none while milp.SINKS_GPU_ATTENTION_PLANNED is off)."""
+    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm (MLA and
+    sinks: no GPU-attention micro-batch while milp.MLA_ / SINKS_GPU_ATTENTION_PLANNED are off)."""
     best = None
-    gpu_attn = not (spec.is_mla or (spec.attention_sinks and not milp.SINKS_GPU_ATTENTION_PLANNED))
+    gpu_attn = not ((spec.is_mla and not milp.MLA_GPU_ATTENTION_PLANNED)
+                    or (spec.attention_sinks and not milp.SINKS_GPU_ATTENTION_PLANNED))
     for mu in cands:
         for n in range(1, n_max + 1):
             for R in range(spec.num_moe_layers * spec.num_experts + 1):

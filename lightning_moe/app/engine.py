@@ -166,13 +166,6 @@ def plan_for_job(job: Job, prep: Prepared) -> Optional[JobPlan]:
         if why is not None:
             raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: expert_ffn "
                               f"{job.expert_ffn}: {why}")
-    if jplan is not None and job.task != "score" and jplan.policy.n_gpu_attn > 0 and job.device.startswith("cuda"):
-        from ..pipeline.cgopipe import gpu_attention_refusal
-
-        why = gpu_attention_refusal(prep.spec)  # MLA, sinks: the planner plans none; a policy file or inline one may
-        if why is not None:
-            raise ConfigError(f"{job.config_path or job.name}: executor: cgopipe: {prep.spec.name}: {why} (policy "
-                              f"n_gpu_attn={jplan.policy.n_gpu_attn}; set it to 0)")
     if job.executor != "cgopipe" and isinstance(job.policy, (dict, str)) and job.policy != "auto":
         policy_for_job(job, prep)  # the serial executor runs no policy, but a malformed one is still an error
     return jplan

@@ -21,7 +21,7 @@ import torch
 
 from ..kernels.host_read import copy_from_host_triton, host_read_available
 from ..policy.batching import group_by_length
-from .cgopipe_options import CGOPipeOptions, gpu_attention_refusal
+from .cgopipe_options import CGOPipeOptions
 from .executor import RunStats
 from .kv_cache import GroupedKVCache, GroupedLatentKVCache
 from .stage_stats import StageTimer, add_counts
@@ -50,8 +50,7 @@ def micro_batches(prompts: Sequence[Sequence[int]], mu: int, spec, family, polic
 
     With ``with_kv`` each gets a :class:`GroupedKVCache` (MLA: :class:`GroupedLatentKVCache`) whose rows need prompt
     length + ``extra`` positions (``extra`` = the most tokens a row has left to generate), split into at most
-    ``kv_groups`` length groups; a GPU-attention micro-batch of a family that cannot run one raises ValueError
-    (:func:`gpu_attention_refusal`).
+    ``kv_groups`` length groups.
     """
     lens = [len(p) for p in prompts]
     n = -(-len(prompts) // mu)
@@ -62,9 +61,6 @@ def micro_batches(prompts: Sequence[Sequence[int]], mu: int, spec, family, polic
         on_gpu = cuda and k < policy.n_gpu_attn
         kv = None
         if with_kv:
-            if on_gpu and gpu_attention_refusal(spec) is not None:
-                raise ValueError(f"CGOPipeExecutor: {family.name}: {gpu_attention_refusal(spec)} (policy "
-                                 f"n_gpu_attn={policy.n_gpu_attn}; set it to 0)")
             kv = cache(spec, [lens[r] + extra for r in rows], dtype, device if on_gpu else "cpu", max_groups=kv_groups)
             kv.lengths[:] = torch.tensor([lens[r] for r in rows])
         mbs.append(MicroBatch(rows, kv, on_gpu))
@@ -158,7 +154,12 @@ class AttentionPlacement:
     def gpu(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
         """Append k/v to the micro-batch's GPU cache and attend, one family ``decode_attention`` per length group.
         q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU. With gpu_attention="triton" one
-        kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy)."""
+        kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy). MLA: q_lat,
+        c, k_pe in, the family's torch ``latent_attention`` per length group over the device latent cache (no Triton
+        kernel: gpu_attention "triton" takes this path too), the attention-weighted latents [mu, Hq, kv_lora] out."""
+        if self.mla:  # append c / k_pe, then the torch latent attention per length group (never the CPU kernel)
+            mb.kv.append(l, torch.arange(len(mb.rows)), k, v)
+            return mb.kv.attend(l, q, mb.kv.lengths + 1, self._latent_attention)
         sw = self.spec.layer_sliding_window(l)
         if self.gpu_attention == "triton":
             sinks = self._gpu_sinks[l] if self.sinks else None

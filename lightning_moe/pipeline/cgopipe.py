@@ -48,7 +48,7 @@ from ..model.weights import ModelWeights
 from ..policy.policy import Policy
 from ..policy.refill_schedule import RefillCall, default_min_free
 from .attention_placement import AttentionPlacement, MicroBatch, micro_batches
-from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model, gpu_attention_refusal
+from .cgopipe_options import CGOPipeOptions, cgopipe_refusal, check_model
 from .executor import Executor, RunStats, StepCallback
 from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
@@ -58,7 +58,7 @@ from .stage_stats import StageTimer
 from .weight_stream import WeightStream, packed_layout
 
 # re-exported where callers have always found them (the engine's refusals, the FFN choice, the batch pieces)
-__all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "cgopipe_refusal", "expert_ffn_for", "gpu_attention_refusal"]
+__all__ = ["CGOPipeExecutor", "MicroBatch", "PrefillChunk", "cgopipe_refusal", "expert_ffn_for"]
 
 
 class CGOPipeExecutor(CGOPipePrefill, Executor):

@@ -81,23 +81,10 @@ class CGOPipeOptions:
         return self.ffn if (self.ffn in ("torch", "grouped_mm", "mm_loop") or cuda) else "torch"
 
 
-MLA_GPU_ATTENTION_REFUSAL = "n_gpu_attn > 0 with multi-head latent attention is not implemented"
-
-
-def gpu_attention_refusal(spec) -> Optional[str]:
-    """Why GPU-attention micro-batches (``policy.n_gpu_attn > 0`` keeping KV on the GPU) cannot run ``spec``:
-    :data:`MLA_GPU_ATTENTION_REFUSAL` (multi-head latent attention); None when they can (gpt-oss's per-head sinks
-    included). Checked where the micro-batches are built and, before any weight is read, by the engine."""
-    if spec.is_mla:
-        return MLA_GPU_ATTENTION_REFUSAL
-    return None
-
-
 def cgopipe_refusal(spec) -> Optional[str]:
     """Why CGOPipe cannot run ``spec`` although the serial executor can (the family's math its caches, CPU kernel and
     expert kernels do not compute), naming the family; None when it can (every family today). What CGOPipe runs only
-    in part is refused where it is asked for, by name: GPU-attention micro-batches of multi-head latent attention
-    (:func:`gpu_attention_refusal`), and the grouped expert kernels for experts they do not
+    in part is refused where it is asked for, by name: the grouped expert kernels for experts they do not
     compute (``expert_ffn.grouped_kernels_refusal``: dense gpt-oss experts run ``expert_ffn: torch``, which ``auto``
     picks; its MXFP4 pages also run the MXFP4 kernel, grouped_mm refused).
     Checked by the executor and, before any weight is read, by the engine."""

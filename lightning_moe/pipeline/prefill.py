@@ -270,7 +270,8 @@ class CGOPipePrefill:
             rows = torch.arange(m, device=x.device) % x.shape[0]
             tmp = MicroBatch(mb.rows, mb.kv, mb.on_gpu, x=x[rows], pos=torch.zeros(m, dtype=torch.int64, device=x.device))
             q, k, v = self._pre_attention(l, tmp)
-            if mb.on_gpu and self.attention.gpu_attention == "triton":  # torch's attention compiles nothing
+            if mb.on_gpu and self.attention.gpu_attention == "triton" and not self.mla:  # torch's attention (MLA's
+                #   too, whatever gpu_attention says) compiles nothing
                 attn = self.attention.gpu(l, tmp, q, k, v)
             else:  # zeros stand in for the attention (CPU attention compiles nothing), brought over as receive() does
                 shape = (m, q.shape[1], self.spec.kv_lora_rank) if self.mla else (m, q.shape[1] * q.shape[2])

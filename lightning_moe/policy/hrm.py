@@ -547,7 +547,11 @@ def score_head_bytes(spec: MoESpec, tokens: int, dtype: str = "bf16") -> int:
 def gpu_decode_attention_workspace(spec: MoESpec, rows: int, context: int, dtype: str = "bf16") -> int:
     """Bytes of one GPU-attention micro-batch's decode attention over its KV (the torch path: per length group the
     fp32 scores, their masked copy and fp32 softmax [rows, Hq, context], the probabilities in the dtype), at most
-    ``rows`` rows of ``context`` positions."""
+    ``rows`` rows of ``context`` positions. MLA (``latent_attention_torch``): the fp32 copy of the latents
+    [rows, context, kv_lora + rope] (keys; later the values' [.., kv_lora], smaller) beside up to three fp32
+    [rows, Hq, context] score tensors."""
+    if spec.is_mla:
+        return rows * context * (spec.num_heads * 3 * 4 + (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4)
     return rows * spec.num_heads * context * (3 * 4 + dtype_bytes(dtype))
 
 

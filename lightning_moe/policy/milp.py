@@ -67,6 +67,8 @@ MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
 MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then the chosen batch's grouped mean)
 SINKS_GPU_ATTENTION_PLANNED = False  # plan GPU-attention micro-batches for attention-sinks models (gpt-oss): CGOPipe
 #   runs them (policy n_gpu_attn > 0, the Triton kernel with sinks), but no GPU host has timed them yet: off until then
+MLA_GPU_ATTENTION_PLANNED = False  # the same for multi-head latent attention (DeepSeek): CGOPipe runs them (the torch
+#   latent attention over a device latent cache), not yet timed on a GPU host, and host_issue_gpu_attn is GQA's
 MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
 PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
 
@@ -297,7 +299,8 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b * g,
                 mem_stage_pre={}, gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve * g,
-                gpus=g, gpu_attn=not (spec.is_mla or (spec.attention_sinks and not SINKS_GPU_ATTENTION_PLANNED)))
+                gpus=g, gpu_attn=not ((spec.is_mla and not MLA_GPU_ATTENTION_PLANNED)
+                              or (spec.attention_sinks and not SINKS_GPU_ATTENTION_PLANNED)))
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p
