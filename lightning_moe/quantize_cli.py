@@ -11,7 +11,7 @@ import argparse
 import sys
 
 
-def _gib(n: int) -> str:
+def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
 
 
@@ -38,7 +38,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     ratio = res.source_expert_bytes / max(1, res.packed_expert_bytes)
     print(f"wrote {res.dst}: {res.scheme} expert pages (group {res.group_size}, {res.page_bytes} bytes per expert), "
           f"{res.num_layers} layers x {res.num_experts} experts, in {dt:.1f} s "
-          f"({res.source_expert_bytes / 2**30 / max(dt, 1e-9):.2f} GiB/s of source experts; codes on {device})")
+          f"({_gib(res.source_expert_bytes / max(dt, 1e-9))}/s of source experts; codes on {device})")
     print(f"  experts: {_gib(res.source_expert_bytes)} ({res.source_dtype}) -> {_gib(res.packed_expert_bytes)} packed "
           f"({ratio:.2f}x smaller); other weights kept in {res.source_dtype}")
     print(f"  copied: {', '.join(res.copied_files) or 'no tokenizer files'}")

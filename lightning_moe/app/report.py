@@ -272,7 +272,8 @@ def _refill_lines(ref: Optional[dict], e2e: Optional[float]) -> list[str]:
         return []
     sim, meas = ref["schedule_from_lengths"], ref["measured"]
     out = [f"  refill (N {ref['slots']}, min_free {ref['min_free']}): over the measured lengths {sim['decode_steps']} "
-           f"decode steps ({sim['drain_steps']} draining), {sim['prefill_passes']} prefill passes, occupancy "
+           f"decode steps ({sim['drain_steps']} draining: after the last refill), {sim['prefill_passes']} prefill passes, "
+           f"occupancy "
            f"{sim['slot_occupancy'] or 0:.2f}; the executor ran {meas['decode_steps']} steps, {meas['prefill_passes']} passes"]
     pl = ref.get("predicted_from_lengths")
     if pl and pl.get("end_to_end_tokens_per_s"):
@@ -322,7 +323,8 @@ def _load_note(load) -> list:
     if not load or load[0] < 0.5 * load[1]:
         return []
     return [f"  note: the host's load average was {load[0]:g} on {load[1]} CPUs as the run started: other processes "
-            f"shared the cores, so measured tok/s (and measured / predicted) read low"]
+            f"shared the cores, so measured tok/s are not this machine's best (a CPU profile measured at such a "
+            f"time understates the machine, and the prediction with it: `moe-batch profile --cpu` on a quiet host)"]
 
 
 def format_report(r: dict, top_stages: int = 8) -> str:
@@ -400,8 +402,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                  + (f" (predicted {host_pred / 2**30:.2f} GiB, {phase} phase"
                     + (f", of which {reserve / 2**30:.2f} GiB the planner's host reserve (policy cpu_reserve: an "
                        f"allowance for the process, not a measurement)" if reserve else "")
-                    + (f", + {dev_pred / 2**30:.2f} GiB the GPU model counts, which device cpu holds in host memory"
-                       if dev_pred else "") + ")" if host_pred else "")
+                    + (f"; and on top, {dev_pred / 2**30:.2f} GiB the GPU model counts, which device cpu holds in host "
+                       f"memory" if dev_pred else "") + ")" if host_pred else "")
                  + (f", GPU {peak_gpu / 2**30:.2f} GiB" if peak_gpu is not None else ""))
     host_phases = mem.get("measured_host_by_phase") or {}
     if host_phases:  # where the host peak is, and how much of it is mapped files (reclaimable) rather than anon
@@ -409,8 +411,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                   for ph, h in host_phases.items()]
         lines += _wrap_fields("host GiB by phase: peak rss (anon, mapped files at its end):", fields)
     st = r.get("stages") or {}
-    secs = {k: v for k, v in st.items()
-            if isinstance(v, float) and not k.endswith(_COUNTERS) and not k.startswith(_DIAGNOSTICS)}
+    secs = {k: v for k, v in st.items()  # stages that took no measurable time are left to the JSON
+            if isinstance(v, float) and v >= 5e-4 and not k.endswith(_COUNTERS) and not k.startswith(_DIAGNOSTICS)}
     if secs:
         top = sorted(secs.items(), key=lambda kv: -kv[1])[:top_stages]
         lines += _wrap_fields(f"stages (s, largest {len(top)} of {len(secs)}; all in the JSON):",

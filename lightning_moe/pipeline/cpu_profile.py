@@ -265,6 +265,7 @@ def measure_cpu_profile(name: str = "cpu", directory: str = "") -> CpuProfile:
     system's temporary directory)."""
     import tempfile
 
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else 0.0
     bf16 = matmul_flops(torch.bfloat16, 256) if hasattr(torch, "bfloat16") else 0.0
     costs = call_costs()
     costs["glue_call"] = glue_call(costs)
@@ -274,6 +275,7 @@ def measure_cpu_profile(name: str = "cpu", directory: str = "") -> CpuProfile:
         memory_bandwidth=memory_bandwidth(), matmul_flops_fp32=matmul_flops(torch.float32), matmul_flops_bf16=bf16,
         head_matmul_flops_few=head_matmul_flops(HEAD_ROWS[0]), head_matmul_flops=head_matmul_flops(HEAD_ROWS[1]),
         head_matmul_flops_many=head_matmul_flops(HEAD_ROWS[2]),
-        scatter_bandwidth=scatter_bandwidth(), sdpa_rate=sdpa_rate(), record_write=record_write(directory or tempfile.gettempdir()), source="measured by lightning_moe.pipeline.cpu_profile "
+        scatter_bandwidth=scatter_bandwidth(), sdpa_rate=sdpa_rate(), record_write=record_write(directory or tempfile.gettempdir()),
+        load_average=load, source="measured by lightning_moe.pipeline.cpu_profile "
         "(best of repeated micro-benchmarks)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **costs)

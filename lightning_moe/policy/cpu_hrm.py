@@ -118,6 +118,8 @@ class CpuProfile(YamlRecord):
     #   ~0.6x the 64 rows' rate cold on the development VM), the rate of a head over more than 64 rows (0 = the 64 rows')
     head_matmul_flops_few: float = 0.0  # the same GEMM over 16 rows (a serial decode batch's head: ~0.55x the
     #   64 rows' rate cold on the development VM), the rate of a head of at most 16 rows (0 = the 64 rows')
+    load_average: float = 0.0  # the host's 1-minute load average as the measurement started (half the CPUs or more:
+    #   other processes shared the cores, the rates understate the machine; a note says so when it is measured)
     source: str = ""  # how it was measured
     date: str = ""  # ISO date of the measurement
 
