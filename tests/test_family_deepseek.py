@@ -257,21 +257,12 @@ def test_gpu_attention_micro_batch_equals_cpu_attention(hf_ds, kernel, monkeypat
     layer, two steps: fp32 1e-5 relative, the attention-weighted latents [B, Hq, kv_lora]."""
     path, _, _ = hf_ds
     ex = _cgopipe(path, n_gpu_attn=1)
+    from tests.support.placement import gpu_and_cpu_micro_batch
+
     at, spec = ex.attention, ex.spec
-    at.gpu_attention = kernel
-    prompts = [[3] * n for n in (5, 17, 2, 9)]
-    ex.cuda = True  # the micro-batch that would keep its latents on the GPU
-    gpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
-    ex.cuda = False
-    cpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
-    assert gpu_mb.on_gpu and not cpu_mb.on_gpu
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
     Hq, Dl, rd = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
-    for l in range(spec.num_layers):
-        for j, r in enumerate(gpu_mb.rows):
-            c, k_pe = torch.randn(len(prompts[r]), Dl, generator=g), torch.randn(len(prompts[r]), rd, generator=g)
-            gpu_mb.kv.write_prefill(l, j, c, k_pe)
-            cpu_mb.kv.write_prefill(l, j, c, k_pe)
+    gpu_mb, cpu_mb = gpu_and_cpu_micro_batch(ex, kernel, ((Dl,), (rd,)), g)
     B = len(gpu_mb.rows)
     from lightning_moe.kernels import cpu_latent_attention as CLA
 

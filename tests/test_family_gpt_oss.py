@@ -379,21 +379,12 @@ def test_gpu_attention_micro_batch_with_sinks_equals_cpu_attention(hf_oss, monke
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     path, _ = hf_oss
     ex = _cgopipe(path, n_gpu_attn=1)
+    from tests.support.placement import gpu_and_cpu_micro_batch
+
     at, spec = ex.attention, ex.spec
-    at.gpu_attention = kernel
-    prompts = [[3] * n for n in (5, 17, 2, 9)]
-    ex.cuda = True  # the micro-batch that would keep its KV on the GPU (here: the CPU's memory)
-    gpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
-    ex.cuda = False
-    cpu_mb = ex._micro_batches(prompts, 4, True, len(prompts), kv_groups=2)[0]
-    assert gpu_mb.on_gpu and not cpu_mb.on_gpu
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
     Hq, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    for l in range(spec.num_layers):
-        for j, r in enumerate(gpu_mb.rows):
-            k, v = torch.randn(len(prompts[r]), Hkv, hd, generator=g), torch.randn(len(prompts[r]), Hkv, hd, generator=g)
-            gpu_mb.kv.write_prefill(l, j, k, v)
-            cpu_mb.kv.write_prefill(l, j, k, v)
+    gpu_mb, cpu_mb = gpu_and_cpu_micro_batch(ex, kernel, ((Hkv, hd), (Hkv, hd)), g)
     B = len(gpu_mb.rows)
     for _ in range(2):
         gpu_mb.pos = gpu_mb.kv.lengths.clone()
