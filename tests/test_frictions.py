@@ -291,3 +291,13 @@ def test_set_key_and_value_as_two_arguments_is_one_line(tmp_path, tiny_dir, no_w
     assert not (tmp_path / "out").exists()
     assert cli.split_set_argument(["run", p, "--set", "executor=serial", "--no-progress"]) == ""
     assert cli.split_set_argument(["run", p, "--set", "--no-progress"]) == ""  # argparse: "expected one argument"
+
+
+def test_progress_bar_shows_one_rate(tmp_path, tiny_dir, capsys):
+    """Helper-33: the bar showed tqdm's smoothed rate beside the run's average ('1391.95tok/s, 80/80 records, 309.9
+    tok/s'); now only the average, named so."""
+    p = _job(tmp_path, tiny_dir)
+    assert cli.main(["run", p]) == 0
+    err = capsys.readouterr().err
+    frames = [f for f in re.split(r"[\r\n]", err) if "records," in f]
+    assert frames and all(f.count("tok/s") == 1 and "tok/s average" in f for f in frames), frames[-1:]

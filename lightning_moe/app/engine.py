@@ -73,6 +73,9 @@ KEEP_POLICY_SPEED = 0.9  # ModelRunner keeps its cgopipe executor for a job whos
 LOUD_LOAD_BYTES = 2**30  # checkpoints at least this large get a line before and after their read
 
 
+PROGRESS_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}{postfix}]"  # a generate job's
+#   bar: tokens generated of the job's total, and (postfix) records written and the run's average tokens/s
+
 def checkpoint_bytes(model_dir: str) -> int:
     """Bytes of the checkpoint's ``*.safetensors`` files (their apparent sizes)."""
     try:
@@ -758,7 +761,8 @@ def _run_work(job: Job, prep: "Prepared", executor, work: list, writer, score_re
 
     The progress bar counts generated tokens (advancing every decode step, live tokens/s) or scored requests."""
     if job.task == "generate":
-        bar = functools.partial(tqdm, disable=not progress, unit="tok", file=log, dynamic_ncols=True)
+        bar = functools.partial(tqdm, disable=not progress, unit="tok", file=log, dynamic_ncols=True,
+                                bar_format=PROGRESS_FORMAT)  # one rate: the postfix's average, not tqdm's smoothed one
         return _generate_work(job, prep, executor, work, writer, bar, partials or {}, partials_file, stop,
                               on_checkpoint)
     return _score_work(job, prep, executor, work, writer, score_records,
@@ -828,7 +832,7 @@ def _generate_work(job: Job, prep: "Prepared", executor, work: list, writer, bar
 
     def show(refresh: bool = False) -> None:
         bar.set_postfix_str(f"{done[0]}/{len(rest)} records, "
-                            f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s", refresh=refresh)
+                            f"{bar.n / max(time.perf_counter() - t_run, 1e-9):.1f} tok/s average", refresh=refresh)
 
     batch = max(1, getattr(executor, "batch_size", job.batch_size))
     chunks = _generation_batches(rest, partials, batch)
