@@ -71,10 +71,9 @@ KEEP_POLICY_SPEED = 0.9  # ModelRunner keeps its cgopipe executor for a job whos
 
 
 LOUD_LOAD_BYTES = 2**30  # checkpoints at least this large get a line before and after their read
-
-
 PROGRESS_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}{postfix}]"  # a generate job's
 #   bar: tokens generated of the job's total, and (postfix) records written and the run's average tokens/s
+
 
 def checkpoint_bytes(model_dir: str) -> int:
     """Bytes of the checkpoint's ``*.safetensors`` files (their apparent sizes)."""

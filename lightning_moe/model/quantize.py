@@ -24,7 +24,7 @@ from .checkpoint_io import CheckpointError, _tensor_index
 from .families import KeyMap, family_for, supported_model_types
 from .quantized import METHOD, PACKED_NAME, SCALE_DTYPES, SCHEMES, _ST_DTYPES, _WEIGHT_SUFFIXES, QuantExperts
 from .spec import MoESpec
-from .weights import ExpertsOnDisk, load_checkpoint
+from .weights import load_checkpoint
 
 
 class QuantizeError(ValueError):
@@ -239,7 +239,7 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
         if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
             out.write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
         else:
-            ew = w.experts[l].read() if isinstance(w.experts[l], ExpertsOnDisk) else w.experts[l]
+            ew = w.experts[l].read()  # ExpertsOnDisk (lazy_experts): this layer's experts, read now
             source_bytes += ew.nbytes
             try:
                 qe = QuantExperts.quantize(ew, scheme, group_size, sdt, device=device)

@@ -65,12 +65,12 @@ SOLVE_TIME_LIMIT = 20.0  # seconds per HiGHS solve
 TIE_SLACK = 1e-9  # relative throughput a tie-broken policy may give up (HRM ties only)
 MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
 MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then the chosen batch's grouped mean)
+MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
+PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
 SINKS_GPU_ATTENTION_PLANNED = False  # plan GPU-attention micro-batches for attention-sinks models (gpt-oss): CGOPipe
 #   runs them (policy n_gpu_attn > 0, the Triton kernel with sinks), but no GPU host has timed them yet: off until then
 MLA_GPU_ATTENTION_PLANNED = False  # the same for multi-head latent attention (DeepSeek): CGOPipe runs them (the torch
 #   latent attention over a device latent cache), not yet timed on a GPU host, and host_issue_gpu_attn is GQA's
-MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
-PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
 
 __all__ = ["plan", "plan_scoring", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
 
