@@ -9,7 +9,11 @@ sidecar left by a kill is compacted, i.e. replaced, before decode) and grew by a
 random delay (``--seed``): the detection of tests/test_checkpoint.py. Compared by id: duplicates, the id sets, the share
 of records whose ``output_ids`` equal the reference's and the position-wise token agreement. CPU float32: every record
 is identical (the resume guarantee); GPU bf16: batches after a resume may be composed differently, so the rates are
-reported, not asserted. Exit 0 when the job completed with all its records and no duplicate, else 1. Results go to
+reported, not asserted. Before each re-launch the sidecar's partials are read: every final record must begin with the
+last partial seen for its id (``partial_prefix_mismatches``), and no attempt may end out of GPU memory (``oom_attempts``,
+its log searched for "out of GPU memory"). ``--no-reference`` skips the uninterrupted run (the comparison is then
+empty). Exit 0 when the job completed with all its records, no duplicate, no prefix mismatch and no out-of-memory,
+else 1. Results go to
 ``--out``: ``kill_resume.json`` (attempts, comparison, both reports' status / runs / job_totals), ``kill_resume.md``.
 
 Model: ``--model`` (a checkpoint directory, e.g. from ``benchmarks/make_checkpoint.py``; default the embedded
@@ -36,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_cost import REPO, write_prompts  # noqa: E402
 
 sys.path.insert(0, REPO)
-from lightning_moe.data.writer import read_results  # noqa: E402
+from lightning_moe.data.writer import read_partials, read_results  # noqa: E402
 
 ENV = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
@@ -134,6 +138,26 @@ def report(path: str) -> dict:
     return {k: r.get(k) for k in ("status", "runs", "job_totals")}
 
 
+def prefix_mismatches(partials: dict, got: dict) -> list[str]:
+    """Ids whose final ``output_ids`` do not begin with the partial tokens a killed run left for them (missing records
+    count: the resumed job must finish every id it had a partial for)."""
+    bad = []
+    for rid, toks in partials.items():
+        out = (got.get(rid) or {}).get("output_ids")
+        if out is None or list(out[:len(toks)]) != list(toks):
+            bad.append(rid)
+    return sorted(bad)
+
+
+def out_of_memory(log: str) -> bool:
+    """Whether a run's log says it ran out of GPU memory."""
+    try:
+        with open(log, errors="replace") as f:
+            return "out of GPU memory" in f.read()
+    except OSError:
+        return False
+
+
 def markdown(attempts: list[dict], s: dict) -> str:
     out = ["| attempt | wall s | killed | rc | records | sidecar lines |", "|---|---|---|---|---|---|"]
     for r in attempts:
@@ -144,6 +168,8 @@ def markdown(attempts: list[dict], s: dict) -> str:
             f"duplicates {s['duplicates']}, same ids: {s['same_ids']}",
             f"- identical records: {s['identical_records']} of {s['compared']} ({pct(s['identical_fraction'])})",
             f"- token agreement: {pct(s['token_agreement'])}; kills landed: {s['kills_landed']} of {s['kills']}",
+            f"- partials read after kills: {s['partials_checked']}, prefix mismatches: {s['partial_prefix_mismatches']}; "
+            f"attempts out of GPU memory: {s['oom_attempts']}",
             f"- runs in report: {s['runs_in_report']} ({s['kill_status']}); reference: {s['ref_status']}",
             f"- ok: {s['ok']}"]
     return "\n".join(out)
@@ -167,6 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/lmoe-kill-resume")
     p.add_argument("--timeout", type=int, default=300, help="seconds per subprocess")
+    p.add_argument("--no-reference", action="store_true", help="skip the uninterrupted reference run")
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     a.out = os.path.abspath(a.out)
@@ -181,15 +208,18 @@ def main(argv=None) -> int:
     # a run's sidecar lines: about one per sequence per checkpoint; each resumed run goes on from the last, so growths
     # of at most a (kills + 1)-th of them spread the kills over the decode and leave the last run some of it
     span = max(1, a.prompts * -(-a.gen // a.every_steps) // (a.kills + 1))
-    attempts = []
+    attempts, partials = [], {}
 
     def go(name: str, *args) -> dict:
         attempts.append(dict(attempt(a, *args), name=name))
         print(json.dumps(attempts[-1]), flush=True)
+        if attempts[-1]["killed"] and os.path.exists(side):  # what the next run must keep as each id's prefix
+            partials.update(read_partials(side))
         return attempts[-1]
 
-    go("reference", ref_yaml, o("ref.log"))
-    for k in range(a.kills if attempts[0]["rc"] == 0 else 0):  # no kills when the reference failed
+    if not a.no_reference:
+        go("reference", ref_yaml, o("ref.log"))
+    for k in range(a.kills if a.no_reference or attempts[0]["rc"] == 0 else 0):  # no kills when the reference failed
         if not go(f"kill {k}", kill_yaml, o(f"kill.{k}.log"), side, rng.randint(1, span), rng.random() * 0.02)["killed"]:
             break  # the job finished (or failed) before the kill point
     if attempts[-1]["killed"]:
@@ -199,9 +229,12 @@ def main(argv=None) -> int:
     s = {"prompts": a.prompts, "records": len(got), "ref_records": len(ref), "duplicates": dup + ref_dup,
          "same_ids": set(got) == set(ref), "kills": a.kills, "kills_landed": sum(r["killed"] for r in attempts[1:]),
          **compare(ref, got), "runs_in_report": len(kr.get("runs") or []), "kill_status": kr.get("status"),
-         "ref_status": rr.get("status")}
-    s["ok"] = (attempts[-1]["rc"] == 0 and kr.get("status") == "done" and s["records"] == a.prompts and s["same_ids"]
-               and not s["duplicates"] and not os.path.exists(side))
+         "ref_status": rr.get("status"), "partials_checked": len(partials),
+         "partial_prefix_mismatches": len(prefix_mismatches(partials, got)),
+         "oom_attempts": sum(out_of_memory(r["log"]) for r in attempts)}
+    s["ok"] = (attempts[-1]["rc"] == 0 and kr.get("status") == "done" and s["records"] == a.prompts
+               and (a.no_reference or s["same_ids"]) and not s["duplicates"] and not os.path.exists(side)
+               and not s["partial_prefix_mismatches"] and not s["oom_attempts"])
     with open(o("kill_resume.json"), "w") as f:
         json.dump({"args": vars(a), "attempts": attempts, "summary": s, "ref_report": rr, "kill_report": kr}, f, indent=1)
     md = markdown(attempts, s)

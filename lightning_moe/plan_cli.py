@@ -153,7 +153,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         workload, job = _plan_workload(args)
         if job is not None and not args.hardware and str(getattr(job, "device", "")).startswith("cpu"):
-            return _plan_cpu_job(job, workload)  # everything on the CPU: the CPU executor's roofline
+            return _plan_cpu_job(job, workload, args.output)  # everything on the CPU: the CPU executor's roofline
         model, hw, notes = _plan_model_and_hardware(args, job)
         spec = resolve_spec(model)
         budgets = _plan_budgets(args, job, model, spec, hw)
@@ -297,9 +297,10 @@ def _save_policy(args: argparse.Namespace, policy, est, spec, hw, budgets, workl
     return 0
 
 
-def _plan_cpu_job(job, workload) -> int:
+def _plan_cpu_job(job, workload, output: Optional[str] = None) -> int:
     """``moe-batch plan JOB.yaml`` for a job on ``device: cpu``: this machine's CPU profile (app.cpu_plan, cached),
-    the cgopipe policy plan_cpu picks (or the serial executor's batches) and the prediction; 0 ok, 2 error."""
+    the cgopipe policy plan_cpu picks (or the serial executor's batches) and the prediction; with ``output``, the
+    cgopipe policy written there (a serial job has none: an error); 0 ok, 2 error."""
     from .app.cpu_plan import cpu_estimate, cpu_profile, plan_cpu_job
     from .model.quantized import checkpoint_expert_scheme
     from .model.spec import MoESpec
@@ -317,10 +318,20 @@ def _plan_cpu_job(job, workload) -> int:
             wq = checkpoint_expert_scheme(path) or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]
             policy, est = plan_cpu_job(job, spec, workload, wq)
         else:
+            if output:
+                raise CommandError("--output: the serial executor takes no policy (it runs batches of batch_size); "
+                                   "plan the job with executor: cgopipe to write one")
             est = cpu_estimate(job, spec, workload)
     except _PLAN_ERRORS as e:
         return _plan_failed(e)
     print(format_cpu_table(spec, prof, est, job.executor, policy))
+    if output:
+        try:
+            policy.save(output, header=f"moe-batch plan: {spec.name} on this CPU ({job.executor})")
+        except OSError as e:
+            print(f"moe-batch plan: error: cannot write {output}: {e}", file=sys.stderr)
+            return 2
+        print(f"policy written to {output}")
     return 0
 
 

@@ -177,6 +177,26 @@ def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
     assert "--set overrides a job's keys" in capsys.readouterr().err
 
 
+def test_plan_cpu_job_writes_its_policy(capsys, tiny_dir, tmp_path):
+    """`moe-batch plan JOB.yaml -o policy.yaml` on a device: cpu cgopipe job writes the policy the CPU planner printed
+    (it printed the table and wrote nothing before); a serial CPU job has no policy: -o is a one-line error."""
+    import yaml
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(f'{{"id": {i}, "prompt": "hello number {i}"}}\n' for i in range(8)))
+    job = tmp_path / "j.yaml"
+    job.write_text(yaml.safe_dump({"model": tiny_dir, "data": {"source": "jsonl", "path": str(data)}, "device": "cpu",
+                                   "dtype": "float32", "executor": "cgopipe", "output": {"path": str(tmp_path / "o.jsonl")}}))
+    out_path = tmp_path / "policy.yaml"
+    assert run(["plan", str(job), "-o", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    pol = Policy.load(str(out_path))
+    assert f"policy written to {out_path}" in out and f"mu {pol.mu} x n {pol.n} (N {pol.N})" in out
+    assert run(["plan", str(job), "--set", "executor=serial", "-o", str(tmp_path / "p2.yaml")]) == 2
+    assert "--output: the serial executor takes no policy" in capsys.readouterr().err
+    assert not (tmp_path / "p2.yaml").exists()
+
+
 @pytest.mark.parametrize("extra,want", [
     (["--quant", "int4"], "--quant int4: the gpt_oss family's experts (clamped_swiglu, their own checkpoint layout) "
                           "are not implemented by quantize's packed pages"),
