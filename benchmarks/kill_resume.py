@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     (ref, ref_dup), (got, dup) = records(o("ref.jsonl")), records(o("kill.jsonl"))
     rr, kr = report(o("ref.report.json")), report(o("kill.report.json"))
     s = {"prompts": a.prompts, "records": len(got), "ref_records": len(ref), "duplicates": dup + ref_dup,
-         "same_ids": set(got) == set(ref), "kills": a.kills, "kills_landed": sum(r["killed"] for r in attempts[1:]),
+         "same_ids": set(got) == set(ref), "kills": a.kills, "kills_landed": sum(r["killed"] for r in attempts if r["name"].startswith("kill")),
          **compare(ref, got), "runs_in_report": len(kr.get("runs") or []), "kill_status": kr.get("status"),
          "ref_status": rr.get("status"), "partials_checked": len(partials),
          "partial_prefix_mismatches": len(prefix_mismatches(partials, got)),

@@ -42,15 +42,12 @@ def random_case(seed: int, mla: bool = False):
 
 
 def brute_force(spec, hw, wl, budgets, cands, n_max):
-    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm (MLA and
-    sinks: no GPU-attention micro-batch while milp.MLA_ / SINKS_GPU_ATTENTION_PLANNED are off)."""
+    """Every (mu, n, resident count R, GPU-attention micro-batches) on the grid, evaluated with hrm."""
     best = None
-    gpu_attn = not ((spec.is_mla and not milp.MLA_GPU_ATTENTION_PLANNED)
-                    or (spec.attention_sinks and not milp.SINKS_GPU_ATTENTION_PLANNED))
     for mu in cands:
         for n in range(1, n_max + 1):
             for R in range(spec.num_moe_layers * spec.num_experts + 1):
-                for g in range(n + 1 if gpu_attn else 1):
+                for g in range(n + 1):
                     pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
                     if hrm.memory_violations(pol, spec, wl):
                         continue
@@ -97,6 +94,20 @@ def test_milp_equals_brute_force_on_small_grids():
     assert solved >= 15
     assert len({k for k in seen if k in hrm.STAGES}) >= 2, seen
     assert min(seen["some resident"], seen["some paged"], seen["gpu-attn"], seen["cpu-attn"]) >= 1, seen
+
+
+def test_milp_equals_brute_force_for_mla_with_gpu_attention():
+    """Multi-head latent attention (DeepSeek): the planner weighs GPU-attention micro-batches as for GQA (the latent
+    cache on the GPU, its workspace by hrm.gpu_decode_attention_workspace); the MILP matches brute force over every
+    attention split, and some seeds put a micro-batch's attention on the GPU."""
+    cands, n_max = [2, 4, 8], 3
+    seen = collections.Counter()
+    for seed in range(25):
+        spec, hw, wl, budgets = random_case(seed, mla=True)
+        got = _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed)
+        if got is not None:
+            seen["gpu-attn" if got[2][1].n_gpu_attn else "cpu-attn"] += 1
+    assert min(seen["gpu-attn"], seen["cpu-attn"]) >= 1, seen
 
 
 def _plan_tps(spec, hw, wl, budgets, **kw):

@@ -67,10 +67,6 @@ MAX_DINKELBACH = 30  # iterations (converges superlinearly; typically 3-6)
 MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then the chosen batch's grouped mean)
 MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
 PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
-SINKS_GPU_ATTENTION_PLANNED = False  # plan GPU-attention micro-batches for attention-sinks models (gpt-oss): CGOPipe
-#   runs them (policy n_gpu_attn > 0, the Triton kernel with sinks), but no GPU host has timed them yet: off until then
-MLA_GPU_ATTENTION_PLANNED = False  # the same for multi-head latent attention (DeepSeek): CGOPipe runs them (the torch
-#   latent attention over a device latent cache), not yet timed on a GPU host, and host_issue_gpu_attn is GQA's
 
 __all__ = ["plan", "plan_scoring", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
 
@@ -267,7 +263,6 @@ class _Coeffs:
     gpu_cap: float  # GPU bytes the MILP may fill (budget minus margin)
     cpu_cap: float  # host bytes the MILP may fill (budget minus margin, minus the reserve of every process)
     gpus: int = 1  # expert-parallel GPUs (hrm H10): per-GPU paging and memory rows, the CPU stage and host KV x gpus
-    gpu_attn: bool = True  # GPU-attention micro-batches allowed (not for multi-head latent attention: CGOPipe refuses them)
 
 
 def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
@@ -299,8 +294,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 mem_ws_dec={}, mem_ws_pre={}, mem_ws_pre_cpu={},
                 mem_stage_seq=2 * (spec.attn_query_elems + spec.kv_elems_per_token + spec.attn_output_elems) * b * g,
                 mem_stage_pre={}, gpu_cap=_cap(budgets.gpu_memory), cpu_cap=_cap(budgets.cpu_memory) - budgets.cpu_reserve * g,
-                gpus=g, gpu_attn=not ((spec.is_mla and not MLA_GPU_ATTENTION_PLANNED)
-                              or (spec.attention_sinks and not SINKS_GPU_ATTENTION_PLANNED)))
+                gpus=g)
     for m in cands:
         p = prefill_micro_batch(m, s)
         C.pmu[m] = p
@@ -382,7 +376,7 @@ class _Model:
         # disaggregated products (no big-M on n): w_m = z_m n, v_m = z_m g, integer
         self.w = {m: P(f"w_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
         # (no GPU-attention micro-batches for multi-head latent attention: CGOPipe attends over its latent on the CPU)
-        self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m] if C.gpu_attn else 0, cat="Integer") for m in C.cands}
+        self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
         self.r = P("r", lowBound=0, upBound=self.E, cat="Integer")  # experts resident in every MoE layer
         self.nbits = _bits(self.L_moe - 1)
         self.beta = [P(f"beta_{i}", cat="Binary") for i in range(self.nbits)]  # binary digits of x
