@@ -345,9 +345,10 @@ def test_quantize_groupwise_leaves_its_input_alone(dtype):
 
 
 def test_experts_are_read_one_layer_at_a_time(tiny_dir, tmp_path, monkeypatch):
-    """quantize reads a layer's routed experts from the files just before packing them and writes that layer's shard
-    before the next layer's experts are read (one layer of experts in host memory: a full-size source need not fit);
-    the result equals an unobserved run's, byte for byte."""
+    """quantize reads a layer's routed experts from the files while the layer before is packed, and never runs further
+    ahead of the shards written: layer j's experts are read only after layer j - 3's shard is written (at most two
+    layers of source experts and one of pages in host memory: a full-size source need not fit); each layer is read
+    once and written in order; the result equals an unobserved run's, byte for byte."""
     from safetensors.torch import load_file
 
     from lightning_moe.model import quantize as Q
@@ -363,11 +364,19 @@ def test_experts_are_read_one_layer_at_a_time(tiny_dir, tmp_path, monkeypatch):
                 w.experts[l] = dataclasses.replace(e, read=lambda e=e, l=l: (events.append(("read", l)), e.read())[1])
         return w
 
+    def write(self, i, t):
+        real_write(self, i, t)
+        events.append(("written", i))
+
     monkeypatch.setattr(Q, "load_checkpoint", load)
-    monkeypatch.setattr(Q._Shards, "write", lambda self, i, t: (events.append(("write", i)), real_write(self, i, t))[1])
+    monkeypatch.setattr(Q._Shards, "write", write)
     res = quantize_checkpoint(tiny_dir, str(tmp_path / "q"), "int4")
     L = res.num_layers
-    assert events == [e for l in range(L) for e in (("read", l), ("write", l))] + [("write", L)]
+    assert [i for ev, i in events if ev == "read"] == list(range(L))
+    assert [i for ev, i in events if ev == "written"] == list(range(L + 1))
+    for k, (ev, j) in enumerate(events):
+        if ev == "read" and j >= 3:
+            assert ("written", j - 3) in events[:k], events
     ref = quantize_checkpoint(tiny_dir, str(tmp_path / "ref"), "int4")  # the same run, unpatched reads
     assert res.source_expert_bytes == ref.source_expert_bytes > 0
     for n in os.listdir(tmp_path / "q"):

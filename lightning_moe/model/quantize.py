@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -229,28 +230,44 @@ class _Shards:
 def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: int, sdt, src_dir: str,
                   progress: Optional[Callable[[int, int], None]], device: str = "cpu"):
     """Write every layer of weights ``w`` (a MoE layer's routed experts, read from the files now (``ExpertsOnDisk``),
-    as packed pages, released as they are written: one layer's experts in host memory at a time; a dense layer as it
-    is), then the embedding, norm and head; returns (the pages' layout, bytes of the source's routed experts)."""
+    as packed pages, released as they are written; a dense layer as it is), then the embedding, norm and head; returns
+    (the pages' layout, bytes of the source's routed experts). Three stages overlap on two threads: the next MoE
+    layer's experts are read while this one is quantized, and a layer's shard is written while the next is quantized
+    (at most two layers' source experts and one layer's pages in host memory; the bytes written are the same)."""
     L = spec.num_layers
     layout, source_bytes = None, 0
     block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
-    for l in range(L):
-        lw = w.layers[l]
-        if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
-            out.write(l, {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None})
-        else:
-            ew = w.experts[l].read()  # ExpertsOnDisk (lazy_experts): this layer's experts, read now
-            source_bytes += ew.nbytes
-            try:
-                qe = QuantExperts.quantize(ew, scheme, group_size, sdt, device=device)
-            except ValueError as e:
-                raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
-            w.experts[l] = ew = None  # release the source copy of this layer's experts
-            layout = qe.layout
-            out.write(l, {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items()
-                             if getattr(lw, f) is not None}, keys.layer_prefix(l) + block + PACKED_NAME: qe.pages})
-        if progress is not None:
-            progress(l + 1, L)
+    moe = [l for l in range(L) if not spec.is_dense_layer(l)]
+    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+        reads = {moe[0]: reader.submit(w.experts[moe[0]].read)} if moe else {}  # ExpertsOnDisk (lazy_experts)
+        written = None
+        for l in range(L):
+            lw = w.layers[l]
+            if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
+                tensors = {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None}
+            else:
+                ew = reads.pop(l).result()
+                nxt = next((m for m in moe if m > l), None)
+                if nxt is not None:
+                    reads[nxt] = reader.submit(w.experts[nxt].read)
+                source_bytes += ew.nbytes
+                try:
+                    qe = QuantExperts.quantize(ew, scheme, group_size, sdt, device=device)
+                except ValueError as e:
+                    raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
+                w.experts[l] = ew = None  # release the source copy of this layer's experts
+                layout = qe.layout
+                tensors = {**{n: getattr(lw, f) for f, n in keys.layer_names(l, block).items()
+                              if getattr(lw, f) is not None}, keys.layer_prefix(l) + block + PACKED_NAME: qe.pages}
+            if written is not None:  # one shard in flight: the previous layer's pages are released before the next
+                written.result()
+                if progress is not None:
+                    progress(l, L)
+            written = writer.submit(out.write, l, tensors)
+        if written is not None:
+            written.result()
+            if progress is not None:
+                progress(L, L)
     last = {keys.embed: w.embed, keys.norm: w.norm}
     if w.lm_head is not w.embed:  # tied embeddings: load_checkpoint re-ties from tie_word_embeddings
         last[keys.lm_head] = w.lm_head
