@@ -31,6 +31,18 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def finish_run_args(a) -> None:
+    """The shared set-up of the CLI benchmarks' arguments: ``a.dtype`` by device when not given (float32 on the CPU,
+    bfloat16 on CUDA); ``a.out``, and ``a.model`` / ``a.hardware`` where they are existing paths, made absolute (paths
+    inside a job YAML resolve against its directory); ``a.out`` created."""
+    a.dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    a.out = os.path.abspath(a.out)
+    for k in ("model", "hardware"):
+        if getattr(a, k) and os.path.exists(getattr(a, k)):
+            setattr(a, k, os.path.abspath(getattr(a, k)))
+    os.makedirs(a.out, exist_ok=True)
+
+
 def write_prompts(path: str, n: int, words: int) -> None:
     """``n`` prompts of about ``words`` words each, ids p0..p{n-1}."""
     vocab = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]

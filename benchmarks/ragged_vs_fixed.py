@@ -32,7 +32,9 @@ import random
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkpoint_cost import REPO, finish_run_args  # noqa: E402
+
 ENV = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
@@ -129,12 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="/tmp/lmoe-ragged")
     p.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     a = p.parse_args(argv)
-    a.dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
-    a.out = os.path.abspath(a.out)
-    for k in ("model", "hardware"):  # paths in the job YAML resolve against its directory: made absolute here
-        if getattr(a, k) and os.path.exists(getattr(a, k)):
-            setattr(a, k, os.path.abspath(getattr(a, k)))
-    os.makedirs(a.out, exist_ok=True)
+    finish_run_args(a)
     write_prompts(os.path.join(a.out, "prompts.jsonl"), a.requests, a.prompt_len, a.vocab, a.seed)
     stops = sorted(random.Random(a.seed + 1).sample(range(a.vocab), a.stop_ids))
     ragged_gen = (f"{{max_new_tokens: {a.max_new}, temperature: {a.temperature}, stop_at_eos: false, "
