@@ -93,3 +93,34 @@ def test_lazy_expert_reads_do_not_keep_the_files_mapped(tmp_path):
     grown = host_memory()["file"] - file0
     assert grown < layer, f"mapped checkpoint pages still resident: {grown / MiB:.1f} MiB after 4 layers of " \
                           f"{layer / MiB:.0f} MiB"
+
+
+@linux
+def test_a_lazy_layer_read_peaks_near_one_layer(tmp_path, monkeypatch):
+    """ExpertsOnDisk.read() of one layer stored one tensor per expert (Mixtral's layout): the resident set peaks at
+    about one layer of experts, what the memory model's load phase counts ("one layer's experts (host, as read)"),
+    not ~2.3 layers (the layer's mapped file pages beside its copy, and each projection's per-expert tensors beside
+    their stack). The reader closes its files every MAP_LIMIT bytes read; the stacks are filled in place."""
+    import gc
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lightning_moe.app.gpu import reset_host_peak
+    from lightning_moe.model import checkpoint_io
+    from lightning_moe.model.weights import load_checkpoint
+
+    cfg = MixtralConfig(vocab_size=128, hidden_size=512, intermediate_size=4096, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "ck")
+    layer = 8 * 3 * 512 * 4096 * 2  # one layer's experts, bytes (96 MiB)
+    monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", 8 * MiB)
+    w = load_checkpoint(str(tmp_path / "ck"), torch.bfloat16, lazy_experts=True)
+    gc.collect()
+    base = host_memory()["rss"]
+    if not reset_host_peak():
+        pytest.skip("this kernel cannot reset the peak resident set")
+    x = w.experts[0].read()
+    peak = host_memory()["peak_rss"] - base
+    assert float(x.w2.float().abs().sum()) > 0
+    assert peak < 1.3 * layer, f"a layer read peaked at {peak / MiB:.0f} MiB for a {layer / MiB:.0f} MiB layer"

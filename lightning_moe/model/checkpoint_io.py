@@ -9,6 +9,9 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
+MAP_LIMIT = 256 * 2**20  # bytes a _Reader reads through its open files before it closes them: the read pages of a
+#   mapped file stay in this process's resident set while it is open (one layer of a full-size checkpoint's experts
+#   is GiBs); reopening costs a header parse per MAP_LIMIT bytes
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing a file or a tensor (the message names which)."""
@@ -42,6 +45,7 @@ class _Reader:
         self.path, self.dtype = path, dtype
         self.where = _tensor_index(path)
         self._open: dict[str, object] = {}
+        self._mapped = 0  # bytes read through the open files since they were opened
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -53,6 +57,9 @@ class _Reader:
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
         t = self._open[file].get_tensor(name)
+        self._mapped += t.numel() * t.element_size()
+        if self._mapped >= MAP_LIMIT:  # the pages read stay resident while mapped: drop them every MAP_LIMIT bytes
+            self.close()
         return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
 
     def close(self) -> None:
@@ -60,3 +67,4 @@ class _Reader:
         is open (a lazy reader of every layer's experts would end up holding the whole checkpoint's pages);
         tensors already returned stay valid, and a later :meth:`get` opens the file again."""
         self._open.clear()
+        self._mapped = 0
