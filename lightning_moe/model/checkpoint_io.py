@@ -13,6 +13,7 @@ MAP_LIMIT = 256 * 2**20  # bytes a _Reader reads through its open files before i
 #   mapped file stay in this process's resident set while it is open (one layer of a full-size checkpoint's experts
 #   is GiBs); reopening costs a header parse per MAP_LIMIT bytes
 
+
 class CheckpointError(ValueError):
     """A checkpoint directory is missing a file or a tensor (the message names which)."""
 
@@ -51,16 +52,26 @@ class _Reader:
         return name in self.where
 
     def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, floating point cast to the reader's dtype. Safetensors returns a tensor over the mapped
+        file (no copy); the pages read stay resident while the file is open, so the files are closed every
+        ``MAP_LIMIT`` bytes read (a returned tensor keeps its own pages)."""
         if name not in self.where:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        t = self._file(name).get_tensor(name)
+        self._count(t)
+        return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
+
+    def _file(self, name: str):
         file = self.where[name]
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
-        t = self._open[file].get_tensor(name)
+        return self._open[file]
+
+    def _count(self, t: torch.Tensor) -> None:
+        """Count bytes read; at MAP_LIMIT, close the files (their read pages leave the resident set)."""
         self._mapped += t.numel() * t.element_size()
-        if self._mapped >= MAP_LIMIT:  # the pages read stay resident while mapped: drop them every MAP_LIMIT bytes
+        if self._mapped >= MAP_LIMIT:
             self.close()
-        return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
 
     def close(self) -> None:
         """Drop the open files. A file's mapped pages that were read stay in this process's resident set while it
