@@ -10,7 +10,7 @@ random delay (``--seed``): the detection of tests/test_checkpoint.py. Compared b
 of records whose ``output_ids`` equal the reference's and the position-wise token agreement. CPU float32: every record
 is identical (the resume guarantee); GPU bf16: batches after a resume may be composed differently, so the rates are
 reported, not asserted. Before each re-launch the sidecar's partials are read: every final record must begin with the
-last partial seen for its id (``partial_prefix_mismatches``), and no attempt may end out of GPU memory (``oom_attempts``,
+partial of every earlier kill for its id (``partial_prefix_mismatches``), and no attempt may end out of GPU memory (``oom_attempts``,
 its log searched for "out of GPU memory"). ``--no-reference`` skips the uninterrupted run (the comparison is then
 empty). Exit 0 when the job completed with all its records, no duplicate, no prefix mismatch and no out-of-memory,
 else 1. Results go to
@@ -203,13 +203,13 @@ def main(argv=None) -> int:
     # a run's sidecar lines: about one per sequence per checkpoint; each resumed run goes on from the last, so growths
     # of at most a (kills + 1)-th of them spread the kills over the decode and leave the last run some of it
     span = max(1, a.prompts * -(-a.gen // a.every_steps) // (a.kills + 1))
-    attempts, partials = [], {}
+    attempts, snapshots = [], []  # snapshots: the sidecar's partials after each killed attempt
 
     def go(name: str, *args) -> dict:
         attempts.append(dict(attempt(a, *args), name=name))
         print(json.dumps(attempts[-1]), flush=True)
-        if attempts[-1]["killed"] and os.path.exists(side):  # what the next run must keep as each id's prefix
-            partials.update(read_partials(side))
+        if attempts[-1]["killed"] and os.path.exists(side):  # what every later run must keep as each id's prefix
+            snapshots.append(read_partials(side))
         return attempts[-1]
 
     if not a.no_reference:
@@ -222,10 +222,10 @@ def main(argv=None) -> int:
     (ref, ref_dup), (got, dup) = records(o("ref.jsonl")), records(o("kill.jsonl"))
     rr, kr = report(o("ref.report.json")), report(o("kill.report.json"))
     s = {"prompts": a.prompts, "records": len(got), "ref_records": len(ref), "duplicates": dup + ref_dup,
-         "same_ids": None if a.no_reference else set(got) == set(ref), "kills": a.kills, "kills_landed": sum(r["killed"] for r in attempts if r["name"].startswith("kill")),
+         "same_ids": None if a.no_reference else set(got) == set(ref), "kills": a.kills, "kills_landed": sum(r["killed"] and not r["timed_out"] for r in attempts if r["name"].startswith("kill")),
          **compare(ref, got), "runs_in_report": len(kr.get("runs") or []), "kill_status": kr.get("status"),
-         "ref_status": rr.get("status"), "partials_checked": len(partials),
-         "partial_prefix_mismatches": len(prefix_mismatches(partials, got)),
+         "ref_status": rr.get("status"), "partials_checked": sum(len(p) for p in snapshots),
+         "partial_prefix_mismatches": len(set().union(*(prefix_mismatches(p, got) for p in snapshots))),
          "oom_attempts": sum(out_of_memory(r["log"]) for r in attempts)}
     s["ok"] = (attempts[-1]["rc"] == 0 and kr.get("status") == "done" and s["records"] == a.prompts
                and (a.no_reference or s["same_ids"]) and not s["duplicates"] and not os.path.exists(side)

@@ -126,12 +126,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=128, help="the ragged job's max_new_tokens")
     p.add_argument("--stop-ids", type=int, default=1040, help="how many random stop ids (mean output ~ vocab / this)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this")
+    p.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: the model's "
+                   "config.json vocab_size, else 32000)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="/tmp/lmoe-ragged")
     p.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     a = p.parse_args(argv)
     finish_run_args(a)
+    if a.vocab is None:
+        cfg = os.path.join(a.model, "config.json")
+        a.vocab = json.load(open(cfg)).get("vocab_size", 32000) if os.path.exists(cfg) else 32000
     write_prompts(os.path.join(a.out, "prompts.jsonl"), a.requests, a.prompt_len, a.vocab, a.seed)
     stops = sorted(random.Random(a.seed + 1).sample(range(a.vocab), a.stop_ids))
     ragged_gen = (f"{{max_new_tokens: {a.max_new}, temperature: {a.temperature}, stop_at_eos: false, "

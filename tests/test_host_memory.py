@@ -124,4 +124,3 @@ def test_a_lazy_layer_read_peaks_near_one_layer(tmp_path, monkeypatch):
     peak = host_memory()["peak_rss"] - base
     assert float(x.w2.float().abs().sum()) > 0
     assert peak < 1.3 * layer, f"a layer read peaked at {peak / MiB:.0f} MiB for a {layer / MiB:.0f} MiB layer"
-

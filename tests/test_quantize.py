@@ -344,10 +344,10 @@ def test_quantize_groupwise_leaves_its_input_alone(dtype):
     assert torch.equal(w, w0)
 
 
-def test_experts_are_read_one_layer_at_a_time(tiny_dir, tmp_path, monkeypatch):
+def test_experts_are_read_a_layer_ahead_at_most(tiny_dir, tmp_path, monkeypatch):
     """quantize reads a layer's routed experts from the files while the layer before is packed, and never runs further
-    ahead of the shards written: layer j's experts are read only after layer j - 3's shard is written (at most two
-    layers of source experts and one of pages in host memory: a full-size source need not fit); each layer is read
+    ahead of the shards written: layer j's experts are read only after layer j - 3's shard is written (about two
+    layers of source experts and two of pages in host memory: a full-size source need not fit); each layer is read
     once and written in order; the result equals an unobserved run's, byte for byte."""
     from safetensors.torch import load_file
 
@@ -383,3 +383,31 @@ def test_experts_are_read_one_layer_at_a_time(tiny_dir, tmp_path, monkeypatch):
         if n.endswith(".safetensors"):
             a, b = load_file(str(tmp_path / "q" / n)), load_file(str(tmp_path / "ref" / n))
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_write_is_the_error_reported(tiny_dir, tmp_path, monkeypatch):
+    """A shard write that fails (disk full) while the next layer is packed is the error quantize raises, also when
+    that next layer fails too; nothing is left at the destination or beside it."""
+    import threading
+
+    from lightning_moe.model import quantize as Q
+
+    real_quantize, real_write = Q.QuantExperts.quantize, Q._Shards.write
+    first_write = threading.Event()
+
+    def write(self, i, t):
+        if i == 0:
+            first_write.set()
+            raise OSError(28, "No space left on device")
+        return real_write(self, i, t)
+
+    def quantize(ew, *a, **k):
+        if first_write.is_set():  # the layer after the failed write fails too
+            raise ValueError("non-finite weights")
+        return real_quantize(ew, *a, **k)
+
+    monkeypatch.setattr(Q._Shards, "write", write)
+    monkeypatch.setattr(Q.QuantExperts, "quantize", staticmethod(quantize))
+    with pytest.raises(OSError, match="No space left"):
+        quantize_checkpoint(tiny_dir, str(tmp_path / "q"), "int4")
+    assert os.listdir(tmp_path) == []

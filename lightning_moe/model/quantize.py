@@ -127,7 +127,7 @@ def quantize_checkpoint(
 
     Returns:
         :class:`QuantizeResult`. The source is loaded in its own storage dtype (the non-expert weights whole, the
-        routed experts one layer at a time) and non-expert weights (shared experts and dense layers' MLPs among them) are written in that dtype, under
+        routed experts a layer at a time, the next one read while one is packed) and non-expert weights (shared experts and dense layers' MLPs among them) are written in that dtype, under
         their own names; only routed experts are packed; expert codes are computed in float64
         (:func:`~lightning_moe.kernels.quant.quantize_groupwise`).
 
@@ -233,7 +233,9 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
     as packed pages, released as they are written; a dense layer as it is), then the embedding, norm and head; returns
     (the pages' layout, bytes of the source's routed experts). Three stages overlap on two threads: the next MoE
     layer's experts are read while this one is quantized, and a layer's shard is written while the next is quantized
-    (at most two layers' source experts and one layer's pages in host memory; the bytes written are the same)."""
+    (host memory: up to two layers of source experts, the one being packed and the next being read, and two of pages,
+    the one being written and the one being built; the bytes written are the same). A failed write is raised at the
+    next layer at the latest, ahead of that layer's own error."""
     L = spec.num_layers
     layout, source_bytes = None, 0
     block = keys.moe_blocks[0]  # packed pages are written under the family's first MoE block name
@@ -246,6 +248,8 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
             if spec.is_dense_layer(l):  # no routed experts: the dense layer's weights as they are
                 tensors = {n: getattr(lw, f) for f, n in keys.dense_layer_names(l).items() if getattr(lw, f) is not None}
             else:
+                if written is not None and written.done():
+                    written.result()  # a failed write is raised now, before more work
                 ew = reads.pop(l).result()
                 nxt = next((m for m in moe if m > l), None)
                 if nxt is not None:
@@ -254,6 +258,8 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
                 try:
                     qe = QuantExperts.quantize(ew, scheme, group_size, sdt, device=device)
                 except ValueError as e:
+                    if written is not None:
+                        written.result()  # an earlier layer's failed write is the first error
                     raise QuantizeError(f"{src_dir}: layer {l} experts: {e}") from None
                 w.experts[l] = ew = None  # release the source copy of this layer's experts
                 layout = qe.layout
@@ -264,6 +270,7 @@ def _write_layers(out: _Shards, w, spec, keys: KeyMap, scheme: str, group_size: 
                 if progress is not None:
                     progress(l, L)
             written = writer.submit(out.write, l, tensors)
+            tensors = qe = None  # the writer holds the pages until they are written
         if written is not None:
             written.result()
             if progress is not None:

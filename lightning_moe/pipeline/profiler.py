@@ -431,7 +431,8 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
                        mla: bool = False) -> tuple[float, float]:
     """Host-thread seconds per micro-batch per decode layer as CGOPipe runs it: (CPU-attention micro-batch,
     GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py); ``mla``:
-    (host_issue_cpu_attn_mla, 0.0) on a DeepSeek-V2-shaped model (MLA has no GPU-attention micro-batch).
+    (host_issue_cpu_attn_mla, 0.0) on a DeepSeek-V2-shaped model (its GPU-attention micro-batch is not timed: the HRM
+    prices it with GQA's host_issue_gpu_attn).
 
     Runs the executor's own decode (pre-attention, q/k/v copies, hand-offs with the CPU-attention worker, the
     attention output's transfer, page slots, post-attention with the Triton expert FFN; for GPU attention the KV

@@ -375,7 +375,6 @@ class _Model:
         self.z = {m: P(f"z_{m}", cat="Binary") for m in C.cands}  # z_m = 1 iff mu = m
         # disaggregated products (no big-M on n): w_m = z_m n, v_m = z_m g, integer
         self.w = {m: P(f"w_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
-        # (no GPU-attention micro-batches for multi-head latent attention: CGOPipe attends over its latent on the CPU)
         self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
         self.r = P("r", lowBound=0, upBound=self.E, cat="Integer")  # experts resident in every MoE layer
         self.nbits = _bits(self.L_moe - 1)

@@ -55,7 +55,7 @@ def _executor(family: str, warm: bool, tmp: str):
         return CGOPipeExecutor(w, pol, "cuda", ffn="triton", warmup=warm)
     cfg = tiny_family_config(family, vocab=64, hidden=96, inter=40 if family == "mixtral" else 32, dense_inter=64,
                              lora=32, head=16, rope=16)
-    gpu_attn = 1 if family == "mixtral" else 0  # MLA has no GPU-attention micro-batch
+    gpu_attn = 1 if family == "mixtral" else 0  # the MLA case warms CPU-attention micro-batches only
     pol = Policy(mu=3, n=2, prefill_mu=2, resident_experts=0, n_gpu_attn=gpu_attn, dtype="bf16", weight_quant="bf16")
     return CGOPipeExecutor(dummy_weights(read_spec(cfg), torch.bfloat16, seed=3, scale=0.1), pol, "cuda",
                            ffn="triton", warmup=warm)

@@ -27,9 +27,10 @@ dequantization; the expert-parallel executor, which cuts no packed pages). Dense
 ``layers.ExpertWeights`` [E, F, D] / [E, D, F] with their biases (``b1``, ``b3``, ``b2``).
 
 Attention variant ``"gqa_sinks"``: the GQA K/V cache, and attention functions that take the layer's weights (its
-sinks); both executors run them (decode in torch over the CPU cache: the native CPU kernel has no sinks). CGOPipe pages
+sinks); both executors run them (CGOPipe's CPU decode attention in the native kernel with the layer's sinks and
+window, its GPU-attention micro-batches in the Triton decode kernel with sinks). CGOPipe pages
 the experts with their biases and computes them with :func:`experts_ffn_from` (``expert_ffn: torch``; its grouped
-kernels compute silu without biases and are refused by name, as are its GPU-attention micro-batches; MXFP4 pages on
+kernels compute silu without biases and are refused by name; MXFP4 pages on
 CUDA run the MXFP4 kernel, ``expert_ffn: triton`` / ``auto``, grouped_mm refused by name). Refused by name: ``layer_types``
 entries other than sliding_attention / full_attention (or a list of another length), sliding layers without a
 ``sliding_window``, ``swiglu_limit`` <= 0, a ``quantization_config`` other than mxfp4, this package's own
