@@ -124,3 +124,36 @@ def test_a_lazy_layer_read_peaks_near_one_layer(tmp_path, monkeypatch):
     peak = host_memory()["peak_rss"] - base
     assert float(x.w2.float().abs().sum()) > 0
     assert peak < 1.3 * layer, f"a layer read peaked at {peak / MiB:.0f} MiB for a {layer / MiB:.0f} MiB layer"
+
+
+@linux
+def test_a_packed_mxfp4_layer_read_peaks_near_its_pages(tmp_path, monkeypatch):
+    """gpt-oss's MXFP4 experts (one stacked tensor per part, kept packed): a lazy layer read packs a few experts at a
+    time, so the read peaks near the layer's pages (it held the layer's mapped source beside its packed copy), and
+    the pages equal those packed from the whole tensors at once."""
+    import gc
+
+    from lightning_moe.app.gpu import reset_host_peak
+    from lightning_moe.kernels.mxfp4 import pack_mxfp4_pages
+    from lightning_moe.model import checkpoint_io
+    from lightning_moe.model.weights import load_checkpoint
+    from tests.support.make_checkpoint import Dims, write_checkpoint
+
+    d = Dims(family="gpt_oss", layers=1, hidden=1024, intermediate=1024, heads=8, kv_heads=2, experts=24, top_k=2,
+             vocab=256, hd=64, sliding_window=8, mxfp4=True)
+    write_checkpoint(str(tmp_path / "ck"), d)
+    monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", 3 * MiB)
+    w = load_checkpoint(str(tmp_path / "ck"), torch.bfloat16, lazy_experts=True, packed_experts=True)
+    gc.collect()
+    base = host_memory()["rss"]
+    if not reset_host_peak():
+        pytest.skip("this kernel cannot reset the peak resident set")
+    x = w.experts[0].read()
+    peak = host_memory()["peak_rss"] - base
+    pages = x.pages.numel()
+    assert peak < 1.3 * pages, f"a layer read peaked at {peak / MiB:.0f} MiB for {pages / MiB:.0f} MiB of pages"
+    ex = "model.layers.0.mlp.experts."
+    r = checkpoint_io._Reader(str(tmp_path / "ck"), torch.bfloat16)
+    whole = [r.get(ex + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                                     "down_proj_blocks", "down_proj_scales", "down_proj_bias")]
+    assert torch.equal(x.pages, pack_mxfp4_pages(*whole, layout=x.layout)[0])

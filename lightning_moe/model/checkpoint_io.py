@@ -61,6 +61,21 @@ class _Reader:
         self._count(t)
         return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
 
+    def shape(self, name: str) -> list[int]:
+        """The stored shape of tensor ``name`` (read from the file's header, no data)."""
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        return list(self._file(name).get_slice(name).get_shape())
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name``'s first dimension, as :meth:`get` reads a tensor (a layer's
+        stacked experts read a few at a time: the mapped pages read stay under ``MAP_LIMIT``)."""
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        t = self._file(name).get_slice(name)[start:stop]
+        self._count(t)
+        return t.to(self.dtype) if t.is_floating_point() else t
+
     def _file(self, name: str):
         file = self.where[name]
         if file not in self._open:

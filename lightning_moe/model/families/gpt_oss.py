@@ -118,6 +118,28 @@ def packed_expert_layout(r, prefix: str, spec: MoESpec, dtype: torch.dtype):
     return mxfp4_page_layout(spec.hidden_size, spec.intermediate_size, torch.float32)
 
 
+def _packed_pages(r, ex: str, lay, spec: MoESpec) -> torch.Tensor:
+    """The MXFP4 pages ``uint8 [E, page_bytes]`` of the experts under ``ex``, packed a few experts at a time (the
+    reader's ``MAP_LIMIT`` bytes of source per chunk), so that the layer's mapped source pages never sit beside its
+    whole packed copy. Raises CheckpointError when the stored tensors do not fit the spec."""
+    from .. import checkpoint_io
+
+    E = spec.num_experts
+    names = [ex + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks",
+                              "down_proj_scales", "down_proj_bias")]
+    pages = torch.zeros((E, lay.page_bytes), dtype=torch.uint8)
+    step = max(1, checkpoint_io.MAP_LIMIT // lay.page_bytes)
+    try:
+        if any(r.shape(n)[:1] != [E] for n in names):
+            raise ValueError(f"the stored tensors' first dimensions are {[r.shape(n)[:1] for n in names]}")
+        for a in range(0, E, step):
+            pages[a:a + step] = pack_mxfp4_pages(*(r.get_rows(n, a, a + step) for n in names), layout=lay)[0]
+    except ValueError as exc:
+        raise CheckpointError(f"{r.path}: the MXFP4 experts under {ex!r} do not fit num_local_experts={E}, "
+                              f"hidden_size={spec.hidden_size}, intermediate_size={spec.intermediate_size}: {exc}") from None
+    return pages
+
+
 def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype, packed: bool = False):
     """The routed experts of one layer from a checkpoint reader ``r`` (``prefix``: the layer's ``mlp.``): the fused
     tensors transformers saves, or the MXFP4 ``*_blocks`` / ``*_scales`` of the Hub checkpoints, dequantized into
@@ -132,15 +154,7 @@ def load_experts(r, prefix: str, spec: MoESpec, dtype: torch.dtype, packed: bool
     if lay is not None:
         from ..quantized import MXFP4Experts
 
-        ex = prefix + "experts."
-        parts = [r.get(ex + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
-                                         "down_proj_blocks", "down_proj_scales", "down_proj_bias")]
-        try:
-            pages, _ = pack_mxfp4_pages(*parts, layout=lay)
-        except ValueError as exc:
-            raise CheckpointError(f"{r.path}: the MXFP4 experts under {ex!r} do not fit num_local_experts={E}, "
-                                  f"hidden_size={D}, intermediate_size={F}: {exc}") from None
-        return MXFP4Experts(pages, lay)
+        return MXFP4Experts(_packed_pages(r, prefix + "experts.", lay, spec), lay)
 
     def dense(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         full = prefix + "experts." + name
