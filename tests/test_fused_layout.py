@@ -35,9 +35,16 @@ def _model(family: str):
     return transformers.Qwen2MoeForCausalLM(cfg)
 
 
+@pytest.mark.parametrize("map_limit", [None, 1])
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe", "qwen2_moe"])
-def test_fused_and_per_expert_layouts_read_alike(family, tmp_path):
+def test_fused_and_per_expert_layouts_read_alike(family, map_limit, tmp_path, monkeypatch):
+    """``map_limit`` 1: the reader closes its files after every tensor and reads fused experts one at a time."""
     from safetensors.torch import save_file
+
+    from lightning_moe.model import checkpoint_io
+
+    if map_limit is not None:
+        monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", map_limit)
 
     torch.manual_seed(0)
     model = _model(family).eval()

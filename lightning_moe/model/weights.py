@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import checkpoint_io
 from .checkpoint_io import CheckpointError, _Reader
 from .families import family_of
 from .layers import ExpertWeights
@@ -88,6 +89,21 @@ def _stacked(r: _Reader, names: list[str]) -> torch.Tensor:
     for e, n in enumerate(names[1:], 1):
         out[e] = r.get(n)
     return out
+
+
+def _fused_experts(r: _Reader, gate_up: str, down: str, F: int) -> ExpertWeights:
+    """A layer's experts stored fused (gate_up [E, 2F, D], down [E, D, F]) as w1 / w3 [E, F, D] and w2 [E, D, F],
+    read a few experts at a time into place (the mapped source of a whole layer never sits beside its copy)."""
+    E, _, D = r.shape(gate_up)
+    w1 = w3 = w2 = None
+    step = max(1, checkpoint_io.MAP_LIMIT // max(1, 3 * F * D * 2))  # experts per read (bf16-sized bytes)
+    for a in range(0, E, step):
+        gu, dn = r.get_rows(gate_up, a, a + step), r.get_rows(down, a, a + step)
+        if w1 is None:
+            w1, w3 = (torch.empty((E, F, D), dtype=gu.dtype) for _ in range(2))
+            w2 = torch.empty((E, *dn.shape[1:]), dtype=dn.dtype)
+        w1[a:a + step], w3[a:a + step], w2[a:a + step] = gu[:, :F], gu[:, F:], dn
+    return ExpertWeights(w1, w3, w2)
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16, spec: Optional[MoESpec] = None,
@@ -183,10 +199,8 @@ class _LayerReader:
                 return fam.load_experts(r, p + block, spec, self.dtype, packed=True)
             return fam.load_experts(r, p + block, spec, self.dtype)
         names = self.expert_names(i, p, block)
-        if len(names) == 2:  # transformers-5 fused layout
-            gu, down = r.get(names[0]), r.get(names[1])  # [E, 2F, D], [E, D, F]
-            F = spec.intermediate_size
-            return ExpertWeights(gu[:, :F].contiguous(), gu[:, F:].contiguous(), down)
+        if len(names) == 2:  # transformers-5 fused layout: [E, 2F, D], [E, D, F]
+            return _fused_experts(r, names[0], names[1], spec.intermediate_size)
         E = spec.num_experts  # one tensor per expert and projection, stacked: [E, F, D], [E, F, D], [E, D, F]
         return ExpertWeights(*(_stacked(r, names[j * E:(j + 1) * E]) for j in range(3)))
 
