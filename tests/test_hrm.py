@@ -396,3 +396,23 @@ def test_sinks_attention_counts_its_materialized_scores():
     base = hrm._packed_attention_stage_bytes(spec, 100, rows * S, S, "bf16")
     assert hrm._packed_attention_stage_bytes(sinks, 100, rows * S, S, "bf16") - base == \
         rows * S * S * spec.num_heads * 18 + rows * S * S * 3
+
+
+def test_mla_gpu_attention_prices_the_torch_paths_bytes():
+    """An MLA GPU-attention micro-batch runs the torch latent_attention: the HRM's HBM term counts what it moves per
+    position (the latents read and copied to fp32 for the scores, their kv_lora part again for the values, six passes
+    over the fp32 scores), not only one read of the cache: ~4.8x the bf16 cache bytes at DeepSeek-V2-Lite's shape."""
+    import dataclasses
+
+    from lightning_moe.policy.hardware import get_preset
+    from lightning_moe.policy.registry import resolve_spec
+
+    spec = resolve_spec("deepseek-v2-lite")
+    hw = dataclasses.replace(get_preset("h100"), gpu_flops_bf16=1e30)  # memory-bound: time = bytes / HBM rate
+    S, c = 64, 4096
+    kv, Dl, Hq = spec.kv_elems_per_token, spec.kv_lora_rank, spec.num_heads
+    per_pos = kv * 10 + Dl * 10 + 24 * Hq
+    other = (spec.attn_query_elems + spec.attn_output_elems + kv) * 2
+    want = S * (c * per_pos + other) / hw.gpu_hbm_bandwidth
+    assert hrm.gpu_decode_attention_time(spec, hw, S, c, "bf16") == pytest.approx(want, rel=1e-9)
+    assert per_pos > 4.5 * kv * 2

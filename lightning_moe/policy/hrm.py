@@ -218,13 +218,17 @@ def gpu_layer_time(spec: MoESpec, hw: HardwareProfile, tokens: float, dense: boo
 def gpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
     """GPU decode attention of ``seqs`` sequences over ``context`` positions (one layer).
 
-    FLOPs S c attn_flops_per_position; bytes S (c kv + q + out + kv) b (read KV, q; write out, new kv).
+    FLOPs S c attn_flops_per_position; bytes S (c kv + q + out + kv) b (read KV, q; write out, new kv). MLA runs the
+    torch ``latent_attention`` (no fused kernel), and its bytes per position are what that moves: the latents read in
+    the dtype and copied to fp32 for the scores (kv (b + 4 + 4)), their first kv_lora read again and copied to fp32
+    for the values (kv_lora (b + 4 + 4)), and the fp32 scores written, masked, softmaxed and read (6 x 4 Hq).
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
     kv = spec.kv_elems_per_token
+    per_pos = (kv * (b + 8) + spec.kv_lora_rank * (b + 8) + 24 * spec.num_heads) if spec.is_mla else kv * b
     return roofline(seqs * context * spec.attn_flops_per_position,
-                    seqs * (context * kv + spec.attn_query_elems + spec.attn_output_elems + kv) * b, P, B)
+                    seqs * (context * per_pos + (spec.attn_query_elems + spec.attn_output_elems + kv) * b), P, B)
 
 
 def gpu_prefill_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, prompt_len: float, dtype: str = "bf16") -> float:
