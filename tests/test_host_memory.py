@@ -95,17 +95,29 @@ def test_lazy_expert_reads_do_not_keep_the_files_mapped(tmp_path):
                           f"{layer / MiB:.0f} MiB"
 
 
+def _read_layer_peak(w):
+    """Layer 0's lazily read experts and the resident set's peak growth (bytes) while they were read."""
+    import gc
+
+    from lightning_moe.app.gpu import reset_host_peak
+
+    gc.collect()
+    base = host_memory()["rss"]
+    if not reset_host_peak():
+        pytest.skip("this kernel cannot reset the peak resident set")
+    x = w.experts[0].read()
+    return x, host_memory()["peak_rss"] - base
+
+
 @linux
 def test_a_lazy_layer_read_peaks_near_one_layer(tmp_path, monkeypatch):
     """ExpertsOnDisk.read() of one layer stored one tensor per expert (Mixtral's layout): the resident set peaks at
     about one layer of experts, what the memory model's load phase counts ("one layer's experts (host, as read)"),
     not ~2.3 layers (the layer's mapped file pages beside its copy, and each projection's per-expert tensors beside
     their stack). The reader closes its files every MAP_LIMIT bytes read; the stacks are filled in place."""
-    import gc
 
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from lightning_moe.app.gpu import reset_host_peak
     from lightning_moe.model import checkpoint_io
     from lightning_moe.model.weights import load_checkpoint
 
@@ -116,12 +128,7 @@ def test_a_lazy_layer_read_peaks_near_one_layer(tmp_path, monkeypatch):
     layer = 8 * 3 * 512 * 4096 * 2  # one layer's experts, bytes (96 MiB)
     monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", 8 * MiB)
     w = load_checkpoint(str(tmp_path / "ck"), torch.bfloat16, lazy_experts=True)
-    gc.collect()
-    base = host_memory()["rss"]
-    if not reset_host_peak():
-        pytest.skip("this kernel cannot reset the peak resident set")
-    x = w.experts[0].read()
-    peak = host_memory()["peak_rss"] - base
+    x, peak = _read_layer_peak(w)
     assert float(x.w2.float().abs().sum()) > 0
     assert peak < 1.3 * layer, f"a layer read peaked at {peak / MiB:.0f} MiB for a {layer / MiB:.0f} MiB layer"
 
@@ -131,9 +138,7 @@ def test_a_packed_mxfp4_layer_read_peaks_near_its_pages(tmp_path, monkeypatch):
     """gpt-oss's MXFP4 experts (one stacked tensor per part, kept packed): a lazy layer read packs a few experts at a
     time, so the read peaks near the layer's pages (it held the layer's mapped source beside its packed copy), and
     the pages equal those packed from the whole tensors at once."""
-    import gc
 
-    from lightning_moe.app.gpu import reset_host_peak
     from lightning_moe.kernels.mxfp4 import pack_mxfp4_pages
     from lightning_moe.model import checkpoint_io
     from lightning_moe.model.weights import load_checkpoint
@@ -144,12 +149,7 @@ def test_a_packed_mxfp4_layer_read_peaks_near_its_pages(tmp_path, monkeypatch):
     write_checkpoint(str(tmp_path / "ck"), d)
     monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", 3 * MiB)
     w = load_checkpoint(str(tmp_path / "ck"), torch.bfloat16, lazy_experts=True, packed_experts=True)
-    gc.collect()
-    base = host_memory()["rss"]
-    if not reset_host_peak():
-        pytest.skip("this kernel cannot reset the peak resident set")
-    x = w.experts[0].read()
-    peak = host_memory()["peak_rss"] - base
+    x, peak = _read_layer_peak(w)
     pages = x.pages.numel()
     assert peak < 1.3 * pages, f"a layer read peaked at {peak / MiB:.0f} MiB for {pages / MiB:.0f} MiB of pages"
     ex = "model.layers.0.mlp.experts."
