@@ -55,6 +55,25 @@ def write_prompts(path: str, n: int, length: int, vocab: int, seed: int) -> None
             f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}) + "\n")
 
 
+def plan_requests(a, ragged: str) -> str | None:
+    """Write the prompts and plan the ragged job (``moe-batch plan -o policy.yaml``); with ``--times-n K``, the request
+    count grows to K x the planned N and the job is planned again (N can change with the count), at most 3 times.
+    Returns the policy file, or None when the plan failed."""
+    from lightning_moe.policy.policy import Policy
+
+    policy = os.path.join(a.out, "policy.yaml")
+    for _ in range(3):
+        write_prompts(os.path.join(a.out, "prompts.jsonl"), a.requests, a.prompt_len, a.vocab, a.seed)
+        if cli(["plan", ragged, "-o", policy], os.path.join(a.out, "plan.log"), a.timeout) != 0:
+            return None
+        N = Policy.load(policy).N
+        if not a.times_n or a.requests >= a.times_n * N:
+            break
+        a.requests = a.times_n * N
+    print(f"ragged_vs_fixed: {a.requests} requests, planned N {N} ({a.requests / N:.1f} N)", flush=True)
+    return policy
+
+
 def job_yaml(a, name: str, policy: str, generation: str) -> str:
     path = os.path.join(a.out, name + ".yaml")
     for ext in (".jsonl", ".partial.jsonl", ".report.json", ".meta.json"):
@@ -122,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-memory", default=None)
     p.add_argument("--hardware", default=None, help="a preset name or a profile YAML")
     p.add_argument("--requests", type=int, default=16000)
+    p.add_argument("--times-n", type=int, default=None, help="at least this many times the planned N requests "
+                   "(issue 43 asks >= 4): the count grows and the job is planned again")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new", type=int, default=128, help="the ragged job's max_new_tokens")
     p.add_argument("--stop-ids", type=int, default=1040, help="how many random stop ids (mean output ~ vocab / this)")
@@ -136,13 +157,12 @@ def main(argv=None) -> int:
     if a.vocab is None:
         cfg = os.path.join(a.model, "config.json")
         a.vocab = json.load(open(cfg)).get("vocab_size", 32000) if os.path.exists(cfg) else 32000
-    write_prompts(os.path.join(a.out, "prompts.jsonl"), a.requests, a.prompt_len, a.vocab, a.seed)
     stops = sorted(random.Random(a.seed + 1).sample(range(a.vocab), a.stop_ids))
     ragged_gen = (f"{{max_new_tokens: {a.max_new}, temperature: {a.temperature}, stop_at_eos: false, "
                   f"seed: {a.seed}, stop_token_ids: {stops}}}")
     ragged = job_yaml(a, "ragged", "auto", ragged_gen)
-    policy = os.path.join(a.out, "policy.yaml")
-    if cli(["plan", ragged, "-o", policy], os.path.join(a.out, "plan.log"), a.timeout) != 0:
+    policy = plan_requests(a, ragged)
+    if policy is None:
         print(f"ragged_vs_fixed: moe-batch plan failed: {os.path.join(a.out, 'plan.log')}", file=sys.stderr)
         return 1
     ragged = job_yaml(a, "ragged", policy, ragged_gen)
