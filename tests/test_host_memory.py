@@ -121,16 +121,16 @@ def test_a_lazy_layer_read_peaks_near_one_layer(tmp_path, monkeypatch):
     from lightning_moe.model import checkpoint_io
     from lightning_moe.model.weights import load_checkpoint
 
-    cfg = MixtralConfig(vocab_size=128, hidden_size=512, intermediate_size=4096, num_hidden_layers=1,
+    cfg = MixtralConfig(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
     torch.manual_seed(0)
     MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "ck")
-    layer = 8 * 3 * 512 * 4096 * 2  # one layer's experts, bytes (96 MiB)
+    layer = 8 * 3 * 1024 * 4096 * 2  # one layer's experts, bytes (192 MiB)
     monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", 8 * MiB)
     w = load_checkpoint(str(tmp_path / "ck"), torch.bfloat16, lazy_experts=True)
     x, peak = _read_layer_peak(w)
     assert float(x.w2.float().abs().sum()) > 0
-    assert peak < 1.3 * layer, f"a layer read peaked at {peak / MiB:.0f} MiB for a {layer / MiB:.0f} MiB layer"
+    assert peak < 1.2 * layer, f"a layer read peaked at {peak / MiB:.0f} MiB for a {layer / MiB:.0f} MiB layer"
 
 
 @linux
@@ -144,14 +144,14 @@ def test_a_packed_mxfp4_layer_read_peaks_near_its_pages(tmp_path, monkeypatch):
     from lightning_moe.model.weights import load_checkpoint
     from tests.support.make_checkpoint import Dims, write_checkpoint
 
-    d = Dims(family="gpt_oss", layers=1, hidden=1024, intermediate=1024, heads=8, kv_heads=2, experts=24, top_k=2,
+    d = Dims(family="gpt_oss", layers=1, hidden=1024, intermediate=1024, heads=8, kv_heads=2, experts=48, top_k=2,
              vocab=256, hd=64, sliding_window=8, mxfp4=True)
     write_checkpoint(str(tmp_path / "ck"), d)
     monkeypatch.setattr(checkpoint_io, "MAP_LIMIT", 3 * MiB)
     w = load_checkpoint(str(tmp_path / "ck"), torch.bfloat16, lazy_experts=True, packed_experts=True)
     x, peak = _read_layer_peak(w)
     pages = x.pages.numel()
-    assert peak < 1.3 * pages, f"a layer read peaked at {peak / MiB:.0f} MiB for {pages / MiB:.0f} MiB of pages"
+    assert peak < 1.5 * pages, f"a layer read peaked at {peak / MiB:.0f} MiB for {pages / MiB:.0f} MiB of pages"
     ex = "model.layers.0.mlp.experts."
     r = checkpoint_io._Reader(str(tmp_path / "ck"), torch.bfloat16)
     whole = [r.get(ex + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
