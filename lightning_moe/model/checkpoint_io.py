@@ -55,28 +55,25 @@ class _Reader:
         """Tensor ``name``, floating point cast to the reader's dtype. Safetensors returns a tensor over the mapped
         file (no copy); the pages read stay resident while the file is open, so the files are closed every
         ``MAP_LIMIT`` bytes read (a returned tensor keeps its own pages)."""
-        if name not in self.where:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
         t = self._file(name).get_tensor(name)
         self._count(t)
         return t.to(self.dtype) if t.is_floating_point() else t  # packed (uint8) tensors keep their dtype
 
     def shape(self, name: str) -> list[int]:
         """The stored shape of tensor ``name`` (read from the file's header, no data)."""
-        if name not in self.where:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
         return list(self._file(name).get_slice(name).get_shape())
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``name``'s first dimension, as :meth:`get` reads a tensor (a layer's
         stacked experts read a few at a time: the mapped pages read stay under ``MAP_LIMIT``)."""
-        if name not in self.where:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
         t = self._file(name).get_slice(name)[start:stop]
         self._count(t)
         return t.to(self.dtype) if t.is_floating_point() else t
 
     def _file(self, name: str):
+        """The open file holding tensor ``name`` (opened now if need be); CheckpointError when no file has it."""
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
         file = self.where[name]
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
