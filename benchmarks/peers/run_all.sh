@@ -38,12 +38,14 @@ left() { echo $(( DEADLINE - ($(date +%s) - T_START) )); }
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T_START ))s] $*"; }
 have_row() { python3 -c "import json,sys; sys.exit(0 if json.load(open('$OUT/$1.json')).get('status')=='ok' else 1)" 2>/dev/null; }
 
-step_setup() {
-  python3 -c "import highspy, pulp, sentencepiece, deepspeed" 2>/dev/null && return
-  python3 -m pip install -q --no-index --no-deps .carry/wheels/*.whl .carry/peers/wheels/*.whl 2>&1 | tail -2
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+step_setup() {   # wheels the host lacks into /tmp/site (no resolver, torch's own requirements untouched)
+  local site=/tmp/site
+  export PYTHONPATH=$site:$PWD
+  python3 -c "import highspy, pulp, mistral_common, sentencepiece, deepspeed" 2>/dev/null && return
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site \
+      .carry/whl/*.whl .carry/peers/wheels/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h "$WORK" | tail -1; nproc; free -g | head -2
-  python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)"
+  python3 -c "import torch, transformers, accelerate, deepspeed; print(torch.__version__, transformers.__version__, accelerate.__version__, deepspeed.__version__)"
 }
 step_build() {   # in the background: ckpt/convert run beside it; convert's Q4_0 waits for it
   if [[ -x build/peers/llama-build-$MODE/bin/llama-batched-bench ]]; then return; fi
