@@ -12,7 +12,8 @@
 # Env: WORK (checkpoints, GGUFs; default /tmp/peers-work), OUT (rows, logs, table; default ${OUT:-/tmp/out}/peers),
 # LAYERS (4), CAP (12GiB), GENS ("128 32"), REQUESTS (2000, ours), MAXB (256, accelerate/deepspeed),
 # DEADLINE (seconds this call may use, default 570; each run step gets the time left as its timeout),
-# PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width).
+# PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width),
+# NPL (llama-batched-bench -npl, default run_llama_cpp.py's 256,128,...,1).
 # SMOKE=1: the same steps on this CPU machine with a tiny checkpoint (2 layers, width 128), a CPU build of llama.cpp,
 # 40 requests, gen 8 and 16: proves the scripts and parsers, its numbers are not results.
 set -uo pipefail
@@ -84,7 +85,7 @@ step_llama() {
     (( $(left) > 40 )) || { log "no time left for llama.cpp $w"; return; }
     local t=$(( $(left) - 10 )); [[ $w == bf16 ]] && (( t > ($(left) - 10) * 55 / 100 )) && t=$(( ($(left) - 10) * 55 / 100 ))
     log "llama.cpp $w gen $gl (timeout $t s)"
-    python3 $P/run_llama_cpp.py "$GG/model-$w.gguf" --tokenizer "$CK" --gen "$gl" --cap "$CAP" --out "$OUT" --timeout "$t" "${LLAMA[@]}"
+    python3 $P/run_llama_cpp.py "$GG/model-$w.gguf" --tokenizer "$CK" --gen "$gl" --cap "$CAP" --out "$OUT" --timeout "$t" ${NPL:+--npl "$NPL"} "${LLAMA[@]}"
   done
 }
 step_hf() {  # accelerate | deepspeed
