@@ -520,8 +520,9 @@ def run_sweep(cases: list[Case], machine: Machine, work: str, out: str, time_bud
     return rows
 
 
-def prepare(cases: list[Case], machine: Machine, work: str, gen_device: str, log=sys.stderr) -> None:
+def prepare(cases: list[Case], machine: Machine, work: str, gen_device: str, log=None) -> None:
     """Both checkpoints, then every case's data and job YAML (nothing is run)."""
+    log = sys.stderr if log is None else log
     ckpts = ensure_checkpoints(work, machine.dims, True, gen_device, log)
     from lightning_moe.data.tokenize import load_tokenizer
 

@@ -67,3 +67,18 @@ def test_table_ratios_pair_ours_with_peers_of_the_same_weight_class(tmp_path):
     # no ours row at gen 32: no ratio
     assert "**" not in lines[("mixtral h4096 x14336 E8 L4", "32", "accelerate", "bf16")]
     assert len(lines) == 7
+
+
+def test_ours_note_gives_the_hrm_phases_and_their_binding_stages():
+    """The device run's ours row (H200, 4-layer Mixtral width, int4): measured end-to-end over the report's
+    prediction, and the HRM's per-phase rates and binding stages beside the measured ones."""
+    r = _row("ours", "int4", 11929.6)
+    r["extra"] = {"policy": {"mu": 334, "n": 2, "resident_experts": 32, "n_gpu_attn": 2},
+                  "predicted_end_to_end_tok_s": 84217.7, "prefill_tok_s": 22215.2, "decode_tok_s": 19864.4,
+                  "predicted": {"prefill_tokens_per_s": 215424.0, "decode_tokens_per_s": 118614.8,
+                                "prefill_binding": "gpu", "decode_binding": "gpu", "hardware": "h200"}}
+    note = make_table.note(r)
+    assert "measured/predicted 0.14" in note
+    assert "HRM h200: prefill 215,424 tok/s gpu-bound, decode 118,615 gpu-bound; measured 22,215 / 19,864" in note
+    del r["extra"]["predicted"]  # a row written before the block was kept: no HRM part
+    assert "HRM" not in make_table.note(r) and "measured/predicted 0.14" in make_table.note(r)

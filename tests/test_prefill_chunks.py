@@ -49,6 +49,36 @@ def test_prefill_rows_sized_by_mean_prompt():
     assert prefill_chunk_tokens(32, 425) == 4096 and prefill_chunk_tokens(4, 425) == 1700 and prefill_chunk_tokens(4, 5000) == 5000
 
 
+def test_prefill_rows_not_a_far_smaller_divisor():
+    """mu = 334 = 2 x 167 with 97 rows allowed (8192 tokens, mean 83.1): the H200 int4 run's policy got 2-row chunks
+    (167 per micro-batch and layer; prefill 0.10 of its HRM). A divisor is kept only when it is at least half the cap."""
+    assert prefill_micro_batch(334, 83.1, 8192) == 97  # the largest divisor under 97 is 2: not kept
+    assert prefill_micro_batch(2000, 83.1, 4096) == 40  # 40 divides 2000 and 2 x 40 >= 48: kept
+    assert prefill_micro_batch(97, 10.0, 4096) == 97  # prime mu under the cap: all rows
+    assert prefill_micro_batch(101, 50.0, 4096) == 81  # prime mu over the cap: the cap, not 1
+    for mu in range(1, 400):
+        p = prefill_micro_batch(mu, 83.1, 8192)
+        cap = min(mu, 8192 // 84)
+        assert 1 <= p <= cap and 2 * p >= cap
+
+
+@pytest.mark.parametrize("mu,n,prefill_mu", [(334, 2, 97), (1000, 1, 40), (101, 3, 81), (7, 2, 7), (50, 4, 3)])
+def test_hrm_counts_the_chunks_the_executor_cuts(mu, n, prefill_mu):
+    """hrm.pass_prefill_chunks (the HRM's prefill micro-batches of a first fill) = the executor's prefill_chunks over
+    each of the n decode micro-batches (equal-length prompts, under the token cap): the same chunk sizes, counted."""
+    from collections import Counter
+
+    from lightning_moe.policy import hrm
+
+    pol = Policy(mu=mu, n=n, prefill_mu=prefill_mu, prefill_tokens=1 << 20)
+    prompts = [[1] * 84 for _ in range(mu * n)]
+    executor = Counter(len(rows) for k in range(n) for _, rows in prefill_chunks(prompts, range(k * mu, (k + 1) * mu), pol))
+    planned = Counter()
+    for count, size in hrm.pass_prefill_chunks(pol):
+        planned[size] += count
+    assert planned == executor
+
+
 def _best_chunk_brute_force(lens, rows, padded_tokens):
     """Largest packed sum of any subset the chunker's caps allow (k rows, longest L: k <= rows and k L <= padded, or
     k = 1), by enumeration."""

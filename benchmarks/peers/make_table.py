@@ -113,10 +113,18 @@ def note(r: dict) -> str:
         pol = ex.get("policy") or {}
         pred = ex.get("predicted_end_to_end_tok_s")
         m_p = f", measured/predicted {r['tok_s'] / pred:.2f}" if pred and r.get("tok_s") else ""
+        hrm = ex.get("predicted") or {}
+        if hrm.get("decode_binding"):
+            prof = Path(str(hrm.get("hardware"))).name
+            m_p += (f" (HRM {prof}: prefill {_fmt(hrm.get('prefill_tokens_per_s'), 0)} tok/s "
+                    f"{hrm.get('prefill_binding')}-bound, decode {_fmt(hrm.get('decode_tokens_per_s'), 0)} "
+                    f"{hrm['decode_binding']}-bound; measured {_fmt(ex.get('prefill_tok_s'), 0)} / "
+                    f"{_fmt(ex.get('decode_tok_s'), 0)})")
         return (f"mu {pol.get('mu')} x n {pol.get('n')}, {pol.get('resident_experts')} resident, "
                 f"{pol.get('n_gpu_attn')} GPU-attn mb, {r.get('requests')} requests{m_p}")
     if r["peer"] in ("accelerate", "deepspeed"):
-        return f"batches tried {ex.get('tried')}; placement {(ex.get('placement') or {}).get('device_map_counts')}"
+        head = f"max_memory cap - {r['headroom']}; " if r.get("headroom") else ""
+        return f"{head}batches tried {ex.get('tried')}; placement {(ex.get('placement') or {}).get('device_map_counts')}"
     return ""
 
 

@@ -31,6 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 
+DEFAULT_HEADROOM = "3GiB"  # the cap minus this is max_memory for accelerate's GPU layers; another value names its row
+#   accelerate-bf16-gG-hH (run_all.sh HEADROOMS="3GiB 6GiB" tries several: the larger batch may win)
+
+
 def load_tokenizer(ckpt: str):
     from transformers import AutoTokenizer
 
@@ -143,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("ckpt")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--cap", default="12GiB", help="GPU memory cap (default 12GiB)")
-    ap.add_argument("--headroom", default="3GiB", help="cap minus this is accelerate's max_memory for weights "
+    ap.add_argument("--headroom", default=DEFAULT_HEADROOM, help="cap minus this is accelerate's max_memory for weights "
                     "(the rest: KV cache and activations; default 3GiB)")
     ap.add_argument("--cpu-memory", default="100GiB")
     ap.add_argument("--no-enforce-cap", action="store_true")
@@ -157,9 +161,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    name = f"accelerate-bf16-g{a.gen}"
+    name = f"accelerate-bf16-g{a.gen}" + ("" if a.headroom == DEFAULT_HEADROOM else f"-h{a.headroom}")
     row = {"peer": "accelerate", "weights": "bf16", "model": common.model_label(a.ckpt), "model_dir": a.ckpt,
            "gen_len": a.gen, "cap": a.cap if a.device != "cpu" else None, "device": common.device_name(),
+           "headroom": a.headroom,
            "command": " ".join(sys.argv)}
     try:
         import accelerate

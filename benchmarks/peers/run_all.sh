@@ -13,7 +13,9 @@
 # LAYERS (4), CAP (12GiB), GENS ("128 32"), REQUESTS (2000, ours), MAXB (256, accelerate/deepspeed),
 # DEADLINE (seconds this call may use, default 570; each run step gets the time left as its timeout),
 # PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width),
-# NPL (llama-batched-bench -npl, default run_llama_cpp.py's 256,128,...,1).
+# NPL (llama-batched-bench -npl, default run_llama_cpp.py's 256,128,...,1), HARDWARE (ours: the job's hardware
+# profile, e.g. lightning_moe/policy/profiles/h100-host.yaml; default the host's cached profile or its card's preset),
+# HEADROOMS (accelerate: one run per value, max_memory = CAP minus it; default 3GiB).
 # SMOKE=1: the same steps on this CPU machine with a tiny checkpoint (2 layers, width 128), a CPU build of llama.cpp,
 # 40 requests, gen 8 and 16: proves the scripts and parsers, its numbers are not results.
 set -uo pipefail
@@ -75,7 +77,7 @@ step_ours() {
     (( $(left) > 30 )) || { log "no time left for ours $w g$g"; return; }
     log "ours $w gen $g"
     python3 $P/run_ours.py "$ck" --gen "$g" --requests "$REQUESTS" --cap "$CAP" --out "$OUT" --work "$WORK/ours" \
-      --timeout $(( $(left) - 10 )) "${OURS[@]}"
+      --timeout $(( $(left) - 10 )) ${HARDWARE:+--hardware "$HARDWARE"} "${OURS[@]}"
   done; done
 }
 step_llama() {
@@ -88,16 +90,19 @@ step_llama() {
     python3 $P/run_llama_cpp.py "$GG/model-$w.gguf" --tokenizer "$CK" --gen "$gl" --cap "$CAP" --out "$OUT" --timeout "$t" ${NPL:+--npl "$NPL"} "${LLAMA[@]}"
   done
 }
-step_hf() {  # accelerate | deepspeed
-  local who=$1
-  for g in $GENS; do
-    have_row $who-bf16-g$g && continue
-    (( $(left) > 60 )) || { log "no time left for $who g$g"; return; }
+step_hf() {  # accelerate | deepspeed; accelerate once per HEADROOMS value (its max_memory is CAP minus it)
+  local who=$1 hs=(3GiB) h row
+  [[ $who == accelerate ]] && read -ra hs <<< "${HEADROOMS:-3GiB}"
+  for g in $GENS; do for h in "${hs[@]}"; do
+    row=$who-bf16-g$g; [[ $h != 3GiB ]] && row=$row-h$h
+    have_row $row && continue
+    (( $(left) > 60 )) || { log "no time left for $row"; return; }
     local budget=$(( ($(left) - 60) / 2 )); (( budget > 200 )) && budget=200
-    log "$who gen $g (time budget $budget s)"
+    log "$row (time budget $budget s)"
+    local extra=(); [[ $who == accelerate ]] && extra=(--headroom "$h")
     timeout $(( $(left) - 5 )) python3 $P/run_$who.py "$CK" --gen "$g" --cap "$CAP" --max-batch "$MAXB" --batches 2 \
-      --time-budget "$budget" --out "$OUT" "${HF[@]}" > "$OUT/$who-g$g.log" 2>&1; tail -1 "$OUT/$who-g$g.log"
-  done
+      --time-budget "$budget" --out "$OUT" "${extra[@]}" "${HF[@]}" > "$OUT/$row.log" 2>&1; tail -1 "$OUT/$row.log"
+  done; done
 }
 step_accelerate() { step_hf accelerate; }
 step_deepspeed() { step_hf deepspeed; }

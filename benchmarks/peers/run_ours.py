@@ -3,11 +3,14 @@
 
 Writes ``WORK/prompts-R.jsonl`` (R requests: the 80 first turns repeated), ``WORK/JOB.yaml`` (``task: generate``,
 ``data: {source: jsonl, chat_template: true}``, greedy, ``stop_at_eos: false`` so every request generates exactly
-``--gen`` tokens as the peers do, ``policy: auto``, ``gpu_memory: --cap``), deletes an earlier output of the same
+``--gen`` tokens as the peers do, ``policy: auto``, ``gpu_memory: --cap``, ``hardware: --hardware`` when given), deletes an earlier output of the same
 job (a fresh run, not a resume), runs ``moe-batch run`` in a subprocess (``python -m lightning_moe.cli``), reads
 ``<output>.report.json`` and writes the row ``OUT/ours-WEIGHTS-gG.json``: ``tok_s`` is the report's measured
 ``end_to_end_tokens_per_s`` (generated tokens over warm-up + prefill + decode; load, model files and planning are
-outside, as the peers' load is), ``N`` the planner's sequences per batch.
+outside, as the peers' load is), ``N`` the planner's sequences per batch; ``extra.predicted`` is the report's
+``predicted`` block (the HRM's tokens/s per phase, binding stages, the hardware profile it planned with). Without
+``--hardware`` a fresh GPU host plans with its card's preset, which carries no host-issue times (``moe-batch plan``
+says so): pass a measured profile (``moe-batch profile`` output, or ``lightning_moe/policy/profiles/*.yaml``).
 
 The checkpoint decides the weights: a ``moe-batch quantize --experts int4`` output is ``int4`` (``--weights``
 labels it; default: the scheme in the config's ``quantization`` block, else the dtype).
@@ -59,6 +62,8 @@ def job_dict(a, prompts: Path, output: Path) -> dict:
     }
     if a.cap:
         job["gpu_memory"] = a.cap
+    if a.hardware:
+        job["hardware"] = str(Path(a.hardware).resolve()) if Path(a.hardware).is_file() else a.hardware
     return job
 
 
@@ -73,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--executor", default="cgopipe")
+    ap.add_argument("--hardware", default=None, help="the job's hardware: a preset name or a profile YAML "
+                    "(default: none, the host's cached profile or its card's preset)")
     ap.add_argument("--weights", default=None, help="label: bf16 / int4 (default: from the checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="passed to moe-batch run as --set KEY=VALUE")
     ap.add_argument("--mtbench", default=None, help="MT-Bench question.jsonl (default: see common.mtbench_file)")
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
         status="ok" if rep.get("status") == "done" else "failed",
         extra={"report": str(report_path), "policy": pol, "predicted_end_to_end_tok_s":
                pred.get("end_to_end_tokens_per_s"), "decode_tok_s": rep.get("decode_tokens_per_s"),
-               "prefill_tok_s": rep.get("prefill_tokens_per_s"), "wall_seconds": ws,
+               "prefill_tok_s": rep.get("prefill_tokens_per_s"), "wall_seconds": ws, "predicted": pred,
                "peak_gpu_memory_bytes": rep.get("peak_gpu_memory_bytes"), "report_status": rep.get("status")},
     )
     if row["status"] != "ok":

@@ -29,8 +29,9 @@ def cpu_profile_path(machine: Optional[str] = None) -> str:
     return os.path.join(default_cache_dir(), "cpu-profiles", f"v{PROFILE_VERSION}-{key}.yaml")
 
 
-def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
+def measure_and_cache(log=None, path: Optional[str] = None):
     """Measure this machine's CPU profile now and write it to ``path`` (default: the cache); returns it."""
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
     from ..pipeline.cpu_profile import measure_cpu_profile
 
     path = path or cpu_profile_path()
@@ -51,10 +52,11 @@ def measure_and_cache(log=sys.stderr, path: Optional[str] = None):
     return prof
 
 
-def cpu_profile(log=sys.stderr):
+def cpu_profile(log=None):
     """The CPU profile the prediction uses: ``$LIGHTNING_MOE_CPU_PROFILE``'s YAML; else this machine's cached
     measurement (:func:`cpu_profile_path`); else (none, or one that no longer loads: an older version's fields) measured
     now and cached (:func:`measure_and_cache`)."""
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
     from ..policy.cpu_hrm import CpuProfile
 
     env = os.environ.get(CPU_PROFILE_ENV)
@@ -71,9 +73,10 @@ def cpu_profile(log=sys.stderr):
     return measure_and_cache(log, path)
 
 
-def cpu_estimate(job, spec, workload, policy=None, log=sys.stderr):
+def cpu_estimate(job, spec, workload, policy=None, log=None):
     """The CPU executor's estimate (policy.cpu_hrm.estimate_cpu) of a generation job: serial batches of
     ``job.batch_size``, or cgopipe's ``policy``; None for a scoring job (not modelled)."""
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
     from ..policy.cpu_hrm import estimate_cpu
 
     if workload.scoring:
@@ -95,9 +98,10 @@ def cpu_predicted_report(est) -> dict:
             "notes": [n for n in est.notes if n.startswith("note:")]}
 
 
-def plan_cpu_job(job, spec, workload, weight_quant: str, log=sys.stderr):
+def plan_cpu_job(job, spec, workload, weight_quant: str, log=None):
     """``policy: auto`` of a cgopipe job on the CPU: policy.cpu_hrm.plan_cpu for this machine's profile, under the
     job's ``cpu_memory`` (else the machine's memory). Returns (Policy, CpuEstimate)."""
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
     from ..policy.cpu_hrm import plan_cpu
 
     dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]

@@ -55,10 +55,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_expert_parallel(job: Job, lead, follow, progress: bool = True, log=sys.stderr) -> dict:
+def run_expert_parallel(job: Job, lead, follow, progress: bool = True, log=None) -> dict:
     """Start ``job.gpus`` processes for ``job`` and wait for them; returns process 0's report (as saved). Process 0
     calls ``lead(job, progress=...)`` (engine.run_job), the others ``follow(job)`` (engine.follow_job). A process
     that fails ends the others (torch.multiprocessing.spawn) and its exception is raised here."""
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
     import torch.multiprocessing as mp
 
     from ..model.tiny import resolve_model_path

@@ -326,6 +326,15 @@ def prefill_micro_batches(N: int, prefill_mu: int) -> list[tuple[int, int]]:
     return out
 
 
+def pass_prefill_chunks(policy: Policy, rows: int | None = None) -> list[tuple[int, int]]:
+    """A prefill pass's micro-batches as (count, size). The first fill (``rows`` None) is cut per decode micro-batch,
+    as the executor's ``prefill_chunks`` cuts it: n x (mu // prefill_mu of prefill_mu, one of the remainder); a
+    refill's pass of ``rows`` sequences: :func:`prefill_micro_batches` of its rows."""
+    if rows is not None:
+        return prefill_micro_batches(rows, policy.prefill_mu)
+    return [(policy.n * count, size) for count, size in prefill_micro_batches(policy.mu, policy.prefill_mu)]
+
+
 def cpu_attention_calls(mu: int) -> int:
     """CPU decode-attention calls per CPU micro-batch of ``mu`` rows and layer: one per KV length group of its
     GroupedKVCache, at most min(KV_GROUPS, mu) (fewer only when the micro-batch has fewer distinct lengths)."""
@@ -404,7 +413,7 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     dense = spec.is_dense_layer(layer)
     gpu = 0.0
     cpu_rows = policy.n_cpu_attn * policy.mu if cpu_rows is None else cpu_rows
-    mbs = prefill_micro_batches(policy.N if rows is None else rows, policy.prefill_mu)
+    mbs = pass_prefill_chunks(policy, rows)
     for count, size in mbs:
         tokens = size * prompt_len
         gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g, prefill=True) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt)
@@ -425,7 +434,7 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
     """Prefill, not overlapped: per prefill micro-batch, embedding of its tokens and lm_head of its last tokens (of
     every token with ``all_tokens``: scoring); ``rows``: the sequences prefilled (default the policy's N)."""
     return sum(count * gpu_head_time(spec, hw, size * (prompt_len if all_tokens else 1), size * prompt_len, policy.dtype)
-               for count, size in prefill_micro_batches(policy.N if rows is None else rows, policy.prefill_mu))
+               for count, size in pass_prefill_chunks(policy, rows))
 
 
 # ---- memory --------------------------------------------------------------------------------------

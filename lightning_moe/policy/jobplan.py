@@ -27,21 +27,22 @@ MAX_BATCH_COUNTS = 8  # batch counts k fit_job tries below ceil(P / N) (k = 1 an
 
 # policy shapes the MILP and the job plan share (milp imports them from here)
 def prefill_micro_batch(mu: int, prompt_len: float, prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> int:
-    """Prefill micro-batch (rows) for decode micro-batch ``mu``: the largest divisor d of mu with
-    d * ceil(prompt_len) <= ``prefill_tokens`` (>= 1), ``prompt_len`` the MEAN prompt length.
+    """Prefill micro-batch (rows) for decode micro-batch ``mu``: at most c = min(mu, ``prefill_tokens`` //
+    ceil(prompt_len)) rows (>= 1), ``prompt_len`` the MEAN prompt length; the largest divisor d of mu with d <= c when
+    2 d >= c (every chunk of a micro-batch the same size), else c (the executor's ``prefill_chunks`` cuts each
+    micro-batch into chunks of c rows and one of the remainder; the HRM's ``pass_prefill_chunks`` counts them so).
 
-    A divisor, so N = mu * n splits into whole prefill micro-batches. The executor also caps each prefill
-    micro-batch at ``Policy.prefill_tokens`` padded tokens (rows x longest row, length-sorted rows), so a
-    micro-batch of the longest prompts is split further and the workspace bound holds for any length mix;
-    sizing the row count by the mean keeps the typical micro-batch near PREFILL_TOKENS tokens (with the
-    max, one 425-token outlier of MT-Bench made every prefill micro-batch 8 rows, ~900 tokens).
+    A divisor only when it is near c: a divisor far below it (mu = 334 = 2 x 167 with c = 97 gave 2-row chunks, 167
+    per micro-batch and layer, each paying its launches) makes prefill host-bound. The executor also caps each
+    prefill micro-batch at ``Policy.prefill_tokens`` padded tokens (rows x longest row, length-sorted rows), so a
+    micro-batch of the longest prompts is split further and the workspace bound holds for any length mix; sizing the
+    row count by the mean keeps the typical micro-batch near PREFILL_TOKENS tokens (with the max, one 425-token
+    outlier of MT-Bench made every prefill micro-batch 8 rows, ~900 tokens).
     """
     s = max(1, int(-(-prompt_len // 1)))
-    best = 1
-    for d in range(1, mu + 1):
-        if mu % d == 0 and d * s <= prefill_tokens:
-            best = d
-    return best
+    cap = max(1, min(mu, prefill_tokens // s))
+    best = max(d for d in range(1, cap + 1) if mu % d == 0)
+    return best if 2 * best >= cap else cap
 
 
 def _spread_resident(spec: MoESpec, total: int) -> tuple[int, ...]:

@@ -304,10 +304,12 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.mb_moe[m] = hrm.gpu_layer_time(spec, hw, m, False, dt, q, g)
         C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q, g)
         C.head[m] = hrm.gpu_head_time(spec, hw, m, m, dt)
-        k = m // p  # prefill micro-batches per decode micro-batch
-        C.pre_moe[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, False, dt, q, g, prefill=True) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
-        C.pre_dense[m] = k * (hrm.gpu_layer_time(spec, hw, p * s, True, dt, q, g, prefill=True) + hrm.gpu_prefill_attention_time(spec, hw, p, s, dt))
-        C.pre_head[m] = k * hrm.gpu_head_time(spec, hw, p, p * s, dt)
+        chunks = hrm.prefill_micro_batches(m, p)  # prefill micro-batches per decode micro-batch: (count, rows)
+        C.pre_moe[m] = sum(k * (hrm.gpu_layer_time(spec, hw, r * s, False, dt, q, g, prefill=True)
+                                + hrm.gpu_prefill_attention_time(spec, hw, r, s, dt)) for k, r in chunks)
+        C.pre_dense[m] = sum(k * (hrm.gpu_layer_time(spec, hw, r * s, True, dt, q, g, prefill=True)
+                                  + hrm.gpu_prefill_attention_time(spec, hw, r, s, dt)) for k, r in chunks)
+        C.pre_head[m] = sum(k * hrm.gpu_head_time(spec, hw, r, r * s, dt) for k, r in chunks)
         slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
         C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q), workload.sampling)
         # the exact model takes max(chunk temporaries, head); the MILP charges their sum (linear, never smaller)
