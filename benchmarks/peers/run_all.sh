@@ -15,7 +15,8 @@
 # PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width),
 # NPL (llama-batched-bench -npl, default run_llama_cpp.py's 256,128,...,1), HARDWARE (ours: the job's hardware
 # profile, e.g. lightning_moe/policy/profiles/h100-host.yaml; default the host's cached profile or its card's preset),
-# HEADROOMS (accelerate: one run per value, max_memory = CAP minus it; default 3GiB).
+# HEADROOMS (accelerate: one run per value, max_memory = CAP minus it; default 3GiB), PREBUILT (a tarball of
+# llama.cpp's CUDA binaries, bin/ and lib/; used when present and it runs, else the source build).
 # SMOKE=1: the same steps on this CPU machine with a tiny checkpoint (2 layers, width 128), a CPU build of llama.cpp,
 # 40 requests, gen 8 and 16: proves the scripts and parsers, its numbers are not results.
 set -uo pipefail
@@ -50,8 +51,28 @@ step_setup() {   # wheels the host lacks into /tmp/site (no resolver, torch's ow
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h "$WORK" | tail -1; nproc; free -g | head -2
   python3 -c "import torch, transformers, accelerate, deepspeed; print(torch.__version__, transformers.__version__, accelerate.__version__, deepspeed.__version__)"
 }
+PREBUILT=${PREBUILT:-.carry/peers/llama-prebuilt-cuda13-sm90.tar.xz}  # CUDA 13 / sm_90 binaries built elsewhere
+use_prebuilt() {  # unpack them and run one; any failure: build from source instead
+  [[ $MODE == cuda && -f $PREBUILT ]] || return 1
+  local dst=build/peers/llama-build-cuda lib
+  lib=$(python3 -c "import importlib.util, pathlib, sys
+s = importlib.util.find_spec('nvidia')
+for r in (s.submodule_search_locations if s else []):
+    for h in sorted(pathlib.Path(r).rglob('libcublas.so.13*')):
+        print(h.parent); sys.exit()") || return 1
+  [[ -n $lib ]] || return 1
+  mkdir -p "$dst" && tar xJf "$PREBUILT" -C "$dst" || return 1
+  echo "$lib" > build/peers/cublas-libdir
+  if LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$dst/bin/llama-batched-bench" --list-devices 2>&1 \
+      | tee "$OUT/prebuilt-check.log" | grep -q CUDA0; then
+    log "llama.cpp: the prebuilt binaries of $PREBUILT run ($(grep -m1 CUDA0 "$OUT/prebuilt-check.log"))"; return 0
+  fi
+  log "llama.cpp: the prebuilt binaries do not run here ($OUT/prebuilt-check.log): building from source"
+  rm -rf "$dst" build/peers/cublas-libdir; return 1
+}
 step_build() {   # in the background: ckpt/convert run beside it; convert's Q4_0 waits for it
   if [[ -x build/peers/llama-build-$MODE/bin/llama-batched-bench ]]; then return; fi
+  use_prebuilt && return
   log "llama.cpp CUDA build started (log $OUT/build.log)"
   PEERS_DIR=build/peers bash $P/build_llama_cpp.sh "${BUILD[@]}" > "$OUT/build.log" 2>&1 &
   BUILD_PID=$!
