@@ -4,6 +4,7 @@ against an independent count, the CPU plan, the report's predicted block on a CP
 import collections
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -370,6 +371,25 @@ def test_cached_profile_is_reused(tmp_path, monkeypatch):
     with open(cpu_plan.cpu_profile_path(), "w") as f:
         yaml.safe_dump(old, f)
     assert cpu_plan.cpu_profile() == first and len(calls) == 2
+
+
+def test_measuring_message_goes_to_the_stderr_of_the_call(tmp_path, monkeypatch):
+    """The first-use measurement's message goes to sys.stderr as it is when called. A default bound at import (the
+    old ``log=sys.stderr``) kept the stream of whichever pytest capture imported the module: closed later, it made
+    test_cached_profile_is_reused fail after the planner tests in one process."""
+    import io
+
+    from lightning_moe.app import cpu_plan
+    from lightning_moe.pipeline import cpu_profile as measure
+
+    monkeypatch.delenv("LIGHTNING_MOE_CPU_PROFILE")
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure, "measure_cpu_profile",
+                        lambda name="cpu", directory="": dataclasses.replace(_prof(), machine=measure.machine_key()))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    cpu_plan.cpu_profile()
+    assert "measuring this machine's CPU rates" in err.getvalue()
 
 
 @pytest.mark.parametrize("load,noted", [(0.4, False), (1.0, True), (3.5, True)])

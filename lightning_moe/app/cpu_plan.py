@@ -56,7 +56,7 @@ def cpu_profile(log=None):
     """The CPU profile the prediction uses: ``$LIGHTNING_MOE_CPU_PROFILE``'s YAML; else this machine's cached
     measurement (:func:`cpu_profile_path`); else (none, or one that no longer loads: an older version's fields) measured
     now and cached (:func:`measure_and_cache`)."""
-    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    log = sys.stderr if log is None else log
     from ..policy.cpu_hrm import CpuProfile
 
     env = os.environ.get(CPU_PROFILE_ENV)
@@ -76,7 +76,7 @@ def cpu_profile(log=None):
 def cpu_estimate(job, spec, workload, policy=None, log=None):
     """The CPU executor's estimate (policy.cpu_hrm.estimate_cpu) of a generation job: serial batches of
     ``job.batch_size``, or cgopipe's ``policy``; None for a scoring job (not modelled)."""
-    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    log = sys.stderr if log is None else log
     from ..policy.cpu_hrm import estimate_cpu
 
     if workload.scoring:
@@ -101,7 +101,7 @@ def cpu_predicted_report(est) -> dict:
 def plan_cpu_job(job, spec, workload, weight_quant: str, log=None):
     """``policy: auto`` of a cgopipe job on the CPU: policy.cpu_hrm.plan_cpu for this machine's profile, under the
     job's ``cpu_memory`` (else the machine's memory). Returns (Policy, CpuEstimate)."""
-    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    log = sys.stderr if log is None else log
     from ..policy.cpu_hrm import plan_cpu
 
     dt = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[job.dtype]

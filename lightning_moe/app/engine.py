@@ -728,7 +728,7 @@ def _report(run: JobRun, spans: Optional[list]) -> None:
 def follow_job(job: Job, log=None) -> None:
     """Processes 1..G-1: the work process 0 sends (:func:`share_work`), run batch by batch with the job's executor,
     nothing written."""
-    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    log = sys.stderr if log is None else log
     prep = Prepared(job)
     ids, partials = share_work([], {})
     if not ids:

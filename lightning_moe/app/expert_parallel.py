@@ -59,7 +59,7 @@ def run_expert_parallel(job: Job, lead, follow, progress: bool = True, log=None)
     """Start ``job.gpus`` processes for ``job`` and wait for them; returns process 0's report (as saved). Process 0
     calls ``lead(job, progress=...)`` (engine.run_job), the others ``follow(job)`` (engine.follow_job). A process
     that fails ends the others (torch.multiprocessing.spawn) and its exception is raised here."""
-    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    log = sys.stderr if log is None else log
     import torch.multiprocessing as mp
 
     from ..model.tiny import resolve_model_path

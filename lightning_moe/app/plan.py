@@ -309,7 +309,7 @@ def cpu_prediction(job, prep, jplan=None, log=None):
     """The CPU estimate a run of a generation job on the CPU reports: its cgopipe plan's (``jplan``), else the serial
     executor's for the job's batches; None off the CPU, for scoring, or with no valid request. Measures and caches
     the CPU profile on first use (before anything of the run is timed)."""
-    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    log = sys.stderr if log is None else log
     if not is_cpu_job(job) or job.task != "generate" or not any(t.error is None for t in prep.treqs):
         return None
     if jplan is not None:
