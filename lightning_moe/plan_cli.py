@@ -367,20 +367,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cache_gpu_profile(prof, header: str) -> Optional[str]:
-    """Copy a profile measured on CUDA to this host's cache (app.plan.gpu_profile_path), where jobs that name no
+    """Copy a profile measured on CUDA to this host's cache (app.plan.save_gpu_profile), where jobs that name no
     hardware find it; returns the path, or None without CUDA (then the GPU fields are a preset's, not measured)."""
     from .app.gpu import device_name
-    from .app.plan import gpu_profile_path
+    from .app.plan import save_gpu_profile
 
     name = device_name("cuda")
-    if name is None:
-        return None
-    path = gpu_profile_path(name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    prof.save(tmp, header=header)
-    os.replace(tmp, path)
-    return path
+    return None if name is None else save_gpu_profile(prof, name, header)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -154,7 +154,7 @@ def test_profile_command_cpu_only(tmp_path, monkeypatch, capsys):
 
 def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
     """`moe-batch plan JOB.yaml --set key=value` plans the overridden job (here a smaller GPU budget); a note says when
-    the job names no hardware (the h200 preset) and when its executor takes no policy (serial); --set without a job
+    the job names no hardware (no CUDA here: the h200 preset) and when its executor takes no policy (serial); --set without a job
     is an error."""
     import yaml
 
@@ -165,7 +165,7 @@ def test_plan_job_takes_set_overrides(capsys, tiny_dir, tmp_path):
                                    "dtype": "float32", "executor": "cgopipe", "output": {"path": str(tmp_path / "o.jsonl")}}))
     assert run(["plan", str(job), "--set", "gpu_memory=2GiB"]) == 0
     out = capsys.readouterr().out
-    assert "/ budget 2.0 GiB" in out and "the job names no hardware: planned for the h200 preset" in out
+    assert "/ budget 2.0 GiB" in out and "names no hardware and this machine has no CUDA device: planned for the h200 preset" in out
     assert "takes no policy" not in out  # a cgopipe job runs the plan
     assert run(["plan", str(job), "--set", "executor=serial", "--set", "hardware=l4"]) == 0
     out = capsys.readouterr().out

@@ -314,39 +314,65 @@ def test_preset_for_device_name_matches_whole_words(name, preset):
     assert gpu.preset_for_device_name(name) == preset
 
 
-def test_job_without_hardware_plans_with_its_devices_preset(tmp_path, tiny_dir, monkeypatch, capsys):
-    """A cuda job that names no hardware plans with the preset of its card's family (an L4: the l4 preset's PCIe and
-    GEMM rates, not the h200's) and the card's memory, and says so; `moe-batch plan JOB.yaml` plans the same way; a
-    job's hardware wins, and a card no preset names plans with the h200 preset."""
+def test_job_without_hardware_on_cuda_measures_this_host_once(tmp_path, tiny_dir, monkeypatch, capsys):
+    """A cuda job that names no hardware, on a host with no measured profile, measures the host (profile_host over
+    the preset of its card's family, with the card's memory), caches it and plans with it; the next job loads the
+    cache without measuring; `moe-batch plan JOB.yaml` plans the same way; a job's hardware wins (nothing measured);
+    a failed measurement plans with the family's preset and says so; with no CUDA here, the h200 preset."""
+    import dataclasses
+
     import yaml
 
     from lightning_moe.config import job_from_dict, load_job
     from lightning_moe.policy.hardware import get_preset
 
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
     card = int(22.5 * GiB)
     monkeypatch.setattr(plan, "device_memory", lambda device: card if device.startswith("cuda") else None)
     monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L4" if device.startswith("cuda") else None)
+    calls = []
+
+    def fake_profile_host(gpu_preset, gpu_memory, **kw):
+        calls.append((gpu_preset, gpu_memory))
+        return dataclasses.replace(get_preset(gpu_preset), name="measured", gpu_memory=gpu_memory, pcie_h2d=11e9)
+
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", fake_profile_host)
     keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
             "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
             "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
     job = job_from_dict(keys, "t.yaml")
-    hw = plan.job_hardware(job)
-    assert (hw.name, hw.gpu_memory, hw.pcie_h2d) == ("l4", card, get_preset("l4").pcie_h2d)
-    assert plan.hardware_note(job, hw) == ("note: the job names no hardware: planned for the l4 preset (device: "
-                                           "NVIDIA L4); `moe-batch profile` measures this host (~30 s, once) and "
-                                           "later jobs plan with it")
-    assert plan.plan_job(job, plan.Prepared(job)).gpu_budget == card
     named = job_from_dict({**keys, "hardware": "t4"}, "t.yaml")
     assert plan.job_hardware(named).name == "t4" and plan.hardware_note(named, plan.job_hardware(named)) is None
-    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L40S")
-    assert plan.job_hardware(job).name == "h200"
-    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L4")
+    assert calls == [] and plan.cached_gpu_profile(job) is None
+    hw = plan.job_hardware(job)
+    assert calls == [("l4", card)] and (hw.name, hw.gpu_memory, hw.pcie_h2d) == ("measured", card, 11e9)
+    cached = plan.gpu_profile_path("NVIDIA L4")
+    assert "measuring it now" in capsys.readouterr().err and plan.cached_gpu_profile(job) == cached
+    assert plan.hardware_note(job, hw) == (f"note: the job names no hardware: planned with this host's measured "
+                                           f"profile {cached} (moe-batch profile)")
+    assert plan.job_hardware(job).pcie_h2d == 11e9 and len(calls) == 1  # the cache, not a second measurement
+    assert plan.plan_job(job, plan.Prepared(job)).gpu_budget == card
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(keys))
     assert load_job(str(path)).hardware is None
     assert cli.main(["plan", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "planned for the l4 preset (device: NVIDIA L4)" in out and "hardware  l4" in out
+    assert f"planned with this host's measured profile {cached}" in out and "hardware  measured" in out
+    assert len(calls) == 1
+    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L40S" if device.startswith("cuda") else None)
+
+    def failing(**kw):
+        raise RuntimeError("CUDA error: out of memory\nmore")
+
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", failing)
+    hw = plan.job_hardware(job)  # a card no preset names, whose measurement fails: the h200 preset, its memory
+    assert (hw.name, hw.gpu_memory) == ("h200", card) and plan.cached_gpu_profile(job) is None
+    assert "measuring this host failed (RuntimeError: CUDA error: out of memory)" in capsys.readouterr().err
+    assert plan.hardware_note(job, hw).endswith("planned for the h200 preset (device: NVIDIA L40S; measuring this "
+                                                "host failed)")
+    monkeypatch.setattr(plan, "device_name", lambda device: None)  # no CUDA here: a plan for another machine
+    hw = plan.job_hardware(job)
+    assert hw.name == "h200" and "has no CUDA device: planned for the h200 preset" in plan.hardware_note(job, hw)
 
 
 def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(tmp_path, tiny_dir, monkeypatch, capsys):
@@ -369,7 +395,7 @@ def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(t
             "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
             "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
     job = job_from_dict(keys, "t.yaml")
-    assert plan.cached_gpu_profile(job) is None and plan.job_hardware(job).name == "h100"
+    assert plan.cached_gpu_profile(job) is None
     measured = dataclasses.replace(get_preset("h100"), name="measured", pcie_h2d=12.5e9)
     monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", lambda **kw: measured)
     args = argparse.Namespace(cpu=False, expert_shapes=None, name="measured", gpu_preset="h200", gpu_memory=None,
@@ -383,7 +409,7 @@ def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(t
                                            f"profile {cached} (moe-batch profile)")
     assert plan.job_hardware(job_from_dict({**keys, "hardware": "t4"}, "t.yaml")).name == "t4"
     card[0] = lambda device: "NVIDIA L4" if device.startswith("cuda") else None
-    assert plan.cached_gpu_profile(job) is None and plan.job_hardware(job).name == "l4"
+    assert plan.cached_gpu_profile(job) is None  # another card: not this profile (a job would measure the L4)
     card[0] = lambda device: None  # no CUDA: moe-batch profile writes only --output (its GPU fields are a preset's)
     args.output = str(tmp_path / "cpu-only.yaml")
     assert plan_cli.cmd_profile(args) == 0 and "cached as" not in capsys.readouterr().out
@@ -397,6 +423,12 @@ def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_p
 
     monkeypatch.setattr(plan, "device_memory", lambda device: 22 * GiB)
     monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA L4")
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+
+    def failing(**kw):  # this host's measurement fails: the job plans with its card's preset
+        raise RuntimeError("no measurement in this test")
+
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", failing)
     keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
             "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
             "executor": "cgopipe", "generation": {"max_new_tokens": 8}}

@@ -18,8 +18,9 @@ def cuda_index(device: str) -> int:
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
-# the preset a job that names no hardware plans with, by a word of its CUDA device's name ("NVIDIA L4", "Tesla T4",
-# "NVIDIA A100-SXM4-80GB"; an L40S matches none): datasheet rates of that card's family
+# the preset under a job's measured profile (its unmeasured fields; the whole profile where measuring fails), by a
+# word of its CUDA device's name ("NVIDIA L4", "Tesla T4", "NVIDIA A100-SXM4-80GB"; an L40S matches none):
+# datasheet rates of that card's family
 PRESET_BY_DEVICE_NAME = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-40g"), ("l4", "l4"), ("t4", "t4"))
 
 

@@ -166,23 +166,56 @@ def cached_gpu_profile(job) -> Optional[str]:
     return path if path and os.path.isfile(path) else None
 
 
-def job_hardware(job):
+def job_hardware(job, log=None):
     """The hardware profile a cgopipe job plans and runs with: its ``hardware`` (a preset or a profile YAML); else, on
-    CUDA, this host's profile cached by ``moe-batch profile`` (:func:`cached_gpu_profile`); else the preset of the
-    device's family by its name (``gpu.PRESET_BY_DEVICE_NAME``) with the device's memory; else the h200 preset.
-    :func:`hardware_note` says which, when the job names none."""
+    CUDA, this host's profile cached by ``moe-batch profile`` (:func:`cached_gpu_profile`), measured now and cached
+    when there is none (:func:`measure_gpu_profile`, once per card and CPU); else (no CUDA here: a plan made on
+    another machine) the h200 preset. :func:`hardware_note` says which, when the job names none."""
     from ..policy.hardware import HardwareProfile, get_preset, resolve_hardware
 
     if getattr(job, "hardware", None):
         return resolve_hardware(job.hardware)
+    name = device_name(job.device)
+    if name is None:
+        return get_preset("h200")
     cached = cached_gpu_profile(job)
     if cached:
         return HardwareProfile.load(cached)
-    name = device_name(job.device)
-    preset = preset_for_device_name(name) if name else None
-    if preset is None:
-        return get_preset("h200")
-    return dataclasses.replace(get_preset(preset), gpu_memory=device_memory(job.device))
+    return measure_gpu_profile(job.device, name, log)
+
+
+def measure_gpu_profile(device: str, name: str, log=None):
+    """Measure this host as ``moe-batch profile`` does (PCIe, GEMM, HBM, the expert kernels, CPU attention, the
+    executor's host issue times; ~30 s), cache it for the card ``name`` (:func:`save_gpu_profile`) and return it.
+    Unmeasured fields come from the preset of the card's family (``gpu.PRESET_BY_DEVICE_NAME``, else h200); the GPU
+    memory is the card's. Where the measurement itself fails, that preset, with a line saying so."""
+    from ..pipeline.profiler import profile_host
+    from ..policy.hardware import get_preset
+
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    preset = preset_for_device_name(name) or "h200"
+    print(f"moe-batch: this host's {name} has no measured profile yet: measuring it now (~30 s, once; later jobs "
+          f"plan with {gpu_profile_path(name)}; a job's `hardware:` skips this)", file=log, flush=True)
+    try:
+        prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None)
+    except (RuntimeError, ValueError, OSError) as e:  # torch's CUDA errors are RuntimeErrors
+        print(f"moe-batch: measuring this host failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); planning "
+              f"with the {preset} preset", file=log, flush=True)
+        return dataclasses.replace(get_preset(preset), gpu_memory=device_memory(device))
+    save_gpu_profile(prof, name, f"moe-batch profile (first job on this host), {prof.date}\nhost: {prof.host}\n"
+                     f"{prof.source}")
+    return prof
+
+
+def save_gpu_profile(prof, name: str, header: str) -> str:
+    """Write ``prof`` (measured on the CUDA card ``name``) to this host's cache (:func:`gpu_profile_path`), where jobs
+    that name no hardware find it; returns the path."""
+    path = gpu_profile_path(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    prof.save(tmp, header=header)
+    os.replace(tmp, path)
+    return path
 
 
 def job_gpu_budget(job, hw) -> int:
@@ -192,16 +225,18 @@ def job_gpu_budget(job, hw) -> int:
 
 
 def hardware_note(job, hw) -> Optional[str]:
-    """A line for a job that names no hardware: the profile :func:`job_hardware` took, and the device's name."""
+    """A line for a job that names no hardware: the profile :func:`job_hardware` took."""
     if getattr(job, "hardware", None):
         return None
     cached = cached_gpu_profile(job)
     if cached:
         return f"note: the job names no hardware: planned with this host's measured profile {cached} (moe-batch profile)"
     name = device_name(job.device)
-    return (f"note: the job names no hardware: planned for the {hw.name} preset"
-            + (f" (device: {name})" if name else "") + "; `moe-batch profile` measures this host (~30 s, once) "
-            "and later jobs plan with it")
+    if name is None:
+        return (f"note: the job names no hardware and this machine has no CUDA device: planned for the {hw.name} "
+                f"preset; on the GPU host the job plans with that host's measured profile")
+    return (f"note: the job names no hardware: planned for the {hw.name} preset (device: {name}; measuring this "
+            f"host failed)")
 
 
 def policy_for_job(job, prep, hw=None):
