@@ -14,7 +14,7 @@
 # DEADLINE (seconds this call may use, default 570; each run step gets the time left as its timeout),
 # PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width),
 # NPL (llama-batched-bench -npl, default run_llama_cpp.py's 256,128,...,1), HARDWARE (ours: the job's hardware
-# profile, e.g. lightning_moe/policy/profiles/h100-host.yaml; default the host's cached profile or its card's preset),
+# profile, e.g. lightning_moe/policy/profiles/h100-host.yaml; default the host's measured profile, measured once by the first job),
 # HEADROOMS (accelerate: one run per value, max_memory = CAP minus it; default 3GiB), PREBUILT (a tarball of
 # llama.cpp's CUDA binaries, bin/ and lib/; used when present and it runs, else the source build).
 # SMOKE=1: the same steps on this CPU machine with a tiny checkpoint (2 layers, width 128), a CPU build of llama.cpp,

@@ -9,8 +9,8 @@ job (a fresh run, not a resume), runs ``moe-batch run`` in a subprocess (``pytho
 ``end_to_end_tokens_per_s`` (generated tokens over warm-up + prefill + decode; load, model files and planning are
 outside, as the peers' load is), ``N`` the planner's sequences per batch; ``extra.predicted`` is the report's
 ``predicted`` block (the HRM's tokens/s per phase, binding stages, the hardware profile it planned with). Without
-``--hardware`` a fresh GPU host plans with its card's preset, which carries no host-issue times (``moe-batch plan``
-says so): pass a measured profile (``moe-batch profile`` output, or ``lightning_moe/policy/profiles/*.yaml``).
+``--hardware`` the job plans with the host's measured profile: the first job on a fresh GPU host measures it
+(~30 s, before the job's timed phases) and caches it, as ``moe-batch profile`` does.
 
 The checkpoint decides the weights: a ``moe-batch quantize --experts int4`` output is ``int4`` (``--weights``
 labels it; default: the scheme in the config's ``quantization`` block, else the dtype).
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--executor", default="cgopipe")
     ap.add_argument("--hardware", default=None, help="the job's hardware: a preset name or a profile YAML "
-                    "(default: none, the host's cached profile or its card's preset)")
+                    "(default: none, the host's measured profile, measured by the first job)")
     ap.add_argument("--weights", default=None, help="label: bf16 / int4 (default: from the checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="passed to moe-batch run as --set KEY=VALUE")
     ap.add_argument("--mtbench", default=None, help="MT-Bench question.jsonl (default: see common.mtbench_file)")
