@@ -164,8 +164,7 @@ class AttentionPlacement:
         if self.gpu_attention == "triton":
             sinks = self._gpu_sinks[l] if self.sinks else None
             return mb.kv.append_attend_triton(l, q, k, v, mb.pos, sliding_window=sw, sinks=sinks)
-        rows = torch.arange(len(mb.rows))
-        mb.kv.append(l, rows, k, v)
+        mb.kv.append_all(l, k, v, mb.pos)  # one scatter per K and V at the device positions
         attend = self.family.decode_attention
         if self.sinks:  # gpt-oss: the family's attention takes the layer's weights (its sinks)
             lw = self._layers[l]

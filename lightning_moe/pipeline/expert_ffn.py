@@ -172,27 +172,37 @@ class GroupedExpertFFN:
     def __init__(self, paging: ExpertPaging, device: torch.device, choice: Optional[KernelChoice] = None):
         self.paging, self.device = paging, device
         self.choice = choice or KernelChoice("triton")
+        self._maps: dict = {}  # (layer, paged, resident) -> _local_ids
 
     def for_visit(self, lx: LayerExperts) -> ExpertFFN:
         """The FFN over ``lx``'s experts."""
-        is_paged, row = self.paging.index_tensors(lx.layer, self.device)  # [E] bool, [E] row in its group
-        groups = [(g, m) for g, m in ((lx.paged, is_paged), (lx.resident, ~is_paged)) if g["w1"].shape[0] > 0]
+        groups = [(g, m) for g, m in zip((lx.paged, lx.resident), self._local_ids(lx)) if g["w1"].shape[0] > 0]
         choice, gmm_ok = self.choice, {}
 
         def ffn(h, ew, w, ids):
             out = None
-            for i, (g, member) in enumerate(groups):
+            for i, (g, local_of) in enumerate(groups):
                 if i not in gmm_ok:  # once per visit and group: can grouped_mm take these operands?
                     gmm_ok[i] = grouped_mm_unsupported(h, g["w1"], g["w3"], g["w2"]) is None
                 kind = choice(h.shape[0], gmm_ok[i])
-                sel = member[ids]  # [T, k] expert of this slot lives in group g
-                # the group's row, or its expert count: the slot's expert is in the other group (skip: not computed)
-                local = torch.where(sel, row[ids], torch.full_like(ids, g["w1"].shape[0]))  # [T, k]
+                local = local_of[ids]  # [T, k] each slot's row in group g, or g's skip id
                 y = _grouped_call(kind, h, g["w1"], g["w3"], g["w2"], w, local, skip=True)
                 out = y if out is None else out + y
             return out
 
         return ffn
+
+    def _local_ids(self, lx: LayerExperts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(paged, resident): int64 [E] on the device, expert -> its row in that group's stack, or the group's expert
+        count (the skip id: the expert is in the other group, not computed by that group's call). Made once per layer
+        (the paging map is fixed), so a call indexes one map per group instead of building it from the ids."""
+        P, R = lx.paged["w1"].shape[0], lx.resident["w1"].shape[0]
+        key = (lx.layer, P, R)
+        if key not in self._maps:
+            is_paged, row = self.paging.index_tensors(lx.layer, self.device)  # [E] bool, [E] row in its group
+            self._maps[key] = (torch.where(is_paged, row, torch.full_like(row, P)),
+                               torch.where(is_paged, torch.full_like(row, R), row))
+        return self._maps[key]
 
 
 class GroupedQuantExpertFFN:

@@ -189,6 +189,7 @@ class GroupedKVCache:
             self.row_base[r] = group_base[gi] + torch.arange(len(r)) * Hkv * S
             self.row_cap[r] = S
         self._row_meta_dev: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._head_base_dev: Optional[torch.Tensor] = None  # append_all's [B, Hkv] block starts, on the device
         self.sliding_window = spec.sliding_window
 
     def _group_rows(self, final_lengths: Sequence[int], device, pin: bool, max_groups: int) -> tuple[torch.device, bool]:
@@ -219,7 +220,32 @@ class GroupedKVCache:
         self._identity = len(groups) == 1 and torch.equal(self.rows[0], torch.arange(B))  # one group, caller order
         self.lengths = torch.zeros(B, dtype=torch.int64)  # valid positions per row, caller order (host tensor)
         self.max_len = max(self.sizes)  # longest final length of any row
+        # per-step caches, keyed by the lengths' values (the same for every layer of a decode step)
+        self._group_lengths: Optional[tuple[list[int], list[torch.Tensor]]] = None  # group_lengths()
+        self._attend_plan: Optional[tuple[list[int], list[tuple[torch.Tensor, int]]]] = None  # _plan()
         return dev, pin
+
+    def group_lengths(self) -> list[torch.Tensor]:
+        """Per group g, its rows' :attr:`lengths` (host int64 [B_g], slot order): the native kernels' ``lengths``.
+        Made once per decode step, not per layer: reused while :attr:`lengths` holds the same values (read-only)."""
+        now = self.lengths.tolist()
+        if self._group_lengths is None or self._group_lengths[0] != now:
+            self._group_lengths = (now, [self.lengths[r] for r in self.rows])
+        return self._group_lengths[1]
+
+    def _plan(self, new_lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """Per group g of :meth:`attend`: (its rows' ``new_lengths`` int64 [B_g] on the cache's device, upto_g =
+        bucket_len(max, S_g)). Made once per decode step, not per layer: reused while ``new_lengths`` (host) holds
+        the same values, so a layer's attention copies no lengths to the device and reads none on the host."""
+        now = new_lengths.tolist()
+        if self._attend_plan is None or self._attend_plan[0] != now:
+            plan = []
+            for rows, S in zip(self.rows, self.sizes):
+                len_g = new_lengths[rows]  # [B_g] host
+                upto = bucket_len(int(len_g.max()), S)
+                plan.append((len_g.to(self.device, non_blocking=True), upto))  # pageable H2D: staged, no sync
+            self._attend_plan = (now, plan)
+        return self._attend_plan[1]
 
     def _group_views(self, flat: torch.Tensor, group_base: list[int], hd: int) -> list[torch.Tensor]:
         """Group g's ``[B_g, Hkv, S_g, hd]`` view of one layer's flat array (contiguous)."""
@@ -308,6 +334,21 @@ class GroupedKVCache:
             self.k[layer][g][slots, :, p] = k.index_select(0, sel).to(self.device)
             self.v[layer][g][slots, :, p] = v.index_select(0, sel).to(self.device)
 
+    def append_all(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """:meth:`append` of every row in the caller's order, as one scatter per K and V into the layer's flat arrays
+        (no per-group index, copy or host read of the positions): k, v [B, Hkv, hd] on the cache's device, ``pos``
+        int64 [B] on that device, each row's position (equal to :attr:`lengths`: CGOPipe's ``MicroBatch.pos``).
+        Raises ValueError if a row is full (checked on the host lengths)."""
+        if bool((self.lengths >= self.row_cap).any()):
+            raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
+        if self._head_base_dev is None:  # [B, Hkv] first hd-vector of each (row, KV head) block
+            heads = torch.arange(self.num_kv_heads, dtype=torch.int64)
+            self._head_base_dev = (self.row_base[:, None] + heads[None, :] * self.row_cap[:, None]).to(self.device)
+        idx = self._head_base_dev + pos[:, None]  # [B, Hkv] hd-vector of each (row, head)'s new position
+        hd = k.shape[-1]
+        self.k_flat[layer].view(-1, hd)[idx] = k
+        self.v_flat[layer].view(-1, hd)[idx] = v
+
     def _append_parts(self, rows: torch.Tensor, src: torch.device) -> list:
         """Per group g holding some of ``rows``: (g, the rows' indexes into the appended tensors (on ``src``), their
         slots and positions in group g (on the cache's device)). Raises ValueError if a row's group is full."""
@@ -360,7 +401,7 @@ class GroupedKVCache:
 
             # one native call for all groups (one parallel region, longest rows first)
             return decode_attention_append_groups(q, k, v, self.rows, self.k[layer], self.v[layer],
-                                                  [self.lengths[r] for r in self.rows], out, sw, sinks=sinks)
+                                                  self.group_lengths(), out, sw, sinks=sinks)
         self.append(layer, torch.arange(B), k, v)
         if sinks is None:
             attend = lambda qg, K, V, n: cpu_decode_attention(qg, K, V, n, sw)  # noqa: E731
@@ -401,13 +442,14 @@ class GroupedKVCache:
 
         For each group g: ``fn(q_g, K_g[:, :, :upto_g], V_g[:, :, :upto_g], len_g)`` with q_g = q's rows of
         the group [B_g, Hq, hd] (on q's device), K_g, V_g the group's cache [B_g, Hkv, upto_g, hd] (views),
-        len_g int64 [B_g] (host) and upto_g = bucket_len(max(len_g), S_g); ``fn`` returns [B_g, Hq*hd]
+        len_g int64 [B_g] on the cache's device (made once per decode step: :meth:`_plan`) and upto_g =
+        bucket_len(max(len_g), S_g); ``fn`` returns [B_g, Hq*hd]
         (e.g. ``cpu_decode_attention`` or ``model.layers.decode_attention`` with the sliding window bound).
 
         Args:
             layer: decoder layer.
             q: [B, Hq, hd] queries in the caller's row order (any float dtype, on the cache's device).
-            new_lengths: int64 [B] host tensor, valid positions per row including the new token (the
+            new_lengths: int64 [B] (host), valid positions per row including the new token (the
                 new token's k/v already appended), each in 1..S_g of its row's group.
         Returns:
             [B, Hq*hd] in ``fn``'s output dtype, on ``fn``'s output device, rows in the caller's order.
@@ -424,13 +466,11 @@ class GroupedKVCache:
         if q.shape[0] != B or new_lengths.shape != (B,):
             raise ValueError(f"{type(self).__name__}.attend: q {tuple(q.shape)} / new_lengths "
                              f"{tuple(new_lengths.shape)} do not have the cache's {B} rows")
-        new_lengths = new_lengths.cpu()
+        plan = self._plan(new_lengths.cpu())
         if self._identity:
-            return fn_g(0, q, bucket_len(int(new_lengths.max()), self.sizes[0]), new_lengths)
+            return fn_g(0, q, plan[0][1], plan[0][0])
         out: Optional[torch.Tensor] = None
-        for g, (rows, S) in enumerate(zip(self.rows, self.sizes)):
-            len_g = new_lengths[rows]
-            upto = bucket_len(int(len_g.max()), S)
+        for g, (rows, (len_g, upto)) in enumerate(zip(self.rows, plan)):
             idx = self._rows_dev[g] if q.device == self.device else rows.to(q.device)
             o = fn_g(g, q.index_select(0, idx), upto, len_g)
             if out is None:
@@ -501,7 +541,7 @@ class GroupedLatentKVCache(GroupedKVCache):
         """Latent decode attention of every row, group by group, back in the caller's row order: per group
         ``fn(q_g, lat_g[:, :upto_g], len_g)`` (the family's ``latent_attention`` with the spec bound) with q_g the
         group's rows of q_lat [B_g, Hq, kv_lora + rope], lat_g its latents [B_g, upto_g, kv_lora + rope] (a view) and
-        len_g int64 [B_g] (host). Returns [B, Hq, kv_lora] (``fn``'s output rows in the caller's order)."""
+        len_g int64 [B_g] on the cache's device. Returns [B, Hq, kv_lora] (``fn``'s output rows in the caller's order)."""
         lat = self.lat[layer]
         return self._attend_groups(q_lat, new_lengths, lambda g, qg, upto, n: fn(qg, lat[g][:, :upto], n))
 
@@ -529,7 +569,7 @@ class GroupedLatentKVCache(GroupedKVCache):
             if out is None:
                 out = torch.empty((B, q_lat.shape[1], self.kv_lora_rank), dtype=q_lat.dtype)
             return latent_attention_append_groups(q_lat, c, k_pe, self.rows, self.lat[layer],
-                                                  [self.lengths[r] for r in self.rows], out, self.softmax_scale)
+                                                  self.group_lengths(), out, self.softmax_scale)
         self.append(layer, self._all, c, k_pe)
         o = self.attend(layer, q_lat, self.lengths + 1, fn)  # [B, Hq, kv_lora]
         if out is None:
