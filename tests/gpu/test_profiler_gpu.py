@@ -46,3 +46,25 @@ def test_expert_kernel_flops_between_a_floor_and_the_gemm_peak():
     for kw, f in rates:
         assert 1e9 < f < 1.3 * peak, (kw, f / 1e12, peak / 1e12)
     print(f"grouped expert kernel at 4096 tokens: {f / 1e12:.0f} TFLOP/s, cuBLAS {peak / 1e12:.0f} TFLOP/s")
+
+
+def test_first_cuda_job_without_hardware_measures_this_host_once(tmp_path, tiny_dir, monkeypatch):
+    """A CUDA job that names no hardware, on a host with nothing cached, measures the host (app.plan.job_hardware ->
+    measure_gpu_profile: the real probes, host issue times included) and caches it; the next job loads the cache
+    (no second measurement: well under a second)."""
+    from lightning_moe.app import plan
+    from lightning_moe.config import job_from_dict
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": str(tmp_path / "p.jsonl")},
+                         "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+                         "executor": "cgopipe"}, "t.yaml")
+    assert plan.cached_gpu_profile(job) is None
+    hw = plan.job_hardware(job)
+    assert hw.name == "measured" and hw.host_issue_cpu_attn > 0 and hw.host_issue_gpu_attn > 0, hw
+    assert hw.gpu_name == torch.cuda.get_device_name() and hw.pcie_h2d > 1e9 and hw.expert_ffn_rates
+    assert plan.cached_gpu_profile(job) == plan.gpu_profile_path(torch.cuda.get_device_name())
+    t0 = time.perf_counter()
+    again = plan.job_hardware(job)
+    assert time.perf_counter() - t0 < 1.0 and again.host_issue_cpu_attn == hw.host_issue_cpu_attn
