@@ -29,6 +29,9 @@ OUT=${OUT:-/tmp/out}/peers
 LAYERS=${LAYERS:-4}; CAP=${CAP:-12GiB}; GENS=${GENS:-"128 32"}; REQUESTS=${REQUESTS:-2000}; MAXB=${MAXB:-256}
 DEADLINE=${DEADLINE:-570}; PRESET=${PRESET:-}   # empty: make_checkpoint's defaults, the Mixtral-8x7B width
 MODE=cuda; CKARGS=(--device cuda); OURS=(); LLAMA=(); HF=(); BUILD=()
+if [[ ${SMOKE:-0} == 1 && -n $PRESET ]]; then  # make_checkpoint.py takes no width flags beside a preset
+  echo "run_all.sh: SMOKE=1 writes a Mixtral-shaped tiny checkpoint; it does not take PRESET=$PRESET" >&2; exit 2
+fi
 if [[ ${SMOKE:-0} == 1 ]]; then
   WORK=${WORK%-work}-smoke; LAYERS=2; GENS=${GENS_SMOKE:-"16 8"}; REQUESTS=40; MAXB=8; MODE=cpu; DEADLINE=${DEADLINE_SMOKE:-1800}
   CKARGS=(--hidden 128 --intermediate 256 --heads 4 --kv-heads 2)
