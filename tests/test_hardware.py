@@ -252,3 +252,22 @@ def test_mxfp4_rate_probe_times_the_mxfp4_kernel_per_bucket(monkeypatch):
     assert got[0].triton == 0.0 and "failed (RuntimeError: no kernel here); rate 0" in lines[0]
     assert profiler.mxfp4_shapes_of(["gpt-oss-120b", "mixtral-8x7b", "gpt-oss-120b"]) == ((2880, 2880, 128, 4),)
     assert profiler.mxfp4_shapes_of(["mixtral-8x7b"]) == ()
+
+
+def test_one_shapes_expert_rates_as_moe_batch_profile_measures_them(monkeypatch):
+    """measure_shape_expert_ffn_rates (a job's missing entries, app.plan.with_model_expert_rates): `moe-batch
+    profile`'s probes over EXPERT_FFN_TOKENS for one shape in the given dtype: dense (the kernels measured on the CPU
+    here: grouped_mm and mm_loop), or MXFP4 pages at that dtype (activations and biases; a fake kernel here)."""
+    from lightning_moe.kernels import mxfp4
+
+    calls = []
+    monkeypatch.setattr(profiler, "_best_time", lambda fn, repeats, sync: (fn(), 0.5)[1])
+    monkeypatch.setattr(mxfp4, "fused_experts_mxfp4_triton", lambda x, pages, lay, w, ids, **kw:
+                        calls.append((x.dtype, lay.bias_dtype)))
+    dense = profiler.measure_shape_expert_ffn_rates((32, 48, 4, 2), "fp32", device="cpu")
+    assert [r.tokens for r in dense] == list(profiler.EXPERT_FFN_TOKENS)
+    assert {(r.shape, r.weights) for r in dense} == {((32, 48, 4, 2, "fp32"), "dense")}
+    assert all(r.grouped_mm > 0 or r.mm_loop > 0 for r in dense)
+    mx = profiler.measure_shape_expert_ffn_rates((64, 32, 4, 2), "fp16", "mxfp4", device="cpu")
+    assert {(r.shape, r.weights) for r in mx} == {((64, 32, 4, 2, "fp16"), "mxfp4")} and all(r.triton > 0 for r in mx)
+    assert calls == [(torch.float16, torch.float16)] * len(profiler.EXPERT_FFN_TOKENS)

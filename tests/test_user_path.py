@@ -337,6 +337,7 @@ def test_job_without_hardware_on_cuda_measures_this_host_once(tmp_path, tiny_dir
         return dataclasses.replace(get_preset(gpu_preset), name="measured", gpu_memory=gpu_memory, pcie_h2d=11e9)
 
     monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", fake_profile_host)
+    _FakeRateProbes(monkeypatch)  # plan_job adds the tiny model's expert FFN rates (tested below)
     keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
             "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
             "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
@@ -413,6 +414,166 @@ def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(t
     card[0] = lambda device: None  # no CUDA: moe-batch profile writes only --output (its GPU fields are a preset's)
     args.output = str(tmp_path / "cpu-only.yaml")
     assert plan_cli.cmd_profile(args) == 0 and "cached as" not in capsys.readouterr().out
+
+
+class _FakeRateProbes:
+    """Stands in for the expert-FFN rate probes of pipeline.profiler (no GPU here): records each call's (weights,
+    shapes, tokens, dtype, device) and returns one entry per bucket (dense: Triton 50, grouped_mm 80 TFLOP/s; MXFP4:
+    Triton 30); ``fail``: an exception to raise instead."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.fail = [], None
+        monkeypatch.setattr("lightning_moe.pipeline.profiler.measure_expert_ffn_rates", self.dense)
+        monkeypatch.setattr("lightning_moe.pipeline.profiler.measure_mxfp4_ffn_rates", self.mxfp4)
+
+    def _rates(self, weights, shapes, tokens, dtype, device, **rates):
+        from lightning_moe.policy.hardware import ExpertFFNRate
+
+        self.calls.append((weights, list(shapes), tuple(tokens), dtype, device))
+        if self.fail is not None:
+            raise self.fail
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+        return tuple(ExpertFFNRate(*shape, name, T, weights=weights, **rates) for shape in shapes for T in tokens)
+
+    def dense(self, shapes, tokens, dtype=None, device="cuda", repeats=5, seed=0, log=None):
+        return self._rates("dense", shapes, tokens, dtype, device, triton=50e12, grouped_mm=80e12)
+
+    def mxfp4(self, shapes, tokens, device="cuda", repeats=5, seed=0, log=None, dtype=torch.bfloat16):
+        return self._rates("mxfp4", shapes, tokens, dtype, device, triton=30e12)
+
+
+def _cuda_host_with_cached_profile(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3"):
+    """A fake CUDA host (every cuda device is the card ``name``, 80 GiB) whose cache holds a measured profile with
+    expert FFN rates of Mixtral-8x7B's shape only (what `moe-batch profile` measures by default); its path."""
+    import dataclasses
+
+    from lightning_moe.pipeline.profiler import EXPERT_FFN_TOKENS
+    from lightning_moe.policy.hardware import ExpertFFNRate, get_preset
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan, "device_name", lambda device: name if device.startswith("cuda") else None)
+    monkeypatch.setattr(plan, "device_memory", lambda device: 80 * GiB if device.startswith("cuda") else None)
+    mixtral = tuple(ExpertFFNRate(4096, 14336, 8, 2, "bf16", T, triton=100e12) for T in EXPERT_FFN_TOKENS)
+    prof = dataclasses.replace(get_preset("h100"), name="measured", expert_ffn_rates=mixtral)
+    return plan.save_gpu_profile(prof, name, "a test's measured profile")
+
+
+def _cgopipe_job(tmp_path, model, **keys):
+    from lightning_moe.config import job_from_dict
+
+    return job_from_dict({"model": model, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+                          "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+                          "executor": "cgopipe", "generation": {"max_new_tokens": 8}, **keys}, "t.yaml")
+
+
+def test_a_job_whose_expert_shape_the_hosts_profile_lacks_measures_it_once(tmp_path, tiny_dir, monkeypatch, capsys):
+    """A CUDA job that names no hardware, planned with this host's cached profile that has no expert FFN rates of its
+    model's shape (D, F, E, k) at its dtype, measures exactly that shape once on the job's device (the dense probe,
+    `moe-batch profile`'s token buckets), adds the entries to the cache (the earlier ones kept) and plans with them (the
+    HRM reads them); a second job measures nothing; another dtype is another measurement; a job naming hardware and a
+    job on the CPU measure nothing."""
+    from lightning_moe.pipeline.profiler import EXPERT_FFN_TOKENS
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.hardware import HardwareProfile
+
+    path = _cuda_host_with_cached_profile(monkeypatch, tmp_path)
+    probes = _FakeRateProbes(monkeypatch)
+    job = _cgopipe_job(tmp_path, tiny_dir, device="cuda:1")
+    prep = plan.Prepared(job)
+    s = prep.spec
+    shape = (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k)
+    before = HardwareProfile.load(path)
+    assert not before.has_expert_ffn_rates(*shape, "bf16")
+    capsys.readouterr()
+    jplan = plan.plan_job(job, prep)
+    assert probes.calls == [("dense", [shape], EXPERT_FFN_TOKENS, torch.bfloat16, "cuda:1")]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"this host's profile {path} has no expert FFN rates of {s.name}'s expert shape (D " \
+        f"{shape[0]}, F {shape[1]}, {shape[2]} experts, top-{shape[3]}) in bf16: measuring them now on cuda:1" in err, err
+    cached = HardwareProfile.load(path)
+    assert cached.expert_ffn_rates == jplan.hardware.expert_ffn_rates and len(cached.expert_ffn_rates) == 16
+    assert cached.has_expert_ffn_rates(4096, 14336, 8, 2, "bf16") and cached.name == "measured"
+    assert cached.expert_ffn_rate(*shape, "bf16", 1024) == 80e12  # grouped_mm's: the faster the fakes measured
+    # the HRM prices the experts at the measured rate (below the GEMM peak it used without it)
+    assert hrm.gpu_experts_time(s, jplan.hardware, 1024, "bf16") > hrm.gpu_experts_time(s, before, 1024, "bf16")
+    again = plan.plan_job(job, plan.Prepared(job))
+    assert len(probes.calls) == 1 and "measuring" not in capsys.readouterr().err
+    assert again.hardware.expert_ffn_rates == cached.expert_ffn_rates
+    fp32 = _cgopipe_job(tmp_path, tiny_dir, dtype="float32")
+    plan.plan_job(fp32, plan.Prepared(fp32))  # the job's compute dtype: its own entries
+    assert probes.calls[1] == ("dense", [shape], EXPERT_FFN_TOKENS, torch.float32, "cuda")
+    assert HardwareProfile.load(path).has_expert_ffn_rates(*shape, "fp32") and "in fp32: measuring" in capsys.readouterr().err
+    for other in (_cgopipe_job(tmp_path, tiny_dir, dtype="float16", hardware="h100"),
+                  _cgopipe_job(tmp_path, tiny_dir, dtype="float16", device="cpu")):
+        assert plan.plan_job(other, plan.Prepared(other)).hardware.name in ("h100", "h200")
+    assert len(probes.calls) == 2 and "measuring" not in capsys.readouterr().err
+
+
+def test_a_failing_expert_rate_probe_leaves_the_cache_and_the_job_plans(tmp_path, tiny_dir, monkeypatch, capsys):
+    """Where measuring the model's expert FFN rates fails (out of memory on a small card), the cache is left byte for
+    byte, one line says so, and the job plans with the profile as it was (and tries again next job); where this host's
+    own measurement failed (a preset), nothing is measured."""
+    path = _cuda_host_with_cached_profile(monkeypatch, tmp_path)
+    with open(path, "rb") as f:
+        before = f.read()
+    probes = _FakeRateProbes(monkeypatch)
+    probes.fail = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    job = _cgopipe_job(tmp_path, tiny_dir)
+    capsys.readouterr()
+    jplan = plan.plan_job(job, plan.Prepared(job))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "measuring them failed (OutOfMemoryError: CUDA out of memory. Tried to allocate " \
+        f"2.00 GiB); planning with {path} as it was" in err, err
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert jplan.hardware.name == "measured" and len(jplan.hardware.expert_ffn_rates) == 8 and jplan.estimate
+    os.remove(path)  # no cache, and this host's measurement fails: the family's preset, no rate probe
+
+    def failing(**kw):
+        raise RuntimeError("no measurement in this test")
+
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", failing)
+    assert plan.plan_job(job, plan.Prepared(job)).hardware.name == "h100" and len(probes.calls) == 1
+
+
+def test_expert_rates_by_model_kind_mxfp4_pages_mla_and_dense_layers(tmp_path, tiny_dir, monkeypatch, capsys):
+    """Which entries a job measures: gpt-oss's MXFP4 checkpoint, the MXFP4 kernel's (`weights: mxfp4`, its pages
+    are kept packed; no dense entries); its dense-bf16 checkpoint, none (expert biases: the torch loop runs, no
+    grouped kernel to rate); DeepSeek (MLA, a dense first layer), its routed experts' shape (a config whose layers are
+    all dense is refused when read: every model planned has an MoE layer)."""
+    from tests.support import make_checkpoint as mk
+
+    from lightning_moe.pipeline.profiler import EXPERT_FFN_TOKENS
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.hardware import HardwareProfile
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", os.path.dirname(tiny_dir))  # the tokenizer the checkpoints copy
+    quiet = open(os.devnull, "w")
+    oss = mk.Dims.from_registry("gpt-oss-20b", 2).tiny()
+    mx = mk.write_checkpoint(str(tmp_path / "mx"), mk.dataclasses.replace(oss, mxfp4=True), log=quiet)["path"]
+    bf = mk.write_checkpoint(str(tmp_path / "bf"), oss, log=quiet)["path"]
+    ds = mk.write_checkpoint(str(tmp_path / "ds"), mk.Dims.from_registry("deepseek-v2-lite", 2).tiny(), log=quiet)["path"]
+    path = _cuda_host_with_cached_profile(monkeypatch, tmp_path)
+    before = HardwareProfile.load(path)
+    probes = _FakeRateProbes(monkeypatch)
+    got = {}
+    for name, model in (("mx", mx), ("bf", bf), ("ds", ds)):
+        job = _cgopipe_job(tmp_path, model)
+        prep = plan.Prepared(job)
+        got[name] = (prep.spec, plan.plan_job(job, prep).hardware)
+    sx, sd = got["mx"][0], got["ds"][0]
+    mx_shape = (sx.hidden_size, sx.intermediate_size, sx.num_experts, sx.top_k)
+    ds_shape = (sd.hidden_size, sd.intermediate_size, sd.num_experts, sd.top_k)
+    assert sd.num_moe_layers == 1 and sd.dense_layers == (0,) and sd.kv_lora_rank > 0
+    assert probes.calls == [("mxfp4", [mx_shape], EXPERT_FFN_TOKENS, torch.bfloat16, "cuda"),
+                            ("dense", [ds_shape], EXPERT_FFN_TOKENS, torch.bfloat16, "cuda")]
+    assert "over MXFP4 pages: measuring them now" in capsys.readouterr().err
+    cached = HardwareProfile.load(path)
+    assert cached.has_expert_ffn_rates(*mx_shape, "bf16", "mxfp4") and not cached.has_expert_ffn_rates(*mx_shape, "bf16")
+    assert cached.has_expert_ffn_rates(*ds_shape, "bf16") and len(cached.expert_ffn_rates) == 24
+    hw = got["mx"][1]  # the HRM prices the MXFP4 pages at the MXFP4 kernel's measured rate
+    assert hw.expert_ffn_rate(*mx_shape, "bf16", 64, ("triton",), "mxfp4") == 30e12
+    assert hrm.gpu_experts_time(sx, hw, 1024, "bf16", "mxfp4") > hrm.gpu_experts_time(sx, before, 1024, "bf16", "mxfp4")
 
 
 def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_path, tiny_dir, monkeypatch):

@@ -218,6 +218,65 @@ def save_gpu_profile(prof, name: str, header: str) -> str:
     return path
 
 
+def missing_expert_rates(job, prep, hw) -> Optional[str]:
+    """The ``weights`` ("dense" | "mxfp4") of the ``expert_ffn_rates`` entries the job's plan (the HRM's routed-expert
+    term) and ``expert_ffn: auto`` read for its model's expert shape (D, F, E, k) at its compute dtype, when ``hw`` has
+    none of them: "mxfp4" for MXFP4 pages kept packed (:func:`job_expert_pages`), else "dense" (a quantized
+    checkpoint's pages are dequantized to the compute dtype first). None when ``hw`` has them, or none are read: a
+    model with no MoE layer, or dense experts the grouped kernels cannot compute (gpt-oss's biases: the torch loop
+    runs, pipeline.expert_ffn.grouped_kernels_refusal)."""
+    from ..pipeline.expert_ffn import grouped_kernels_refusal
+
+    spec = prep.spec
+    if spec.num_moe_layers == 0:
+        return None
+    weights = "mxfp4" if job_expert_pages(job, prep) == "mxfp4" else "dense"
+    if weights == "dense" and grouped_kernels_refusal(spec) is not None:
+        return None
+    shape = (spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k)
+    return None if hw.has_expert_ffn_rates(*shape, _DT[job.dtype], weights) else weights
+
+
+def with_model_expert_rates(job, prep, hw, log=None):
+    """``hw`` completed for the job's model: where ``hw`` is this CUDA host's measured profile (a job that names no
+    hardware; :func:`cached_gpu_profile`, cached or just measured) and lacks the expert FFN rates the job reads
+    (:func:`missing_expert_rates`), they are measured now on the job's device (profiler.measure_shape_expert_ffn_rates:
+    the probes and token buckets of ``moe-batch profile``; once per card, CPU, shape, dtype and page format), added
+    and the cache written back (:func:`save_gpu_profile`); one line says so. ``hw`` as it was for a job that names
+    hardware, off CUDA, a preset (this host's measurement failed), a profile that has them, or where measuring them
+    fails (one line says so: the job plans and runs without them)."""
+    from ..pipeline.profiler import measure_shape_expert_ffn_rates
+
+    cached = None if getattr(job, "hardware", None) else cached_gpu_profile(job)
+    weights = missing_expert_rates(job, prep, hw) if cached else None
+    if weights is None:
+        return hw
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    s, dt = prep.spec, _DT[job.dtype]
+    shape = (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k)
+    what = (f"{s.name}'s expert shape (D {shape[0]}, F {shape[1]}, {shape[2]} experts, top-{shape[3]}) in {dt}"
+            + (" over MXFP4 pages" if weights == "mxfp4" else ""))
+    print(f"moe-batch: this host's profile {cached} has no expert FFN rates of {what}: measuring them now on "
+          f"{job.device} (once; the plan and expert_ffn: auto use them; a job's `hardware:` skips this)",
+          file=log, flush=True)
+    try:
+        rates = measure_shape_expert_ffn_rates(shape, dt, weights, job.device)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory on a small card: the job runs without them
+        print(f"moe-batch: measuring them failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+              f"); planning with {cached} as it was (no measured rate for this shape: the HRM prices these experts "
+              f"at the profile's gpu_expert_flops or GEMM peak, expert_ffn: auto runs Triton)", file=log, flush=True)
+        return hw
+    prof = dataclasses.replace(hw, expert_ffn_rates=hw.expert_ffn_rates + tuple(rates),
+                               source=f"{hw.source}; expert FFN rates of {what} measured by a job's plan")
+    try:
+        save_gpu_profile(prof, device_name(job.device), f"moe-batch profile, {prof.date}\nhost: {prof.host}\n"
+                         f"{prof.source}")
+    except OSError as e:  # a read-only cache: this job still plans with them
+        print(f"moe-batch: {cached}: not updated ({e}); this job plans with the rates just measured", file=log,
+              flush=True)
+    return prof
+
+
 def job_gpu_budget(job, hw) -> int:
     """GPU bytes a job plans for: its ``gpu_memory``; else its CUDA device's memory, no more than ``hw``'s card (a
     profile of a smaller card is kept to); else ``hw``'s card."""
@@ -239,6 +298,19 @@ def hardware_note(job, hw) -> Optional[str]:
             f"host failed)")
 
 
+def job_expert_pages(job, prep) -> str:
+    """The format the job's expert pages move (and the HRM prices them) in: a quantized checkpoint's scheme; "mxfp4"
+    for gpt-oss's MXFP4 experts under a single-process executor (the expert-parallel one reads them dequantized:
+    ModelRunner.load_weights(packed_experts=False)); else the job's dtype ("bf16", "fp16", "fp32"). The planner's
+    ``weight_quant`` (:func:`policy_for_job`)."""
+    from ..model.quantized import checkpoint_expert_scheme
+
+    wq = checkpoint_expert_scheme(prep.model_path)
+    if wq == "mxfp4" and getattr(job, "gpus", 1) > 1:
+        wq = None
+    return wq or _DT[job.dtype]
+
+
 def policy_for_job(job, prep, hw=None):
     """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
     real lengths, the job's hardware ``hw`` (default: :func:`job_hardware`) and ``gpu_memory``/``cpu_memory``; a
@@ -247,17 +319,10 @@ def policy_for_job(job, prep, hw=None):
 
     Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
     """
-    from ..model.quantized import checkpoint_expert_scheme
     from ..policy.milp import plan
     from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
 
-    dt = _DT[job.dtype]
-    # a quantized checkpoint's pages move packed; so do gpt-oss's MXFP4 experts, for a single-process executor (the
-    # expert-parallel one reads them dequantized: ModelRunner.load_weights(packed_experts=False))
-    wq = checkpoint_expert_scheme(prep.model_path)
-    if wq == "mxfp4" and getattr(job, "gpus", 1) > 1:
-        wq = None
-    wq = wq or dt
+    dt, wq = _DT[job.dtype], job_expert_pages(job, prep)
     if isinstance(job.policy, dict):
         fields = dict(job.policy)
         fields.setdefault("dtype", dt)
@@ -300,9 +365,10 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
 
     Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
     and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit. The job's
-    hardware profile is resolved here, once (:func:`job_hardware`), and travels in the JobPlan.
+    hardware profile is resolved here, once (:func:`job_hardware`; this host's measured profile completed with the
+    model's expert FFN rates: :func:`with_model_expert_rates`), and travels in the JobPlan.
     """
-    hw = job_hardware(job)
+    hw = with_model_expert_rates(job, prep, job_hardware(job))
     policy, est = policy_for_job(job, prep, hw)
     return check_plan(job, prep, policy, est, hw)
 

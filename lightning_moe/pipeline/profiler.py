@@ -363,15 +363,18 @@ def measure_expert_ffn_rates(shapes: Sequence[tuple] = ((4096, 14336, 8, 2),), t
 
 
 def measure_mxfp4_ffn_rates(shapes: Sequence[tuple], tokens: Sequence[int] = EXPERT_FFN_TOKENS, device: str = "cuda",
-                            repeats: int = 5, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> tuple:
+                            repeats: int = 5, seed: int = 0, log: Callable[[str], None] = lambda _: None,
+                            dtype: torch.dtype = torch.bfloat16) -> tuple:
     """The profile's ``expert_ffn_rates`` entries of MXFP4 expert pages (``weights: mxfp4``): FLOP/s (2 T k 3 D F per
     call) of kernels.mxfp4.fused_experts_mxfp4_triton, the kernel CGOPipe runs over them, per expert shape ``(hidden,
-    intermediate, experts, top_k)`` and tokens-per-call bucket, bf16 activations, uniformly random top-k routing,
+    intermediate, experts, top_k)`` and tokens-per-call bucket, activations and biases in ``dtype`` (the compute
+    dtype; ``moe-batch profile``: bf16), uniformly random top-k routing,
     random pages (E2M1 bytes, E8M0 scales 118..126: the rate does not depend on the values); the best of
     ``repeats`` timed calls after a warm-up. A failing call is logged and gets rate 0 (no measurement)."""
     from ..kernels import mxfp4
     from ..policy.hardware import ExpertFFNRate
 
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = []
@@ -381,11 +384,11 @@ def measure_mxfp4_ffn_rates(shapes: Sequence[tuple], tokens: Sequence[int] = EXP
         def codes(R, C, lo=0, hi=256, last=(16,)):
             return torch.randint(lo, hi, (E, R, C // 32, *last), device=dev, generator=g, dtype=torch.uint8)
 
-        bias = [torch.randn(E, n, device=dev, generator=g).to(torch.bfloat16) for n in (2 * Fd, D)]
+        bias = [torch.randn(E, n, device=dev, generator=g).to(dtype) for n in (2 * Fd, D)]
         pages, lay = mxfp4.pack_mxfp4_pages(codes(2 * Fd, D), codes(2 * Fd, D, 118, 127, ()), bias[0],
                                             codes(D, Fd), codes(D, Fd, 118, 127, ()), bias[1])
         for T in tokens:
-            x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)  # [T, D]
+            x = torch.randn(T, D, device=dev, generator=g).to(dtype)  # [T, D]
             wts, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev, generator=g), -1), k, dim=-1)
             try:
                 sec = _best_time(lambda: mxfp4.fused_experts_mxfp4_triton(x, pages, lay, wts, ids, limit=7.0,
@@ -394,12 +397,36 @@ def measure_mxfp4_ffn_rates(shapes: Sequence[tuple], tokens: Sequence[int] = EXP
             except Exception as e:  # noqa: BLE001 - the other entries stand
                 log(f"  MXFP4 expert FFN at D={D} F={Fd} E={E} k={k} T={T} failed ({_failure(e)}); rate 0")
                 rate = 0.0
-            out.append(ExpertFFNRate(D, Fd, E, k, "bf16", int(T), triton=rate, weights="mxfp4"))
-            log(f"  expert FFN D={D} F={Fd} E={E} top-{k} MXFP4 pages, T={T}: {rate / 1e12:.1f} TFLOP/s")
+            out.append(ExpertFFNRate(D, Fd, E, k, name, int(T), triton=rate, weights="mxfp4"))
+            log(f"  expert FFN D={D} F={Fd} E={E} top-{k} MXFP4 pages, {name}, T={T}: {rate / 1e12:.1f} TFLOP/s")
         pages = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return tuple(out)
+
+
+def measure_shape_expert_ffn_rates(shape: tuple, dtype: str, weights: str = "dense", device: str = "cuda",
+                                   log: Callable[[str], None] = lambda _: None) -> tuple:
+    """The ``expert_ffn_rates`` entries of one expert shape ``(hidden, intermediate, experts, top_k)`` in ``dtype``
+    ("bf16" | "fp16" | "fp32"), measured as ``moe-batch profile`` measures a shape (the same probes, EXPERT_FFN_TOKENS
+    buckets and repeats): the dense kernels' (:func:`measure_expert_ffn_rates`), or for ``weights`` "mxfp4" the MXFP4
+    kernel's over packed pages (:func:`measure_mxfp4_ffn_rates`). On CUDA, ``device`` (e.g. "cuda:1") is the current
+    device while they run (Triton launches on the current one) and the probes' memory is released after.
+
+    Raises what the probes raise (e.g. torch.OutOfMemoryError where the shape's weights do not fit the card).
+    """
+    import contextlib
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    try:
+        with torch.cuda.device(torch.device(device)) if cuda else contextlib.nullcontext():
+            if weights == "mxfp4":
+                return measure_mxfp4_ffn_rates([shape], EXPERT_FFN_TOKENS, device=device, log=log, dtype=dt)
+            return measure_expert_ffn_rates([shape], EXPERT_FFN_TOKENS, dtype=dt, device=device, log=log)
+    finally:
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def mxfp4_shapes_of(names: Sequence[str]) -> tuple:

@@ -222,6 +222,13 @@ class HardwareProfile(YamlRecord):
                              if r.shape == key and r.weights == weights and r.best_rate_of(kernels) > 0),
                             key=lambda r: r.tokens))
 
+    def has_expert_ffn_rates(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
+                             weights: str = "dense") -> bool:
+        """Whether the profile holds any :class:`ExpertFFNRate` entry of this expert shape, dtype and weight storage
+        (one whose kernels all measured 0 included: the probe ran and found none that runs there)."""
+        key = (hidden, intermediate, experts, top_k, _dtype_key(dtype))
+        return any(r.shape == key and r.weights == weights for r in self.expert_ffn_rates)
+
     def expert_ffn_kernel(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
                           tokens: int, kernels: Sequence[str] = EXPERT_FFN_KERNELS) -> "str | None":
         """The fastest of ``kernels`` (default: all of :data:`EXPERT_FFN_KERNELS`; a decode step: NO_SYNC_KERNELS)

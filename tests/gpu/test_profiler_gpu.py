@@ -68,3 +68,39 @@ def test_first_cuda_job_without_hardware_measures_this_host_once(tmp_path, tiny_
     t0 = time.perf_counter()
     again = plan.job_hardware(job)
     assert time.perf_counter() - t0 < 1.0 and again.host_issue_cpu_attn == hw.host_issue_cpu_attn
+
+
+def test_a_job_whose_expert_shape_the_cached_profile_lacks_adds_its_entries(tmp_path, tiny_dir, monkeypatch, capsys):
+    """A CUDA job that names no hardware, planned with this host's cached profile that has no expert FFN rates of its
+    model's shape (a random tiny Mixtral's), measures them with the real probes (every bucket of EXPERT_FFN_TOKENS,
+    a kernel measured in each), caches them and plans with them; the next job measures nothing."""
+    import dataclasses
+
+    from lightning_moe.app import plan
+    from lightning_moe.config import job_from_dict
+    from lightning_moe.pipeline import profiler
+    from lightning_moe.policy.hardware import HardwareProfile, get_preset
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+    name = torch.cuda.get_device_name()
+    path = plan.save_gpu_profile(dataclasses.replace(get_preset("h100"), name="measured", gpu_name=name,
+                                                     gpu_memory=torch.cuda.get_device_properties(0).total_memory),
+                                 name, "a test's profile without expert FFN rates")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": str(tmp_path / "p.jsonl")},
+                         "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+                         "executor": "cgopipe"}, "t.yaml")
+    prep = plan.Prepared(job)
+    s = prep.spec
+    shape = (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k)
+    assert plan.cached_gpu_profile(job) == path and not HardwareProfile.load(path).expert_ffn_rates
+    capsys.readouterr()
+    jplan = plan.plan_job(job, prep)
+    assert "has no expert FFN rates of" in capsys.readouterr().err
+    table = jplan.hardware.expert_ffn_table(*shape, "bf16")
+    assert [r.tokens for r in table] == list(profiler.EXPERT_FFN_TOKENS), table
+    assert HardwareProfile.load(path).expert_ffn_rates == jplan.hardware.expert_ffn_rates
+    calls = []
+    monkeypatch.setattr(profiler, "measure_expert_ffn_rates", lambda *a, **kw: calls.append(a) or ())
+    again = plan.plan_job(job, plan.Prepared(job))
+    assert calls == [] and again.hardware.expert_ffn_rates == jplan.hardware.expert_ffn_rates
