@@ -156,6 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return _plan_cpu_job(job, workload, args.output)  # everything on the CPU: the CPU executor's roofline
         model, hw, notes = _plan_model_and_hardware(args, job)
         spec = resolve_spec(model)
+        if job is not None and not args.hardware:  # as `moe-batch run` plans it: its model's expert rates measured
+            hw = _with_model_expert_rates(job, model, spec, hw)
         budgets = _plan_budgets(args, job, model, spec, hw)
         t0 = time.perf_counter()
         policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit,
@@ -220,6 +222,16 @@ def _plan_model_and_hardware(args: argparse.Namespace, job):
 
         model = resolve_model_path(model)
     return model, job_hw or resolve_hardware(hardware), notes
+
+
+def _with_model_expert_rates(job, model: str, spec, hw):
+    """``hw`` with the expert FFN rates of the job's model (app.plan.with_model_expert_rates, as ``moe-batch run``'s
+    plan_job adds them: measured once on this CUDA host where its measured profile lacks them)."""
+    from types import SimpleNamespace
+
+    from .app.plan import with_model_expert_rates  # lazy: torch
+
+    return with_model_expert_rates(job, SimpleNamespace(spec=spec, model_path=model), hw)  # what it reads of Prepared
 
 
 def _plan_budgets(args: argparse.Namespace, job, model: str, spec, hw) -> Budgets:

@@ -291,6 +291,8 @@ def test_auto_policy_without_a_cap_plans_for_the_card_it_runs_on(tmp_path, tiny_
 
     with open(tmp_path / "p.jsonl", "w") as f:
         f.writelines(json.dumps({"id": str(i), "prompt": "hello world " * 30}) + "\n" for i in range(200))
+    monkeypatch.setattr(plan, "device_name", lambda device: None)  # the h200 preset, on a GPU host too (no
+    #   measurement of that host into the user's cache)
 
     def planned(card, **keys):
         monkeypatch.setattr(plan, "device_memory", lambda device: card)
@@ -507,6 +509,28 @@ def test_a_job_whose_expert_shape_the_hosts_profile_lacks_measures_it_once(tmp_p
                   _cgopipe_job(tmp_path, tiny_dir, dtype="float16", device="cpu")):
         assert plan.plan_job(other, plan.Prepared(other)).hardware.name in ("h100", "h200")
     assert len(probes.calls) == 2 and "measuring" not in capsys.readouterr().err
+
+
+def test_moe_batch_plan_of_a_job_measures_its_models_expert_rates_as_run_does(tmp_path, tiny_dir, monkeypatch, capsys):
+    """`moe-batch plan JOB.yaml` (no --hardware) on a CUDA host whose cached profile lacks the model's expert FFN
+    rates measures them as `moe-batch run`'s plan_job does (once, into the cache), so the plan shown is the plan run
+    makes; with --hardware nothing is measured."""
+    import yaml
+
+    from lightning_moe.policy.hardware import HardwareProfile
+
+    path = _cuda_host_with_cached_profile(monkeypatch, tmp_path)
+    probes = _FakeRateProbes(monkeypatch)
+    keys = {"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+            "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+            "executor": "cgopipe", "generation": {"max_new_tokens": 8}}
+    job = tmp_path / "j.yaml"
+    job.write_text(yaml.safe_dump(keys))
+    assert cli.main(["plan", str(job), "--hardware", "h100"]) == 0 and probes.calls == []
+    assert cli.main(["plan", str(job)]) == 0
+    assert len(probes.calls) == 1 and "measuring them now on cuda" in capsys.readouterr().err
+    assert len(HardwareProfile.load(path).expert_ffn_rates) == 16
+    assert cli.main(["plan", str(job)]) == 0 and len(probes.calls) == 1  # the cache has them now
 
 
 def test_a_failing_expert_rate_probe_leaves_the_cache_and_the_job_plans(tmp_path, tiny_dir, monkeypatch, capsys):
