@@ -156,7 +156,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return _plan_cpu_job(job, workload, args.output)  # everything on the CPU: the CPU executor's roofline
         model, hw, notes = _plan_model_and_hardware(args, job)
         spec = resolve_spec(model)
-        if job is not None and not args.hardware:  # as `moe-batch run` plans it: its model's expert rates measured
+        if job is not None and not (args.hardware or getattr(job, "hardware", None)):  # as `moe-batch run` plans it
             hw = _with_model_expert_rates(job, model, spec, hw)
         budgets = _plan_budgets(args, job, model, spec, hw)
         t0 = time.perf_counter()
