@@ -378,6 +378,39 @@ def test_job_without_hardware_on_cuda_measures_this_host_once(tmp_path, tiny_dir
     assert hw.name == "h200" and "has no CUDA device: planned for the h200 preset" in plan.hardware_note(job, hw)
 
 
+def test_a_job_on_cuda_1_measures_that_card(tmp_path, tiny_dir, monkeypatch):
+    """The first job on cuda:1 measures the host with cuda:1 the current device (the probes run on the current one)."""
+    import contextlib
+    import dataclasses
+
+    from lightning_moe.config import job_from_dict
+    from lightning_moe.policy.hardware import get_preset
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan, "device_memory", lambda device: 80 * GiB)
+    monkeypatch.setattr(plan, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    current, entered = ["cuda:0"], []
+
+    @contextlib.contextmanager
+    def cuda_device(d):
+        entered.append(str(d))
+        before, current[0] = current[0], str(d)
+        yield
+        current[0] = before
+
+    def fake_profile_host(gpu_preset, gpu_memory, **kw):
+        return dataclasses.replace(get_preset(gpu_preset), name="measured", gpu_name=current[0])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", cuda_device)
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", fake_profile_host)
+    job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+                         "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda:1", "dtype": "bfloat16",
+                         "executor": "cgopipe"}, "t.yaml")
+    assert plan.measure_gpu_profile(job.device, "NVIDIA H100 80GB HBM3").gpu_name == "cuda:1"
+    assert entered == ["cuda:1"] and current == ["cuda:0"]
+
+
 def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(tmp_path, tiny_dir, monkeypatch, capsys):
     """`moe-batch profile` on CUDA also writes the profile to this host's cache (app.plan.gpu_profile_path: the card
     and the CPU); a cuda job that names no hardware then plans with it and says so; another card does not take it,

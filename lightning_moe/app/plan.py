@@ -197,7 +197,13 @@ def measure_gpu_profile(device: str, name: str, log=None):
     print(f"moe-batch: this host's {name} has no measured profile yet: measuring it now (~30 s, once; later jobs "
           f"plan with {gpu_profile_path(name)}; a job's `hardware:` skips this)", file=log, flush=True)
     try:
-        prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None)
+        import contextlib
+
+        import torch
+
+        card = torch.cuda.device(torch.device(device)) if torch.cuda.is_available() else contextlib.nullcontext()
+        with card:  # the job's card ("cuda:1") current: the probes measure the current device
+            prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None)
     except (RuntimeError, ValueError, OSError) as e:  # torch's CUDA errors are RuntimeErrors
         print(f"moe-batch: measuring this host failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); planning "
               f"with the {preset} preset", file=log, flush=True)
