@@ -207,7 +207,7 @@ def _plan_model_and_hardware(args: argparse.Namespace, job):
         raise CommandError("--model is required (or a job YAML naming the model)")
     notes = []  # what the user should know about which job this plan is for
     job_hw = None
-    if job is not None and not hardware:  # the same as `moe-batch run`: the device's preset, else h200
+    if job is not None and not hardware:  # as `moe-batch run`: this host's measured profile (no CUDA here: h200)
         from .app.plan import hardware_note, job_hardware  # lazy: torch (the device's name)
 
         job_hw = job_hardware(job)
