@@ -189,6 +189,10 @@ def measure_gpu_profile(device: str, name: str, log=None):
     executor's host issue times; ~30 s), cache it for the card ``name`` (:func:`save_gpu_profile`) and return it.
     Unmeasured fields come from the preset of the card's family (``gpu.PRESET_BY_DEVICE_NAME``, else h200); the GPU
     memory is the card's. Where the measurement itself fails, that preset, with a line saying so."""
+    import contextlib
+
+    import torch
+
     from ..pipeline.profiler import profile_host
     from ..policy.hardware import get_preset
 
@@ -197,10 +201,6 @@ def measure_gpu_profile(device: str, name: str, log=None):
     print(f"moe-batch: this host's {name} has no measured profile yet: measuring it now (~30 s, once; later jobs "
           f"plan with {gpu_profile_path(name)}; a job's `hardware:` skips this)", file=log, flush=True)
     try:
-        import contextlib
-
-        import torch
-
         card = torch.cuda.device(torch.device(device)) if torch.cuda.is_available() else contextlib.nullcontext()
         with card:  # the job's card ("cuda:1") current: the probes measure the current device
             prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None)
