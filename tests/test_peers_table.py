@@ -82,3 +82,26 @@ def test_ours_note_gives_the_hrm_phases_and_their_binding_stages():
     assert "HRM h200: prefill 215,424 tok/s gpu-bound, decode 118,615 gpu-bound; measured 22,215 / 19,864" in note
     del r["extra"]["predicted"]  # a row written before the block was kept: no HRM part
     assert "HRM" not in make_table.note(r) and "measured/predicted 0.14" in make_table.note(r)
+
+
+def test_convert_command_answers_the_pre_tokenizer_that_llama_cpp_does_not_know(tmp_path):
+    """convert_gguf.py --pre-tokenizer: convert_hf_to_gguf.py runs with TextModel.get_vocab_base_pre answering the
+    name (a stand-in llama.cpp tree whose lookup raises, as the real one does on our synthetic tokenizers)."""
+    import subprocess
+    import sys
+
+    from benchmarks.peers import convert_gguf
+    (tmp_path / "conversion").mkdir()
+    (tmp_path / "gguf-py").mkdir()
+    (tmp_path / "conversion" / "__init__.py").write_text("from .base import TextModel\n")
+    (tmp_path / "conversion" / "base.py").write_text(
+        "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n"
+        "        raise NotImplementedError('BPE pre-tokenizer was not recognized')\n")
+    (tmp_path / "convert_hf_to_gguf.py").write_text(
+        "import sys\nfrom conversion import TextModel\nprint(sys.argv[1:], TextModel().get_vocab_base_pre(None))\n")
+    assert convert_gguf.convert_command(tmp_path, None) == [sys.executable, str(tmp_path / "convert_hf_to_gguf.py")]
+    out = subprocess.run(convert_gguf.convert_command(tmp_path, "qwen2") + ["CKPT", "--outtype", "bf16"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['CKPT', '--outtype', 'bf16'] qwen2"
+    plain = subprocess.run(convert_gguf.convert_command(tmp_path, None) + ["CKPT"], capture_output=True, text=True)
+    assert plain.returncode != 0 and "not recognized" in plain.stderr

@@ -45,6 +45,19 @@ def run(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def convert_command(src: Path, pre_tokenizer: str | None) -> list[str]:
+    """``python3 L/convert_hf_to_gguf.py``; with a pre-tokenizer name, the same script run with
+    ``TextModel.get_vocab_base_pre`` answering that name."""
+    script = src / "convert_hf_to_gguf.py"
+    if pre_tokenizer is None:
+        return [sys.executable, str(script)]
+    code = (f"import runpy, sys; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]; "
+            f"sys.argv[0] = {str(script)!r}; import conversion.base as b; "
+            f"b.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre_tokenizer!r}; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    return [sys.executable, "-c", code]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +68,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", action="append", default=[], help="llama-quantize type (repeatable), e.g. Q4_0")
     ap.add_argument("--name", default="model")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--pre-tokenizer", default=None,
+                    help="write this tokenizer.ggml.pre (e.g. qwen2) instead of llama.cpp's hash lookup, which knows "
+                         "only published tokenizers: our random checkpoints carry a synthetic one; llama-batched-bench "
+                         "feeds token ids, so the pre-tokenizer never runs")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,8 +79,8 @@ def main(argv=None) -> int:
     bf16 = out / f"{a.name}-bf16.gguf"
     if not bf16.exists():
         tmp = bf16.with_suffix(".gguf.part")
-        times["bf16"] = run([sys.executable, str(Path(a.src) / "convert_hf_to_gguf.py"), a.ckpt, "--outtype", "bf16",
-                             "--outfile", str(tmp)])
+        times["bf16"] = run(convert_command(Path(a.src), a.pre_tokenizer) + [a.ckpt, "--outtype", "bf16",
+                                                                            "--outfile", str(tmp)])
         tmp.replace(bf16)
     for q in a.quant:
         dst = out / f"{a.name}-{q}.gguf"

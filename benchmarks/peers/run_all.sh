@@ -12,7 +12,8 @@
 # Env: WORK (checkpoints, GGUFs; default /tmp/peers-work), OUT (rows, logs, table; default ${OUT:-/tmp/out}/peers),
 # LAYERS (4), CAP (12GiB), GENS ("128 32"), REQUESTS (2000, ours), MAXB (256, accelerate/deepspeed),
 # DEADLINE (seconds this call may use, default 570; each run step gets the time left as its timeout),
-# PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width),
+# PRESET (make_checkpoint.py --preset, e.g. qwen3-30b-a3b; default none: Mixtral-8x7B width; its rows go to
+# OUT/peers-PRESET), GGUF_PRE (convert_gguf.py --pre-tokenizer; default qwen2 for a qwen* preset),
 # NPL (llama-batched-bench -npl, default run_llama_cpp.py's 256,128,...,1), HARDWARE (ours: the job's hardware
 # profile, e.g. lightning_moe/policy/profiles/h100-host.yaml; default the host's measured profile, measured once by the first job),
 # HEADROOMS (accelerate: one run per value, max_memory = CAP minus it; default 3GiB), PREBUILT (a tarball of
@@ -25,7 +26,7 @@ T_START=$(date +%s)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export LIGHTNING_MOE_CACHE=${LIGHTNING_MOE_CACHE:-$PWD/.carry/cache}
 WORK=${WORK:-/tmp/peers-work}
-OUT=${OUT:-/tmp/out}/peers
+OUT=${OUT:-/tmp/out}/peers${PRESET:+-$PRESET}   # a preset's rows in their own folder: a row name has no model
 LAYERS=${LAYERS:-4}; CAP=${CAP:-12GiB}; GENS=${GENS:-"128 32"}; REQUESTS=${REQUESTS:-2000}; MAXB=${MAXB:-256}
 DEADLINE=${DEADLINE:-570}; PRESET=${PRESET:-}   # empty: make_checkpoint's defaults, the Mixtral-8x7B width
 MODE=cuda; CKARGS=(--device cuda); OURS=(); LLAMA=(); HF=(); BUILD=()
@@ -39,6 +40,8 @@ if [[ ${SMOKE:-0} == 1 ]]; then
 fi
 NAME=${PRESET:-mixtral-8x7b}; CK=$WORK/ckpt-$NAME-L$LAYERS; CK4=$CK-int4; GG=$WORK/gguf-$NAME-L$LAYERS
 PRESET_ARG=(); [[ -n $PRESET ]] && PRESET_ARG=(--preset "$PRESET")
+GGUF_PRE=${GGUF_PRE:-}; [[ -z $GGUF_PRE && $PRESET == qwen* ]] && GGUF_PRE=qwen2  # convert_gguf.py --pre-tokenizer
+PRE_ARG=(); [[ -n $GGUF_PRE ]] && PRE_ARG=(--pre-tokenizer "$GGUF_PRE")
 P=benchmarks/peers
 mkdir -p "$WORK" "$OUT"
 left() { echo $(( DEADLINE - ($(date +%s) - T_START) )); }
@@ -89,7 +92,7 @@ step_ckpt() {
   tail -2 "$OUT/quantize.log"; du -sh "$CK" "$CK4"
 }
 step_convert() {
-  python3 $P/convert_gguf.py "$CK" --out "$GG" > "$OUT/convert-bf16.log" 2>&1 || { tail -8 "$OUT/convert-bf16.log"; return 1; }
+  python3 $P/convert_gguf.py "$CK" --out "$GG" "${PRE_ARG[@]}" > "$OUT/convert-bf16.log" 2>&1 || { tail -8 "$OUT/convert-bf16.log"; return 1; }
   if [[ -n ${BUILD_PID:-} ]]; then log "waiting for the llama.cpp build"; wait "$BUILD_PID"; tail -4 "$OUT/build.log"; fi
   python3 $P/convert_gguf.py "$CK" --out "$GG" --quant Q4_0 > "$OUT/convert-q4.log" 2>&1 || { tail -8 "$OUT/convert-q4.log"; return 1; }
   tail -1 "$OUT/convert-q4.log"; df -h "$WORK" | tail -1
