@@ -91,7 +91,10 @@ step_ckpt() {
       || { tail -5 "$OUT/quantize.log"; return 1; }
   tail -2 "$OUT/quantize.log"; du -sh "$CK" "$CK4"
 }
-step_convert() {
+step_convert() {   # convert_hf_to_gguf.py comes from the source tree (the prebuilt binaries do not carry it)
+  if [[ ! -f build/peers/llama.cpp/PEERS_SOURCE ]]; then
+    mkdir -p build/peers && tar xzf "$(ls -t .carry/peers/llama.cpp-*.tar.gz | head -1)" -C build/peers || return 1
+  fi
   python3 $P/convert_gguf.py "$CK" --out "$GG" "${PRE_ARG[@]}" > "$OUT/convert-bf16.log" 2>&1 || { tail -8 "$OUT/convert-bf16.log"; return 1; }
   if [[ -n ${BUILD_PID:-} ]]; then log "waiting for the llama.cpp build"; wait "$BUILD_PID"; tail -4 "$OUT/build.log"; fi
   python3 $P/convert_gguf.py "$CK" --out "$GG" --quant Q4_0 > "$OUT/convert-q4.log" 2>&1 || { tail -8 "$OUT/convert-q4.log"; return 1; }
