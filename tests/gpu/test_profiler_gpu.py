@@ -56,7 +56,7 @@ def test_first_cuda_job_without_hardware_measures_this_host_once(tmp_path, tiny_
     from lightning_moe.config import job_from_dict
 
     monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "hello"}\n')
     job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": str(tmp_path / "p.jsonl")},
                          "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
                          "executor": "cgopipe"}, "t.yaml")
@@ -86,7 +86,7 @@ def test_a_job_whose_expert_shape_the_cached_profile_lacks_adds_its_entries(tmp_
     path = plan.save_gpu_profile(dataclasses.replace(get_preset("h100"), name="measured", gpu_name=name,
                                                      gpu_memory=torch.cuda.get_device_properties(0).total_memory),
                                  name, "a test's profile without expert FFN rates")
-    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "hello"}\n')
     job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": str(tmp_path / "p.jsonl")},
                          "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
                          "executor": "cgopipe"}, "t.yaml")
