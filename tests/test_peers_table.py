@@ -105,3 +105,41 @@ def test_convert_command_answers_the_pre_tokenizer_that_llama_cpp_does_not_know(
     assert out.strip() == "['CKPT', '--outtype', 'bf16'] qwen2"
     plain = subprocess.run(convert_gguf.convert_command(tmp_path, None) + ["CKPT"], capture_output=True, text=True)
     assert plain.returncode != 0 and "not recognized" in plain.stderr
+
+
+def test_the_batch_search_frees_a_failed_batch_before_trying_a_smaller_one():
+    """run_accelerate.run_batches: what an out-of-memory batch held (its frames' tensors, kept alive by the
+    exception's traceback and by reference cycles) is released before the next, smaller batch runs; a batch that
+    fits sets N."""
+    import weakref
+
+    import torch
+
+    from benchmarks.peers import run_accelerate
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 0
+
+        def apply_chat_template(self, msgs, add_generation_prompt=True, tokenize=True, **kw):
+            return [1, 2, 3]
+
+        def __call__(self, text, **kw):
+            return {"input_ids": [1, 2, 3]}
+
+    held = []
+
+    def generate(ids, mask, n):
+        if held:  # every earlier failed batch's workspace must be gone by now
+            assert all(r() is None for r in held), "a failed batch's tensors are still alive"
+        if ids.shape[0] > 2:
+            workspace = torch.empty(1 << 16)
+            held.append(weakref.ref(workspace))
+            err = torch.OutOfMemoryError("CUDA out of memory (a test)")
+            err.cycle = err  # a reference cycle: only the garbage collector frees it
+            err.keep = workspace
+            raise err
+        return torch.cat([ids, torch.ones(ids.shape[0], n, dtype=ids.dtype)], 1)
+
+    records = [{"prompt": f"p{i}"} for i in range(8)]
+    res = run_accelerate.run_batches(generate, Tok(), "cpu", records, gen=4, max_batch=8, batches=1, budget=10)
+    assert res["N"] == 2 and res["tried"] == {8: "oom", 4: "oom", 2: "ok"} and len(held) == 2

@@ -23,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -81,6 +82,7 @@ def run_batches(generate, tok, device, records: list[dict], gen: int, max_batch:
     b = max_batch
     while b >= min_batch:
         ids, mask, ptoks = batch_tensors(tok, [r["prompt"] for r in records[:b]], device)
+        out = None
         try:
             sync()
             t0 = time.perf_counter()
@@ -90,8 +92,10 @@ def run_batches(generate, tok, device, records: list[dict], gen: int, max_batch:
         except Exception as e:  # noqa: BLE001 - OOM shows up as several exception types
             if not is_oom(e):
                 raise
+        if out is None:  # out of memory: outside the except, so the failed call's frames (its tensors) are gone
             tried[b] = "oom"
             del ids, mask
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             b //= 2
