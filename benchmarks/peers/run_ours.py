@@ -136,7 +136,8 @@ def main(argv=None) -> int:
         status="ok" if rep.get("status") == "done" else "failed",
         extra={"report": str(report_path), "policy": pol, "predicted_end_to_end_tok_s":
                pred.get("end_to_end_tokens_per_s"), "decode_tok_s": rep.get("decode_tokens_per_s"),
-               "prefill_tok_s": rep.get("prefill_tokens_per_s"), "wall_seconds": ws, "predicted": pred,
+               "prefill_tok_s": rep.get("prefill_tokens_per_s"), "wall_seconds": ws,
+               "other_seconds": rep.get("other_seconds"), "predicted": pred,
                "peak_gpu_memory_bytes": rep.get("peak_gpu_memory_bytes"), "report_status": rep.get("status")},
     )
     if row["status"] != "ok":
