@@ -4,11 +4,12 @@ Every runner writes one JSON file per measured case (a *row*) into its ``--out``
 them all. A row's keys:
 
 ``peer`` (``ours``, ``llama.cpp``, ``accelerate``, ``deepspeed``), ``weights`` (``bf16``, ``int4``, ``Q4_0``),
-``model`` (label from config.json, e.g. ``mixtral-8x7b-width L4``), ``gen_len``, ``prompt_len`` (mean templated
+``model`` (label from config.json, e.g. ``mixtral h4096 x14336 E8 L4``), ``gen_len``, ``prompt_len`` (mean templated
 prompt tokens), ``cap`` (GPU memory cap as given, or a note), ``N`` (sequences decoded together), ``requests``,
 ``gen_tokens``, ``seconds`` (prefill + decode wall, load excluded), ``tok_s`` (generated tokens / seconds: the end-to-
 end rate the table compares), ``status`` (``ok``, ``failed``, ``skipped``), ``reason`` (when not ok),
-``gpu_peak_gib`` (when measured), ``device``, ``command``, ``extra`` (runner-specific details).
+``gpu_peak_gib`` (when measured: nvidia-smi's reading of the whole device, the CUDA context included, so it
+can pass the cap that the allocator keeps), ``device``, ``command``, ``extra`` (runner-specific details).
 """
 
 from __future__ import annotations

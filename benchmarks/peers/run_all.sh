@@ -3,11 +3,9 @@
 #
 #   bash benchmarks/peers/run_all.sh STEP...      steps: setup build ckpt convert ours llama accelerate deepspeed table
 #
-# Device-call plan (each call < 600 s; a step whose row is already written is skipped, so a call that ran out of
-# time is continued by the next one with the same steps; see benchmarks/peers/README.md):
-#   1. setup build ckpt convert      (~450 s: the CUDA build of llama.cpp runs beside checkpoint + quantize + GGUF)
-#   2. setup ours llama              (~550 s)
-#   3. setup accelerate deepspeed table   (~450 s)
+# Device calls: each < 600 s; a step whose row is already written is skipped, so a call that ran out of time is
+# continued by the next one with the same steps. The calls of the latest results, with their times:
+# benchmarks/peers/README.md, "Device calls".
 #
 # Env: WORK (checkpoints, GGUFs; default /tmp/peers-work), OUT (rows, logs, table; default ${OUT:-/tmp/out}/peers),
 # LAYERS (4), CAP (12GiB), GENS ("128 32"), REQUESTS (2000, ours), MAXB (256, accelerate/deepspeed),
