@@ -685,3 +685,29 @@ def test_hardware_profile_is_resolved_once_per_job(tmp_path, tiny_dir, monkeypat
     assert report["status"] == "done" and report["records_written_this_run"] == 5
     assert len(calls) == 1, calls
     assert [hw.name for hw in given] == ["t4"]
+
+
+def test_report_carries_and_prints_the_hrm_terms(tmp_path, tiny_dir):
+    """A cuda run's predicted block carries the HRM's terms of the plan's estimate (stage -> seconds per phase, the
+    same numbers ``moe-batch plan`` prints) and the run summary prints them beside the measured-vs-predicted table."""
+    from lightning_moe.app.report import format_report
+    from lightning_moe.config import job_from_dict
+
+    profile = os.path.join(os.path.dirname(plan.__file__), "..", "policy", "profiles", "h200-host.yaml")
+    job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
+                         "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda", "dtype": "bfloat16",
+                         "executor": "cgopipe", "generation": {"max_new_tokens": 8}, "hardware": profile,
+                         "gpu_memory": "12GiB"}, "t.yaml")
+    jplan = plan.plan_job(job, plan.Prepared(job))
+    block = engine.predicted_report(job, jplan)
+    est = jplan.estimate
+    assert block["stages_seconds"] == {"prefill": dict(est.prefill_stages), "decode": dict(est.decode_stages)}
+    assert set(block["stages_seconds"]["decode"]) >= {"h2d", "cpu", "gpu", "host", "head"}
+    assert all(v >= 0 for v in est.decode_stages.values()) and est.decode_stages["h2d"] > 0
+    rep = {"job": "t", "status": "done", "task": "generate", "model": tiny_dir, "device": "cuda", "dtype": "bfloat16",
+           "executor": "cgopipe", "requests_in_shard": 3, "skipped_already_done": 0, "records_written_this_run": 3,
+           "errors_recorded": 0, "predicted": block, "peak_host_memory_bytes": 2**30, "results": "o.jsonl"}
+    text = format_report(rep)
+    dec = ", ".join(f"{k} {v:,.3f}" for k, v in est.decode_stages.items())
+    assert f"HRM terms, decode (s per batch of N, summed over layers): {dec}" in text
+    assert "HRM terms, prefill" in text
