@@ -29,6 +29,11 @@ Presets:
          ``--mxfp4`` (a gpt-oss ``--dims-preset``): the checkpoint's experts are the Hub's MXFP4 blocks / scales
          (``make_checkpoint --mxfp4``; its own directory, never taken for the bf16 one); the ``*-bf16`` cases run
          on it (bf16 compute, MXFP4 expert pages).
+  roofline  GPU, issue 44's matrix: one family's real-width checkpoint (``--dims-preset``, ``--layers``, ``--mxfp4``;
+         default the Mixtral width), ``policy: auto`` at 12 and 16 GiB (``--cap`` keeps one): 1000 MT-Bench first turns
+         (repeated, chat template) x 32 new tokens (greedy), and 300 perplexity texts of 440 tokens; ``--int4`` runs
+         them on the ``moe-batch quantize`` int4 copy. Writes ``roofline.md`` beside ``sweep.md``: per case prefill,
+         decode and end-to-end measured / predicted with the HRM's binding stage, its terms, and the job's ``other``.
   prefill  GPU, issue 22: an 8-layer Mixtral-8x7B-width checkpoint (22.6 GiB), bf16 and int4, at 12 and 24 GiB:
          1000 perplexity texts of 300 tokens and 2000 generation prompts of 100 tokens (16 new), one
          loglikelihood job of 1000 x 200 tokens; off those: many lengths (perplexity 64-1024 and generation
@@ -79,7 +84,7 @@ class Case:
     ckpt: str  # "bf16" | "int4"
     mode: str  # "generate" | "loglikelihood" | "multiple_choice" | "perplexity"
     cap_gib: float  # gpu_memory of the job
-    n: int  # requests (MT-Bench: at most 80)
+    n: int  # requests (MT-Bench: over 80, its first turns repeated with the chat template)
     prompt_len: int  # tokens per prompt / text with the BOS (0: MT-Bench questions)
     gen: int = 16  # generation.max_new_tokens (generate only)
     policy: Any = "auto"  # "auto" or an explicit policy mapping
@@ -171,6 +176,16 @@ def families_cases(mtbench: bool) -> list[Case]:
         Case("fam-gen-int4-12g", "int4", "generate", 12, 80, 0 if mtbench else 128, gen=32),
         Case("fam-ll-int4-12g", "int4", "loglikelihood", 12, 256, 200),
     ]
+
+
+def roofline_cases(int4: bool = False) -> list[Case]:
+    """GPU, issue 44's matrix for one family's real-width checkpoint (``--dims-preset``): ``policy: auto`` at 12 and
+    16 GiB, 1000 MT-Bench first turns (repeated, chat template) x 32 new tokens and 300 perplexity texts of 440
+    tokens; ``int4``: on the int4 copy."""
+    ck = "int4" if int4 else "bf16"
+    return [c for cap in (12, 16) for c in (
+        Case(f"rf-gen-{ck}-{cap}g", ck, "generate", cap, 1000, 0, gen=32, timeout_s=300),
+        Case(f"rf-ppl-{ck}-{cap}g", ck, "perplexity", cap, 300, 440, timeout_s=300))]
 
 
 def sweep_cases() -> list[Case]:
@@ -266,7 +281,10 @@ def write_case(case: Case, machine: Machine, ckpts: dict, words: list[str], work
     if use_mtbench and not mtbench:
         raise RuntimeError("MT-Bench questions not installed")
     data = None
-    if not use_mtbench:
+    repeated = use_mtbench and case.n > 80  # the first turns repeated, from a JSONL of chat prompts
+    if repeated:
+        data = sj.write_jsonl(os.path.join(work, "data", case.name + ".jsonl"), sj.mtbench_repeated(case.n))
+    elif not use_mtbench:
         data = sj.write_jsonl(os.path.join(work, "data", case.name + ".jsonl"),
                               sj.records_for(case.mode, words, case.n, case.prompt_len,
                                              prompt_tokens_max=case.prompt_len_max))
@@ -278,11 +296,13 @@ def write_case(case: Case, machine: Machine, ckpts: dict, words: list[str], work
     cap = f"{int(case.cap_gib * 1024)}MiB" if case.cap_gib < 1 else f"{case.cap_gib:g}GiB"
     job = sj.job_dict(ckpts[case.ckpt], case.mode, data, output, device=machine.device, dtype=machine.dtype,
                       policy=case.policy, hardware=machine.hardware, gpu_memory=cap, cpu_memory=machine.cpu_memory,
-                      max_new_tokens=case.gen, limit=case.n if use_mtbench else None, mtbench=use_mtbench,
-                      name=case.name)
+                      max_new_tokens=case.gen, limit=case.n if use_mtbench and not repeated else None,
+                      mtbench=use_mtbench and not repeated, name=case.name)
+    if repeated:
+        job["data"]["chat_template"] = True
     job.update(case.extra)
     path = sj.write_job(os.path.join(work, "jobs", case.name + ".yaml"), job)
-    return path, output, (min(case.n, 80) if use_mtbench else case.n)
+    return path, output, (min(case.n, 80) if use_mtbench and not repeated else case.n)
 
 
 def run_moe_batch(job_path: str, timeout_s: float, log_path: str) -> tuple[Optional[int], float, str]:
@@ -419,6 +439,42 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mp(r: dict, key: str, bind: Optional[str] = None) -> str:
+    """``measured / predicted = ratio (binding)`` of one phase's tokens/s in a case's row."""
+    m, p = r.get(key), (r.get("predicted") or {}).get(key)
+    if not m or not p:
+        return "-"
+    b = (r.get("predicted") or {}).get(bind) if bind else None
+    return f"{_num(m)} / {_num(p)} = **{m / p:.2f}**" + (f" ({b})" if b else "")
+
+
+def _terms(r: dict, phase: str) -> str:
+    """The HRM's terms of one phase (the report's ``predicted.stages_seconds``), seconds per batch, largest first."""
+    st = ((r.get("predicted") or {}).get("stages_seconds") or {}).get(phase) or {}
+    return ", ".join(f"{k} {v:.3g}" for k, v in sorted(st.items(), key=lambda kv: -kv[1]) if v > 0) or "-"
+
+
+def roofline_markdown(rows: list[dict], title: str) -> str:
+    """Issue 44's table: per case prefill, decode and end-to-end measured / predicted (the HRM's binding stage), the
+    HRM's terms (decode's for generation, prefill's for scoring) and the job's ``other`` seconds."""
+    head = ["case", "model/layers", "pages", "cap GiB", "policy (mu x n, resident, g)", "prefill m / p (binds)",
+            "decode m / p (binds)", "end-to-end m / p", "HRM terms, s per batch", "other s (of wall)", "status"]
+    lines = [f"# {title}", "", "m / p: the report's measured tokens/s over the HRM's predicted (the profile's peak "
+             "rates); end-to-end over warm-up + prefill + decode; other: model files, requests, planning, records, "
+             "outside every rate.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        gen = r["mode"] == "generate"
+        ws = r.get("wall_seconds") or {}
+        cells = [r["case"], f"{r.get('family', 'mixtral')}-w{r['hidden']}/{r['layers']}L",
+                 r["ckpt"] + ("/mxfp4" if r.get("mxfp4") else ""), f"{r['cap_bytes'] / GiB:g}", _policy_cell(r),
+                 _mp(r, "prefill_tokens_per_s", "prefill_binding"),
+                 _mp(r, "decode_tokens_per_s", "decode_binding") if gen else "-",
+                 _mp(r, "end_to_end_tokens_per_s") if gen else "-", _terms(r, "decode" if gen else "prefill"),
+                 f"{ws['other']:.1f} ({ws['total']:.1f})" if ws.get("total") else "-", r["status"].replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
@@ -446,10 +502,11 @@ def _recap(name: str, old: float, new: float) -> str:
     return (name[:-len(tail)] if name.endswith(tail) else name) + f"-{new:g}g"
 
 
-def cases_for(preset: str, mtbench: bool) -> list[Case]:
-    """The preset's case list."""
+def cases_for(preset: str, mtbench: bool, int4: bool = False) -> list[Case]:
+    """The preset's case list (``int4``: the roofline preset's cases on the int4 copy)."""
     return {"smoke": smoke_cases, "suite": lambda: suite_cases(mtbench), "sweep": sweep_cases,
-            "families": lambda: families_cases(mtbench), "prefill": prefill_cases}[preset]()
+            "families": lambda: families_cases(mtbench), "prefill": prefill_cases,
+            "roofline": lambda: roofline_cases(int4)}[preset]()
 
 
 def run_sweep(cases: list[Case], machine: Machine, work: str, out: str, time_budget: float, gen_device: str,
@@ -517,6 +574,9 @@ def run_sweep(cases: list[Case], machine: Machine, work: str, out: str, time_bud
               file=log, flush=True)
     with open(md, "w") as f:
         f.write(markdown(rows, title))
+    if any(r["case"].startswith("rf-") for r in rows):  # the roofline preset's table beside it
+        with open(os.path.join(out, "roofline.md"), "w") as f:
+            f.write(roofline_markdown(rows, title))
     return rows
 
 
@@ -539,7 +599,9 @@ def prepare(cases: list[Case], machine: Machine, work: str, gen_device: str, log
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, choices=["smoke", "suite", "sweep", "families", "prefill"], help="which case list")
+    p.add_argument("--preset", required=True, choices=["smoke", "suite", "sweep", "families", "prefill", "roofline"],
+                   help="which case list")
+    p.add_argument("--int4", action="store_true", help="roofline: the cases on the moe-batch quantize int4 copy")
     p.add_argument("--dims-preset", default=None, help="the checkpoint's dims from a registry model (qwen3-30b-a3b, "
                    "olmoe-1b-7b, qwen1.5-moe-a2.7b, ...) instead of the preset's Mixtral width; with --layers")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of a --dims-preset checkpoint (default 4)")
@@ -549,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for sweep.jsonl, sweep.md, logs/ and reports/")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole sweep (default 540)")
     p.add_argument("--min-case-seconds", type=float, default=20.0, help="start a case only when this much is left")
-    p.add_argument("--hardware", default=None, help="job hardware (default: lightning_moe/policy/profiles/h200-host.yaml)")
+    p.add_argument("--hardware", default=None, help="job hardware (default: lightning_moe/policy/profiles/h200-host.yaml; "
+                   "'none': the jobs name none, so each plans with this host's measured profile, the first measuring it)")
     p.add_argument("--cpu-memory", default="100GiB", help="job cpu_memory (default 100GiB)")
     p.add_argument("--gen-device", default=None, help="where the checkpoint's random weights are drawn (default: "
                    "cuda for suite/sweep when available, else cpu)")
@@ -566,7 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    cases = cases_for(a.preset, sj.mtbench_available())
+    if a.int4 and a.preset != "roofline":
+        build_parser().error("--int4: the roofline preset's option (the other presets name each case's checkpoint)")
+    cases = cases_for(a.preset, sj.mtbench_available(), a.int4)
     if a.cases:
         wanted = [s.strip() for s in a.cases.split(",") if s.strip()]
         cases = [c for c in cases if any(c.name == w or c.name.startswith(w) for w in wanted)]
@@ -577,6 +642,8 @@ def main(argv=None) -> int:
             print(json.dumps(dataclasses.asdict(c)))
         return 0
     machine = machine_for(a.preset, a.hardware, a.cpu_memory)
+    if a.hardware == "none":  # the jobs name no hardware: each plans with this host's measured profile
+        machine = dataclasses.replace(machine, hardware=None)
     if a.dims_preset:
         machine = dataclasses.replace(machine, dims=make_checkpoint.Dims.from_registry(a.dims_preset, a.layers))
     if a.mxfp4:

