@@ -112,3 +112,38 @@ def test_milp_time_equals_hrm_with_the_policy_offsets(mu, n, g):
     flat = Workload(prompt_len=wl.prompt_len, gen_len=wl.gen_len, max_prompt_len=wl.max_prompt_len)
     assert est.total_time > 1.01 * hrm.evaluate(pol, spec, hw, flat).total_time  # the offsets matter here
     assert float(pulp.value(model.T)) == pytest.approx(est.total_time, rel=1e-6)
+
+
+def test_plan_reuses_a_pass_met_again_and_answers_as_without(monkeypatch):
+    """An offsets round that comes back to an earlier round's offsets meets passes already solved: plan() reuses
+    their answers (named "(again)" in the notes) instead of solving them again, and its policy and estimate are
+    those of the same plan solving every pass. The offsets are forced to cycle 0 -> (5, -5) -> 0; the passes
+    solved are exactly the distinct ones the plan without reuse solves (a key missing an input would skip one, a key
+    with too much would solve one twice)."""
+    spec = resolve_spec("mixtral-8x7b").with_layers(2)
+    hw = resolve_hardware(os.path.join(os.path.dirname(hardware.__file__), "profiles", "h100-host.yaml"))
+    lens = [20 + (i * 37) % 90 for i in range(60)] + [300 + i for i in range(20)]
+    wl = dataclasses.replace(Workload.from_lengths(lens, gen_len=8, name="skew"), num_requests=200)
+    b = Budgets(gpu_memory=12 * GiB, cpu_memory=100 * GiB, weight_quant="bf16", dtype="bf16")
+    solve, fixed_points = milp._solve_for_kv_len, milp._fixed_points
+
+    def run(memo: bool):
+        calls, cycle = [], iter([(5.0, -5.0), (0.0, 0.0)] * milp.MAX_OFFSET_SOLVES)
+        monkeypatch.setattr(milp, "_round_offsets", lambda w, p: next(cycle))
+        monkeypatch.setattr(milp, "_solve_for_kv_len", lambda *a, **k: calls.append((a[7], a[8], k["offsets"], k["strict"]))
+                            or solve(*a, **k))
+
+        class NoMemo(dict):  # every pass solved, as before the reuse
+            def __contains__(self, key):
+                return False
+
+        monkeypatch.setattr(milp, "_fixed_points", fixed_points if memo else
+                            (lambda *a, **k: fixed_points(*a, **k, solved=NoMemo())))
+        return milp.plan(spec, hw, wl, b), calls
+
+    (pol, est), calls = run(memo=True)
+    (ref_pol, ref_est), ref_calls = run(memo=False)
+    assert "(again)" in est.notes[-1] and "(again)" not in ref_est.notes[-1]
+    assert len(calls) == len(set(calls)) and set(calls) == set(ref_calls) and len(ref_calls) > len(calls)
+    assert pol == ref_pol
+    assert dataclasses.replace(est, notes=()) == dataclasses.replace(ref_est, notes=())

@@ -794,6 +794,62 @@ def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, bu
     return best, not bad, proven, iters, C, model, t_build, pol
 
 
+def _round_offsets(workload: Workload, optimum: Policy) -> tuple[float, float]:
+    """The attention-context offsets (CPU rows, GPU rows) of an offsets round's optimum: the next round's constants."""
+    return workload.attention_context_offsets(optimum.N, optimum.mu, optimum.n, optimum.n_gpu_attn)
+
+
+def _fixed_points(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
+                  n_max: Optional[int], time_limit: float, solved: Optional[dict] = None):
+    """:func:`plan`'s MILP passes: the KV-length fixed point inside the attention-context offsets fixed point (below).
+
+    A pass met again (same KV length, count rows, offsets and strictness: an offsets round that comes back to an
+    earlier round's offsets) is the same model, which HiGHS answers the same (deterministic; only a solve that stops
+    at ``time_limit`` could answer otherwise): its first answer is reused, not solved again (``solved``: the passes
+    answered so far, by key; default a new dict). Returns (best (Policy, Estimate), proven optimal, Dinkelbach solves
+    run, pass labels, build seconds, the last pass's coefficients and model)."""
+    # KV fixed point: the MILP is linear in N, so it takes one KV length per sequence. Pass 1 uses the longest
+    # prompt's (safe for every N); each next pass uses workload.kv_positions(K) of the batch the previous pass
+    # chose (K = its N_cpu, or N without CPU attention). kv_positions is non-increasing in N, so that model is
+    # exact or conservative for policies of >= K sequences and a relaxation for smaller ones; when its optimum
+    # is one of those and does not fit hrm's exact bytes, the pass is solved again with rows N >= K,
+    # N_cpu >= K y_cpu, where every solution fits and the previous answer is still feasible.
+    best, proven, iters, passes, t_build = None, True, 0, [], 0.0
+    solved = {} if solved is None else solved
+    offsets = (0.0, 0.0)
+    for _ in range(MAX_OFFSET_SOLVES):
+        kv_len, count = workload.kv_positions(1), 0
+        for k in range(MAX_KV_SOLVES):
+            for min_count in ((0, count) if k else (0,)):
+                key = (kv_len, min_count, offsets, k == 0)  # every input of the pass that plan() does not fix
+                again = key in solved
+                if not again:
+                    solved[key] = _solve_for_kv_len(spec, hw, workload, budgets, cands, n_max, time_limit, kv_len,
+                                                    min_count, strict=k == 0, offsets=offsets)
+                got, fits, opt, it, C, model, tb, optimum = solved[key]
+                proven = proven and opt
+                iters, t_build = (iters, t_build) if again else (iters + it, t_build + tb)
+                passes.append(f"{kv_len:.1f}" + (f" (N >= {min_count})" if min_count else "")
+                              + (f" [CPU rows +{offsets[0]:.1f}]" if offsets[0] else "") + (" (again)" if again else ""))
+                if got is not None and (best is None or got[1].e2e_tok_s > best[1].e2e_tok_s):
+                    best = got  # compared with hrm.evaluate, i.e. with the policy's own exact offsets
+                if fits:
+                    break
+            assert best is not None  # the first pass raises rather than return nothing
+            count = _kv_sizing_count(best[0])
+            nxt = workload.kv_positions(count)
+            if nxt >= kv_len * (1 - 1e-12):  # fixed point: done
+                break
+            kv_len = nxt
+        # attention-context offsets: the MILP takes them as constants; solve again with the offsets of this round's
+        # optimum until they repeat (the best policy is always chosen by hrm.evaluate, with its exact offsets)
+        nxt_off = _round_offsets(workload, optimum)
+        if all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for x, y in zip(nxt_off, offsets)):
+            break
+        offsets = nxt_off
+    return best, proven, iters, passes, t_build, C, model
+
+
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
          candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
          time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True,
@@ -832,39 +888,7 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     diagnose(spec, workload, budgets, cands[0])
 
     t0 = time.perf_counter()
-    # KV fixed point: the MILP is linear in N, so it takes one KV length per sequence. Pass 1 uses the longest
-    # prompt's (safe for every N); each next pass uses workload.kv_positions(K) of the batch the previous pass
-    # chose (K = its N_cpu, or N without CPU attention). kv_positions is non-increasing in N, so that model is
-    # exact or conservative for policies of >= K sequences and a relaxation for smaller ones; when its optimum
-    # is one of those and does not fit hrm's exact bytes, the pass is solved again with rows N >= K,
-    # N_cpu >= K y_cpu, where every solution fits and the previous answer is still feasible.
-    best, proven, iters, passes, t_build = None, True, 0, [], 0.0
-    offsets = (0.0, 0.0)
-    for _ in range(MAX_OFFSET_SOLVES):
-        kv_len, count = workload.kv_positions(1), 0
-        for k in range(MAX_KV_SOLVES):
-            for min_count in ((0, count) if k else (0,)):
-                got, fits, opt, it, C, model, tb, optimum = _solve_for_kv_len(
-                    spec, hw, workload, budgets, cands, n_max, time_limit, kv_len, min_count, strict=k == 0, offsets=offsets)
-                proven, iters, t_build = proven and opt, iters + it, t_build + tb
-                passes.append(f"{kv_len:.1f}" + (f" (N >= {min_count})" if min_count else "")
-                              + (f" [CPU rows +{offsets[0]:.1f}]" if offsets[0] else ""))
-                if got is not None and (best is None or got[1].e2e_tok_s > best[1].e2e_tok_s):
-                    best = got  # compared with hrm.evaluate, i.e. with the policy's own exact offsets
-                if fits:
-                    break
-            assert best is not None  # the first pass raises rather than return nothing
-            count = _kv_sizing_count(best[0])
-            nxt = workload.kv_positions(count)
-            if nxt >= kv_len * (1 - 1e-12):  # fixed point: done
-                break
-            kv_len = nxt
-        # attention-context offsets: the MILP takes them as constants; solve again with the offsets of this round's
-        # optimum until they repeat (the best policy is always chosen by hrm.evaluate, with its exact offsets)
-        nxt_off = workload.attention_context_offsets(optimum.N, optimum.mu, optimum.n, optimum.n_gpu_attn)
-        if all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for x, y in zip(nxt_off, offsets)):
-            break
-        offsets = nxt_off
+    best, proven, iters, passes, t_build, C, model = _fixed_points(spec, hw, workload, budgets, cands, n_max, time_limit)
     pol, est = best
     if tie_break:
         pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)
