@@ -148,7 +148,7 @@ def _job_inputs(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of ``moe-batch plan``: prints the policy table, predicted tok/s and solve time; 0 ok, 2 error."""
-    from .policy.milp import plan  # lazy: pulp (the CBC solver) only for this command
+    from .policy.milp import default_solve_cache, plan  # lazy: pulp and HiGHS only for this command
 
     try:
         workload, job = _plan_workload(args)
@@ -161,7 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         budgets = _plan_budgets(args, job, model, spec, hw)
         t0 = time.perf_counter()
         policy, est = plan(spec, hw, workload, budgets, candidates=args.mu_candidates, time_limit=args.time_limit,
-                            job_fit=True)
+                            job_fit=True, solve_cache=default_solve_cache())
         elapsed = time.perf_counter() - t0
     except _PLAN_ERRORS as e:
         return _plan_failed(e)

@@ -67,3 +67,10 @@ def fixed_cpu_profile(tmp_path_factory, monkeypatch):
         CpuProfile(**FIXED_CPU_PROFILE).save(str(path))
     monkeypatch.setenv("LIGHTNING_MOE_CPU_PROFILE", str(path))
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def no_solve_cache(monkeypatch):
+    """Every test's plans solve every MILP ($LIGHTNING_MOE_SOLVE_CACHE off), as before the solve cache: nothing is
+    written to the user's cache and no answer carries over between tests (tests of the cache set it)."""
+    monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", "off")

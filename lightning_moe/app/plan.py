@@ -318,14 +318,15 @@ def job_expert_pages(job, prep) -> str:
 
 
 def policy_for_job(job, prep, hw=None):
-    """The job's Policy: ``policy: auto`` plans with the MILP (generation) or plan_scoring (scoring) for the job's
-    real lengths, the job's hardware ``hw`` (default: :func:`job_hardware`) and ``gpu_memory``/``cpu_memory``; a
-    path loads a policy YAML; a mapping gives explicit fields (unknown keys are errors naming the job file and key;
-    ``prefill_mu`` defaults to ``mu``, the formats to the job's dtype and the checkpoint's expert pages).
+    """The job's Policy: ``policy: auto`` plans with the MILP (generation; its solves kept in and read from the
+    solve cache, milp.default_solve_cache) or plan_scoring (scoring) for the job's real lengths, the job's hardware
+    ``hw`` (default: :func:`job_hardware`) and ``gpu_memory``/``cpu_memory``; a path loads a policy YAML; a mapping
+    gives explicit fields (unknown keys are errors naming the job file and key; ``prefill_mu`` defaults to ``mu``,
+    the formats to the job's dtype and the checkpoint's expert pages).
 
     Returns (Policy, Estimate or None). Raises PlanInfeasible / PolicyError / ValueError with one clear line.
     """
-    from ..policy.milp import plan
+    from ..policy.milp import default_solve_cache, plan
     from ..policy.policy import Budgets, Policy, check_cpu_budget, check_gpu_budget
 
     dt, wq = _DT[job.dtype], job_expert_pages(job, prep)
@@ -351,7 +352,7 @@ def policy_for_job(job, prep, hw=None):
     budgets = Budgets.for_hardware(hw, dtype=dt, weight_quant=wq, gpus=getattr(job, "gpus", 1),
                                    gpu_memory=job_gpu_budget(job, hw),
                                    **({"cpu_memory": job.cpu_memory} if job.cpu_memory else {}))
-    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets, job_fit=True)
+    return plan(prep.spec, hw, job_workload_from_prepared(prep), budgets, job_fit=True, solve_cache=default_solve_cache())
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ answer is the best policy the rounds visited, exact on workloads without prompt 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -68,7 +69,7 @@ MAX_KV_SOLVES = 3  # passes of the KV-length fixed point (longest prompt, then t
 MAX_OFFSET_SOLVES = 3  # rounds of the attention-context offsets fixed point (0, then the chosen policy's offsets)
 PREFILL_GROW_TOKENS = (16384, 8192)  # larger prefill micro-batches grow_prefill tries after the MILP (padded tokens)
 
-__all__ = ["plan", "plan_scoring", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
+__all__ = ["plan", "plan_scoring", "default_solve_cache", "PlanInfeasible", "DEFAULT_MU_CANDIDATES", "prefill_micro_batch", "grow_prefill", "policy_from_decisions", "max_micro_batches"]
 
 
 def grow_prefill(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workload,
@@ -341,10 +342,13 @@ class _Model:
     (2 rows per digit), so the model stays small for long generations and many layers.
     """
 
-    def __init__(self, spec: MoESpec, workload: Workload, C: _Coeffs, min_kv_count: int = 0):
+    def __init__(self, spec: MoESpec, workload: Workload, C: _Coeffs, min_kv_count: int = 0,
+                 cache: Optional[str] = None):
         """``min_kv_count`` > 0: only policies whose KV sizing count (N_cpu, or N without CPU attention) is at
-        least that many sequences (the KV fixed point's safety rows, see :func:`plan`)."""
-        self.spec, self.workload, self.C = spec, workload, C
+        least that many sequences (the KV fixed point's safety rows, see :func:`plan`). ``cache``: the solve cache
+        its solves read and fill (:func:`_solve_highs`; None: none)."""
+        self.spec, self.workload, self.C, self.cache = spec, workload, C, cache
+        self.cache_hits = 0  # solves the cache answered
         self.min_kv_count = min_kv_count
         self.L_moe, self.L_d, self.E = spec.num_moe_layers, spec.num_dense_layers, spec.num_experts
         self.prob = pulp.LpProblem("moe_lightning_policy", pulp.LpMaximize)
@@ -618,7 +622,8 @@ class _Model:
         """max G N - lam T. Returns (decisions, objective value, proven optimal). Raises PlanInfeasible."""
         G = self.workload.gen_len
         self.prob.setObjective(G * self.N - lam * self.T)
-        found, optimal, status = _solve_highs(self.prob, time_limit)
+        found, optimal, status = _solve_highs(self.prob, time_limit, self.cache)
+        self.cache_hits += status == CACHED_STATUS
         if not found:
             raise PlanInfeasible(f"infeasible: the MILP has no solution (HiGHS: {status})")
         mu = max(self.C.cands, key=lambda m: self.z[m].varValue or 0.0)
@@ -671,41 +676,139 @@ def _new_highs() -> highspy.Highs:
     return h
 
 
-def _solve_highs(prob: pulp.LpProblem, time_limit: float, presolve: bool = True) -> tuple[bool, bool, str]:
-    """Solve the PuLP model ``prob`` with HiGHS (highspy, called directly: PuLP is only the modelling layer) to
-    zero gap, silently, within ``time_limit`` seconds, and write the solution into its variables' varValue.
-    HiGHS's presolve has called a badly scaled feasible model (tiny-mixtral, 2 GiB GPU) infeasible: "no solution"
-    from a presolved run is only believed after a run without presolve.
-
-    Returns (a feasible solution was found, it is proven optimal, HiGHS's model status in words)."""
+def _highs_input(prob: pulp.LpProblem) -> tuple[list, dict]:
+    """(the variables of ``prob`` in column order, HiGHS's input for it: numpy arrays of the column bounds, costs
+    (minimised: a maximisation's are negated), integer columns and the rows in compressed form)."""
     vs = prob.variables()
     col = {v.name: i for i, v in enumerate(vs)}
     inf, sense = highspy.kHighsInf, -1.0 if prob.sense == pulp.LpMaximize else 1.0
+    obj = prob.objective
+    lo, up, starts, index, value = _highs_rows(prob, col)
+    f64, i32 = np.float64, np.int32
+    return vs, {"col_lower": np.array([-inf if v.lowBound is None else v.lowBound for v in vs], dtype=f64),
+                "col_upper": np.array([inf if v.upBound is None else v.upBound for v in vs], dtype=f64),
+                "cost": np.array([sense * obj.get(v, 0.0) for v in vs], dtype=f64),
+                "ints": np.array([i for i, v in enumerate(vs) if v.cat == pulp.LpInteger], dtype=i32),
+                "row_lower": np.array(lo, dtype=f64), "row_upper": np.array(up, dtype=f64),
+                "starts": np.array(starts, dtype=i32), "index": np.array(index, dtype=i32),
+                "value": np.array(value, dtype=f64)}
+
+
+def _run_highs(a: dict, time_limit: float, presolve: bool = True) -> tuple[bool, bool, str, Optional[np.ndarray]]:
+    """HiGHS on the input ``a`` (:func:`_highs_input`), to zero gap, silently, within ``time_limit`` seconds.
+    HiGHS's presolve has called a badly scaled feasible model (tiny-mixtral, 2 GiB GPU) infeasible: "no solution"
+    from a presolved run is only believed after a run without presolve. Returns (a feasible solution was found, it
+    is proven optimal, HiGHS's model status in words, the solution's column values or None)."""
     h = _new_highs()
     for key, val in (("output_flag", False), ("time_limit", float(time_limit)), ("mip_rel_gap", 0.0),
                      ("mip_abs_gap", 0.0), ("presolve", "on" if presolve else "off")):
         h.setOptionValue(key, val)
-    h.addVars(len(vs), np.array([-inf if v.lowBound is None else v.lowBound for v in vs], dtype=np.float64),
-              np.array([inf if v.upBound is None else v.upBound for v in vs], dtype=np.float64))
-    obj = prob.objective
-    h.changeColsCost(len(vs), np.arange(len(vs), dtype=np.int32),
-                     np.array([sense * obj.get(v, 0.0) for v in vs], dtype=np.float64))
-    ints = np.array([i for i, v in enumerate(vs) if v.cat == pulp.LpInteger], dtype=np.int32)
+    n, ints = len(a["cost"]), a["ints"]
+    h.addVars(n, a["col_lower"], a["col_upper"])
+    h.changeColsCost(n, np.arange(n, dtype=np.int32), a["cost"])
     if len(ints):
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-    lo, up, starts, index, value = _highs_rows(prob, col)
-    h.addRows(len(lo), np.array(lo, dtype=np.float64), np.array(up, dtype=np.float64), len(index),
-              np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value, dtype=np.float64))
+    h.addRows(len(a["row_lower"]), a["row_lower"], a["row_upper"], len(a["index"]), a["starts"], a["index"],
+              a["value"])
     h.run()
     status = h.getModelStatus()
     found = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible: a feasible point is held
     if not found and presolve:
-        return _solve_highs(prob, time_limit, presolve=False)
+        return _run_highs(a, time_limit, presolve=False)
+    x = np.array(h.getSolution().col_value, dtype=np.float64) if found else None
+    return found, status == highspy.HighsModelStatus.kOptimal, h.modelStatusToString(status), x
+
+
+def _solve_highs(prob: pulp.LpProblem, time_limit: float, cache: Optional[str] = None) -> tuple[bool, bool, str]:
+    """Solve the PuLP model ``prob`` with HiGHS (highspy, called directly: PuLP is only the modelling layer;
+    :func:`_run_highs`) and write the solution into its variables' varValue.
+
+    ``cache``: a directory of earlier answers (:func:`_cached_solution`): a model solved before to proven optimality
+    is answered from it, with the column values HiGHS gave then (status CACHED_STATUS), and a new one so solved is
+    added to it. Returns (a feasible solution was found, it is proven optimal, HiGHS's model status in words)."""
+    vs, a = _highs_input(prob)
+    path = _cache_path(cache, a, time_limit) if cache else None
+    x = _cached_solution(path, len(vs)) if path else None
+    if x is not None:
+        found, optimal, status = True, True, CACHED_STATUS
+    else:
+        found, optimal, status, x = _run_highs(a, time_limit)
+        if path and found and optimal:
+            _save_solution(path, x)
     if found:
-        x = h.getSolution().col_value
-        for v, xi in zip(vs, x):
+        for v, xi in zip(vs, x.tolist()):
             v.varValue = xi
-    return found, status == highspy.HighsModelStatus.kOptimal, h.modelStatusToString(status)
+    return found, optimal, status
+
+
+def default_solve_cache() -> Optional[str]:
+    """The solve cache ``moe-batch run`` / ``plan`` and the Python API plan with (:func:`plan`'s ``solve_cache``):
+    ``$LIGHTNING_MOE_SOLVE_CACHE`` (a directory; ``off`` for none), else ``milp-solves`` in the package cache
+    directory (``$LIGHTNING_MOE_CACHE``, else ``$XDG_CACHE_HOME/lightning-moe``, default ``~/.cache/lightning-moe``:
+    model.tiny.default_cache_dir's rule, repeated here because the policy layer imports no torch)."""
+    env = os.environ.get("LIGHTNING_MOE_SOLVE_CACHE")
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else env
+    root = os.environ.get("LIGHTNING_MOE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightning-moe")
+    return os.path.join(root, "milp-solves")
+
+
+CACHED_STATUS = "Optimal (solve cache)"  # _solve_highs' status of a solve the cache answered
+SOLVE_CACHE_VERSION = 1  # in every key of the solve cache: bumped when what an entry holds changes
+SOLVE_CACHE_FILES = 4096  # entries a solve cache keeps (~8 bytes per column each); the oldest go first
+
+
+def _cache_path(cache: str, a: dict, time_limit: float) -> str:
+    """The file of the solve cache ``cache`` for HiGHS input ``a``: named by a SHA-256 of every array's bytes, the
+    options :func:`_run_highs` sets (``time_limit`` the only variable one), the HiGHS version and this machine's
+    CPU count (HiGHS's MIP workers; its answers are deterministic for one input, options, build and thread count)."""
+    import hashlib
+
+    h = hashlib.sha256(repr((SOLVE_CACHE_VERSION, _highs_version(), float(time_limit), os.cpu_count())).encode())
+    for k in sorted(a):
+        h.update(f"{k}:{a[k].dtype.str}:{a[k].shape}".encode())
+        h.update(np.ascontiguousarray(a[k]).tobytes())
+    return os.path.join(cache, f"{h.hexdigest()}.npy")
+
+
+@functools.lru_cache(maxsize=1)
+def _highs_version() -> str:
+    """The installed highspy's version (its distribution's metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("highspy")
+    except PackageNotFoundError:  # pragma: no cover (a build without metadata)
+        return "unknown"
+
+
+def _cached_solution(path: str, n: int) -> Optional[np.ndarray]:
+    """The column values stored at ``path`` (float64, ``n`` of them), or None (absent, unreadable, other length)."""
+    try:
+        x = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return x if x.dtype == np.float64 and x.shape == (n,) else None
+
+
+def _save_solution(path: str, x: np.ndarray) -> None:
+    """Store ``x`` at ``path`` (written whole, then renamed: a concurrent reader sees all or nothing) and keep the
+    cache's newest SOLVE_CACHE_FILES entries; a cache that cannot be written is left alone (the plan goes on)."""
+    folder = os.path.dirname(path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, x, allow_pickle=False)
+        os.replace(tmp, path)
+        entries = [e for e in os.scandir(folder) if e.name.endswith(".npy")]
+        if len(entries) > SOLVE_CACHE_FILES:
+            entries.sort(key=lambda e: e.stat().st_mtime)
+            for e in entries[:len(entries) - SOLVE_CACHE_FILES]:
+                os.remove(e.path)
+    except OSError:
+        pass
 
 
 def _tie_break(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
@@ -761,9 +864,9 @@ def _kv_sizing_count(pol: Policy) -> int:
 
 def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
                       n_max: Optional[int], time_limit: float, kv_len: float, min_kv_count: int, strict: bool,
-                      offsets: tuple[float, float] = (0.0, 0.0)):
+                      offsets: tuple[float, float] = (0.0, 0.0), cache: Optional[str] = None):
     """Dinkelbach iterations of the MILP with ``kv_len`` KV positions per sequence, over policies whose KV sizing
-    count (:func:`_kv_sizing_count`) is at least ``min_kv_count`` (0: all).
+    count (:func:`_kv_sizing_count`) is at least ``min_kv_count`` (0: all); ``cache``: the solve cache (:func:`plan`).
 
     Returns (best (Policy, Estimate) among the iterates that fit hrm's exact memory model, or None; whether
     the last iterate (the optimum) fits; proven optimal; iterations; coefficients; model; build seconds; the
@@ -773,7 +876,7 @@ def _solve_for_kv_len(spec: MoESpec, hw: HardwareProfile, workload: Workload, bu
     """
     t0 = time.perf_counter()
     C = _coefficients(spec, hw, workload, budgets, cands, n_max, kv_len, offsets)
-    model = _Model(spec, workload, C, min_kv_count)
+    model = _Model(spec, workload, C, min_kv_count, cache)
     t_build = time.perf_counter() - t0
     lam, best, proven, iters, bad = 0.0, None, True, 0, []
     for iters in range(1, MAX_DINKELBACH + 1):
@@ -800,21 +903,22 @@ def _round_offsets(workload: Workload, optimum: Policy) -> tuple[float, float]:
 
 
 def _fixed_points(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
-                  n_max: Optional[int], time_limit: float, solved: Optional[dict] = None):
+                  n_max: Optional[int], time_limit: float, solved: Optional[dict] = None, cache: Optional[str] = None):
     """:func:`plan`'s MILP passes: the KV-length fixed point inside the attention-context offsets fixed point (below).
 
     A pass met again (same KV length, count rows, offsets and strictness: an offsets round that comes back to an
     earlier round's offsets) is the same model, which HiGHS answers the same (deterministic; only a solve that stops
     at ``time_limit`` could answer otherwise): its first answer is reused, not solved again (``solved``: the passes
-    answered so far, by key; default a new dict). Returns (best (Policy, Estimate), proven optimal, Dinkelbach solves
-    run, pass labels, build seconds, the last pass's coefficients and model)."""
+    answered so far, by key; default a new dict). ``cache``: the solve cache (:func:`plan`'s ``solve_cache``).
+    Returns (best (Policy, Estimate), proven optimal, (Dinkelbach solves run, those the cache answered), pass
+    labels, build seconds, the last pass's coefficients and model)."""
     # KV fixed point: the MILP is linear in N, so it takes one KV length per sequence. Pass 1 uses the longest
     # prompt's (safe for every N); each next pass uses workload.kv_positions(K) of the batch the previous pass
     # chose (K = its N_cpu, or N without CPU attention). kv_positions is non-increasing in N, so that model is
     # exact or conservative for policies of >= K sequences and a relaxation for smaller ones; when its optimum
     # is one of those and does not fit hrm's exact bytes, the pass is solved again with rows N >= K,
     # N_cpu >= K y_cpu, where every solution fits and the previous answer is still feasible.
-    best, proven, iters, passes, t_build = None, True, 0, [], 0.0
+    best, proven, iters, hits, passes, t_build = None, True, 0, 0, [], 0.0
     solved = {} if solved is None else solved
     offsets = (0.0, 0.0)
     for _ in range(MAX_OFFSET_SOLVES):
@@ -825,10 +929,11 @@ def _fixed_points(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 again = key in solved
                 if not again:
                     solved[key] = _solve_for_kv_len(spec, hw, workload, budgets, cands, n_max, time_limit, kv_len,
-                                                    min_count, strict=k == 0, offsets=offsets)
+                                                    min_count, strict=k == 0, offsets=offsets, cache=cache)
                 got, fits, opt, it, C, model, tb, optimum = solved[key]
                 proven = proven and opt
-                iters, t_build = (iters, t_build) if again else (iters + it, t_build + tb)
+                if not again:
+                    iters, hits, t_build = iters + it, hits + model.cache_hits, t_build + tb
                 passes.append(f"{kv_len:.1f}" + (f" (N >= {min_count})" if min_count else "")
                               + (f" [CPU rows +{offsets[0]:.1f}]" if offsets[0] else "") + (" (again)" if again else ""))
                 if got is not None and (best is None or got[1].e2e_tok_s > best[1].e2e_tok_s):
@@ -847,13 +952,14 @@ def _fixed_points(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         if all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for x, y in zip(nxt_off, offsets)):
             break
         offsets = nxt_off
-    return best, proven, iters, passes, t_build, C, model
+    return best, proven, (iters, hits), passes, t_build, C, model
 
 
 def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets,
          candidates: Optional[Sequence[int]] = None, *, n_max: Optional[int] = None,
          time_limit: float = SOLVE_TIME_LIMIT, tie_break: bool = True,
-         prefill_growth: bool = True, job_fit: bool = False) -> tuple[Policy, "hrm.Estimate"]:
+         prefill_growth: bool = True, job_fit: bool = False,
+         solve_cache: Optional[str] = None) -> tuple[Policy, "hrm.Estimate"]:
     """Best CGOPipe policy for end-to-end throughput N G / (T_prefill + T_decode) under the budgets, re-shaped for
     the job's request count (``job_fit``).
 
@@ -870,6 +976,10 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
             (:func:`grow_prefill`; the decode decisions do not change).
         job_fit: with ``workload.num_requests``, re-shape the policy for the whole job (jobplan.fit_job: one batch of
             every request where memory allows, else even batches; the least job time, every batch counted).
+        solve_cache: a directory where each HiGHS solve proven optimal is kept, keyed by a hash of its whole input
+            (model, objective, options, HiGHS version, CPU count); a solve met again (the same job planned again:
+            ``moe-batch plan`` then ``moe-batch run``, a second run) is answered from it with the same column values,
+            so the policy and estimate are those of solving it. None (default): every solve runs.
     Returns (Policy, Estimate): the estimate is hrm.evaluate of the policy, with solver notes.
     Raises PlanInfeasible (one line) when nothing fits; ValueError for a model without MoE layers.
     """
@@ -888,7 +998,8 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     diagnose(spec, workload, budgets, cands[0])
 
     t0 = time.perf_counter()
-    best, proven, iters, passes, t_build, C, model = _fixed_points(spec, hw, workload, budgets, cands, n_max, time_limit)
+    best, proven, (iters, hits), passes, t_build, C, model = _fixed_points(spec, hw, workload, budgets, cands, n_max, time_limit,
+                                                                   cache=solve_cache)
     pol, est = best
     if tie_break:
         pol, est = _tie_break(spec, hw, workload, budgets, cands, pol, est)
@@ -900,7 +1011,7 @@ def plan(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budget
     kv_note = (f", KV {workload.kv_positions(_kv_sizing_count(pol)):.1f} positions/sequence "
                f"(MILP pass(es) at {', '.join(passes)})" if workload.prompt_lens is not None else "")
     note = (f"MILP: {len(cands)} micro-batch sizes, n <= {max(C.nmax.values())}, {model.prob.numConstraints()} constraints, "
-            f"{iters} Dinkelbach solve(s){kv_note}, {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
+            f"{iters} Dinkelbach solve(s){f' ({hits} from the solve cache)' if hits else ''}{kv_note}, {time.perf_counter() - t0:.2f} s (build {t_build:.2f} s), "
             + ("proven optimal" if proven else f"NOT proven optimal (HiGHS time limit {time_limit:g} s)"))
     log.info(note)
     return pol, replace(est, notes=est.notes + (note,))

@@ -1,0 +1,99 @@
+"""The planner's solve cache (milp.plan's ``solve_cache``): a HiGHS solve met again is answered from the cache with
+the column values HiGHS gave, so a plan made again is the same policy and estimate; the key is the solver's whole
+input, so a plan whose model differs in any input solves it."""
+
+import dataclasses
+import os
+
+import pytest
+
+from lightning_moe.policy import hardware, milp
+from lightning_moe.policy.hardware import resolve_hardware
+from lightning_moe.policy.policy import Budgets, Workload
+from lightning_moe.policy.registry import resolve_spec
+
+GiB = 1 << 30
+HW = os.path.join(os.path.dirname(hardware.__file__), "profiles", "h100-host.yaml")
+
+
+def _case(gpu_gib: int = 12, gen: int = 8):
+    spec = resolve_spec("mixtral-8x7b").with_layers(2)
+    lens = [20 + (i * 37) % 90 for i in range(60)] + [300 + i for i in range(20)]
+    wl = dataclasses.replace(Workload.from_lengths(lens, gen_len=gen, name="c"), num_requests=200)
+    return spec, resolve_hardware(HW), wl, Budgets(gpu_memory=gpu_gib * GiB, cpu_memory=100 * GiB, dtype="bf16",
+                                                  weight_quant="bf16")
+
+
+def _runs(monkeypatch) -> list:
+    """Records every HiGHS run (the solves the cache did not answer)."""
+    runs, run = [], milp._run_highs
+    monkeypatch.setattr(milp, "_run_highs", lambda *a, **k: runs.append(1) or run(*a, **k))
+    return runs
+
+
+def _same(a, b) -> None:
+    (pa, ea), (pb, eb) = a, b
+    assert pa == pb
+    assert dataclasses.replace(ea, notes=()) == dataclasses.replace(eb, notes=())
+
+
+def test_a_plan_made_again_is_answered_by_the_cache_and_is_the_same(tmp_path, monkeypatch):
+    spec, hw, wl, b = _case()
+    runs = _runs(monkeypatch)
+    fresh = milp.plan(spec, hw, wl, b, job_fit=True)  # no cache: every solve runs
+    n_solves = len(runs)
+    first = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    assert len(runs) == 2 * n_solves and len(list(tmp_path.glob("*.npy"))) > 0
+    again = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    assert len(runs) == 2 * n_solves  # nothing solved
+    assert "from the solve cache" in again[1].notes[-1] and "from the solve cache" not in first[1].notes[-1]
+    _same(first, fresh)
+    _same(again, fresh)
+
+
+@pytest.mark.parametrize("change", ["gpu_memory", "gen_len", "hardware", "time_limit"])
+def test_a_plan_of_other_inputs_solves_and_matches_its_own_fresh_plan(tmp_path, monkeypatch, change):
+    """A key that missed an input (the budget, the workload, the hardware, the solver's time limit) would answer
+    another plan's solves: here the cache holds a first plan's, and a plan differing in one input must run
+    every one of its solves and equal that plan without a cache."""
+    spec, hw, wl, b = _case()
+    milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    kw = {}
+    if change == "gpu_memory":
+        b = dataclasses.replace(b, gpu_memory=16 * GiB)
+    elif change == "gen_len":
+        wl = dataclasses.replace(wl, gen_len=9)
+    elif change == "hardware":
+        hw = dataclasses.replace(hw, pcie_h2d=hw.pcie_h2d * 0.9)
+    else:
+        kw["time_limit"] = 19.0
+    runs = _runs(monkeypatch)
+    cached = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path), **kw)
+    n_solves = len(runs)
+    assert n_solves > 0 and "from the solve cache" not in cached[1].notes[-1]
+    _same(cached, milp.plan(spec, hw, wl, b, job_fit=True, **kw))
+
+
+def test_a_damaged_entry_is_solved_again(tmp_path, monkeypatch):
+    """An entry that cannot be read (cut short) or holds another length is not an answer: the solve runs."""
+    spec, hw, wl, b = _case()
+    first = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    files = sorted(tmp_path.glob("*.npy"))
+    files[0].write_bytes(files[0].read_bytes()[:20])
+    import numpy as np
+
+    np.save(files[-1], np.zeros(3))
+    runs = _runs(monkeypatch)
+    again = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    assert len(runs) >= 1
+    _same(again, first)
+
+
+def test_default_solve_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", "off")
+    assert milp.default_solve_cache() is None
+    monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", str(tmp_path / "s"))
+    assert milp.default_solve_cache() == str(tmp_path / "s")
+    monkeypatch.delenv("LIGHTNING_MOE_SOLVE_CACHE")
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path))
+    assert milp.default_solve_cache() == str(tmp_path / "milp-solves")
