@@ -271,3 +271,43 @@ def test_one_shapes_expert_rates_as_moe_batch_profile_measures_them(monkeypatch)
     mx = profiler.measure_shape_expert_ffn_rates((64, 32, 4, 2), "fp16", "mxfp4", device="cpu")
     assert {(r.shape, r.weights) for r in mx} == {((64, 32, 4, 2, "fp16"), "mxfp4")} and all(r.triton > 0 for r in mx)
     assert calls == [(torch.float16, torch.float16)] * len(profiler.EXPERT_FFN_TOKENS)
+
+
+def test_expert_ffn_table_index_matches_a_scan_of_every_entry():
+    """expert_ffn_table reads an index made once per profile: for every committed profile, every shape, weight
+    storage and kernel set it gives what a scan of all entries (filtered, then sorted by tokens) gives; a replaced
+    profile gets its own index (no stale table)."""
+    import dataclasses
+    import glob
+    import os
+
+    from lightning_moe.policy import hardware
+    from lightning_moe.policy.hardware import EXPERT_FFN_KERNELS, resolve_hardware
+
+    def scan(hw, shape, kernels, weights):
+        return tuple(sorted((r for r in hw.expert_ffn_rates if r.shape == shape and r.weights == weights
+                             and r.best_rate_of(kernels) > 0), key=lambda r: r.tokens))
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(hardware.__file__), "profiles", "*.yaml")))
+    assert paths
+    for path in paths:
+        hw = resolve_hardware(path)
+        assert hw.expert_ffn_rates
+        for shape in {r.shape for r in hw.expert_ffn_rates}:
+            for weights in ("dense", "mxfp4"):
+                for kernels in (EXPERT_FFN_KERNELS, ("triton",), ("grouped_mm",), EXPERT_FFN_KERNELS[1:]):
+                    assert hw.expert_ffn_table(*shape, kernels, weights) == scan(hw, shape, kernels, weights)
+        shape = hw.expert_ffn_rates[0].shape
+        assert hw.expert_ffn_table(*shape)  # the index is made
+        fewer = dataclasses.replace(hw, expert_ffn_rates=hw.expert_ffn_rates[1:])
+        assert fewer.expert_ffn_table(*shape) == scan(fewer, shape, EXPERT_FFN_KERNELS, "dense")
+        assert fewer == dataclasses.replace(hw, expert_ffn_rates=hw.expert_ffn_rates[1:])  # the index is no field
+        r0 = hw.expert_ffn_rates[0]  # an MXFP4 entry of a dense entry's shape and tokens: kept apart by weights
+        mixed = dataclasses.replace(hw, expert_ffn_rates=(dataclasses.replace(r0, weights="mxfp4", grouped_mm=0.0,
+                                                                              mm_loop=0.0, triton=1e12),)
+                                    + hw.expert_ffn_rates)
+        for weights in ("dense", "mxfp4"):
+            assert mixed.expert_ffn_table(*shape, weights=weights) == scan(mixed, shape, EXPERT_FFN_KERNELS, weights)
+        assert len(mixed.expert_ffn_table(*shape, weights="mxfp4")) == 1
+        rev = dataclasses.replace(hw, expert_ffn_rates=tuple(reversed(hw.expert_ffn_rates)))  # file order not by tokens
+        assert rev.expert_ffn_table(*shape) == scan(rev, shape, EXPERT_FFN_KERNELS, "dense")

@@ -13,6 +13,7 @@ host and writes the same YAML (see ``profiler.py``).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import MISSING, asdict, dataclass, fields, replace
@@ -216,11 +217,20 @@ class HardwareProfile(YamlRecord):
     def expert_ffn_table(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
                          kernels: Sequence[str] = EXPERT_FFN_KERNELS, weights: str = "dense") -> tuple:
         """The profile's :class:`ExpertFFNRate` entries of one expert shape, dtype and weight storage that measure one
-        of ``kernels``, by increasing ``tokens``."""
+        of ``kernels``, by increasing ``tokens`` (from :attr:`_expert_ffn_index`, made once per profile)."""
         key = (hidden, intermediate, experts, top_k, _dtype_key(dtype))
-        return tuple(sorted((r for r in self.expert_ffn_rates
-                             if r.shape == key and r.weights == weights and r.best_rate_of(kernels) > 0),
-                            key=lambda r: r.tokens))
+        return tuple(r for r in self._expert_ffn_index.get((key, weights), ()) if r.best_rate_of(kernels) > 0)
+
+    @functools.cached_property
+    def _expert_ffn_index(self) -> dict:
+        """(shape, weights) -> the ``expert_ffn_rates`` entries of that shape and weight storage, by increasing
+        ``tokens`` (a stable sort: entries of equal tokens in file order), for :meth:`expert_ffn_table`, which the HRM
+        asks thousands of times a plan. A profile is frozen, so the index never goes stale (``replace`` makes a new
+        profile, with its own)."""
+        index: dict = {}
+        for r in sorted(self.expert_ffn_rates, key=lambda r: r.tokens):
+            index.setdefault((r.shape, r.weights), []).append(r)
+        return {k: tuple(v) for k, v in index.items()}
 
     def has_expert_ffn_rates(self, hidden: int, intermediate: int, experts: int, top_k: int, dtype: str,
                              weights: str = "dense") -> bool:
