@@ -5,6 +5,7 @@ input, so a plan whose model differs in any input solves it."""
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 
 from lightning_moe.policy import hardware, milp
@@ -80,13 +81,22 @@ def test_a_damaged_entry_is_solved_again(tmp_path, monkeypatch):
     first = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
     files = sorted(tmp_path.glob("*.npy"))
     files[0].write_bytes(files[0].read_bytes()[:20])
-    import numpy as np
-
     np.save(files[-1], np.zeros(3))
     runs = _runs(monkeypatch)
     again = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
     assert len(runs) >= 1
     _same(again, first)
+
+
+def test_the_key_names_the_columns():
+    """The solution is read back by column name (PuLP orders the columns by name): two models of equal arrays whose
+    columns are other variables (another micro-batch size's z_16 for z_8) must not share an entry."""
+    a = {"cost": np.array([1.0, 2.0]), "ints": np.array([0], dtype=np.int32)}
+    key = milp._cache_path("c", ["N", "z_8"], a, 20.0)
+    assert key != milp._cache_path("c", ["N", "z_16"], a, 20.0)
+    assert key == milp._cache_path("c", ["N", "z_8"], dict(a), 20.0)
+    assert key != milp._cache_path("c", ["N", "z_8"], {**a, "cost": np.array([1.0, 2.5])}, 20.0)
+    assert key != milp._cache_path("c", ["N", "z_8"], a, 19.0)
 
 
 def test_default_solve_cache(monkeypatch, tmp_path):

@@ -727,7 +727,7 @@ def _solve_highs(prob: pulp.LpProblem, time_limit: float, cache: Optional[str] =
     is answered from it, with the column values HiGHS gave then (status CACHED_STATUS), and a new one so solved is
     added to it. Returns (a feasible solution was found, it is proven optimal, HiGHS's model status in words)."""
     vs, a = _highs_input(prob)
-    path = _cache_path(cache, a, time_limit) if cache else None
+    path = _cache_path(cache, [v.name for v in vs], a, time_limit) if cache else None
     x = _cached_solution(path, len(vs)) if path else None
     if x is not None:
         found, optimal, status = True, True, CACHED_STATUS
@@ -759,13 +759,15 @@ SOLVE_CACHE_VERSION = 1  # in every key of the solve cache: bumped when what an 
 SOLVE_CACHE_FILES = 4096  # entries a solve cache keeps (~8 bytes per column each); the oldest go first
 
 
-def _cache_path(cache: str, a: dict, time_limit: float) -> str:
-    """The file of the solve cache ``cache`` for HiGHS input ``a``: named by a SHA-256 of every array's bytes, the
-    options :func:`_run_highs` sets (``time_limit`` the only variable one), the HiGHS version and this machine's
-    CPU count (HiGHS's MIP workers; its answers are deterministic for one input, options, build and thread count)."""
+def _cache_path(cache: str, names: Sequence[str], a: dict, time_limit: float) -> str:
+    """The file of the solve cache ``cache`` for HiGHS input ``a`` of columns ``names``: named by a SHA-256 of the
+    column names (what each column means: the solution is read back by name), every array's bytes, the options
+    :func:`_run_highs` sets (``time_limit`` the only variable one), the HiGHS version and this machine's CPU count
+    (HiGHS's MIP workers; its answers are deterministic for one input, options, build and thread count)."""
     import hashlib
 
     h = hashlib.sha256(repr((SOLVE_CACHE_VERSION, _highs_version(), float(time_limit), os.cpu_count())).encode())
+    h.update(f"columns:{len(names)}:".encode() + "\0".join(names).encode())
     for k in sorted(a):
         h.update(f"{k}:{a[k].dtype.str}:{a[k].shape}".encode())
         h.update(np.ascontiguousarray(a[k]).tobytes())
