@@ -44,7 +44,7 @@ def test_a_plan_made_again_is_answered_by_the_cache_and_is_the_same(tmp_path, mo
     fresh = milp.plan(spec, hw, wl, b, job_fit=True)  # no cache: every solve runs
     n_solves = len(runs)
     first = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
-    assert len(runs) == 2 * n_solves and len(list(tmp_path.glob("*.npy"))) > 0
+    assert len(runs) == 2 * n_solves and len(list(tmp_path.glob("*.sol"))) > 0
     again = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
     assert len(runs) == 2 * n_solves  # nothing solved
     assert "from the solve cache" in again[1].notes[-1] and "from the solve cache" not in first[1].notes[-1]
@@ -75,17 +75,40 @@ def test_a_plan_of_other_inputs_solves_and_matches_its_own_fresh_plan(tmp_path, 
     _same(cached, milp.plan(spec, hw, wl, b, job_fit=True, **kw))
 
 
-def test_a_damaged_entry_is_solved_again(tmp_path, monkeypatch):
-    """An entry that cannot be read (cut short) or holds another length is not an answer: the solve runs."""
+def _damage(path, how: str, other) -> None:
+    data = path.read_bytes()
+    if how == "empty":  # np.load's EOFError crashed the plan before entries carried a digest
+        path.write_bytes(b"")
+    elif how == "cut":
+        path.write_bytes(data[:len(data) - 8])
+    elif how == "flipped":  # one bit of one value: well-formed, silently wrong without the digest
+        path.write_bytes(data[:-3] + bytes([data[-3] ^ 0x10]) + data[-2:])
+    elif how == "other_key":  # another solve's entry (its own digest) under this key
+        path.write_bytes(other.read_bytes())
+    elif how == "magic":
+        path.write_bytes(b"X" + data[1:])
+    else:  # unreadable: a directory where the file was
+        path.unlink()
+        path.mkdir()
+
+
+@pytest.mark.parametrize("how", ["empty", "cut", "flipped", "other_key", "magic", "unreadable"])
+def test_a_damaged_entry_is_solved_again(tmp_path, monkeypatch, how):
+    """An entry that is empty, cut short, has a byte flipped, holds another key's entry, has no magic or cannot be
+    read is not an answer: exactly that solve runs again (the others are answered), the plan is the one without a
+    cache, and the entry is written again (a third plan runs nothing)."""
     spec, hw, wl, b = _case()
     first = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
-    files = sorted(tmp_path.glob("*.npy"))
-    files[0].write_bytes(files[0].read_bytes()[:20])
-    np.save(files[-1], np.zeros(3))
+    files = sorted(tmp_path.glob("*.sol"))
+    assert len(files) >= 2
+    _damage(files[0], how, files[1])
     runs = _runs(monkeypatch)
     again = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
-    assert len(runs) >= 1
+    assert len(runs) == 1
     _same(again, first)
+    if how != "unreadable":  # a directory cannot be replaced by a file: that key stays unanswered
+        milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+        assert len(runs) == 1
 
 
 def test_the_key_names_the_columns():

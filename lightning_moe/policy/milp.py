@@ -755,8 +755,10 @@ def default_solve_cache() -> Optional[str]:
 
 
 CACHED_STATUS = "Optimal (solve cache)"  # _solve_highs' status of a solve the cache answered
-SOLVE_CACHE_VERSION = 1  # in every key of the solve cache: bumped when what an entry holds changes
+SOLVE_CACHE_VERSION = 2  # in every key of the solve cache: bumped when what an entry holds changes
 SOLVE_CACHE_FILES = 4096  # entries a solve cache keeps (~8 bytes per column each); the oldest go first
+SOLVE_CACHE_SUFFIX = ".sol"  # an entry's file: <key>.sol
+_ENTRY_MAGIC = b"LMOESOL2"  # an entry: this, a SHA-256 of (its key, its values), the float64 values (little-endian)
 
 
 def _cache_path(cache: str, names: Sequence[str], a: dict, time_limit: float) -> str:
@@ -771,7 +773,7 @@ def _cache_path(cache: str, names: Sequence[str], a: dict, time_limit: float) ->
     for k in sorted(a):
         h.update(f"{k}:{a[k].dtype.str}:{a[k].shape}".encode())
         h.update(np.ascontiguousarray(a[k]).tobytes())
-    return os.path.join(cache, f"{h.hexdigest()}.npy")
+    return os.path.join(cache, f"{h.hexdigest()}{SOLVE_CACHE_SUFFIX}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -785,32 +787,52 @@ def _highs_version() -> str:
         return "unknown"
 
 
+def _entry_digest(path: str, data: bytes) -> bytes:
+    """The SHA-256 an entry at ``path`` carries: of its key (the file name) and its values' bytes, so an entry
+    damaged anywhere, cut short, or copied under another key does not match."""
+    import hashlib
+
+    return hashlib.sha256(os.path.basename(path).encode() + b"\0" + data).digest()
+
+
 def _cached_solution(path: str, n: int) -> Optional[np.ndarray]:
-    """The column values stored at ``path`` (float64, ``n`` of them), or None (absent, unreadable, other length)."""
+    """The ``n`` column values stored at ``path`` (:func:`_save_solution`), or None: absent, unreadable, another
+    length, or not matching its digest (a damaged entry is solved again, never believed)."""
     try:
-        x = np.load(path, allow_pickle=False)
+        with open(path, "rb") as f:
+            raw = f.read(len(_ENTRY_MAGIC) + 32 + 8 * n + 1)
     except (OSError, ValueError):
         return None
-    return x if x.dtype == np.float64 and x.shape == (n,) else None
+    m = len(_ENTRY_MAGIC)
+    head, digest, data = raw[:m], raw[m:m + 32], raw[m + 32:]
+    if head != _ENTRY_MAGIC or len(data) != 8 * n or digest != _entry_digest(path, data):
+        return None
+    return np.frombuffer(data, dtype="<f8").astype(np.float64)
 
 
 def _save_solution(path: str, x: np.ndarray) -> None:
     """Store ``x`` at ``path`` (written whole, then renamed: a concurrent reader sees all or nothing) and keep the
     cache's newest SOLVE_CACHE_FILES entries; a cache that cannot be written is left alone (the plan goes on)."""
     folder = os.path.dirname(path)
+    data = np.ascontiguousarray(x, dtype="<f8").tobytes()
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:
-            np.save(f, x, allow_pickle=False)
+            f.write(_ENTRY_MAGIC + _entry_digest(path, data) + data)
         os.replace(tmp, path)
-        entries = [e for e in os.scandir(folder) if e.name.endswith(".npy")]
-        if len(entries) > SOLVE_CACHE_FILES:
-            entries.sort(key=lambda e: e.stat().st_mtime)
-            for e in entries[:len(entries) - SOLVE_CACHE_FILES]:
-                os.remove(e.path)
+        _evict(folder)
     except OSError:
         pass
+
+
+def _evict(folder: str) -> None:
+    """Remove the oldest entries of the solve cache ``folder`` beyond SOLVE_CACHE_FILES (by modification time)."""
+    entries = [e for e in os.scandir(folder) if e.name.endswith(SOLVE_CACHE_SUFFIX)]
+    if len(entries) > SOLVE_CACHE_FILES:
+        entries.sort(key=lambda e: e.stat().st_mtime)
+        for e in entries[:len(entries) - SOLVE_CACHE_FILES]:
+            os.remove(e.path)
 
 
 def _tie_break(spec: MoESpec, hw: HardwareProfile, workload: Workload, budgets: Budgets, cands: Sequence[int],
