@@ -122,6 +122,56 @@ def test_the_key_names_the_columns():
     assert key != milp._cache_path("c", ["N", "z_8"], a, 19.0)
 
 
+def test_an_unwritable_cache_plans_without_it(tmp_path, monkeypatch):
+    """A cache that cannot be written (here a file where the directory should be; root ignores permission bits)
+    neither fails the plan nor changes it: every solve runs, the plan is the one without a cache."""
+    spec, hw, wl, b = _case()
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    runs = _runs(monkeypatch)
+    got = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(blocker / "solves"))
+    n = len(runs)
+    assert n > 0 and blocker.read_bytes() == b"not a directory"
+    _same(got, milp.plan(spec, hw, wl, b, job_fit=True))
+    assert len(runs) == 2 * n
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The disk fills while an entry is written: the plan goes on, no entry and no temporary file are left."""
+    spec, hw, wl, b = _case()
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(milp.os, "replace", full)
+    got = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    _same(got, milp.plan(spec, hw, wl, b, job_fit=True))
+
+
+def test_each_writer_renames_its_own_temporary_file(tmp_path, monkeypatch):
+    """Two writers of one entry at once (two processes planning the same job; threads of one process): while one is
+    between its write and its rename, the other writes and renames the same entry. Each renames its own whole
+    temporary file (a name shared by the writers -- path.PID.tmp -- let the second take the first's file away, or
+    truncate it under it), and the entry read back is whole."""
+    path = str(tmp_path / ("0" * 64 + milp.SOLVE_CACHE_SUFFIX))
+    x = np.arange(5, dtype=np.float64)
+    replace, seen = os.replace, []
+
+    def racing(src, dst):
+        if not seen:
+            seen.append(src)
+            milp._save_solution(dst, x)  # the other writer, start to end, inside this one's write and rename
+            assert os.path.exists(src) and os.path.getsize(src) == len(milp._ENTRY_MAGIC) + 32 + 8 * len(x)
+        replace(src, dst)
+
+    monkeypatch.setattr(milp.os, "replace", racing)
+    milp._save_solution(path, x)
+    assert np.array_equal(milp._cached_solution(path, len(x)), x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(path)]
+
+
 def test_default_solve_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", "off")
     assert milp.default_solve_cache() is None

@@ -811,19 +811,31 @@ def _cached_solution(path: str, n: int) -> Optional[np.ndarray]:
 
 
 def _save_solution(path: str, x: np.ndarray) -> None:
-    """Store ``x`` at ``path`` (written whole, then renamed: a concurrent reader sees all or nothing) and keep the
-    cache's newest SOLVE_CACHE_FILES entries; a cache that cannot be written is left alone (the plan goes on)."""
+    """Store ``x`` at ``path``: written whole to a temporary file of this writer's own (mkstemp) in the cache, then
+    renamed over ``path`` (atomic: a concurrent reader or writer sees the old entry, none, or this one whole; a
+    failed write leaves no file behind), then keep the cache's newest SOLVE_CACHE_FILES entries. A cache that
+    cannot be written (no permission, not a directory, disk full) is left alone: the plan goes on without it."""
+    import tempfile
+
     folder = os.path.dirname(path)
     data = np.ascontiguousarray(x, dtype="<f8").tobytes()
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = None
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as f:
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "wb") as f:
             f.write(_ENTRY_MAGIC + _entry_digest(path, data) + data)
         os.replace(tmp, path)
+        tmp = None
         _evict(folder)
     except OSError:
         pass
+    finally:
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
 
 
 def _evict(folder: str) -> None:
