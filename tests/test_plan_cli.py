@@ -227,3 +227,47 @@ def test_reader_leaving_stdout_early_is_not_an_error():
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 0, err
     assert "BrokenPipe" not in err and "Traceback" not in err
+
+
+def test_plan_twice_is_answered_by_the_solve_cache(tmp_path, monkeypatch, capsys):
+    """``moe-batch plan`` keeps its solves in $LIGHTNING_MOE_SOLVE_CACHE (conftest turns it off): a second plan of
+    the same inputs runs no HiGHS solve, says so in the MILP note, and prints and writes the same policy, table and
+    predicted numbers (the lines but the times)."""
+    import re
+
+    from lightning_moe.policy import milp
+
+    monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", str(tmp_path / "solves"))
+    runs, run_highs = [], milp._run_highs
+    monkeypatch.setattr(milp, "_run_highs", lambda *a, **k: runs.append(1) or run_highs(*a, **k))
+
+    def plan(i: int):
+        assert run(L4_ARGS + ["--output", str(tmp_path / f"p{i}.yaml")]) == 0
+        out = capsys.readouterr().out
+        return out, re.sub(r"(solved in|,) [0-9.]+ s( \(build [0-9.]+ s\))?", "", out.replace(" (again)", ""))
+
+    first, first_fixed = plan(1)
+    n = len(runs)
+    assert n > 0 and len(list((tmp_path / "solves").glob("*" + milp.SOLVE_CACHE_SUFFIX))) > 0
+    again, again_fixed = plan(2)
+    assert len(runs) == n and f"({n} from the solve cache)" not in first and "from the solve cache" in again
+    assert re.sub(r" \(\d+ from the solve cache\)", "", again_fixed).replace("p2.yaml", "p1.yaml") == first_fixed
+    assert (tmp_path / "p1.yaml").read_text() == (tmp_path / "p2.yaml").read_text()
+
+
+def test_policy_for_job_plans_with_the_solve_cache(tmp_path, monkeypatch, tiny_dir):
+    """``policy: auto`` (moe-batch run) plans with default_solve_cache(): $LIGHTNING_MOE_SOLVE_CACHE."""
+    from types import SimpleNamespace
+
+    from lightning_moe.app import plan as app_plan
+    from lightning_moe.policy import milp
+    from lightning_moe.policy.registry import resolve_spec
+
+    monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", str(tmp_path / "solves"))
+    seen = []
+    monkeypatch.setattr(milp, "plan", lambda *a, **k: seen.append(k.get("solve_cache")) or (None, None))
+    monkeypatch.setattr(app_plan, "job_workload_from_prepared", lambda prep: Workload(prompt_len=64, gen_len=8))
+    job = SimpleNamespace(device="cuda", task="generate", dtype="bfloat16", policy="auto", hardware="h200",
+                          gpu_memory=None, cpu_memory=None)
+    app_plan.policy_for_job(job, SimpleNamespace(model_path=tiny_dir, spec=resolve_spec("mixtral-8x7b")))
+    assert seen == [str(tmp_path / "solves")]
