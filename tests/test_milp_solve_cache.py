@@ -172,6 +172,22 @@ def test_each_writer_renames_its_own_temporary_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(path)]
 
 
+def test_a_solve_not_proven_optimal_is_not_kept(tmp_path, monkeypatch):
+    """A solve HiGHS stopped at its time limit (a feasible answer, not proven optimal) is not kept: read back it would
+    be called proven optimal, and a later plan with time to spare would not solve it to the end."""
+    spec, hw, wl, b = _case()
+    run = milp._run_highs
+
+    def stopped(*a, **k):
+        found, _, status, x = run(*a, **k)
+        return found, False, "Time limit reached", x
+
+    monkeypatch.setattr(milp, "_run_highs", stopped)
+    _, est = milp.plan(spec, hw, wl, b, job_fit=True, solve_cache=str(tmp_path))
+    assert "NOT proven optimal" in est.notes[-1]
+    assert list(tmp_path.glob("*" + milp.SOLVE_CACHE_SUFFIX)) == []
+
+
 def test_default_solve_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTNING_MOE_SOLVE_CACHE", "off")
     assert milp.default_solve_cache() is None
