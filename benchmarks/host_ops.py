@@ -12,7 +12,9 @@ its GPU code (append, then the family's torch ``decode_attention`` per length gr
 Reports, per (decode layer, micro-batch), for each placement:
 
 * ``ops``: ATen ops dispatched inside ``_decode_layer`` (a ``TorchDispatchMode``), split by region (pre-attention,
-  attention, finish = receive + page slot, post-attention, expert FFN, visit bookkeeping);
+  attention, finish = receive + page slot, post-attention, expert FFN, visit bookkeeping), in one decode step
+  (``--count-step``: the first by default, which also pays what is made once per step or per cache; a later step
+  shows the steady state);
 * ``host_us``: host wall microseconds of ``_decode_layer`` (no dispatch mode), and the profile's own number
   (decode seconds / (steps x layers x micro-batches), ``measure_host_issue``'s definition: embedding, logits and
   sampling included);
@@ -233,9 +235,12 @@ def measure(args, n_gpu: int) -> dict:
     rec = Recorder(prov)
     layer_fn = ex._decode_layer
     walls: list[float] = []
-    mode = {"count": False, "prof": None}
+    mode = {"count": False, "prof": None, "skip": 0}
 
     def decode_layer(l, mbs):
+        if mode["count"] and mode["skip"] > 0:  # a decode step before the counted one
+            mode["skip"] -= 1
+            return layer_fn(l, mbs)
         if mode["count"]:
             _seed(prov, ex, mbs)
             rec.active = True
@@ -279,9 +284,9 @@ def measure(args, n_gpu: int) -> dict:
             ex.generate(prompts, samp(steps + 1))
             probe = (ex.stats.decode_seconds - before) / (steps * L * n_mb)
             layer_us = sorted(walls)[len(walls) // 2] / n_mb * 1e6  # median layer call, per micro-batch
-            mode["count"] = True
+            mode["count"], mode["skip"] = True, (args.count_step - 1) * L
             with rec:
-                ex.generate(prompts, samp(2))  # one decode step of L layers
+                ex.generate(prompts, samp(args.count_step + 1))  # counts decode step count_step's L layers
             mode["count"] = False
             prof = None
             if args.profile:
@@ -292,11 +297,11 @@ def measure(args, n_gpu: int) -> dict:
         for owner, name, orig in undo:
             setattr(owner, name, orig)
         ex.close()
-    calls = L * 1  # the counting run decodes one step
+    calls = L * 1  # the counting run counts one decode step
     per = {}
     for (region, op), c in rec.ops.items():
         per.setdefault(region, Counter())[op] += c
-    out = {"n_gpu_attn": n_gpu, "ffn": args.ffn, "mla": args.mla,
+    out = {"n_gpu_attn": n_gpu, "ffn": args.ffn, "mla": args.mla, "count_step": args.count_step,
            "ops_per_layer_mb": sum(rec.ops.values()) / (calls * n_mb),
            "ops_by_region": {r: sum(c.values()) / (calls * n_mb) for r, c in sorted(per.items())},
            "host_us_per_layer_mb": layer_us, "probe_us_per_layer_mb": probe * 1e6,
@@ -313,7 +318,8 @@ def measure(args, n_gpu: int) -> dict:
 def report(res: dict, args) -> None:
     """Print one placement's numbers."""
     where = "GPU-attention path" if res["n_gpu_attn"] else "CPU attention"
-    print(f"\n== {where} micro-batches (n_gpu_attn={res['n_gpu_attn']}, ffn={res['ffn']}{', MLA' if res['mla'] else ''})")
+    print(f"\n== {where} micro-batches (n_gpu_attn={res['n_gpu_attn']}, ffn={res['ffn']}{', MLA' if res['mla'] else ''}, "
+          f"decode step {res['count_step']} counted)")
     print(f"ATen ops per layer per micro-batch: {res['ops_per_layer_mb']:.1f}  "
           + "  ".join(f"{r} {n:.1f}" for r, n in res["ops_by_region"].items()))
     print(f"host us per layer per micro-batch: {res['host_us_per_layer_mb']:.0f} (_decode_layer, median), "
@@ -337,6 +343,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--layers", type=int, default=8, help="decoder layers of the probe model (default 8)")
     p.add_argument("--mu", type=int, default=64, help="rows per micro-batch (default 64; 2 micro-batches)")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed (default 8)")
+    p.add_argument("--count-step", type=int, default=1,
+                   help="the decode step whose ops are counted (default 1, the first: what a run makes once per "
+                        "step or per cache, e.g. the length groups' masks and cut views, is counted there; 2 or "
+                        "later: the steady state)")
     p.add_argument("--ffn", default="torch", help="expert FFN: torch (the CPU default), grouped_mm or mm_loop")
     p.add_argument("--gpu-attn", type=int, nargs="+", default=[0, 2], help="n_gpu_attn values (default 0 2)")
     p.add_argument("--mla", action="store_true", help="the DeepSeek-V2-shaped probe (latent cache)")
