@@ -887,6 +887,17 @@ def decode_attention_append_groups(q: torch.Tensor, k_new: Optional[torch.Tensor
     return out
 
 
+def decode_mask(lengths: torch.Tensor, S: int, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """bool [B, 1, 1, S] on ``lengths``' device: True at the key positions a row must not see (at or past its length
+    ``lengths`` int64 [B], or outside the sliding window): :func:`decode_attention_torch`'s mask, which a caller that
+    attends many layers over the same lengths makes once (:func:`decode_attention_torch_masked`)."""
+    pos = torch.arange(S, device=lengths.device)  # [S]
+    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
+    return ~valid[:, None, None, :]
+
+
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, sliding_window: Optional[int] = None,
     sinks: Optional[torch.Tensor] = None,
@@ -897,19 +908,25 @@ def decode_attention_torch(
     written); lengths: int64 [B], the number of valid positions of each row (pad keys beyond a row's
     length are masked, as are keys outside the sliding window). Softmax in fp32; ``sinks`` (None or [Hq]): one
     extra logit per query head in the softmax, its share dropped (gpt-oss's attention sinks).
-    Returns [B, Hq*hd] in q's dtype.
+    Returns [B, Hq*hd] in q's dtype. Equal, bit for bit, to :func:`decode_attention_torch_masked` with
+    :func:`decode_mask` (which it calls).
     """
+    lengths = lengths.to(q.device, non_blocking=True)  # host lengths: no stream sync (pageable H2D is staged)
+    return decode_attention_torch_masked(q, k_cache, v_cache, decode_mask(lengths, k_cache.shape[2], sliding_window),
+                                         sinks)
+
+
+def decode_attention_torch_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, masked: torch.Tensor,
+                                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`decode_attention_torch` with its mask given: ``masked`` bool [B, 1, 1, S] on q's device
+    (:func:`decode_mask` of the lengths and window). q: [B, Hq, hd]; k_cache, v_cache: [B, Hkv, S, hd]; ``sinks``
+    None or [Hq]. Returns [B, Hq*hd] in q's dtype."""
     B, Hq, hd = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[1]
     G = Hq // Hkv
     qg = q.view(B, Hkv, G, hd)  # [B, Hkv, G, hd]
     scores = torch.matmul(qg, k_cache.transpose(2, 3)) / math.sqrt(hd)  # [B, Hkv, G, S]
-    pos = torch.arange(S, device=q.device)  # [S]
-    lengths = lengths.to(q.device, non_blocking=True)  # host lengths: no stream sync (pageable H2D is staged)
-    valid = pos[None, :] < lengths[:, None]  # [B, S]
-    if sliding_window is not None:
-        valid &= pos[None, :] >= (lengths[:, None] - sliding_window)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(masked, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, G, S]
     else:
@@ -917,7 +934,6 @@ def decode_attention_torch(
         probs = torch.softmax(torch.cat([scores.float(), sk], dim=-1), dim=-1)[..., :-1].to(q.dtype)  # [B, Hkv, G, S]
     out = torch.matmul(probs, v_cache)  # [B, Hkv, G, hd]
     return out.reshape(B, Hq * hd)
-
 
 
 def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],

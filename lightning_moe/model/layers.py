@@ -25,7 +25,7 @@ import torch.nn.functional as F_
 
 from ..kernels import norm_rope as _nr
 from ..kernels import prefill_attention as _pa
-from ..kernels.cpu_attention import decode_attention_torch
+from ..kernels.cpu_attention import decode_attention_torch, decode_attention_torch_masked
 from .spec import MoESpec
 
 
@@ -217,6 +217,9 @@ def prefill_attention(
 
 # decode attention lives beside the native CPU kernel as its torch reference (kernels import nothing of the project)
 decode_attention = decode_attention_torch
+# the same with its mask given (kernels.cpu_attention.decode_mask(lengths, S, sliding_window), bool [B, 1, 1, S]): a
+# caller that attends every layer of a decode step over the same lengths makes it once (GroupedKVCache.attend_masked)
+decode_attention_masked = decode_attention_torch_masked
 
 
 # ---------------------------------------------------------------------------------------------------

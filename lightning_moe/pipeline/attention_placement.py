@@ -152,7 +152,8 @@ class AttentionPlacement:
 
     # ---- GPU attention ----------------------------------------------------------------------------
     def gpu(self, l: int, mb: MicroBatch, q, k, v) -> torch.Tensor:
-        """Append k/v to the micro-batch's GPU cache and attend, one family ``decode_attention`` per length group.
+        """Append k/v to the micro-batch's GPU cache and attend, one family ``decode_attention`` per length group (its
+        ``decode_attention_masked`` with the groups' masks made once per decode step: ``GroupedKVCache.attend_masked``).
         q [mu, Hq, hd], k/v [mu, Hkv, hd] on the GPU; returns [mu, Hq*hd] on the GPU. With gpu_attention="triton" one
         kernel appends and attends over every group (positions from ``mb.pos``, no host-to-device copy). MLA: q_lat,
         c, k_pe in, the family's torch ``latent_attention`` per length group over the device latent cache (no Triton
@@ -165,11 +166,11 @@ class AttentionPlacement:
             sinks = self._gpu_sinks[l] if self.sinks else None
             return mb.kv.append_attend_triton(l, q, k, v, mb.pos, sliding_window=sw, sinks=sinks)
         mb.kv.append_all(l, k, v, mb.pos)  # one scatter per K and V at the device positions
-        attend = self.family.decode_attention
+        attend = self.family.decode_attention_masked  # decode_attention, its masks made once per step and window
         if self.sinks:  # gpt-oss: the family's attention takes the layer's weights (its sinks)
             lw = self._layers[l]
-            return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(lw, qg, K, V, n, sw))
-        return mb.kv.attend(l, q, mb.kv.lengths + 1, lambda qg, K, V, n: attend(qg, K, V, n, sw))
+            return mb.kv.attend_masked(l, q, lambda qg, K, V, m: attend(lw, qg, K, V, m), sw)
+        return mb.kv.attend_masked(l, q, attend, sw)
 
     # ---- CPU attention ----------------------------------------------------------------------------
     def submit_cpu(self, l: int, mb: MicroBatch, q, k, v) -> Future:

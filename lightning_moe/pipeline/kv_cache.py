@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..model.spec import MoESpec
+from ..kernels.cpu_attention import decode_mask
 from .cpu_attention import bucket_len
 from ..policy.batching import KV_GROUPS, length_groups
 
@@ -222,7 +223,10 @@ class GroupedKVCache:
         self.max_len = max(self.sizes)  # longest final length of any row
         # per-step caches, keyed by the lengths' values (the same for every layer of a decode step)
         self._group_lengths: Optional[tuple[list[int], list[torch.Tensor]]] = None  # group_lengths()
-        self._attend_plan: Optional[tuple[list[int], list[tuple[torch.Tensor, int]]]] = None  # _plan()
+        # _plan(): (new lengths, per group (len_g on the device, upto_g), window -> per-group decode masks)
+        self._attend_plan: Optional[tuple[list[int], list[tuple[torch.Tensor, int]], dict]] = None
+        self._views: dict[tuple[int, int], tuple] = {}  # _upto(): (layer, g) -> (upto, the group's cut views)
+        self._order_dev: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # _order(): per device
         return dev, pin
 
     def group_lengths(self) -> list[torch.Tensor]:
@@ -233,19 +237,56 @@ class GroupedKVCache:
             self._group_lengths = (now, [self.lengths[r] for r in self.rows])
         return self._group_lengths[1]
 
-    def _plan(self, new_lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-        """Per group g of :meth:`attend`: (its rows' ``new_lengths`` int64 [B_g] on the cache's device, upto_g =
-        bucket_len(max, S_g)). Made once per decode step, not per layer: reused while ``new_lengths`` (host) holds
-        the same values, so a layer's attention copies no lengths to the device and reads none on the host."""
-        now = new_lengths.tolist()
-        if self._attend_plan is None or self._attend_plan[0] != now:
+    def _plan(self, new_lengths: list[int]) -> tuple[list[int], list[tuple[torch.Tensor, int]], dict]:
+        """The step plan of :meth:`attend` for ``new_lengths`` (host values, caller order): (the values, per group g
+        (its rows' new lengths int64 [B_g] on the cache's device, upto_g = bucket_len(max, S_g)), a dict sliding window
+        -> the groups' decode masks (:meth:`_masks`)). Made once per decode step, not per layer: reused while the
+        lengths hold the same values, so a layer's attention copies no lengths to the device and reads none on the
+        host."""
+        if self._attend_plan is None or self._attend_plan[0] != new_lengths:
+            now = torch.tensor(new_lengths, dtype=torch.int64)  # [B] host
             plan = []
             for rows, S in zip(self.rows, self.sizes):
-                len_g = new_lengths[rows]  # [B_g] host
+                len_g = now[rows]  # [B_g] host
                 upto = bucket_len(int(len_g.max()), S)
                 plan.append((len_g.to(self.device, non_blocking=True), upto))  # pageable H2D: staged, no sync
-            self._attend_plan = (now, plan)
-        return self._attend_plan[1]
+            self._attend_plan = (new_lengths, plan, {})
+        return self._attend_plan
+
+    def _plan_of(self, new_lengths: torch.Tensor) -> tuple:
+        """:meth:`_plan` of ``new_lengths`` int64 [B] (host). Raises ValueError if it does not have B rows."""
+        if new_lengths.shape != (self.lengths.shape[0],):
+            raise ValueError(f"{type(self).__name__}.attend: new_lengths {tuple(new_lengths.shape)} do not have the "
+                             f"cache's {self.lengths.shape[0]} rows")
+        return self._plan(new_lengths.tolist())
+
+    def _masks(self, plan: tuple, sliding_window: Optional[int]) -> list[torch.Tensor]:
+        """Per group g of ``plan`` (:meth:`_plan`): ``decode_mask(len_g, upto_g, sliding_window)``, bool
+        [B_g, 1, 1, upto_g] on the cache's device. Made once per step and window (gpt-oss alternates two)."""
+        masks = plan[2].get(sliding_window)
+        if masks is None:
+            masks = plan[2][sliding_window] = [decode_mask(n, upto, sliding_window) for n, upto in plan[1]]
+        return masks
+
+    def _upto(self, layer: int, g: int, upto: int) -> tuple:
+        """Group g's cache of ``layer`` cut at ``upto`` positions (:meth:`_cut`), made when ``upto`` changes (every
+        BUCKET positions), not every layer and step: a dict lookup in place of two slice ops."""
+        hit = self._views.get((layer, g))
+        if hit is None or hit[0] != upto:
+            hit = self._views[(layer, g)] = (upto, self._cut(layer, g, upto))
+        return hit[1]
+
+    def _cut(self, layer: int, g: int, upto: int) -> tuple:
+        """(K, V) of group g and ``layer`` cut at ``upto`` positions: [B_g, Hkv, upto, hd] views."""
+        return self.k[layer][g][:, :, :upto], self.v[layer][g][:, :, :upto]
+
+    def _order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the caller rows in group order, each caller row's index in that order): int64 [B] each on ``device``."""
+        hit = self._order_dev.get(device)
+        if hit is None:
+            perm = torch.cat(self.rows)  # [B] group order -> caller row
+            hit = self._order_dev[device] = (perm.to(device), torch.argsort(perm).to(device))
+        return hit
 
     def _group_views(self, flat: torch.Tensor, group_base: list[int], hd: int) -> list[torch.Tensor]:
         """Group g's ``[B_g, Hkv, S_g, hd]`` view of one layer's flat array (contiguous)."""
@@ -456,28 +497,35 @@ class GroupedKVCache:
         Raises:
             ValueError: q or new_lengths do not have B rows.
         """
-        K, V = self.k[layer], self.v[layer]
-        return self._attend_groups(q, new_lengths, lambda g, qg, upto, n: fn(qg, K[g][:, :, :upto], V[g][:, :, :upto], n))
+        plan = self._plan_of(new_lengths)
+        return self._attend_groups(q, plan[1], lambda g, qg, upto, n: fn(qg, *self._upto(layer, g, upto), n))
 
-    def _attend_groups(self, q: torch.Tensor, new_lengths: torch.Tensor, fn_g: Callable) -> torch.Tensor:
-        """:meth:`attend`'s loop over the groups: ``fn_g(g, q_g, upto_g, len_g)`` per group, rows back in the caller's
-        order (one call over every row when one group holds them in order)."""
+    def attend_masked(self, layer: int, q: torch.Tensor, fn: Callable, sliding_window=SPEC_WINDOW) -> torch.Tensor:
+        """:meth:`attend` over :attr:`lengths` + 1 positions (the new token's k/v appended) with the per-group mask made
+        once per decode step: ``fn(q_g, K_g, V_g, masked_g)`` with masked_g = ``decode_mask(len_g, upto_g, window)``
+        bool [B_g, 1, 1, upto_g] on the cache's device (e.g. the family's ``decode_attention_masked``, bit for bit
+        ``decode_attention`` over len_g). q [B, Hq, hd] in the caller's order on the cache's device;
+        ``sliding_window`` the layer's window (default the spec's). Returns [B, Hq*hd] in the caller's order."""
+        sw = self.sliding_window if sliding_window is SPEC_WINDOW else sliding_window
+        plan = self._plan([n + 1 for n in self.lengths.tolist()])
+        masks = self._masks(plan, sw)
+        return self._attend_groups(q, plan[1], lambda g, qg, upto, n: fn(qg, *self._upto(layer, g, upto), masks[g]))
+
+    def _attend_groups(self, q: torch.Tensor, plan: list[tuple[torch.Tensor, int]], fn_g: Callable) -> torch.Tensor:
+        """:meth:`attend`'s loop over the groups of ``plan`` (:meth:`_plan`): ``fn_g(g, q_g, upto_g, len_g)`` per
+        group (q_g gathered: a fresh tensor, as the attention always had), the outputs concatenated in group order
+        and put back in the caller's order by one gather (one call over every row when one group holds them in
+        order)."""
         B = self.lengths.shape[0]
-        if q.shape[0] != B or new_lengths.shape != (B,):
-            raise ValueError(f"{type(self).__name__}.attend: q {tuple(q.shape)} / new_lengths "
-                             f"{tuple(new_lengths.shape)} do not have the cache's {B} rows")
-        plan = self._plan(new_lengths.cpu())
+        if q.shape[0] != B:
+            raise ValueError(f"{type(self).__name__}.attend: q {tuple(q.shape)} does not have the cache's {B} rows")
         if self._identity:
             return fn_g(0, q, plan[0][1], plan[0][0])
-        out: Optional[torch.Tensor] = None
-        for g, (rows, (len_g, upto)) in enumerate(zip(self.rows, plan)):
-            idx = self._rows_dev[g] if q.device == self.device else rows.to(q.device)
-            o = fn_g(g, q.index_select(0, idx), upto, len_g)
-            if out is None:
-                out = torch.empty((B,) + tuple(o.shape[1:]), dtype=o.dtype, device=o.device)
-            out[idx.to(o.device)] = o
-        assert out is not None
-        return out
+        on_dev = q.device == self.device
+        outs = [fn_g(g, q.index_select(0, self._rows_dev[g] if on_dev else rows.to(q.device)), upto, len_g)
+                for g, (rows, (len_g, upto)) in enumerate(zip(self.rows, plan))]  # [B_g, ...] each
+        out = torch.cat(outs)  # [B, ...] group order
+        return out.index_select(0, self._order(out.device)[1])  # caller order
 
 
 LatentAttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -542,8 +590,12 @@ class GroupedLatentKVCache(GroupedKVCache):
         ``fn(q_g, lat_g[:, :upto_g], len_g)`` (the family's ``latent_attention`` with the spec bound) with q_g the
         group's rows of q_lat [B_g, Hq, kv_lora + rope], lat_g its latents [B_g, upto_g, kv_lora + rope] (a view) and
         len_g int64 [B_g] on the cache's device. Returns [B, Hq, kv_lora] (``fn``'s output rows in the caller's order)."""
-        lat = self.lat[layer]
-        return self._attend_groups(q_lat, new_lengths, lambda g, qg, upto, n: fn(qg, lat[g][:, :upto], n))
+        plan = self._plan_of(new_lengths)
+        return self._attend_groups(q_lat, plan[1], lambda g, qg, upto, n: fn(qg, *self._upto(layer, g, upto), n))
+
+    def _cut(self, layer: int, g: int, upto: int) -> tuple:
+        """(the latents of group g and ``layer`` cut at ``upto`` positions: a [B_g, upto, kv_lora + rope] view,)."""
+        return (self.lat[layer][g][:, :upto],)
 
     def append_attend(self, layer: int, q_lat: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, fn: LatentAttendFn,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -349,6 +349,10 @@ class Family:
     #   -> [T, Hq*hd]
     decode_attention: Callable = L.decode_attention  # (q [B, Hq, hd], K, V [B, Hkv, S, hd], lengths [B],
     #   sliding_window) -> [B, Hq*hd]
+    decode_attention_masked: Callable = L.decode_attention_masked  # (q, K, V, masked bool [B, 1, 1, S]) -> [B, Hq*hd]:
+    #   decode_attention with the mask layers.decode_mask(lengths, S, sliding_window) made by the caller (CGOPipe's
+    #   GPU-attention micro-batches make it once per decode step); bit for bit decode_attention. A family that
+    #   replaces decode_attention replaces this one too
     experts_ffn: Callable = L.experts_ffn  # (x [T, D], ExpertWeights, topk_w [T, k], topk_ids [T, k]) -> [T, D]
     #   (reference)
     experts_ffn_from: Callable = experts_ffn_reference_from  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w,
@@ -368,6 +372,7 @@ class Family:
     # ---- attention "gqa_sinks" (gpt-oss): the GQA K/V cache, and functions that take the layer's weights (its
     #   per-head sink logits): prefill_attention_packed(lw, q, k, v, spans, sliding_window, layout=None) -> [T, Hq*hd];
     #   decode_attention(lw, q [B, Hq, hd], K, V [B, Hkv, S, hd], lengths [B], sliding_window) -> [B, Hq*hd]
+    #   and decode_attention_masked(lw, q, K, V, masked bool [B, 1, 1, S]) -> [B, Hq*hd]
     # ---- attention "mla" (multi-head latent attention, DeepSeek): the variant's own signatures ---------------
     #   pre_attention -> (q [T, Hq, hd], c [T, kv_lora], k_pe [T, rope]); the KV cache holds [c, k_pe] per token;
     #   prefill_attention_packed(lw, q, c, k_pe, spans, spec, layout=None) -> [T, Hq*v_hd];

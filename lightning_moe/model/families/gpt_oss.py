@@ -353,6 +353,14 @@ def decode_attention(lw: LayerWeights, q: torch.Tensor, k_cache: torch.Tensor, v
     return L.decode_attention(q, k_cache, v_cache, lengths, sliding_window, sinks=lw.sinks.to(q.device))
 
 
+def decode_attention_masked(lw: LayerWeights, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            masked: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_attention` with its mask given: ``masked`` bool [B, 1, 1, S] on q's device
+    (``kernels.cpu_attention.decode_mask`` of the lengths and the layer's window, made once per decode step by the
+    caller). Returns [B, Hq*hd] in q's dtype, bit for bit :func:`decode_attention`."""
+    return L.decode_attention_masked(q, k_cache, v_cache, masked, sinks=lw.sinks.to(q.device))
+
+
 def route(lw: LayerWeights, h: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's router (GptOssTopKRouter): logits ``h W_r^T + b_r`` (in fp32, as every router here), top-k of the
     logits, softmax over the chosen k. h: [T, D] -> (weights fp32 [T, k], expert ids int64 [T, k])."""
