@@ -206,6 +206,39 @@ def test_grouped_latent_cache_native_equals_the_family_torch_path(dtype, monkeyp
     assert all(torch.equal(x, y) for a, b in zip(caches[0].lat, caches[1].lat) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("groups", [1, 3, 8])
+def test_grouped_latent_cache_native_reads_its_flat_views(groups):
+    """The native kernel over GroupedLatentKVCache's groups, views of one flat array per layer at their offsets
+    (append_attend), equals the same kernel over separate contiguous copies of the groups (the layout before), bit for
+    bit, outputs and appended latents, for two layers and three steps, with every position past the prompts NaN
+    first: a kernel that read another offset, group or position would return NaN or other numbers."""
+    from lightning_moe.model.families import deepseek_v2
+    from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
+
+    spec, dtype, gen = _mla_spec(), torch.bfloat16, 3
+    prompts = [5, 1, 30, 33, 12, 2, 64, 9, 31]
+    kv = GroupedLatentKVCache(spec, [n + gen for n in prompts], dtype, max_groups=groups)
+    for f in kv.lat_flat:
+        f.fill_(NAN)
+    _fill_latents(kv, spec, prompts, seed=groups)
+    sep = [[t.clone() for t in layer] for layer in kv.lat]  # [layer][g]: separate contiguous tensors
+    assert all(t.storage_offset() > 0 for t in kv.lat[0][1:])
+    fn = lambda q, x, n: deepseek_v2.latent_attention(q, x, n, spec)  # noqa: E731
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Dl, E = len(prompts), spec.num_heads, spec.kv_lora_rank, spec.kv_lora_rank + spec.qk_rope_head_dim
+    for _ in range(gen):
+        for layer in range(spec.num_layers):
+            q = torch.randn(B, Hq, E, generator=g).to(dtype)
+            c, k = torch.randn(B, Dl, generator=g).to(dtype), torch.randn(B, E - Dl, generator=g).to(dtype)
+            out, ref = (torch.full((B, Hq, Dl), NAN, dtype=dtype) for _ in range(2))
+            LA.latent_attention_append_groups(q, c, k, kv.rows, sep[layer], kv.group_lengths(), ref, kv.softmax_scale)
+            kv.append_attend(layer, q, c, k, fn, out)
+            assert not out.isnan().any() and torch.equal(out, ref)
+        kv.lengths += 1
+    bits = lambda t: t.view(torch.int16)  # noqa: E731  (NaN == NaN)
+    assert all(torch.equal(bits(x), bits(y)) for a, b in zip(kv.lat, sep) for x, y in zip(a, b))
+
+
 def test_serial_helper_native_equals_the_torch_fallback(monkeypatch):
     """The serial executor's call (pipeline.cpu_attention.cpu_latent_attention): native over a latent cache view
     (rows, bucket-padded positions past the lengths) equals the family's torch latent attention; with

@@ -54,6 +54,45 @@ def test_append_all_equals_append_per_group():
         full.append_all(0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), full.lengths.clone())
 
 
+@pytest.mark.parametrize("prompts,groups", [([6], 1), ([40, 3, 91, 5, 41, 4, 20, 39], 3),
+                                             ([12, 1, 33, 2, 34, 9, 1, 60, 5], 8)])
+def test_latent_append_all_equals_append_per_group(prompts, groups):
+    """MLA: one scatter of [c, k_pe] into the layer's flat latent array (the groups are views of it) writes exactly
+    what append (per group) writes, and what a write into separate per-group tensors (the layout before) writes, bit
+    for bit with the caches NaN first, every layer and step, up to each group's longest row filling its last
+    position; then a full row raises (append_all and append alike)."""
+    from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
+    from lightning_moe.pipeline.profiler import _host_probe_spec
+
+    spec, gen = _host_probe_spec(2, mla=True), 3
+    a, b = (GroupedLatentKVCache(spec, [p + gen for p in prompts], torch.bfloat16, max_groups=groups) for _ in range(2))
+    for c in (a, b):
+        c.lengths[:] = torch.tensor(prompts)
+        for f in c.lat_flat:
+            f.fill_(float("nan"))
+    ref = [[torch.full(t.shape, float("nan"), dtype=torch.bfloat16) for t in layer] for layer in a.lat]
+    B, g = len(prompts), torch.Generator().manual_seed(len(prompts))
+    for _ in range(gen):
+        for layer in range(2):
+            lat, kpe = torch.randn(B, 64, generator=g).bfloat16(), torch.randn(B, 16, generator=g).bfloat16()
+            a.append(layer, torch.arange(B), lat, kpe)
+            b.append_all(layer, lat, kpe, b.lengths.clone())
+            for r in range(B):
+                ref[layer][int(a.group_of[r])][int(a.slot_of[r]), int(a.lengths[r])] = torch.cat([lat[r], kpe[r]])
+        a.lengths += 1
+        b.lengths += 1
+    bits = lambda t: t.view(torch.int16)  # noqa: E731  (NaN == NaN)
+    for layer in range(2):
+        for x, y, z in zip(a.lat[layer], b.lat[layer], ref[layer]):
+            assert torch.equal(bits(x), bits(z)) and torch.equal(bits(y), bits(z))
+    assert all(bool((b.lengths[r] == S).any()) for r, S in zip(b.rows, b.sizes))  # each group's longest row is full
+    zeros = torch.zeros(B, 64).bfloat16(), torch.zeros(B, 16).bfloat16()
+    with pytest.raises(ValueError, match="KV cache full"):
+        b.append_all(0, *zeros, b.lengths.clone())
+    with pytest.raises(ValueError, match="KV cache full"):
+        a.append(0, torch.arange(B), *zeros)
+
+
 def test_per_step_plans_follow_the_lengths():
     """attend's per-group lengths and windows, and the native kernels' group lengths, are made once per step and
     reused across layers, but never after the lengths changed (a stale plan attends the old positions)."""
@@ -165,8 +204,44 @@ def test_gpu_attention_path_on_cpu_equals_serial(tiny_dir, kv_groups):
     assert [o for o, _ in out] == [o for o, _ in ref]
 
 
-def _host_ops(n_gpu: int, count_step: int = 1) -> dict:
-    args = argparse.Namespace(layers=2, mu=16, steps=1, ffn="grouped_mm", mla=False, profile=False, top=5,
+def test_mla_gpu_attention_path_append_all_equals_append(monkeypatch):
+    """CGOPipe's MLA GPU-attention micro-batch (on the CPU device by setting ``on_gpu``) decodes the same tokens with
+    its one-scatter append as with the per-group append."""
+    from lightning_moe.model.weights import dummy_weights
+    from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
+    from lightning_moe.pipeline.profiler import _host_probe_spec
+
+    spec = _host_probe_spec(2, mla=True)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, spec.vocab_size, (m,), generator=g).tolist() for m in (40, 3, 30, 5, 21, 7, 60)]
+    appended = []
+
+    def run():
+        pol = Policy(mu=4, n=2, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
+        ex = CGOPipeExecutor(dummy_weights(spec, torch.float32, scale=0.2), pol, "cpu")  # (an executor takes its weights)
+        orig = ex._micro_batches
+
+        def gpu_first(*a, **k):
+            mbs = orig(*a, **k)
+            mbs[0].on_gpu = True
+            return mbs
+
+        ex._micro_batches = gpu_first
+        out = ex.generate(prompts, DecodeSampling(max_new_tokens=6, stop_at_eos=False))
+        ex.close()
+        return [o for o, _ in out]
+
+    all_ = GroupedLatentKVCache.append_all
+    monkeypatch.setattr(GroupedLatentKVCache, "append_all", lambda self, *a: appended.append(1) or all_(self, *a))
+    new = run()
+    assert len(appended) == 2 * 5  # 2 layers x 5 decode steps, one call each
+    monkeypatch.setattr(GroupedLatentKVCache, "append_all",
+                        lambda self, layer, c, k_pe, pos: self.append(layer, self._all, c, k_pe))  # the per-group one
+    assert run() == new
+
+
+def _host_ops(n_gpu: int, count_step: int = 1, mla: bool = False) -> dict:
+    args = argparse.Namespace(layers=2, mu=16, steps=1, ffn="grouped_mm", mla=mla, profile=False, top=5,
                               count_step=count_step)
     return measure(args, n_gpu)
 
@@ -184,3 +259,12 @@ def test_decode_layer_ops_and_no_device_sync(n_gpu):
     ops = res["ops_by_region"]
     assert ops["attention"] <= (16 if n_gpu == 0 else 150), ops
     assert ops["expert_ffn"] <= 232, ops
+
+
+def test_mla_gpu_attention_path_ops():
+    """The DeepSeek-V2-shaped probe's GPU-attention micro-batches (2 layers, 16 rows, 8 length groups), second decode
+    step: no host read of a device tensor, and at most this many attention ops per micro-batch and layer (before: the
+    latent append per length group, with a host read of each group's positions, 234.5)."""
+    res = _host_ops(2, count_step=2, mla=True)
+    assert res["device_syncs_per_layer"] == 0, res["sync_sites"]
+    assert res["ops_by_region"]["attention"] <= 180, res["ops_by_region"]

@@ -6,7 +6,7 @@ import torch
 from lightning_moe.model import layers as M
 from lightning_moe.model.spec import MoESpec
 from lightning_moe.pipeline.cpu_attention import cpu_decode_attention
-from lightning_moe.pipeline.kv_cache import GroupedKVCache, KVCache
+from lightning_moe.pipeline.kv_cache import GroupedKVCache, GroupedLatentKVCache, KVCache
 from lightning_moe.policy.batching import length_groups, padded_positions
 
 
@@ -145,3 +145,78 @@ def test_prefill_index_errors():
         c.prefill_index([0, 1], [(0, 3), (3, 3)])
     with pytest.raises(ValueError, match="prompt of 5 tokens exceeds row 0's cache of 4 positions"):
         c.prefill_index([0, 1], [(0, 5), (5, 9)])
+
+
+# ---- GroupedLatentKVCache (MLA): the length groups as views of one flat array per layer --------------------------
+MLA_CASES = [([7], 1), ([40, 3, 91, 5, 41, 4, 20, 39], 3), ([12, 1, 33, 2, 34, 9, 1, 60, 5], 8)]  # finals, groups
+
+
+def _mla_spec(L=2) -> MoESpec:
+    """kv_lora_rank 20 + rope 4: a 24-element position (no power of two)."""
+    return MoESpec(name="t-mla", model_type="deepseek_v2", vocab_size=64, hidden_size=64, intermediate_size=32,
+                   num_layers=L, num_heads=4, num_kv_heads=4, head_dim=24, num_experts=2, top_k=1, rope_theta=1e4,
+                   rms_norm_eps=1e-5, max_position_embeddings=4096, kv_lora_rank=20, qk_rope_head_dim=4)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of a bf16 tensor (NaN == NaN)."""
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("final,groups", MLA_CASES)
+def test_latent_groups_partition_one_flat_array(final, groups):
+    """Each layer's groups are contiguous [B_g, S_g, W] views of ``lat_flat[layer]`` in group order that cover it
+    exactly (no gap, no overlap); row r's block is positions row_base[r] .. + row_cap[r] of the flat array, the memory
+    of its slot in its group's view; nbytes is the planner's count."""
+    spec = _mla_spec()
+    kv = GroupedLatentKVCache(spec, final, torch.bfloat16, max_groups=groups)
+    W = kv.width
+    assert W == 24 and kv.num_groups == min(groups, len(set(final)))
+    assert kv.nbytes == kv.padded_positions * spec.kv_bytes_per_token("bf16")
+    assert kv.nbytes == sum(f.numel() * f.element_size() for f in kv.lat_flat)
+    for layer in range(spec.num_layers):
+        f = kv.lat_flat[layer]
+        f.fill_(float("nan"))
+        for g, (rows, S) in enumerate(zip(kv.rows, kv.sizes)):
+            t = kv.lat[layer][g]
+            assert t.shape == (len(rows), S, W) and t.is_contiguous()
+            t.fill_(g + 1)  # through the view
+        want = torch.cat([torch.full((len(r) * S * W,), g + 1.0) for g, (r, S) in enumerate(zip(kv.rows, kv.sizes))])
+        assert torch.equal(f.float(), want)  # every element written once, by its own group, in group order
+        f.copy_(torch.randn(f.numel(), generator=torch.Generator().manual_seed(layer)))
+        pos = f.view(-1, W)
+        for r in range(len(final)):
+            g, slot, base, cap = int(kv.group_of[r]), int(kv.slot_of[r]), int(kv.row_base[r]), int(kv.row_cap[r])
+            assert cap == kv.sizes[g] and cap >= final[r]
+            assert kv.lat[layer][g][slot].data_ptr() == pos[base].data_ptr()
+            assert torch.equal(kv.lat[layer][g][slot], pos[base: base + cap])
+
+
+@pytest.mark.parametrize("final,groups", MLA_CASES)
+def test_latent_write_prefill_index_equals_per_row_writes(final, groups):
+    """MLA: a packed chunk scattered by write_prefill_index == write_prefill row by row == the same latents written
+    into separate per-group tensors (the layout before the flat array), bit for bit, with the caches NaN first (every
+    untouched position stays NaN), on a chunk of every other row."""
+    spec = _mla_spec()
+    a, b = (GroupedLatentKVCache(spec, final, torch.bfloat16, max_groups=groups) for _ in range(2))
+    for kv in (a, b):
+        for f in kv.lat_flat:
+            f.fill_(float("nan"))
+    ref = [[torch.full(t.shape, float("nan"), dtype=torch.bfloat16) for t in layer] for layer in a.lat]
+    rows = list(range(0, len(final), 2))
+    prompt = [max(1, final[r] - 2) for r in rows]
+    ends = torch.tensor(prompt).cumsum(0).tolist()
+    spans = [(e - n, e) for e, n in zip(ends, prompt)]
+    index = a.prefill_index(rows, spans)
+    g = torch.Generator().manual_seed(len(final))
+    for layer in range(spec.num_layers):
+        c = torch.randn(ends[-1], spec.kv_lora_rank, generator=g).bfloat16()
+        k_pe = torch.randn(ends[-1], spec.qk_rope_head_dim, generator=g).bfloat16()
+        a.write_prefill_index(layer, index, c, k_pe)
+        for r, (s, e) in zip(rows, spans):
+            b.write_prefill(layer, r, c[s:e], k_pe[s:e])
+            ref[layer][int(a.group_of[r])][int(a.slot_of[r]), :e - s] = torch.cat([c[s:e], k_pe[s:e]], dim=-1)
+    for layer in range(spec.num_layers):
+        for gi in range(a.num_groups):
+            assert torch.equal(_bits(a.lat[layer][gi]), _bits(ref[layer][gi]))
+            assert torch.equal(_bits(b.lat[layer][gi]), _bits(ref[layer][gi]))

@@ -159,7 +159,7 @@ class AttentionPlacement:
         c, k_pe in, the family's torch ``latent_attention`` per length group over the device latent cache (no Triton
         kernel: gpu_attention "triton" takes this path too), the attention-weighted latents [mu, Hq, kv_lora] out."""
         if self.mla:  # append c / k_pe, then the torch latent attention per length group (never the CPU kernel)
-            mb.kv.append(l, torch.arange(len(mb.rows)), k, v)
+            mb.kv.append_all(l, k, v, mb.pos)  # one scatter of [c, k_pe] at the device positions
             return mb.kv.attend(l, q, mb.kv.lengths + 1, self._latent_attention)
         sw = self.spec.layer_sliding_window(l)
         if self.gpu_attention == "triton":

@@ -534,7 +534,9 @@ LatentAttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 class GroupedLatentKVCache(GroupedKVCache):
     """:class:`GroupedKVCache`'s length groups holding MLA latents (multi-head latent attention, DeepSeek; CGOPipe's
     micro-batches): group g stores ``[B_g, S_g, kv_lora_rank + qk_rope_head_dim]`` per layer, per token the normed
-    latent c and the rotated rope key k_pe (:class:`LatentKVCache`'s layout), with c and k_pe in place of k and v.
+    latent c and the rotated rope key k_pe (:class:`LatentKVCache`'s layout), with c and k_pe in place of k and v;
+    the groups of a layer are views of one flat array of positions (:attr:`lat_flat`; row r's block starts at
+    position ``row_base[r]`` and holds ``row_cap[r]``), so one scatter appends to all of them (:meth:`append_all`).
     The rows, groups, :meth:`prefill_index` and :attr:`lengths` are GroupedKVCache's; attention takes the family's
     ``latent_attention`` (the absorbed query in, the attention-weighted latents out), or on the CPU the native kernel
     (:meth:`append_attend`); no Triton kernel.
@@ -550,16 +552,31 @@ class GroupedLatentKVCache(GroupedKVCache):
         if not spec.is_mla:
             raise ValueError(f"GroupedLatentKVCache: {spec.name} has no kv_lora_rank (not multi-head latent attention)")
         dev, pin = self._group_rows(final_lengths, device, pin, max_groups)
-        width = spec.kv_lora_rank + spec.qk_rope_head_dim
+        W = self.width = spec.kv_lora_rank + spec.qk_rope_head_dim  # elements of one position
         self.kv_lora_rank, self.softmax_scale = spec.kv_lora_rank, spec.softmax_scale  # the native kernel's arguments
-        self.lat = [[torch.zeros((len(r), S, width), dtype=dtype, device=dev, pin_memory=pin)
-                     for r, S in zip(self.rows, self.sizes)] for _ in range(spec.num_layers)]  # lat[layer][g]
+        # one flat array of W-vectors (positions) per layer: group g's block [B_g, S_g, W] from position group_base[g],
+        # lat[layer][g] a view of it (one scatter appends to every group: append_all)
+        blocks = [len(r) * S for r, S in zip(self.rows, self.sizes)]  # positions per group
+        group_base = [sum(blocks[:g]) for g in range(len(blocks))]
+        self.lat_flat = [torch.zeros(sum(blocks) * W, dtype=dtype, device=dev, pin_memory=pin)
+                         for _ in range(spec.num_layers)]
+        self.lat = [[f[b * W: (b + n) * W].view(len(r), S, W) for b, n, r, S in zip(group_base, blocks, self.rows,
+                                                                                   self.sizes)]
+                    for f in self.lat_flat]  # lat[layer][g]: [B_g, S_g, W]
+        # per caller row: first position of its block and its capacity S_g (int64 [B], host; the base's device copy
+        # lazily)
+        self.row_base = torch.empty(self.lengths.shape[0], dtype=torch.int64)
+        self.row_cap = torch.empty(self.lengths.shape[0], dtype=torch.int64)
+        for gi, (r, S) in enumerate(zip(self.rows, self.sizes)):
+            self.row_base[r] = group_base[gi] + torch.arange(len(r)) * S
+            self.row_cap[r] = S
+        self._row_base_dev: Optional[torch.Tensor] = None
         self.sliding_window = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all latent storage."""
-        return sum(t.numel() * t.element_size() for layer in self.lat for t in layer)
+        """Bytes of all latent storage (the flat arrays; the groups' views partition them)."""
+        return sum(f.numel() * f.element_size() for f in self.lat_flat)
 
     def write_prefill(self, layer: int, row: int, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store a prompt's latents for caller row ``row``: c [S, kv_lora], k_pe [S, rope] at positions 0..S-1.
@@ -584,6 +601,18 @@ class GroupedLatentKVCache(GroupedKVCache):
         lat = torch.cat([c, k_pe], dim=-1)  # [B', kv_lora + rope]
         for g, sel, slots, p in self._append_parts(rows, lat.device):
             self.lat[layer][g][slots, p] = lat.index_select(0, sel).to(self.device)
+
+    def append_all(self, layer: int, c: torch.Tensor, k_pe: torch.Tensor, pos: torch.Tensor) -> None:
+        """:meth:`append` of every row in the caller's order, as one scatter into the layer's flat array (no per-group
+        index, copy or host read of the positions): c [B, kv_lora], k_pe [B, rope] on the cache's device, ``pos``
+        int64 [B] on that device, each row's position (equal to :attr:`lengths`: CGOPipe's ``MicroBatch.pos``).
+        Raises ValueError if a row is full (checked on the host lengths)."""
+        if bool((self.lengths >= self.row_cap).any()):
+            raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
+        if self._row_base_dev is None:
+            self._row_base_dev = self.row_base.to(self.device)  # [B] first position of each row's block
+        lat = torch.cat([c, k_pe], dim=-1)  # [B, W] (a mismatched width fails the index_put's shape check)
+        self.lat_flat[layer].view(-1, self.width)[self._row_base_dev + pos] = lat  # row r at row_base[r] + pos[r]
 
     def attend(self, layer: int, q_lat: torch.Tensor, new_lengths: torch.Tensor, fn: LatentAttendFn) -> torch.Tensor:
         """Latent decode attention of every row, group by group, back in the caller's row order: per group
