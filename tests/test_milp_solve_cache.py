@@ -196,3 +196,16 @@ def test_default_solve_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("LIGHTNING_MOE_SOLVE_CACHE")
     monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path))
     assert milp.default_solve_cache() == str(tmp_path / "milp-solves")
+
+
+def test_an_entry_is_readable_by_the_users_who_share_the_cache(tmp_path):
+    """An entry gets the mode a plain open() would give under this umask (mkstemp's 0600 kept by the rename left
+    another user sharing $LIGHTNING_MOE_SOLVE_CACHE unable to read it: each re-solved and overwrote the other's)."""
+    path = str(tmp_path / ("1" * 64 + milp.SOLVE_CACHE_SUFFIX))
+    old = os.umask(0o022)
+    try:
+        milp._save_solution(path, np.arange(3, dtype=np.float64))
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    assert np.array_equal(milp._cached_solution(path, 3), np.arange(3, dtype=np.float64))

@@ -709,5 +709,6 @@ def test_report_carries_and_prints_the_hrm_terms(tmp_path, tiny_dir):
            "errors_recorded": 0, "predicted": block, "peak_host_memory_bytes": 2**30, "results": "o.jsonl"}
     text = format_report(rep)
     dec = ", ".join(f"{k} {v:,.3f}" for k, v in est.decode_stages.items())
-    assert f"HRM terms, decode (s per batch of N, summed over layers): {dec}" in text
+    assert f"HRM terms, decode (predicted s, one batch of N, summed over layers and steps): {dec}" in text
+    assert block["stages_span"] == "one batch of N"
     assert "HRM terms, prefill" in text

@@ -823,6 +823,9 @@ def _save_solution(path: str, x: np.ndarray) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=folder)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes it 0600: readable by others as a plain open() file would be
         with os.fdopen(fd, "wb") as f:
             f.write(_ENTRY_MAGIC + _entry_digest(path, data) + data)
         os.replace(tmp, path)
