@@ -25,7 +25,15 @@ _REGISTRY: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
-    """Add ``family`` under each of its model types. Raises ValueError when a model type is taken."""
+    """Add ``family`` under each of its model types. Raises ValueError when a model type is taken, or when the family
+    replaces ``decode_attention`` but not ``decode_attention_masked`` (CGOPipe's GPU-attention micro-batches call the
+    masked one: the replacement would be skipped there)."""
+    from .. import layers as L
+
+    if (family.attention != "mla" and family.decode_attention is not L.decode_attention
+            and family.decode_attention_masked is L.decode_attention_masked):
+        raise ValueError(f"family {family.name}: replaces decode_attention but not decode_attention_masked (the "
+                         f"GPU-attention micro-batches call it with the mask made once per step); define both")
     for t in family.model_types:
         if t in _REGISTRY and _REGISTRY[t] is not family:
             raise ValueError(f"model_type {t!r} is already read by the {_REGISTRY[t].name} family")
