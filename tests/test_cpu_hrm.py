@@ -441,3 +441,4 @@ def test_cpu_run_reports_predicted_columns(tmp_path, tiny_dir, executor):
     assert f"{pred['decode_tokens_per_s']:,.1f}" in row and pred["decode_binding"] in row
     assert pred["stages_span"] == "the whole job"  # estimate_cpu sums its stages over every batch
     assert "HRM terms, decode (predicted s, the whole job, summed over layers and steps): " in table
+    assert "; time = per layer visit ops + max(flops, memory) + stream" in table

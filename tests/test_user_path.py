@@ -711,4 +711,5 @@ def test_report_carries_and_prints_the_hrm_terms(tmp_path, tiny_dir):
     dec = ", ".join(f"{k} {v:,.3f}" for k, v in est.decode_stages.items())
     assert f"HRM terms, decode (predicted s, one batch of N, summed over layers and steps): {dec}" in text
     assert block["stages_span"] == "one batch of N"
+    assert f"{dec}; time = each layer its longest overlapped stage, head added" in text
     assert "HRM terms, prefill" in text

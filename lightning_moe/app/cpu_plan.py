@@ -96,6 +96,7 @@ def cpu_predicted_report(est) -> dict:
             "prefill_binding": est.prefill_binding, "hardware": est.profile,
             "stages_seconds": {"prefill": dict(est.prefill_stages), "decode": dict(est.decode_stages)},
             "stages_span": "the whole job",  # estimate_cpu sums its stages over every batch
+            "stages_rule": "per layer visit ops + max(flops, memory) + stream",  # how the terms make the time
             "notes": [n for n in est.notes if n.startswith("note:")]}
 
 

@@ -54,6 +54,7 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
             "prefill_binding": est.prefill_binding, "hardware": job.hardware or hw.name,  # the preset or the YAML
             "stages_seconds": {"prefill": dict(est.prefill_stages), "decode": dict(est.decode_stages)},
             "stages_span": "one batch of N",  # what stages_seconds covers (a CPU job's: the whole job)
+            "stages_rule": "each layer its longest overlapped stage, head added",  # how the terms make the time
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
 
@@ -224,18 +225,19 @@ def timing(s: RunStats, t_load: float, total: float, task: str, t_setup: float =
     }
 
 
-def _terms_lines(stages: Optional[dict], scoring: bool, span: str) -> list[str]:
+def _terms_lines(stages: Optional[dict], scoring: bool, span: str, rule: Optional[str] = None) -> list[str]:
     """The summary's lines of the HRM's terms (the ``predicted.stages_seconds`` block): per phase each stage's
     predicted seconds summed over layers (decode: and its steps), over ``span`` (``predicted.stages_span``: one batch
     of N for a GPU job, the whole job for a CPU job); a layer takes its longest overlapped stage, so the binding stage
-    of the table is not always the largest sum; ``head`` is not overlapped."""
+    of the table is not always the largest sum; ``head`` is not overlapped. ``rule`` (``predicted.stages_rule``): how
+    the terms make the predicted time (they are not added), printed after them."""
     lines = []
     for phase in ("prefill",) if scoring else ("prefill", "decode"):
         st = (stages or {}).get(phase)
         if st:
             over = "layers" if phase == "prefill" else "layers and steps"
             lines.append(f"  HRM terms, {phase} (predicted s, {span}, summed over {over}): "
-                         + ", ".join(f"{k} {v:,.3f}" for k, v in st.items()))
+                         + ", ".join(f"{k} {v:,.3f}" for k, v in st.items()) + (f"; time = {rule}" if rule else ""))
     return lines
 
 
@@ -377,7 +379,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                      "measured / predicted": num(m / p, "{:.2f}") if m and p else "-",
                      "wall s": num(spans[name], "{:,.2f}"),
                      "bound by (HRM)": pred.get(bind) if bind else _end_to_end_binding(r, pred)})
-    terms = _terms_lines(pred.get("stages_seconds"), scoring, pred.get("stages_span", "one batch of N"))
+    terms = _terms_lines(pred.get("stages_seconds"), scoring, pred.get("stages_span", "one batch of N"),
+                         pred.get("stages_rule"))
     lines += [_table(rows)] + terms + [f"  {n}" for n in pred.get("notes", ())]
     lines += _load_note(r.get("host_load_at_start"))
     if pred.get("job_batches"):
