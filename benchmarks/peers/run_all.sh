@@ -74,12 +74,23 @@ for r in (s.submodule_search_locations if s else []):
   log "llama.cpp: the prebuilt binaries do not run here ($OUT/prebuilt-check.log): building from source"
   rm -rf "$dst" build/peers/cublas-libdir; return 1
 }
-step_build() {   # in the background: ckpt/convert run beside it; convert's Q4_0 waits for it
+step_build() {   # in the background: ckpt and convert's bf16 GGUF run beside it; every later step waits for it
   if [[ -x build/peers/llama-build-$MODE/bin/llama-batched-bench ]]; then return; fi
   use_prebuilt && return
   log "llama.cpp $MODE build started (log $OUT/build.log)"
-  PEERS_DIR=build/peers bash $P/build_llama_cpp.sh "${BUILD[@]}" > "$OUT/build.log" 2>&1 &
+  PEERS_DIR=build/peers setsid bash $P/build_llama_cpp.sh "${BUILD[@]}" > "$OUT/build.log" 2>&1 &  # its own
+  #   process group: wait_build can stop it whole
   BUILD_PID=$!
+}
+wait_build() {   # a step that times anything waits for a background build first (a 16-core compile beside a
+  #   measured run would slow it), within DEADLINE: a build still running 30 s before it is stopped
+  [[ -n ${BUILD_PID:-} ]] && kill -0 "$BUILD_PID" 2>/dev/null || return 0
+  log "waiting for the llama.cpp build before $1"
+  while kill -0 "$BUILD_PID" 2>/dev/null; do
+    (( $(left) > 30 )) || { log "llama.cpp build not done 30 s before DEADLINE: stopped"; kill -- -"$BUILD_PID" 2>/dev/null; wait "$BUILD_PID" 2>/dev/null; BUILD_PID=; return 1; }
+    sleep 2
+  done
+  wait "$BUILD_PID"; tail -4 "$OUT/build.log"; BUILD_PID=
 }
 step_ckpt() {
   [[ -f $CK/config.json ]] || python3 benchmarks/make_checkpoint.py "$CK" "${PRESET_ARG[@]}" --layers "$LAYERS" \
@@ -94,11 +105,12 @@ step_convert() {   # convert_hf_to_gguf.py comes from the source tree (the prebu
     mkdir -p build/peers && tar xzf "$(ls -t .carry/peers/llama.cpp-*.tar.gz | head -1)" -C build/peers || return 1
   fi
   python3 $P/convert_gguf.py "$CK" --out "$GG" "${PRE_ARG[@]}" > "$OUT/convert-bf16.log" 2>&1 || { tail -8 "$OUT/convert-bf16.log"; return 1; }
-  if [[ -n ${BUILD_PID:-} ]]; then log "waiting for the llama.cpp build"; wait "$BUILD_PID"; tail -4 "$OUT/build.log"; fi
+  wait_build "the Q4_0 conversion (llama-quantize)" || return 1
   python3 $P/convert_gguf.py "$CK" --out "$GG" --quant Q4_0 > "$OUT/convert-q4.log" 2>&1 || { tail -8 "$OUT/convert-q4.log"; return 1; }
   tail -1 "$OUT/convert-q4.log"; df -h "$WORK" | tail -1
 }
 step_ours() {
+  wait_build ours || return 1
   for g in $GENS; do for ck in "$CK" "$CK4"; do
     w=bf16; [[ ${SMOKE:-0} == 1 ]] && w=float32   # run_ours.py names its row by the dtype (SMOKE: --dtype float32)
     [[ $ck == "$CK4" ]] && w=int4
@@ -110,6 +122,7 @@ step_ours() {
   done; done
 }
 step_llama() {
+  wait_build llama.cpp || return 1
   local gl=${GENS// /,}
   for w in bf16 Q4_0; do
     have_row llama-$w-g${GENS##* } && continue
@@ -122,6 +135,7 @@ step_llama() {
 step_hf() {  # accelerate | deepspeed; accelerate once per HEADROOMS value (its max_memory is CAP minus it)
   local who=$1 hs=(3GiB) h row
   [[ $who == accelerate ]] && read -ra hs <<< "${HEADROOMS:-3GiB}"
+  wait_build "$who" || return 1
   for g in $GENS; do for h in "${hs[@]}"; do
     row=$who-bf16-g$g; [[ $h != 3GiB ]] && row=$row-h$h
     have_row $row && continue
@@ -141,5 +155,5 @@ for s in "$@"; do
   log "step $s"
   "step_$s" || log "step $s failed"
 done
-if [[ -n ${BUILD_PID:-} ]] && kill -0 "$BUILD_PID" 2>/dev/null; then log "waiting for the llama.cpp build"; wait "$BUILD_PID"; fi
+wait_build "the end"
 log "done"
