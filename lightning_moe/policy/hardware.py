@@ -369,6 +369,16 @@ def host_probe_key(model_type: str, weight_quant: str) -> str:
     return f"{model_type}/{weight_quant}" if weight_quant in PACKED_FORMATS else model_type
 
 
+def host_probe_line(probe: str) -> str:
+    """One line saying which host probe priced a decode's host stage (``Estimate.host_probe``; "" for none)."""
+    if not probe:
+        return ""
+    if probe == GENERIC_HOST_PROBE:
+        return ("host term: priced by the profile's generic host issue probe (Mixtral-shaped, dense experts: "
+                "host_issue_by_family has no entry for this model's family and expert format)")
+    return f"host term: priced by the profile's host issue probe {probe!r} (host_issue_by_family)"
+
+
 def _migrate_host_issue(d: Any, where: str) -> Any:
     """A profile mapping with an older profile's host_issue_cpu_attn_mla moved into host_issue_by_family as its "mla"
     entry ((value, 0): the GPU-attention micro-batch at the generic probe's; 0 = unmeasured: no entry); ``d`` as is

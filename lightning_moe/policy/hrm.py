@@ -875,6 +875,8 @@ class Estimate:
     job_rows: tuple = ()  # rows of each batch of the job (policy.jobplan.fit_job; empty: the job is one batch of N)
     job_time: float = 0.0  # seconds of the whole job, every batch summed (0: not planned as a job)
     refill_min_free: int = 0  # the refill threshold the job plan chose (policy.jobplan; 0: the executor's default)
+    host_probe: str = ""  # the profile's host probe that priced the decode host stage (H6'): a host_issue_by_family key
+    #   ("qwen3_moe", "mixtral/int4", "mla") or "generic" (:func:`host_probe`); "": no host stage (or no decode)
 
     @property
     def job_e2e_tok_s(self) -> float:
@@ -997,6 +999,7 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
         memory=memory_estimate(policy, spec, workload),
         notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not has_host_stage(hw) else (),
+        host_probe=host_probe(hw, spec, policy.weight_quant) if G > 1 else "",
     )
 
 
