@@ -3,8 +3,8 @@
 Runs :class:`~lightning_moe.pipeline.cgopipe.CGOPipeExecutor` decode on the host-issue probe's tiny model
 (``profiler._host_probe_spec``: the generic one, Mixtral-shaped, D = 256, 8 experts, 2 resident per layer; ``--probe
 KEY``: another key of ``profiler.host_probe_keys``, e.g. ``mla`` (DeepSeek-V2-shaped), ``qwen3_moe``, ``mixtral/int4``,
-``gpt_oss/mxfp4``: the family's model, its experts in the key's format; ``--mla`` is ``--probe mla``) on the CPU in fp32, 2 micro-batches of ``--mu`` prompts of spread lengths (8 KV length groups
-each), as ``profiler.measure_host_issue`` does, once with both micro-batches attending on the CPU (n_gpu_attn 0) and
+``gpt_oss/mxfp4``: the family's model, its experts in the key's format; ``--mla`` is ``--probe mla``) on the CPU in
+fp32, 2 micro-batches of ``--mu`` prompts of spread lengths (8 KV length groups each), as ``profiler.measure_host_issue`` does, once with both micro-batches attending on the CPU (n_gpu_attn 0) and
 once with both on the "GPU" path (n_gpu_attn 2). On ``device: cpu`` the executor never puts a micro-batch's attention
 on the GPU (``micro_batches``: ``on_gpu = cuda and k < n_gpu_attn``), so this script sets ``MicroBatch.on_gpu`` for the
 first ``n_gpu_attn`` micro-batches itself: their KV caches stay on the CPU device and ``AttentionPlacement.gpu`` runs

@@ -175,8 +175,9 @@ class HardwareProfile(YamlRecord):
     cpu_attention_overhead: float = 0.0  # seconds of fixed cost per CPU decode-attention call (one micro-batch, one layer):
     #   thread wake-ups and op dispatch, which dominate at decode shapes; `moe-batch profile` fits it, 0 for presets
     host_issue_cpu_attn: float = 0.0  # seconds of host-thread time per CPU-attention micro-batch per decode layer as
-    #   CGOPipe runs it on the generic (Mixtral-shaped, dense experts) probe (pre-attention, q/k/v copy, hand-offs with the CPU-attention worker, the output's transfer, a
-    #   page slot, post-attention with the expert FFN); `moe-batch profile` measures it on CUDA
+    #   CGOPipe runs it on the generic probe (Mixtral-shaped, dense experts): pre-attention, q/k/v copy, hand-offs with
+    #   the CPU-attention worker, the output's transfer, a page slot, post-attention with the expert FFN; a family
+    #   measured on its own probe takes host_issue_by_family's entry instead; `moe-batch profile` measures it on CUDA
     #   (profiler.measure_host_issue); 0 = unmeasured: the HRM has no host stage
     host_issue_gpu_attn: float = 0.0  # the same for a GPU-attention micro-batch (KV append + attention per length group)
     host_issue_by_family: tuple = ()  # host probe key -> (host_issue_cpu_attn, host_issue_gpu_attn) of that probe,
@@ -225,7 +226,8 @@ class HardwareProfile(YamlRecord):
         "mla" for an MLA model (``is_mla``), else the generic probe's host_issue_cpu_attn / _gpu_attn; an entry's
         gpu_attn_s of 0 (not measured) is the generic host_issue_gpu_attn. ``probe`` names the one that priced it."""
         entries = dict(self.host_issue_by_family)
-        for key in dict.fromkeys((host_probe_key(model_type, weight_quant), model_type) + ((MLA_HOST_PROBE,) if is_mla else ())):
+        order = (host_probe_key(model_type, weight_quant), model_type) + ((MLA_HOST_PROBE,) if is_mla else ())
+        for key in dict.fromkeys(order):
             if key in entries:
                 h_c, h_g = entries[key]
                 return key, h_c, h_g or self.host_issue_gpu_attn
