@@ -1,9 +1,10 @@
 """Host cost of CGOPipe's decode layer, per (decode layer, micro-batch): ATen ops, host microseconds, host syncs.
 
 Runs :class:`~lightning_moe.pipeline.cgopipe.CGOPipeExecutor` decode on the host-issue probe's tiny model
-(``profiler._host_probe_spec``: Mixtral-shaped, D = 256, 8 experts, 2 resident per layer; ``--mla``: the
-DeepSeek-V2-shaped one) on the CPU in fp32, 2 micro-batches of ``--mu`` prompts of spread lengths (8 KV length groups
-each), as ``profiler.measure_host_issue`` does, once with both micro-batches attending on the CPU (n_gpu_attn 0) and
+(``profiler._host_probe_spec``: the generic one, Mixtral-shaped, D = 256, 8 experts, 2 resident per layer; ``--probe
+KEY``: another key of ``profiler.host_probe_keys``, e.g. ``mla`` (DeepSeek-V2-shaped), ``qwen3_moe``, ``mixtral/int4``,
+``gpt_oss/mxfp4``: the family's model, its experts in the key's format; ``--mla`` is ``--probe mla``) on the CPU in
+fp32, 2 micro-batches of ``--mu`` prompts of spread lengths (8 KV length groups each), as ``profiler.measure_host_issue`` does, once with both micro-batches attending on the CPU (n_gpu_attn 0) and
 once with both on the "GPU" path (n_gpu_attn 2). On ``device: cpu`` the executor never puts a micro-batch's attention
 on the GPU (``micro_batches``: ``on_gpu = cuda and k < n_gpu_attn``), so this script sets ``MicroBatch.on_gpu`` for the
 first ``n_gpu_attn`` micro-batches itself: their KV caches stay on the CPU device and ``AttentionPlacement.gpu`` runs
@@ -188,18 +189,17 @@ def _region(rec: Recorder, name: str, fn, host: bool = False):
 
 def build(args, n_gpu: int):
     """The executor, the prompts and the sampling of one placement (``measure_host_issue``'s setup)."""
-    from lightning_moe.model.weights import dummy_weights
     from lightning_moe.pipeline.cgopipe import CGOPipeExecutor
-    from lightning_moe.pipeline.profiler import _host_probe_spec
+    from lightning_moe.pipeline.profiler import _host_probe_spec, _host_probe_weights
     from lightning_moe.policy.policy import Policy
 
-    spec = _host_probe_spec(args.layers, args.mla)
+    spec = _host_probe_spec(args.layers, args.probe)
     g = torch.Generator().manual_seed(0)
     lens = torch.linspace(8, 200, 2 * args.mu).round().long().tolist()  # 8 KV length groups per micro-batch
     prompts = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
     pol = Policy(mu=args.mu, n=2, prefill_mu=args.mu, resident_experts=2, n_gpu_attn=n_gpu, dtype="fp32",
                  weight_quant="fp32")
-    ex = CGOPipeExecutor(dummy_weights(spec, torch.float32), pol, "cpu", ffn=args.ffn)
+    ex = CGOPipeExecutor(_host_probe_weights(spec, args.probe, torch.float32), pol, "cpu", ffn=args.ffn)
     orig = ex._micro_batches
 
     def micro_batches(*a, **k):  # device cpu: the first n_gpu micro-batches take the GPU attention path anyway
@@ -301,7 +301,7 @@ def measure(args, n_gpu: int) -> dict:
     per = {}
     for (region, op), c in rec.ops.items():
         per.setdefault(region, Counter())[op] += c
-    out = {"n_gpu_attn": n_gpu, "ffn": args.ffn, "mla": args.mla, "count_step": args.count_step,
+    out = {"n_gpu_attn": n_gpu, "ffn": args.ffn, "probe": args.probe, "count_step": args.count_step,
            "ops_per_layer_mb": sum(rec.ops.values()) / (calls * n_mb),
            "ops_by_region": {r: sum(c.values()) / (calls * n_mb) for r, c in sorted(per.items())},
            "host_us_per_layer_mb": layer_us, "probe_us_per_layer_mb": probe * 1e6,
@@ -318,7 +318,7 @@ def measure(args, n_gpu: int) -> dict:
 def report(res: dict, args) -> None:
     """Print one placement's numbers."""
     where = "GPU-attention path" if res["n_gpu_attn"] else "CPU attention"
-    print(f"\n== {where} micro-batches (n_gpu_attn={res['n_gpu_attn']}, ffn={res['ffn']}{', MLA' if res['mla'] else ''}, "
+    print(f"\n== {where} micro-batches (n_gpu_attn={res['n_gpu_attn']}, ffn={res['ffn']}{', probe ' + res['probe']}, "
           f"decode step {res['count_step']} counted)")
     print(f"ATen ops per layer per micro-batch: {res['ops_per_layer_mb']:.1f}  "
           + "  ".join(f"{r} {n:.1f}" for r, n in res["ops_by_region"].items()))
@@ -349,7 +349,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "later: the steady state)")
     p.add_argument("--ffn", default="torch", help="expert FFN: torch (the CPU default), grouped_mm or mm_loop")
     p.add_argument("--gpu-attn", type=int, nargs="+", default=[0, 2], help="n_gpu_attn values (default 0 2)")
-    p.add_argument("--mla", action="store_true", help="the DeepSeek-V2-shaped probe (latent cache)")
+    p.add_argument("--probe", default="generic", help="the host probe: generic (default) or a key of "
+                   "profiler.host_probe_keys (mla, qwen3_moe, mixtral/int4, gpt_oss/mxfp4, ...)")
+    p.add_argument("--mla", action="store_true", help="--probe mla: the DeepSeek-V2-shaped probe (latent cache)")
     p.add_argument("--sites", action="store_true", help="list every sync-capable call site")
     p.add_argument("--ops", action="store_true", help="the most frequent ATen ops per region")
     p.add_argument("--profile", action="store_true", help="cProfile of _decode_layer (own time)")
@@ -357,6 +359,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
+    args.probe = "mla" if args.mla else args.probe
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []

@@ -64,7 +64,7 @@ def test_latent_append_all_equals_append_per_group(prompts, groups):
     from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
     from lightning_moe.pipeline.profiler import _host_probe_spec
 
-    spec, gen = _host_probe_spec(2, mla=True), 3
+    spec, gen = _host_probe_spec(2, "mla"), 3
     a, b = (GroupedLatentKVCache(spec, [p + gen for p in prompts], torch.bfloat16, max_groups=groups) for _ in range(2))
     for c in (a, b):
         c.lengths[:] = torch.tensor(prompts)
@@ -211,7 +211,7 @@ def test_mla_gpu_attention_path_append_all_equals_append(monkeypatch):
     from lightning_moe.pipeline.kv_cache import GroupedLatentKVCache
     from lightning_moe.pipeline.profiler import _host_probe_spec
 
-    spec = _host_probe_spec(2, mla=True)
+    spec = _host_probe_spec(2, "mla")
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, spec.vocab_size, (m,), generator=g).tolist() for m in (40, 3, 30, 5, 21, 7, 60)]
     appended = []
@@ -241,7 +241,7 @@ def test_mla_gpu_attention_path_append_all_equals_append(monkeypatch):
 
 
 def _host_ops(n_gpu: int, count_step: int = 1, mla: bool = False) -> dict:
-    args = argparse.Namespace(layers=2, mu=16, steps=1, ffn="grouped_mm", mla=mla, profile=False, top=5,
+    args = argparse.Namespace(layers=2, mu=16, steps=1, ffn="grouped_mm", probe="mla" if mla else "generic", profile=False, top=5,
                               count_step=count_step)
     return measure(args, n_gpu)
 

@@ -118,11 +118,12 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
     monkeypatch.setattr(P, "measure_microbatch_overhead", lambda: 1.5e-3)
     monkeypatch.setattr(P, "measure_expert_kernel_flops", lambda: 3e14)
     monkeypatch.setattr(P, "measure_expert_ffn_rates", fail)
-    monkeypatch.setattr(P, "measure_host_issue", lambda mla=False: (7e-3, 0.0) if mla else (4e-3, 6e-3))
+    monkeypatch.setattr(P, "measure_host_issue", lambda probe="generic": (7e-3, 5e-3) if probe == "mla" else (4e-3, 6e-3))
     lines = []
     prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append)
     assert (prof.pcie_h2d, prof.gpu_flops_bf16, prof.microbatch_overhead, prof.gpu_expert_flops) == (11e9, 2e14, 1.5e-3, 3e14)
-    assert (prof.host_issue_cpu_attn, prof.host_issue_gpu_attn, prof.host_issue_cpu_attn_mla) == (4e-3, 6e-3, 7e-3)
+    assert (prof.host_issue_cpu_attn, prof.host_issue_gpu_attn) == (4e-3, 6e-3)
+    assert prof.host_issue_by_family == (("mla", (7e-3, 5e-3)),)  # quick: the MLA probe only
     assert prof.expert_ffn_rates == get_preset("l4").expert_ffn_rates and "GPU side measured" in prof.source
     assert "expert FFN kernel probe failed (RuntimeError: probe broke); expert_ffn_rates left empty" in "\n".join(lines)
     monkeypatch.setattr(P, "measure_host_issue", fail)

@@ -32,12 +32,12 @@ def test_host_stage_formula():
 
 
 def test_mla_models_take_the_mla_probe_host_issue():
-    """An MLA model's h_c is the profile's host_issue_cpu_attn_mla where measured (the DeepSeek-shaped probe), the GQA
-    probe's host_issue_cpu_attn otherwise; a GQA model never takes the MLA number. The MILP's host row agrees."""
+    """An MLA model's h_c is the profile's MLA probe (host_issue_by_family's "mla": the DeepSeek-shaped probe) where
+    measured, the generic probe's host_issue_cpu_attn otherwise; a GQA model never takes the MLA number."""
     mla, gqa = resolve_spec("deepseek-v2-lite"), resolve_spec("mixtral-8x7b")
     hw = dataclasses.replace(get_preset("h200"), host_issue_cpu_attn=0.004, host_issue_gpu_attn=0.006)
     pol = Policy(mu=64, n=2, prefill_mu=16)
-    with_mla = dataclasses.replace(hw, host_issue_cpu_attn_mla=0.0025)
+    with_mla = dataclasses.replace(hw, host_issue_by_family={"mla": (0.0025, 0.0)})
     cpu_mb = hrm.cpu_decode_attention_time(mla, hw, 64, 200.0) + hrm.cpu_attention_calls(64) * hw.cpu_attention_overhead
     assert hrm.decode_layer_times(mla, hw, pol, 1, 6, 200.0).host == pytest.approx(2 * 0.004 + cpu_mb, rel=1e-12)
     assert hrm.decode_layer_times(mla, with_mla, pol, 1, 6, 200.0).host == pytest.approx(2 * 0.0025 + cpu_mb, rel=1e-12)
@@ -52,10 +52,10 @@ def test_milp_with_mla_host_issue_equals_brute_force():
         spec, hw, wl, budgets = random_case(seed, mla=True)
         rng = random.Random(2000 + seed)
         hw = dataclasses.replace(hw, host_issue_cpu_attn=1e-7,  # the GQA number would never bind
-                                 host_issue_cpu_attn_mla=10 ** rng.uniform(-4, -2))
+                                 host_issue_by_family={"mla": (10 ** rng.uniform(-4, -2), 0.0)})
         solved += _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed) is not None
         C = milp._coefficients(spec, hw, wl, budgets, cands, n_max, wl.kv_positions(1))
-        assert C.host_c == hw.host_issue_cpu_attn_mla  # the MILP's host row charges the MLA number (time per token
+        assert C.host_c == dict(hw.host_issue_by_family)["mla"][0]  # the MILP's host row charges the MLA number (time per token
         #   h_c / mu does not depend on n, so the optimum above would not show a wrong h_c)
     assert solved >= 4
 
@@ -95,8 +95,8 @@ def test_host_issue_probe_runs_the_executor():
 
     h_c, h_g = measure_host_issue("cpu", layers=2, mu=3, steps=2)
     assert 0 < h_c < 1 and 0 < h_g < 1
-    h_mla, none = measure_host_issue("cpu", layers=2, mu=3, steps=2, mla=True)  # a DeepSeek-shaped CGOPipe decode
-    assert 0 < h_mla < 1 and none == 0.0
+    h_mla, h_mla_g = measure_host_issue("cpu", layers=2, mu=3, steps=2, probe="mla")  # a DeepSeek-shaped decode
+    assert 0 < h_mla < 1 and 0 < h_mla_g < 1
 
 
 def test_estimate_says_when_it_has_no_host_stage():

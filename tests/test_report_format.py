@@ -147,3 +147,16 @@ def test_busy_host_at_start_gets_a_note():
     assert "note: the host's load average was 2.6 on 2 CPUs as the run started" in busy
     for load in ([0.4, 2], None):
         assert "load average" not in format_report(_report(host_load_at_start=load))
+
+
+def test_host_probe_prints_under_the_throughput_table():
+    """``predicted.host_probe`` (the profile's host probe that priced the decode host term) prints as a "host term"
+    line under the table, before the notes; none without it (no host stage), none for a scoring job."""
+    pred = _report()["predicted"] | {"host_probe": "qwen3_moe", "notes": ["note: x"]}
+    lines = format_report(_report(predicted=pred)).splitlines()
+    at = lines.index("  host term: priced by the profile's host issue probe 'qwen3_moe' (host_issue_by_family)")
+    assert lines[at - 1].split()[:1] == ["end-to-end"] and lines[at + 1] == "  note: x"
+    generic = format_report(_report(predicted=pred | {"host_probe": "generic"}))
+    assert "  host term: priced by the profile's generic host issue probe (Mixtral-shaped" in generic
+    assert "host term" not in format_report(_report()) + format_report(_report(predicted=pred | {"host_probe": None}))
+    assert "host term" not in format_report(_report(task="score", mode="perplexity", predicted=pred))

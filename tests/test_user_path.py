@@ -655,10 +655,12 @@ def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_p
     assert block["hardware"] == "l4" and block["decode_tokens_per_s"] > 0
     assert [n.split(":")[1].split(" (")[0] for n in block["notes"]] == [
         " the job names no hardware", " hardware l4 has no host issue times"], block["notes"]
+    assert block["host_probe"] is None  # no host stage: no probe
     profile = os.path.join(os.path.dirname(plan.__file__), "..", "policy", "profiles", "h200-host.yaml")
     measured = job_from_dict({**keys, "hardware": profile, "gpu_memory": "12GiB"}, "t.yaml")
     block = engine.predicted_report(measured, plan.plan_job(measured, plan.Prepared(measured)))
     assert block["hardware"] == measured.hardware and block["notes"] == []
+    assert block["host_probe"] == "generic"  # tiny-mixtral: the generic (Mixtral-shaped) probe priced its host term
 
 
 def test_hardware_profile_is_resolved_once_per_job(tmp_path, tiny_dir, monkeypatch):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..config import Job
 from ..pipeline import scoring
-from ..policy.hardware import format_bytes
+from ..policy.hardware import format_bytes, host_probe_line
 from .plan import hardware_note
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
             "stages_seconds": {"prefill": dict(est.prefill_stages), "decode": dict(est.decode_stages)},
             "stages_span": "one batch of N",  # what stages_seconds covers (a CPU job's: the whole job)
             "stages_rule": "each layer its longest overlapped stage, head added",  # how the terms make the time
+            "host_probe": est.host_probe or None,  # the profile's host probe that priced the decode host stage
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
 
@@ -381,7 +382,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
                      "bound by (HRM)": pred.get(bind) if bind else _end_to_end_binding(r, pred)})
     terms = _terms_lines(pred.get("stages_seconds"), scoring, pred.get("stages_span", "one batch of N"),
                          pred.get("stages_rule"))
-    lines += [_table(rows)] + terms + [f"  {n}" for n in pred.get("notes", ())]
+    probe = [f"  {host_probe_line(pred['host_probe'])}"] if pred.get("host_probe") and not scoring else []
+    lines += [_table(rows)] + terms + probe + [f"  {n}" for n in pred.get("notes", ())]
     lines += _load_note(r.get("host_load_at_start"))
     if pred.get("job_batches"):
         lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} prefill pass(es) of "

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..policy.hardware import GiB, MiB, HardwareProfile, get_preset
+from ..policy.hardware import GENERIC_HOST_PROBE, MLA_HOST_PROBE, GiB, MiB, HardwareProfile, get_preset
 
 
 def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -455,41 +455,40 @@ def expert_shapes_of(names: Sequence[str]) -> tuple:
 
 
 def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, steps: int = 8,
-                       mla: bool = False) -> tuple[float, float]:
+                       probe: str = GENERIC_HOST_PROBE) -> tuple[float, float]:
     """Host-thread seconds per micro-batch per decode layer as CGOPipe runs it: (CPU-attention micro-batch,
-    GPU-attention micro-batch), the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py); ``mla``:
-    (host_issue_cpu_attn_mla, 0.0) on a DeepSeek-V2-shaped model (its GPU-attention micro-batch is not timed: the HRM
-    prices it with GQA's host_issue_gpu_attn).
+    GPU-attention micro-batch) on the tiny model of ``probe`` (:func:`_host_probe_spec`): "generic" (Mixtral-shaped,
+    dense experts) gives the profile's host_issue_cpu_attn / host_issue_gpu_attn ((H6') in hrm.py); any other key of
+    :func:`host_probe_keys` ("mla", "qwen3_moe", "mixtral/int4", "gpt_oss/mxfp4", ...) its entry of
+    host_issue_by_family (the family's decode math, its experts stored in the key's format: int4 pages dequantized per
+    layer visit, MXFP4 pages through their own kernel).
 
     Runs the executor's own decode (pre-attention, q/k/v copies, hand-offs with the CPU-attention worker, the
-    attention output's transfer, page slots, post-attention with the Triton expert FFN; for GPU attention the KV
-    append and attention of every length group) on a tiny model (D = 256, 8 experts, ``layers`` layers, 2 resident
-    per layer; Mixtral-shaped, or with ``mla`` DeepSeek-V2-shaped: latent cache, absorbed projections, a shared
-    expert, every layer MoE) with 2 micro-batches of ``mu`` prompts of spread lengths (8 KV length groups), so
-    the GPU, PCIe and CPU-attention work are negligible and the decode time is the host's: decode seconds /
-    (``steps`` x layers x 2), once with both micro-batches attending on the CPU and once with both on the GPU. A
-    short warm-up run compiles the kernels first. On ``device="cpu"`` (tests) the same loop runs synchronously and
-    both numbers are CPU-attention micro-batches.
+    attention output's transfer, page slots, post-attention with the expert FFN; for GPU attention the KV append and
+    attention of every length group) on the probe's model (D = 256, ``layers`` layers, 2 experts resident per layer)
+    with 2 micro-batches of ``mu`` prompts of spread lengths (8 KV length groups), so the GPU, PCIe and CPU-attention
+    work are negligible and the decode time is the host's: decode seconds / (``steps`` x layers x 2), once with both
+    micro-batches attending on the CPU and once with both on the GPU. A short warm-up run compiles the kernels first.
+    On ``device="cpu"`` (tests) the same loop runs synchronously and both numbers are CPU-attention micro-batches.
     The CPU number includes the host's wait for each hand-off (q/k/v copy, event, worker wake-up, the tiny
     attention), a latency the host really waits per CPU micro-batch (issue time alone under-predicts a CPU
     micro-batch's decode layer). :func:`measure_microbatch_overhead` times only a bare pre + post attention, far less
-    than the host spends issuing a real micro-batch's work.
+    than the host spends issuing a real micro-batch's work. Raises ValueError on an unknown ``probe``.
     """
-    from ..model.weights import dummy_weights
     from .cgopipe import CGOPipeExecutor
     from .sampling import DecodeSampling
     from ..policy.policy import Policy
 
     cuda = torch.device(device).type == "cuda"
-    spec = _host_probe_spec(layers, mla)
+    spec = _host_probe_spec(layers, probe)
     dt, name = (torch.bfloat16, "bf16") if cuda else (torch.float32, "fp32")
     g = torch.Generator().manual_seed(0)
     lens = torch.linspace(8, 200, 2 * mu).round().long().tolist()  # spread lengths: 8 KV groups per micro-batch
     prompts = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
     out = []
-    for n_gpu in ((0,) if mla else (0, 2)):
+    for n_gpu in (0, 2):
         pol = Policy(mu=mu, n=2, prefill_mu=mu, resident_experts=2, n_gpu_attn=n_gpu, dtype=name, weight_quant=name)
-        ex = CGOPipeExecutor(dummy_weights(spec, dt), pol, device, ffn="triton" if cuda else "torch")
+        ex = CGOPipeExecutor(_host_probe_weights(spec, probe, dt), pol, device, ffn="triton" if cuda else "torch")
         try:
             ex.generate(prompts, DecodeSampling(max_new_tokens=3, stop_at_eos=False))  # warm-up: kernel compilation
             before = ex.stats.decode_seconds
@@ -497,22 +496,113 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
             out.append((ex.stats.decode_seconds - before) / (steps * layers * 2))
         finally:
             ex.close()
-    return out[0], (0.0 if mla else out[1])
+    return out[0], out[1]
 
 
-def _host_probe_spec(layers: int, mla: bool):
-    """The host-issue probe's tiny model: Mixtral-shaped, or DeepSeek-V2-shaped (``mla``, every layer MoE)."""
+# The host probes' tiny models: config.json fields beyond _PROBE_BASE per model_type, each the family's decode math
+# (its attention, norms, router, shared experts) at its Hub flagship's expert count and top-k (the host's per-expert
+# work: routing, slots, pages), every layer MoE; and the expert formats its probes store ("int4": quantize's pages,
+# for the families they hold; "mxfp4": gpt-oss's Hub pages). "mixtral" dense is the generic probe.
+_PROBE_BASE = {"vocab_size": 256, "hidden_size": 256, "num_attention_heads": 8, "num_experts_per_tok": 2,
+               "rope_theta": 1e4, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024}
+HOST_PROBE_MODELS = {
+    "mixtral": (dict(num_key_value_heads=2, head_dim=32, intermediate_size=512, num_local_experts=8),  # Mixtral-8x7B
+                ("dense", "int4")),
+    "qwen2_moe": (dict(num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=128, num_experts=60,
+                       num_experts_per_tok=4, shared_expert_intermediate_size=512, norm_topk_prob=False),  # Qwen1.5-MoE:
+                  ("dense", "int4")),  # q/k/v biases, a gated shared expert
+    "qwen3_moe": (dict(num_key_value_heads=2, head_dim=32, intermediate_size=512, moe_intermediate_size=128,
+                       num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),  # Qwen3-30B-A3B: q/k norms
+                  ("dense", "int4")),
+    "olmoe": (dict(num_key_value_heads=8, intermediate_size=128, num_experts=64, num_experts_per_tok=8),  # OLMoE-1B-7B:
+              ("dense", "int4")),  # q/k norms over the whole projection
+    "deepseek_v2": (dict(num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=64,
+                         num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=0, kv_lora_rank=64,
+                         q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                         topk_method="greedy", norm_topk_prob=False),  # DeepSeek-V2-Lite: MLA, 2 shared experts
+                    ("dense", "int4")),
+    "deepseek_v3": (dict(num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=256,
+                         num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=64,
+                         q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=8,
+                         topk_group=4),  # DeepSeek-V3: MLA with a q LoRA, sigmoid group-limited routing
+                    ("dense", "int4")),
+    "gpt_oss": (dict(num_key_value_heads=2, head_dim=32, intermediate_size=128, num_local_experts=32,
+                     num_experts_per_tok=4, sliding_window=128, layer_types="alternate"),  # gpt-oss-20b: sinks,
+                ("dense", "mxfp4")),  # biases, sliding windows on every other layer, the clamped SwiGLU
+}
+# "mla": the MLA probe (DeepSeek-V2-shaped, 8 experts top-2, one shared expert), the fallback of an MLA model with
+# no entry of its own (and what profiles before host_issue_by_family held as host_issue_cpu_attn_mla)
+_MLA_PROBE = dict(model_type="deepseek_v2", num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=512,
+                  n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=None,
+                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, topk_method="greedy", norm_topk_prob=False)
+
+
+def host_probe_keys(quick: bool = False) -> tuple[str, ...]:
+    """The host_issue_by_family keys ``moe-batch profile`` measures: "mla", then (not ``quick``) every registered
+    family's probe of :data:`HOST_PROBE_MODELS` in each of its formats ("qwen3_moe", "mixtral/int4", ...; not
+    "mixtral": that is the generic probe)."""
+    from ..model.families import families
+
+    keys = [MLA_HOST_PROBE]
+    for fam in () if quick else families():
+        model_type = fam.model_types[0]
+        for fmt in HOST_PROBE_MODELS.get(model_type, ((), ()))[1]:
+            key = model_type if fmt == "dense" else f"{model_type}/{fmt}"
+            if key != "mixtral":
+                keys.append(key)
+    return tuple(keys)
+
+
+def _host_probe_spec(layers: int, probe: str = GENERIC_HOST_PROBE):
+    """The tiny model of host probe ``probe`` (:func:`measure_host_issue`): "generic" (Mixtral-shaped), "mla"
+    (DeepSeek-V2-shaped, every layer MoE), or a family key of :func:`host_probe_keys` (its format part does not change
+    the model). Raises ValueError on an unknown key."""
     from ..model.families import read_spec
 
-    cfg = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": layers, "num_attention_heads": 8,
-           "num_experts_per_tok": 2, "rope_theta": 1e4, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024}
-    if mla:
-        cfg.update(model_type="deepseek_v2", num_key_value_heads=8, intermediate_size=512, moe_intermediate_size=512,
-                   n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=None,
-                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, topk_method="greedy", norm_topk_prob=False)
-    else:
-        cfg.update(model_type="mixtral", num_key_value_heads=2, head_dim=32, intermediate_size=512, num_local_experts=8)
+    model_type, _, fmt = ("mixtral" if probe == GENERIC_HOST_PROBE else probe).partition("/")
+    cfg = {**_PROBE_BASE, "num_hidden_layers": layers}
+    if model_type == MLA_HOST_PROBE and not fmt:
+        return read_spec({**cfg, **_MLA_PROBE})
+    if model_type not in HOST_PROBE_MODELS or (fmt or "dense") not in HOST_PROBE_MODELS[model_type][1]:
+        raise ValueError(f"unknown host probe {probe!r} (known: {GENERIC_HOST_PROBE}, {', '.join(host_probe_keys())})")
+    cfg.update(HOST_PROBE_MODELS[model_type][0], model_type=model_type)
+    if cfg.get("layer_types") == "alternate":  # gpt-oss: sliding and full attention layers in turn
+        cfg["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
     return read_spec(cfg)
+
+
+def _host_probe_weights(spec, probe: str, dtype: torch.dtype):
+    """Dummy weights of a probe's model (:func:`~lightning_moe.model.weights.dummy_weights`), the experts stored in
+    the probe key's format: "/int4" packs them into quantize's int4 pages, "/mxfp4" draws MXFP4 pages."""
+    from ..model.quantized import QuantExperts
+    from ..model.weights import dummy_weights
+
+    w = dummy_weights(spec, dtype)
+    fmt = probe.partition("/")[2]
+    if fmt == "int4":
+        w.experts = [e if e is None else QuantExperts.quantize(e, "int4") for e in w.experts]
+    elif fmt == "mxfp4":
+        w.experts = [e if e is None else _dummy_mxfp4_experts(spec, seed) for seed, e in enumerate(w.experts)]
+    return w
+
+
+def _dummy_mxfp4_experts(spec, seed: int):
+    """One layer's experts as MXFP4 pages of random codes (E2M1 nibbles), scales of 2^-6 and small fp32 biases (the
+    layout gpt-oss's Hub checkpoints load as: fp32 biases)."""
+    from ..kernels.mxfp4 import MXFP4_BLOCK, pack_mxfp4_pages
+    from ..model.quantized import MXFP4Experts
+
+    E, D, F = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+
+    def blocks(rows: int, cols: int):
+        codes = torch.randint(0, 256, (E, rows, cols // MXFP4_BLOCK, 16), generator=g, dtype=torch.uint8)
+        return codes, torch.full((E, rows, cols // MXFP4_BLOCK), 127 - 6, dtype=torch.uint8)
+
+    (gu, gu_s), (dn, dn_s) = blocks(2 * F, D), blocks(D, F)
+    bias = (torch.randn(E, 2 * F, generator=g) * 0.01, torch.randn(E, D, generator=g) * 0.01)
+    pages, layout = pack_mxfp4_pages(gu, gu_s, bias[0], dn, dn_s, bias[1])
+    return MXFP4Experts(pages, layout)
 
 
 def host_description() -> tuple[str, int, int]:
@@ -635,7 +725,7 @@ def _measure_gpu_side(quick: bool, shapes, mx_shapes, log: Callable[[str], None]
             f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
     if shapes:
         fields.update(_expert_ffn_rates_field(quick, shapes, mx_shapes, log))
-    fields.update(_host_issue_fields(log))
+    fields.update(_host_issue_fields(quick, log))
     return fields
 
 
@@ -657,22 +747,24 @@ def _expert_ffn_rates_field(quick: bool, shapes, mx_shapes, log: Callable[[str],
     return {"expert_ffn_rates": rates + mx}
 
 
-def _host_issue_fields(log: Callable[[str], None]) -> dict:
-    """host_issue_cpu_attn / _gpu_attn / _cpu_attn_mla from the CGOPipe host issue probes ({} where the first fails:
-    no host stage in the HRM; no MLA field where the MLA probe fails: MLA models then take the GQA probe's)."""
+def _host_issue_fields(quick: bool, log: Callable[[str], None]) -> dict:
+    """host_issue_cpu_attn / _gpu_attn from the generic CGOPipe host issue probe and host_issue_by_family from the
+    probe of every :func:`host_probe_keys` key (``quick``: the MLA probe's only), one log line each ({} where the
+    generic probe fails: no host stage in the HRM; a key whose probe fails is left out: its jobs take the fallback)."""
     try:
         h_c, h_g = measure_host_issue()
     except Exception as e:  # noqa: BLE001
         log(f"CGOPipe host issue probe failed ({_failure(e)}); host_issue_* left at 0 (no host stage in the HRM)")
         return {}
-    fields = dict(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g)
-    log(f"CGOPipe host issue per micro-batch per decode layer: {h_c * 1e3:.2f} ms (CPU attention), "
-        f"{h_g * 1e3:.2f} ms (GPU attention)")
-    try:
-        fields["host_issue_cpu_attn_mla"] = measure_host_issue(mla=True)[0]
-    except Exception as e:  # noqa: BLE001
-        log(f"CGOPipe host issue probe (MLA) failed ({type(e).__name__}); host_issue_cpu_attn_mla left at 0")
-    else:
-        log(f"  MLA (DeepSeek-shaped): {fields['host_issue_cpu_attn_mla'] * 1e3:.2f} ms per CPU-attention "
-            f"micro-batch per decode layer (the profile's host_issue_cpu_attn_mla)")
-    return fields
+    log(f"CGOPipe host issue per micro-batch per decode layer, generic probe (Mixtral-shaped): {h_c * 1e3:.2f} ms "
+        f"(CPU attention), {h_g * 1e3:.2f} ms (GPU attention)")
+    entries = {}
+    for key in host_probe_keys(quick):
+        try:
+            entries[key] = measure_host_issue(probe=key)
+        except Exception as e:  # noqa: BLE001 - its jobs take the fallback (the family's dense, MLA or generic probe)
+            log(f"  host issue probe {key} failed ({_failure(e)}); left out (its jobs take the fallback probe)")
+        else:
+            log(f"  probe {key}: {entries[key][0] * 1e3:.2f} ms (CPU attention), {entries[key][1] * 1e3:.2f} ms (GPU "
+                f"attention) per micro-batch per decode layer")
+    return dict(host_issue_cpu_attn=h_c, host_issue_gpu_attn=h_g, host_issue_by_family=entries)

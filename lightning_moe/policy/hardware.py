@@ -20,6 +20,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any, Sequence
 
 
+from ..model.spec import PACKED_FORMATS, QUANT_FORMATS
 from .yaml_io import YamlRecord
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -74,6 +75,9 @@ def format_bytes(n: float) -> str:
 EXPERT_FFN_KERNELS = ("triton", "grouped_mm", "mm_loop")  # the grouped expert-FFN kernels a profile can rate and CGOPipe
 #   can pick (a tie goes to the earlier one)
 EXPERT_WEIGHTS = ("dense", "mxfp4")  # ExpertFFNRate.weights: how a measured call's experts were stored
+GENERIC_HOST_PROBE = "generic"  # the host probe of host_issue_cpu_attn / _gpu_attn (not a host_issue_by_family key)
+MLA_HOST_PROBE = "mla"  # host_issue_by_family's key of the MLA probe (an MLA model's fallback)
+LEGACY_MLA_FIELD = "host_issue_cpu_attn_mla"  # profiles before host_issue_by_family: read as its "mla" entry
 NO_SYNC_KERNELS = ("triton", "grouped_mm")  # the kernels with no host sync: the ones a decode step may run (mm_loop
 #   waits for the host to read each call's per-expert row counts, so only prefill passes run it)
 
@@ -171,13 +175,19 @@ class HardwareProfile(YamlRecord):
     cpu_attention_overhead: float = 0.0  # seconds of fixed cost per CPU decode-attention call (one micro-batch, one layer):
     #   thread wake-ups and op dispatch, which dominate at decode shapes; `moe-batch profile` fits it, 0 for presets
     host_issue_cpu_attn: float = 0.0  # seconds of host-thread time per CPU-attention micro-batch per decode layer as
-    #   CGOPipe runs it (pre-attention, q/k/v copy, hand-offs with the CPU-attention worker, the output's transfer, a
-    #   page slot, post-attention with the expert FFN); `moe-batch profile` measures it on CUDA
+    #   CGOPipe runs it on the generic probe (Mixtral-shaped, dense experts): pre-attention, q/k/v copy, hand-offs with
+    #   the CPU-attention worker, the output's transfer, a page slot, post-attention with the expert FFN; a family
+    #   measured on its own probe takes host_issue_by_family's entry instead; `moe-batch profile` measures it on CUDA
     #   (profiler.measure_host_issue); 0 = unmeasured: the HRM has no host stage
     host_issue_gpu_attn: float = 0.0  # the same for a GPU-attention micro-batch (KV append + attention per length group)
-    host_issue_cpu_attn_mla: float = 0.0  # host_issue_cpu_attn of an MLA model (DeepSeek: absorbed projections, the
-    #   latent cache's hand-offs, shared experts), measured on a DeepSeek-V2-shaped probe; 0 = unmeasured:
-    #   host_issue_cpu_attn
+    host_issue_by_family: tuple = ()  # host probe key -> (host_issue_cpu_attn, host_issue_gpu_attn) of that probe,
+    #   as sorted (key, (cpu_attn_s, gpu_attn_s)) items (YAML: a mapping of key to [cpu_attn_s, gpu_attn_s]): CGOPipe's
+    #   host issue on a tiny model of one family (its decode math: q/k norms, shared experts, sinks, MLA; its flagship's
+    #   expert count and top-k) with its experts in one format; the key names both: "qwen3_moe" (dense), "mixtral/int4"
+    #   (quantize's group-wise pages, int2 too), "gpt_oss/mxfp4"; "mla" is the DeepSeek-V2-shaped MLA probe (older
+    #   profiles' host_issue_cpu_attn_mla, read as {"mla": [it, 0]}). The HRM takes a job's own key, else its family's
+    #   dense key, else "mla" for an MLA model, else the generic (Mixtral-shaped) fields above (host_issue_for);
+    #   a gpu_attn_s of 0: the generic host_issue_gpu_attn. `moe-batch profile` measures them (profiler.host_probe_keys)
     gpu_expert_flops: float = 0.0  # FLOP/s CGOPipe's grouped expert kernel (kernels.fused_moe.fused_experts_triton) reaches
     #   at prefill sizes in the compute dtype; the HRM's routed-expert term uses min(this, the GEMM peak). `moe-batch
     #   profile` measures it on CUDA (profiler.measure_expert_kernel_flops); 0 = unmeasured: the GEMM peak
@@ -201,6 +211,7 @@ class HardwareProfile(YamlRecord):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_ffn_rates", _read_rates(self.expert_ffn_rates, self.name))  # a hashable tuple
+        object.__setattr__(self, "host_issue_by_family", _read_host_issue(self.host_issue_by_family, self.name))
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in ("int", "float") and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0):
@@ -208,6 +219,19 @@ class HardwareProfile(YamlRecord):
         for key in ("gpu_hbm_bandwidth", "gpu_flops_bf16", "pcie_h2d", "pcie_d2h", "cpu_attention_bandwidth", "cpu_attention_flops"):
             if getattr(self, key) <= 0:
                 raise HardwareError(f"{self.name}: {key}: must be > 0, got {getattr(self, key)!r}")
+
+    def host_issue_for(self, model_type: str, weight_quant: str, is_mla: bool) -> tuple[str, float, float]:
+        """(probe, h_c, h_g) of (H6') for a job of ``model_type`` whose experts are ``weight_quant`` pages: the entry of
+        host_issue_by_family under the job's own key (:func:`host_probe_key`), else under its family's dense key, else
+        "mla" for an MLA model (``is_mla``), else the generic probe's host_issue_cpu_attn / _gpu_attn; an entry's
+        gpu_attn_s of 0 (not measured) is the generic host_issue_gpu_attn. ``probe`` names the one that priced it."""
+        entries = dict(self.host_issue_by_family)
+        order = (host_probe_key(model_type, weight_quant), model_type) + ((MLA_HOST_PROBE,) if is_mla else ())
+        for key in dict.fromkeys(order):
+            if key in entries:
+                h_c, h_g = entries[key]
+                return key, h_c, h_g or self.host_issue_gpu_attn
+        return GENERIC_HOST_PROBE, self.host_issue_cpu_attn, self.host_issue_gpu_attn
 
     @property
     def gpu_link_bandwidth(self) -> float:
@@ -282,6 +306,7 @@ class HardwareProfile(YamlRecord):
     def to_dict(self) -> dict:
         """Plain dict in field order (what :meth:`save` writes)."""
         d = asdict(self)
+        d["host_issue_by_family"] = {k: list(v) for k, v in self.host_issue_by_family}  # YAML: key: [cpu, gpu]
         d["expert_ffn_rates"] = [{k: v for k, v in asdict(r).items() if (k, v) != ("weights", "dense")}  # the default
                                  for r in self.expert_ffn_rates]  # YAML has no tuples
         return d
@@ -294,6 +319,7 @@ class HardwareProfile(YamlRecord):
         numeric strings (YAML 1.1 reads ``1.6e12`` without a dot as a string).
         Raises HardwareError naming ``where`` and the key.
         """
+        d = _migrate_host_issue(d, where)  # an older profile's host_issue_cpu_attn_mla: host_issue_by_family's "mla"
         known = cls._known_fields(d, where)
         kw: dict[str, Any] = {}
         for name, f in known.items():
@@ -304,6 +330,9 @@ class HardwareProfile(YamlRecord):
             v = d[name]
             if name == "expert_ffn_rates":
                 kw[name] = _read_rates(v, where)
+                continue
+            if name == "host_issue_by_family":
+                kw[name] = _read_host_issue(v, where)
                 continue
             if f.type == "str":
                 if not isinstance(v, str):
@@ -331,6 +360,74 @@ class HardwareProfile(YamlRecord):
     def with_overrides(self, **kw: Any) -> "HardwareProfile":
         """A copy with some fields replaced (e.g. ``gpu_memory``)."""
         return replace(self, **kw)
+
+
+def host_probe_key(model_type: str, weight_quant: str) -> str:
+    """host_issue_by_family's key of a job: its model_type, with "/int4" for quantize's group-wise pages (int4, int2,
+    int2-up: one probe, the same ops on other bit widths) and "/mxfp4" for MXFP4 pages; none for dense experts (bf16,
+    fp16, fp32)."""
+    if weight_quant in QUANT_FORMATS:
+        return f"{model_type}/int4"
+    return f"{model_type}/{weight_quant}" if weight_quant in PACKED_FORMATS else model_type
+
+
+def host_probe_line(probe: str) -> str:
+    """One line saying which host probe priced a decode's host stage (``Estimate.host_probe``; "" for none)."""
+    if not probe:
+        return ""
+    if probe == GENERIC_HOST_PROBE:
+        return ("host term: priced by the profile's generic host issue probe (Mixtral-shaped, dense experts: "
+                "host_issue_by_family has no entry for this model's family and expert format)")
+    return f"host term: priced by the profile's host issue probe {probe!r} (host_issue_by_family)"
+
+
+def _migrate_host_issue(d: Any, where: str) -> Any:
+    """A profile mapping with an older profile's host_issue_cpu_attn_mla moved into host_issue_by_family as its "mla"
+    entry ((value, 0): the GPU-attention micro-batch at the generic probe's; 0 = unmeasured: no entry); ``d`` as is
+    without it. Both fields naming "mla" is an error."""
+    if not isinstance(d, dict) or LEGACY_MLA_FIELD not in d:
+        return d
+    d = dict(d)
+    raw = d.pop(LEGACY_MLA_FIELD)
+    try:
+        v = float(raw) if isinstance(raw, (str, int, float)) and not isinstance(raw, bool) else -1.0
+    except ValueError:
+        v = -1.0
+    if not (math.isfinite(v) and v >= 0):
+        raise HardwareError(f"{where}: {LEGACY_MLA_FIELD}: expected a non-negative number, got {raw!r}")
+    entries = dict(_read_host_issue(d.get("host_issue_by_family"), where))
+    if MLA_HOST_PROBE in entries:
+        raise HardwareError(f"{where}: {LEGACY_MLA_FIELD} and host_issue_by_family's {MLA_HOST_PROBE!r} both given "
+                            f"(the first is the older name of the second: keep one)")
+    if v > 0:
+        entries[MLA_HOST_PROBE] = (v, 0.0)
+    d["host_issue_by_family"] = entries
+    return d
+
+
+def _read_host_issue(v: Any, where: str) -> tuple:
+    """``host_issue_by_family`` of a profile: a mapping (or its items) of probe key -> [cpu_attn_s, gpu_attn_s],
+    as sorted (key, (cpu, gpu)) tuples (null: none). A key is a non-empty string other than "generic"; cpu_attn_s
+    > 0, gpu_attn_s >= 0 (0: the generic host_issue_gpu_attn), finite numbers (numeric strings accepted)."""
+    what = f"{where}: host_issue_by_family"
+    if v is None:
+        return ()
+    items = v.items() if isinstance(v, dict) else v
+    if not isinstance(items, (list, tuple)) and not isinstance(v, dict):
+        raise HardwareError(f"{what}: expected a mapping of probe key to [cpu_attn_s, gpu_attn_s], got {type(v).__name__}")
+    out = {}
+    for item in items:
+        key, pair = item if isinstance(item, (list, tuple)) and len(item) == 2 else (None, None)
+        if not isinstance(key, str) or not key or key == GENERIC_HOST_PROBE or key in out:
+            raise HardwareError(f"{what}: bad or repeated key {key!r} (a probe key such as 'qwen3_moe', 'mixtral/int4')")
+        try:
+            c, g = (float(x) if isinstance(x, (str, int, float)) and not isinstance(x, bool) else None for x in pair)
+        except (TypeError, ValueError):
+            c = g = None
+        if c is None or g is None or not (math.isfinite(c) and math.isfinite(g) and c > 0 and g >= 0):
+            raise HardwareError(f"{what}: {key}: expected [cpu_attn_s > 0, gpu_attn_s >= 0] (seconds), got {pair!r}")
+        out[key] = (c, g)
+    return tuple(sorted(out.items()))
 
 
 def _read_rates(v: Any, where: str) -> tuple:

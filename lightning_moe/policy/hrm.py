@@ -22,8 +22,9 @@ against its text here, so "Sec." citations are the reliable ones.
                profile's measured rate for the expert shape at T tokens per call (expert_ffn_rates, the faster of
                the Triton and grouped_mm kernels, log-T interpolated), else gpu_expert_flops, capped by the peak
   (H6') T_host = (n - n_g) h_c + n_g h_g [+ one CPU micro-batch's attention when n - n_g >= 1]: the host thread
-               issues every micro-batch's work (h_c, h_g: the profile's host_issue_cpu_attn / _gpu_attn, measured by
-               running CGOPipe's own decode on a tiny model) and, having nothing left to issue, waits for the
+               issues every micro-batch's work (h_c, h_g: measured by running CGOPipe's own decode on a tiny model: the
+               profile's host_issue_by_family entry of the job's family and expert format where measured, else the
+               generic probe's host_issue_cpu_attn / _gpu_attn; host_issue_times) and, having nothing left to issue, waits for the
                layer's last CPU attention; 0 when the profile has no host measurement (the host's issue time is
                accounted for by no other stage)
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
@@ -391,16 +392,23 @@ def has_host_stage(hw: HardwareProfile) -> bool:
 
 
 def decode_host_issue_time(hw: HardwareProfile, policy: Policy, spec: MoESpec) -> float:
-    """(H6') without the wait: seconds the host thread spends issuing one decode layer's work,
-    (n - n_g) h_c + n_g host_issue_gpu_attn (profile fields, measured by running CGOPipe's decode on a tiny model:
-    profiler.measure_host_issue); 0 when the profile has neither. h_c: :func:`host_issue_cpu_time`."""
-    return policy.n_cpu_attn * host_issue_cpu_time(hw, spec) + policy.n_gpu_attn * hw.host_issue_gpu_attn
+    """(H6') without the wait: seconds the host thread spends issuing one decode layer's work, (n - n_g) h_c + n_g h_g
+    (the job's host probe: :func:`host_issue_times`); 0 when the profile has no host measurement."""
+    h_c, h_g = host_issue_times(hw, spec, policy.weight_quant)
+    return policy.n_cpu_attn * h_c + policy.n_gpu_attn * h_g
 
 
-def host_issue_cpu_time(hw: HardwareProfile, spec: MoESpec) -> float:
-    """h_c of (H6') for ``spec``: an MLA model's probe (host_issue_cpu_attn_mla) where measured, else the GQA probe's
-    host_issue_cpu_attn."""
-    return hw.host_issue_cpu_attn_mla if spec.is_mla and hw.host_issue_cpu_attn_mla > 0 else hw.host_issue_cpu_attn
+def host_issue_times(hw: HardwareProfile, spec: MoESpec, weight_quant: str) -> tuple[float, float]:
+    """(h_c, h_g) of (H6') for ``spec`` with ``weight_quant`` expert pages: the profile's host probe of the job's
+    family and expert format where measured, else its family's dense probe, else the MLA probe for an MLA model, else
+    the generic one (HardwareProfile.host_issue_for; :func:`host_probe` names which)."""
+    return hw.host_issue_for(spec.model_type, weight_quant, spec.is_mla)[1:]
+
+
+def host_probe(hw: HardwareProfile, spec: MoESpec, weight_quant: str) -> str:
+    """The host probe that prices (H6') for this job ("qwen3_moe", "mixtral/int4", "mla", "generic"; the report's
+    ``predicted.host_probe``); "" when the profile has no host measurement (no host stage)."""
+    return hw.host_issue_for(spec.model_type, weight_quant, spec.is_mla)[0] if has_host_stage(hw) else ""
 
 
 def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float,
@@ -867,6 +875,8 @@ class Estimate:
     job_rows: tuple = ()  # rows of each batch of the job (policy.jobplan.fit_job; empty: the job is one batch of N)
     job_time: float = 0.0  # seconds of the whole job, every batch summed (0: not planned as a job)
     refill_min_free: int = 0  # the refill threshold the job plan chose (policy.jobplan; 0: the executor's default)
+    host_probe: str = ""  # the profile's host probe that priced the decode host stage (H6'): a host_issue_by_family key
+    #   ("qwen3_moe", "mixtral/int4", "mla") or "generic" (:func:`host_probe`); "": no host stage (or no decode)
 
     @property
     def job_e2e_tok_s(self) -> float:
@@ -989,6 +999,7 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
         memory=memory_estimate(policy, spec, workload),
         notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not has_host_stage(hw) else (),
+        host_probe=host_probe(hw, spec, policy.weight_quant) if G > 1 else "",
     )
 
 

@@ -237,8 +237,9 @@ class _Coeffs:
     attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
     cpu_rate: float  # CPU decode attention seconds per sequence per attended position
     cpu_call: float  # CPU decode attention fixed seconds per call (hrm.cpu_attention_calls(m) calls per CPU micro-batch per layer)
-    host_c: float  # host-thread seconds per CPU-attention micro-batch per decode layer (hrm.host_issue_cpu_time; 0: none)
-    host_g: float  # the same per GPU-attention micro-batch (host_issue_gpu_attn)
+    host_c: float  # host-thread seconds per CPU-attention micro-batch per decode layer (hrm.host_issue_times: the job's
+    #   host probe; 0: none)
+    host_g: float  # the same per GPU-attention micro-batch
     calls: dict  # m -> CPU attention calls per CPU micro-batch of m rows and layer (one per KV length group)
     d2h_seq: float  # decode d2h seconds per layer per CPU-attention sequence
     h2d_seq: float  # decode h2d seconds per layer per CPU-attention sequence (attention output)
@@ -278,11 +279,12 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     s, s_max, G = workload.prompt_len, workload.max_prompt, workload.gen_len
     contexts = [s + t for t in range(1, G)]
     kv_seq = kv_len * hrm.kv_bytes_per_position(spec, dt)
+    host = hrm.host_issue_times(hw, spec, q)  # (h_c, h_g) of the job's host probe (its family and expert format)
     C = _Coeffs(cands=list(cands), calls={m: hrm.cpu_attention_calls(m) for m in cands}, pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c + offsets[1], dt) for c in contexts},
                 cpu_off=offsets[0],
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt) * g, cpu_call=hw.cpu_attention_overhead * g,
-                host_c=hrm.host_issue_cpu_time(hw, spec), host_g=hw.host_issue_gpu_attn,
+                host_c=host[0], host_g=host[1],
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
                 wdq=hrm.gpu_dequant_time(spec, hw, 1, q, dt),

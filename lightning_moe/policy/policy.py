@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from .yaml_io import YamlRecord
 
 from ..model.spec import DTYPE_BYTES, PACKED_FORMATS, QUANT_FORMATS, MoESpec
-from .hardware import GiB, HardwareProfile, format_bytes, parse_bytes
+from .hardware import GiB, HardwareProfile, format_bytes, host_probe_line, parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .hrm import Estimate
@@ -470,6 +470,8 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
     )[: 1 if scoring else 2]:
         cells = [(_fmt_time(st.get(k, 0.0)) + ("*" if k == bind else " ")) for k in ("h2d", "d2h", "cpu", "gpu", "host", "head")]
         add(f"  {phase:8} " + " ".join(f"{c:>10}" for c in cells) + f" {_fmt_time(total):>10}")
+    if estimate.host_probe and not scoring:
+        add(f"  {host_probe_line(estimate.host_probe)}")
     add("")
     if scoring:
         add(f"predicted: prefill {estimate.prefill_tok_s:,.0f} tok/s ({estimate.N} sequences per batch in "

@@ -59,7 +59,7 @@ def test_gpu_attention_micro_batch_steps_do_not_synchronize():
     lens = [40, 3, 91, 5, 41, 17]
     B = len(lens)
     kv = GroupedKVCache(_spec(), [n + 8 for n in lens], torch.float32, "cuda", max_groups=3)
-    mla_spec = _host_probe_spec(1, mla=True)
+    mla_spec = _host_probe_spec(1, "mla")
     lat = GroupedLatentKVCache(mla_spec, [n + 8 for n in lens], torch.float32, "cuda", max_groups=3)
     fam = family_of(mla_spec)
     W = mla_spec.kv_lora_rank + mla_spec.qk_rope_head_dim
