@@ -225,13 +225,13 @@ def _plan_model_and_hardware(args: argparse.Namespace, job):
 
 
 def _with_model_expert_rates(job, model: str, spec, hw):
-    """``hw`` with the expert FFN rates of the job's model (app.plan.with_model_expert_rates, as ``moe-batch run``'s
-    plan_job adds them: measured once on this CUDA host where its measured profile lacks them)."""
+    """``hw`` with the expert FFN rates and the host issue probe of the job's model (app.plan.with_model_measurements,
+    as ``moe-batch run``'s plan_job adds them: measured once on this CUDA host where its measured profile lacks them)."""
     from types import SimpleNamespace
 
-    from .app.plan import with_model_expert_rates  # lazy: torch
+    from .app.plan import with_model_measurements  # lazy: torch
 
-    return with_model_expert_rates(job, SimpleNamespace(spec=spec, model_path=model), hw)  # what it reads of Prepared
+    return with_model_measurements(job, SimpleNamespace(spec=spec, model_path=model), hw)  # what it reads of Prepared
 
 
 def _plan_budgets(args: argparse.Namespace, job, model: str, spec, hw) -> Budgets:

@@ -196,12 +196,12 @@ def test_profile_measures_every_key_logs_each_and_leaves_out_a_failing_one(monke
 
     monkeypatch.setattr(P, "measure_host_issue", probe)
     lines = []
-    f = P._host_issue_fields(False, lines.append)
+    f = P._host_issue_fields(P.host_probe_keys(), lines.append)
     assert (f["host_issue_cpu_attn"], f["host_issue_gpu_attn"]) == (0.002, 0.003)
     assert set(f["host_issue_by_family"]) == set(P.host_probe_keys()) - {"olmoe/int4"}
     assert "  host issue probe olmoe/int4 failed (RuntimeError: broke); left out" in "\n".join(lines)
     assert "  probe qwen3_moe: 4.00 ms (CPU attention), 5.00 ms (GPU attention)" in "\n".join(lines)
     assert len(lines) == 1 + len(P.host_probe_keys())
-    assert set(P._host_issue_fields(True, lines.append)["host_issue_by_family"]) == {"mla"}
+    assert set(P._host_issue_fields(P.host_probe_keys(quick=True), lines.append)["host_issue_by_family"]) == {"mla"}
     monkeypatch.setattr(P, "measure_host_issue", lambda probe="generic": 1 / 0)
-    assert P._host_issue_fields(False, lines.append) == {}
+    assert P._host_issue_fields(P.host_probe_keys(), lines.append) == {}

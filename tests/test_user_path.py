@@ -336,6 +336,7 @@ def test_job_without_hardware_on_cuda_measures_this_host_once(tmp_path, tiny_dir
 
     def fake_profile_host(gpu_preset, gpu_memory, **kw):
         calls.append((gpu_preset, gpu_memory))
+        assert kw["host_probes"] == ()  # a job measures its host's generic host probe; its own key on demand
         return dataclasses.replace(get_preset(gpu_preset), name="measured", gpu_memory=gpu_memory, pcie_h2d=11e9)
 
     monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", fake_profile_host)
@@ -715,3 +716,62 @@ def test_report_carries_and_prints_the_hrm_terms(tmp_path, tiny_dir):
     assert block["stages_span"] == "one batch of N"
     assert f"{dec}; time = each layer its longest overlapped stage, head added" in text
     assert "HRM terms, prefill" in text
+
+
+def test_a_job_whose_host_probe_the_hosts_profile_lacks_measures_it_once(tmp_path, tiny_dir, monkeypatch, capsys):
+    """A CUDA job that names no hardware, planned with this host's cached profile (a host stage, no host_issue_by_family
+    entry of its family and expert format), runs that host probe once on the job's device, adds it to the cache and
+    plans with it (the report's host probe names it); a second job probes nothing; a Mixtral bf16 job (the generic
+    probe's own model), a job naming hardware and a profile with no host stage probe nothing; a failing probe leaves
+    the cache byte for byte and the job plans with the fallback."""
+    import dataclasses
+
+    from tests.support import make_checkpoint as mk
+
+    from lightning_moe.policy import hrm
+    from lightning_moe.policy.hardware import HardwareProfile
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", os.path.dirname(tiny_dir))  # the tokenizer the checkpoints copy
+    quiet = open(os.devnull, "w")
+    ds = mk.write_checkpoint(str(tmp_path / "ds"), mk.Dims.from_registry("deepseek-v2-lite", 2).tiny(), log=quiet)["path"]
+    path = _cuda_host_with_cached_profile(monkeypatch, tmp_path)
+    dataclasses.replace(HardwareProfile.load(path), host_issue_cpu_attn=0.004, host_issue_gpu_attn=0.006).save(path)
+    _FakeRateProbes(monkeypatch)
+    calls, fail = [], []
+
+    def probe(device="cuda", probe="generic", **kw):
+        calls.append((device, probe))
+        if fail:
+            raise fail[0]
+        return (0.009, 0.011)
+
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.measure_host_issue", probe)
+    job = _cgopipe_job(tmp_path, ds, device="cuda:1")
+    prep = plan.Prepared(job)
+    capsys.readouterr()
+    jplan = plan.plan_job(job, prep)
+    assert calls == [("cuda:1", "deepseek_v2")]
+    assert f"this host's profile {path} has no host issue probe 'deepseek_v2': measuring it now on cuda:1" in \
+        capsys.readouterr().err
+    cached = HardwareProfile.load(path)
+    assert dict(cached.host_issue_by_family) == {"deepseek_v2": (0.009, 0.011)} and cached.host_issue_cpu_attn == 0.004
+    assert hrm.host_probe(jplan.hardware, prep.spec, "bf16") == "deepseek_v2"
+    assert hrm.host_issue_times(jplan.hardware, prep.spec, "bf16") == (0.009, 0.011)
+    plan.plan_job(job, plan.Prepared(job))
+    mixtral = _cgopipe_job(tmp_path, tiny_dir)
+    plan.plan_job(mixtral, plan.Prepared(mixtral))
+    named = _cgopipe_job(tmp_path, ds, hardware=path)
+    plan.plan_job(named, plan.Prepared(named))
+    assert calls == [("cuda:1", "deepseek_v2")] and "host issue probe" not in capsys.readouterr().err
+    dataclasses.replace(cached, host_issue_by_family={}).save(path)  # the probe fails: the cache is left, the fallback prices it
+    with open(path, "rb") as f:
+        before = f.read()
+    fail.append(RuntimeError("broke\nmore"))
+    jplan = plan.plan_job(job, plan.Prepared(job))
+    assert "the host issue probe 'deepseek_v2' failed (RuntimeError: broke); planning with" in capsys.readouterr().err
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert hrm.host_probe(jplan.hardware, prep.spec, "bf16") == "generic" and len(calls) == 2
+    dataclasses.replace(HardwareProfile.load(path), host_issue_cpu_attn=0.0, host_issue_gpu_attn=0.0).save(path)
+    plan.plan_job(job, plan.Prepared(job))  # no host stage in the profile: nothing to price, nothing probed
+    assert len(calls) == 2

@@ -203,7 +203,8 @@ def measure_gpu_profile(device: str, name: str, log=None):
     try:
         card = torch.cuda.device(torch.device(device)) if torch.cuda.is_available() else contextlib.nullcontext()
         with card:  # the job's card ("cuda:1") current: the probes measure the current device
-            prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None)
+            prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None,
+                                host_probes=())  # the generic host probe; the job's own: with_model_host_probe
     except (RuntimeError, ValueError, OSError) as e:  # torch's CUDA errors are RuntimeErrors
         print(f"moe-batch: measuring this host failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); planning "
               f"with the {preset} preset", file=log, flush=True)
@@ -281,6 +282,65 @@ def with_model_expert_rates(job, prep, hw, log=None):
         print(f"moe-batch: {cached}: not updated ({e}); this job plans with the rates just measured", file=log,
               flush=True)
     return prof
+
+
+def missing_host_probe(job, prep, hw) -> Optional[str]:
+    """The host_issue_by_family key (hardware.host_probe_key: the model's family and its expert pages' format) whose
+    probe prices the job's decode host term, when ``hw`` has a host stage but no entry under that key and the
+    profiler has a probe of it (profiler.host_probe_keys; a Mixtral job's dense key is the generic probe itself);
+    else None."""
+    from ..pipeline.profiler import host_probe_keys
+    from ..policy.hardware import host_probe_key
+
+    if not (hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0) or prep.spec.num_moe_layers == 0:
+        return None
+    key = host_probe_key(prep.spec.model_type, job_expert_pages(job, prep))
+    return key if key in host_probe_keys() and key not in dict(hw.host_issue_by_family) else None
+
+
+def with_model_host_probe(job, prep, hw, log=None):
+    """``hw`` completed with the job's own host issue probe: where ``hw`` is this CUDA host's measured profile (a job
+    that names no hardware) and lacks the job's key (:func:`missing_host_probe`), the probe runs now on the job's
+    device (profiler.measure_host_issue; once per card, CPU, family and expert format), is added to
+    host_issue_by_family and the cache written back; one line says so. ``hw`` as it was otherwise, or where the probe
+    fails (one line: the job's host term then takes the fallback probe, HardwareProfile.host_issue_for)."""
+    import contextlib
+
+    import torch
+
+    from ..pipeline.profiler import measure_host_issue
+
+    cached = None if getattr(job, "hardware", None) else cached_gpu_profile(job)
+    key = missing_host_probe(job, prep, hw) if cached else None
+    if key is None:
+        return hw
+    log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
+    print(f"moe-batch: this host's profile {cached} has no host issue probe {key!r}: measuring it now on {job.device} "
+          f"(once; the HRM's host term of {prep.spec.name}; a job's `hardware:` skips this)", file=log, flush=True)
+    try:
+        card = torch.cuda.device(torch.device(job.device)) if torch.cuda.is_available() else contextlib.nullcontext()
+        with card:
+            h = measure_host_issue(device=job.device, probe=key)
+    except Exception as e:  # noqa: BLE001 - the job plans with the fallback probe
+        print(f"moe-batch: the host issue probe {key!r} failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200] if str(e) else ''}); planning with {cached} as it was", file=log,
+              flush=True)
+        return hw
+    prof = dataclasses.replace(hw, host_issue_by_family={**dict(hw.host_issue_by_family), key: h},
+                               source=f"{hw.source}; host issue probe {key} measured by a job's plan")
+    try:
+        save_gpu_profile(prof, device_name(job.device), f"moe-batch profile, {prof.date}\nhost: {prof.host}\n"
+                         f"{prof.source}")
+    except OSError as e:  # a read-only cache: this job still plans with it
+        print(f"moe-batch: {cached}: not updated ({e}); this job plans with the probe just measured", file=log,
+              flush=True)
+    return prof
+
+
+def with_model_measurements(job, prep, hw, log=None):
+    """``hw`` completed for the job's model on this host: its expert FFN rates (:func:`with_model_expert_rates`),
+    then its host issue probe (:func:`with_model_host_probe`)."""
+    return with_model_host_probe(job, prep, with_model_expert_rates(job, prep, hw, log), log)
 
 
 def job_gpu_budget(job, hw) -> int:
@@ -373,9 +433,9 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
     Runs before any weight is loaded. Raises PolicyError (one line naming the policy, its predicted peak and phase,
     and the budget) when a policy -- the planner's, a policy file's or an inline mapping's -- does not fit. The job's
     hardware profile is resolved here, once (:func:`job_hardware`; this host's measured profile completed with the
-    model's expert FFN rates: :func:`with_model_expert_rates`), and travels in the JobPlan.
+    model's expert FFN rates and host issue probe: :func:`with_model_measurements`), and travels in the JobPlan.
     """
-    hw = with_model_expert_rates(job, prep, job_hardware(job))
+    hw = with_model_measurements(job, prep, job_hardware(job))
     policy, est = policy_for_job(job, prep, hw)
     return check_plan(job, prep, policy, est, hw)
 

@@ -630,15 +630,19 @@ def host_description() -> tuple[str, int, int]:
 
 def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: Optional[int] = None, quick: bool = False,
                  log: Callable[[str], None] = print,
-                 expert_shapes: Sequence[str] = EXPERT_FFN_SHAPES) -> HardwareProfile:
+                 expert_shapes: Sequence[str] = EXPERT_FFN_SHAPES,
+                 host_probes: Optional[Sequence[str]] = None) -> HardwareProfile:
     """Measure this host. GPU fields come from CUDA measurements, or from ``gpu_preset`` when there is no GPU.
 
     quick: small sizes (seconds instead of tens of seconds; noisier). ``gpu_memory`` overrides the GPU
     memory field (e.g. a share of the device). ``log`` receives one line per measurement. ``expert_shapes``: the
     models (registry names or checkpoint directories) whose expert shape the expert-FFN kernel probe rates on CUDA
     (:func:`measure_expert_ffn_rates`; the profile's ``expert_ffn_rates``); unknown names are an error before
-    anything is measured.
+    anything is measured. ``host_probes``: the host_issue_by_family keys measured on CUDA (default
+    :func:`host_probe_keys` of ``quick``; ``()``: the generic probe only, as a job's first measurement of its host does,
+    its own key then measured on demand: app.plan.with_model_host_probe).
     """
+    host_probes = host_probe_keys(quick) if host_probes is None else tuple(host_probes)
     shapes, mx_shapes = expert_shapes_of(expert_shapes), mxfp4_shapes_of(expert_shapes)
     desc, cores, mem = host_description()
     sizes = dict(nbytes=64 * MiB, repeats=2) if quick else {}
@@ -651,7 +655,7 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
     fields.update(host_memory=mem, host_memory_bandwidth=host_bw, cpu_cores=cores, host=desc,
                   date=datetime.date.today().isoformat(), name=name)
     if torch.cuda.is_available():
-        fields.update(_measure_gpu_side(quick, shapes, mx_shapes, log))
+        fields.update(_measure_gpu_side(quick, shapes, mx_shapes, host_probes, log))
         notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
                      "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
     else:
@@ -707,7 +711,7 @@ def _failure(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def _measure_gpu_side(quick: bool, shapes, mx_shapes, log: Callable[[str], None]) -> dict:
+def _measure_gpu_side(quick: bool, shapes, mx_shapes, host_probes: Sequence[str], log: Callable[[str], None]) -> dict:
     """The CUDA fields of a profile: copies, HBM, GEMM, micro-batch overhead, then the kernel probes (each failing
     alone: the rest of the profile stands), one log line per measurement."""
     g = measure_gpu(copy_bytes=(256 * MiB if quick else 1 * GiB), gemm=(4096 if quick else 8192))
@@ -725,7 +729,7 @@ def _measure_gpu_side(quick: bool, shapes, mx_shapes, log: Callable[[str], None]
             f"{fields['gpu_expert_flops'] / 1e12:.0f} TFLOP/s (the profile's gpu_expert_flops)")
     if shapes:
         fields.update(_expert_ffn_rates_field(quick, shapes, mx_shapes, log))
-    fields.update(_host_issue_fields(quick, log))
+    fields.update(_host_issue_fields(host_probes, log))
     return fields
 
 
@@ -747,10 +751,10 @@ def _expert_ffn_rates_field(quick: bool, shapes, mx_shapes, log: Callable[[str],
     return {"expert_ffn_rates": rates + mx}
 
 
-def _host_issue_fields(quick: bool, log: Callable[[str], None]) -> dict:
+def _host_issue_fields(keys: Sequence[str], log: Callable[[str], None]) -> dict:
     """host_issue_cpu_attn / _gpu_attn from the generic CGOPipe host issue probe and host_issue_by_family from the
-    probe of every :func:`host_probe_keys` key (``quick``: the MLA probe's only), one log line each ({} where the
-    generic probe fails: no host stage in the HRM; a key whose probe fails is left out: its jobs take the fallback)."""
+    probe of every key of ``keys`` (:func:`host_probe_keys`), one log line each ({} where the generic probe fails: no
+    host stage in the HRM; a key whose probe fails is left out: its jobs take the fallback)."""
     try:
         h_c, h_g = measure_host_issue()
     except Exception as e:  # noqa: BLE001
@@ -759,7 +763,7 @@ def _host_issue_fields(quick: bool, log: Callable[[str], None]) -> dict:
     log(f"CGOPipe host issue per micro-batch per decode layer, generic probe (Mixtral-shaped): {h_c * 1e3:.2f} ms "
         f"(CPU attention), {h_g * 1e3:.2f} ms (GPU attention)")
     entries = {}
-    for key in host_probe_keys(quick):
+    for key in keys:
         try:
             entries[key] = measure_host_issue(probe=key)
         except Exception as e:  # noqa: BLE001 - its jobs take the fallback (the family's dense, MLA or generic probe)
