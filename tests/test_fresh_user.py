@@ -114,3 +114,22 @@ def test_other_parts_clamps_and_omits():
     assert o == {"model_files": 0.25, "requests": 0.25, "plan": 1.0, "gpu_init": 2.0, "run": 0.5, "rest": 1.0}
     assert other_parts(wall, {"requests": 0.5}) == {"requests": 0.5, "rest": 4.5}
     assert other_parts({**wall, "other": 0.1}, {"requests": 0.5})["rest"] == 0.0
+
+
+def test_the_embedded_model_is_written_with_plain_modes(tmp_path):
+    """The embedded model's directory and files take the modes a plain mkdir / open gives under the umask (not
+    mkdtemp's 0700 and safetensors' 0600), so a LIGHTNING_MOE_CACHE shared by several users serves each of them."""
+    import os
+    import stat
+
+    from lightning_moe.model import tiny
+
+    old = os.umask(0o022)
+    try:
+        path = tiny.ensure_tiny_mixtral(str(tmp_path))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
+    names = os.listdir(path)
+    assert "model.safetensors" in names and "tokenizer.json" in names
+    assert {n: stat.S_IMODE(os.stat(os.path.join(path, n)).st_mode) for n in names} == {n: 0o644 for n in names}

@@ -146,6 +146,7 @@ def ensure_tiny_mixtral(cache_dir: str | None = None) -> str:
             json.dump(CONFIG, f, indent=2)
         save_file(_weights(), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         _write_tokenizer(tmp)
+        _plain_modes(tmp)
         try:
             os.rename(tmp, path)
         except OSError:  # another process won the race
@@ -154,6 +155,16 @@ def ensure_tiny_mixtral(cache_dir: str | None = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _plain_modes(directory: str) -> None:
+    """The modes a plain ``mkdir`` / ``open`` gives under the process umask (``mkdtemp`` makes 0700, safetensors
+    writes 0600), so a ``LIGHTNING_MOE_CACHE`` shared by several users serves each of them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(directory, 0o777 & ~mask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~mask)
 
 
 def resolve_model_path(model: str) -> str:
