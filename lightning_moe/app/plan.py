@@ -294,6 +294,8 @@ def missing_host_probe(job, prep, hw) -> Optional[str]:
 
     if not (hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0) or prep.spec.num_moe_layers == 0:
         return None
+    if getattr(job, "task", "generate") == "score" or job.generation.max_new_tokens <= 1:
+        return None  # no decode step: the host term (H6') prices nothing
     key = host_probe_key(prep.spec.model_type, job_expert_pages(job, prep))
     return key if key in host_probe_keys() and key not in dict(hw.host_issue_by_family) else None
 

@@ -488,7 +488,7 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
     out = []
     for n_gpu in (0, 2):
         pol = Policy(mu=mu, n=2, prefill_mu=mu, resident_experts=2, n_gpu_attn=n_gpu, dtype=name, weight_quant=name)
-        ex = CGOPipeExecutor(_host_probe_weights(spec, probe, dt), pol, device, ffn="triton" if cuda else "torch")
+        ex = CGOPipeExecutor(_host_probe_weights(spec, probe, dt), pol, device, ffn=_host_probe_ffn(spec, probe, cuda))
         try:
             ex.generate(prompts, DecodeSampling(max_new_tokens=3, stop_at_eos=False))  # warm-up: kernel compilation
             before = ex.stats.decode_seconds
@@ -569,6 +569,16 @@ def _host_probe_spec(layers: int, probe: str = GENERIC_HOST_PROBE):
     if cfg.get("layer_types") == "alternate":  # gpt-oss: sliding and full attention layers in turn
         cfg["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
     return read_spec(cfg)
+
+
+def _host_probe_ffn(spec, probe: str, cuda: bool) -> str:
+    """The expert FFN a probe's executor runs: Triton on CUDA where the grouped kernels compute the probe's experts
+    (MXFP4 pages: the MXFP4 kernel), else the torch loop, as ``expert_ffn: auto`` picks for such a job (gpt-oss's
+    dense experts: biases and the clamped SwiGLU, which CGOPipeExecutor refuses under Triton)."""
+    from .expert_ffn import grouped_kernels_refusal
+
+    scheme = "mxfp4" if probe.partition("/")[2] == "mxfp4" else None
+    return "triton" if cuda and grouped_kernels_refusal(spec, "triton", scheme) is None else "torch"
 
 
 def _host_probe_weights(spec, probe: str, dtype: torch.dtype):

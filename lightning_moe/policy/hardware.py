@@ -420,8 +420,9 @@ def _read_host_issue(v: Any, where: str) -> tuple:
         key, pair = item if isinstance(item, (list, tuple)) and len(item) == 2 else (None, None)
         if not isinstance(key, str) or not key or key == GENERIC_HOST_PROBE or key in out:
             raise HardwareError(f"{what}: bad or repeated key {key!r} (a probe key such as 'qwen3_moe', 'mixtral/int4')")
-        try:
-            c, g = (float(x) if isinstance(x, (str, int, float)) and not isinstance(x, bool) else None for x in pair)
+        try:  # a pair is a list (a string's characters are no pair)
+            c, g = (float(x) if isinstance(x, (str, int, float)) and not isinstance(x, bool) else None
+                    for x in (pair if isinstance(pair, (list, tuple)) else None))
         except (TypeError, ValueError):
             c = g = None
         if c is None or g is None or not (math.isfinite(c) and math.isfinite(g) and c > 0 and g >= 0):

@@ -376,7 +376,7 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
         cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)) * g
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
-        if has_host_stage(hw):  # the host waits for the layer's last CPU
+        if any(h > 0 for h in host_issue_times(hw, spec, q)):  # the host waits for the layer's last CPU
             host += cpu_mb  # attention with nothing left to issue (the MILP's host row has the same term)
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu, host=host)
 
@@ -408,7 +408,8 @@ def host_issue_times(hw: HardwareProfile, spec: MoESpec, weight_quant: str) -> t
 def host_probe(hw: HardwareProfile, spec: MoESpec, weight_quant: str) -> str:
     """The host probe that prices (H6') for this job ("qwen3_moe", "mixtral/int4", "mla", "generic"; the report's
     ``predicted.host_probe``); "" when the profile has no host measurement (no host stage)."""
-    return hw.host_issue_for(spec.model_type, weight_quant, spec.is_mla)[0] if has_host_stage(hw) else ""
+    probe, h_c, h_g = hw.host_issue_for(spec.model_type, weight_quant, spec.is_mla)
+    return probe if h_c > 0 or h_g > 0 else ""  # the MILP's host row has the same test (_host_row)
 
 
 def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, prompt_len: float,
@@ -998,7 +999,7 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         decode_binding=max(STAGES, key=dec_bound.__getitem__) if G > 1 else "-",
         prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
         memory=memory_estimate(policy, spec, workload),
-        notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not has_host_stage(hw) else (),
+        notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not host_probe(hw, spec, policy.weight_quant) else (),
         host_probe=host_probe(hw, spec, policy.weight_quant) if G > 1 else "",
     )
 
