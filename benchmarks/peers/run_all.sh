@@ -84,7 +84,8 @@ step_build() {   # in the background: ckpt and convert's bf16 GGUF run beside it
 }
 wait_build() {   # a step that times anything waits for a background build first (a 16-core compile beside a
   #   measured run would slow it), within DEADLINE: a build still running 30 s before it is stopped
-  [[ -n ${BUILD_PID:-} ]] && kill -0 "$BUILD_PID" 2>/dev/null || return 0
+  [[ -n ${BUILD_PID:-} ]] || return 0
+  if ! kill -0 "$BUILD_PID" 2>/dev/null; then wait "$BUILD_PID"; tail -4 "$OUT/build.log"; BUILD_PID=; return 0; fi
   log "waiting for the llama.cpp build before $1"
   while kill -0 "$BUILD_PID" 2>/dev/null; do
     (( $(left) > 30 )) || { log "llama.cpp build not done 30 s before DEADLINE: stopped"; kill -- -"$BUILD_PID" 2>/dev/null; wait "$BUILD_PID" 2>/dev/null; BUILD_PID=; return 1; }

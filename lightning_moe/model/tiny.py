@@ -160,11 +160,19 @@ def ensure_tiny_mixtral(cache_dir: str | None = None) -> str:
 def _plain_modes(directory: str) -> None:
     """The modes a plain ``mkdir`` / ``open`` gives under the process umask (``mkdtemp`` makes 0700, safetensors
     writes 0600), so a ``LIGHTNING_MOE_CACHE`` shared by several users serves each of them."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = _umask()
     os.chmod(directory, 0o777 & ~mask)
     for name in os.listdir(directory):
         os.chmod(os.path.join(directory, name), 0o666 & ~mask)
+
+
+def _umask() -> int:
+    """The process umask, read from /proc (setting it to read it would open a window for other threads' files)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022  # no /proc: the common default
 
 
 def resolve_model_path(model: str) -> str:

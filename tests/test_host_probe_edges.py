@@ -1,4 +1,5 @@
-"""Review 40: host issue probes per family."""
+"""Host issue probes per family, edge cases: which jobs probe (none without decode), the CUDA expert FFN a probe runs,
+a profile with family entries but no generic probe, the pair format."""
 import dataclasses
 import json
 import os
