@@ -142,7 +142,8 @@ def check_stop_token_ids(job, spec, where: Optional[str] = None) -> None:
             raise ConfigError(f"{field}: {t} is outside the model's vocabulary [0, {V}) (the ids it can generate)")
 
 
-GPU_PROFILE_VERSION = 1  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
+GPU_PROFILE_VERSION = 2  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
+#   (2: host_issue_by_family, session 40; an older install reading v2 would refuse its new key)
 
 
 def gpu_profile_path(device: str) -> str:
