@@ -775,3 +775,37 @@ def test_a_job_whose_host_probe_the_hosts_profile_lacks_measures_it_once(tmp_pat
     dataclasses.replace(HardwareProfile.load(path), host_issue_cpu_attn=0.0, host_issue_gpu_attn=0.0).save(path)
     plan.plan_job(job, plan.Prepared(job))  # no host stage in the profile: nothing to price, nothing probed
     assert len(calls) == 2
+
+
+def test_a_read_only_cache_still_plans_with_what_the_job_measured(tmp_path, tiny_dir, monkeypatch, capsys):
+    """Where this host's cached profile cannot be written back (a read-only cache), a job that measured its expert FFN
+    rates or its host probe says so in one line each and plans with what it measured; the file is left as it was."""
+    import dataclasses
+
+    from tests.support import make_checkpoint as mk
+
+    from lightning_moe.policy.hardware import HardwareProfile
+
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", os.path.dirname(tiny_dir))
+    ds = mk.write_checkpoint(str(tmp_path / "ds"), mk.Dims.from_registry("deepseek-v2-lite", 2).tiny(),
+                             log=open(os.devnull, "w"))["path"]
+    path = _cuda_host_with_cached_profile(monkeypatch, tmp_path)
+    dataclasses.replace(HardwareProfile.load(path), host_issue_cpu_attn=0.004, host_issue_gpu_attn=0.006).save(path)
+    with open(path, "rb") as f:
+        before = f.read()
+    _FakeRateProbes(monkeypatch)
+    monkeypatch.setattr("lightning_moe.pipeline.profiler.measure_host_issue", lambda device, probe: (0.009, 0.011))
+
+    def read_only(*a, **kw):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(plan, "save_gpu_profile", read_only)
+    job = _cgopipe_job(tmp_path, ds)
+    capsys.readouterr()
+    hw = plan.plan_job(job, plan.Prepared(job)).hardware
+    err = capsys.readouterr().err
+    assert "not updated ([Errno 13] Permission denied" in err and "this job plans with the rates just measured" in err
+    assert "this job plans with the probe just measured" in err
+    assert dict(hw.host_issue_by_family) == {"deepseek_v2": (0.009, 0.011)} and len(hw.expert_ffn_rates) > 8
+    with open(path, "rb") as f:
+        assert f.read() == before

@@ -276,11 +276,17 @@ def with_model_expert_rates(job, prep, hw, log=None):
         return hw
     prof = dataclasses.replace(hw, expert_ffn_rates=hw.expert_ffn_rates + tuple(rates),
                                source=f"{hw.source}; expert FFN rates of {what} measured by a job's plan")
+    return _cache_job_measurement(prof, job, cached, "the rates", log)
+
+
+def _cache_job_measurement(prof, job, cached: str, what: str, log):
+    """``prof`` (this host's profile with what a job's plan just measured) written back to the cache
+    (:func:`save_gpu_profile`); a read-only cache says so in one line and the job plans with ``prof`` anyway."""
     try:
         save_gpu_profile(prof, device_name(job.device), f"moe-batch profile, {prof.date}\nhost: {prof.host}\n"
                          f"{prof.source}")
-    except OSError as e:  # a read-only cache: this job still plans with them
-        print(f"moe-batch: {cached}: not updated ({e}); this job plans with the rates just measured", file=log,
+    except OSError as e:
+        print(f"moe-batch: {cached}: not updated ({e}); this job plans with {what} just measured", file=log,
               flush=True)
     return prof
 
@@ -331,13 +337,7 @@ def with_model_host_probe(job, prep, hw, log=None):
         return hw
     prof = dataclasses.replace(hw, host_issue_by_family={**dict(hw.host_issue_by_family), key: h},
                                source=f"{hw.source}; host issue probe {key} measured by a job's plan")
-    try:
-        save_gpu_profile(prof, device_name(job.device), f"moe-batch profile, {prof.date}\nhost: {prof.host}\n"
-                         f"{prof.source}")
-    except OSError as e:  # a read-only cache: this job still plans with it
-        print(f"moe-batch: {cached}: not updated ({e}); this job plans with the probe just measured", file=log,
-              flush=True)
-    return prof
+    return _cache_job_measurement(prof, job, cached, "the probe", log)
 
 
 def with_model_measurements(job, prep, hw, log=None):
