@@ -298,8 +298,9 @@ def missing_host_probe(job, prep, hw) -> Optional[str]:
     else None."""
     from ..pipeline.profiler import host_probe_keys
     from ..policy.hardware import host_probe_key
+    from ..policy.hrm import has_host_stage
 
-    if not (hw.host_issue_cpu_attn > 0 or hw.host_issue_gpu_attn > 0) or prep.spec.num_moe_layers == 0:
+    if not has_host_stage(hw) or prep.spec.num_moe_layers == 0:
         return None
     if getattr(job, "task", "generate") == "score" or job.generation.max_new_tokens <= 1:
         return None  # no decode step: the host term (H6') prices nothing

@@ -990,6 +990,7 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
     prefill_layers = [pre_rows[k] for k in keys]
     first = [first[k] for k in keys] if first else []
     last = [last[k] for k in keys] if last else []
+    probe = host_probe(hw, spec, policy.weight_quant) if G > 1 else ""  # "": no host stage (or no decode)
 
     return Estimate(
         N=policy.N, prompt_len=s, max_prompt_len=workload.max_prompt, gen_len=G,
@@ -999,8 +1000,8 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         decode_binding=max(STAGES, key=dec_bound.__getitem__) if G > 1 else "-",
         prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
         memory=memory_estimate(policy, spec, workload),
-        notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not host_probe(hw, spec, policy.weight_quant) else (),
-        host_probe=host_probe(hw, spec, policy.weight_quant) if G > 1 else "",
+        notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not probe else (),
+        host_probe=probe,
     )
 
 
