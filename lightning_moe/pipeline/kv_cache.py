@@ -285,7 +285,8 @@ class GroupedKVCache:
         hit = self._order_dev.get(device)
         if hit is None:
             perm = torch.cat(self.rows)  # [B] group order -> caller row
-            hit = self._order_dev[device] = (perm.to(device), torch.argsort(perm).to(device))
+            hit = self._order_dev[device] = (perm.to(device, non_blocking=True),  # pageable H2D: staged, no sync
+                                             torch.argsort(perm).to(device, non_blocking=True))
         return hit
 
     def _group_views(self, flat: torch.Tensor, group_base: list[int], hd: int) -> list[torch.Tensor]:
