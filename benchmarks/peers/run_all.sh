@@ -152,9 +152,12 @@ step_accelerate() { step_hf accelerate; }
 step_deepspeed() { step_hf deepspeed; }
 step_table() { python3 $P/make_table.py "$OUT" --md "$OUT/peers-table.md"; }
 
+FAILED=()
 for s in "$@"; do
   log "step $s"
-  "step_$s" || log "step $s failed"
+  if ! declare -F "step_$s" > /dev/null; then log "no step '$s' (steps: setup build ckpt convert ours llama accelerate deepspeed table)"; FAILED+=("$s"); continue; fi
+  "step_$s" || { log "step $s failed"; FAILED+=("$s"); }
 done
-wait_build "the end"
-log "done"
+wait_build "the end" || FAILED+=(build)
+log "done${FAILED:+; failed: ${FAILED[*]}}"
+(( ${#FAILED[@]} == 0 ))   # the exit status: 1 when a step failed or was unknown
