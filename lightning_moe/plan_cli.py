@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 
 from .model.spec import PACKED_FORMATS, QUANT_FORMATS
 from .policy.hardware import HardwareError, format_bytes, parse_bytes, resolve_hardware
-from .policy.policy import (DEFAULT_CPU_RESERVE, DEFAULT_GPU_RESERVE, Budgets, PlanInfeasible, Workload,
-                            check_cpu_budget, check_gpu_budget, format_table)
+from .policy.policy import (DEFAULT_CPU_RESERVE, Budgets, PlanInfeasible, Workload,
+                            check_cpu_budget, check_gpu_budget, format_table, gpu_reserve_for)
 from .policy.registry import registry_expert_format, resolve_spec
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
@@ -77,7 +77,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="expert page format (default: the checkpoint's packed format, e.g. gpt-oss's mxfp4, else the "
                         "model dtype)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPE_NAMES), help="model dtype (default bf16, or the job's)")
-    p.add_argument("--gpu-reserve", type=_bytes_arg, help="GPU bytes kept free (default 1GiB)")
+    p.add_argument("--gpu-reserve", type=_bytes_arg, help="GPU bytes kept free (default 1GiB, or the profile's "
+                   "measured gpu_context_bytes where larger)")
     p.add_argument("--cpu-reserve", type=_bytes_arg, help="host bytes kept free (default 2GiB)")
     p.add_argument("--mu-candidates", type=_ints_arg, help="comma-separated micro-batch sizes to choose from")
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds per HiGHS solve (default 20)")
@@ -258,7 +259,7 @@ def _plan_budgets(args: argparse.Namespace, job, model: str, spec, hw) -> Budget
         if why is not None:
             raise CommandError(f"--gpus {gpus}: {why}")
     return Budgets(gpu_memory=int(gpu_mem), cpu_memory=int(cpu_mem), weight_quant=args.quant or ckpt_q or dtype, dtype=dtype,
-                   gpu_reserve=DEFAULT_GPU_RESERVE if args.gpu_reserve is None else args.gpu_reserve,
+                   gpu_reserve=gpu_reserve_for(hw) if args.gpu_reserve is None else args.gpu_reserve,
                    cpu_reserve=DEFAULT_CPU_RESERVE if args.cpu_reserve is None else args.cpu_reserve, gpus=gpus)
 
 

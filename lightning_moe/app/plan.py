@@ -142,8 +142,9 @@ def check_stop_token_ids(job, spec, where: Optional[str] = None) -> None:
             raise ConfigError(f"{field}: {t} is outside the model's vocabulary [0, {V}) (the ids it can generate)")
 
 
-GPU_PROFILE_VERSION = 2  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
-#   (2: host_issue_by_family, session 40; an older install reading v2 would refuse its new key)
+GPU_PROFILE_VERSION = 3  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
+#   (2: host_issue_by_family, session 40; 3: gpu_context_bytes, session 41: a v2 file lacks it, so a host measures
+#   once more rather than plan with the 1 GiB default reserve; an older install reading v3 would refuse its new key)
 
 
 def gpu_profile_path(device: str) -> str:
@@ -442,6 +443,30 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
     hw = with_model_measurements(job, prep, job_hardware(job))
     policy, est = policy_for_job(job, prep, hw)
     return check_plan(job, prep, policy, est, hw)
+
+
+def check_gpu_cap(job: Job, jplan: Optional[JobPlan], cap: Optional[dict]) -> None:
+    """Before any weight is read: the plan's largest GPU phase (its tensors, fragmentation allowance and library
+    workspaces: everything but what the allocator reserve stands for) must fit what the cap left torch's allocator
+    (``cap``: app.gpu.apply_gpu_cap's result, ``torch_limit_bytes`` = gpu_memory minus what this process holds outside
+    the allocator). Raises PolicyError (one line) when the process holds more outside the allocator than the plan
+    reserved and the phase no longer fits: the run would end out of memory (the GPU host, session 41: a 1.34 GiB
+    context against the 1 GiB default reserve)."""
+    from ..policy.hrm import LIBRARY_WORKSPACE
+    from ..policy.policy import PolicyError, format_bytes
+
+    if not cap or jplan is None or jplan.estimate is None:
+        return
+    m, reserve = jplan.estimate.memory, jplan.policy.gpu_reserve
+    phase = max(m.gpu_phases, key=m.phase_total)
+    need = m.phase_total(phase) - reserve + LIBRARY_WORKSPACE
+    if need > cap["torch_limit_bytes"]:
+        raise PolicyError(_named(job, f"the policy's predicted {phase} tensors {format_bytes(need)} do not fit the "
+                                      f"{format_bytes(cap['torch_limit_bytes'])} gpu_memory {format_bytes(cap['cap_bytes'])} "
+                                      f"leaves torch: this process holds {format_bytes(cap['outside_torch_bytes'])} "
+                                      f"outside its allocator (CUDA context), the plan reserved {format_bytes(reserve)}; "
+                                      f"measure this host (moe-batch profile: its gpu_context_bytes sizes the reserve) "
+                                      f"or give the job's hardware profile a gpu_context_bytes"))
 
 
 def check_plan(job: Job, prep: "Prepared", policy, est=None, hw=None) -> JobPlan:

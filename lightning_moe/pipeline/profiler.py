@@ -740,7 +740,21 @@ def _measure_gpu_side(quick: bool, shapes, mx_shapes, host_probes: Sequence[str]
     if shapes:
         fields.update(_expert_ffn_rates_field(quick, shapes, mx_shapes, log))
     fields.update(_host_issue_fields(host_probes, log))
+    fields["gpu_context_bytes"] = measure_gpu_context_bytes()
+    log(f"GPU memory outside torch's allocator after the probes (CUDA context, library handles, loaded kernels): "
+        f"{fields['gpu_context_bytes'] / 2**30:.2f} GiB (the profile's gpu_context_bytes; the planner reserves at "
+        f"least this)")
     return fields
+
+
+def measure_gpu_context_bytes() -> int:
+    """Bytes the current CUDA device holds outside this process's caching allocator (total - free - reserved):
+    the CUDA context, cuBLAS / cuBLASLt handles and every kernel module loaded so far. Measured after the profile's
+    probes, which load the kernel families a job runs (GEMMs, Triton, attention), on an otherwise idle device (memory
+    of other processes would count as this one's: the value is a bound, never too small)."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return max(0, int(total - free - torch.cuda.memory_reserved()))
 
 
 def _expert_ffn_rates_field(quick: bool, shapes, mx_shapes, log: Callable[[str], None]) -> dict:

@@ -204,6 +204,11 @@ class HardwareProfile(YamlRecord):
     #   top-k / sort / scatter, the expert path's slot buffers, residual adds, packed-attention indexing) that the HRM's
     #   roofline terms do not count; from a prefill trace's kernel times (benchmarks/prefill_elementwise.py);
     #   0 = unmeasured: folded into the GEMMs' activation bytes
+    gpu_context_bytes: int = 0  # bytes a job's process holds on the GPU outside torch's caching allocator (CUDA
+    #   context, library handles, loaded kernel modules): what a gpu_memory cap loses before any tensor
+    #   (app.gpu.apply_gpu_cap nets it out); the planner's allocator reserve is at least this (Budgets.for_hardware).
+    #   `moe-batch profile` measures it after its probes have loaded every kernel family
+    #   (profiler.measure_gpu_context_bytes); 0 = unmeasured: DEFAULT_GPU_RESERVE alone
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles

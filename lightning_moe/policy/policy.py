@@ -226,10 +226,23 @@ class Budgets:
 
     @classmethod
     def for_hardware(cls, hw: HardwareProfile, **kw: Any) -> "Budgets":
-        """The whole GPU and host memory of ``hw`` (override any field by keyword)."""
+        """The whole GPU and host memory of ``hw``, its allocator reserve :func:`gpu_reserve_for` (override any field by
+        keyword)."""
         kw.setdefault("gpu_memory", hw.gpu_memory)
         kw.setdefault("cpu_memory", hw.host_memory)
+        kw.setdefault("gpu_reserve", gpu_reserve_for(hw))
         return cls(**kw)
+
+
+def gpu_reserve_for(hw: HardwareProfile) -> int:
+    """The GPU bytes a plan for ``hw`` keeps outside its tensors (the memory model's "allocator reserve", which also
+    covers hrm.LIBRARY_WORKSPACE): DEFAULT_GPU_RESERVE, or the profile's measured ``gpu_context_bytes`` plus the
+    library workspaces where larger (a capped job's torch allocator gets gpu_memory minus what its process holds
+    outside it; on the H100 host with torch 2.11 / CUDA 13 that was 1.12-1.34 GiB, more than the 1 GiB default)."""
+    from .hrm import LIBRARY_WORKSPACE  # hrm imports this module
+
+    return max(DEFAULT_GPU_RESERVE, int(hw.gpu_context_bytes) + LIBRARY_WORKSPACE) if hw.gpu_context_bytes else \
+        DEFAULT_GPU_RESERVE
 
 
 def _check_fits(key: str, budget: int, capacity: int, what: str, hw: HardwareProfile) -> None:

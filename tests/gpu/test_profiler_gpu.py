@@ -64,6 +64,7 @@ def test_first_cuda_job_without_hardware_measures_this_host_once(tmp_path, tiny_
     hw = plan.job_hardware(job)
     assert hw.name == "measured" and hw.host_issue_cpu_attn > 0 and hw.host_issue_gpu_attn > 0, hw
     assert hw.gpu_name == torch.cuda.get_device_name() and hw.pcie_h2d > 1e9 and hw.expert_ffn_rates
+    assert 2**26 < hw.gpu_context_bytes < 8 * 2**30, hw.gpu_context_bytes  # a CUDA context with kernels loaded
     assert plan.cached_gpu_profile(job) == plan.gpu_profile_path(torch.cuda.get_device_name())
     t0 = time.perf_counter()
     again = plan.job_hardware(job)
