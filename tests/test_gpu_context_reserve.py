@@ -99,3 +99,42 @@ def test_plan_cli_reserves_the_profiles_context(tmp_path, capsys):
     reserve = gpu_reserve_for(HardwareProfile.load(os.path.join(PROFILES, "h100-host.yaml")))
     lines = [ln.split() for ln in out.splitlines() if ln.strip().startswith("allocator reserve")]
     assert lines and all(ln[-2:] == [f"{reserve / GiB:.1f}", "GiB"] for ln in lines), out
+
+
+def test_an_auto_plan_that_no_longer_fits_is_made_again_with_the_measured_context(tmp_path, monkeypatch):
+    """fit_plan_to_cap: a `policy: auto` plan made with the 1 GiB default that does not fit what the cap left torch
+    is planned again with the process's outside bytes as gpu_context_bytes (then fits, and says so in one line);
+    a plan that fits is kept as it is; an explicit policy that does not fit is refused (check_gpu_cap)."""
+    from lightning_moe.app import plan as app_plan
+
+    cap, ctx = 12 * GiB, 1443233792
+    hw = get_preset("h100")
+    spec, wl, (pol0, est0) = _plan(hw, cap)
+    calls = []
+
+    def policy_for_job(job, prep, hw2):
+        calls.append(hw2.gpu_context_bytes)
+        return plan(spec, hw2, wl, Budgets.for_hardware(hw2, gpu_memory=cap, cpu_memory=100 * GiB))
+
+    monkeypatch.setattr(app_plan, "policy_for_job", policy_for_job)
+    monkeypatch.setattr(app_plan, "check_plan", lambda job, prep, p, e, h: JobPlan(p, e, cap, 100 * GiB, h))
+    job = _job(tmp_path)
+    first = JobPlan(pol0, est0, cap, 100 * GiB, hw)
+    log = []
+
+    class Log:
+        def write(self, s):
+            log.append(s)
+
+        def flush(self):
+            pass
+
+    again = app_plan.fit_plan_to_cap(job, None, first, _cap(cap, ctx), Log())
+    assert calls == [ctx] and again.policy.gpu_reserve == ctx + hrm.LIBRARY_WORKSPACE
+    assert again.hardware.gpu_context_bytes == ctx and "planning again with it" in "".join(log)
+    assert app_plan._cap_need(again)[1] <= cap - ctx
+    assert app_plan.fit_plan_to_cap(job, None, first, _cap(cap, 600 << 20), Log()) is first  # fits: kept
+    assert calls == [ctx]
+    fixed = dataclasses.replace(job, policy={"mu": pol0.mu})
+    with pytest.raises(PolicyError, match="do not fit"):
+        app_plan.fit_plan_to_cap(fixed, None, first, _cap(cap, ctx), Log())

@@ -119,8 +119,10 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
     monkeypatch.setattr(P, "measure_expert_kernel_flops", lambda: 3e14)
     monkeypatch.setattr(P, "measure_expert_ffn_rates", fail)
     monkeypatch.setattr(P, "measure_host_issue", lambda probe="generic": (7e-3, 5e-3) if probe == "mla" else (4e-3, 6e-3))
+    monkeypatch.setattr(P, "measure_gpu_context_bytes", lambda: 797769728)
     lines = []
     prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append)
+    assert prof.gpu_context_bytes == 797769728 and "0.74 GiB (the profile's gpu_context_bytes" in "\n".join(lines)
     assert (prof.pcie_h2d, prof.gpu_flops_bf16, prof.microbatch_overhead, prof.gpu_expert_flops) == (11e9, 2e14, 1.5e-3, 3e14)
     assert (prof.host_issue_cpu_attn, prof.host_issue_gpu_attn) == (4e-3, 6e-3)
     assert prof.host_issue_by_family == (("mla", (7e-3, 5e-3)),)  # quick: the MLA probe only

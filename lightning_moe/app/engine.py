@@ -56,7 +56,7 @@ from .checkpointing import InFlight, PartialCheckpoints, RunProgress
 from .expert_parallel import NoWriter, group_info, in_group, run_expert_parallel, share_work
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
-from .plan import (JobPlan, ModelFiles, Prepared, check_gpu_cap, check_plan, cpu_prediction, job_workload_from_prepared, plan_job,
+from .plan import (JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, fit_plan_to_cap, job_workload_from_prepared, plan_job,
                    policy_for_job)
 from .report import (end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, refill_report,
                      report_head, slot_occupancy)
@@ -638,7 +638,7 @@ def _load(run: JobRun, spans: Optional[list]) -> None:
     t = time.perf_counter()
     use_device(job.device)
     run.cap = apply_gpu_cap(job.device, job.gpu_memory)
-    check_gpu_cap(job, run.jplan, run.cap)  # the context the plan reserved for may be smaller than this process's
+    run.jplan = fit_plan_to_cap(job, run.prep, run.jplan, run.cap, run.log)  # this process's context measured
     run.parts["gpu_init"] = time.perf_counter() - t
     t = time.perf_counter()
     _prepare_cpu_attention(job, run.jplan, run.log)  # a first-run compile is not timed as load or decode

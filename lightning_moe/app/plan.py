@@ -445,6 +445,40 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
     return check_plan(job, prep, policy, est, hw)
 
 
+def _cap_need(jplan: JobPlan) -> tuple:
+    """(the plan's largest GPU phase, its bytes inside torch's allocator: tensors, fragmentation allowance and library
+    workspaces, everything but what the allocator reserve stands for)."""
+    from ..policy.hrm import LIBRARY_WORKSPACE
+
+    m = jplan.estimate.memory
+    phase = max(m.gpu_phases, key=m.phase_total)
+    return phase, m.phase_total(phase) - jplan.policy.gpu_reserve + LIBRARY_WORKSPACE
+
+
+def fit_plan_to_cap(job: Job, prep: "Prepared", jplan: Optional[JobPlan], cap: Optional[dict], log=None):
+    """The plan a capped job runs with, once its cap is applied (app.gpu.apply_gpu_cap's ``cap``: torch's allocator
+    gets gpu_memory minus what this process holds outside it): ``jplan`` where its largest phase fits that limit; for
+    ``policy: auto`` where it does not (the process holds more outside the allocator than the plan reserved: the
+    CUDA context grows with every kernel family a process loads, and the profile's gpu_context_bytes is measured
+    after its probes only), the plan again with the measured outside bytes as the profile's gpu_context_bytes, and
+    this host's cached profile records them for the next job. Then :func:`check_gpu_cap`."""
+    if cap and jplan is not None and jplan.estimate is not None and job.policy in (None, "auto") \
+            and _cap_need(jplan)[1] > cap["torch_limit_bytes"]:
+        log = sys.stderr if log is None else log
+        outside = cap["outside_torch_bytes"]
+        hw = dataclasses.replace(jplan.hardware, gpu_context_bytes=max(outside, jplan.hardware.gpu_context_bytes))
+        print(f"moe-batch: this process holds {outside / 2**30:.2f} GiB of the GPU outside torch's allocator, more than "
+              f"the plan reserved ({jplan.policy.gpu_reserve / 2**30:.2f} GiB): planning again with it", file=log,
+              flush=True)
+        cached = cached_gpu_profile(job) if not getattr(job, "hardware", None) else None
+        if cached:
+            _cache_job_measurement(hw, job, cached, "its GPU context", log)
+        policy, est = policy_for_job(job, prep, hw)
+        jplan = check_plan(job, prep, policy, est, hw)
+    check_gpu_cap(job, jplan, cap)
+    return jplan
+
+
 def check_gpu_cap(job: Job, jplan: Optional[JobPlan], cap: Optional[dict]) -> None:
     """Before any weight is read: the plan's largest GPU phase (its tensors, fragmentation allowance and library
     workspaces: everything but what the allocator reserve stands for) must fit what the cap left torch's allocator
@@ -452,14 +486,12 @@ def check_gpu_cap(job: Job, jplan: Optional[JobPlan], cap: Optional[dict]) -> No
     the allocator). Raises PolicyError (one line) when the process holds more outside the allocator than the plan
     reserved and the phase no longer fits: the run would end out of memory (the GPU host, session 41: a 1.34 GiB
     context against the 1 GiB default reserve)."""
-    from ..policy.hrm import LIBRARY_WORKSPACE
     from ..policy.policy import PolicyError, format_bytes
 
     if not cap or jplan is None or jplan.estimate is None:
         return
-    m, reserve = jplan.estimate.memory, jplan.policy.gpu_reserve
-    phase = max(m.gpu_phases, key=m.phase_total)
-    need = m.phase_total(phase) - reserve + LIBRARY_WORKSPACE
+    reserve = jplan.policy.gpu_reserve
+    phase, need = _cap_need(jplan)
     if need > cap["torch_limit_bytes"]:
         raise PolicyError(_named(job, f"the policy's predicted {phase} tensors {format_bytes(need)} do not fit the "
                                       f"{format_bytes(cap['torch_limit_bytes'])} gpu_memory {format_bytes(cap['cap_bytes'])} "

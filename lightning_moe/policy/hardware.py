@@ -206,9 +206,12 @@ class HardwareProfile(YamlRecord):
     #   0 = unmeasured: folded into the GEMMs' activation bytes
     gpu_context_bytes: int = 0  # bytes a job's process holds on the GPU outside torch's caching allocator (CUDA
     #   context, library handles, loaded kernel modules): what a gpu_memory cap loses before any tensor
-    #   (app.gpu.apply_gpu_cap nets it out); the planner's allocator reserve is at least this (Budgets.for_hardware).
-    #   `moe-batch profile` measures it after its probes have loaded every kernel family
-    #   (profiler.measure_gpu_context_bytes); 0 = unmeasured: DEFAULT_GPU_RESERVE alone
+    #   (app.gpu.apply_gpu_cap nets it out); the planner's allocator reserve is at least this plus the library
+    #   workspaces (policy.gpu_reserve_for). `moe-batch profile` measures it after its probes
+    #   (profiler.measure_gpu_context_bytes: 0.74 GiB on the H100 host); a job's process can hold more (1.1-1.34 GiB
+    #   there: the kernels of its own model's shapes and on-demand measurements), so a capped `policy: auto` job whose
+    #   plan does not fit re-plans with its own measurement and records it here (app.plan.fit_plan_to_cap);
+    #   0 = unmeasured: DEFAULT_GPU_RESERVE alone
     source: str = ""  # where the numbers came from (free text)
     gpu_name: str = ""  # device name, e.g. "NVIDIA H200"
     host: str = ""  # host description (CPU model, cores, memory) for measured profiles
