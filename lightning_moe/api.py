@@ -349,7 +349,7 @@ class LLM:
         out: list = [None] * len(items)
         for idx, job, prep in runs:
             records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm,
-                                    log=_LIBRARY_LOG)
+                                    log=_LIBRARY_LOG, cap=self.gpu_cap)
             for i, tr, rec in zip(idx, prep.treqs, records):
                 lps = _logprob_dicts(rec)
                 out[i] = RequestOutput(request_id=rec["id"], prompt=items[i], prompt_token_ids=list(tr.prompt_ids),
@@ -390,7 +390,7 @@ class LLM:
         job, recs = self._score_job(requests, mode, stride)
         prep = self._prepare(job, recs, None, "requests")
         records = run_in_memory(job, prep, self._runner, plan_for_job(job, prep), progress=use_tqdm,
-                                log=_LIBRARY_LOG)
+                                log=_LIBRARY_LOG, cap=self.gpu_cap)
         return [_score_output(job.score.mode, r) for r in records]
 
     def plan(self, prompts: Union[Prompt, Sequence[Any]], sampling_params: Optional[SamplingParams] = None, *,
@@ -411,7 +411,7 @@ class LLM:
         Raises:
             PolicyError: the policy does not fit the budgets (one line); PlanInfeasible: no policy does.
         """
-        from .app.plan import plan_job
+        from .app.plan import fit_plan_to_cap, plan_job
 
         if mode is None:
             sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -422,7 +422,7 @@ class LLM:
         else:
             job, recs = self._score_job(prompts, mode, stride)
             prep = self._prepare(job, recs, None, "requests")
-        return plan_job(job, prep)
+        return fit_plan_to_cap(job, prep, plan_job(job, prep), self.gpu_cap, _LIBRARY_LOG)  # the plan calls run
 
     def close(self) -> None:
         """Release the executor held (its worker thread and pinned host memory). Later calls build a new one, reading

@@ -302,14 +302,17 @@ class RecordCollector:
 
 
 def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional[JobPlan], progress: bool = False,
-                  log=None) -> list[dict]:
+                  log=None, cap: Optional[dict] = None) -> list[dict]:
     """Run the tokenized requests of ``prep`` (none with an error) through ``runner``'s executor and the batch loop,
     and return their records -- the ones :func:`run_job` writes for the same requests -- in ``prep.treqs`` order.
-    Nothing is written to disk and no signal handler is installed (the Python API's run)."""
+    Nothing is written to disk and no signal handler is installed (the Python API's run). ``cap``: the GPU cap the
+    caller applied (app.gpu.apply_gpu_cap's result): the plan is fitted to it first (:func:`fit_plan_to_cap`, as
+    :func:`run_job`'s load does)."""
     log = log or sys.stderr
     work = work_order(job, prep.treqs)
     sink = RecordCollector()
     if work:
+        jplan = fit_plan_to_cap(job, prep, jplan, cap, log)
         _prepare_cpu_attention(job, jplan, log)
         executor = runner.executor(job, prep, jplan)
         _run_work(job, prep, executor, work, sink, [], progress, log, tqdm)
