@@ -56,7 +56,7 @@ from .checkpointing import InFlight, PartialCheckpoints, RunProgress
 from .expert_parallel import NoWriter, group_info, in_group, run_expert_parallel, share_work
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
-from .plan import (JobPlan, ModelFiles, Prepared, check_plan, cpu_prediction, fit_plan_to_cap, job_workload_from_prepared, plan_job,
+from .plan import (JobPlan, ModelFiles, Prepared, check_gpu_cap, check_plan, cpu_prediction, fit_plan_to_cap, job_workload_from_prepared, plan_job,
                    policy_for_job)
 from .report import (end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, refill_report,
                      report_head, slot_occupancy)
@@ -234,9 +234,10 @@ class ModelRunner:
                       flush=True)
         return self._weights
 
-    def executor(self, job: Job, prep: Prepared, jplan: Optional[JobPlan]):
-        """The executor for ``job`` (:func:`make_executor` with ``jplan``'s policy), reused when the one held fits;
-        its stats start from zero for each job."""
+    def executor(self, job: Job, prep: Prepared, jplan: Optional[JobPlan], cap: Optional[dict] = None):
+        """The executor for ``job`` (:func:`make_executor` with ``jplan``'s policy), reused when the one held fits
+        (the job's budgets, and what the job's GPU ``cap`` leaves torch: app.plan.check_gpu_cap); its stats start
+        from zero for each job."""
         if job.dtype != self.dtype:
             raise ValueError(f"ModelRunner: job dtype {job.dtype} differs from the runner's {self.dtype}")
         key = (job.executor, job.device, None)
@@ -251,6 +252,7 @@ class ModelRunner:
                 return ex
             try:  # the held policy, for this job's workload (budgets as the job's), on the profile it planned with
                 kept = check_plan(job, prep, ex.policy, hw=jplan.hardware)
+                check_gpu_cap(job, kept, cap)  # its reserve may be smaller than this process's context
             except PolicyError:
                 kept = None
             if kept is not None and kept.estimate.e2e_tok_s >= KEEP_POLICY_SPEED * jplan.estimate.e2e_tok_s:
@@ -314,7 +316,7 @@ def run_in_memory(job: Job, prep: Prepared, runner: ModelRunner, jplan: Optional
     if work:
         jplan = fit_plan_to_cap(job, prep, jplan, cap, log)
         _prepare_cpu_attention(job, jplan, log)
-        executor = runner.executor(job, prep, jplan)
+        executor = runner.executor(job, prep, jplan, cap)
         _run_work(job, prep, executor, work, sink, [], progress, log, tqdm)
     order = {t.id: i for i, t in enumerate(prep.treqs)}
     return sorted(sink.records, key=lambda r: order[r["id"]])
@@ -648,7 +650,7 @@ def _load(run: JobRun, spans: Optional[list]) -> None:
     run.t_setup += time.perf_counter() - t
     run.peaks.enter("load")
     t0 = time.perf_counter()
-    run.executor = run.runner.executor(job, run.prep, run.jplan)  # reads the weights
+    run.executor = run.runner.executor(job, run.prep, run.jplan, run.cap)  # reads the weights
     run.executor.phase_hook = run.peaks.enter
     run.t_load = time.perf_counter() - t0
     if hasattr(run.executor, "calls"):  # this run's calls only (a ModelRunner's executor outlives a run)
