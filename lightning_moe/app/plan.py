@@ -448,7 +448,7 @@ def plan_job(job: Job, prep: "Prepared") -> JobPlan:
 def _cap_need(jplan: JobPlan) -> tuple:
     """(the plan's largest GPU phase, its bytes inside torch's allocator: tensors, fragmentation allowance and library
     workspaces, everything but what the allocator reserve stands for)."""
-    from ..policy.hrm import LIBRARY_WORKSPACE
+    from ..policy.policy import LIBRARY_WORKSPACE
 
     m = jplan.estimate.memory
     phase = max(m.gpu_phases, key=m.phase_total)

@@ -72,7 +72,7 @@ from functools import lru_cache
 from ..model.spec import QUANT_FORMATS, MoESpec, dtype_bytes
 from .batching import KV_GROUPS, SCORE_CHUNK_TOKENS
 from .hardware import EXPERT_FFN_KERNELS, NO_SYNC_KERNELS, HardwareProfile, format_bytes
-from .policy import PlanInfeasible, Policy, Workload
+from .policy import LIBRARY_WORKSPACE, PlanInfeasible, Policy, Workload
 
 STAGES = ("h2d", "d2h", "cpu", "gpu", "host")  # the overlapped streams of one layer (H2)
 
@@ -449,7 +449,6 @@ def prefill_head_time(spec: MoESpec, hw: HardwareProfile, policy: Policy, prompt
 # ---- memory --------------------------------------------------------------------------------------
 FRAGMENTATION = 0.5  # budgeted caching-allocator slack per byte of a phase's transient workspaces (cached blocks of
 # other chunk sizes); budgeted, not in the allocated peak
-LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
 FFN_SPARE_ROWS = 32  # padding rows of the per-expert GEMM loop's buffers (kernels.fused_moe.MM_LOOP_TILE)
 MAX_BLOCK_M = 128  # the largest block_m of the grouped Triton kernels' tile configs (kernels.fused_moe and
 #   kernels.mxfp4's config functions): each expert's block of the padded pair index pads to it (int32 per row)

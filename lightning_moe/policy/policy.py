@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .hrm import Estimate
 
 DEFAULT_GPU_RESERVE = 1 * GiB  # bytes: CUDA context, cuBLAS/Triton workspaces, caching-allocator fragmentation
+LIBRARY_WORKSPACE = 64 * 2**20  # bytes: cuBLAS / cuBLASLt workspaces the GEMMs allocate once (inside the allocator reserve)
 DEFAULT_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill micro-batch (bounds its GPU workspace)
 DEFAULT_CPU_RESERVE = 2 * GiB  # bytes: Python/torch process, tokenizer, load-time temporaries
 
@@ -236,11 +237,9 @@ class Budgets:
 
 def gpu_reserve_for(hw: HardwareProfile) -> int:
     """The GPU bytes a plan for ``hw`` keeps outside its tensors (the memory model's "allocator reserve", which also
-    covers hrm.LIBRARY_WORKSPACE): DEFAULT_GPU_RESERVE, or the profile's measured ``gpu_context_bytes`` plus the
+    covers LIBRARY_WORKSPACE): DEFAULT_GPU_RESERVE, or the profile's measured ``gpu_context_bytes`` plus the
     library workspaces where larger (a capped job's torch allocator gets gpu_memory minus what its process holds
     outside it; on the H100 host with torch 2.11 / CUDA 13 that was 1.12-1.34 GiB, more than the 1 GiB default)."""
-    from .hrm import LIBRARY_WORKSPACE  # hrm imports this module
-
     return max(DEFAULT_GPU_RESERVE, int(hw.gpu_context_bytes) + LIBRARY_WORKSPACE) if hw.gpu_context_bytes else \
         DEFAULT_GPU_RESERVE
 
