@@ -56,8 +56,8 @@ from .checkpointing import InFlight, PartialCheckpoints, RunProgress
 from .expert_parallel import NoWriter, group_info, in_group, run_expert_parallel, share_work
 from .gpu import PhasePeaks, apply_gpu_cap, use_device
 from .cpu_plan import cpu_predicted_report
-from .plan import (JobPlan, ModelFiles, Prepared, check_gpu_cap, check_plan, cpu_prediction, fit_plan_to_cap, job_workload_from_prepared, plan_job,
-                   policy_for_job)
+from .plan import (JobPlan, ModelFiles, Prepared, check_gpu_cap, check_plan, cpu_prediction, fit_plan_to_cap,
+                   job_workload_from_prepared, plan_job, policy_for_job)
 from .report import (end_of_run, oom_message, predicted_report, previous_runs, reconcile_killed_runs, refill_report,
                      report_head, slot_occupancy)
 

@@ -240,8 +240,7 @@ def gpu_reserve_for(hw: HardwareProfile) -> int:
     covers LIBRARY_WORKSPACE): DEFAULT_GPU_RESERVE, or the profile's measured ``gpu_context_bytes`` plus the
     library workspaces where larger (a capped job's torch allocator gets gpu_memory minus what its process holds
     outside it; on the H100 host with torch 2.11 / CUDA 13 that was 1.12-1.34 GiB, more than the 1 GiB default)."""
-    return max(DEFAULT_GPU_RESERVE, int(hw.gpu_context_bytes) + LIBRARY_WORKSPACE) if hw.gpu_context_bytes else \
-        DEFAULT_GPU_RESERVE
+    return max(DEFAULT_GPU_RESERVE, int(hw.gpu_context_bytes) + LIBRARY_WORKSPACE)  # 0 (unmeasured): the default
 
 
 def _check_fits(key: str, budget: int, capacity: int, what: str, hw: HardwareProfile) -> None:
