@@ -471,12 +471,23 @@ def fit_plan_to_cap(job: Job, prep: "Prepared", jplan: Optional[JobPlan], cap: O
               f"the plan reserved ({jplan.policy.gpu_reserve / 2**30:.2f} GiB): planning again with it", file=log,
               flush=True)
         cached = cached_gpu_profile(job) if not getattr(job, "hardware", None) else None
-        if cached:
+        if cached and _profiler_recording():
+            print(f"moe-batch: {cached}: not updated (a torch profiler is recording in this process: its buffers "
+                  f"count outside the allocator)", file=log, flush=True)
+        elif cached:
             _cache_job_measurement(hw, job, cached, "its GPU context", log)
         policy, est = policy_for_job(job, prep, hw)
         jplan = check_plan(job, prep, policy, est, hw)
     check_gpu_cap(job, jplan, cap)
     return jplan
+
+
+def _profiler_recording() -> bool:
+    """Whether a torch profiler records in this process (benchmarks/profile_prefill.py runs a job under one): its
+    device buffers count among the bytes outside the allocator, which are then not this host's CUDA context."""
+    import torch
+
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
 
 def check_gpu_cap(job: Job, jplan: Optional[JobPlan], cap: Optional[dict]) -> None:
