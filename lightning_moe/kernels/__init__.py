@@ -25,6 +25,9 @@ Triton is imported lazily, the first time a ``*_triton`` function is called.
 * :mod:`.norm_rope` -- RMSNorm and rotate-half RoPE in one Triton launch each (:func:`~.norm_rope.rms_norm_triton`,
   :func:`~.norm_rope.apply_rope_triton`; references :func:`~.norm_rope.rms_norm_torch`,
   :func:`~.norm_rope.apply_rope_torch`), which ``model.layers`` takes on CUDA.
+* :mod:`.score_head` -- the scoring head's log p(target) and greedy flag in one pass over a chunk's model-dtype logits
+  (:func:`~.score_head.score_head_triton`; reference :func:`~.score_head.score_head_torch`), which
+  ``pipeline.token_scores`` takes on CUDA.
 """
 
 from .fused_moe import (

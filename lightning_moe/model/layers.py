@@ -346,9 +346,28 @@ def swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return F_.linear(F_.silu(F_.linear(h, w1)) * F_.linear(h, w3), w2)  # [T, D]
 
 
+def head_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final RMSNorm and lm_head in the model dtype: x: [T, D] -> [T, V] in the GEMM's dtype (:func:`final_logits`
+    before its fp32 cast)."""
+    return F_.linear(rms_norm(x, norm_w, eps), lm_head)
+
+
 def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    """Final RMSNorm and lm_head. x: [T, D] -> fp32 logits [T, V]."""
-    return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
+    """Final RMSNorm and lm_head. x: [T, D] -> fp32 logits [T, V]: ``head_logits(...).float()`` (named by its
+    ``model_dtype_logits`` attribute: :func:`model_dtype_head`)."""
+    return head_logits(x, norm_w, lm_head, eps).float()
+
+
+final_logits.model_dtype_logits = head_logits
+
+
+def model_dtype_head(final_logits: Callable) -> Optional[Callable]:
+    """The model-dtype head of a family's ``final_logits``, or None. A ``final_logits`` that is exactly
+    ``head(x, norm_w, lm_head, eps).float()`` (the cast its only math after the GEMM) names ``head`` in its
+    ``model_dtype_logits`` attribute, so the scoring head (``pipeline.token_scores``) can read the logits before the
+    cast without changing the math; one that does more after the GEMM (a soft-cap, a scale) must not set it, and
+    scoring then takes ``final_logits`` itself (the torch path)."""
+    return getattr(final_logits, "model_dtype_logits", None)
 
 
 def packed_cu_seqlens(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, int]:

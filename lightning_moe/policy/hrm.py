@@ -559,7 +559,12 @@ def _packed_attention_stage_bytes(spec: MoESpec, tokens: int, padded: int, longe
 def score_head_bytes(spec: MoESpec, tokens: int, dtype: str = "bf16") -> int:
     """Bytes of the chunked scoring head over ``tokens`` packed tokens: per chunk of SCORE_CHUNK_TOKENS rows the final
     norm (D b), lm_head output (V b), its fp32 copy and log-softmax (2 V 4); + fp32 log-prob and bool greedy flag of
-    every token."""
+    every token (and the int64 clamped target).
+
+    A bound, not the peak of every path: it counts the torch path (``pipeline.token_scores`` on the CPU, or without
+    triton, or for a family head with math after the fp32 cast). The CUDA kernel path (``kernels.score_head``) holds
+    only the norm and the model-dtype lm_head output per chunk (no fp32 copy, no log-softmax: ``c (D b + V b)``),
+    so the planner over-counts its transient by ``c V 8`` bytes; kept so that a plan stays valid on either path."""
     c = min(tokens, SCORE_CHUNK_TOKENS)
     b = dtype_bytes(dtype)
     return c * (spec.hidden_size * b + spec.vocab_size * (b + 8)) + tokens * (4 + 1 + 8)

@@ -357,7 +357,10 @@ class Family:
     #   (reference)
     experts_ffn_from: Callable = experts_ffn_reference_from  # (x, get_expert(e) -> (w1, w3, w2), E, topk_w,
     #   topk_ids) -> [T, D] (reference)
-    final_logits: Callable = L.final_logits  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]
+    final_logits: Callable = L.final_logits  # (x [T, D], norm_w, lm_head, eps) -> fp32 [T, V]; when it is a
+    #   model-dtype head's output cast to fp32 and nothing more, it names that head in its ``model_dtype_logits``
+    #   attribute (layers.model_dtype_head), which the scoring head reads before the cast; a family whose head does
+    #   more after the GEMM (a soft-cap, a scale) leaves it unset
     attention: str = "gqa"  # attention variant: "gqa" (grouped-query over a per-head K/V cache), "gqa_sinks" (the
     #   same cache, per-head attention sinks: below) or "mla" (below)
     expert_activation: str = "silu"  # the gate activation inside experts_ffn (fused kernels check they compute it)

@@ -426,9 +426,19 @@ def post_attention(lw: LayerWeights, ew: Optional[L.ExpertWeights], x: torch.Ten
     return x + ffn(h, ew, topk_w, topk_ids)  # [T, D]
 
 
+def head_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final RMSNorm (:func:`rms_norm`, fp32 product) and lm_head in the model dtype. x: [T, D] -> [T, V] in the
+    GEMM's dtype (:func:`final_logits` before its fp32 cast)."""
+    return F_.linear(rms_norm(x, norm_w, eps), lm_head)
+
+
 def final_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    """Final RMSNorm (:func:`rms_norm`, fp32 product) and lm_head. x: [T, D] -> fp32 logits [T, V]."""
-    return F_.linear(rms_norm(x, norm_w, eps), lm_head).float()
+    """Final RMSNorm (:func:`rms_norm`, fp32 product) and lm_head. x: [T, D] -> fp32 logits [T, V]:
+    ``head_logits(...).float()`` (named by its ``model_dtype_logits`` attribute: ``layers.model_dtype_head``)."""
+    return head_logits(x, norm_w, lm_head, eps).float()
+
+
+final_logits.model_dtype_logits = head_logits
 
 
 FAMILY = Family(**module_fields(globals()), model_types=("gpt_oss",), architectures=("GptOssForCausalLM",),
