@@ -320,3 +320,51 @@ def test_softmax_exp_is_within_two_ulp_of_torch_exp():
     low = C.softmax_exp(torch.tensor([-90.0, -1e4, float("-inf")]))
     assert (low >= 0).all() and (low < 1e-37).all()
     assert torch.isfinite(C.softmax_exp(torch.tensor([88.3, 1e4]))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("cols", [(0, 128), (0, 512), (512, 576), (1, 5), (0, 3)])  # dst columns of a [N, 576] array
+@pytest.mark.parametrize("gather", [False, True])
+def test_scatter_rows_equals_torch(dtype, cols, gather):
+    """The native row scatter == scatter_rows_torch == plain indexing, bit for bit, into NaN rows (the others stay
+    NaN): whole rows of a column slice of a wider array (MLA's c / k_pe; odd offsets and widths, where the torch path
+    cannot view rows as int64), H = 3 heads, with and without a source-row gather."""
+    g = torch.Generator().manual_seed(cols[0] + cols[1] + gather)
+    N, T, H, w = 500, 37, 3, cols[1] - cols[0]
+    n = 29 if gather else T
+    dst_idx = torch.randperm(N, generator=g)[:n * H].view(n, H)  # distinct rows
+    tok = torch.randperm(T, generator=g)[:n] if gather else None
+    src = torch.randn(T, H, w, generator=g).to(dtype)
+    outs = []
+    for fn in (C.scatter_rows, C.scatter_rows_torch):
+        big = torch.full((N, 576), float("nan"), dtype=dtype)
+        fn(big[:, cols[0]:cols[1]], src, dst_idx, tok)
+        outs.append(big)
+    ref = torch.full((N, 576), float("nan"), dtype=dtype)
+    ref[dst_idx, cols[0]:cols[1]] = src if tok is None else src[tok]
+    w_int = {2: torch.int16, 4: torch.int32}[ref.element_size()]
+    for out in outs:
+        assert torch.equal(out.view(w_int), ref.view(w_int))
+
+
+def test_scatter_rows_bad_inputs_raise():
+    """Out-of-range indexes (destination or source) and mismatched operands are ValueErrors, nothing written out of
+    bounds; the rows with valid indexes are written."""
+    dst = torch.zeros(10, 4)
+    src = torch.ones(3, 2, 4)
+    with pytest.raises(ValueError, match="index 1 out of range"):
+        C.scatter_rows(dst, src, torch.tensor([[0, 1], [2, 10], [4, 5]]))
+    assert dst[[0, 1, 2, 4, 5]].eq(1).all() and dst[[3, 6, 7, 8, 9]].eq(0).all()
+    with pytest.raises(ValueError, match=r"source row 3 of 3"):
+        C.scatter_rows(dst, src, torch.tensor([[0, 1]]), torch.tensor([3]))
+    with pytest.raises(ValueError, match="index 0 out of range"):
+        C.scatter_rows(dst, src, torch.tensor([[-1, 1]]))
+    for fn in (C.scatter_rows, C.scatter_rows_torch):
+        with pytest.raises(ValueError, match="does not match"):
+            fn(dst, torch.ones(3, 2, 5), torch.tensor([[0, 1]]))
+        with pytest.raises(ValueError, match="must be dst's"):
+            fn(dst, src.double(), torch.tensor([[0, 1]]))
+        with pytest.raises(ValueError, match="does not match"):  # tok None: more rows than the source has
+            fn(dst, src, torch.zeros(4, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        C.scatter_rows(torch.zeros(4, 8)[:, ::2], src, torch.tensor([[0, 1]]))

@@ -109,30 +109,120 @@ def test_one_group_is_the_plain_cache():
     assert torch.equal(grouped.k[0][0], big.k[0]) and torch.equal(grouped.v[0][0], big.v[0])
 
 
-@pytest.mark.parametrize("groups", [1, 3, 8])
-def test_write_prefill_index_equals_per_row_writes(groups):
-    """A packed chunk scattered by prefill_index / write_prefill_index == write_prefill row by row: every stored value
-    (and the untouched rows and positions stay zero), for a chunk of rows off.. in several length groups, bf16."""
-    spec = _spec(L=2)
-    final = [5, 40, 9, 41, 1, 77, 12, 30, 2, 60]
-    g = torch.Generator().manual_seed(3)
-    a = GroupedKVCache(spec, final, torch.bfloat16, max_groups=groups)
-    b = GroupedKVCache(spec, final, torch.bfloat16, max_groups=groups)
-    off, prompt = 2, [9, 41, 1, 70, 3]  # rows 2..6, prompt lengths (row 4 a single token); rows 0, 1, 7.. untouched
-    ends = torch.tensor(prompt).cumsum(0).tolist()
-    spans = [(e - n, e) for e, n in zip(ends, prompt)]
-    index = a.prefill_index(range(off, off + len(prompt)), spans)
-    assert sorted(i.group for i in index) == sorted(set(int(a.group_of[r]) for r in range(off, off + len(prompt))))
+def _nan_caches(spec, final, groups, dtype=torch.bfloat16, n=2):
+    """``n`` GroupedKVCaches (GroupedLatentKVCache for an MLA spec) with every stored element NaN."""
+    cls = GroupedLatentKVCache if spec.is_mla else GroupedKVCache
+    caches = [cls(spec, final, dtype, max_groups=groups) for _ in range(n)]
+    for kv in caches:
+        for f in (kv.lat_flat if spec.is_mla else kv.k_flat + kv.v_flat):
+            f.fill_(float("nan"))
+    return caches
+
+
+def _bitwise_equal(a, b) -> bool:
+    """Every element of two same-dtype tensors has the same bits (NaN == NaN; a copy must be exact)."""
+    w = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(w), b.contiguous().view(w))
+
+
+def _packed(prompt, gap=0):
+    """Spans of prompts packed back to back; ``gap`` > 0: that many unused chunk rows before each prompt (tok is then
+    not 0..n-1). Returns (spans, T)."""
+    spans, t = [], 0
+    for n in prompt:
+        spans.append((t + gap, t + gap + n))
+        t += gap + n
+    return spans, t
+
+
+def _check_prefill_index(spec, final, groups, rows, prompt, gap=0, src_dtype=torch.bfloat16, seed=0):
+    """write_prefill_index of a packed chunk == write_prefill per sequence, bit for bit, into NaN caches: every written
+    position equals the reference and every other one stays NaN. Returns the index."""
+    a, b = _nan_caches(spec, final, groups)
+    spans, T = _packed(prompt, gap)
+    index = a.prefill_index(rows, spans)
+    assert index.dst.shape == (sum(prompt), 1 if spec.is_mla else spec.num_kv_heads)
+    assert (index.tok is None) == (gap == 0)
+    g = torch.Generator().manual_seed(seed)
+    widths = (spec.kv_lora_rank, spec.qk_rope_head_dim) if spec.is_mla else (None, None)
     for layer in range(spec.num_layers):
-        k = torch.randn(ends[-1], spec.num_kv_heads, spec.head_dim, generator=g).to(torch.bfloat16)
-        v = torch.randn(ends[-1], spec.num_kv_heads, spec.head_dim, generator=g).to(torch.bfloat16)
+        if spec.is_mla:
+            k, v = (torch.randn(T, w, generator=g).to(src_dtype) for w in widths)
+        else:
+            k, v = (torch.randn(T, spec.num_kv_heads, spec.head_dim, generator=g).to(src_dtype) for _ in range(2))
         a.write_prefill_index(layer, index, k, v)
-        for j, (s, e) in enumerate(spans):
-            b.write_prefill(layer, off + j, k[s:e], v[s:e])
-    for layer in range(spec.num_layers):
-        for gi in range(a.num_groups):
-            assert torch.equal(a.k[layer][gi], b.k[layer][gi]) and torch.equal(a.v[layer][gi], b.v[layer][gi])
-            assert a.k[layer][gi].abs().sum() > 0 or not any(int(a.group_of[r]) == gi for r in range(off, off + 5))
+        for r, (s, e) in zip(rows, spans):
+            b.write_prefill(layer, r, k[s:e], v[s:e])
+    flats = zip(a.lat_flat, b.lat_flat) if spec.is_mla else zip(a.k_flat + a.v_flat, b.k_flat + b.v_flat)
+    for fa, fb in flats:
+        assert _bitwise_equal(fa, fb)
+    written = sum(prompt) * (spec.kv_lora_rank + spec.qk_rope_head_dim if spec.is_mla
+                             else spec.num_kv_heads * spec.head_dim)
+    for f in (a.lat_flat if spec.is_mla else a.k_flat + a.v_flat):
+        assert int((~f.isnan()).sum()) == written  # exactly the prompts' elements written, nothing else
+    return index
+
+
+@pytest.fixture(params=["native", "torch"])
+def scatter_path(request, monkeypatch):
+    """Run a test through the native row scatter (checked to be called) and through the torch fallback
+    (LIGHTNING_MOE_CPU_ATTENTION=sdpa: no native kernel)."""
+    from lightning_moe.pipeline import kv_cache
+
+    calls = []
+    if request.param == "native":
+        real = kv_cache.scatter_rows
+        monkeypatch.setattr(kv_cache, "scatter_rows", lambda *a: (calls.append(1), real(*a)))
+    else:
+        monkeypatch.setenv("LIGHTNING_MOE_CPU_ATTENTION", "sdpa")
+    yield request.param
+    assert bool(calls) == (request.param == "native")
+
+
+@pytest.mark.parametrize("groups", [1, 3, 8])
+def test_write_prefill_index_equals_per_row_writes(groups, scatter_path):
+    """A packed chunk scattered by prefill_index / write_prefill_index == write_prefill row by row, bit for bit, the
+    untouched rows and positions NaN still, for a chunk of rows off.. in several length groups, bf16."""
+    final = [5, 40, 9, 41, 1, 77, 12, 30, 2, 60]
+    # rows 2..6 (row 4 a single token); rows 0, 1, 7.. untouched
+    _check_prefill_index(_spec(L=2), final, groups, [2, 3, 4, 5, 6], [9, 41, 1, 70, 3])
+
+
+def _gqa_spec(Hkv, hd, L=2) -> MoESpec:
+    return MoESpec(name="t", model_type="mixtral", vocab_size=64, hidden_size=64, intermediate_size=32, num_layers=L,
+                   num_heads=2 * Hkv, num_kv_heads=Hkv, head_dim=hd, num_experts=2, top_k=1, rope_theta=1e4,
+                   rms_norm_eps=1e-5, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("Hkv,hd", [(1, 64), (4, 128), (3, 192), (16, 128), (2, 24)])
+@pytest.mark.parametrize("gap", [0, 2])
+def test_write_prefill_index_awkward_shapes(Hkv, hd, gap, scatter_path):
+    """Random final lengths in 8 groups, a chunk of an odd number of rows in no particular order: 1-token prompts,
+    prompts of exactly their group's size, the rest random; ``gap``: unused chunk rows between prompts."""
+    g = torch.Generator().manual_seed(Hkv * hd + gap)
+    final = torch.randint(1, 60, (23,), generator=g).tolist()
+    final[5] = 1
+    spec = _gqa_spec(Hkv, hd)
+    probe = GroupedKVCache(spec, final, torch.bfloat16, max_groups=8)
+    rows = [5] + [r for r in torch.randperm(23, generator=g).tolist() if r != 5][:12]  # 13 of the rows, shuffled
+    prompt = [int(torch.randint(1, int(probe.row_cap[r]) + 1, (1,), generator=g)) for r in rows]
+    prompt[1] = 1
+    prompt[2], prompt[3] = int(probe.row_cap[rows[2]]), int(probe.row_cap[rows[3]])  # a group's full size
+    _check_prefill_index(spec, final, 8, rows, prompt, gap, seed=gap)
+
+
+def test_write_prefill_index_converts_the_source_dtype(scatter_path):
+    """fp32 k / v into a bf16 cache: cast once (after the gather), equal to write_prefill's cast."""
+    _check_prefill_index(_gqa_spec(2, 64), [7, 30, 12, 3], 3, [3, 1, 0], [3, 28, 6], gap=1, src_dtype=torch.float32)
+
+
+def test_write_prefill_index_empty_chunk(scatter_path):
+    """A chunk of no rows writes nothing."""
+    a, = _nan_caches(_spec(L=1), [4, 9], 2, n=1)
+    index = a.prefill_index([], [])
+    assert index.dst.shape == (0, 2)
+    a.write_prefill_index(0, index, torch.zeros(0, 2, 16), torch.zeros(0, 2, 16))
+    assert a.k_flat[0].isnan().all() and a.v_flat[0].isnan().all()
 
 
 def test_prefill_index_errors():
@@ -145,6 +235,11 @@ def test_prefill_index_errors():
         c.prefill_index([0, 1], [(0, 3), (3, 3)])
     with pytest.raises(ValueError, match="prompt of 5 tokens exceeds row 0's cache of 4 positions"):
         c.prefill_index([0, 1], [(0, 5), (5, 9)])
+    with pytest.raises(ValueError, match="a row repeats"):  # two prompts into one row: overlapping parallel copies
+        c.prefill_index([1, 1], [(0, 3), (3, 6)])
+    index = c.prefill_index([1], [(0, 3)])
+    with pytest.raises(ValueError, match="does not match"):  # k of the wrong head dim
+        c.write_prefill_index(0, index, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
 
 
 # ---- GroupedLatentKVCache (MLA): the length groups as views of one flat array per layer --------------------------
@@ -193,7 +288,7 @@ def test_latent_groups_partition_one_flat_array(final, groups):
 
 
 @pytest.mark.parametrize("final,groups", MLA_CASES)
-def test_latent_write_prefill_index_equals_per_row_writes(final, groups):
+def test_latent_write_prefill_index_equals_per_row_writes(final, groups, scatter_path):
     """MLA: a packed chunk scattered by write_prefill_index == write_prefill row by row == the same latents written
     into separate per-group tensors (the layout before the flat array), bit for bit, with the caches NaN first (every
     untouched position stays NaN), on a chunk of every other row."""
@@ -220,3 +315,20 @@ def test_latent_write_prefill_index_equals_per_row_writes(final, groups):
         for gi in range(a.num_groups):
             assert torch.equal(_bits(a.lat[layer][gi]), _bits(ref[layer][gi]))
             assert torch.equal(_bits(b.lat[layer][gi]), _bits(ref[layer][gi]))
+
+
+@pytest.mark.parametrize("gap", [0, 3])
+@pytest.mark.parametrize("dims", [(512, 64), (20, 4), (7, 3)])  # DeepSeek's 576; the tests' 24; odd widths
+def test_latent_write_prefill_index_awkward_shapes(dims, gap, scatter_path):
+    """MLA, c and k_pe scattered into the columns of the flat array: random final lengths in 8 groups, an odd chunk
+    of shuffled rows with a 1-token prompt and prompts of exactly their group's size, NaN caches, bit for bit."""
+    spec = MoESpec(name="t-mla", model_type="deepseek_v2", vocab_size=64, hidden_size=64, intermediate_size=32,
+                   num_layers=2, num_heads=4, num_kv_heads=4, head_dim=24, num_experts=2, top_k=1, rope_theta=1e4,
+                   rms_norm_eps=1e-5, max_position_embeddings=4096, kv_lora_rank=dims[0], qk_rope_head_dim=dims[1])
+    g = torch.Generator().manual_seed(sum(dims) + gap)
+    final = torch.randint(1, 50, (17,), generator=g).tolist()
+    probe = GroupedLatentKVCache(spec, final, torch.bfloat16, max_groups=8)
+    rows = torch.randperm(17, generator=g)[:9].tolist()
+    prompt = [int(torch.randint(1, int(probe.row_cap[r]) + 1, (1,), generator=g)) for r in rows]
+    prompt[0], prompt[1] = 1, int(probe.row_cap[rows[1]])
+    _check_prefill_index(spec, final, 8, rows, prompt, gap, seed=gap)

@@ -614,6 +614,38 @@ std::string latent_attention_append_groups(at::Tensor q, at::Tensor c_new, at::T
   return "";
 }
 
+// scatter_rows: dst[dst_idx[i, h]] = src[tok[i], h] for i < n, h < H, whole rows of w elements (one memcpy each),
+// parallel over i (a prefill chunk's k / v rows into the flat KV cache). dst [N, w] and src [T, H, w] with contiguous
+// rows, dst_idx int64 [n, H] and tok int64 [n] (empty: tok[i] = i) contiguous (checked by the Python wrapper with the
+// shapes and dtypes). Returns "" or the message of an index out of range (its row skipped, the others written).
+std::string scatter_rows(at::Tensor dst, at::Tensor src, at::Tensor dst_idx, at::Tensor tok) {
+  const int64_t n = dst_idx.size(0), H = dst_idx.size(1), N = dst.size(0), T = src.size(0), es = dst.element_size();
+  const int64_t d0 = dst.stride(0) * es, s0 = src.stride(0) * es, s1 = src.stride(1) * es, row = dst.size(1) * es;
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  const int64_t* di = dst_idx.data_ptr<int64_t>();
+  const int64_t* ti = tok.numel() ? tok.data_ptr<int64_t>() : nullptr;
+  const int64_t by_work = std::max<int64_t>(1, n * H * row / (256 << 10));  // >= 256 KiB per thread
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_work)));
+  // chunks of >= 64 KiB taken as threads free up: a thread the OS keeps off its core delays the region less
+  const int64_t chunk = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, H * row));
+  std::atomic<int64_t> bad{-1};
+#pragma omp parallel for num_threads(nt) schedule(dynamic, chunk)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = ti ? ti[i] : i;
+    if (t < 0 || t >= T) { bad.store(i); continue; }
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t r = di[i * H + h];
+      if (r < 0 || r >= N) { bad.store(i); continue; }
+      std::memcpy(d + r * d0, s + t * s0 + h * s1, row);
+    }
+  }
+  const int64_t i = bad.load();
+  if (i < 0) return "";
+  return "index " + std::to_string(i) + " out of range (source row " + std::to_string(ti ? ti[i] : i) + " of " +
+         std::to_string(T) + ", a destination row of " + std::to_string(N) + ")";
+}
+
 // exp_fast over an fp32 tensor (for its test against torch.exp)
 torch::Tensor softmax_exp(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "softmax_exp: a contiguous fp32 tensor");
@@ -630,6 +662,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_exp", &softmax_exp);
   m.def("decode_attention_append_groups", &decode_attention_append_groups, py::call_guard<py::gil_scoped_release>());
   m.def("latent_attention_append_groups", &latent_attention_append_groups, py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_rows", &scatter_rows, py::call_guard<py::gil_scoped_release>());
   m.def("native_stats", &native_stats);
 }
 """
@@ -956,3 +989,59 @@ def decode_attention_append_reference(q: torch.Tensor, k_new: Optional[torch.Ten
         out[rows] = decode_attention_torch(q[rows], k_cache[:, :, :S], v_cache[:, :, :S], n, sliding_window,
                                            sinks).to(out.dtype)
     return out
+
+
+def _check_scatter(fn: str, dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor,
+                   tok: Optional[torch.Tensor]) -> None:
+    """The operands of :func:`scatter_rows` / :func:`scatter_rows_torch`: shapes, dtypes, devices. Raises ValueError."""
+    if dst.dim() != 2 or src.dim() != 3 or dst_idx.dim() != 2 or (tok is not None and tok.dim() != 1):
+        raise ValueError(f"{fn}: dst [N, w], src [T, H, w], dst_idx [n, H], tok [n] expected, got {tuple(dst.shape)}, "
+                         f"{tuple(src.shape)}, {tuple(dst_idx.shape)}, {None if tok is None else tuple(tok.shape)}")
+    n, H = dst_idx.shape
+    if src.shape[1:] != (H, dst.shape[1]) or (tok is not None and tok.shape[0] != n) or (tok is None and n > src.shape[0]):
+        raise ValueError(f"{fn}: src {tuple(src.shape)} does not match dst {tuple(dst.shape)}, dst_idx "
+                         f"{tuple(dst_idx.shape)}, tok {None if tok is None else tuple(tok.shape)}")
+    if src.dtype != dst.dtype or dst_idx.dtype != torch.int64 or (tok is not None and tok.dtype != torch.int64):
+        raise ValueError(f"{fn}: src {src.dtype} must be dst's {dst.dtype}, indexes int64")
+    if src.device != dst.device or dst_idx.device != dst.device or (tok is not None and tok.device != src.device):
+        raise ValueError(f"{fn}: dst, src and the indexes must be on one device")
+
+
+def scatter_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, tok: Optional[torch.Tensor] = None) -> None:
+    """``dst[dst_idx[i, h]] = src[tok[i], h]`` for every i < n, h < H: whole rows, one memcpy each, parallel over i
+    (OpenMP, torch's thread count; native kernel). A prefill chunk's k / v rows into a flat CPU KV cache at memory
+    bandwidth (torch's index_put copies element by element: ~2.5x slower on 2 cores at hd 128).
+
+    Args:
+        dst: [N, w] CPU tensor (each row contiguous; rows may be strided, e.g. columns of a wider array).
+        src: [T, H, w] CPU tensor of dst's dtype (each [w] row contiguous).
+        dst_idx: int64 [n, H] destination row of each (i, h), 0 <= dst_idx < N.
+        tok: int64 [n] source row of each i (0 <= tok < T), or None: tok[i] = i (n <= T).
+    Rows must not overlap between (i, h) pairs (the copies run in parallel; equal destinations race).
+    Raises ValueError on mismatched operands or an index out of range (the other rows are written),
+    RuntimeError if the native kernel is not available. Equals :func:`scatter_rows_torch`.
+    """
+    _check_scatter("scatter_rows", dst, src, dst_idx, tok)
+    if dst.device.type != "cpu" or dst.stride(1) != 1 or src.stride(2) != 1:
+        raise ValueError(f"scatter_rows: CPU tensors with contiguous rows needed, got {dst.device}, dst strides "
+                         f"{dst.stride()}, src strides {src.stride()}")
+    if not native_available():
+        raise RuntimeError("scatter_rows: the native CPU attention kernel is not available (see native_available())")
+    empty = torch.empty(0, dtype=torch.int64)
+    bad = _module.scatter_rows(dst, src, dst_idx.contiguous(), empty if tok is None else tok.contiguous())
+    if bad:
+        raise ValueError(f"scatter_rows: {bad}")
+
+
+def scatter_rows_torch(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor,
+                       tok: Optional[torch.Tensor] = None) -> None:
+    """:func:`scatter_rows` in torch ops on any device (the reference, and the path of GPU caches): one index_put of
+    whole rows, viewed as int64 when a row's bytes allow it (8-byte elements: ~2x faster on the CPU than bf16's)."""
+    _check_scatter("scatter_rows_torch", dst, src, dst_idx, tok)
+    src = src[:dst_idx.shape[0]] if tok is None else src.index_select(0, tok)  # [n, H, w]
+    if dst.shape[1] * dst.element_size() % 8 == 0 and dst.dtype != torch.int64:
+        try:  # needs 8-byte aligned strides and offset (a column view of a row may not have them)
+            dst, src = dst.view(torch.int64), src.contiguous().view(torch.int64)
+        except RuntimeError:
+            pass
+    dst[dst_idx] = src

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..model.spec import MoESpec
-from ..kernels.cpu_attention import decode_mask
+from ..kernels.cpu_attention import decode_mask, native_available, scatter_rows, scatter_rows_torch
 from .cpu_attention import bucket_len
 from ..policy.batching import KV_GROUPS, length_groups
 
@@ -136,12 +136,28 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], to
 
 
 class PrefillIndex(NamedTuple):
-    """Where the tokens of a packed prefill chunk go in one group of a :class:`GroupedKVCache`."""
+    """Where the tokens of a packed prefill chunk go in a :class:`GroupedKVCache` (or :class:`GroupedLatentKVCache`):
+    rows of the layer's flat array, built once per chunk by :meth:`GroupedKVCache.prefill_index`, used by every
+    layer."""
 
-    group: int  # group g
-    tok: torch.Tensor  # int64 [n_g]: rows of the packed chunk (its k / v) that belong to group g
-    slot: torch.Tensor  # int64 [n_g]: each token's slot in group g
-    pos: torch.Tensor  # int64 [n_g]: each token's position in its own prompt
+    tok: Optional[torch.Tensor]  # int64 [n]: the chunk's k / v row of each stored token, or None: token i is row i
+    dst: torch.Tensor  # int64 [n, H]: each token's row of the flat array per KV head (GQA: hd-vectors, H = Hkv;
+    #   MLA: positions, H = 1), on the cache's device
+
+
+def _scatter(dst: torch.Tensor, src: torch.Tensor, index: PrefillIndex) -> None:
+    """``dst[index.dst[i, h]] = src[index.tok[i], h]``: dst [N, w] (rows of a layer's flat array), src [T, H, w] (a
+    chunk's k / v). A CPU cache takes the native row scatter (kernels.cpu_attention.scatter_rows: one memcpy per row,
+    all of torch's threads; ~12 GB/s on 2 cores against ~5 for the index_put per group it replaced), a GPU cache
+    (or no native kernel) one torch index_put. k / v on another device or dtype are gathered where they are (``tok``
+    lives there) and copied to the cache's once."""
+    tok, n = index.tok, index.dst.shape[0]
+    if src.device != dst.device or src.dtype != dst.dtype:
+        src, tok = (src[:n] if tok is None else src.index_select(0, tok)).to(dst.device, dst.dtype), None
+    if dst.device.type == "cpu" and native_available():
+        scatter_rows(dst, src if src.stride(-1) == 1 else src.contiguous(), index.dst, tok)
+    else:
+        scatter_rows_torch(dst, src, index.dst, tok)
 
 
 class GroupedKVCache:
@@ -322,51 +338,58 @@ class GroupedKVCache:
         self.k[layer][g][slot, :, :S] = k.transpose(0, 1).to(self.device)
         self.v[layer][g][slot, :, :S] = v.transpose(0, 1).to(self.device)
 
-    def prefill_index(self, rows: Sequence[int], spans: Sequence[tuple[int, int]], device=None) -> list[PrefillIndex]:
+    def prefill_index(self, rows: Sequence[int], spans: Sequence[tuple[int, int]], device=None) -> PrefillIndex:
         """Scatter index of one packed prefill chunk, for :meth:`write_prefill_index` (built once, used by every layer).
 
         Args:
-            rows: caller rows of the chunk, one per sequence; ``rows[j]``'s prompt tokens are ``spans[j]``.
+            rows: caller rows of the chunk, one per sequence, distinct; ``rows[j]``'s prompt tokens are ``spans[j]``.
             spans: (start, end) of each sequence in the chunk's packed token dim T (its positions 0..end-start-1).
             device: where the chunk's k / v will be (the token index goes there); default the cache's device.
         Returns:
-            per group g holding one of the rows: ``(g, tok, slot, pos)``, int64 ``[n_g]`` each: packed token
-            ``tok[i]`` goes to slot ``slot[i]``, position ``pos[i]`` of group g (tok on ``device``, slot and pos
-            on the cache's device).
+            :class:`PrefillIndex`: per stored token (the spans' tokens in order) its row of the packed chunk (``tok``
+            on ``device``; None when the spans are 0..n-1 in order) and its rows of a layer's flat array (``dst``
+            [n, H] on the cache's device: :meth:`_flat_rows`), for every length group at once.
         Raises:
-            ValueError: ``rows`` and ``spans`` differ in length, a span is empty, or a prompt is longer than its
-            row's group (S_g).
+            ValueError: ``rows`` and ``spans`` differ in length, a row repeats, a span is empty, or a prompt is longer
+            than its row's group (S_g).
         """
         if len(rows) != len(spans):
             raise ValueError(f"GroupedKVCache.prefill_index: {len(rows)} rows but {len(spans)} spans")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"GroupedKVCache.prefill_index: a row repeats in {list(rows)}")
         lens = torch.tensor([e - s for s, e in spans], dtype=torch.int64)  # [J]
         if len(spans) and int(lens.min()) < 1:
             raise ValueError(f"GroupedKVCache.prefill_index: empty span in {list(spans)}")
         r = torch.as_tensor(list(rows), dtype=torch.int64)  # [J]
-        g_of, slot_of = self.group_of[r], self.slot_of[r]  # [J] each
-        too_long = lens > torch.tensor(self.sizes, dtype=torch.int64)[g_of]
+        too_long = lens > self.row_cap[r]
         if bool(too_long.any()):
             j = int(too_long.nonzero()[0])
             raise ValueError(f"prompt of {int(lens[j])} tokens exceeds row {int(r[j])}'s cache of "
-                             f"{self.sizes[int(g_of[j])]} positions")
-        seq = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [T'] sequence j of each packed token
+                             f"{int(self.row_cap[r[j]])} positions")
+        seq = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [n] sequence j of each packed token
         tok = torch.cat([torch.arange(s, e) for s, e in spans]) if len(spans) else torch.zeros(0, dtype=torch.int64)
-        pos = tok - torch.tensor([s for s, _ in spans], dtype=torch.int64)[seq]  # [T'] position in its own prompt
+        pos = tok - torch.tensor([s for s, _ in spans], dtype=torch.int64)[seq]  # [n] position in its own prompt
+        dst = self._flat_rows(r[seq], pos)  # [n, H]
         tok_dev = torch.device(device) if device is not None else self.device
-        out = []
-        tok_group = g_of[seq]  # [T'] group of each packed token
-        for g in torch.unique(tok_group).tolist():
-            m = (tok_group == g).nonzero().flatten()  # tokens of group g
-            out.append(PrefillIndex(g, tok[m].to(tok_dev), slot_of[seq[m]].to(self.device), pos[m].to(self.device)))
-        return out
+        same = torch.equal(tok, torch.arange(tok.shape[0]))  # the spans are the chunk's rows 0..n-1 in order
+        # host index tensors to the device without a stream sync (pageable H2D: staged, no sync)
+        return PrefillIndex(None if same else tok.to(tok_dev, non_blocking=True),
+                            dst.to(self.device, non_blocking=True))
 
-    def write_prefill_index(self, layer: int, index: Sequence["PrefillIndex"], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a packed prefill chunk's keys/values: k, v [T, Hkv, hd], scattered by :meth:`prefill_index`
-        (one index_put per group instead of one copy per sequence). Equal to :meth:`write_prefill` per sequence."""
-        for g, tok, slot, pos in index:
-            K, V = self.k[layer][g], self.v[layer][g]  # [B_g, Hkv, S_g, hd]
-            K[slot, :, pos] = k.index_select(0, tok).to(K.device, K.dtype)  # [n_g, Hkv, hd]
-            V[slot, :, pos] = v.index_select(0, tok).to(V.device, V.dtype)
+    def _flat_rows(self, r: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The hd-vectors of caller rows ``r`` at positions ``pos`` (int64 [n] each, host) in a layer's
+        :attr:`k_flat` / :attr:`v_flat`, per KV head: int64 [n, Hkv] (row_base[r] + h * row_cap[r] + pos)."""
+        heads = torch.arange(self.num_kv_heads, dtype=torch.int64)  # [Hkv]
+        return (self.row_base[r] + pos)[:, None] + heads[None, :] * self.row_cap[r][:, None]
+
+    def write_prefill_index(self, layer: int, index: PrefillIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a packed prefill chunk's keys/values: k, v [T, Hkv, hd], scattered by :meth:`prefill_index` into
+        every length group at once: one row scatter per K and V of whole hd-vectors into the layer's flat arrays
+        (:func:`_scatter`; native on a CPU cache). Equal to :meth:`write_prefill` per sequence. Raises ValueError on
+        mismatched shapes."""
+        hd = self.k[layer][0].shape[-1]
+        _scatter(self.k_flat[layer].view(-1, hd), k, index)
+        _scatter(self.v_flat[layer].view(-1, hd), v, index)
 
     def append(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one decode token per row: k, v [B', Hkv, hd] for caller rows ``rows`` (int64 [B']), each at
@@ -588,13 +611,19 @@ class GroupedLatentKVCache(GroupedKVCache):
             raise ValueError(f"prompt of {S} tokens exceeds row {row}'s cache of {self.sizes[g]} positions")
         self.lat[layer][g][slot, :S] = torch.cat([c, k_pe], dim=-1).to(self.device)
 
-    def write_prefill_index(self, layer: int, index: Sequence[PrefillIndex], c: torch.Tensor, k_pe: torch.Tensor) -> None:
+    def _flat_rows(self, r: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The positions of caller rows ``r`` at ``pos`` (int64 [n] each, host) in a layer's :attr:`lat_flat`:
+        int64 [n, 1] (row_base[r] + pos)."""
+        return (self.row_base[r] + pos)[:, None]
+
+    def write_prefill_index(self, layer: int, index: PrefillIndex, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store a packed prefill chunk's latents: c [T, kv_lora], k_pe [T, rope], scattered by :meth:`prefill_index`
-        (one index_put per group). Equal to :meth:`write_prefill` per sequence."""
-        lat = torch.cat([c, k_pe], dim=-1)  # [T, kv_lora + rope]
-        for g, tok, slot, pos in index:
-            t = self.lat[layer][g]  # [B_g, S_g, kv_lora + rope]
-            t[slot, pos] = lat.index_select(0, tok).to(t.device, t.dtype)
+        into every length group at once: one row scatter each into the columns of the layer's flat array
+        (:func:`_scatter`; native on a CPU cache, no concatenation). Equal to :meth:`write_prefill` per sequence.
+        Raises ValueError on mismatched shapes."""
+        lat, Dl = self.lat_flat[layer].view(-1, self.width), self.kv_lora_rank  # [positions, kv_lora + rope]
+        _scatter(lat[:, :Dl], c[:, None], index)  # [T, 1, kv_lora] into columns :Dl
+        _scatter(lat[:, Dl:], k_pe[:, None], index)  # [T, 1, rope] into columns Dl:
 
     def append(self, layer: int, rows: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Append one decode token per row: c [B', kv_lora], k_pe [B', rope] for caller rows ``rows`` (int64 [B']),

@@ -25,6 +25,7 @@ import torch
 
 from ..kernels.cpu_attention import native_stats
 from .attention_placement import MicroBatch
+from .kv_cache import PrefillIndex
 from .stage_stats import add_counts
 from .token_scores import next_token_targets, split_scores, token_scores
 
@@ -38,7 +39,8 @@ class PrefillChunk:
 
     mb: int  # index of its micro-batch
     rows: list[int]  # its rows (indices into the batch's prompt list), in the micro-batch's order
-    kv_index: Optional[list]  # scatter index into the micro-batch's cache rows (GroupedKVCache.prefill_index); None: no KV
+    kv_index: Optional[PrefillIndex]  # scatter index into the micro-batch's cache rows (GroupedKVCache.prefill_index);
+    #   None: no KV
     x: Optional[torch.Tensor]  # [T, D] hidden states, replaced layer by layer; None once scored
     pos: torch.Tensor  # int64 [T] position of each token in its row
     spans: list[tuple[int, int]]  # (start, end) of each row in the packed tokens
@@ -157,7 +159,7 @@ class CGOPipePrefill:
         layout = self.family.prefill_packed_layout(spans, x.shape[0], self.device)  # for every layer
         return PrefillChunk(i, rows, self._prefill_kv_index(mb, cache_rows, spans), x, pos, spans, ends, rope, layout)
 
-    def _prefill_kv_index(self, mb: MicroBatch, cache_rows: list[int], spans) -> Optional[list]:
+    def _prefill_kv_index(self, mb: MicroBatch, cache_rows: list[int], spans) -> Optional[PrefillIndex]:
         """The chunk's scatter index into its micro-batch's ``cache_rows`` (GroupedKVCache.prefill_index), on
         the device its k / v are written from (the GPU for GPU caches, the host for CPU caches); None without KV."""
         if mb.kv is None:
@@ -185,10 +187,10 @@ class CGOPipePrefill:
             self._store_prefill_kv(l, mb, ch.kv_index, k, v, pending)
         ch.x = fam.post_attention(lw, None, ch.x, attn, self.spec, ffn)  # [T, D]
 
-    def _store_prefill_kv(self, l: int, mb: MicroBatch, index: list, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
+    def _store_prefill_kv(self, l: int, mb: MicroBatch, index: PrefillIndex, k: torch.Tensor, v: torch.Tensor, pending: list) -> None:
         """Write a prefill chunk's k, v [T, Hkv, hd] (MLA: the latent c [T, kv_lora] and the rope key k_pe [T, rope])
-        into its micro-batch's cache (one scatter per length group, by ``index`` from :meth:`_prefill_kv_index`, not a
-        copy per sequence).
+        into its micro-batch's cache (one row scatter per K and V over every length group, by ``index`` from
+        :meth:`_prefill_kv_index`, not a copy per sequence; a CPU cache's is native, all of torch's threads).
 
         GPU caches are written in place. For CPU caches on CUDA the copy is asynchronous: k/v go to pinned
         host buffers on the D2H stream and the worker thread writes them into the cache once they landed,
