@@ -201,7 +201,9 @@ def parse_variants(text: str) -> tuple:
     switch interval, ``sys.setswitchinterval``, during the run; default 0.005, Python's own: a shorter one hands the
     GIL to the CPU-attention worker sooner while the host thread issues GPU work), ``h2d`` (``kernel`` or ``dma``:
     CGOPipe's attention_h2d, how CPU attention outputs reach the GPU; default the executor's), ``gattn`` (``torch`` or
-    ``triton``: CGOPipe's gpu_attention, the GPU-attention micro-batches' append + attention; default torch).
+    ``triton``: CGOPipe's gpu_attention, the GPU-attention micro-batches' append + attention; default torch), ``pages``
+    (``after_attention`` or ``visit_start``: CGOPipe's page_issue, when a decode layer issues the next layer's pages;
+    default after_attention).
     ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
@@ -212,9 +214,11 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "gen", "attn", "prefill", "switch", "h2d", "gattn"):
+                if key not in ("threads", "gen", "attn", "prefill", "switch", "h2d", "gattn", "pages"):
                     raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, gen, attn, prefill, "
-                                     f"switch, h2d, gattn)")
+                                     f"switch, h2d, gattn, pages)")
+                if key == "pages" and val not in ("after_attention", "visit_start"):
+                    raise ValueError(f"--variants: pages must be after_attention or visit_start, got {val!r}")
                 if key == "gattn" and val not in ("torch", "triton"):
                     raise ValueError(f"--variants: gattn must be torch or triton, got {val!r}")
                 if key == "h2d" and val not in ("kernel", "dma"):
@@ -234,7 +238,7 @@ def parse_variants(text: str) -> tuple:
                     if not 0 < v[key] <= 1:
                         raise ValueError(f"--variants: switch must be seconds in (0, 1], got {val!r}")
                 else:
-                    v[key] = val if key in ("attn", "h2d", "gattn") else int(val)
+                    v[key] = val if key in ("attn", "h2d", "gattn", "pages") else int(val)
         out.append(v)
     return tuple(out)
 
@@ -253,6 +257,7 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
         ex._bench_h2d = ex.attention.attention_h2d  # the executor's own choice ("auto" resolved)
     ex.attention.attention_h2d = v.get("h2d", ex._bench_h2d)
     ex.attention.gpu_attention = v.get("gattn", "torch")
+    ex.opts = dataclasses.replace(ex.opts, page_issue=v.get("pages", "after_attention"))
 
 
 _DEFAULT_THREADS = torch.get_num_threads()

@@ -150,3 +150,56 @@ def test_cgopipe_prefill_stage_times(tiny_dir):
         assert ex.stats.extra["prefill_kv_write"] == st["prefill_kv_write"]  # scoring writes no KV
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("mu,n", [(5, 1), (3, 4)])
+def test_cgopipe_page_issue_visit_start(tiny_dir, mu, n):
+    """page_issue="visit_start": every page of a decode visit's successor is issued as the visit starts (before its
+    first micro-batch's attention), the default slot by slot after each micro-batch's attention; the same pages
+    cross (h2d bytes) and the tokens are the default schedule's."""
+    prompts = _prompts(11, seed=3)
+    sp = DecodeSampling(max_new_tokens=6, stop_at_eos=False)
+    pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
+    runs = {}
+    for issue in ("after_attention", "visit_start"):
+        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", page_issue=issue)
+        events = []
+        issue_slot, submit = ex.weight_stream.prefetch_slot, ex.attention.submit_cpu
+
+        def slot(visit, k, slots, _f=issue_slot, _e=events):
+            _e.append(("pages", visit, k, slots))
+            return _f(visit, k, slots)
+
+        def attend(l, mb, *a, _f=submit, _e=events, _ex=ex):
+            _e.append(("attention", _ex.weight_stream.visit))
+            return _f(l, mb, *a)
+
+        ex.weight_stream.prefetch_slot, ex.attention.submit_cpu = slot, attend
+        out = ex.generate(prompts, sp)
+        ex.close()
+        runs[issue] = ([o for o, _ in out], ex.stats.h2d_bytes, events)
+    (ref, ref_bytes, ev0), (got, got_bytes, ev1) = runs["after_attention"], runs["visit_start"]
+    assert got == ref and got_bytes == ref_bytes
+
+    def order(events):  # per decode visit v: is the first issue of v + 1's pages before v's first attention?
+        first_attn, first_pages = {}, {}
+        for i, e in enumerate(events):
+            if e[0] == "attention":
+                first_attn.setdefault(e[1], i)
+            else:
+                first_pages.setdefault(e[1] - 1, (i, e[2:]))
+        return {v: (first_pages[v][0] < i, first_pages[v][1]) for v, i in first_attn.items() if v in first_pages}
+
+    early, late = order(ev1), order(ev0)
+    assert len(early) == len(late) > 6
+    assert all(before and slots == (0, 1) for before, slots in early.values())  # all pages, before the attention
+    assert not any(before for before, _ in late.values())  # the default: slot by slot, after it
+
+
+def test_bench_cgopipe_pages_variant():
+    """bench_cgopipe's ``pages`` variant key: CGOPipe's page_issue, checked by name."""
+    from benchmarks.bench_cgopipe import parse_variants
+
+    assert parse_variants("pages=visit_start,h2d=kernel;default") == ({"pages": "visit_start", "h2d": "kernel"}, {})
+    with pytest.raises(ValueError, match="pages must be after_attention or visit_start"):
+        parse_variants("pages=early")

@@ -128,6 +128,7 @@ def test_executors_keep_the_contract_signature():
     ("cpu_threads", 0, "cpu_threads must be None or an int >= 1"),
     ("attention_h2d", "zero", "attention_h2d must be auto, kernel or dma"),
     ("gpu_attention", "cuda", "gpu_attention must be torch or triton"),
+    ("page_issue", "early", "page_issue must be after_attention or visit_start"),
     ("score_chunk_tokens", True, "score_chunk_tokens must be an int >= 1"),
 ])
 def test_options_checked_once_by_name(field, value, msg):

@@ -246,9 +246,13 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         the copy engine in issue order, so a slot issued earlier would hold the attention output behind
         megabytes of pages while the GPU waits for it. A CPU micro-batch is finished after the next micro-batch's
         attention is under way, so the worker and the GPU overlap. (Submitting every CPU micro-batch's attention
-        before the GPU micro-batches' work gains nothing: the GPU then waits for the CPU micro-batch instead.)
+        before the GPU micro-batches' work gains nothing: the GPU then waits for the CPU micro-batch instead.) With the
+        option ``page_issue="visit_start"`` every page of layer l+1 is issued as the visit starts instead (for
+        attention outputs that do not cross on the copy engine: zero-copy, or GPU attention).
         """
         visit, ffn = self._begin_visit()
+        if self.opts.page_issue == "visit_start":  # the next visit's pages now, behind this visit's on the weight stream
+            self.weight_stream.prefetch_slot(visit + 1, 0, 1)
         at = self.attention
         cpu_pending = None  # (k, micro-batch, Future) whose CPU attention runs on the worker
         for k, mb in enumerate(mbs):
@@ -284,7 +288,8 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         post-attention (o_proj, residual, norm, router, the visit's expert FFN) is enqueued."""
         if isinstance(attn, Future):
             attn = self.attention.receive(attn)
-        self.weight_stream.prefetch_slot(visit + 1, k, slots)
+        if self.opts.page_issue == "after_attention":  # (else issued as the visit started: _decode_layer)
+            self.weight_stream.prefetch_slot(visit + 1, k, slots)
         if self.mla:  # the values from the attention-weighted latents (W_UV per head), on the device
             attn = self.family.mla_unabsorb(self.layers[l], attn, self.spec)  # [mu_k, Hq*v_hd]
         mb.x = self.family.post_attention(self.layers[l], None, mb.x, attn, self.spec, ffn)  # [mu_k, D]

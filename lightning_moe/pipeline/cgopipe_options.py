@@ -35,6 +35,11 @@ class CGOPipeOptions:
     #   kernel on the compute stream reads the pinned buffer over PCIe, beside the page copies), "dma" (a copy on the
     #   attention H2D stream, in issue order with the pages on the copy engine), "auto" ("kernel" where
     #   kernels.host_read.host_read_available() says a kernel can read pinned memory, else "dma"); ignored on the CPU
+    page_issue: str = "after_attention"  # when a decode layer visit issues the next visit's expert pages:
+    #   "after_attention" (slot k of them right after micro-batch k's attention output is on its way: a DMA output never
+    #   queues behind pages on the copy engine) or "visit_start" (all of them as the visit starts, behind the visit's
+    #   own pages on the weight stream: the copy engine does not wait for a CPU attention between visits; for
+    #   zero-copy or GPU-attention outputs; an A/B switch of bench_cgopipe.py)
     gpu_attention: str = "torch"  # a GPU-attention micro-batch's append + attend: "torch" (per KV length group, the
     #   family's decode_attention, bit-identical to the serial executor) or "triton" (one kernel for all groups,
     #   scores in fp32: bf16 outputs differ by rounding)
@@ -56,6 +61,8 @@ class CGOPipeOptions:
             raise bad("score_chunk_tokens", "an int >= 1")
         if self.gpu_attention not in ("torch", "triton"):
             raise bad("gpu_attention", "torch or triton")
+        if self.page_issue not in ("after_attention", "visit_start"):
+            raise bad("page_issue", "after_attention or visit_start")
         if self.attention_h2d not in ("auto", "kernel", "dma"):
             raise bad("attention_h2d", "auto, kernel or dma")
         if self.cpu_threads is not None and not count(self.cpu_threads):
