@@ -141,13 +141,16 @@ def test_an_auto_plan_that_no_longer_fits_is_made_again_with_the_measured_contex
         app_plan.fit_plan_to_cap(fixed, None, first, _cap(cap, ctx), Log())
 
 
-def test_a_re_plan_under_a_torch_profiler_does_not_write_its_context_to_the_cache(tmp_path, monkeypatch):
-    """fit_plan_to_cap caches the process's outside-allocator bytes for the next job, except while a torch profiler
-    records (benchmarks/profile_prefill.py: its device buffers count outside the allocator; session 42 cached 2.21 GiB
-    that way and the next jobs reserved it): the job still re-plans with them, the cache is left as it was."""
+def test_a_job_under_a_torch_profiler_writes_nothing_to_the_cached_profile(tmp_path, monkeypatch):
+    """While a torch profiler records (benchmarks/profile_prefill.py: its device buffers count outside the allocator,
+    its callbacks slow every launch; session 42 cached a profiled job's 2.21 GiB context and the next jobs reserved
+    it), nothing a job measures is written to the host's cached profile: fit_plan_to_cap's context (the job still
+    re-plans with it), a job's expert rates or host probe (_cache_job_measurement) and a first job's whole profile
+    (measure_gpu_profile); one line says so. Without a profiler each path writes."""
     from torch.profiler import ProfilerActivity, profile
 
     from lightning_moe.app import plan as app_plan
+    from lightning_moe.pipeline import profiler as prof_mod
 
     cap, ctx = 12 * GiB, 1443233792
     hw = get_preset("h100")
@@ -156,12 +159,21 @@ def test_a_re_plan_under_a_torch_profiler_does_not_write_its_context_to_the_cach
         spec, hw2, wl, Budgets.for_hardware(hw2, gpu_memory=cap, cpu_memory=100 * GiB)))
     monkeypatch.setattr(app_plan, "check_plan", lambda job, prep, p, e, h: JobPlan(p, e, cap, 100 * GiB, h))
     monkeypatch.setattr(app_plan, "cached_gpu_profile", lambda job: str(tmp_path / "host.yaml"))
+    monkeypatch.setattr(app_plan, "device_name", lambda device: "card")
+    monkeypatch.setattr(prof_mod, "profile_host", lambda **kw: hw)
     written = []
-    monkeypatch.setattr(app_plan, "_cache_job_measurement", lambda prof, *a: written.append(prof.gpu_context_bytes))
-    job, first, log = _job(tmp_path), JobPlan(pol0, est0, cap, 100 * GiB, hw), io.StringIO()
-    with profile(activities=[ProfilerActivity.CPU]):
+    monkeypatch.setattr(app_plan, "save_gpu_profile", lambda prof, name, header: written.append(prof) or "x")
+    job, first = _job(tmp_path), JobPlan(pol0, est0, cap, 100 * GiB, hw)
+
+    def every_path(log):
         again = app_plan.fit_plan_to_cap(job, None, first, _cap(cap, ctx), log)
-    assert again.hardware.gpu_context_bytes == ctx and written == []
-    assert "not updated (a torch profiler is recording" in log.getvalue()
-    app_plan.fit_plan_to_cap(job, None, first, _cap(cap, ctx), io.StringIO())
-    assert written == [ctx]
+        assert again.hardware.gpu_context_bytes == ctx  # the job re-plans with what its process holds either way
+        app_plan._cache_job_measurement(hw, job, "host.yaml", "the rates", log)
+        assert app_plan.measure_gpu_profile("cpu", "card", log) is hw
+
+    log = io.StringIO()
+    with profile(activities=[ProfilerActivity.CPU]):
+        every_path(log)
+    assert written == [] and log.getvalue().count("a torch profiler is recording") == 3, log.getvalue()
+    every_path(io.StringIO())
+    assert len(written) == 3 and written[0].gpu_context_bytes == ctx

@@ -211,6 +211,10 @@ def measure_gpu_profile(device: str, name: str, log=None):
         print(f"moe-batch: measuring this host failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); planning "
               f"with the {preset} preset", file=log, flush=True)
         return dataclasses.replace(get_preset(preset), gpu_memory=device_memory(device))
+    if _profiler_recording():  # its buffers and callbacks are in every number: this job's, not this host's
+        print(f"moe-batch: {gpu_profile_path(name)}: not written (a torch profiler is recording in this process); "
+              f"this job plans with the profile just measured", file=log, flush=True)
+        return prof
     save_gpu_profile(prof, name, f"moe-batch profile (first job on this host), {prof.date}\nhost: {prof.host}\n"
                      f"{prof.source}")
     return prof
@@ -282,7 +286,13 @@ def with_model_expert_rates(job, prep, hw, log=None):
 
 def _cache_job_measurement(prof, job, cached: str, what: str, log):
     """``prof`` (this host's profile with what a job's plan just measured) written back to the cache
-    (:func:`save_gpu_profile`); a read-only cache says so in one line and the job plans with ``prof`` anyway."""
+    (:func:`save_gpu_profile`); a read-only cache, or a torch profiler recording in this process (its buffers count
+    outside the allocator, its callbacks slow every launch: not this host's numbers), says so in one line and the job
+    plans with ``prof`` anyway."""
+    if _profiler_recording():
+        print(f"moe-batch: {cached}: not updated (a torch profiler is recording in this process); this job plans "
+              f"with {what} just measured", file=log, flush=True)
+        return prof
     try:
         save_gpu_profile(prof, device_name(job.device), f"moe-batch profile, {prof.date}\nhost: {prof.host}\n"
                          f"{prof.source}")
@@ -471,10 +481,7 @@ def fit_plan_to_cap(job: Job, prep: "Prepared", jplan: Optional[JobPlan], cap: O
               f"the plan reserved ({jplan.policy.gpu_reserve / 2**30:.2f} GiB): planning again with it", file=log,
               flush=True)
         cached = cached_gpu_profile(job) if not getattr(job, "hardware", None) else None
-        if cached and _profiler_recording():
-            print(f"moe-batch: {cached}: not updated (a torch profiler is recording in this process: its buffers "
-                  f"count outside the allocator)", file=log, flush=True)
-        elif cached:
+        if cached:
             _cache_job_measurement(hw, job, cached, "its GPU context", log)
         policy, est = policy_for_job(job, prep, hw)
         jplan = check_plan(job, prep, policy, est, hw)
@@ -483,8 +490,9 @@ def fit_plan_to_cap(job: Job, prep: "Prepared", jplan: Optional[JobPlan], cap: O
 
 
 def _profiler_recording() -> bool:
-    """Whether a torch profiler records in this process (benchmarks/profile_prefill.py runs a job under one): its
-    device buffers count among the bytes outside the allocator, which are then not this host's CUDA context."""
+    """Whether a torch profiler records in this process (benchmarks/profile_prefill.py runs a job under one): what a
+    job measures then (its context: the profiler's device buffers count outside the allocator; rates and host issue
+    times: its callbacks slow every launch) is not this host's, and the cached profile is not written."""
     import torch
 
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))

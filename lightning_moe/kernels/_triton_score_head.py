@@ -50,7 +50,7 @@ def score_head_kernel(
 ):
     """Row ``program_id(0)`` of ``logits [c, V]`` (rows at ``stride_lr``, last stride 1; bf16 / fp16 / fp32):
 
-        logp[r]   = x[r, t] - (M + log(sum_j exp(x[r, j] - M))),  M = max_j x[r, j], all in fp32
+        logp[r]   = (x[r, t] - M) - log(sum_j exp(x[r, j] - M)),  M = max_j x[r, j], all in fp32
         greedy[r] = (lowest j with x[r, j] = M) == t
 
     t = ``tgt[r * stride_t]`` (int64). A row with a NaN: logp NaN, greedy False. A target outside [0, V): logp NaN,
@@ -72,12 +72,13 @@ def score_head_kernel(
     M = tl.reduce(m, 0, _MAX)  # row maximum (fp32; -inf for a row of -inf)
     shift = tl.where(M == float("-inf"), 0.0, M)
     S = tl.reduce(s * tl.exp(m - shift), 0, _SUM)  # sum of exp(x - shift) over the row
-    lse = shift + tl.log(S)  # logsumexp (-inf for a row of -inf: logp = NaN, as log_softmax's)
+    log_s = tl.log(S)  # logsumexp - shift (-inf for a row of -inf: logp = NaN, as log_softmax's)
     arg = tl.reduce(tl.where(m == M, idx, NONE), 0, _MIN)  # lowest index among the lanes holding M
     no_nan = tl.reduce(nan, 0, _MAX) == 0
     t = tl.load(tgt_ptr + row * stride_t)  # int64
     in_row = (t >= 0) & (t < V)
     x_t = tl.load(base + tl.where(in_row, t, 0), mask=in_row, other=float("nan")).to(tl.float32)
-    logp = tl.where(no_nan, x_t - lse, float("nan"))
+    logp = tl.where(no_nan, (x_t - shift) - log_s, float("nan"))  # as log_softmax: (x - max) - log(sum), no
+    #   rounding of max + log(sum) (which would cost up to ulp(max) where the logits are large)
     tl.store(logp_ptr + row, logp)
     tl.store(greedy_ptr + row, (arg.to(tl.int64) == t) & in_row & no_nan)

@@ -617,7 +617,8 @@ std::string latent_attention_append_groups(at::Tensor q, at::Tensor c_new, at::T
 // scatter_rows: dst[dst_idx[i, h]] = src[tok[i], h] for i < n, h < H, whole rows of w elements (one memcpy each),
 // parallel over i (a prefill chunk's k / v rows into the flat KV cache). dst [N, w] and src [T, H, w] with contiguous
 // rows, dst_idx int64 [n, H] and tok int64 [n] (empty: tok[i] = i) contiguous (checked by the Python wrapper with the
-// shapes and dtypes). Returns "" or the message of an index out of range (its row skipped, the others written).
+// shapes and dtypes). Returns "" or the message of an index out of range (one of them, if several: that copy skipped,
+// the others written).
 std::string scatter_rows(at::Tensor dst, at::Tensor src, at::Tensor dst_idx, at::Tensor tok) {
   const int64_t n = dst_idx.size(0), H = dst_idx.size(1), N = dst.size(0), T = src.size(0), es = dst.element_size();
   const int64_t d0 = dst.stride(0) * es, s0 = src.stride(0) * es, s1 = src.stride(1) * es, row = dst.size(1) * es;
@@ -629,21 +630,22 @@ std::string scatter_rows(at::Tensor dst, at::Tensor src, at::Tensor dst_idx, at:
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_work)));
   // chunks of >= 64 KiB taken as threads free up: a thread the OS keeps off its core delays the region less
   const int64_t chunk = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, H * row));
-  std::atomic<int64_t> bad{-1};
+  std::atomic<int64_t> bad{-1};  // 2 i: the source row of i out of range; 2 i + 1: a destination row of i
 #pragma omp parallel for num_threads(nt) schedule(dynamic, chunk)
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = ti ? ti[i] : i;
-    if (t < 0 || t >= T) { bad.store(i); continue; }
+    if (t < 0 || t >= T) { bad.store(2 * i); continue; }
     for (int64_t h = 0; h < H; ++h) {
       const int64_t r = di[i * H + h];
-      if (r < 0 || r >= N) { bad.store(i); continue; }
+      if (r < 0 || r >= N) { bad.store(2 * i + 1); continue; }
       std::memcpy(d + r * d0, s + t * s0 + h * s1, row);
     }
   }
-  const int64_t i = bad.load();
-  if (i < 0) return "";
-  return "index " + std::to_string(i) + " out of range (source row " + std::to_string(ti ? ti[i] : i) + " of " +
-         std::to_string(T) + ", a destination row of " + std::to_string(N) + ")";
+  const int64_t b = bad.load(), i = b / 2;
+  if (b < 0) return "";
+  if (b % 2 == 0) return "index " + std::to_string(i) + " out of range (source row " + std::to_string(ti[i]) + " of " +
+                         std::to_string(T) + ")";
+  return "index " + std::to_string(i) + " out of range (a destination row not in [0, " + std::to_string(N) + "))";
 }
 
 // exp_fast over an fp32 tensor (for its test against torch.exp)
@@ -1019,7 +1021,8 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, to
         tok: int64 [n] source row of each i (0 <= tok < T), or None: tok[i] = i (n <= T).
     Rows must not overlap between (i, h) pairs (the copies run in parallel; equal destinations race).
     Raises ValueError on mismatched operands or an index out of range (the other rows are written),
-    RuntimeError if the native kernel is not available. Equals :func:`scatter_rows_torch`.
+    RuntimeError if the native kernel is not available. Equals :func:`scatter_rows_torch` for valid indexes (which
+    does not check them).
     """
     _check_scatter("scatter_rows", dst, src, dst_idx, tok)
     if dst.device.type != "cpu" or dst.stride(1) != 1 or src.stride(2) != 1:
@@ -1036,7 +1039,9 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, to
 def scatter_rows_torch(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor,
                        tok: Optional[torch.Tensor] = None) -> None:
     """:func:`scatter_rows` in torch ops on any device (the reference, and the path of GPU caches): one index_put of
-    whole rows, viewed as int64 when a row's bytes allow it (8-byte elements: ~2x faster on the CPU than bf16's)."""
+    whole rows, viewed as int64 when a row's bytes allow it (8-byte elements: ~2x faster on the CPU than bf16's).
+    Equal to it for valid, distinct indexes; it does not check them (a negative index wraps around, one past the end
+    raises torch's IndexError, on CUDA a device-side assert): its callers pass ``GroupedKVCache.prefill_index``'s."""
     _check_scatter("scatter_rows_torch", dst, src, dst_idx, tok)
     src = src[:dst_idx.shape[0]] if tok is None else src.index_select(0, tok)  # [n, H, w]
     if dst.shape[1] * dst.element_size() % 8 == 0 and dst.dtype != torch.int64:

@@ -4,13 +4,14 @@ the model dtype, with the torch reference beside it.
 Why: scoring (``pipeline.token_scores``) needs two numbers per row of a chunk's ``[c, V]`` logits. torch's way makes
 an fp32 copy of the logits (``.float()``), an fp32 log_softmax (itself a max pass, a sum pass and a write) and an
 argmax pass, each a full pass over ``[c, V]`` in HBM: on an H100 at Qwen3-30B-A3B's V = 151,936 they took ~190 ms of a
-perplexity job's 0.37 s, twice the lm_head GEMM. Here one program per row reads the model-dtype logits once (online
+perplexity job predicted at ~0.4 s, twice the lm_head GEMM (measured on the job, the head's passes were not what
+bound its wall: benchmarks/RESULTS.md, Session 42). Here one program per row reads the model-dtype logits once (online
 maximum and rescaled sum of exponentials, and a running argmax) and writes 5 bytes.
 
 * :func:`score_head_triton` / :func:`score_head_torch` -- ``logp = x[t] - logsumexp(x)`` in fp32 and
   ``greedy = argmax(x) == t`` (lowest index among equal maxima) per row; :func:`score_head_triton_unsupported` says
-  why a call cannot take the kernel (None: it can); :func:`score_head_uses_triton`: ``pipeline.token_scores``'
-  choice (CUDA, triton imports, operands supported).
+  why a call cannot take the kernel (None: it can). ``pipeline.token_scores`` takes the kernel on CUDA with triton
+  (:func:`use_triton`), a family head in the model dtype (``model.layers.model_dtype_head``) and operands it takes.
 
 The ``@triton.jit`` kernel lives in :mod:`lightning_moe.kernels._triton_score_head`, imported lazily: importing this
 module needs only torch.
@@ -31,7 +32,6 @@ __all__ = [
     "score_head_torch",
     "score_head_triton",
     "score_head_triton_unsupported",
-    "score_head_uses_triton",
     "use_triton",
 ]
 
@@ -93,11 +93,11 @@ def score_head_triton(logits: torch.Tensor, targets: torch.Tensor,
             the row; ``pipeline.token_scores`` clamps its -1 targets to 0 first).
         out: optional (fp32 [c], bool [c]) contiguous tensors to write into (e.g. slices of a whole batch's outputs).
     Returns:
-        (logp fp32 [c], greedy bool [c]): ``logp = x[t] - (M + log(sum exp(x - M)))`` with every logit converted to
-        fp32 exactly (as ``.float()`` does) and all arithmetic in fp32, M the row maximum; ``greedy`` = (the lowest
-        index holding M) == t, exactly torch's argmax of the logits. logp differs from the reference only in the
-        order of the fp32 sum of exponentials (and, on CUDA, the exp / log approximations): within ~1e-6 relative
-        of ``logsumexp``. A row holding a NaN: logp NaN (as log_softmax gives), greedy False (no token is the argmax
+        (logp fp32 [c], greedy bool [c]): ``logp = (x[t] - M) - log(sum exp(x - M))`` (log_softmax's own order)
+        with every logit converted to fp32 exactly (as ``.float()`` does) and all arithmetic in fp32, M the row
+        maximum; ``greedy`` = (the lowest index holding M) == t, exactly torch's argmax of the logits. logp differs
+        from the reference only in the order of the fp32 sum of exponentials (and, on CUDA, the exp / log
+        approximations): within ~1e-6 of it. A row holding a NaN: logp NaN (as log_softmax gives), greedy False (no token is the argmax
         of such a row; torch's argmax of the log-probabilities would name index 0). A row holding +inf: logp NaN
         (as log_softmax), greedy (first +inf index) == t. One program per row, blocks of up to 4096 logits. Runs
         on the current CUDA stream, no host sync.
@@ -125,9 +125,3 @@ def score_head_triton(logits: torch.Tensor, targets: torch.Tensor,
         BLOCK_V=BLOCK_V, num_warps=num_warps,
     )
     return logp, greedy
-
-
-def score_head_uses_triton(logits: torch.Tensor, targets: torch.Tensor) -> bool:
-    """``pipeline.token_scores``' choice: True -> :func:`score_head_triton`, False -> the torch path (CUDA logits,
-    triton imports, operands supported)."""
-    return use_triton(logits) and score_head_triton_unsupported(logits, targets) is None

@@ -52,7 +52,8 @@ def token_scores(x: torch.Tensor, norm_w: torch.Tensor, lm_head: torch.Tensor, e
     head's model-dtype logits [c, V] and one ``kernels.score_head.score_head_triton`` launch writing into the outputs;
     the same log-probabilities to ~1e-6 relative (fp32 sums in another order) and the argmax of the logits themselves
     (the torch path's argmax of the log-probabilities agrees but where fp32 rounding of ``x - logsumexp`` ties two
-    near-maximal logits, and on NaN rows: greedy False there, index 0 on the torch path). Peak extra memory
+    near-maximal logits; on NaN rows: greedy False there, target 0 on the torch path; on rows holding +inf: the first
+    +inf index there, target 0 on the torch path, whose log-probabilities are then all NaN). Peak extra memory
     ``chunk_tokens * V * b``.
     Returns (fp32 logprob [T], bool greedy [T]) on x's device; entries of rows without a target are arbitrary.
     """
