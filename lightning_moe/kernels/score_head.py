@@ -97,10 +97,10 @@ def score_head_triton(logits: torch.Tensor, targets: torch.Tensor,
         with every logit converted to fp32 exactly (as ``.float()`` does) and all arithmetic in fp32, M the row
         maximum; ``greedy`` = (the lowest index holding M) == t, exactly torch's argmax of the logits. logp differs
         from the reference only in the order of the fp32 sum of exponentials (and, on CUDA, the exp / log
-        approximations): within ~1e-6 of it. A row holding a NaN: logp NaN (as log_softmax gives), greedy False (no token is the argmax
-        of such a row; torch's argmax of the log-probabilities would name index 0). A row holding +inf: logp NaN
-        (as log_softmax), greedy (first +inf index) == t. One program per row, blocks of up to 4096 logits. Runs
-        on the current CUDA stream, no host sync.
+        approximations): within ~1e-6 of it. A row holding a NaN: logp NaN (as log_softmax gives), greedy False
+        (no token is the argmax of such a row; torch's argmax of the log-probabilities would name index 0). A row
+        holding +inf: logp NaN (as log_softmax), greedy (first +inf index) == t. One program per row, blocks of up
+        to 4096 logits. Runs on the current CUDA stream, no host sync.
     Raises:
         ValueError: :func:`score_head_triton_unsupported`'s reasons, CPU tensors (unless TRITON_INTERPRET=1).
         RuntimeError: triton is not installed.
