@@ -442,3 +442,22 @@ def test_cpu_run_reports_predicted_columns(tmp_path, tiny_dir, executor):
     assert pred["stages_span"] == "the whole job"  # estimate_cpu sums its stages over every batch
     assert "HRM terms, decode (predicted s, the whole job, summed over layers and steps): " in table
     assert "; time = per layer visit ops + max(flops, memory) + stream" in table
+
+
+def test_scatter_bandwidth_times_the_executors_prefill_write(monkeypatch):
+    """The profile's scatter_bandwidth times kv_cache.scatter_prefill (what GroupedKVCache.write_prefill_index runs on
+    a CPU cache), and the probe checks that every value landed at its [row, head, position] (it raises otherwise)."""
+    from lightning_moe.pipeline import cpu_profile, kv_cache
+
+    calls = []
+    real = kv_cache.scatter_prefill
+    monkeypatch.setattr(kv_cache, "scatter_prefill", lambda *a: calls.append(a[0].shape) or real(*a))
+    assert cpu_profile.scatter_bandwidth(rows=3, positions=5, heads=2, head_dim=4) > 0
+    assert calls and calls[0] == (3 * 2 * 5, 4)
+
+    def shifted(dst, src, index):  # a write one position off: the probe must refuse to report a rate
+        real(dst, src, kv_cache.PrefillIndex(index.tok, (index.dst + 1) % dst.shape[0]))
+
+    monkeypatch.setattr(kv_cache, "scatter_prefill", shifted)
+    with pytest.raises(RuntimeError, match="did not store the chunk"):
+        cpu_profile.scatter_bandwidth(rows=3, positions=5, heads=2, head_dim=4)

@@ -9,8 +9,9 @@ import sys
 from typing import Optional
 
 CPU_PROFILE_ENV = "LIGHTNING_MOE_CPU_PROFILE"  # a CPU profile YAML to use instead of the cached measurement
-PROFILE_VERSION = 7  # in the cache file's name: bumped when CpuProfile's fields change or a rate is measured another
-#   way (7: the head GEMMs timed cold), so versions keep their own files (an older version would refuse newer keys)
+PROFILE_VERSION = 8  # in the cache file's name: bumped when CpuProfile's fields change or a rate is measured another
+#   way (7: the head GEMMs timed cold; 8: scatter_bandwidth times the native row scatter), so versions keep their own
+#   files (an older version would refuse newer keys)
 
 
 def is_cpu_job(job) -> bool:

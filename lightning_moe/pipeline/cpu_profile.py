@@ -155,17 +155,25 @@ def op_mix_call(calls: int = 10) -> float:
 
 
 def scatter_bandwidth(rows: int = 64, positions: int = 256, heads: int = 2, head_dim: int = 16) -> float:
-    """Bytes/s of values written by ``K[slot, :, pos] = x`` (the grouped KV cache's prefill write) for every position
-    of ``rows`` rows of a [rows, heads, positions, head_dim] fp32 cache."""
-    K = torch.zeros(rows, heads, positions, head_dim)
-    slot = torch.arange(rows).repeat_interleave(positions)
-    pos = torch.arange(positions).repeat(rows)
+    """Bytes/s of values written by the grouped KV cache's prefill write (``kv_cache.scatter_prefill``, what
+    ``GroupedKVCache.write_prefill_index`` runs: on a CPU cache the native row scatter where the kernel is available,
+    else one index_put) of a packed chunk holding every position of ``rows`` rows of a [rows, heads, positions,
+    head_dim] fp32 cache, in the chunk's order."""
+    from .kv_cache import PrefillIndex, scatter_prefill
+
+    K = torch.zeros(rows * heads * positions, head_dim)  # the layer's flat array: [row, head, position] blocks
+    tok = torch.arange(rows * positions)  # packed token i: row i // positions, position i % positions
+    base = (tok // positions) * heads * positions + tok % positions  # [n] its head-0 row of the flat array
+    index = PrefillIndex(None, base[:, None] + torch.arange(heads)[None, :] * positions)  # [n, heads]
     x = torch.randn(rows * positions, heads, head_dim)
 
     def write():
-        K[slot, :, pos] = x
+        scatter_prefill(K, x, index)
 
-    return x.numel() * x.element_size() / _per_call(write, 1, 10)
+    bw = x.numel() * x.element_size() / _per_call(write, 1, 10)
+    if not torch.equal(K.view(rows, heads, positions, head_dim), x.view(rows, positions, heads, head_dim).transpose(1, 2)):
+        raise RuntimeError("scatter_bandwidth: the prefill write did not store the chunk where the cache layout puts it")
+    return bw
 
 
 # The glue probe: a small Mixtral-architecture model that is not any job's (its own sizes, random weights) decoded by

@@ -145,7 +145,7 @@ class PrefillIndex(NamedTuple):
     #   MLA: positions, H = 1), on the cache's device
 
 
-def _scatter(dst: torch.Tensor, src: torch.Tensor, index: PrefillIndex) -> None:
+def scatter_prefill(dst: torch.Tensor, src: torch.Tensor, index: PrefillIndex) -> None:
     """``dst[index.dst[i, h]] = src[index.tok[i], h]``: dst [N, w] (rows of a layer's flat array), src [T, H, w] (a
     chunk's k / v). A CPU cache takes the native row scatter (kernels.cpu_attention.scatter_rows: one memcpy per row,
     all of torch's threads; ~12 GB/s on 2 cores against ~5 for the index_put per group it replaced), a GPU cache
@@ -388,8 +388,8 @@ class GroupedKVCache:
         (:func:`_scatter`; native on a CPU cache). Equal to :meth:`write_prefill` per sequence. Raises ValueError on
         mismatched shapes."""
         hd = self.k[layer][0].shape[-1]
-        _scatter(self.k_flat[layer].view(-1, hd), k, index)
-        _scatter(self.v_flat[layer].view(-1, hd), v, index)
+        scatter_prefill(self.k_flat[layer].view(-1, hd), k, index)
+        scatter_prefill(self.v_flat[layer].view(-1, hd), v, index)
 
     def append(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one decode token per row: k, v [B', Hkv, hd] for caller rows ``rows`` (int64 [B']), each at
@@ -622,8 +622,8 @@ class GroupedLatentKVCache(GroupedKVCache):
         (:func:`_scatter`; native on a CPU cache, no concatenation). Equal to :meth:`write_prefill` per sequence.
         Raises ValueError on mismatched shapes."""
         lat, Dl = self.lat_flat[layer].view(-1, self.width), self.kv_lora_rank  # [positions, kv_lora + rope]
-        _scatter(lat[:, :Dl], c[:, None], index)  # [T, 1, kv_lora] into columns :Dl
-        _scatter(lat[:, Dl:], k_pe[:, None], index)  # [T, 1, rope] into columns Dl:
+        scatter_prefill(lat[:, :Dl], c[:, None], index)  # [T, 1, kv_lora] into columns :Dl
+        scatter_prefill(lat[:, Dl:], k_pe[:, None], index)  # [T, 1, rope] into columns Dl:
 
     def append(self, layer: int, rows: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Append one decode token per row: c [B', kv_lora], k_pe [B', rope] for caller rows ``rows`` (int64 [B']),

@@ -106,8 +106,8 @@ class CpuProfile(YamlRecord):
     nonzero_call: float  # seconds per ``torch.where(mask)`` (nonzero) on a small mask: the expert loop's token gather
     argmax_rate: float  # elements/s of an argmax over fp32 logits rows (greedy sampling over the vocabulary)
     record_write: float  # seconds to append one result record with fsync (the results file, once per sequence)
-    scatter_bandwidth: float  # bytes/s written by an advanced-index scatter into a KV cache (``K[slot, :, pos] = x``:
-    #   cgopipe's grouped prefill KV write), per byte of the values written
+    scatter_bandwidth: float  # bytes/s written by cgopipe's grouped prefill KV write (kv_cache.scatter_prefill: the
+    #   native row scatter into a CPU cache where the kernel is available), per byte of the values written
     sdpa_rate: float = 0.0  # (query, key, head) scores/s of the CPU SDPA with a boolean mask at a small head dim (the
     #   prefill's padded attention: its masked softmax per score, not its FLOPs, binds at small heads; 0 = unmeasured)
     head_matmul_flops: float = 0.0  # FLOP/s of an lm_head-shaped fp32 GEMM (64 rows x 64 -> 32768: a short
@@ -260,7 +260,7 @@ def layer_terms(spec: MoESpec, prof: CpuProfile, layer: int, tokens: float, dtyp
                      pairs * spec.num_heads / prof.sdpa_rate if prof.sdpa_rate > 0 else 0.0)
         flops += attn_s * P
         kv_bytes = tokens * spec.kv_elems_per_token * b  # the prompt KV written to the cache
-        if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by an index_put scatter, not a copy
+        if executor == "cgopipe" and prof.scatter_bandwidth > 0:  # written by a row scatter, at its measured rate
             scatter = kv_bytes / prof.scatter_bandwidth
             kv_bytes = 0.0
     act_bytes = stream_blocks(executor, phase, tokens, k, groups) * 2 * D * b  # each op reads and writes its rows
