@@ -376,16 +376,21 @@ class GroupedKVCache:
         return PrefillIndex(None if same else tok.to(tok_dev, non_blocking=True),
                             dst.to(self.device, non_blocking=True))
 
+    def _head_base(self, r: torch.Tensor) -> torch.Tensor:
+        """The first hd-vector of each (caller row in ``r``, KV head) block of a layer's :attr:`k_flat` /
+        :attr:`v_flat`: int64 [n, Hkv] (row_base[r] + h * row_cap[r]; host)."""
+        heads = torch.arange(self.num_kv_heads, dtype=torch.int64)  # [Hkv]
+        return self.row_base[r][:, None] + heads[None, :] * self.row_cap[r][:, None]
+
     def _flat_rows(self, r: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The hd-vectors of caller rows ``r`` at positions ``pos`` (int64 [n] each, host) in a layer's
-        :attr:`k_flat` / :attr:`v_flat`, per KV head: int64 [n, Hkv] (row_base[r] + h * row_cap[r] + pos)."""
-        heads = torch.arange(self.num_kv_heads, dtype=torch.int64)  # [Hkv]
-        return (self.row_base[r] + pos)[:, None] + heads[None, :] * self.row_cap[r][:, None]
+        :attr:`k_flat` / :attr:`v_flat`, per KV head: int64 [n, Hkv]."""
+        return self._head_base(r) + pos[:, None]
 
     def write_prefill_index(self, layer: int, index: PrefillIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed prefill chunk's keys/values: k, v [T, Hkv, hd], scattered by :meth:`prefill_index` into
         every length group at once: one row scatter per K and V of whole hd-vectors into the layer's flat arrays
-        (:func:`_scatter`; native on a CPU cache). Equal to :meth:`write_prefill` per sequence. Raises ValueError on
+        (:func:`scatter_prefill`; native on a CPU cache). Equal to :meth:`write_prefill` per sequence. Raises ValueError on
         mismatched shapes."""
         hd = self.k[layer][0].shape[-1]
         scatter_prefill(self.k_flat[layer].view(-1, hd), k, index)
@@ -407,8 +412,7 @@ class GroupedKVCache:
         if bool((self.lengths >= self.row_cap).any()):
             raise ValueError("KV cache full: a sequence is longer than the cache was sized for")
         if self._head_base_dev is None:  # [B, Hkv] first hd-vector of each (row, KV head) block
-            heads = torch.arange(self.num_kv_heads, dtype=torch.int64)
-            self._head_base_dev = (self.row_base[:, None] + heads[None, :] * self.row_cap[:, None]).to(self.device)
+            self._head_base_dev = self._head_base(torch.arange(self.row_base.shape[0])).to(self.device)
         idx = self._head_base_dev + pos[:, None]  # [B, Hkv] hd-vector of each (row, head)'s new position
         hd = k.shape[-1]
         self.k_flat[layer].view(-1, hd)[idx] = k
@@ -619,7 +623,7 @@ class GroupedLatentKVCache(GroupedKVCache):
     def write_prefill_index(self, layer: int, index: PrefillIndex, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store a packed prefill chunk's latents: c [T, kv_lora], k_pe [T, rope], scattered by :meth:`prefill_index`
         into every length group at once: one row scatter each into the columns of the layer's flat array
-        (:func:`_scatter`; native on a CPU cache, no concatenation). Equal to :meth:`write_prefill` per sequence.
+        (:func:`scatter_prefill`; native on a CPU cache, no concatenation). Equal to :meth:`write_prefill` per sequence.
         Raises ValueError on mismatched shapes."""
         lat, Dl = self.lat_flat[layer].view(-1, self.width), self.kv_lora_rank  # [positions, kv_lora + rope]
         scatter_prefill(lat[:, :Dl], c[:, None], index)  # [T, 1, kv_lora] into columns :Dl
