@@ -47,14 +47,16 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory", default="24GiB")
     p.add_argument("--cpu-memory", default="104GiB")
     p.add_argument("--gen", type=int, default=128, help="max_new_tokens (no EOS stop)")
-    p.add_argument("--hardware", default=os.path.join(REPO, "lightning_moe/policy/profiles/h200-host.yaml"))
+    p.add_argument("--hardware", default=os.path.join(REPO, "lightning_moe/policy/profiles/h200-host.yaml"),
+                   help="the job's hardware profile; 'none': no hardware key (this host's measured, cached profile)")
     p.add_argument("--copies", type=int, default=50, help="MT-Bench repeats in the prompt file (80 x copies prompts)")
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     data = sj.write_jsonl(os.path.join(a.out, "prompts.jsonl"), mtbench_prompts(a.copies))
+    hardware = None if a.hardware == "none" else a.hardware
     job = sj.job_dict(a.model, "generate", data, os.path.join(a.out, "results.jsonl"), dtype=a.dtype,
-                      hardware=a.hardware, gpu_memory=a.gpu_memory, cpu_memory=a.cpu_memory, max_new_tokens=a.gen,
+                      hardware=hardware, gpu_memory=a.gpu_memory, cpu_memory=a.cpu_memory, max_new_tokens=a.gen,
                       name="full-size")
     job["data"]["chat_template"] = True
     plan_job = sj.write_job(os.path.join(a.out, "plan-job.yaml"), job)

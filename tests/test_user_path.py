@@ -3,6 +3,7 @@ model before any weight is read, out-of-memory reporting, progress per decode st
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -380,9 +381,14 @@ def test_job_without_hardware_on_cuda_measures_this_host_once(tmp_path, tiny_dir
 
 
 def test_a_job_on_cuda_1_measures_that_card(tmp_path, tiny_dir, monkeypatch):
-    """The first job on cuda:1 measures the host with cuda:1 the current device (the probes run on the current one)."""
+    """The first job on cuda:1 measures the host in a child process (app.measure_child; here the child's main runs
+    in this process in place of the subprocess) with cuda:1 the current device there (the probes run on the current
+    one); this process's current device is never switched."""
     import contextlib
     import dataclasses
+    import subprocess
+
+    from lightning_moe.app import measure_child
 
     from lightning_moe.config import job_from_dict
     from lightning_moe.policy.hardware import get_preset
@@ -405,11 +411,19 @@ def test_a_job_on_cuda_1_measures_that_card(tmp_path, tiny_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", cuda_device)
     monkeypatch.setattr("lightning_moe.pipeline.profiler.profile_host", fake_profile_host)
+    children = []
+
+    def child(cmd, **kw):  # the child process, run here: its entry point with the parent's request and result paths
+        assert cmd[:3] == [sys.executable, "-m", "lightning_moe.app.measure_child"] and entered == []
+        children.append(cmd)
+        return subprocess.CompletedProcess(cmd, measure_child.main(cmd[3:]), "", "")
+
+    monkeypatch.setattr(measure_child.subprocess, "run", child)
     job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
                          "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda:1", "dtype": "bfloat16",
                          "executor": "cgopipe"}, "t.yaml")
     assert plan.measure_gpu_profile(job.device, "NVIDIA H100 80GB HBM3").gpu_name == "cuda:1"
-    assert entered == ["cuda:1"] and current == ["cuda:0"]
+    assert entered == ["cuda:1"] and current == ["cuda:0"] and len(children) == 1
 
 
 def test_moe_batch_profile_caches_this_hosts_profile_for_jobs_without_hardware(tmp_path, tiny_dir, monkeypatch, capsys):

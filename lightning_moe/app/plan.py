@@ -188,25 +188,19 @@ def job_hardware(job, log=None):
 
 def measure_gpu_profile(device: str, name: str, log=None):
     """Measure this host as ``moe-batch profile`` does (PCIe, GEMM, HBM, the expert kernels, CPU attention, the
-    executor's host issue times; ~30 s), cache it for the card ``name`` (:func:`save_gpu_profile`) and return it.
-    Unmeasured fields come from the preset of the card's family (``gpu.PRESET_BY_DEVICE_NAME``, else h200); the GPU
+    executor's host issue times; ~30 s; in a child process on CUDA, :mod:`.measure_child`), cache it for the card
+    ``name`` (:func:`save_gpu_profile`) and return it. Unmeasured fields come from the preset of the card's family (``gpu.PRESET_BY_DEVICE_NAME``, else h200); the GPU
     memory is the card's. Where the measurement itself fails, that preset, with a line saying so."""
-    import contextlib
-
-    import torch
-
-    from ..pipeline.profiler import profile_host
     from ..policy.hardware import get_preset
+    from .measure_child import measure
 
     log = sys.stderr if log is None else log  # read at call time: a default bound at import outlives its stream
     preset = preset_for_device_name(name) or "h200"
     print(f"moe-batch: this host's {name} has no measured profile yet: measuring it now (~30 s, once; later jobs "
           f"plan with {gpu_profile_path(name)}; a job's `hardware:` skips this)", file=log, flush=True)
-    try:
-        card = torch.cuda.device(torch.device(device)) if torch.cuda.is_available() else contextlib.nullcontext()
-        with card:  # the job's card ("cuda:1") current: the probes measure the current device
-            prof = profile_host(gpu_preset=preset, gpu_memory=device_memory(device), log=lambda line: None,
-                                host_probes=())  # the generic host probe; the job's own: with_model_host_probe
+    try:  # in a child process on CUDA, the job's card ("cuda:1") current there; the generic host probe only (the
+        #   job's own: with_model_host_probe)
+        prof = measure("profile", device, gpu_preset=preset, gpu_memory=device_memory(device))
     except (RuntimeError, ValueError, OSError) as e:  # torch's CUDA errors are RuntimeErrors
         print(f"moe-batch: measuring this host failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); planning "
               f"with the {preset} preset", file=log, flush=True)
@@ -253,12 +247,12 @@ def missing_expert_rates(job, prep, hw) -> Optional[str]:
 def with_model_expert_rates(job, prep, hw, log=None):
     """``hw`` completed for the job's model: where ``hw`` is this CUDA host's measured profile (a job that names no
     hardware; :func:`cached_gpu_profile`, cached or just measured) and lacks the expert FFN rates the job reads
-    (:func:`missing_expert_rates`), they are measured now on the job's device (profiler.measure_shape_expert_ffn_rates:
-    the probes and token buckets of ``moe-batch profile``; once per card, CPU, shape, dtype and page format), added
-    and the cache written back (:func:`save_gpu_profile`); one line says so. ``hw`` as it was for a job that names
+    (:func:`missing_expert_rates`), they are measured now on the job's device, in a child process on CUDA
+    (:mod:`.measure_child`; profiler.measure_shape_expert_ffn_rates: the probes and token buckets of ``moe-batch
+    profile``; once per card, CPU, shape, dtype and page format), added and the cache written back (:func:`save_gpu_profile`); one line says so. ``hw`` as it was for a job that names
     hardware, off CUDA, a preset (this host's measurement failed), a profile that has them, or where measuring them
     fails (one line says so: the job plans and runs without them)."""
-    from ..pipeline.profiler import measure_shape_expert_ffn_rates
+    from .measure_child import measure
 
     cached = None if getattr(job, "hardware", None) else cached_gpu_profile(job)
     weights = missing_expert_rates(job, prep, hw) if cached else None
@@ -273,7 +267,7 @@ def with_model_expert_rates(job, prep, hw, log=None):
           f"{job.device} (once; the plan and expert_ffn: auto use them; a job's `hardware:` skips this)",
           file=log, flush=True)
     try:
-        rates = measure_shape_expert_ffn_rates(shape, dt, weights, job.device)
+        rates = measure("expert_rates", job.device, shape=list(shape), dtype=dt, weights=weights)  # (a child on CUDA)
     except Exception as e:  # noqa: BLE001 - e.g. out of memory on a small card: the job runs without them
         print(f"moe-batch: measuring them failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
               f"); planning with {cached} as it was (no measured rate for this shape: the HRM prices these experts "
@@ -322,14 +316,10 @@ def missing_host_probe(job, prep, hw) -> Optional[str]:
 def with_model_host_probe(job, prep, hw, log=None):
     """``hw`` completed with the job's own host issue probe: where ``hw`` is this CUDA host's measured profile (a job
     that names no hardware) and lacks the job's key (:func:`missing_host_probe`), the probe runs now on the job's
-    device (profiler.measure_host_issue; once per card, CPU, family and expert format), is added to
-    host_issue_by_family and the cache written back; one line says so. ``hw`` as it was otherwise, or where the probe
+    device, in a child process on CUDA (:mod:`.measure_child`; profiler.measure_host_issue; once per card, CPU, family
+    and expert format), is added to host_issue_by_family and the cache written back; one line says so. ``hw`` as it was otherwise, or where the probe
     fails (one line: the job's host term then takes the fallback probe, HardwareProfile.host_issue_for)."""
-    import contextlib
-
-    import torch
-
-    from ..pipeline.profiler import measure_host_issue
+    from .measure_child import measure
 
     cached = None if getattr(job, "hardware", None) else cached_gpu_profile(job)
     key = missing_host_probe(job, prep, hw) if cached else None
@@ -339,9 +329,7 @@ def with_model_host_probe(job, prep, hw, log=None):
     print(f"moe-batch: this host's profile {cached} has no host issue probe {key!r}: measuring it now on {job.device} "
           f"(once; the HRM's host term of {prep.spec.name}; a job's `hardware:` skips this)", file=log, flush=True)
     try:
-        card = torch.cuda.device(torch.device(job.device)) if torch.cuda.is_available() else contextlib.nullcontext()
-        with card:
-            h = measure_host_issue(device=job.device, probe=key)
+        h = tuple(measure("host_issue", job.device, probe=key))  # in a child process on CUDA, the job's card current
     except Exception as e:  # noqa: BLE001 - the job plans with the fallback probe
         print(f"moe-batch: the host issue probe {key!r} failed ({type(e).__name__}: "
               f"{str(e).splitlines()[0][:200] if str(e) else ''}); planning with {cached} as it was", file=log,

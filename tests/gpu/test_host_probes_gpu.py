@@ -26,3 +26,17 @@ def test_every_host_probe_runs_cgopipe_decode_on_cuda(probe):
     h_c, h_g = measure_host_issue(device="cuda", layers=2, mu=8, steps=2, probe=probe)
     for h in (h_c, h_g):
         assert math.isfinite(h) and 0 < h < 1.0, (probe, h_c, h_g)
+
+
+def test_a_jobs_probe_runs_in_a_child_process_and_leaves_this_one_as_it_was():
+    """app.measure_child on CUDA: the probe runs in a child process on the card (its seconds come back) and this
+    process's allocator holds no more than before: measured here, the probe's executor would leave its blocks cached
+    (torch.cuda.memory_reserved grows)."""
+    from lightning_moe.app.measure_child import measure
+
+    torch.cuda.init()
+    before = torch.cuda.memory_reserved()
+    h_c, h_g = measure("host_issue", "cuda", probe="generic", layers=2, mu=8, steps=2)
+    for h in (h_c, h_g):
+        assert math.isfinite(h) and 0 < h < 1.0, (h_c, h_g)
+    assert torch.cuda.memory_reserved() == before
