@@ -39,3 +39,26 @@ def test_without_cuda_the_measurement_runs_in_this_process(monkeypatch):
     assert calls == [{"device": "cpu", "probe": "olmoe"}]
     with pytest.raises(ValueError, match="unknown measurement 'nope'"):
         measure_child.measure("nope", "cpu")
+
+
+def test_the_child_imports_this_code_from_where_this_process_did(monkeypatch):
+    """The child's PYTHONPATH starts with the directory this package was imported from (a script that put a source
+    tree on sys.path, not installed, gets the same code in its child), the caller's PYTHONPATH kept after it."""
+    import os
+    import subprocess
+
+    import lightning_moe
+
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(kw.get("env"))
+        return subprocess.CompletedProcess(cmd, 3, "", "boom\n")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure_child.subprocess, "run", run)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    with pytest.raises(RuntimeError, match="exited with 3: boom"):
+        measure_child.measure("host_issue", "cpu", probe="generic")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lightning_moe.__file__)))
+    assert seen[0]["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]

@@ -62,13 +62,22 @@ def measure(kind: str, device: str, **kwargs: Any) -> Any:
         with open(req, "w") as f:
             json.dump({"kind": kind, "device": device, "kwargs": kwargs}, f)
         r = subprocess.run([sys.executable, "-m", "lightning_moe.app.measure_child", req, out],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=_child_env())
         if r.returncode != 0 or not os.path.isfile(out):
             lines = [ln for ln in (r.stderr or "").splitlines() if ln.strip()]
             raise RuntimeError(f"the measuring process exited with {r.returncode}: "
                                f"{lines[-1] if lines else 'no error output'}")
         with open(out, "rb") as f:
             return pickle.load(f)
+
+
+def _child_env() -> dict:
+    """This process's environment with the directory this package was imported from first on ``PYTHONPATH``: the
+    child imports this same code (a source tree put on ``sys.path`` by a script, not installed, included)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
 
 
 def main(argv: list) -> int:
