@@ -160,3 +160,17 @@ def test_host_probe_prints_under_the_throughput_table():
     assert "  host term: priced by the profile's generic host issue probe (Mixtral-shaped" in generic
     assert "host term" not in format_report(_report()) + format_report(_report(predicted=pred | {"host_probe": None}))
     assert "host term" not in format_report(_report(task="score", mode="perplexity", predicted=pred))
+
+
+def test_cpu_attention_rate_as_it_ran_prints_against_the_profiles():
+    """Where the decode attended on the CPU, a line gives the KV the worker read per second of its attention
+    (stages cpu_attention_valid_kv_bytes / cpu_attention_compute) against ``predicted.cpu_attention_bandwidth``, the
+    rate the HRM's cpu term divides by; none without the stages or without the profile's rate."""
+    pred = _report()["predicted"] | {"cpu_attention_bandwidth": 80e9}
+    stages = {"cpu_attention_valid_kv_bytes": 4.0e12, "cpu_attention_compute": 100.0}
+    text = format_report(_report(predicted=pred, stages=stages))
+    assert ("  CPU attention as it ran: 4,000.0 GB of KV in 100.00 s, 40.0 GB/s (0.50 of the profile's 80.0 GB/s, "
+            "the rate of the HRM's cpu term)") in text.splitlines()
+    assert "CPU attention as it ran" not in format_report(_report(predicted=pred))
+    assert "CPU attention as it ran" not in format_report(_report(stages=stages))
+    assert "CPU attention as it ran" not in format_report(_report(predicted=pred, stages={**stages, "cpu_attention_compute": 0.0}))

@@ -56,6 +56,7 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
             "stages_span": "one batch of N",  # what stages_seconds covers (a CPU job's: the whole job)
             "stages_rule": "each layer its longest overlapped stage, head added",  # how the terms make the time
             "host_probe": est.host_probe or None,  # the profile's host probe that priced the decode host stage
+            "cpu_attention_bandwidth": hw.cpu_attention_bandwidth,  # B/s of valid KV: (H5)'s rate, the cpu term's
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
 
@@ -242,6 +243,19 @@ def _terms_lines(stages: Optional[dict], scoring: bool, span: str, rule: Optiona
     return lines
 
 
+def _cpu_attention_rate_line(stages: dict, pred: dict) -> list[str]:
+    """The summary's line comparing the decode's CPU attention as it ran with the rate the HRM's ``cpu`` term divides
+    by: valid KV bytes read (``stages.cpu_attention_valid_kv_bytes``) per second of the worker's attention
+    (``stages.cpu_attention_compute``), against ``predicted.cpu_attention_bandwidth`` (the profile's); none where no
+    micro-batch attended on the CPU or the report has no such rate."""
+    kv, sec, rate = (stages.get("cpu_attention_valid_kv_bytes"), stages.get("cpu_attention_compute"),
+                     pred.get("cpu_attention_bandwidth"))
+    if not kv or not sec or not rate:
+        return []
+    return [f"  CPU attention as it ran: {kv / 1e9:,.1f} GB of KV in {sec:,.2f} s, {kv / sec / 1e9:,.1f} GB/s "
+            f"({kv / sec / rate:.2f} of the profile's {rate / 1e9:,.1f} GB/s, the rate of the HRM's cpu term)"]
+
+
 def _end_to_end_binding(r: dict, pred: dict) -> str:
     """The end-to-end row's binding stage: the phase the HRM gives more seconds (prompt tokens over its prefill rate,
     generated tokens over its decode rate) and that phase's stage, e.g. ``decode: cpu-ops``; "-" without rates."""
@@ -383,7 +397,8 @@ def format_report(r: dict, top_stages: int = 8) -> str:
     terms = _terms_lines(pred.get("stages_seconds"), scoring, pred.get("stages_span", "one batch of N"),
                          pred.get("stages_rule"))
     probe = [f"  {host_probe_line(pred['host_probe'])}"] if pred.get("host_probe") and not scoring else []
-    lines += [_table(rows)] + terms + probe + [f"  {n}" for n in pred.get("notes", ())]
+    lines += [_table(rows)] + terms + probe + _cpu_attention_rate_line(r.get("stages") or {}, pred)
+    lines += [f"  {n}" for n in pred.get("notes", ())]
     lines += _load_note(r.get("host_load_at_start"))
     if pred.get("job_batches"):
         lines.append(f"  predicted end-to-end is the job's: {len(pred['job_batches'])} prefill pass(es) of "
