@@ -4,11 +4,12 @@ kernels grouped by name, their total time, calls and share, next to the report's
 
     python3 benchmarks/profile_prefill.py JOB.yaml [--set key=value ...] [--top 25] [--trace trace.json.gz] [--phases]
 
-``--phases``: also mark each phase start (prefill / decode / scoring) and each warm-up's end (the executor's first
-prefill warms the first layer of each kind: the window after it holds the phase's warm kernels) on the device with a
-spin kernel and print, per window, its wall, the device's busy time (the union of kernel and copy intervals over all
-streams), its idle gaps, its largest kernels, and its largest gaps with the host events inside them (runtime and
-driver calls > 0.2 ms, lazy function loads).
+``--phases``: also mark each phase start (prefill / decode / scoring) and each warm-up's start and end (the
+executor's first prefill warms the first layer of each kind: "scoring warm-up 1", then "scoring after warm-up 1"
+holds the phase's warm kernels up to the next kind's warm-up) on the device with a spin kernel and print, per
+window, its wall, the device's busy time (the union of kernel and copy intervals over all streams), its idle gaps,
+its largest kernels, and its largest gaps with the host events inside them (runtime and driver calls > 0.2 ms, lazy
+function loads).
 
 For A/B and profiling on the GPU host (a benchmark, not a test); the job writes its results as `moe-batch run`
 does (point ``--set output.path=...`` somewhere disposable).
@@ -131,10 +132,13 @@ def main() -> int:
 
         warm_up = CGOPipePrefill._warm_up
 
-        def warm_up_marked(self, *args, **kw):  # a warm-up's end opens its own window: the phase's kernels after it
+        def warm_up_marked(self, *args, **kw):  # a warm-up is a window of its own, and so is what follows it
+            phase = phases[-1].split(" ")[0] if phases else "?"
+            torch.cuda._sleep(1000)
+            phases.append(f"{phase} warm-up {sum(p.startswith(phase + ' warm-up') for p in phases) + 1}")
             out = warm_up(self, *args, **kw)
             torch.cuda._sleep(1000)
-            phases.append(f"{phases[-1].split(' ')[0]} after a warm-up" if phases else "after a warm-up")
+            phases.append(f"{phase} after {phases[-1].split(' ', 1)[1]}")
             return out
 
         CGOPipePrefill._warm_up = warm_up_marked

@@ -34,6 +34,15 @@ class _FakeCuda:
         monkeypatch.setattr(gpu, "_has_context", lambda i: True)  # NVML cannot isolate this process: all counts
 
 
+@pytest.fixture(autouse=True)
+def _measure_in_this_process(monkeypatch):
+    """The tests stand in for the profiler's probes in this process: the measurements stay here even on a CUDA host
+    (app.measure_child would run the real probes in a child)."""
+    from lightning_moe.app import measure_child
+
+    monkeypatch.setattr(measure_child, "_in_child", lambda device: False)
+
+
 def test_gpu_cap_accepts_cuda_and_cuda_index(monkeypatch):
     """The cap takes "cuda" (the current device) and "cuda:N"; set_per_process_memory_fraction gets an int index
     (a bare torch.device("cuda") is what it rejected) and the fraction nets out what the device holds outside torch."""
@@ -414,11 +423,12 @@ def test_a_job_on_cuda_1_measures_that_card(tmp_path, tiny_dir, monkeypatch):
     children = []
 
     def child(cmd, **kw):  # the child process, run here: its entry point with the parent's request and result paths
-        assert cmd[:3] == [sys.executable, "-m", "lightning_moe.app.measure_child"] and entered == []
+        assert cmd[:2] == [sys.executable, "-c"] and entered == []
         children.append(cmd)
-        return subprocess.CompletedProcess(cmd, measure_child.main(cmd[3:]), "", "")
+        return subprocess.CompletedProcess(cmd, measure_child.main(cmd[4:]), "", "")
 
     monkeypatch.setattr(measure_child.subprocess, "run", child)
+    monkeypatch.setattr(measure_child, "_in_child", lambda device: True)  # (this module's fixture keeps it off)
     job = job_from_dict({"model": tiny_dir, "data": {"source": "jsonl", "path": _prompts(tmp_path / "p.jsonl")},
                          "output": {"path": str(tmp_path / "o.jsonl")}, "device": "cuda:1", "dtype": "bfloat16",
                          "executor": "cgopipe"}, "t.yaml")

@@ -207,7 +207,8 @@ class HardwareProfile(YamlRecord):
     gpu_context_bytes: int = 0  # bytes a job's process holds on the GPU outside torch's caching allocator (CUDA
     #   context, library handles, loaded kernel modules): what a gpu_memory cap loses before any tensor
     #   (app.gpu.apply_gpu_cap nets it out); the planner's allocator reserve is at least this plus the library
-    #   workspaces (policy.gpu_reserve_for). `moe-batch profile` measures it after its probes
+    #   workspaces (policy.gpu_reserve_for). `moe-batch profile` measures it after its probes (a job's first
+    #   profile: in a child process, capped by the child's own bytes by NVML's count, app.measure_child)
     #   (profiler.measure_gpu_context_bytes: 0.74 GiB on the H100 host); a job's process can hold more (1.1-1.34 GiB
     #   there: the kernels of its own model's shapes and on-demand measurements), so a capped `policy: auto` job whose
     #   plan does not fit re-plans with its own measurement and records it here (app.plan.fit_plan_to_cap);

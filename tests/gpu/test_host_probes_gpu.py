@@ -28,13 +28,19 @@ def test_every_host_probe_runs_cgopipe_decode_on_cuda(probe):
         assert math.isfinite(h) and 0 < h < 1.0, (probe, h_c, h_g)
 
 
-def test_a_jobs_probe_runs_in_a_child_process_and_leaves_this_one_as_it_was():
-    """app.measure_child on CUDA: the probe runs in a child process on the card (its seconds come back) and this
-    process's allocator holds no more than before: measured here, the probe's executor would leave its blocks cached
-    (torch.cuda.memory_reserved grows)."""
+def test_a_jobs_probe_runs_in_a_child_process_and_leaves_this_one_as_it_was(monkeypatch):
+    """app.measure_child on CUDA: the probe runs in a child process on the card (its seconds come back; this
+    process's probe is replaced by one that fails) and this process's allocator holds what it held before (cached
+    blocks emptied first: measured here, the probe's executor would leave its blocks cached)."""
     from lightning_moe.app.measure_child import measure
+    from lightning_moe.pipeline import profiler
 
+    def here(*a, **kw):
+        raise AssertionError("measured in this process")
+
+    monkeypatch.setattr(profiler, "measure_host_issue", here)
     torch.cuda.init()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     h_c, h_g = measure("host_issue", "cuda", probe="generic", layers=2, mu=8, steps=2)
     for h in (h_c, h_g):
