@@ -80,7 +80,10 @@ def measure(kind: str, device: str, **kwargs: Any) -> Any:
             raise RuntimeError(f"the measuring process took over {CHILD_TIMEOUT_S} s and was stopped") from None
         if r.returncode != 0 or not os.path.isfile(out):
             lines = [ln for ln in (r.stderr or "").splitlines() if ln.strip()]
-            why = open(err).read().strip() if os.path.isfile(err) else (lines[-1] if lines else "no error output")
+            why = lines[-1] if lines else "no error output"
+            if os.path.isfile(err):
+                with open(err) as f:
+                    why = f.read().strip() or why
             raise RuntimeError(f"the measuring process exited with {r.returncode}: {why}")
         with open(out, "rb") as f:
             return pickle.load(f)

@@ -189,8 +189,9 @@ def job_hardware(job, log=None):
 def measure_gpu_profile(device: str, name: str, log=None):
     """Measure this host as ``moe-batch profile`` does (PCIe, GEMM, HBM, the expert kernels, CPU attention, the
     executor's host issue times; ~30 s; in a child process on CUDA, :mod:`.measure_child`), cache it for the card
-    ``name`` (:func:`save_gpu_profile`) and return it. Unmeasured fields come from the preset of the card's family (``gpu.PRESET_BY_DEVICE_NAME``, else h200); the GPU
-    memory is the card's. Where the measurement itself fails, that preset, with a line saying so."""
+    ``name`` (:func:`save_gpu_profile`) and return it. Unmeasured fields come from the preset of the card's family
+    (``gpu.PRESET_BY_DEVICE_NAME``, else h200); the GPU memory is the card's. Where the measurement itself fails,
+    that preset, with a line saying so."""
     from ..policy.hardware import get_preset
     from .measure_child import measure
 
@@ -249,9 +250,10 @@ def with_model_expert_rates(job, prep, hw, log=None):
     hardware; :func:`cached_gpu_profile`, cached or just measured) and lacks the expert FFN rates the job reads
     (:func:`missing_expert_rates`), they are measured now on the job's device, in a child process on CUDA
     (:mod:`.measure_child`; profiler.measure_shape_expert_ffn_rates: the probes and token buckets of ``moe-batch
-    profile``; once per card, CPU, shape, dtype and page format), added and the cache written back (:func:`save_gpu_profile`); one line says so. ``hw`` as it was for a job that names
-    hardware, off CUDA, a preset (this host's measurement failed), a profile that has them, or where measuring them
-    fails (one line says so: the job plans and runs without them)."""
+    profile``; once per card, CPU, shape, dtype and page format), added and the cache written back
+    (:func:`save_gpu_profile`); one line says so. ``hw`` as it was for a job that names hardware, off CUDA, a
+    preset (this host's measurement failed), a profile that has them, or where measuring them fails (one line says
+    so: the job plans and runs without them)."""
     from .measure_child import measure
 
     cached = None if getattr(job, "hardware", None) else cached_gpu_profile(job)
@@ -317,8 +319,9 @@ def with_model_host_probe(job, prep, hw, log=None):
     """``hw`` completed with the job's own host issue probe: where ``hw`` is this CUDA host's measured profile (a job
     that names no hardware) and lacks the job's key (:func:`missing_host_probe`), the probe runs now on the job's
     device, in a child process on CUDA (:mod:`.measure_child`; profiler.measure_host_issue; once per card, CPU, family
-    and expert format), is added to host_issue_by_family and the cache written back; one line says so. ``hw`` as it was otherwise, or where the probe
-    fails (one line: the job's host term then takes the fallback probe, HardwareProfile.host_issue_for)."""
+    and expert format), is added to host_issue_by_family and the cache written back; one line says so. ``hw`` as it
+    was otherwise, or where the probe fails (one line: the job's host term then takes the fallback probe,
+    HardwareProfile.host_issue_for)."""
     from .measure_child import measure
 
     cached = None if getattr(job, "hardware", None) else cached_gpu_profile(job)
