@@ -19,7 +19,12 @@ costs the factor of ~4:
    at full rate (the expert pages of a bf16 run: ~55 GB/s of DMA reads of host DRAM);
 5. ``grouped-worker+host`` (CUDA only): the same while a Python thread plays CGOPipe's host thread: it
    launches small CUDA kernels in a loop and synchronizes every 64 launches (one core busy, GIL traffic);
-6. with ``--threads 12 8``: conditions 3 and 5 again at each intra-op thread count (``torch.set_num_threads``),
+6. ``4k`` (with ``--only``'s keys: probe, main, worker, per-group, 4k, h2d, host, both, sharing): condition 3 with
+   the KV caches on plain 4 KiB pages (pipeline.huge_pages' advice skipped: the A/B of huge pages; run it with many
+   ``--layers``, e.g. 128 layers of 500 rows ~ 40 GB, where page tables outgrow the CPU caches); ``both``: conditions
+   4 and 5 at once; ``sharing`` (CUDA): the profile's (H5') probe at these lengths (pipeline.dram_sharing), the CPU
+   attention's rate beside pinned copies, the copies' rate in its label;
+7. with ``--threads 12 8``: conditions 3 and 5 again at each intra-op thread count (``torch.set_num_threads``),
    to see whether leaving cores free for the host thread pays.
 
 ``--mla``: instead, MLA decode over the latent cache (DeepSeek-V2-Lite shapes: 16 heads, kv_lora_rank 512, rope 64,
@@ -100,9 +105,35 @@ def _per_group_calls(fn):
         CA.decode_attention_append_groups = one_call
 
 
-def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -> list[tuple[str, float, float]]:
+CONDITIONS = ("probe", "main", "worker", "per-group", "h2d", "host", "both", "4k", "sharing")  # --only's keys
+
+
+def _without_huge_pages(fn):
+    """``fn()`` with the KV caches on plain pages (pipeline.huge_pages' advice skipped): the A/B of huge pages."""
+    from lightning_moe.pipeline import huge_pages
+
+    zeros = huge_pages.zeros
+    huge_pages.zeros = lambda numel, dtype: torch.zeros(numel, dtype=dtype)
+    try:
+        return fn()
+    finally:
+        huge_pages.zeros = zeros
+
+
+def _sharing_point(lens: list, gen: int, layers: int, alone: float) -> tuple[float, float]:
+    """The profile's (H5') probe at these lengths: (KV B/s, pinned H2D B/s) with both at once (CUDA)."""
+    from lightning_moe.pipeline.dram_sharing import measure_cpu_attention_under_h2d
+    from lightning_moe.pipeline.profiler import executor_attention_layer, measure_gpu
+
+    h2d = measure_gpu(copy_bytes=1 << 30, gemm=2048)["pcie_h2d"]
+    layer, layer_bytes = executor_attention_layer(lengths=lens, gen=gen, layers=layers)
+    return measure_cpu_attention_under_h2d(layer, layer_bytes, layers, alone, h2d)
+
+
+def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=(), only=CONDITIONS) -> list[tuple[str, float, float]]:
     """[(condition, GB/s of valid KV, ms per layer)] for ``rows`` MT-Bench-length sequences at decode step
-    ``step`` (conditions 2-4 are pipeline/profiler.measure_cpu_attention_executor with these lengths)."""
+    ``step`` (conditions 2-4 are pipeline/profiler.measure_cpu_attention_executor with these lengths); ``only``:
+    the :data:`CONDITIONS` to run (CUDA ones are skipped without CUDA)."""
     import bench_cgopipe as B
     from lightning_moe.pipeline.profiler import measure_cpu_attention, measure_cpu_attention_executor
 
@@ -111,21 +142,31 @@ def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=()) -
     per_layer = (sum(lens) + rows) * 2 * 8 * 128 * 2  # valid K and V bytes of one layer (Mixtral: 8 KV heads, hd 128, bf16)
     cuda = torch.cuda.is_available()
 
-    def grouped(worker: bool) -> float:
+    def grouped(worker: bool = True) -> float:
         return measure_cpu_attention_executor(lengths=lens, gen=gen - step, layers=layers, repeats=repeats, worker=worker)
 
-    out = []
-    bw, _, _ = measure_cpu_attention(batch=rows, seq=max(1, per_layer // (rows * 4096)))
-    out.append(("probe (profiler, contiguous, one call)", bw))
     pin = " + pin_memory" if cuda else ""
-    out.append(("grouped (<= 8 groups), main thread" + pin, grouped(False)))
-    out.append(("grouped, worker thread" + pin, grouped(True)))
-    out.append(("grouped, worker thread, one native call per group (session 5)" + pin, _per_group_calls(lambda: grouped(True))))
+    h2d = (_h2d_load, (1 << 30,))
+    conds = [
+        ("probe", "probe (profiler, contiguous, one call)",
+         lambda: measure_cpu_attention(batch=rows, seq=max(1, per_layer // (rows * 4096)))[0]),
+        ("main", "grouped (<= 8 groups), main thread" + pin, lambda: grouped(False)),
+        ("worker", "grouped, worker thread" + pin, grouped),
+        ("per-group", "grouped, worker thread, one native call per group (session 5)" + pin, lambda: _per_group_calls(grouped)),
+        ("4k", "grouped, worker thread, KV on 4 KiB pages (no huge-page advice)" + pin, lambda: _without_huge_pages(grouped)),
+    ]
     if cuda:
-        out.append(("grouped, worker thread + pin_memory + full-rate pinned H2D",
-                    _with_thread(_h2d_load, (1 << 30,), lambda: grouped(True))))
-        out.append(("grouped, worker thread + pin_memory + busy host thread (CUDA launches)",
-                    _with_thread(_busy_host, (), lambda: grouped(True))))
+        conds += [
+            ("h2d", "grouped, worker thread + pin_memory + full-rate pinned H2D", lambda: _with_thread(*h2d, grouped)),
+            ("host", "grouped, worker thread + pin_memory + busy host thread (CUDA launches)",
+             lambda: _with_thread(_busy_host, (), grouped)),
+            ("both", "grouped, worker thread + pin_memory + full-rate pinned H2D + busy host thread",
+             lambda: _with_thread(*h2d, lambda: _with_thread(_busy_host, (), grouped))),
+        ]
+    out = [(label, fn()) for key, label, fn in conds if key in only]
+    if cuda and "sharing" in only:
+        c, h = _sharing_point(lens, gen - step, layers, max(b for _, b in out) if out else grouped())
+        out.append((f"the profile's sharing probe: CPU attention beside pinned H2D (the copies: {h / 1e9:.1f} GB/s)", c))
     default = torch.get_num_threads()
     for n in threads:
         torch.set_num_threads(n)
@@ -183,6 +224,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128, help="generation length the caches are sized for")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="*", default=[], help="also run at these intra-op thread counts")
+    ap.add_argument("--only", default=",".join(CONDITIONS),
+                    help=f"comma-separated conditions to run, of {', '.join(CONDITIONS)} (default: all)")
     ap.add_argument("--mla", action="store_true", help="MLA latent attention: native kernel vs the torch path")
     ap.add_argument("--mla-len", type=int, default=500, help="--mla: mean cached positions per row")
     a = ap.parse_args()
@@ -201,7 +244,10 @@ def main() -> None:
     print("| rows | condition | GB/s of valid KV | ms per layer |")
     print("|---|---|---|---|")
     for rows in a.rows:
-        for name, gbs, ms in run(rows, a.layers, a.step, a.gen, a.repeats, a.threads):
+        only = a.only.split(",")
+        if set(only) - set(CONDITIONS):
+            ap.error(f"--only: unknown {', '.join(sorted(set(only) - set(CONDITIONS)))}; known: {', '.join(CONDITIONS)}")
+        for name, gbs, ms in run(rows, a.layers, a.step, a.gen, a.repeats, a.threads, only):
             print(f"| {rows} | {name} | {gbs:.1f} | {ms:.1f} |", flush=True)
 
 

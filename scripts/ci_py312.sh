@@ -43,4 +43,5 @@ EOF
 # fixtures build torch checkpoints
 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider --noconftest \
     tests/test_milp.py tests/test_hrm.py tests/test_expert_parallel_plan.py tests/test_attention_offsets.py \
-    tests/test_host_stage.py tests/test_prefill_memory.py tests/test_milp_solver.py tests/test_milp_solve_cache.py
+    tests/test_host_stage.py tests/test_prefill_memory.py tests/test_milp_solver.py tests/test_milp_solve_cache.py \
+    tests/test_dram_sharing.py

@@ -5,6 +5,7 @@ import torch
 import yaml
 
 from lightning_moe.pipeline import profiler
+from lightning_moe.policy.hrm import dram_sharing as hrm_sharing
 from lightning_moe.policy.hardware import (GiB, PRESETS, HardwareError, HardwareProfile, get_preset, parse_bytes,
                                            resolve_hardware)
 
@@ -112,7 +113,11 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
         raise RuntimeError("probe broke\nsecond line")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(P, "_measure_cpu_attention_side", lambda quick, log: (dict(cpu_attention_flops=1e9), "stub"))
+    monkeypatch.setattr(P, "_measure_cpu_attention_side",
+                        lambda quick, log: (dict(cpu_attention_flops=1e9, cpu_attention_bandwidth=6e10), "stub"))
+    from lightning_moe.pipeline import dram_sharing
+
+    monkeypatch.setattr(dram_sharing, "measure_cpu_attention_under_h2d", lambda f, b, n, c, h, **kw: (0.5 * c, 0.8 * h))
     gpu = dict(gpu_name="Stub GPU", pcie_h2d=11e9, pcie_d2h=12e9, gpu_hbm_bandwidth=1e12, gpu_flops_bf16=2e14)
     monkeypatch.setattr(P, "measure_gpu", lambda **kw: dict(gpu))
     monkeypatch.setattr(P, "measure_microbatch_overhead", lambda: 1.5e-3)
@@ -126,11 +131,18 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
     assert (prof.pcie_h2d, prof.gpu_flops_bf16, prof.microbatch_overhead, prof.gpu_expert_flops) == (11e9, 2e14, 1.5e-3, 3e14)
     assert (prof.host_issue_cpu_attn, prof.host_issue_gpu_attn) == (4e-3, 6e-3)
     assert prof.host_issue_by_family == (("mla", (7e-3, 5e-3)),)  # quick: the MLA probe only
+    # the point of CPU attention beside pinned copies, from the rates alone just measured
+    assert (prof.cpu_attention_bandwidth_under_h2d, prof.pcie_h2d_under_cpu_attention) == (3e10, 0.8 * 11e9)
+    assert "CPU decode attention beside full-rate pinned H2D copies: 30.0 GB/s of KV (0.50" in "\n".join(lines)
     assert prof.expert_ffn_rates == get_preset("l4").expert_ffn_rates and "GPU side measured" in prof.source
     assert "expert FFN kernel probe failed (RuntimeError: probe broke); expert_ffn_rates left empty" in "\n".join(lines)
     monkeypatch.setattr(P, "measure_host_issue", fail)
+    monkeypatch.setattr(dram_sharing, "measure_cpu_attention_under_h2d", fail)
     prof = P.profile_host(name="here", gpu_preset="l4", quick=True, log=lines.append)
     assert prof.host_issue_cpu_attn == get_preset("l4").host_issue_cpu_attn and prof.gpu_expert_flops == 3e14
+    assert prof.cpu_attention_bandwidth_under_h2d == 0.0 and hrm_sharing(prof) is None
+    assert ("CPU decode attention beside pinned H2D copies: not measured (RuntimeError: probe broke)"
+            in "\n".join(lines))
     # an MXFP4 model among the expert shapes: the MXFP4 kernel's entries join the dense ones
     from lightning_moe.policy.hardware import ExpertFFNRate
 

@@ -111,5 +111,6 @@ def test_estimate_says_when_it_has_no_host_stage():
     (note,) = hrm.evaluate(pol, spec, preset, gen).notes
     assert note.startswith("note: hardware l4 ") and "host_issue_cpu_attn" in note
     assert hrm.evaluate(pol, spec, preset, score).notes == ()
-    for field in ("host_issue_cpu_attn", "host_issue_gpu_attn"):
-        assert hrm.evaluate(pol, spec, dataclasses.replace(preset, **{field: 0.004}), gen).notes == ()
+    for field in ("host_issue_cpu_attn", "host_issue_gpu_attn"):  # (the other note: tests/test_dram_sharing.py)
+        notes = hrm.evaluate(pol, spec, dataclasses.replace(preset, **{field: 0.004}), gen).notes
+        assert not any("host issue times" in n for n in notes), notes

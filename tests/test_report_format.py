@@ -174,3 +174,7 @@ def test_cpu_attention_rate_as_it_ran_prints_against_the_profiles():
     assert "CPU attention as it ran" not in format_report(_report(predicted=pred))
     assert "CPU attention as it ran" not in format_report(_report(stages=stages))
     assert "CPU attention as it ran" not in format_report(_report(predicted=pred, stages={**stages, "cpu_attention_compute": 0.0}))
+    shared = format_report(_report(predicted=pred | {"cpu_attention_bandwidth_under_h2d": 48e9}, stages=stages))
+    assert ("  CPU attention as it ran: 4,000.0 GB of KV in 100.00 s, 40.0 GB/s (0.50 of the profile's 80.0 GB/s, "
+            "the rate of the HRM's cpu term; 48.0 GB/s beside pinned H2D copies, the HRM's sharing point)"
+            ) in shared.splitlines()

@@ -661,7 +661,8 @@ def test_expert_rates_by_model_kind_mxfp4_pages_mla_and_dense_layers(tmp_path, t
 def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_path, tiny_dir, monkeypatch):
     """The run report's predicted block (a cuda run): the profile the job planned with, the note naming the preset a
     job without hardware got, then the estimate's own notes (a preset has no host stage); a measured profile the
-    job names gets neither note."""
+    job names gets neither note, only, where its decode attends on the CPU, the one saying it lacks (H5')'s point of
+    CPU attention beside pinned copies (the shipped h200-host profile was measured before that point existed)."""
     from lightning_moe.config import job_from_dict
 
     monkeypatch.setattr(plan, "device_memory", lambda device: 22 * GiB)
@@ -683,8 +684,13 @@ def test_report_names_the_hardware_and_notes_what_the_prediction_stands_on(tmp_p
     assert block["host_probe"] is None  # no host stage: no probe
     profile = os.path.join(os.path.dirname(plan.__file__), "..", "policy", "profiles", "h200-host.yaml")
     measured = job_from_dict({**keys, "hardware": profile, "gpu_memory": "12GiB"}, "t.yaml")
-    block = engine.predicted_report(measured, plan.plan_job(measured, plan.Prepared(measured)))
-    assert block["hardware"] == measured.hardware and block["notes"] == []
+    jplan = plan.plan_job(measured, plan.Prepared(measured))
+    block = engine.predicted_report(measured, jplan)
+    assert block["hardware"] == measured.hardware
+    cpu_attention = jplan.policy.n_cpu_attn > 0
+    assert [n.split(" (")[0] for n in block["notes"]] == (
+        ["note: hardware measured has no measured point of CPU attention beside pinned H2D copies"] if cpu_attention
+        else []), block["notes"]
     assert block["host_probe"] == "generic"  # tiny-mixtral: the generic (Mixtral-shaped) probe priced its host term
 
 

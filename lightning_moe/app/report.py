@@ -57,6 +57,8 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
             "stages_rule": "each layer its longest overlapped stage, head added",  # how the terms make the time
             "host_probe": est.host_probe or None,  # the profile's host probe that priced the decode host stage
             "cpu_attention_bandwidth": hw.cpu_attention_bandwidth,  # B/s of valid KV: (H5)'s rate, the cpu term's
+            # (H5')'s point: the same rate while pinned H2D copies run beside it (None: unmeasured, no sharing rows)
+            "cpu_attention_bandwidth_under_h2d": hw.cpu_attention_bandwidth_under_h2d or None,
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
 
@@ -252,8 +254,10 @@ def _cpu_attention_rate_line(stages: dict, pred: dict) -> list[str]:
                      pred.get("cpu_attention_bandwidth"))
     if not kv or not sec or not rate:
         return []
+    under = pred.get("cpu_attention_bandwidth_under_h2d")
+    beside = f"; {under / 1e9:,.1f} GB/s beside pinned H2D copies, the HRM's sharing point" if under else ""
     return [f"  CPU attention as it ran: {kv / 1e9:,.1f} GB of KV in {sec:,.2f} s, {kv / sec / 1e9:,.1f} GB/s "
-            f"({kv / sec / rate:.2f} of the profile's {rate / 1e9:,.1f} GB/s, the rate of the HRM's cpu term)"]
+            f"({kv / sec / rate:.2f} of the profile's {rate / 1e9:,.1f} GB/s, the rate of the HRM's cpu term{beside})"]
 
 
 def _end_to_end_binding(r: dict, pred: dict) -> str:

@@ -18,6 +18,7 @@ import torch
 
 from ..model.spec import MoESpec
 from ..kernels.cpu_attention import decode_mask, native_available, scatter_rows, scatter_rows_torch
+from . import huge_pages
 from .cpu_attention import bucket_len
 from ..policy.batching import KV_GROUPS, length_groups
 
@@ -194,8 +195,8 @@ class GroupedKVCache:
         # append_attend_triton)
         blocks = [len(r) * Hkv * S for r, S in zip(self.rows, self.sizes)]  # hd-vectors per group
         group_base = [sum(blocks[:g]) for g in range(len(blocks))]
-        self.k_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
-        self.v_flat = [torch.zeros(sum(blocks) * hd, dtype=dtype, device=dev, pin_memory=pin) for _ in range(L)]
+        self.k_flat = [self._storage(sum(blocks) * hd, dtype, dev, pin) for _ in range(L)]
+        self.v_flat = [self._storage(sum(blocks) * hd, dtype, dev, pin) for _ in range(L)]
         self.k = [self._group_views(f, group_base, hd) for f in self.k_flat]  # k[layer][g]: [B_g, Hkv, S_g, hd]
         self.v = [self._group_views(f, group_base, hd) for f in self.v_flat]
         # per caller row: first hd-vector of its block and its capacity S_g (int64 [B], host; device copies lazily)
@@ -208,6 +209,14 @@ class GroupedKVCache:
         self._row_meta_dev: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._head_base_dev: Optional[torch.Tensor] = None  # append_all's [B, Hkv] block starts, on the device
         self.sliding_window = spec.sliding_window
+
+    @staticmethod
+    def _storage(numel: int, dtype: torch.dtype, dev: torch.device, pin: bool) -> torch.Tensor:
+        """One layer's zeroed flat storage: in host memory (not pinned) on transparent huge pages
+        (pipeline.huge_pages: its first touch and page tables at tens of GB), else ``torch.zeros`` on ``dev``."""
+        if dev.type == "cpu" and not pin:
+            return huge_pages.zeros(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=dev, pin_memory=pin)
 
     def _group_rows(self, final_lengths: Sequence[int], device, pin: bool, max_groups: int) -> tuple[torch.device, bool]:
         """The length groups of the rows and their indexes (shared by :class:`GroupedLatentKVCache`); returns the
@@ -586,8 +595,7 @@ class GroupedLatentKVCache(GroupedKVCache):
         # lat[layer][g] a view of it (one scatter appends to every group: append_all)
         blocks = [len(r) * S for r, S in zip(self.rows, self.sizes)]  # positions per group
         group_base = [sum(blocks[:g]) for g in range(len(blocks))]
-        self.lat_flat = [torch.zeros(sum(blocks) * W, dtype=dtype, device=dev, pin_memory=pin)
-                         for _ in range(spec.num_layers)]
+        self.lat_flat = [self._storage(sum(blocks) * W, dtype, dev, pin) for _ in range(spec.num_layers)]
         self.lat = [[f[b * W: (b + n) * W].view(len(r), S, W) for b, n, r, S in zip(group_base, blocks, self.rows,
                                                                                    self.sizes)]
                     for f in self.lat_flat]  # lat[layer][g]: [B_g, S_g, W]

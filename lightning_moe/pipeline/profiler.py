@@ -139,6 +139,19 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
     """
     from concurrent.futures import ThreadPoolExecutor
 
+    layer, valid = executor_attention_layer(rows, mean_len, gen, layers, lengths)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        run = (lambda l: pool.submit(layer, l).result()) if worker else layer
+        t = _best_time(lambda: [run(l) for l in range(layers)], repeats) / layers
+    return valid / t
+
+
+def executor_attention_layer(rows: int = 512, mean_len: int = 128, gen: int = 64, layers: int = 4,
+                             lengths: Optional[Sequence[int]] = None) -> tuple[Callable[[int], torch.Tensor], int]:
+    """(``layer(l)``, valid KV bytes of one layer): one layer's CPU decode attention as CGOPipe runs it, over the
+    grouped KV cache :func:`measure_cpu_attention_executor` describes (``lengths``, else ``rows`` lengths around
+    ``mean_len``; caches sized for ``gen`` more positions; ``layers`` layers' caches, Mixtral-8x7B's attention shape,
+    bf16); ``layer(l)`` appends the new token's k/v to layer ``l`` and attends (pinned output where CUDA is present)."""
     from .kv_cache import GroupedKVCache
     from ..policy.registry import resolve_spec
 
@@ -162,11 +175,7 @@ def measure_cpu_attention_executor(rows: int = 512, mean_len: int = 128, gen: in
             out = torch.empty((rows, Hq * hd), dtype=torch.bfloat16, pin_memory=pin)
             return kv.append_attend(l, q, k, k, out)
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        run = (lambda l: pool.submit(layer, l).result()) if worker else layer
-        t = _best_time(lambda: [run(l) for l in range(layers)], repeats) / layers
-    valid = int((lens + 1).sum())
-    return valid * 2 * Hkv * hd * 2 / t
+    return layer, int((lens + 1).sum()) * 2 * Hkv * hd * 2
 
 
 def _time_attention(fn: Callable, batch: int, seq: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
@@ -666,8 +675,10 @@ def profile_host(name: str = "measured", gpu_preset: str = "h200", gpu_memory: O
                   date=datetime.date.today().isoformat(), name=name)
     if torch.cuda.is_available():
         fields.update(_measure_gpu_side(quick, shapes, mx_shapes, host_probes, log))
+        fields.update(_measure_dram_sharing(quick, fields, log))
         notes.append("GPU side measured (pinned copies, GEMM, device copy, micro-batch issue overhead, grouped expert "
-                     "kernel, expert FFN kernels per shape and T, CGOPipe host issue)")
+                     "kernel, expert FFN kernels per shape and T, CGOPipe host issue, CPU attention beside pinned "
+                     "copies)")
     else:
         log(f"no CUDA device: GPU side skipped, GPU fields taken from preset {gpu_preset!r}")
         notes.append(f"GPU side skipped (no CUDA device): GPU fields from preset {gpu_preset!r} ({base.source})")
@@ -714,6 +725,25 @@ def _measure_cpu_attention_side(quick: bool, log: Callable[[str], None]) -> tupl
     log(f"CPU decode attention fixed cost per call (16 rows x 128 positions): {cpu_ovh * 1e3:.2f} ms")
     return dict(cpu_attention_bandwidth=cpu_bw, cpu_attention_flops=cpu_flops, cpu_latent_attention_flops=mla_flops,
                 cpu_attention_overhead=cpu_ovh), which
+
+
+def _measure_dram_sharing(quick: bool, fields: dict, log: Callable[[str], None]) -> dict:
+    """cpu_attention_bandwidth_under_h2d and pcie_h2d_under_cpu_attention (pipeline.dram_sharing), at the sizes of
+    the profile's own cpu_attention_bandwidth probe; {} (unmeasured: the HRM has no sharing rows) if it fails."""
+    from .dram_sharing import measure_cpu_attention_under_h2d
+
+    sizes = dict(rows=16, mean_len=32, gen=8, layers=2) if quick else dict(rows=512, mean_len=128, gen=64, layers=4)
+    windows = dict(windows=2, window_s=0.1) if quick else {}
+    try:
+        cpu_bw, h2d_bw = fields["cpu_attention_bandwidth"], fields["pcie_h2d"]
+        layer, layer_bytes = executor_attention_layer(**sizes)
+        c, h = measure_cpu_attention_under_h2d(layer, layer_bytes, sizes["layers"], cpu_bw, h2d_bw, **windows)
+    except Exception as e:  # noqa: BLE001 -- the rest of the profile stands
+        log(f"CPU decode attention beside pinned H2D copies: not measured ({_failure(e)})")
+        return {}
+    log(f"CPU decode attention beside full-rate pinned H2D copies: {c / 1e9:.1f} GB/s of KV ({c / cpu_bw:.2f} of its "
+        f"rate alone), H2D {h / 1e9:.1f} GB/s ({h / h2d_bw:.2f} of its rate alone): the HRM's host DRAM sharing point")
+    return dict(cpu_attention_bandwidth_under_h2d=c, pcie_h2d_under_cpu_attention=h)
 
 
 def _failure(e: Exception) -> str:

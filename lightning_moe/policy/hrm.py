@@ -27,6 +27,13 @@ against its text here, so "Sec." citations are the reliable ones.
                generic probe's host_issue_cpu_attn / _gpu_attn; host_issue_times) and, having nothing left to issue, waits for the
                layer's last CPU attention; 0 when the profile has no host measurement (the host's issue time is
                accounted for by no other stage)
+  (H5') host DRAM shared by CPU attention and page DMA, where the profile measured the two running at once (rates
+               c' of the attention's KV and h' of pinned H2D, against c = B_cpu_attn and h = B_h2d alone): the rates
+               reachable together are the convex hull of (c, 0), (0, h), (c', h') (time-sharing reaches every point
+               between measured ones), so a layer that reads X = S_c kv bytes / c seconds of KV and pages Y = T_h2d
+               seconds takes at least X + a Y and Y + b X, a = min(1, (1 - c'/c) / (h'/h)), b = min(1, (1 - h'/h) /
+               (c'/c)) (dram_sharing); T_cpu >= X + a Y and T_h2d >= Y + b X. No contention measured (c' = c, h' = h):
+               a = b = 0 and the stages are (H3)-(H5) as they were; no measurement: no such rows
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
@@ -276,6 +283,23 @@ def cpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, c
                seqs * context * spec.kv_elems_per_token * b / hw.cpu_attention_bandwidth)
 
 
+def cpu_attention_kv_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
+    """(H5') X: the KV bytes of (H5) alone, S c kv_elems b / B_cpu_attn (the part of CPU attention that reads DRAM)."""
+    return seqs * context * spec.kv_elems_per_token * dtype_bytes(dtype) / hw.cpu_attention_bandwidth
+
+
+def dram_sharing(hw: HardwareProfile) -> "tuple[float, float] | None":
+    """(H5') (a, b): seconds CPU attention loses per second of page DMA beside it, and page DMA per second of CPU
+    attention, from the profile's one measured point of both at once (``cpu_attention_bandwidth_under_h2d``,
+    ``pcie_h2d_under_cpu_attention``); each in [0, 1] (1: no overlap at all, the hull is the triangle). None when the
+    profile has not measured that point (then the HRM has no sharing rows)."""
+    c_under, h_under = hw.cpu_attention_bandwidth_under_h2d, hw.pcie_h2d_under_cpu_attention
+    if c_under <= 0 or h_under <= 0:
+        return None
+    rc, rh = min(1.0, c_under / hw.cpu_attention_bandwidth), min(1.0, h_under / hw.pcie_h2d)
+    return min(1.0, (1 - rc) / rh), min(1.0, (1 - rh) / rc)
+
+
 def decode_d2h_time(spec: MoESpec, hw: HardwareProfile, seqs: float, dtype: str = "bf16") -> float:
     """(H4) Device-to-host bytes of CPU-attention sequences per layer: S (q + new kv) b / B_d2h."""
     return seqs * (spec.attn_query_elems + spec.kv_elems_per_token) * dtype_bytes(dtype) / hw.pcie_d2h
@@ -358,7 +382,8 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     When some attention runs on the CPU, the GPU and CPU stages of the same micro-batch depend on each
     other, so a two-stage pipeline over n micro-batches takes max(G + c_1, C + g_1) (g_1, c_1: one
     micro-batch's GPU and CPU time): each stage also pays the other's first/last micro-batch. With n = 1
-    this is G + C, no overlap, which is what the executor does.
+    this is G + C, no overlap, which is what the executor does. Where the profile measured CPU attention beside
+    pinned copies, (H5') raises the CPU and H2D stages (:func:`dram_sharing`; the pipeline fill is not DRAM traffic).
     """
     dt, q, g = policy.dtype, policy.weight_quant, policy.gpus
     dense = spec.is_dense_layer(layer)
@@ -378,12 +403,22 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
         gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
         if any(h > 0 for h in host_issue_times(hw, spec, q)):  # the host waits for the layer's last CPU
             host += cpu_mb  # attention with nothing left to issue (the MILP's host row has the same term)
+    shared = dram_sharing(hw)  # (H5'), beside the pipeline fill: the attention's KV reads and the layer's H2D copies
+    if shared and cpu_seqs:  # share host DRAM
+        kv = cpu_attention_kv_time(spec, hw, cpu_seqs, context + cpu_offset, dt) * g
+        cpu, h2d = max(cpu, kv + shared[0] * h2d), h2d + shared[1] * kv
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu, host=host)
 
 
 NO_HOST_STAGE_NOTE = ("note: hardware {hw} has no host issue times (host_issue_cpu_attn, host_issue_gpu_attn; presets carry "
                       "none), so decode has no host stage and is predicted too fast where the host binds (small models, "
                       "many micro-batches); `moe-batch profile` measures them")
+
+
+NO_DRAM_SHARING_NOTE = ("note: hardware {hw} has no measured point of CPU attention beside pinned H2D copies "
+                        "(cpu_attention_bandwidth_under_h2d, pcie_h2d_under_cpu_attention: a profile older than the "
+                        "fields), so its CPU attention is priced as if page DMA took no host DRAM bandwidth; "
+                        "`moe-batch profile` measures it")
 
 
 def has_host_stage(hw: HardwareProfile) -> bool:
@@ -1004,9 +1039,19 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
         decode_binding=max(STAGES, key=dec_bound.__getitem__) if G > 1 else "-",
         prefill_layers=tuple(prefill_layers), decode_first_layers=tuple(first), decode_last_layers=tuple(last),
         memory=memory_estimate(policy, spec, workload),
-        notes=(NO_HOST_STAGE_NOTE.format(hw=hw.name),) if G > 1 and not probe else (),
+        notes=_estimate_notes(hw, policy, G, probe),
         host_probe=probe,
     )
+
+
+def _estimate_notes(hw: HardwareProfile, policy: Policy, G: int, probe: str) -> tuple:
+    """An estimate's notes: no host stage (a decode without the profile's host measurement); no host DRAM sharing
+    rows (a measured profile, one with a host stage, that lacks (H5')'s point, for a decode with CPU attention)."""
+    if G <= 1:
+        return ()
+    if not probe:
+        return (NO_HOST_STAGE_NOTE.format(hw=hw.name),)
+    return (NO_DRAM_SHARING_NOTE.format(hw=hw.name),) if policy.n_cpu_attn and dram_sharing(hw) is None else ()
 
 
 # ---- a refilling call's steps and passes (policy.refill_schedule prices its schedule with these) -------------------

@@ -236,6 +236,8 @@ class _Coeffs:
     pre_head: dict  # m -> prefill head seconds per decode micro-batch
     attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
     cpu_rate: float  # CPU decode attention seconds per sequence per attended position
+    kv_rate: float  # (H5') seconds of CPU attention KV bytes alone per sequence per attended position (x gpus)
+    dram: Optional[tuple]  # (H5') (a, b) of hrm.dram_sharing; None: the profile measured no sharing (no rows)
     cpu_call: float  # CPU decode attention fixed seconds per call (hrm.cpu_attention_calls(m) calls per CPU micro-batch per layer)
     host_c: float  # host-thread seconds per CPU-attention micro-batch per decode layer (hrm.host_issue_times: the job's
     #   host probe; 0: none)
@@ -284,6 +286,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c + offsets[1], dt) for c in contexts},
                 cpu_off=offsets[0],
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt) * g, cpu_call=hw.cpu_attention_overhead * g,
+                kv_rate=hrm.cpu_attention_kv_time(spec, hw, 1, 1, dt) * g, dram=hrm.dram_sharing(hw),
                 host_c=host[0], host_g=host[1],
                 d2h_seq=hrm.decode_d2h_time(spec, hw, 1, dt), h2d_seq=hrm.decode_h2d_act_time(spec, hw, 1, dt),
                 pre_d2h_seq=hrm.prefill_d2h_time(spec, hw, 1, s, dt), wio=hrm.expert_h2d_time(spec, hw, 1, q), contexts=contexts,
@@ -324,6 +327,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         # the per-sequence constants above are exact only if these HRM terms are linear in sequences (and CPU attention in context)
         c = contexts[-1] if contexts else s + 1
         for got, want in ((hrm.cpu_decode_attention_time(spec, hw, m, c, dt) * g, m * c * C.cpu_rate),
+                          (hrm.cpu_attention_kv_time(spec, hw, m, c, dt) * g, m * c * C.kv_rate),
                           (hrm.gpu_decode_attention_time(spec, hw, m, c, dt), m * hrm.gpu_decode_attention_time(spec, hw, 1, c, dt)),
                           (hrm.decode_d2h_time(spec, hw, m, dt), m * C.d2h_seq), (hrm.prefill_d2h_time(spec, hw, m, s, dt), m * C.pre_d2h_seq),
                           (hrm.gpu_dequant_time(spec, hw, m, q, dt), m * C.wdq)):
@@ -512,9 +516,11 @@ class _Model:
         # CPU(load) = (L_moe E - R) We (the pool as filled) + g E We (one layer as read per process) <= budget - reserve
         self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + C.mem_load_host) * (1 / C.cpu_cap) <= 1), "cpu_mem_load"
 
-    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
+    def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable,
+                   kv: Optional[pulp.LpAffineExpression] = None) -> pulp.LpVariable:
         """S = sum over MoE layers of max(H_l, C): L_moe - x layers at H = (E - r) wio + A, x layers at H - wio,
-        all with the same non-H2D stage maximum C = ``Cvar``.
+        all with the same non-H2D stage maximum C = ``Cvar``. With host DRAM sharing (``kv``: the layer's CPU
+        attention KV seconds X, (H5')), H_l becomes H_l + b X and each class also has V, U >= X + a H_l.
 
         V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C  (layers holding r + 1)
         sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio; x (V - U) = sum_i 2^i beta_i (V - U) is
@@ -524,10 +530,10 @@ class _Model:
         L, wio = self.L_moe, self.C.wio
         P = self._var
         V, U, S = P(f"V_{name}", lowBound=0), P(f"U_{name}", lowBound=0), P(f"S_{name}", lowBound=0)
-        self.prob += V >= self.paged * wio + A, f"V_{name}_h2d"
-        self.prob += V >= Cvar, f"V_{name}_rest"
-        self.prob += U >= self.paged_extra * wio + A, f"U_{name}_h2d"
-        self.prob += U >= Cvar, f"U_{name}_rest"
+        for W, paged, cls in ((V, self.paged, "V"), (U, self.paged_extra, "U")):
+            for i, row in enumerate(self._h2d_rows(paged * wio + A, kv)):
+                self.prob += W >= row, f"{cls}_{name}_h2d" + (f"{i}" if i else "")
+            self.prob += W >= Cvar, f"{cls}_{name}_rest"
         q = []
         for i, bt in enumerate(self.beta):
             qi = P(f"q_{name}_{i}", lowBound=0)
@@ -537,12 +543,22 @@ class _Model:
         self.prob += S >= L * V - pulp.lpSum(q), f"S_{name}"
         return S
 
-    def _dense_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable) -> pulp.LpVariable:
-        """Sd >= L_d max(A, Cd): dense layers page nothing."""
+    def _dense_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable,
+                   kv: Optional[pulp.LpAffineExpression] = None) -> pulp.LpVariable:
+        """Sd >= L_d max(A, Cd): dense layers page nothing (with ``kv``: the (H5') rows of :meth:`_h2d_rows`)."""
         Sd = self._var(f"Sd_{name}", lowBound=0)
-        self.prob += Sd >= self.L_d * A, f"Sd_{name}_h2d"
+        for i, row in enumerate(self._h2d_rows(A, kv)):
+            self.prob += Sd >= self.L_d * row, f"Sd_{name}_h2d" + (f"{i}" if i else "")
         self.prob += Sd >= self.L_d * Cvar, f"Sd_{name}_rest"
         return Sd
+
+    def _h2d_rows(self, H, kv: Optional[pulp.LpAffineExpression]) -> list:
+        """A layer's H2D rows: [H] (its h2d seconds), or with (H5') host DRAM sharing (``kv``: its CPU attention KV
+        seconds X; hrm.decode_layer_times) [H + b X, X + a H]."""
+        if kv is None or self.C.dram is None:
+            return [H]
+        a, b = self.C.dram
+        return [H + b * kv, kv + a * H]
 
     def _dequant(self) -> None:
         """Per-layer dequantization seconds of quantized pages (see the module docstring): wdq E sum_m z_m (every
@@ -587,7 +603,8 @@ class _Model:
         cpu = cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
         host = self._host_row(fill)
         Ct = self._stage_max(str(t), gpu, [cpu, self.D2H] + host)
-        terms = [self._layer_sum(str(t), self.A, Ct)]
+        kv = cc * C.kv_rate * self.N_cpu  # (H5') the layer's CPU attention KV seconds
+        terms = [self._layer_sum(str(t), self.A, Ct, kv)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
             self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + fill, f"Cd_{t}_gpu"
@@ -595,7 +612,7 @@ class _Model:
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             for i, row in enumerate(host):
                 self.prob += Cd >= row, f"Cd_{t}_host{i}"
-            terms.append(self._dense_sum(str(t), self.A, Cd))
+            terms.append(self._dense_sum(str(t), self.A, Cd, kv))
         # (H7) step time = layers + head
         self.T_decode += pulp.lpSum(terms) + self.HEAD
 

@@ -425,7 +425,9 @@ def format_table(policy: Policy, estimate: "Estimate", spec: MoESpec, hw: Hardwa
         f"{format_bytes(spec.total_bytes(policy.dtype, policy.weight_quant))} ({policy.dtype} + {policy.weight_quant} experts)")
     add(f"hardware  {hw.name}: GPU {format_bytes(hw.gpu_memory)}, HBM {hw.gpu_hbm_bandwidth / 1e9:.0f} GB/s, "
         f"{hw.gpu_flops(policy.dtype) / 1e12:.0f} TFLOP/s, PCIe h2d {hw.pcie_h2d / 1e9:.1f} GB/s d2h {hw.pcie_d2h / 1e9:.1f} GB/s, "
-        f"CPU attention {hw.cpu_attention_bandwidth / 1e9:.0f} GB/s")
+        f"CPU attention {hw.cpu_attention_bandwidth / 1e9:.0f} GB/s"
+        + (f" ({hw.cpu_attention_bandwidth_under_h2d / 1e9:.0f} beside h2d {hw.pcie_h2d_under_cpu_attention / 1e9:.1f})"
+           if hw.cpu_attention_bandwidth_under_h2d > 0 and hw.pcie_h2d_under_cpu_attention > 0 else ""))
     scoring = "scoring" in estimate.memory.gpu_phases
     add(f"workload  {'sequence' if scoring else 'prompt'} {estimate.prompt_len:.1f} tokens mean (max {estimate.max_prompt_len}), "
         + ("scoring (prefill only)" if scoring else f"generate {estimate.gen_len}"))

@@ -140,7 +140,10 @@ def test_auto_policy_under_cap(ckpts, datasets, tmp_path, ckpt, mode):
     job, out = write_mode_job(str(tmp_path), f"{mode}-{ckpt}", ckpts[ckpt], mode, datasets[mode])
     _, report = check_done(run_job(job), out, N_REQ)
     assert report.get("policy"), "cgopipe on CUDA reports its policy"
-    assert report["predicted"]["notes"] == [], "the measured profile has host issue times: no note"
+    # the shipped measured profile has host issue times (no such note); it predates (H5')'s point of CPU attention
+    # beside pinned copies, which a plan with CPU attention notes
+    notes = report["predicted"]["notes"]
+    assert all(n.startswith("note: hardware measured has no measured point of CPU attention") for n in notes), notes
 
 
 def test_cuda0_with_gpu_memory(ckpts, datasets, tmp_path):
