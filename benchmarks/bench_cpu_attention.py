@@ -120,14 +120,13 @@ def _without_huge_pages(fn):
         huge_pages.zeros = zeros
 
 
-def _sharing_point(lens: list, gen: int, layers: int, alone: float) -> tuple[float, float]:
-    """The profile's (H5') probe at these lengths: (KV B/s, pinned H2D B/s) with both at once (CUDA)."""
+def _sharing_point(lens: list, gen: int, layers: int):
+    """The profile's (H5') probe at these lengths: a pipeline.dram_sharing.SharingPoint (CUDA)."""
     from lightning_moe.pipeline.dram_sharing import measure_cpu_attention_under_h2d
-    from lightning_moe.pipeline.profiler import executor_attention_layer, measure_gpu
+    from lightning_moe.pipeline.profiler import executor_attention_layer
 
-    h2d = measure_gpu(copy_bytes=1 << 30, gemm=2048)["pcie_h2d"]
     layer, layer_bytes = executor_attention_layer(lengths=lens, gen=gen, layers=layers)
-    return measure_cpu_attention_under_h2d(layer, layer_bytes, layers, alone, h2d)
+    return measure_cpu_attention_under_h2d(layer, layer_bytes, layers)
 
 
 def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=(), only=CONDITIONS) -> list[tuple[str, float, float]]:
@@ -165,8 +164,11 @@ def run(rows: int, layers: int, step: int, gen: int, repeats: int, threads=(), o
         ]
     out = [(label, fn()) for key, label, fn in conds if key in only]
     if cuda and "sharing" in only:
-        c, h = _sharing_point(lens, gen - step, layers, max(b for _, b in out) if out else grouped())
-        out.append((f"the profile's sharing probe: CPU attention beside pinned H2D (the copies: {h / 1e9:.1f} GB/s)", c))
+        pt = _sharing_point(lens, gen - step, layers)
+        out.append(("the profile's sharing probe: CPU attention alone", pt.cpu_alone))
+        out.append((f"the profile's sharing probe: CPU attention beside pinned H2D ({pt.fractions[0]:.2f}; the copies "
+                    f"{pt.h2d_together / 1e9:.1f} of {pt.h2d_alone / 1e9:.1f} GB/s alone, {pt.fractions[1]:.2f})",
+                    pt.cpu_together))
     default = torch.get_num_threads()
     for n in threads:
         torch.set_num_threads(n)

@@ -174,10 +174,10 @@ def test_window_rate_counts_only_copies_inside_the_window():
     pytest.importorskip("torch")  # (the planner's torch-free 3.12 venv runs this file too)
     from lightning_moe.pipeline.dram_sharing import window_rate
 
-    copies = [(0.0, 1.0, 10), (1.0, 2.0, 10), (2.0, 3.0, 10), (3.0, 4.5, 30)]
-    assert window_rate(copies, 0.5, 4.0) == pytest.approx(20 / 2.0)  # the 2nd and 3rd: 20 bytes over [1, 3]
-    assert window_rate(copies, 0.0, 4.5) == pytest.approx(60 / 4.5)
-    assert window_rate(copies, 1.5, 2.5) == 0.0  # none wholly inside
+    done = [(1.0, 10), (2.0, 10), (3.0, 10), (4.5, 30)]  # (finished at, bytes), back to back
+    assert window_rate(done, 0.5, 4.0) == pytest.approx(20 / 2.0)  # finished at 1, 2, 3: the last two over [1, 3]
+    assert window_rate(done, 0.0, 5.0) == pytest.approx(50 / 3.5)
+    assert window_rate(done, 1.5, 2.5) == 0.0  # one copy finished inside: no rate
 
 
 def test_sharing_probe_needs_cuda_and_a_cpu_profile_has_no_point():
@@ -187,7 +187,64 @@ def test_sharing_probe_needs_cuda_and_a_cpu_profile_has_no_point():
     from lightning_moe.pipeline.dram_sharing import measure_cpu_attention_under_h2d
 
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        measure_cpu_attention_under_h2d(lambda l: None, 1, 1, 1e10, 1e10)
+        measure_cpu_attention_under_h2d(lambda l: None, 1, 1)
+
+
+class _HostCopies:
+    """PinnedCopyLoad's stand-in on a CPU host: a thread "copying" 1 MiB per >= 2 ms (<= 0.5 GB/s), or failing."""
+
+    fail = False
+
+    def __init__(self, nbytes, device="cpu"):
+        self.nbytes, self.done, self._stop = nbytes, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        if self.fail:
+            return
+        while not self._stop.is_set():
+            time.sleep(0.002)
+            self.done.append((time.perf_counter(), self.nbytes))
+
+    def __enter__(self):
+        self._thread.start()
+        time.sleep(0.01)
+        if not self.done:
+            raise RuntimeError("pinned copy thread finished no copy")
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def test_the_probe_times_whole_passes_alone_and_beside_a_copy_thread(monkeypatch):
+    """measure_cpu_attention_under_h2d on this CPU, its pinned copies stood in for: the CPU rate counts every layer of
+    every pass, alone and together (a fake layer sleeping a known time per call gives a known rate: the fractions are
+    ~1, nothing shared), the copy rate is the stand-in's bytes over its copies' span; a copy thread that fails raises
+    (profile_host then leaves the point unmeasured, tests/test_hardware.py)."""
+    pytest.importorskip("torch")
+    import torch
+
+    from lightning_moe.pipeline import dram_sharing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dram_sharing, "PinnedCopyLoad", _HostCopies)
+    calls = []
+
+    def layer(l):  # 4 MB of "KV" per call, >= 5 ms each: at most 0.8 GB/s
+        calls.append(l)
+        time.sleep(0.005)
+
+    pt = dram_sharing.measure_cpu_attention_under_h2d(layer, 4_000_000, 3, windows=2, window_s=0.1,
+                                                      copy_bytes=1 << 20)
+    assert 0.4e9 < pt.cpu_alone <= 0.8e9 and 0.4e9 < pt.cpu_together <= 0.8e9, pt
+    assert 0.1e9 < pt.h2d_alone <= 0.53e9 and 0.1e9 < pt.h2d_together <= 0.53e9, pt
+    assert min(pt.fractions) > 0.5 and max(pt.fractions) <= 1.0
+    assert len(calls) % 3 == 0 and len(calls) >= 3 * (1 + 4 * 6)  # whole passes: a warm-up, then 4 windows >= 0.1 s
+    monkeypatch.setattr(_HostCopies, "fail", True)
+    with pytest.raises(RuntimeError, match="no copy"):
+        dram_sharing.measure_cpu_attention_under_h2d(layer, 4_000_000, 3, windows=1, window_s=0.02)
 
 
 def test_a_measured_profile_without_the_point_says_so_where_the_decode_attends_on_the_cpu():
@@ -206,35 +263,19 @@ def test_a_measured_profile_without_the_point_says_so_where_the_decode_attends_o
     assert not notes(get_preset("h200"), cpu_pol)  # a preset: its no-host-stage note says enough
 
 
-def test_the_probe_times_whole_passes_beside_a_copy_thread(monkeypatch):
-    """measure_cpu_attention_under_h2d on this CPU, its pinned copies stood in for by a thread copying host memory:
-    the CPU rate counts every layer of every pass (a fake layer sleeping a known time per call gives a known rate),
-    and the copy rate is the stand-in's bytes over its copies' span."""
+def test_a_copy_thread_that_fails_raises_instead_of_hanging():
+    """PinnedCopyLoad whose thread dies before its first copy (here: no CUDA stream on a CPU tensor) raises its error
+    at once on entry (helper-63's review: the wait for the first copy spun forever)."""
     torch = pytest.importorskip("torch")
-    from lightning_moe.pipeline import dram_sharing
+    if torch.cuda.is_available():
+        pytest.skip("needs a copy that fails: a CPU host")
+    from lightning_moe.pipeline.dram_sharing import PinnedCopyLoad
 
-    class HostCopies(dram_sharing.PinnedCopyLoad):
-        def __init__(self, nbytes, device="cpu"):  # noqa: D401 -- same interface, host memory only
-            self.host, self.dev = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-            self.copies, self._stop = [], threading.Event()
-            self._thread = threading.Thread(target=self._run, daemon=True)
-
-        def _run(self):
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                self.dev.copy_(self.host)
-                time.sleep(0.002)  # 1 MiB per >= 2 ms: at most 0.5 GB/s
-                self.copies.append((t0, time.perf_counter(), self.host.numel()))
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(dram_sharing, "PinnedCopyLoad", HostCopies)
-    calls = []
-
-    def layer(l):  # 4 MB of "KV" per call, 5 ms each: at most 0.8 GB/s
-        calls.append(l)
-        time.sleep(0.005)
-
-    c, h = dram_sharing.measure_cpu_attention_under_h2d(layer, 4_000_000, 3, 1e9, 1e9, windows=2, window_s=0.1,
-                                                        copy_bytes=1 << 20)
-    assert 0.4e9 < c <= 0.8e9 and 0.1e9 < h <= 0.53e9, (c, h)
-    assert len(calls) % 3 == 0 and len(calls) >= 3 * (1 + 2 * 6)  # whole passes: a warm-up, then >= 0.1 s each
+    load = PinnedCopyLoad.__new__(PinnedCopyLoad)  # its __init__ pins memory, which needs CUDA
+    load.host, load.dev, load.done, load.error = torch.empty(4), torch.empty(4), [], None
+    load._stop, load._thread = threading.Event(), threading.Thread(target=load._run, daemon=True)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="pinned copy thread failed"):
+        with load:
+            pass
+    assert time.perf_counter() - t0 < 10

@@ -117,7 +117,8 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
                         lambda quick, log: (dict(cpu_attention_flops=1e9, cpu_attention_bandwidth=6e10), "stub"))
     from lightning_moe.pipeline import dram_sharing
 
-    monkeypatch.setattr(dram_sharing, "measure_cpu_attention_under_h2d", lambda f, b, n, c, h, **kw: (0.5 * c, 0.8 * h))
+    monkeypatch.setattr(dram_sharing, "measure_cpu_attention_under_h2d",
+                        lambda layer, nbytes, layers, **kw: dram_sharing.SharingPoint(2e10, 1e10, 1e10, 0.8e10))
     gpu = dict(gpu_name="Stub GPU", pcie_h2d=11e9, pcie_d2h=12e9, gpu_hbm_bandwidth=1e12, gpu_flops_bf16=2e14)
     monkeypatch.setattr(P, "measure_gpu", lambda **kw: dict(gpu))
     monkeypatch.setattr(P, "measure_microbatch_overhead", lambda: 1.5e-3)
@@ -133,7 +134,8 @@ def test_profile_gpu_side_assembles_each_probe_and_survives_a_failing_one(monkey
     assert prof.host_issue_by_family == (("mla", (7e-3, 5e-3)),)  # quick: the MLA probe only
     # the point of CPU attention beside pinned copies, from the rates alone just measured
     assert (prof.cpu_attention_bandwidth_under_h2d, prof.pcie_h2d_under_cpu_attention) == (3e10, 0.8 * 11e9)
-    assert "CPU decode attention beside full-rate pinned H2D copies: 30.0 GB/s of KV (0.50" in "\n".join(lines)
+    assert ("CPU decode attention beside full-rate pinned H2D copies: 0.50 of its rate alone (10.0 of 20.0 GB/s of KV "
+            "in this probe), H2D 0.80 (8.0 of 10.0 GB/s)") in "\n".join(lines)
     assert prof.expert_ffn_rates == get_preset("l4").expert_ffn_rates and "GPU side measured" in prof.source
     assert "expert FFN kernel probe failed (RuntimeError: probe broke); expert_ffn_rates left empty" in "\n".join(lines)
     monkeypatch.setattr(P, "measure_host_issue", fail)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 from ..config import Job
 from ..pipeline import scoring
 from ..policy.hardware import format_bytes, host_probe_line
+from ..policy.hrm import dram_sharing
 from .plan import hardware_note
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
             "host_probe": est.host_probe or None,  # the profile's host probe that priced the decode host stage
             "cpu_attention_bandwidth": hw.cpu_attention_bandwidth,  # B/s of valid KV: (H5)'s rate, the cpu term's
             # (H5')'s point: the same rate while pinned H2D copies run beside it (None: unmeasured, no sharing rows)
-            "cpu_attention_bandwidth_under_h2d": hw.cpu_attention_bandwidth_under_h2d or None,
+            "cpu_attention_bandwidth_under_h2d": hw.cpu_attention_bandwidth_under_h2d if dram_sharing(hw) else None,
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
 
 

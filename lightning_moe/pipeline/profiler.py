@@ -728,8 +728,10 @@ def _measure_cpu_attention_side(quick: bool, log: Callable[[str], None]) -> tupl
 
 
 def _measure_dram_sharing(quick: bool, fields: dict, log: Callable[[str], None]) -> dict:
-    """cpu_attention_bandwidth_under_h2d and pcie_h2d_under_cpu_attention (pipeline.dram_sharing), at the sizes of
-    the profile's own cpu_attention_bandwidth probe; {} (unmeasured: the HRM has no sharing rows) if it fails."""
+    """cpu_attention_bandwidth_under_h2d and pcie_h2d_under_cpu_attention: the fractions of each rate the two keep
+    together, measured in one harness (pipeline.dram_sharing, at the sizes of the profile's cpu_attention_bandwidth
+    probe), times the profile's own rates alone; {} (unmeasured: the HRM has no sharing rows) if it fails or a
+    fraction is 0."""
     from .dram_sharing import measure_cpu_attention_under_h2d
 
     sizes = dict(rows=16, mean_len=32, gen=8, layers=2) if quick else dict(rows=512, mean_len=128, gen=64, layers=4)
@@ -737,13 +739,17 @@ def _measure_dram_sharing(quick: bool, fields: dict, log: Callable[[str], None])
     try:
         cpu_bw, h2d_bw = fields["cpu_attention_bandwidth"], fields["pcie_h2d"]
         layer, layer_bytes = executor_attention_layer(**sizes)
-        c, h = measure_cpu_attention_under_h2d(layer, layer_bytes, sizes["layers"], cpu_bw, h2d_bw, **windows)
+        point = measure_cpu_attention_under_h2d(layer, layer_bytes, sizes["layers"], **windows)
+        fc, fh = point.fractions
+        if fc <= 0 or fh <= 0:
+            raise RuntimeError(f"a rate of 0 together ({point})")
     except Exception as e:  # noqa: BLE001 -- the rest of the profile stands
         log(f"CPU decode attention beside pinned H2D copies: not measured ({_failure(e)})")
         return {}
-    log(f"CPU decode attention beside full-rate pinned H2D copies: {c / 1e9:.1f} GB/s of KV ({c / cpu_bw:.2f} of its "
-        f"rate alone), H2D {h / 1e9:.1f} GB/s ({h / h2d_bw:.2f} of its rate alone): the HRM's host DRAM sharing point")
-    return dict(cpu_attention_bandwidth_under_h2d=c, pcie_h2d_under_cpu_attention=h)
+    log(f"CPU decode attention beside full-rate pinned H2D copies: {fc:.2f} of its rate alone "
+        f"({point.cpu_together / 1e9:.1f} of {point.cpu_alone / 1e9:.1f} GB/s of KV in this probe), H2D {fh:.2f} "
+        f"({point.h2d_together / 1e9:.1f} of {point.h2d_alone / 1e9:.1f} GB/s): the HRM's host DRAM sharing point")
+    return dict(cpu_attention_bandwidth_under_h2d=fc * cpu_bw, pcie_h2d_under_cpu_attention=fh * h2d_bw)
 
 
 def _failure(e: Exception) -> str:

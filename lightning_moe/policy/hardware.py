@@ -174,12 +174,13 @@ class HardwareProfile(YamlRecord):
     #   cpu_attention_flops
     cpu_attention_overhead: float = 0.0  # seconds of fixed cost per CPU decode-attention call (one micro-batch, one layer):
     #   thread wake-ups and op dispatch, which dominate at decode shapes; `moe-batch profile` fits it, 0 for presets
-    cpu_attention_bandwidth_under_h2d: float = 0.0  # bytes/s of valid KV the CPU decode-attention routine streams (as
-    #   cpu_attention_bandwidth measures it) WHILE pinned host-to-device copies run at full rate on another thread: CGOPipe
-    #   pages experts during CPU attention, and both read host DRAM; with pcie_h2d_under_cpu_attention it is the one
-    #   measured point where both run at once, which makes the HRM's host-DRAM sharing rows (hrm.dram_sharing);
-    #   `moe-batch profile` measures both on CUDA (profiler.measure_cpu_attention_under_h2d); 0 = unmeasured: no rows
-    pcie_h2d_under_cpu_attention: float = 0.0  # bytes/s of those pinned host-to-device copies over the same window
+    cpu_attention_bandwidth_under_h2d: float = 0.0  # bytes/s of valid KV the CPU decode-attention routine streams
+    #   WHILE pinned host-to-device copies run at full rate on another thread: CGOPipe pages experts during CPU
+    #   attention, and both read host DRAM; with pcie_h2d_under_cpu_attention it is the one measured point where both
+    #   run at once, which makes the HRM's host-DRAM sharing rows (hrm.dram_sharing). `moe-batch profile` measures it
+    #   on CUDA as a fraction of the rate alone in one harness (pipeline.dram_sharing), times cpu_attention_bandwidth;
+    #   0 = unmeasured: no rows
+    pcie_h2d_under_cpu_attention: float = 0.0  # the copies' rate over the same windows: their fraction x pcie_h2d
     host_issue_cpu_attn: float = 0.0  # seconds of host-thread time per CPU-attention micro-batch per decode layer as
     #   CGOPipe runs it on the generic probe (Mixtral-shaped, dense experts): pre-attention, q/k/v copy, hand-offs with
     #   the CPU-attention worker, the output's transfer, a page slot, post-attention with the expert FFN; a family

@@ -28,12 +28,15 @@ against its text here, so "Sec." citations are the reliable ones.
                layer's last CPU attention; 0 when the profile has no host measurement (the host's issue time is
                accounted for by no other stage)
   (H5') host DRAM shared by CPU attention and page DMA, where the profile measured the two running at once (rates
-               c' of the attention's KV and h' of pinned H2D, against c = B_cpu_attn and h = B_h2d alone): the rates
-               reachable together are the convex hull of (c, 0), (0, h), (c', h') (time-sharing reaches every point
-               between measured ones), so a layer that reads X = S_c kv bytes / c seconds of KV and pages Y = T_h2d
-               seconds takes at least X + a Y and Y + b X, a = min(1, (1 - c'/c) / (h'/h)), b = min(1, (1 - h'/h) /
-               (c'/c)) (dram_sharing); T_cpu >= X + a Y and T_h2d >= Y + b X. No contention measured (c' = c, h' = h):
-               a = b = 0 and the stages are (H3)-(H5) as they were; no measurement: no such rows
+               c' of the attention's KV and h' of pinned H2D, against c = B_cpu_attn and h = B_h2d alone; p = c'/c and
+               q = h'/h each at most 1): no schedule of the two beats the convex hull of (c, 0), (0, h), (c', h')
+               (the measured points, and time-sharing between them), so a layer that reads X = S_c kv bytes / c
+               seconds of KV and pages Y = T_h2d seconds takes at least X + a Y and Y + b X, a = min(1, (1 - p) / q),
+               b = min(1, (1 - q) / p) (dram_sharing); T_cpu >= X + a Y and T_h2d >= Y + b X. Where p + q < 1 the
+               clamp gives X + Y, looser than running them overlapped would take (a bound, not tight; the clamp also
+               keeps the MILP's layer classes exact: a <= 1). No contention (p = q = 1): a = b = 0, the stages are
+               (H3)-(H5) as they were; no measurement: no rows. With g GPUs (H10) X is x g but Y one link's: the
+               point was measured on one link, so g links paging at once are understated
   (H7) decode step: sum over layers of (H2) + n * head(mu);  T_decode = sum over steps j = 1..G-1
                with c = prompt_len + j (the first token comes from prefill)
   (H8) prefill: per layer max(T_h2d (experts only), T_d2h (prompt KV of CPU-KV sequences), T_gpu =
@@ -417,8 +420,8 @@ NO_HOST_STAGE_NOTE = ("note: hardware {hw} has no host issue times (host_issue_c
 
 NO_DRAM_SHARING_NOTE = ("note: hardware {hw} has no measured point of CPU attention beside pinned H2D copies "
                         "(cpu_attention_bandwidth_under_h2d, pcie_h2d_under_cpu_attention: a profile older than the "
-                        "fields), so its CPU attention is priced as if page DMA took no host DRAM bandwidth; "
-                        "`moe-batch profile` measures it")
+                        "fields, or their probe failed), so its CPU attention is priced as if page DMA took no host "
+                        "DRAM bandwidth; `moe-batch profile` measures it")
 
 
 def has_host_stage(hw: HardwareProfile) -> bool:
