@@ -17,7 +17,7 @@ from lightning_moe.policy.hardware import GiB
 from lightning_moe.policy.policy import Budgets, Policy, Workload
 from lightning_moe.policy.registry import resolve_spec
 
-from tests.test_milp import _milp_matches_brute_force, random_case
+from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case
 
 
 def shared(hw: HardwareProfile, rc: float, rh: float) -> HardwareProfile:
@@ -94,23 +94,6 @@ def test_milp_with_sharing_equals_brute_force(prompt_len):
     assert est.e2e_tok_s < 0.9 * plain_est.e2e_tok_s and est.decode_binding == "cpu"
 
 
-def _pinned_time(spec, wl, C, mu: int, n: int, R: int, g: int) -> float:
-    """The MILP's minimal T with every decision pinned (mu, n, R = L r + x, g)."""
-    import pulp
-
-    r, x = divmod(R, spec.num_moe_layers)
-    model = milp._Model(spec, wl, C)
-    for m in C.cands:
-        model.prob += model.z[m] == int(m == mu)
-        model.prob += model.w[m] == (n if m == mu else 0)
-        model.prob += model.v[m] == (g if m == mu else 0)
-    model.prob += model.r == r
-    for i, bt in enumerate(model.beta):
-        model.prob += bt == (x >> i) & 1
-    model.solve(1.0, 20.0)
-    return float(pulp.value(model.T))
-
-
 def test_milp_time_with_sharing_equals_hrm_for_fixed_decisions():
     """Every decision pinned (both layer classes, dense layers, CPU and GPU attention): the MILP's minimal T equals
     hrm.evaluate's total time with the sharing rows, so they are exact, not just good enough for one optimum."""
@@ -132,7 +115,7 @@ def test_milp_time_with_sharing_equals_hrm_for_fixed_decisions():
                 continue
             pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
             want = hrm.evaluate(pol, spec, hw, wl).total_time
-            assert _pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
+            assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
             checked += 1
             plain = hrm.evaluate(pol, spec, dataclasses.replace(hw, cpu_attention_bandwidth_under_h2d=0.0), wl)
             binds += want > plain.total_time * (1 + 1e-6)
@@ -167,7 +150,7 @@ def test_milp_time_with_sharing_equals_hrm_where_the_cpu_row_binds(decisions, de
     est = hrm.evaluate(pol, spec, hw, wl)
     plain = hrm.evaluate(pol, spec, get_preset("h200"), wl)
     assert est.decode_stages["cpu"] > plain.decode_stages["cpu"] * 1.0001  # the CPU row binds
-    assert _pinned_time(spec, wl, C, *decisions) == pytest.approx(est.total_time, rel=1e-6)
+    assert pinned_time(spec, wl, C, *decisions) == pytest.approx(est.total_time, rel=1e-6)
 
 
 def test_window_rate_counts_only_copies_inside_the_window():

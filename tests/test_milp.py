@@ -254,6 +254,23 @@ def test_milp_equals_brute_force_with_quantized_pages():
     assert deq_binding >= 3, deq_binding
 
 
+def pinned_time(spec, wl, C, mu: int, n: int, R: int, g: int) -> float:
+    """The MILP's minimal T with every decision pinned (mu, n, R = L r + x, g), coefficients ``C``."""
+    import pulp
+
+    r, x = divmod(R, spec.num_moe_layers)
+    model = milp._Model(spec, wl, C)
+    for m in C.cands:
+        model.prob += model.z[m] == int(m == mu)
+        model.prob += model.w[m] == (n if m == mu else 0)
+        model.prob += model.v[m] == (g if m == mu else 0)
+    model.prob += model.r == r
+    for i, bt in enumerate(model.beta):
+        model.prob += bt == (x >> i) & 1
+    model.solve(1.0, 20.0)
+    return float(pulp.value(model.T))
+
+
 @pytest.mark.parametrize("quant", ["int4", "bf16"])
 def test_milp_time_equals_hrm_for_fixed_decisions(quant):
     """With every decision pinned (mu, n, R -- uneven spreads included, so both layer classes exist -- and g), the
@@ -261,7 +278,6 @@ def test_milp_time_equals_hrm_for_fixed_decisions(quant):
     are exact, not just good enough to pick the same optimum."""
     import dataclasses
 
-    import pulp
 
     rng = random.Random(7)
     checked = 0
@@ -277,17 +293,8 @@ def test_milp_time_equals_hrm_for_fixed_decisions(quant):
             r, x = divmod(R, spec.num_moe_layers)
             if r == spec.num_experts and x:
                 continue
-            model = milp._Model(spec, wl, C)
-            for m in cands:
-                model.prob += model.z[m] == int(m == mu)
-                model.prob += model.w[m] == (n if m == mu else 0)
-                model.prob += model.v[m] == (g if m == mu else 0)
-            model.prob += model.r == r
-            for i, bt in enumerate(model.beta):
-                model.prob += bt == (x >> i) & 1
-            model.solve(1.0, 20.0)
             pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
             want = hrm.evaluate(pol, spec, hw, wl).total_time
-            assert float(pulp.value(model.T)) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
+            assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
             checked += 1
     assert checked >= 20
