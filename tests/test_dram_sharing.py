@@ -17,7 +17,7 @@ from lightning_moe.policy.hardware import GiB
 from lightning_moe.policy.policy import Budgets, Policy, Workload
 from lightning_moe.policy.registry import resolve_spec
 
-from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case
+from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case, random_decisions
 
 
 def shared(hw: HardwareProfile, rc: float, rh: float) -> HardwareProfile:
@@ -107,12 +107,7 @@ def test_milp_time_with_sharing_equals_hrm_for_fixed_decisions():
         cands = [2, 4, 8]
         C = milp._coefficients(spec, hw, wl, budgets, cands, 4, wl.kv_positions(1))
         assert C.dram == hrm.dram_sharing(hw)
-        for _ in range(3):
-            mu, n = rng.choice(cands), rng.randint(1, 4)
-            g, R = rng.randint(0, n), rng.randint(0, spec.num_moe_layers * spec.num_experts)
-            r, x = divmod(R, spec.num_moe_layers)
-            if r == spec.num_experts and x:
-                continue
+        for mu, n, R, g in random_decisions(spec, rng, cands):
             pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
             want = hrm.evaluate(pol, spec, hw, wl).total_time
             assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)

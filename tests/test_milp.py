@@ -254,6 +254,16 @@ def test_milp_equals_brute_force_with_quantized_pages():
     assert deq_binding >= 3, deq_binding
 
 
+def random_decisions(spec, rng: random.Random, cands, count: int = 3, n_max: int = 4):
+    """Up to ``count`` random (mu, n, R, g) of the grid (an R the even spread cannot place is skipped)."""
+    for _ in range(count):
+        mu, n = rng.choice(cands), rng.randint(1, n_max)
+        g, R = rng.randint(0, n), rng.randint(0, spec.num_moe_layers * spec.num_experts)
+        r, x = divmod(R, spec.num_moe_layers)
+        if not (r == spec.num_experts and x):
+            yield mu, n, R, g
+
+
 def pinned_time(spec, wl, C, mu: int, n: int, R: int, g: int) -> float:
     """The MILP's minimal T with every decision pinned (mu, n, R = L r + x, g), coefficients ``C``."""
     import pulp
@@ -287,12 +297,7 @@ def test_milp_time_equals_hrm_for_fixed_decisions(quant):
         budgets = dataclasses.replace(budgets, weight_quant=quant, gpu_memory=1 << 40, cpu_memory=1 << 40)
         cands = [2, 4, 8]
         C = milp._coefficients(spec, hw, wl, budgets, cands, 4, wl.kv_positions(1))
-        for _ in range(3):
-            mu, n = rng.choice(cands), rng.randint(1, 4)
-            g, R = rng.randint(0, n), rng.randint(0, spec.num_moe_layers * spec.num_experts)
-            r, x = divmod(R, spec.num_moe_layers)
-            if r == spec.num_experts and x:
-                continue
+        for mu, n, R, g in random_decisions(spec, rng, cands):
             pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
             want = hrm.evaluate(pol, spec, hw, wl).total_time
             assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
