@@ -28,7 +28,7 @@ def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     are faulted in here rather than inside a timed decode step. The tensor keeps the mapping alive; it is unmapped
     with the tensor. Smaller, or elsewhere: ``torch.zeros``.
     """
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(numel, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
