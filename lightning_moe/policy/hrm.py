@@ -280,10 +280,9 @@ def cpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, c
     measured FLOP/s and KV streaming bytes/s (HardwareProfile.cpu_attention_*); an MLA model's FLOP rate is the
     latent kernel's (``cpu_latent_attention_flops``, when measured).
     """
-    b = dtype_bytes(dtype)
     flops = hw.cpu_latent_attention_flops if spec.is_mla and hw.cpu_latent_attention_flops > 0 else hw.cpu_attention_flops
     return max(seqs * context * spec.attn_flops_per_position / flops,
-               seqs * context * spec.kv_elems_per_token * b / hw.cpu_attention_bandwidth)
+               cpu_attention_kv_time(spec, hw, seqs, context, dtype))
 
 
 def cpu_attention_kv_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
