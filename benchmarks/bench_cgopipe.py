@@ -203,7 +203,8 @@ def parse_variants(text: str) -> tuple:
     CGOPipe's attention_h2d, how CPU attention outputs reach the GPU; default the executor's), ``gattn`` (``torch`` or
     ``triton``: CGOPipe's gpu_attention, the GPU-attention micro-batches' append + attention; default torch), ``pages``
     (``after_attention`` or ``visit_start``: CGOPipe's page_issue, when a decode layer issues the next layer's pages;
-    default after_attention).
+    default after_attention), ``ahead`` (``on`` or ``off``: CGOPipe's layer_lookahead, a CPU micro-batch's next-layer
+    attention submitted right after its post-attention; default on).
     ``default`` (an empty variant) re-runs the case's own settings, which
     shows the run-to-run spread next to the A/B differences. Raises ValueError on an unknown key.
     """
@@ -214,9 +215,11 @@ def parse_variants(text: str) -> tuple:
             for kv in part.split(","):
                 key, _, val = kv.partition("=")
                 key, val = key.strip(), val.strip()
-                if key not in ("threads", "gen", "attn", "prefill", "switch", "h2d", "gattn", "pages"):
+                if key not in ("threads", "gen", "attn", "prefill", "switch", "h2d", "gattn", "pages", "ahead"):
                     raise ValueError(f"--variants: unknown key {key!r} in {part!r} (threads, gen, attn, prefill, "
-                                     f"switch, h2d, gattn, pages)")
+                                     f"switch, h2d, gattn, pages, ahead)")
+                if key == "ahead" and val not in ("on", "off"):
+                    raise ValueError(f"--variants: ahead must be on or off, got {val!r}")
                 if key == "pages" and val not in ("after_attention", "visit_start"):
                     raise ValueError(f"--variants: pages must be after_attention or visit_start, got {val!r}")
                 if key == "gattn" and val not in ("torch", "triton"):
@@ -238,7 +241,7 @@ def parse_variants(text: str) -> tuple:
                     if not 0 < v[key] <= 1:
                         raise ValueError(f"--variants: switch must be seconds in (0, 1], got {val!r}")
                 else:
-                    v[key] = val if key in ("attn", "h2d", "gattn", "pages") else int(val)
+                    v[key] = val if key in ("attn", "h2d", "gattn", "pages", "ahead") else int(val)
         out.append(v)
     return tuple(out)
 
@@ -257,7 +260,8 @@ def _apply_variant(ex, case: Case, v: dict, policy) -> None:
         ex._bench_h2d = ex.attention.attention_h2d  # the executor's own choice ("auto" resolved)
     ex.attention.attention_h2d = v.get("h2d", ex._bench_h2d)
     ex.attention.gpu_attention = v.get("gattn", "torch")
-    ex.opts = dataclasses.replace(ex.opts, page_issue=v.get("pages", "after_attention"))
+    ex.opts = dataclasses.replace(ex.opts, page_issue=v.get("pages", "after_attention"),
+                                  layer_lookahead=v.get("ahead", "on") == "on")
 
 
 _DEFAULT_THREADS = torch.get_num_threads()

@@ -162,7 +162,9 @@ def test_cgopipe_page_issue_visit_start(tiny_dir, mu, n):
     pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
     runs = {}
     for issue in ("after_attention", "visit_start"):
-        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", page_issue=issue)
+        # without the look-ahead, layer l's attentions are submitted inside visit l (what the order below reads)
+        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", page_issue=issue,
+                             layer_lookahead=False)
         events = []
         issue_slot, submit = ex.weight_stream.prefetch_slot, ex.attention.submit_cpu
 
@@ -196,6 +198,47 @@ def test_cgopipe_page_issue_visit_start(tiny_dir, mu, n):
     assert not any(before for before, _ in late.values())  # the default: slot by slot, after it
 
 
+@pytest.mark.parametrize("mu,n", [(5, 1), (3, 4)])
+def test_cgopipe_layer_lookahead_submits_each_next_layer_attention_right_after_its_post_attention(tiny_dir, mu, n):
+    """layer_lookahead (the default): micro-batch k's CPU attention of layer l >= 1 is submitted right after its
+    layer l-1 post-attention was issued (inside layer l-1's loop), so the worker never waits at a layer boundary;
+    without it, layer l's are submitted in layer l's loop. The tokens, the pages crossed and the KV read are the
+    schedule without it, with refills (11 prompts, ragged lengths) and every micro-batch on the CPU."""
+    prompts = _prompts(11, seed=5)
+    sp = DecodeSampling(max_new_tokens=7, stop_at_eos=False)
+    pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
+    runs = {}
+    for ahead in (False, True):
+        ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", layer_lookahead=ahead)
+        events, layers = [], ex.spec.num_layers
+        submit, finish = ex.attention.submit_cpu, ex._finish_micro_batch
+
+        def attend(l, mb, *a, _f=submit, _e=events):
+            _e.append(("submit", l, id(mb)))
+            return _f(l, mb, *a)
+
+        def done(l, visit, slots, k, mb, *a, _f=finish, _e=events):
+            _e.append(("finish", l, id(mb)))
+            return _f(l, visit, slots, k, mb, *a)
+
+        ex.attention.submit_cpu, ex._finish_micro_batch = attend, done
+        out = ex.generate(prompts, sp)
+        ex.close()
+        runs[ahead] = ([o for o, _ in out], ex.stats.h2d_bytes, ex.stats.extra.get("cpu_attention_valid_kv_bytes"), events)
+    (ref, ref_h2d, ref_kv, ev0), (got, got_h2d, got_kv, ev1) = runs[False], runs[True]
+    assert got == ref and got_h2d == ref_h2d and got_kv == ref_kv
+
+    def after_own_finish(events):  # per submit of a layer >= 1: was the event before it this micro-batch's finish?
+        return [events[i - 1] == ("finish", l - 1, m) for i, (e, l, m) in enumerate(events) if e == "submit" and l >= 1]
+
+    early, late = after_own_finish(ev1), after_own_finish(ev0)
+    assert len(early) == len(late) > 2 * layers
+    assert all(early)
+    # without it, with several micro-batches: layer l's loop submits micro-batch k after finishing k-1 of layer l
+    #   (one micro-batch: the same order either way)
+    assert all(late) == (n == 1)
+
+
 def test_bench_cgopipe_pages_variant():
     """bench_cgopipe's ``pages`` variant key: CGOPipe's page_issue, checked by name."""
     from benchmarks.bench_cgopipe import parse_variants
@@ -203,3 +246,6 @@ def test_bench_cgopipe_pages_variant():
     assert parse_variants("pages=visit_start,h2d=kernel;default") == ({"pages": "visit_start", "h2d": "kernel"}, {})
     with pytest.raises(ValueError, match="pages must be after_attention or visit_start"):
         parse_variants("pages=early")
+    assert parse_variants("ahead=off;default") == ({"ahead": "off"}, {})
+    with pytest.raises(ValueError, match="ahead must be on or off"):
+        parse_variants("ahead=yes")

@@ -129,6 +129,7 @@ def test_executors_keep_the_contract_signature():
     ("attention_h2d", "zero", "attention_h2d must be auto, kernel or dma"),
     ("gpu_attention", "cuda", "gpu_attention must be torch or triton"),
     ("page_issue", "early", "page_issue must be after_attention or visit_start"),
+    ("layer_lookahead", 1, "layer_lookahead must be a bool"),
     ("score_chunk_tokens", True, "score_chunk_tokens must be an int >= 1"),
 ])
 def test_options_checked_once_by_name(field, value, msg):

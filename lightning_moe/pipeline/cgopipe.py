@@ -11,7 +11,9 @@ Per decode step, for each layer l and micro-batch k:
 
 The host thread issues GPU work for micro-batch k+1 while the worker runs the CPU attention of k, and
 the weight stream copies layer l+1's pages the whole time, so per layer the time approaches
-max(T_io, T_cpu, T_gpu), which is what the HRM (policy/hrm.py) predicts. Micro-batches whose KV the
+max(T_io, T_cpu, T_gpu), which is what the HRM (policy/hrm.py) predicts. Across a layer boundary the worker does not
+wait: micro-batch k's pre_attention(l+1, k) and its CPU attention are issued right after post_attention(l, k)
+(the look-ahead, ``CGOPipeOptions.layer_lookahead``), so they queue behind layer l's other CPU attentions. Micro-batches whose KV the
 policy puts on the GPU run attention on the GPU instead. Prefill runs per prefill chunk with GPU
 attention, writing KV to the micro-batch's home (CPU or GPU), with experts paged the same way.
 
@@ -230,45 +232,63 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
             if mb.pos is None:  # first step, or a slot refilled / reset: from the host lengths, no stream sync (a
                 #   pageable source is staged before the call returns; the host changes the lengths only after)
                 mb.pos = mb.kv.lengths.to(self.device, copy=True, non_blocking=True)  # [mu_k]
+        ahead: dict = {}  # micro-batch index -> its CPU attention of the next layer, already submitted (look-ahead)
         for l in range(self.spec.num_layers):
-            self._decode_layer(l, mbs)
+            ahead = self._decode_layer(l, mbs, ahead)
         for mb in mbs:
             mb.kv.lengths += 1
             mb.pos += 1
             mb.rope = None  # positions moved: the next step recomputes its RoPE tables
         return [self.family.final_logits(mb.x, self.norm, self.lm_head, self.spec.rms_norm_eps) for mb in mbs]
 
-    def _decode_layer(self, l: int, mbs: list[MicroBatch]) -> None:
-        """One layer of one decode step over all micro-batches (the CGOPipe schedule).
+    def _decode_layer(self, l: int, mbs: list[MicroBatch], ahead: dict) -> dict:
+        """One layer of one decode step over all micro-batches (the CGOPipe schedule); returns the look-ahead of layer
+        l+1 (micro-batch index -> its CPU attention, submitted).
 
         Micro-batch k's slot of layer l+1's pages is issued right after k's attention result is on its way
         to the GPU (CPU attention) or computed (GPU attention), never before: copies of one direction queue on
         the copy engine in issue order, so a slot issued earlier would hold the attention output behind
         megabytes of pages while the GPU waits for it. A CPU micro-batch is finished after the next micro-batch's
-        attention is under way, so the worker and the GPU overlap. (Submitting every CPU micro-batch's attention
-        before the GPU micro-batches' work gains nothing: the GPU then waits for the CPU micro-batch instead.) With the
-        option ``page_issue="visit_start"`` every page of layer l+1 is issued as the visit starts instead (for
+        attention is under way, so the worker and the GPU overlap. With ``layer_lookahead`` (the default) a CPU
+        micro-batch's layer l+1 pre-attention and CPU attention are issued as soon as its layer l post-attention is
+        (:meth:`_finish_cpu`), so ``ahead`` already holds layer l's CPU attentions: the worker goes from the last
+        micro-batch of layer l to the first of layer l+1 without waiting for the host to finish layer l and the GPU
+        to run its last post-attention and the next layer's first pre-attention (the layer boundary's bubble). With
+        the option ``page_issue="visit_start"`` every page of layer l+1 is issued as the visit starts instead (for
         attention outputs that do not cross on the copy engine: zero-copy, or GPU attention).
         """
         visit, ffn = self._begin_visit()
         if self.opts.page_issue == "visit_start":  # the next visit's pages now, behind this visit's on the weight stream
             self.weight_stream.prefetch_slot(visit + 1, 0, 1)
-        at = self.attention
+        at, nxt = self.attention, {}
         cpu_pending = None  # (k, micro-batch, Future) whose CPU attention runs on the worker
         for k, mb in enumerate(mbs):
-            q, kk, v = self._pre_attention(l, mb)
-            attn = (self.timer.timed("gpu_attention", self.compute, lambda: at.gpu(l, mb, q, kk, v))
-                    if mb.on_gpu else at.submit_cpu(l, mb, q, kk, v))
+            attn = ahead.get(k)  # submitted by the previous layer's look-ahead
+            if attn is None:
+                q, kk, v = self._pre_attention(l, mb)
+                attn = (self.timer.timed("gpu_attention", self.compute, lambda: at.gpu(l, mb, q, kk, v))
+                        if mb.on_gpu else at.submit_cpu(l, mb, q, kk, v))
             if cpu_pending is not None:  # finish the previous CPU micro-batch while this one's attention runs
-                self._finish_micro_batch(l, visit, len(mbs), *cpu_pending, ffn)
+                self._finish_cpu(l, visit, len(mbs), cpu_pending, ffn, nxt)
                 cpu_pending = None
             if mb.on_gpu:
                 self._finish_micro_batch(l, visit, len(mbs), k, mb, attn, ffn)
             else:
                 cpu_pending = (k, mb, attn)
         if cpu_pending is not None:
-            self._finish_micro_batch(l, visit, len(mbs), *cpu_pending, ffn)
+            self._finish_cpu(l, visit, len(mbs), cpu_pending, ffn, nxt)
         self.weight_stream.end_visit(visit)
+        return nxt
+
+    def _finish_cpu(self, l: int, visit: int, slots: int, pending: tuple, ffn, nxt: dict) -> None:
+        """Finish CPU micro-batch ``pending`` = (k, mb, Future) at layer l; then, with ``layer_lookahead`` and a next
+        layer, enqueue its layer l+1 pre-attention (it needs only this post-attention's output and resident weights)
+        and submit its CPU attention into ``nxt[k]``, behind the worker's queue of layer l."""
+        k, mb, attn = pending
+        self._finish_micro_batch(l, visit, slots, k, mb, attn, ffn)
+        if self.opts.layer_lookahead and l + 1 < self.spec.num_layers:
+            q, kk, v = self._pre_attention(l + 1, mb)
+            nxt[k] = self.attention.submit_cpu(l + 1, mb, q, kk, v)
 
     def _pre_attention(self, l: int, mb: MicroBatch):
         """Norm, q/k/v, RoPE of micro-batch ``mb`` on the device: q [mu, Hq, hd], k / v [mu, Hkv, hd]. MLA: the query

@@ -40,6 +40,10 @@ class CGOPipeOptions:
     #   queues behind pages on the copy engine) or "visit_start" (all of them as the visit starts, behind the visit's
     #   own pages on the weight stream: the copy engine does not wait for a CPU attention between visits; for
     #   zero-copy or GPU-attention outputs; an A/B switch of bench_cgopipe.py)
+    layer_lookahead: bool = True  # a CPU micro-batch's next-layer pre-attention and CPU attention are issued as soon as
+    #   its post-attention of this layer is (the worker never waits at a layer boundary for the host to finish the layer
+    #   and the GPU to reach the next layer's first pre-attention); False: each layer's are issued in that layer's loop
+    #   (the schedule before session 45; an A/B switch of bench_cgopipe.py)
     gpu_attention: str = "torch"  # a GPU-attention micro-batch's append + attend: "torch" (per KV length group, the
     #   family's decode_attention, bit-identical to the serial executor) or "triton" (one kernel for all groups,
     #   scores in fp32: bf16 outputs differ by rounding)
@@ -63,6 +67,8 @@ class CGOPipeOptions:
             raise bad("gpu_attention", "torch or triton")
         if self.page_issue not in ("after_attention", "visit_start"):
             raise bad("page_issue", "after_attention or visit_start")
+        if not isinstance(self.layer_lookahead, bool):
+            raise bad("layer_lookahead", "a bool")
         if self.attention_h2d not in ("auto", "kernel", "dma"):
             raise bad("attention_h2d", "auto, kernel or dma")
         if self.cpu_threads is not None and not count(self.cpu_threads):
