@@ -74,16 +74,16 @@ def test_two_layer_hand_computed(monkeypatch):
     t_dec = 0.0
     stages_l1_c5 = None
     for c in (5, 6):  # decode steps j = 1, 2: context 4 + j
-        # pipeline fill (some attention on the CPU): the GPU also waits one CPU micro-batch, the CPU one GPU micro-batch
-        gpu = 3 * mb + 1 * attn_gpu(c) + cpu_mb(c)
-        cpu_c = cpu(c) + mb
+        # some attention on the CPU: the CPU stage is at least one CPU micro-batch's round trip, its attention and
+        # its GPU layer (cpu_mb + mb)
+        gpu = 3 * mb + 1 * attn_gpu(c)
+        cpu_c = max(cpu(c), cpu_mb(c) + mb)
         t_dec += sum(max(h, d2h, cpu_c, gpu) for h in h2d) + head_dec
         if c == 5:
             stages_l1_c5 = {"h2d": h2d[1], "d2h": d2h, "cpu": cpu_c, "gpu": gpu}
-    # layer 0 is h2d-bound (1.2352 s); layer 1 is bound by gpu = 3 mb + attn + cpu_mb at c = 5 (0.62377 s)
-    # and by cpu = cpu(6) + mb at c = 6 (0.67945 s)
-    assert t_dec == pytest.approx(1.2352 * 2 + 0.02496 * 2 + (3 * 0.13088 + 2 * (8 * 5 + 24) * 2 / 1e5 + 2 * 5 * 16 / 700)
-                                  + (4 * 6 * 16 / 700 + 0.13088), rel=1e-12)
+    # layer 0 is h2d-bound (1.2352 s); layer 1 is bound by the CPU's 2 micro-batches (4 sequences), cpu(5) = 0.45714 s
+    # and cpu(6) = 0.54857 s, above the round trip (0.35945, 0.40517) and the GPU (0.39520, 0.39552)
+    assert t_dec == pytest.approx(1.2352 * 2 + 0.02496 * 2 + 4 * 5 * 16 / 700 + 4 * 6 * 16 / 700, rel=1e-12)
 
     # ---- prefill: 3 prefill micro-batches of 2 prompts x 4 tokens (8 tokens each) ----
     qkv8 = max(2 * 8 * 128 / 1e6, (256 + 8 * 24 * 2) / 1e5)
@@ -104,7 +104,11 @@ def test_two_layer_hand_computed(monkeypatch):
     assert rel(est.decode_tok_s, 6 * 2 / t_dec) < 1e-9
     assert rel(est.prefill_tok_s, 6 * 4 / t_pre) < 1e-9
     assert est.prefill_binding == "h2d" and est.decode_binding == "h2d"
-    assert est.decode_first_layers[1].binding == max(stages_l1_c5, key=stages_l1_c5.get) == "gpu"
+    assert est.decode_first_layers[1].binding == max(stages_l1_c5, key=stages_l1_c5.get) == "cpu"
+    # one CPU micro-batch beside the GPU one: its round trip (attention + its GPU layer) is the CPU stage
+    one = Policy(mu=2, n=2, prefill_mu=2, resident_experts=(1, 3), n_gpu_attn=1)
+    st = hrm.decode_layer_times(spec, hw, one, 1, 1, 5.0)
+    assert st.cpu == pytest.approx(cpu_mb(5) + mb, rel=1e-12) and st.gpu == pytest.approx(2 * mb + attn_gpu(5), rel=1e-12)
     assert est.prefill_layers[1].binding == "gpu"
 
     # ---- memory (bytes) ----

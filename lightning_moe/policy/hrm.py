@@ -381,11 +381,14 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     many small micro-batches slow on the CPU side). (H5) at the mean context: the grouped caches read each
     group only up to its own longest row. Quantized pages add T_deq (:func:`gpu_dequant_time`: all E experts
     of the layer, once per layer visit) to the GPU stage.
-    When some attention runs on the CPU, the GPU and CPU stages of the same micro-batch depend on each
-    other, so a two-stage pipeline over n micro-batches takes max(G + c_1, C + g_1) (g_1, c_1: one
-    micro-batch's GPU and CPU time): each stage also pays the other's first/last micro-batch. With n = 1
-    this is G + C, no overlap, which is what the executor does. Where the profile measured CPU attention beside
-    pinned copies, (H5') raises the CPU and H2D stages (:func:`dram_sharing`; the pipeline fill is not DRAM traffic).
+    When some attention runs on the CPU, a CPU micro-batch's attention of layer l+1 waits for its own GPU work of
+    layer l (post-attention, then the next pre-attention), so a layer takes at least c_1 + g_1 (c_1, g_1: one
+    micro-batch's CPU attention and GPU layer time): the CPU stage is max(C, c_1 + g_1). With n = 1 this is G + C,
+    no overlap, which is what the executor does. With several micro-batches the executor's look-ahead
+    (``CGOPipeOptions.layer_lookahead``) queues each micro-batch's next-layer attention behind the others, so no
+    other fill is paid per layer (before session 45 the HRM charged max(G + c_1, C + g_1), the schedule without
+    it). Where the profile measured CPU attention beside pinned copies, (H5') raises the CPU and H2D stages
+    (:func:`dram_sharing`).
     """
     dt, q, g = policy.dtype, policy.weight_quant, policy.gpus
     dense = spec.is_dense_layer(layer)
@@ -400,12 +403,10 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     # (H10) every process attends over the same CPU rows on one shared host: x g
     cpu = (policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)) * g
     host = decode_host_issue_time(hw, policy, spec)
-    if policy.n_cpu_attn:  # pipeline fill/drain: the GPU waits for the first CPU result, the CPU for the first q/k/v
+    if policy.n_cpu_attn:  # one CPU micro-batch's round trip: its next-layer attention waits for its own GPU layer
         cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)) * g
-        gpu, cpu = gpu + cpu_mb, cpu + gpu_mb
-        if any(h > 0 for h in host_issue_times(hw, spec, q)):  # the host waits for the layer's last CPU
-            host += cpu_mb  # attention with nothing left to issue (the MILP's host row has the same term)
-    shared = dram_sharing(hw)  # (H5'), beside the pipeline fill: the attention's KV reads and the layer's H2D copies
+        cpu = max(cpu, cpu_mb + gpu_mb)  # (the MILP's chain row)
+    shared = dram_sharing(hw)  # (H5'): the attention's KV reads and the layer's H2D copies
     if shared and cpu_seqs:  # share host DRAM
         kv = cpu_attention_kv_time(spec, hw, cpu_seqs, context + cpu_offset, dt) * g
         cpu, h2d = max(cpu, kv + shared[0] * h2d), h2d + shared[1] * kv

@@ -436,7 +436,7 @@ class _Model:
         for m in self.C.cands:
             # v_m <= w_m: GPU-attention micro-batches are a subset of the micro-batches (g <= n)
             self.prob += self.v[m] <= self.w[m], f"v_le_w_{m}"
-            # q_m >= z_m + y_cpu - 1: the pipeline fill terms of the chosen size apply when some attention is on the CPU
+            # q_m >= z_m + y_cpu - 1: the round-trip row of the chosen size applies when some attention is on the CPU
             self.prob += self.q[m] >= self.z[m] + self.y_cpu - 1, f"q_and_{m}"
         # n - g <= nmax y_cpu: a CPU-attention micro-batch forces y_cpu = 1;  y_cpu <= n - g
         self.prob += self.n_cpu <= max(self.C.nmax.values()) * self.y_cpu, "y_cpu_def"
@@ -595,20 +595,22 @@ class _Model:
     def _decode_step(self, t: int, c: float) -> None:
         C = self.C
         # (H6) C_t >= GPU + N_gpu attn_g(c) (+ dequantization);  (H5) C_t >= c K + (n - g) calls(mu) cpu_call;  (H4) C_t >= D2H
-        # pipeline fill (hrm.decode_layer_times): + one micro-batch of the other stage when y_cpu = 1
+        # one CPU micro-batch's round trip (hrm.decode_layer_times) when y_cpu = 1: C_t >= c_1(m) + g_1(m),
         #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
         cc = c + C.cpu_off  # context of the CPU-attention rows (the longest micro-batches)
-        fill = self._cpu_micro_batch(cc)
-        gpu = self.GPU + C.attn_g[c] * self.N_gpu + fill
-        cpu = cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
-        host = self._host_row(fill)
-        Ct = self._stage_max(str(t), gpu, [cpu, self.D2H] + host)
+        c_1 = self._cpu_micro_batch(cc)
+        gpu = self.GPU + C.attn_g[c] * self.N_gpu
+        cpu = cc * self.K + C.cpu_call * self.cpu_calls
+        chain = c_1 + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
+        host = self._host_row()
+        Ct = self._stage_max(str(t), gpu, [cpu, chain, self.D2H] + host)
         kv = cc * C.kv_rate * self.N_cpu  # (H5') the layer's CPU attention KV seconds
         terms = [self._layer_sum(str(t), self.A, Ct, kv)]
         if self.L_d:
             Cd = self._var(f"Cd_{t}", lowBound=0)
-            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu + fill, f"Cd_{t}_gpu"
-            self.prob += Cd >= cc * self.K + C.cpu_call * self.cpu_calls + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_cpu"
+            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu, f"Cd_{t}_gpu"
+            self.prob += Cd >= cpu, f"Cd_{t}_cpu"
+            self.prob += Cd >= c_1 + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_chain"
             self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
             for i, row in enumerate(host):
                 self.prob += Cd >= row, f"Cd_{t}_host{i}"
@@ -618,19 +620,18 @@ class _Model:
 
     def _cpu_micro_batch(self, cc: float) -> pulp.LpAffineExpression:
         """One CPU micro-batch's attention seconds at CPU-row context ``cc`` when some attention is on the CPU
-        (q_m), else 0: calls(m) cpu_call + m cc cpu_rate. The pipeline fill term of the GPU stage and the host's
-        wait for the layer's last CPU attention (hrm.decode_layer_times' cpu_mb)."""
+        (q_m), else 0: calls(m) cpu_call + m cc cpu_rate; the CPU half of a micro-batch's round trip
+        (hrm.decode_layer_times' cpu_mb)."""
         C = self.C
         return pulp.lpSum((C.cpu_call * C.calls[m] + m * cc * C.cpu_rate) * self.q[m] for m in C.cands)
 
-    def _host_row(self, wait: pulp.LpAffineExpression) -> list:
-        """(H6') the host stage of a decode layer, as a list of 0 or 1 rows: h_c (n - g) + h_g g + ``wait`` (one
-        CPU micro-batch's attention, :meth:`_cpu_micro_batch`); none when the profile has no host measurement
-        (hrm.decode_layer_times then has none either)."""
+    def _host_row(self) -> list:
+        """(H6') the host stage of a decode layer, as a list of 0 or 1 rows: h_c (n - g) + h_g g; none when the
+        profile has no host measurement (hrm.decode_layer_times then has none either)."""
         C = self.C
         if C.host_c <= 0 and C.host_g <= 0:
             return []
-        return [C.host_c * self.n_cpu + C.host_g * pulp.lpSum(self.v.values()) + wait]
+        return [C.host_c * self.n_cpu + C.host_g * pulp.lpSum(self.v.values())]
 
     # -- solving --
     @property
