@@ -58,6 +58,20 @@ def test_transformers_loads_every_key_and_our_loader_reads_the_same(written):
     assert int(torch.count_nonzero(e.w1)) > 0
 
 
+def test_a_missing_tokenizer_source_fails_before_any_weight_is_written(tmp_path, monkeypatch):
+    """The tokenizer comes from the embedded tiny model (mistral-common builds it): where it cannot be made, the
+    writer fails before the first shard (on the GPU host a full-size write took 26 s and 87 GB of sparse files first)."""
+    from lightning_moe.model.tiny import MissingPackage
+
+    def missing():
+        raise MissingPackage("no mistral-common")
+
+    monkeypatch.setattr(mk, "tiny_tokenizer_dir", missing)
+    with pytest.raises(MissingPackage):
+        mk.write_checkpoint(str(tmp_path / "ckpt"), FAMILIES["mixtral"], log=open(os.devnull, "w"))
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_zero_experts_are_holes_that_read_as_zeros(tmp_path):
     dims = dataclasses.replace(FAMILIES["mixtral"], vocab=512, intermediate=256)  # experts: most of the bytes
     dense = mk.write_checkpoint(str(tmp_path / "dense"), dims, log=open(os.devnull, "w"))

@@ -423,6 +423,7 @@ def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int
     "tokenizer_files", "zero_bytes"}``; ``bytes`` counts the safetensors data, ``zero_bytes`` its holes."""
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir}: exists and is not empty")
+    tok_src = tiny_tokenizer_dir()  # before any weight is written (its tokenizer needs mistral-common)
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -442,7 +443,7 @@ def write_checkpoint(out_dir: str, dims: Dims, shard_gib: float = 3.0, seed: int
         print(f"  {fname}: {nbytes / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s", file=log, flush=True)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    tok = copy_tokenizer(out_dir)
+    tok = copy_tokenizer(out_dir, tok_src)
     if device != "cpu":
         torch.cuda.empty_cache()  # the caller may go on to run capped jobs in subprocesses
     return {"path": out_dir, "bytes": total, "seconds": time.perf_counter() - t0, "shards": len(shards),
