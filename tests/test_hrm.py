@@ -256,6 +256,14 @@ def test_mla_cpu_attention_uses_the_latent_kernel_rate_by_hand():
     assert hrm.cpu_decode_attention_time(gqa, fast, S, c) == hrm.cpu_decode_attention_time(gqa, hw, S, c)
 
 
+def test_cpu_attention_kv_rate_is_the_bandwidth_or_the_flop_rate_per_kv_byte():
+    """The valid-KV rate (H5) allows a model: its KV bandwidth where that binds, else the FLOP rate over its FLOPs per
+    KV byte (Mixtral: 2 * 32 * 256 FLOPs on 2 * 8 * 128 * 2 bytes per position = 4 FLOP per byte)."""
+    gqa = resolve_spec("mixtral-8x7b")
+    assert hrm.cpu_attention_kv_rate(gqa, toy_hw(cpu_attention_flops=1e14, cpu_attention_bandwidth=5e10)) == pytest.approx(5e10)
+    assert hrm.cpu_attention_kv_rate(gqa, toy_hw(cpu_attention_flops=1e11, cpu_attention_bandwidth=5e10)) == pytest.approx(1e11 / 4)
+
+
 def test_resolve_spec_aliases_and_errors(tmp_path):
     assert resolve_spec("mistralai/Mixtral-8x7B-v0.1").name == "mixtral-8x7b"
     with pytest.raises(ValueError, match="registry"):

@@ -174,6 +174,13 @@ def test_cpu_attention_rate_as_it_ran_prints_against_the_profiles():
     assert "CPU attention as it ran" not in format_report(_report(predicted=pred))
     assert "CPU attention as it ran" not in format_report(_report(stages=stages))
     assert "CPU attention as it ran" not in format_report(_report(predicted=pred, stages={**stages, "cpu_attention_compute": 0.0}))
+    # a model whose FLOPs per KV byte bind (H5) below the bandwidth (gpt-oss: 64 query heads on 8 KV heads): that rate
+    flop = format_report(_report(predicted=pred | {"cpu_attention_rate": 50e9}, stages=stages))
+    assert ("  CPU attention as it ran: 4,000.0 GB of KV in 100.00 s, 40.0 GB/s (0.80 of 50.0 GB/s, the rate of the "
+            "HRM's cpu term: the profile's CPU attention FLOP rate at this model's FLOPs per KV byte; its KV bandwidth "
+            "80.0 GB/s)") in flop.splitlines()
+    same = format_report(_report(predicted=pred | {"cpu_attention_rate": 80e9}, stages=stages))
+    assert "(0.50 of the profile's 80.0 GB/s, the rate of the HRM's cpu term)" in same
     shared = format_report(_report(predicted=pred | {"cpu_attention_bandwidth_under_h2d": 48e9}, stages=stages))
     assert ("  CPU attention as it ran: 4,000.0 GB of KV in 100.00 s, 40.0 GB/s (0.50 of the profile's 80.0 GB/s, "
             "the rate of the HRM's cpu term; 48.0 GB/s beside pinned H2D copies, the HRM's sharing point)"

@@ -661,7 +661,7 @@ def _load(run: JobRun, spans: Optional[list]) -> None:
     if hasattr(run.executor, "policy_summary"):
         report["policy"] = run.executor.policy_summary()
     if run.jplan is not None and job.device.startswith("cuda"):  # on the CPU the GPU-host prediction means nothing
-        report["predicted"] = predicted_report(job, run.jplan)
+        report["predicted"] = predicted_report(job, run.jplan, run.prep.spec)
     elif run.cpu_est is not None:  # on the CPU: the CPU executor's roofline, not the GPU host's HRM
         report["predicted"] = cpu_predicted_report(run.cpu_est)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 from ..config import Job
 from ..pipeline import scoring
 from ..policy.hardware import format_bytes, host_probe_line
-from ..policy.hrm import dram_sharing
+from ..policy.hrm import cpu_attention_kv_rate, dram_sharing
 from .plan import hardware_note
 
 if TYPE_CHECKING:
@@ -43,11 +43,13 @@ def report_head(job: Job, prep: Prepared, results: str, skipped: int, partials_f
     }
 
 
-def predicted_report(job: Job, jplan: JobPlan) -> dict:
+def predicted_report(job: Job, jplan: JobPlan, spec=None) -> dict:
     """The run report's ``predicted`` block: the HRM's tokens/s and binding stages for the plan's estimate, the
     hardware profile it planned with (``jplan.hardware``), and the notes on what the prediction stands on (the
-    profile a job that names none got; what the estimate leaves out)."""
+    profile a job that names none got; what the estimate leaves out). ``spec`` (the model's): also the valid-KV rate
+    of its CPU attention the HRM allows (``cpu_attention_rate``)."""
     est, hw = jplan.estimate, jplan.hardware
+    rate = cpu_attention_kv_rate(spec, hw, jplan.policy.dtype) if spec is not None else None
     return {"prefill_tokens_per_s": est.prefill_tok_s, "decode_tokens_per_s": est.decode_tok_s,
             "end_to_end_tokens_per_s": est.job_e2e_tok_s, "batch_end_to_end_tokens_per_s": est.e2e_tok_s,
             "job_batches": list(est.job_rows), "job_seconds": est.job_time or None,
@@ -58,6 +60,8 @@ def predicted_report(job: Job, jplan: JobPlan) -> dict:
             "stages_rule": "each layer its longest overlapped stage, head added",  # how the terms make the time
             "host_probe": est.host_probe or None,  # the profile's host probe that priced the decode host stage
             "cpu_attention_bandwidth": hw.cpu_attention_bandwidth,  # B/s of valid KV: (H5)'s rate, the cpu term's
+            # B/s of valid KV (H5) allows this model: the bandwidth, or lower where its FLOP term binds (None: no spec)
+            "cpu_attention_rate": rate,
             # (H5')'s point: the same rate while pinned H2D copies run beside it (None: unmeasured, no sharing rows)
             "cpu_attention_bandwidth_under_h2d": hw.cpu_attention_bandwidth_under_h2d if dram_sharing(hw) else None,
             "notes": [n for n in (hardware_note(job, hw), *est.notes) if n and n.startswith("note:")]}
@@ -257,8 +261,13 @@ def _cpu_attention_rate_line(stages: dict, pred: dict) -> list[str]:
         return []
     under = pred.get("cpu_attention_bandwidth_under_h2d")
     beside = f"; {under / 1e9:,.1f} GB/s beside pinned H2D copies, the HRM's sharing point" if under else ""
-    return [f"  CPU attention as it ran: {kv / 1e9:,.1f} GB of KV in {sec:,.2f} s, {kv / sec / 1e9:,.1f} GB/s "
-            f"({kv / sec / rate:.2f} of the profile's {rate / 1e9:,.1f} GB/s, the rate of the HRM's cpu term{beside})"]
+    ran = f"  CPU attention as it ran: {kv / 1e9:,.1f} GB of KV in {sec:,.2f} s, {kv / sec / 1e9:,.1f} GB/s "
+    flop = pred.get("cpu_attention_rate")
+    if flop and flop < rate * (1 - 1e-9):  # the model's FLOPs per KV byte bind (H5) below the KV bandwidth
+        return [ran + f"({kv / sec / flop:.2f} of {flop / 1e9:,.1f} GB/s, the rate of the HRM's cpu term: the profile's "
+                f"CPU attention FLOP rate at this model's FLOPs per KV byte; its KV bandwidth {rate / 1e9:,.1f} GB/s"
+                f"{beside})"]
+    return [ran + f"({kv / sec / rate:.2f} of the profile's {rate / 1e9:,.1f} GB/s, the rate of the HRM's cpu term{beside})"]
 
 
 def _end_to_end_binding(r: dict, pred: dict) -> str:

@@ -285,6 +285,13 @@ def cpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, c
                cpu_attention_kv_time(spec, hw, seqs, context, dtype))
 
 
+def cpu_attention_kv_rate(spec: MoESpec, hw: HardwareProfile, dtype: str = "bf16") -> float:
+    """Bytes of valid KV per second that (H5) allows this model's CPU attention: the KV bandwidth, or lower where the
+    FLOP term binds (attn_flops_per_position FLOPs per position at the profile's CPU attention FLOP rate)."""
+    return cpu_attention_kv_time(spec, hw, 1.0, 1.0, dtype) / cpu_decode_attention_time(spec, hw, 1.0, 1.0, dtype) \
+        * hw.cpu_attention_bandwidth
+
+
 def cpu_attention_kv_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
     """(H5') X: the KV bytes of (H5) alone, S c kv_elems b / B_cpu_attn (the part of CPU attention that reads DRAM)."""
     return seqs * context * spec.kv_elems_per_token * dtype_bytes(dtype) / hw.cpu_attention_bandwidth
