@@ -237,15 +237,15 @@ def measure(args, n_gpu: int) -> dict:
     walls: list[float] = []
     mode = {"count": False, "prof": None, "skip": 0}
 
-    def decode_layer(l, mbs):
+    def decode_layer(l, mbs, *ahead):  # ahead: the executor's look-ahead of layer l, passed through
         if mode["count"] and mode["skip"] > 0:  # a decode step before the counted one
             mode["skip"] -= 1
-            return layer_fn(l, mbs)
+            return layer_fn(l, mbs, *ahead)
         if mode["count"]:
             _seed(prov, ex, mbs)
             rec.active = True
             try:
-                return layer_fn(l, mbs)
+                return layer_fn(l, mbs, *ahead)
             finally:
                 rec.active = False
         prof = mode["prof"]
@@ -253,7 +253,7 @@ def measure(args, n_gpu: int) -> dict:
         if prof is not None:
             prof.enable()
         try:
-            return layer_fn(l, mbs)
+            return layer_fn(l, mbs, *ahead)
         finally:
             if prof is not None:
                 prof.disable()

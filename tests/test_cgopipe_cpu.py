@@ -198,19 +198,33 @@ def test_cgopipe_page_issue_visit_start(tiny_dir, mu, n):
     assert not any(before for before, _ in late.values())  # the default: slot by slot, after it
 
 
-@pytest.mark.parametrize("mu,n", [(5, 1), (3, 4)])
-def test_cgopipe_layer_lookahead_submits_each_next_layer_attention_right_after_its_post_attention(tiny_dir, mu, n):
+@pytest.mark.parametrize("mu,n,gpu_path", [(5, 1, 0), (3, 4, 0), (3, 4, 1)])
+def test_cgopipe_layer_lookahead_submits_each_next_layer_attention_right_after_its_post_attention(tiny_dir, mu, n,
+                                                                                                     gpu_path):
     """layer_lookahead (the default): micro-batch k's CPU attention of layer l >= 1 is submitted right after its
     layer l-1 post-attention was issued (inside layer l-1's loop), so the worker never waits at a layer boundary;
     without it, layer l's are submitted in layer l's loop. The tokens, the pages crossed and the KV read are the
-    schedule without it, with refills (11 prompts, ragged lengths) and every micro-batch on the CPU."""
+    schedule without it, with refills (11 prompts, ragged lengths), every micro-batch on the CPU or (``gpu_path``)
+    the first on the GPU-attention path (forced on device cpu, as benchmarks/host_ops.py does: its cache stays on the
+    CPU), which the look-ahead leaves to each layer's loop."""
     prompts = _prompts(11, seed=5)
     sp = DecodeSampling(max_new_tokens=7, stop_at_eos=False)
-    pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=2, dtype="fp32", weight_quant="fp32")
+    pol = Policy(mu=mu, n=n, prefill_mu=2, resident_experts=2, n_gpu_attn=gpu_path, dtype="fp32", weight_quant="fp32")
     runs = {}
     for ahead in (False, True):
         ex = CGOPipeExecutor(load_checkpoint(tiny_dir, torch.float32), pol, "cpu", layer_lookahead=ahead)
+        orig = ex._micro_batches
+
+        def forced(*a, _orig=orig, **k):  # device cpu never puts attention on the GPU path: force the first
+            mbs = _orig(*a, **k)
+            for i, mb in enumerate(mbs):
+                mb.on_gpu = i < gpu_path
+            return mbs
+
+        ex._micro_batches = forced
         events, layers = [], ex.spec.num_layers
+        gpu, gpu_calls = ex.attention.gpu, []
+        ex.attention.gpu = lambda l, mb, *a, _f=gpu, _c=gpu_calls: (_c.append(l), _f(l, mb, *a))[1]
         submit, finish = ex.attention.submit_cpu, ex._finish_micro_batch
 
         def attend(l, mb, *a, _f=submit, _e=events):
@@ -225,6 +239,7 @@ def test_cgopipe_layer_lookahead_submits_each_next_layer_attention_right_after_i
         out = ex.generate(prompts, sp)
         ex.close()
         runs[ahead] = ([o for o, _ in out], ex.stats.h2d_bytes, ex.stats.extra.get("cpu_attention_valid_kv_bytes"), events)
+        assert (len(gpu_calls) > layers) == bool(gpu_path)  # the forced micro-batch took the GPU path every layer
     (ref, ref_h2d, ref_kv, ev0), (got, got_h2d, got_kv, ev1) = runs[False], runs[True]
     assert got == ref and got_h2d == ref_h2d and got_kv == ref_kv
 

@@ -142,9 +142,11 @@ def check_stop_token_ids(job, spec, where: Optional[str] = None) -> None:
             raise ConfigError(f"{field}: {t} is outside the model's vocabulary [0, {V}) (the ids it can generate)")
 
 
-GPU_PROFILE_VERSION = 3  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
+GPU_PROFILE_VERSION = 4  # in a cached GPU profile's file name: bumped when HardwareProfile's measured fields change
 #   (2: host_issue_by_family, session 40; 3: gpu_context_bytes, session 41: a v2 file lacks it, so a host measures
-#   once more rather than plan with the 1 GiB default reserve; an older install reading v3 would refuse its new key)
+#   once more rather than plan with the 1 GiB default reserve; an older install reading v3 would refuse its new key;
+#   4: session 45's layer look-ahead changes the decode the host issue probes run, so a v3 file's host issue times
+#   were measured on another schedule)
 
 
 def gpu_profile_path(device: str) -> str:
