@@ -15,14 +15,16 @@ from lightning_moe.policy.registry import resolve_spec
 # n_gpu_attn, prefill_tokens, prefill s, decode s, end-to-end tok/s, GPU peak, CPU peak); a fixed tiny policy ->
 # (prefill s, decode s, end-to-end tok/s, GPU peak, CPU peak); the GPU peaks since with the mm_loop FFN's spare rows
 # (hrm.FFN_SPARE_ROWS) and the Triton kernels' pair-index padding (hrm.MAX_BLOCK_M, session 33: + 1.5 x E x 512 B,
-# the fragmentation allowance included; plans unchanged). Regenerate only when the one-GPU model changes on purpose.
+# the fragmentation allowance included; plans unchanged); the two tiny policies with CPU attention since session 45's
+# round-trip row (hrm.decode_layer_times: no per-layer pipeline fill; their decode 0.3-0.5% faster, the l4 plans
+# unchanged). Regenerate only when the one-GPU model changes on purpose.
 BEFORE = {
     "l4-77x8": (2048, 5, 32, 19, 0, 4096, 193.99393839618475, 35.29688864826923, 357.2755223396603, 25442183296, 200172371968),
     "l4-256req": (256, 1, 32, 44, 0, 4096, 4.849848459904618, 134.928737493147, 58.60697433834037, 25550131840, 80527753216),
     "l4-int4": (100, 1, 25, 84, 0, 4096, 2.7890943734459426, 14.09070567080849, 94.78785268813715, 17149541048, 19777880064),
     "l4-score": (30, 1, 10, 32, 1, 4096, 4.616738012307692, 0.0, 6.498094524753939, 21555868480, 83886080000),
-    "tiny-4-3-0-0": (2.5417930201480263e-05, 7.429210763228567e-05, 481395.86588086945, 1541168, 589824),
-    "tiny-4-3-3-1": (1.6834861353824013e-05, 4.8469493263646176e-05, 735019.8969297992, 1642544, 442368),
+    "tiny-4-3-0-0": (2.5417930201480263e-05, 7.403461556685598e-05, 482642.24539621855, 1541168, 589824),
+    "tiny-4-3-3-1": (1.6834861353824013e-05, 4.8212001198216485e-05, 737929.5190693907, 1642544, 442368),
     "tiny-8-2-8-2": (8.81395841899671e-06, 1.4771913227282073e-05, 2713488.8614598853, 2433280, 196608),
 }
 
