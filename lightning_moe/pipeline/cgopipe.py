@@ -11,10 +11,10 @@ Per decode step, for each layer l and micro-batch k:
 
 The host thread issues GPU work for micro-batch k+1 while the worker runs the CPU attention of k, and
 the weight stream copies layer l+1's pages the whole time, so per layer the time approaches
-max(T_io, T_cpu, T_gpu), which is what the HRM (policy/hrm.py) predicts. Across a layer boundary the worker does not
-wait: micro-batch k's pre_attention(l+1, k) and its CPU attention are issued right after post_attention(l, k)
-(the look-ahead, ``CGOPipeOptions.layer_lookahead``), so they queue behind layer l's other CPU attentions. Micro-batches whose KV the
-policy puts on the GPU run attention on the GPU instead. Prefill runs per prefill chunk with GPU
+max(T_io, T_cpu, T_gpu), which is what the HRM (policy/hrm.py) predicts. Across a layer boundary the worker does
+not wait: micro-batch k's pre_attention(l+1, k) and its CPU attention are issued right after post_attention(l, k)
+(the look-ahead, ``CGOPipeOptions.layer_lookahead``), so they queue behind layer l's other CPU attentions.
+Micro-batches whose KV the policy puts on the GPU run attention on the GPU instead. Prefill runs per prefill chunk with GPU
 attention, writing KV to the micro-batch's home (CPU or GPU), with experts paged the same way.
 
 This module is the loop: :meth:`CGOPipeExecutor._decode` (called by :meth:`.executor.Executor.generate`: prefill,

@@ -481,7 +481,8 @@ def measure_host_issue(device: str = "cuda", layers: int = 8, mu: int = 64, step
     On ``device="cpu"`` (tests) the same loop runs synchronously and both numbers are CPU-attention micro-batches.
     The CPU number includes the host's wait for each hand-off (q/k/v copy, event, worker wake-up, the tiny
     attention) that the decode's schedule (its layer look-ahead included) leaves exposed, a latency the host really
-    waits per CPU micro-batch (issue time alone under-predicts a CPU micro-batch's decode layer). :func:`measure_microbatch_overhead` times only a bare pre + post attention, far less
+    waits per CPU micro-batch (issue time alone under-predicts a CPU micro-batch's decode layer).
+    :func:`measure_microbatch_overhead` times only a bare pre + post attention, far less
     than the host spends issuing a real micro-batch's work. Raises ValueError on an unknown ``probe``.
     """
     from .cgopipe import CGOPipeExecutor

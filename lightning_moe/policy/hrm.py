@@ -288,8 +288,8 @@ def cpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, c
 def cpu_attention_kv_rate(spec: MoESpec, hw: HardwareProfile, dtype: str = "bf16") -> float:
     """Bytes of valid KV per second that (H5) allows this model's CPU attention: the KV bandwidth, or lower where the
     FLOP term binds (attn_flops_per_position FLOPs per position at the profile's CPU attention FLOP rate)."""
-    return cpu_attention_kv_time(spec, hw, 1.0, 1.0, dtype) / cpu_decode_attention_time(spec, hw, 1.0, 1.0, dtype) \
-        * hw.cpu_attention_bandwidth
+    kv, attn = cpu_attention_kv_time(spec, hw, 1.0, 1.0, dtype), cpu_decode_attention_time(spec, hw, 1.0, 1.0, dtype)
+    return hw.cpu_attention_bandwidth * kv / attn  # the seconds of one position's KV bytes over (H5)'s seconds
 
 
 def cpu_attention_kv_time(spec: MoESpec, hw: HardwareProfile, seqs: float, context: float, dtype: str = "bf16") -> float:
