@@ -249,3 +249,47 @@ def test_layer_lookahead_tokens_equal_the_schedule_without_it_bf16(tiny_dir, h2d
             ex.close()
     mism = [i for i, (a, b) in enumerate(zip(*outs)) if a != b]
     assert not mism, f"{len(mism)} of {len(prompts)} sequences differ with the look-ahead, first: {mism[0]}"
+
+
+def test_an_exception_mid_step_reaches_the_caller_and_close_joins_the_worker(tiny_dir):
+    """A failure inside a decode step, after the look-ahead has queued CPU attentions of the next layer on the worker
+    thread: the exception reaches the caller, ``close()`` returns with the worker thread joined (it neither hangs on
+    a queued attention nor leaves the thread running), and a new executor on the same weights then gives the tokens
+    of a run that never failed (bf16 greedy, one GPU-attention micro-batch)."""
+    import threading
+
+    prompts = _prompts(15, seed=5)
+    sp = DecodeSampling(max_new_tokens=12, stop_at_eos=False)
+    pol = Policy(mu=3, n=4, prefill_mu=3, resident_experts=2, n_gpu_attn=1, dtype="bf16", weight_quant="bf16")
+    w = load_checkpoint(tiny_dir, torch.bfloat16)
+
+    def run():
+        ex = CGOPipeExecutor(w, pol, "cuda")
+        try:
+            return [o for o, _ in ex.generate(prompts, sp)]
+        finally:
+            ex.close()
+
+    clean = run()
+    ex = CGOPipeExecutor(w, pol, "cuda")
+    finish, seen = ex._finish_micro_batch, {"decode": 0}
+
+    def failing(l, visit, slots, k, mb, attn, ffn):  # micro-batch 1 at layer 2 of the second decode step
+        if ex.phase == "decode":
+            seen["decode"] += 1
+            if seen["decode"] == (w.spec.num_layers + 2) * slots + 2:
+                raise RuntimeError("injected mid-step")
+        return finish(l, visit, slots, k, mb, attn, ffn)
+
+    ex._finish_micro_batch = failing
+    with pytest.raises(RuntimeError, match="injected mid-step"):
+        ex.generate(prompts, sp)
+    assert ex.attention.workers is not None
+    worker_threads = list(ex.attention.workers._threads)
+    assert worker_threads, "the worker never started"
+    closer = threading.Thread(target=ex.close, daemon=True)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "close() hung after a failed decode step"
+    assert not any(t.is_alive() for t in worker_threads), "close() left the CPU attention worker running"
+    assert run() == clean
