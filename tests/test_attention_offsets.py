@@ -104,8 +104,7 @@ def test_milp_time_equals_hrm_with_the_policy_offsets(mu, n, g):
         model.prob += model.v[m] == (g if m == mu else 0)
     r, x = divmod(R, spec.num_moe_layers)
     model.prob += model.r == r
-    for i, bt in enumerate(model.beta):
-        model.prob += bt == (x >> i) & 1
+    model.prob += model.x == x
     model.solve(1.0, 20.0)
     est = hrm.evaluate(pol, spec, hw, wl)
     flat = Workload(prompt_len=wl.prompt_len, gen_len=wl.gen_len, max_prompt_len=wl.max_prompt_len)

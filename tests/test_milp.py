@@ -275,8 +275,7 @@ def pinned_time(spec, wl, C, mu: int, n: int, R: int, g: int) -> float:
         model.prob += model.w[m] == (n if m == mu else 0)
         model.prob += model.v[m] == (g if m == mu else 0)
     model.prob += model.r == r
-    for i, bt in enumerate(model.beta):
-        model.prob += bt == (x >> i) & 1
+    model.prob += model.x == x  # (with window classes the extras' split follows: windowed layers first)
     model.solve(1.0, 20.0)
     return float(pulp.value(model.T))
 

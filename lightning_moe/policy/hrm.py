@@ -375,6 +375,15 @@ def cpu_attention_calls(mu: int) -> int:
     return min(KV_GROUPS, mu)
 
 
+def cpu_attended(spec: MoESpec, layer: int, context: float) -> float:
+    """Positions one CPU decode attention row of decoder layer ``layer`` reads at ``context`` cached positions: the
+    native kernel reads only the last ``sliding_window`` of them in a windowed layer (``MoESpec.layer_sliding_window``),
+    all of them elsewhere. At a mean context this is min(mean, window), never below the mean of the rows' own
+    min(length, window) (min is concave), so a windowed layer is not priced faster than it runs."""
+    window = spec.layer_sliding_window(layer)
+    return context if window is None else min(context, float(window))
+
+
 def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer: int, non_resident: int, context: float,
                        cpu_offset: float = 0.0, gpu_offset: float = 0.0) -> StageTimes:
     """(H2)-(H6) one decode layer at ``context`` attended positions, for ``non_resident`` paged experts.
@@ -395,7 +404,9 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     (``CGOPipeOptions.layer_lookahead``) queues each micro-batch's next-layer attention behind the others, so no
     other fill is paid per layer (before session 45 the HRM charged max(G + c_1, C + g_1), the schedule without
     it). Where the profile measured CPU attention beside pinned copies, (H5') raises the CPU and H2D stages
-    (:func:`dram_sharing`).
+    (:func:`dram_sharing`). In a sliding-window layer the CPU rows attend over :func:`cpu_attended` positions (the
+    native kernel reads the window only); GPU attention is priced over the whole context (the default "torch" GPU
+    attention reads every cached position of its length group and masks).
     """
     dt, q, g = policy.dtype, policy.weight_quant, policy.gpus
     dense = spec.is_dense_layer(layer)
@@ -407,15 +418,16 @@ def decode_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, layer
     if not dense and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)
     call = cpu_attention_calls(policy.mu) * hw.cpu_attention_overhead  # fixed cost of one CPU micro-batch
+    cc = cpu_attended(spec, layer, context + cpu_offset)  # positions a CPU row reads (the window, if any)
     # (H10) every process attends over the same CPU rows on one shared host: x g
-    cpu = (policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, context + cpu_offset, dt)) * g
+    cpu = (policy.n_cpu_attn * call + cpu_decode_attention_time(spec, hw, cpu_seqs, cc, dt)) * g
     host = decode_host_issue_time(hw, policy, spec)
     if policy.n_cpu_attn:  # one CPU micro-batch's round trip: its next-layer attention waits for its own GPU layer
-        cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, context + cpu_offset, dt)) * g
+        cpu_mb = (call + cpu_decode_attention_time(spec, hw, policy.mu, cc, dt)) * g
         cpu = max(cpu, cpu_mb + gpu_mb)  # (the MILP's chain row)
     shared = dram_sharing(hw)  # (H5'): the attention's KV reads and the layer's H2D copies
     if shared and cpu_seqs:  # share host DRAM
-        kv = cpu_attention_kv_time(spec, hw, cpu_seqs, context + cpu_offset, dt) * g
+        kv = cpu_attention_kv_time(spec, hw, cpu_seqs, cc, dt) * g
         cpu, h2d = max(cpu, kv + shared[0] * h2d), h2d + shared[1] * kv
     return StageTimes(h2d=h2d, d2h=decode_d2h_time(spec, hw, cpu_seqs, dt), cpu=cpu, gpu=gpu, host=host)
 
@@ -992,8 +1004,8 @@ def evaluate(policy: Policy, spec: MoESpec, hw: HardwareProfile, workload: Workl
     (see check_memory).
     """
     counts = policy.resident_counts(spec)
-    E, s, G = spec.num_experts, workload.prompt_len, workload.gen_len
-    keys = [(spec.is_dense_layer(i), 0 if spec.is_dense_layer(i) else E - c) for i, c in enumerate(counts)]
+    s, G = workload.prompt_len, workload.gen_len
+    keys = [_layer_key(spec, i, c) for i, c in enumerate(counts)]
     classes: dict = {}
     for k in keys:
         classes[k] = classes.get(k, 0) + 1
@@ -1065,12 +1077,19 @@ def _estimate_notes(hw: HardwareProfile, policy: Policy, G: int, probe: str) -> 
 
 
 # ---- a refilling call's steps and passes (policy.refill_schedule prices its schedule with these) -------------------
+def _layer_key(spec: MoESpec, layer: int, resident: int) -> tuple:
+    """A decoder layer's pricing class: (dense, paged experts, attention window or None); layers of one class cost the
+    same in every HRM term."""
+    dense = spec.is_dense_layer(layer)
+    return dense, 0 if dense else spec.num_experts - resident, spec.layer_sliding_window(layer)
+
+
 def _layer_classes(policy: Policy, spec: MoESpec) -> dict:
-    """(dense, paged experts) -> (first layer of that kind, layers of that kind): layers priced once per class."""
+    """:func:`_layer_key` -> (first layer of that kind, layers of that kind): layers priced once per class."""
     counts = policy.resident_counts(spec)
     out: dict = {}
     for i, c in enumerate(counts):
-        key = (spec.is_dense_layer(i), 0 if spec.is_dense_layer(i) else spec.num_experts - c)
+        key = _layer_key(spec, i, c)
         first, w = out.get(key, (i, 0))
         out[key] = (first, w + 1)
     return out

@@ -46,14 +46,18 @@ def prefill_micro_batch(mu: int, prompt_len: float, prefill_tokens: int = DEFAUL
 
 
 def _spread_resident(spec: MoESpec, total: int) -> tuple[int, ...]:
-    """``total`` resident experts spread evenly over the MoE layers (the first MoE layers get the extra; dense layers
-    none): the per-layer counts of :func:`policy_from_decisions`."""
+    """``total`` resident experts spread evenly over the MoE layers (dense layers none): the per-layer counts of
+    :func:`policy_from_decisions`. The x = total mod L_moe extra experts go to the sliding-window MoE layers first,
+    then to the others, each in layer order (without windows: the first x MoE layers). A windowed layer's CPU
+    attention is never slower than a full layer's (hrm.cpu_attended), so its pages more often bind and an extra
+    expert there saves at least as much (exactly so without (H5')'s DRAM sharing rows); milp models this rule."""
     L_moe, E = spec.num_moe_layers, spec.num_experts
     r, x = divmod(total, L_moe)
     if r > E or (r == E and x):
         raise ValueError(f"{total} resident experts exceed {L_moe} x {E}")
-    rank = {layer: j for j, layer in enumerate(spec.moe_layers)}  # MoE layer -> its rank among the MoE layers
-    return tuple(r + (1 if rank[i] < x else 0) if i in rank else 0 for i in range(spec.num_layers))
+    order = sorted(spec.moe_layers, key=lambda i: spec.layer_sliding_window(i) is None)  # stable: windowed first
+    extra = set(order[:x])
+    return tuple(r + (1 if i in extra else 0) if not spec.is_dense_layer(i) else 0 for i in range(spec.num_layers))
 
 
 def job_schedule(policy: Policy, workload: Workload, min_free: int | None = None) -> refill_schedule.Schedule:

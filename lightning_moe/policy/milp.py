@@ -335,6 +335,30 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     return C
 
 
+def window_binds(spec: MoESpec, contexts: Sequence[float], cpu_off: float) -> bool:
+    """Whether a sliding window shortens some CPU row's attention (hrm.cpu_attended) at the decode contexts
+    ``contexts`` shifted by ``cpu_off``: only then do windowed and full layers cost differently."""
+    return spec.sliding_window is not None and any(c + cpu_off > spec.sliding_window for c in contexts)
+
+
+def window_classes(spec: MoESpec, layers: Sequence[int], binds: bool) -> list:
+    """[(window, count)] of ``layers``: [(window, n)] for windowed layers first, [(None, n)] for the others; one
+    class (window None) where ``binds`` is False or the layers do not mix; [] for no layers."""
+    windowed = sum(1 for i in layers if spec.layer_sliding_window(i) is not None)
+    if not layers:
+        return []
+    if not binds or windowed == 0:
+        return [(None, len(layers))]
+    if windowed == len(layers):
+        return [(spec.sliding_window, windowed)]
+    return [(spec.sliding_window, windowed), (None, len(layers) - windowed)]
+
+
+def _tag(k: int) -> str:
+    """Row-name suffix of window class ``k``: "" for the first, "f" (full attention) for the second."""
+    return "f" if k else ""
+
+
 def _bits(limit: int) -> int:
     """Binary digits needed for integers 0..limit."""
     return max(0, int(limit).bit_length())
@@ -357,6 +381,11 @@ class _Model:
         self.cache_hits = 0  # solves the cache answered
         self.min_kv_count = min_kv_count
         self.L_moe, self.L_d, self.E = spec.num_moe_layers, spec.num_dense_layers, spec.num_experts
+        # (window or None, layers) of the MoE / dense layers: two classes where a sliding window covers some layers
+        # and binds at some decode context (hrm.cpu_attended), windowed first (jobplan._spread_resident's order)
+        binds = window_binds(spec, C.contexts, C.cpu_off)
+        self.moe_cls = window_classes(spec, spec.moe_layers, binds)
+        self.dense_cls = window_classes(spec, [i for i in range(spec.num_layers) if spec.is_dense_layer(i)], binds)
         self.prob = pulp.LpProblem("moe_lightning_policy", pulp.LpMaximize)
         self._variables()
         self._mu_choice()
@@ -389,8 +418,12 @@ class _Model:
         self.w = {m: P(f"w_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
         self.v = {m: P(f"v_{m}", lowBound=0, upBound=C.nmax[m], cat="Integer") for m in C.cands}
         self.r = P("r", lowBound=0, upBound=self.E, cat="Integer")  # experts resident in every MoE layer
-        self.nbits = _bits(self.L_moe - 1)
-        self.beta = [P(f"beta_{i}", cat="Binary") for i in range(self.nbits)]  # binary digits of x
+        if len(self.moe_cls) == 1:  # binary digits of x
+            self.digits = [[P(f"beta_{i}", cat="Binary") for i in range(_bits(self.L_moe - 1))]]
+        else:  # x = x_w + x_f, the extras of the windowed and of the full layers, each by its own digits
+            (_, L_w), (_, L_f) = self.moe_cls
+            self.digits = [[P(f"beta_w_{i}", cat="Binary") for i in range(_bits(L_w))],
+                           [P(f"beta_f_{i}", cat="Binary") for i in range(_bits(L_f - 1))]]
         self.some_extra = P("x_pos", cat="Binary")  # 1 if x > 0
         self.y_cpu = P("y_cpu", cat="Binary")  # 1 if any micro-batch attends on the CPU (n - g >= 1)
         # q_m = z_m AND y_cpu (continuous; pushed to its lower bound max(0, z_m + y_cpu - 1) by the objective)
@@ -409,7 +442,8 @@ class _Model:
         self.n_cpu = pulp.lpSum(self.w[m] - self.v[m] for m in C.cands)  # CPU-attention micro-batches (n - g)
         self.cpu_calls = pulp.lpSum(C.calls[m] * (self.w[m] - self.v[m]) for m in C.cands)  # CPU attention calls per layer
         self.N = pulp.lpSum(m * self.w[m] for m in C.cands)  # N = mu * n
-        self.x = pulp.lpSum((1 << i) * bt for i, bt in enumerate(self.beta))  # MoE layers holding r + 1 experts
+        self.x_cls = [pulp.lpSum((1 << i) * bt for i, bt in enumerate(d)) for d in self.digits]  # extras per class
+        self.x = pulp.lpSum(self.x_cls)  # MoE layers holding r + 1 experts
         self.R = self.L_moe * self.r + self.x  # resident experts in total
         g = C.gpus
         if g == 1:  # one GPU: it pages E - r experts of an r-layer (E - r - 1 of an (r + 1)-layer) and holds all R
@@ -459,6 +493,12 @@ class _Model:
         # x <= (L_moe - 1) x_pos and r + x_pos <= E: a layer can hold r + 1 only if r + 1 <= E
         self.prob += self.x <= (self.L_moe - 1) * self.some_extra, "x_pos_def"
         self.prob += self.r + self.some_extra <= self.E, "r_plus_one_le_E"
+        if len(self.moe_cls) == 2:  # extras fill the windowed layers first: x_f > 0 only when x_w = L_w
+            (_, L_w), (_, L_f) = self.moe_cls
+            full = self._var("x_full", cat="Binary")  # 1 if a full-attention layer holds an extra expert
+            self.prob += self.x_cls[0] <= L_w, "x_w_le_L_w"
+            self.prob += self.x_cls[0] >= L_w * full, "x_w_full_first"
+            self.prob += self.x_cls[1] <= (L_f - 1) * full, "x_f_def"
 
     def _aggregates(self) -> None:
         C, cands = self.C, self.C.cands
@@ -522,8 +562,9 @@ class _Model:
         self.prob += ((C.mem_expert * (self.L_moe * self.E - self.R) + C.mem_load_host) * (1 / C.cpu_cap) <= 1), "cpu_mem_load"
 
     def _layer_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable,
-                   kv: Optional[pulp.LpAffineExpression] = None) -> pulp.LpVariable:
-        """S = sum over MoE layers of max(H_l, C): L_moe - x layers at H = (E - r) wio + A, x layers at H - wio,
+                   kv: Optional[pulp.LpAffineExpression] = None, k: int = 0) -> pulp.LpVariable:
+        """S = sum over the MoE layers of window class ``k`` (``moe_cls``; L of them, x of them holding the extra
+        expert, x by ``digits[k]``) of max(H_l, C): L - x layers at H = (E - r) wio + A, x layers at H - wio,
         all with the same non-H2D stage maximum C = ``Cvar``. With host DRAM sharing (``kv``: the layer's CPU
         attention KV seconds X, (H5')), H_l becomes H_l + b X and each class also has V, U >= X + a H_l.
 
@@ -532,7 +573,7 @@ class _Model:
         bounded above by q_i <= wio beta_i, q_i <= V - U:  S >= L V - sum_i 2^i q_i.  At the optimum V, U are the
         true maxima (raising V costs L, gains at most x < L) so S is exact.
         """
-        L, wio = self.L_moe, self.C.wio
+        L, wio = self.moe_cls[k][1], self.C.wio
         P = self._var
         V, U, S = P(f"V_{name}", lowBound=0), P(f"U_{name}", lowBound=0), P(f"S_{name}", lowBound=0)
         for W, paged, cls in ((V, self.paged, "V"), (U, self.paged_extra, "U")):
@@ -540,7 +581,7 @@ class _Model:
                 self.prob += W >= row, f"{cls}_{name}_h2d" + (f"{i}" if i else "")
             self.prob += W >= Cvar, f"{cls}_{name}_rest"
         q = []
-        for i, bt in enumerate(self.beta):
+        for i, bt in enumerate(self.digits[k]):
             qi = P(f"q_{name}_{i}", lowBound=0)
             self.prob += qi <= wio * bt, f"q_{name}_{i}_bit"
             self.prob += qi <= V - U, f"q_{name}_{i}_gap"
@@ -549,12 +590,14 @@ class _Model:
         return S
 
     def _dense_sum(self, name: str, A: pulp.LpAffineExpression, Cvar: pulp.LpVariable,
-                   kv: Optional[pulp.LpAffineExpression] = None) -> pulp.LpVariable:
-        """Sd >= L_d max(A, Cd): dense layers page nothing (with ``kv``: the (H5') rows of :meth:`_h2d_rows`)."""
+                   kv: Optional[pulp.LpAffineExpression] = None, layers: Optional[int] = None) -> pulp.LpVariable:
+        """Sd >= L max(A, Cd) over ``layers`` dense layers (default all L_d): dense layers page nothing (with ``kv``:
+        the (H5') rows of :meth:`_h2d_rows`)."""
+        L = self.L_d if layers is None else layers
         Sd = self._var(f"Sd_{name}", lowBound=0)
         for i, row in enumerate(self._h2d_rows(A, kv)):
-            self.prob += Sd >= self.L_d * row, f"Sd_{name}_h2d" + (f"{i}" if i else "")
-        self.prob += Sd >= self.L_d * Cvar, f"Sd_{name}_rest"
+            self.prob += Sd >= L * row, f"Sd_{name}_h2d" + (f"{i}" if i else "")
+        self.prob += Sd >= L * Cvar, f"Sd_{name}_rest"
         return Sd
 
     def _h2d_rows(self, H, kv: Optional[pulp.LpAffineExpression]) -> list:
@@ -588,7 +631,8 @@ class _Model:
         d2h = C.pre_d2h_seq * self.N_cpu  # prompt KV of CPU-KV sequences, per layer
         # (H8) C_p >= gpu = sum_m w_m pre_moe(m) (+ dequantization);  C_p >= d2h  (no CPU stage in prefill)
         Cp = self._stage_max("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h])
-        terms = [self._layer_sum("prefill", pulp.LpAffineExpression(), Cp)]
+        terms = [self._layer_sum("prefill" + _tag(k), pulp.LpAffineExpression(), Cp, k=k)
+                 for k in range(len(self.moe_cls))]
         if self.L_d:
             Cdp = self._var("Cd_prefill", lowBound=0)
             self.prob += Cdp >= pulp.lpSum(C.pre_dense[m] * self.w[m] for m in cands), "Cdp_gpu"
@@ -598,30 +642,40 @@ class _Model:
         self.T_prefill = pulp.lpSum(terms) + pulp.lpSum(C.pre_head[m] * self.w[m] for m in cands)
 
     def _decode_step(self, t: int, c: float) -> None:
+        """Decode step t at mean context ``c``: per window class of the MoE layers (``moe_cls``) its stage maximum
+        and layer sum, per class of the dense layers the same; + the head. The CPU rows of a class attend over
+        hrm.cpu_attended positions (the window, if the class has one); the GPU rows over the whole context."""
         C = self.C
-        # (H6) C_t >= GPU + N_gpu attn_g(c) (+ dequantization);  (H5) C_t >= c K + (n - g) calls(mu) cpu_call;  (H4) C_t >= D2H
-        # one CPU micro-batch's round trip (hrm.decode_layer_times) when y_cpu = 1: C_t >= c_1(m) + g_1(m),
-        #   c_1(m) = calls(m) cpu_call + m c cpu_rate (CPU, one micro-batch), g_1(m) = mb_moe(m) (GPU, one micro-batch)
         cc = c + C.cpu_off  # context of the CPU-attention rows (the longest micro-batches)
-        c_1 = self._cpu_micro_batch(cc)
-        gpu = self.GPU + C.attn_g[c] * self.N_gpu
-        cpu = cc * self.K + C.cpu_call * self.cpu_calls
-        chain = c_1 + pulp.lpSum(C.mb_moe[m] * self.q[m] for m in C.cands)
-        host = self._host_row()
-        Ct = self._stage_max(str(t), gpu, [cpu, chain, self.D2H] + host)
-        kv = cc * C.kv_rate * self.N_cpu  # (H5') the layer's CPU attention KV seconds
-        terms = [self._layer_sum(str(t), self.A, Ct, kv)]
-        if self.L_d:
-            Cd = self._var(f"Cd_{t}", lowBound=0)
-            self.prob += Cd >= self.GPU_d + C.attn_g[c] * self.N_gpu, f"Cd_{t}_gpu"
-            self.prob += Cd >= cpu, f"Cd_{t}_cpu"
-            self.prob += Cd >= c_1 + pulp.lpSum(C.mb_dense[m] * self.q[m] for m in C.cands), f"Cd_{t}_chain"
-            self.prob += Cd >= self.D2H, f"Cd_{t}_d2h"
-            for i, row in enumerate(host):
-                self.prob += Cd >= row, f"Cd_{t}_host{i}"
-            terms.append(self._dense_sum(str(t), self.A, Cd, kv))
+        terms = []
+        for k, (window, _) in enumerate(self.moe_cls):
+            ccw = cc if window is None else min(cc, window)
+            Ct = self._decode_stage(f"{t}{_tag(k)}", c, ccw, C.mb_moe, self.GPU)
+            terms.append(self._layer_sum(f"{t}{_tag(k)}", self.A, Ct, ccw * C.kv_rate * self.N_cpu, k=k))
+        for k, (window, count) in enumerate(self.dense_cls):
+            ccw = cc if window is None else min(cc, window)
+            Cd = self._decode_stage(f"d{t}{_tag(k)}", c, ccw, C.mb_dense, self.GPU_d, dense=True)
+            terms.append(self._dense_sum(f"{t}{_tag(k)}", self.A, Cd, ccw * C.kv_rate * self.N_cpu, count))
         # (H7) step time = layers + head
         self.T_decode += pulp.lpSum(terms) + self.HEAD
+
+    def _decode_stage(self, name: str, c: float, cc: float, mb: dict, gpu_layer, dense: bool = False):
+        """The non-H2D stage maximum of one decode layer class at mean context ``c``, its CPU rows at ``cc``:
+        (H6) >= gpu_layer + N_gpu attn_g(c) (+ dequantization for MoE layers);  (H5) >= cc K + (n - g) calls(mu)
+        cpu_call;  one CPU micro-batch's round trip when y_cpu = 1 (hrm.decode_layer_times): >= c_1(m) + g_1(m),
+        c_1(m) = calls(m) cpu_call + m cc cpu_rate, g_1(m) = ``mb[m]`` (one micro-batch's GPU layer);  (H4) >= D2H;
+        (H6') >= the host row."""
+        C = self.C
+        gpu = gpu_layer + C.attn_g[c] * self.N_gpu
+        cpu = cc * self.K + C.cpu_call * self.cpu_calls
+        chain = self._cpu_micro_batch(cc) + pulp.lpSum(mb[m] * self.q[m] for m in C.cands)
+        rest = [cpu, chain, self.D2H] + self._host_row()
+        if not dense:
+            return self._stage_max(name, gpu, rest)
+        Cd = self._var(f"Cd_{name}", lowBound=0)
+        for i, row in enumerate([gpu] + rest):
+            self.prob += Cd >= row, f"Cd_{name}_{i}"
+        return Cd
 
     def _cpu_micro_batch(self, cc: float) -> pulp.LpAffineExpression:
         """One CPU micro-batch's attention seconds at CPU-row context ``cc`` when some attention is on the CPU
@@ -652,7 +706,7 @@ class _Model:
         if not found:
             raise PlanInfeasible(f"infeasible: the MILP has no solution (HiGHS: {status})")
         mu = max(self.C.cands, key=lambda m: self.z[m].varValue or 0.0)
-        x = sum((1 << i) * int(round(bt.varValue)) for i, bt in enumerate(self.beta))
+        x = sum((1 << i) * int(round(bt.varValue)) for d in self.digits for i, bt in enumerate(d))
         d = {
             "mu": mu,
             "n": int(round(self.w[mu].varValue)),

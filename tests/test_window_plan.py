@@ -1,0 +1,117 @@
+"""Sliding-window layers in the HRM and the MILP: a windowed layer's CPU attention reads at most the window
+(hrm.cpu_attended, as the native kernel does), windowed and full layers are priced as separate classes, the extra
+resident experts go to the windowed layers first (jobplan._spread_resident), and the MILP, with one layer sum per
+window class, still equals brute force over hrm.evaluate and its pinned time equals hrm's."""
+
+import collections
+import dataclasses
+import random
+
+import pytest
+
+from lightning_moe.policy import hrm, milp
+from lightning_moe.policy.hardware import get_preset
+from lightning_moe.policy.jobplan import _spread_resident
+from lightning_moe.policy.policy import Policy, Workload
+from lightning_moe.policy.registry import resolve_spec
+from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case, random_decisions
+
+
+def windowed(spec, window: int, full: tuple):
+    """``spec`` with a sliding window in every layer but ``full``."""
+    return dataclasses.replace(spec, sliding_window=window, full_attention_layers=full)
+
+
+def window_case(seed: int):
+    """random_case's spec, hardware and budgets with a window over some layers (at least one windowed and, where
+    there are two or more layers, one full), and a workload whose contexts pass the window at some decode step (at
+    every step or only at the later ones)."""
+    spec, hw, _, budgets = random_case(seed)
+    rng = random.Random(1000 + seed)
+    L = spec.num_layers
+    full = tuple(sorted(rng.sample(range(L), rng.randint(1, L - 1)))) if L > 1 else ()
+    wl = Workload(prompt_len=rng.choice([8, 16, 24]), gen_len=rng.choice([4, 6]), max_prompt_len=rng.choice([None, 30]))
+    return windowed(spec, rng.randint(3, int(wl.prompt_len) + wl.gen_len - 2), full), hw, wl, budgets
+
+
+def test_cpu_attended_is_the_window_in_a_windowed_layer_and_the_context_elsewhere():
+    spec = windowed(resolve_spec("mixtral-8x7b"), 128, (1, 3))
+    assert hrm.cpu_attended(spec, 0, 500.0) == 128.0 and hrm.cpu_attended(spec, 0, 100.0) == 100.0
+    assert hrm.cpu_attended(spec, 1, 500.0) == 500.0
+    assert hrm.cpu_attended(resolve_spec("mixtral-8x7b"), 0, 500.0) == 500.0
+
+
+def test_a_windowed_layer_costs_a_full_layer_at_the_window_on_the_cpu_only():
+    """At a context past the window a windowed layer's CPU stage equals a full layer's at the window (the KV it reads,
+    (H5') included); the GPU stage (torch GPU attention reads the whole cache) and the H2D stage keep the context."""
+    spec = windowed(resolve_spec("gpt-oss-120b").with_layers(4), 128, (1, 3))
+    hw = get_preset("h200")
+    pol = Policy(mu=64, n=4, prefill_mu=8, resident_experts=0, n_gpu_attn=1)
+    win_far = hrm.decode_layer_times(spec, hw, pol, 0, spec.num_experts, 900.0)
+    full_at_w = hrm.decode_layer_times(spec, hw, pol, 1, spec.num_experts, 128.0)
+    full_far = hrm.decode_layer_times(spec, hw, pol, 1, spec.num_experts, 900.0)
+    assert win_far.cpu == pytest.approx(full_at_w.cpu, rel=1e-12) and win_far.cpu < 0.5 * full_far.cpu
+    assert win_far.gpu == pytest.approx(full_far.gpu, rel=1e-12) and win_far.gpu > full_at_w.gpu
+    assert win_far.h2d == pytest.approx(full_far.h2d, rel=1e-12)
+
+
+def test_evaluate_prices_windowed_and_full_layers_apart():
+    """hrm.evaluate over a model with windowed and full layers equals the weighted sum of the two classes' layer times
+    (each at its own CPU context): not the full layers' time everywhere, not the windowed layers' everywhere (a
+    CPU-bound policy: every expert resident, no GPU attention, contexts of 1,000)."""
+    base = dataclasses.replace(resolve_spec("gpt-oss-120b").with_layers(4), sliding_window=None, full_attention_layers=())
+    hw = get_preset("h200")
+    wl = Workload(prompt_len=1000, gen_len=3)
+    pol = Policy(mu=256, n=4, prefill_mu=8, resident_experts=base.num_experts, n_gpu_attn=0)
+    mix = windowed(base, 128, (1, 3))
+    mixed, allwin, nowin = (hrm.evaluate(pol, s, hw, wl).decode_time for s in (mix, windowed(base, 128, ()), base))
+    assert allwin < 0.9 * mixed and mixed < 0.9 * nowin
+    head = hrm.decode_head_time(base, hw, pol)
+    want = sum(2 * (hrm.decode_layer_times(mix, hw, pol, 0, 0, c).time + hrm.decode_layer_times(mix, hw, pol, 1, 0, c).time)
+               + head for c in (1001, 1002))
+    assert mixed == pytest.approx(want, rel=1e-12)
+
+
+def test_extra_resident_experts_go_to_windowed_layers_first():
+    spec = windowed(resolve_spec("gpt-oss-120b").with_layers(6), 128, (1, 3, 5))
+    assert _spread_resident(spec, 6 * 2 + 2) == (3, 2, 3, 2, 2, 2)
+    assert _spread_resident(spec, 6 * 2 + 4) == (3, 3, 3, 2, 3, 2)
+    # no window: the first x MoE layers, as before
+    assert _spread_resident(resolve_spec("mixtral-8x7b").with_layers(4), 4 * 3 + 2) == (4, 4, 3, 3)
+
+
+def test_milp_equals_brute_force_with_windowed_and_full_layers():
+    """Random tiny models with a window that the decode contexts pass in some layers (and dense layers in some):
+    the MILP's optimum equals the best policy of the grid by hrm.evaluate, CPU attention in some of them."""
+    cands, n_max = [2, 4, 8], 3
+    seen = collections.Counter()
+    for seed in range(30):
+        spec, hw, wl, budgets = window_case(seed)
+        assert milp.window_binds(spec, [wl.prompt_len + t for t in range(1, wl.gen_len)], 0.0)
+        got = _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed)
+        if got is None:
+            continue
+        bf = got[2][1]
+        seen["solved"] += 1
+        seen["cpu-attn"] += bf.n_cpu_attn > 0
+    assert seen["solved"] >= 10 and seen["cpu-attn"] >= 2, seen
+
+
+def test_milp_time_equals_hrm_for_fixed_decisions_with_windowed_layers():
+    """Every decision pinned (uneven spreads included: the extras' split between the classes follows the windowed-
+    first rule): the MILP's minimal T equals hrm.evaluate's total time on models with windowed and full layers."""
+    rng = random.Random(11)
+    checked = 0
+    for seed in range(12):
+        spec, hw, wl, budgets = window_case(seed)
+        # a slower GPU, as test_milp's pinned test: a toy head of ~1e-7 s sits inside HiGHS's feasibility tolerance
+        hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
+        budgets = dataclasses.replace(budgets, gpu_memory=1 << 40, cpu_memory=1 << 40)
+        cands = [2, 4, 8]
+        C = milp._coefficients(spec, hw, wl, budgets, cands, 4, wl.kv_positions(1))
+        for mu, n, R, g in random_decisions(spec, rng, cands, count=4):
+            pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
+            want = hrm.evaluate(pol, spec, hw, wl).total_time
+            assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
+            checked += 1
+    assert checked >= 30
