@@ -16,7 +16,10 @@ Per decode step t the layer time is max(H_l, C_t) with H_l the host->device time
 on its resident count) and C_t = max(d2h, cpu, gpu) (the same for every MoE layer). With the even
 spread there are two layer classes, so the sum over layers is (L - x) max(H_r, C_t) + x max(H_r - wio, C_t);
 the product of x with the bounded gap between the two maxima is linearized through x's binary digits
-(see _Model._layer_sum), exactly. Every HRM term that multiplies sequences (CPU/GPU attention, small
+(see _Model._layer_sum), exactly. Sliding-window layers whose window the decode contexts pass (gpt-oss) read less on
+the CPU (hrm.cpu_attended): windowed and full MoE layers are then two window classes, each with its own C_t and its
+own digits for its share of x (the extras go to the windowed layers first: jobplan._spread_resident), so the sum
+has four terms, still exact (window_classes). Every HRM term that multiplies sequences (CPU/GPU attention, small
 transfers) is linear in them, so it enters as a per-sequence constant times N_cpu or N_gpu.
 
 After solving, the policy is re-evaluated with hrm.evaluate and every memory constraint re-checked with
