@@ -82,7 +82,8 @@ def test_cgopipe_cpu_grouped_kv_equals_serial(tiny_dir, mu, n, kv_groups):
 
 def test_cgopipe_cpu_attention_bytes_and_stage_parts(tiny_dir):
     """The decode report counts the valid K/V bytes CPU attention read (every row, every layer, the new token
-    included) and splits the CPU attention stage into its parts (waiting for q/k/v, compute, pinning)."""
+    included), splits the CPU attention stage into its parts (waiting for q/k/v, compute, pinning) and times the
+    micro-batches' KV cache allocation (outside the phases)."""
     prompts = _prompts(5, seed=3)
     gen = 4
     w = load_checkpoint(tiny_dir, torch.float32)
@@ -97,6 +98,7 @@ def test_cgopipe_cpu_attention_bytes_and_stage_parts(tiny_dir):
     assert st["cpu_attention_valid_kv_bytes"] == want
     parts = st["cpu_attention_wait_qkv"] + st["cpu_attention_compute"] + st["cpu_attention_pin"]
     assert st["cpu_attention_compute"] > 0 and abs(parts - st["cpu_attention"]) < 1e-6 + 1e-3 * st["cpu_attention"]
+    assert 0 < st["kv_cache_alloc"] < ex.stats.decode_seconds + ex.stats.prefill_seconds + 60  # the caches' allocation
     from lightning_moe.kernels.cpu_attention import native_available
 
     if native_available():  # the kernel's own split: one parallel region per (layer, CPU micro-batch, decode step)

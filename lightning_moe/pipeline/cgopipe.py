@@ -141,7 +141,10 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         min_free = self.opts.refill_min_free or plan or default_min_free(self.policy.N)
         table = SlotTable(caps, self.policy.N, min_free)
         # slot s holds table.caps[s] positions; micro-batches of slots grouped by capacity, mb.rows their slots
+        t0 = time.perf_counter()
         mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
+        # outside the phases (the report's other, run): the caches of every slot, allocated once per call
+        self.stats.extra["kv_cache_alloc"] = self.stats.extra.get("kv_cache_alloc", 0.0) + time.perf_counter() - t0
         table.place([mb.rows for mb in mbs])
         tokens = []  # per micro-batch, the token each row feeds the next decode step
         for mb in mbs:
