@@ -14,7 +14,8 @@ from lightning_moe.policy.hardware import get_preset
 from lightning_moe.policy.jobplan import _spread_resident
 from lightning_moe.policy.policy import Policy, Workload
 from lightning_moe.policy.registry import resolve_spec
-from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case, random_decisions
+from tests.test_dram_sharing import shared
+from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case, random_decisions, tiny_spec
 
 
 def windowed(spec, window: int, full: tuple):
@@ -41,18 +42,26 @@ def test_cpu_attended_is_the_window_in_a_windowed_layer_and_the_context_elsewher
     assert hrm.cpu_attended(resolve_spec("mixtral-8x7b"), 0, 500.0) == 500.0
 
 
-def test_a_windowed_layer_costs_a_full_layer_at_the_window_on_the_cpu_only():
-    """At a context past the window a windowed layer's CPU stage equals a full layer's at the window (the KV it reads,
-    (H5') included); the GPU stage (torch GPU attention reads the whole cache) and the H2D stage keep the context."""
-    spec = windowed(resolve_spec("gpt-oss-120b").with_layers(4), 128, (1, 3))
-    hw = get_preset("h200")
-    pol = Policy(mu=64, n=4, prefill_mu=8, resident_experts=0, n_gpu_attn=1)
-    win_far = hrm.decode_layer_times(spec, hw, pol, 0, spec.num_experts, 900.0)
-    full_at_w = hrm.decode_layer_times(spec, hw, pol, 1, spec.num_experts, 128.0)
-    full_far = hrm.decode_layer_times(spec, hw, pol, 1, spec.num_experts, 900.0)
-    assert win_far.cpu == pytest.approx(full_at_w.cpu, rel=1e-12) and win_far.cpu < 0.5 * full_far.cpu
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_windowed_layer_costs_a_full_layer_at_the_window_on_the_cpu_only(dense):
+    """At a context past the window a windowed layer's CPU stage equals a full layer's at the window, (H5')'s KV term
+    included (a profile with the sharing point, whose rows bind for a paging MoE layer); the GPU stage (torch GPU
+    attention reads the whole cache) keeps the context. A dense layer (its MLP resident) the same. Mixtral's width
+    with a window: its CPU attention is bound by KV bytes, so the sharing rows move it."""
+    spec = windowed(resolve_spec("mixtral-8x7b").with_layers(4), 128, (1, 3))
+    if dense:
+        spec = dataclasses.replace(spec, dense_layers=(0, 1), dense_intermediate_size=spec.intermediate_size)
+    hw = shared(get_preset("h200"), 0.3, 0.5)
+    pol = Policy(mu=256, n=4, prefill_mu=8, resident_experts=0, n_gpu_attn=1)
+    paged = 0 if dense else spec.num_experts
+    win_far = hrm.decode_layer_times(spec, hw, pol, 0, paged, 900.0)
+    full_at_w = hrm.decode_layer_times(spec, hw, pol, 1, paged, 128.0)
+    full_far = hrm.decode_layer_times(spec, hw, pol, 1, paged, 900.0)
+    alone = hrm.decode_layer_times(spec, get_preset("h200"), pol, 1, paged, 900.0)
+    assert dense or full_far.cpu > alone.cpu * 1.5  # the sharing rows bind: the KV term is in the CPU stage
+    assert win_far.cpu == pytest.approx(full_at_w.cpu, rel=1e-12) and win_far.cpu < 0.6 * full_far.cpu
+    assert win_far.h2d == pytest.approx(full_at_w.h2d, rel=1e-12)  # (H5'): Y + b X, X the window's KV seconds
     assert win_far.gpu == pytest.approx(full_far.gpu, rel=1e-12) and win_far.gpu > full_at_w.gpu
-    assert win_far.h2d == pytest.approx(full_far.h2d, rel=1e-12)
 
 
 def test_evaluate_prices_windowed_and_full_layers_apart():
@@ -97,21 +106,57 @@ def test_milp_equals_brute_force_with_windowed_and_full_layers():
     assert seen["solved"] >= 10 and seen["cpu-attn"] >= 2, seen
 
 
+def test_window_binds_at_the_cpu_rows_context():
+    """The window binds when some CPU row's context (mean + the CPU rows' offset) passes it, not only the mean's."""
+    spec = windowed(tiny_spec(L=2), 12, (1,))
+    assert not milp.window_binds(spec, [9, 10, 11], 0.0)
+    assert milp.window_binds(spec, [9, 10, 11], 1.5)
+    assert not milp.window_binds(dataclasses.replace(spec, sliding_window=None), [90], 5.0)
+
+
+def _pinned_case(seed: int, rng: random.Random):
+    """A windowed model of 2-6 layers (dense layers, windowed or full, in some), a toy profile with a slow GPU (see
+    below) and, by seed, (H5')'s sharing point, skewed prompt lengths (CPU rows longer than the mean) and two GPUs."""
+    spec, hw, wl, budgets = window_case(seed)
+    L = rng.randint(2, 6)
+    dense = rng.choice([0, 0, 1, 2]) if L > 2 else 0
+    full = tuple(sorted(rng.sample(range(L), rng.randint(1, L - 1))))
+    spec = windowed(tiny_spec(L=L, E=rng.choice([3, 4, 5]), dense=dense, shared=rng.choice([0, 1])),
+                    spec.sliding_window, full)
+    # a slower GPU, as test_milp's pinned test: a toy head of ~1e-7 s sits inside HiGHS's feasibility tolerance
+    hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
+    if seed % 2:
+        hw = shared(hw, rng.uniform(0.2, 0.8), rng.uniform(0.2, 0.8))
+    if seed % 3 == 0:  # skewed prompts: the CPU rows (the longest micro-batches) attend past the mean
+        lens = [max(1, int(wl.prompt_len * rng.uniform(0.1, 3))) for _ in range(rng.randint(8, 30))]
+        wl = dataclasses.replace(Workload.from_lengths(lens, wl.gen_len), num_requests=None)
+    budgets = dataclasses.replace(budgets, gpu_memory=1 << 40, cpu_memory=1 << 40, gpus=2 if seed % 4 == 1 else 1)
+    return spec, hw, wl, budgets
+
+
 def test_milp_time_equals_hrm_for_fixed_decisions_with_windowed_layers():
     """Every decision pinned (uneven spreads included: the extras' split between the classes follows the windowed-
-    first rule): the MILP's minimal T equals hrm.evaluate's total time on models with windowed and full layers."""
+    first rule), the model built with the policy's own attention-context offsets: the MILP's minimal T equals
+    hrm.evaluate's total time on models of 2-6 layers with windowed and full layers, dense layers in some, (H5')'s
+    sharing rows, skewed prompts and two GPUs in some. Also where the window binds only at the CPU rows' context."""
     rng = random.Random(11)
-    checked = 0
-    for seed in range(12):
-        spec, hw, wl, budgets = window_case(seed)
-        # a slower GPU, as test_milp's pinned test: a toy head of ~1e-7 s sits inside HiGHS's feasibility tolerance
-        hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
-        budgets = dataclasses.replace(budgets, gpu_memory=1 << 40, cpu_memory=1 << 40)
+    seen = collections.Counter()
+    for seed in range(24):
+        spec, hw, wl, budgets = _pinned_case(seed, rng)
         cands = [2, 4, 8]
-        C = milp._coefficients(spec, hw, wl, budgets, cands, 4, wl.kv_positions(1))
-        for mu, n, R, g in random_decisions(spec, rng, cands, count=4):
+        for mu, n, R, g in random_decisions(spec, rng, cands, count=5):
             pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
+            off = wl.attention_context_offsets(pol.N, mu, n, g)
+            cmax = wl.prompt_len + wl.gen_len - 1
+            if seed % 3 == 0 and off[0] >= 2 and seen["offset only"] < 8:  # the window passed only by the CPU rows
+                spec = dataclasses.replace(spec, sliding_window=int(cmax + off[0] / 2))
+                pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
+                seen["offset only"] += 1
+            C = milp._coefficients(spec, hw, wl, budgets, cands, 4, wl.kv_positions(1), off)
             want = hrm.evaluate(pol, spec, hw, wl).total_time
             assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
-            checked += 1
-    assert checked >= 30
+            seen["checked"] += 1
+            seen["two classes"] += len(milp._Model(spec, wl, C).moe_cls) == 2
+            seen["sharing"] += hrm.dram_sharing(hw) is not None and pol.n_cpu_attn > 0
+    assert seen["checked"] >= 80 and seen["two classes"] >= 30 and seen["sharing"] >= 15, seen
+    assert seen["offset only"] >= 3, seen

@@ -5,15 +5,17 @@ Decisions (all MILP variables; MoE-Lightning Sec. 4 policy search, DESIGN.md "Th
   w_m   integer, w_m = z_m n (z_m <= w_m <= nmax_m z_m): the number of micro-batches n = sum w_m
   v_m   integer, v_m = z_m g (v_m <= w_m): micro-batches with GPU attention + GPU KV, g = sum v_m
   r     integer experts resident in every MoE layer; beta_i binary digits of x: x MoE layers hold one more
-        (R = L_moe r + x resident experts, spread evenly -- for a given R the even spread is optimal because
-        each layer's time max(H_l, C) is convex in its resident count and memory only sees R)
+        (R = L_moe r + x resident experts, spread evenly: jobplan._spread_resident. Without window classes the
+        even spread is optimal for a given R (each layer's time max(H_l, C) is convex in its resident count; the
+        page buffers follow the most-paged layer, which the even spread minimizes). With windowed and full layers
+        an uneven spread can be faster (hrm.evaluate prefers it in some plans); the planner searches even spreads only)
 The products mu * n and mu * g are linear through the disaggregated w_m, v_m (N = sum m w_m), no big-M on n.
 Objective: max N G / (T_prefill + T_decode), a ratio: Dinkelbach iterations solve
 max N G - lambda T exactly (HiGHS, zero gap; PuLP builds the model, _solve_highs hands it to highspy) and update lambda to the ratio of the solution until the
 optimum of the parametric problem is 0 (Dinkelbach 1967, "On nonlinear fractional programming").
 
 Per decode step t the layer time is max(H_l, C_t) with H_l the host->device time of layer l (it depends
-on its resident count) and C_t = max(d2h, cpu, gpu) (the same for every MoE layer). With the even
+on its resident count) and C_t = max(d2h, cpu, gpu) (the same for every MoE layer of a window class). With the even
 spread there are two layer classes, so the sum over layers is (L - x) max(H_r, C_t) + x max(H_r - wio, C_t);
 the product of x with the bounded gap between the two maxima is linearized through x's binary digits
 (see _Model._layer_sum), exactly. Sliding-window layers whose window the decode contexts pass (gpt-oss) read less on
@@ -123,7 +125,8 @@ def prefill_chunk_tokens(prefill_mu: int, max_prompt_len: int, prefill_tokens: i
 
 
 def policy_from_decisions(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int, n: int, resident_total: int, n_gpu_attn: int) -> Policy:
-    """The Policy of one point of the decision space: R resident experts spread evenly (first MoE layers get the extra;
+    """The Policy of one point of the decision space: R resident experts spread evenly (jobplan._spread_resident: the
+    extra ones to windowed MoE layers first, then in layer order;
     dense layers none)."""
     counts = _spread_resident(spec, resident_total)
     return Policy(mu=mu, n=n, prefill_mu=prefill_micro_batch(mu, workload.prompt_len), resident_experts=counts,
@@ -574,7 +577,8 @@ class _Model:
         V >= (E - r) wio + A, V >= C  (layers holding r);  U >= (E - r - 1) wio + A, U >= C  (layers holding r + 1)
         sum = (L - x) V + x U = L V - x (V - U), with 0 <= V - U <= wio; x (V - U) = sum_i 2^i beta_i (V - U) is
         bounded above by q_i <= wio beta_i, q_i <= V - U:  S >= L V - sum_i 2^i q_i.  At the optimum V, U are the
-        true maxima (raising V costs L, gains at most x < L) so S is exact.
+        true maxima (raising V costs L and gains at most x <= L; with x = L, a window class holding the extra in
+        every layer, S >= L U, the true sum) so S is exact.
         """
         L, wio = self.moe_cls[k][1], self.C.wio
         P = self._var
