@@ -302,3 +302,24 @@ def test_milp_time_equals_hrm_for_fixed_decisions(quant):
             assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
             checked += 1
     assert checked >= 20
+
+
+def test_two_gpus_in_tight_memory_plan_what_brute_force_finds():
+    """Two GPUs (expert parallelism), budgets of a few experts: where brute force over hrm finds a policy, the plan
+    equals it, and where it finds none, the plan refuses in one line. The pre-check (`diagnose`) once counted the
+    GPU's growth per resident expert for one GPU: it asserted (no residency fitting by its count) or refused a plan
+    that fits."""
+    cands, n_max = [2, 4, 8], 3
+    seen = collections.Counter()
+    for seed in range(40):
+        rng = random.Random(500 + seed)
+        spec = tiny_spec(L=rng.choice([3, 4, 5]), E=rng.choice([4, 5]), dense=rng.choice([0, 1]))
+        _, hw, wl, _ = random_case(seed)
+        quant = rng.choice(["int4", "bf16"])
+        ne, We = spec.non_expert_bytes(), spec.expert_bytes(quant)
+        budgets = Budgets(gpu_memory=int(ne + rng.uniform(4, 3 * spec.num_layers + 6) * We + rng.uniform(0, 4e5)),
+                          cpu_memory=int(rng.uniform(3, 3 * spec.num_layers + 6) * We + rng.uniform(1e5, 6e5)),
+                          gpu_reserve=0, cpu_reserve=0, gpus=2, weight_quant=quant)
+        got = _milp_matches_brute_force(spec, hw, wl, budgets, cands, n_max, seed)
+        seen["planned" if got else "refused"] += 1
+    assert seen["planned"] >= 10 and seen["refused"] >= 1, seen

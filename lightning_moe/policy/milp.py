@@ -163,6 +163,26 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
+def _least_host(spec: MoESpec, workload: Workload, budgets: Budgets, pol, fitting: list) -> "hrm.MemoryEstimate":
+    """Of the n = 1 policies ``pol(R, g)`` that fit the GPU, the least host peak found: ``fitting`` (exact estimates
+    that fit, at least one) and, per g, the most experts the GPU can hold by a linear count (R even over layers:
+    each GPU grows by We / gpus per expert and shrinks by 2 We / gpus each time every layer gains one, as both page
+    buffers shrink), walked down by exact estimates to the first R that fits (the count is approximate where several
+    GPUs share a layer's experts)."""
+    L_moe, E, gpus, cap = spec.num_moe_layers, spec.num_experts, budgets.gpus, _cap(budgets.gpu_memory)
+    We = spec.expert_bytes(budgets.weight_quant) / gpus
+    best = min(fitting, key=lambda m: m.cpu_peak)
+    for g in (0, 1):
+        base = hrm.memory_estimate(pol(0, g), spec, workload)
+        R = max((R for R in range(L_moe * E + 1) if base.gpu_peak + R * We - (R // L_moe) * 2 * We <= cap), default=-1)
+        for R in range(R, max(-1, R - 2 * L_moe - 1), -1):
+            m = hrm.memory_estimate(pol(R, g), spec, workload)
+            if m.gpu_peak <= cap:
+                best = min(best, m, key=lambda e: e.cpu_peak)
+                break
+    return best
+
+
 def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> None:
     """Raise PlanInfeasible naming what does not fit, for the smallest policy (mu, n = 1), if even that fails.
 
@@ -191,20 +211,7 @@ def diagnose(spec: MoESpec, workload: Workload, budgets: Budgets, mu: int) -> No
         raise PlanInfeasible(
             f"infeasible: GPU memory {_gib(budgets.gpu_memory)} < {_gib(best.gpu_peak)} needed for non-expert weights ({_gib(w)}) "
             f"+ {what} ({_gib(buf)}) + activations for {mu} sequence(s) ({_gib(act)}) + reserve ({_gib(bd['allocator reserve'])})")
-    # Host: the most experts the GPU can hold at n = 1 (R even over layers: the GPU grows by We per expert
-    # and shrinks by 2 We each time every layer gains one, as both page buffers shrink), KV wherever it fits.
-    We = spec.expert_bytes(budgets.weight_quant)
-    Wshrink = 2 * We
-    best_cpu: Optional[hrm.MemoryEstimate] = None
-    for g in (0, 1):
-        base = hrm.memory_estimate(pol(0, g), spec, workload)
-        fits = [R for R in range(L_moe * E + 1)
-                if base.gpu_peak + R * We - (R // L_moe) * Wshrink <= _cap(budgets.gpu_memory)]
-        if fits:
-            m = hrm.memory_estimate(pol(max(fits), g), spec, workload)
-            if m.gpu_peak <= _cap(budgets.gpu_memory) and (best_cpu is None or m.cpu_peak < best_cpu.cpu_peak):
-                best_cpu = m
-    assert best_cpu is not None  # R = 0, g = 0 fits the GPU (checked above)
+    best_cpu = _least_host(spec, workload, budgets, pol, [m for m in gpu_opts if m.gpu_peak <= _cap(budgets.gpu_memory)])
     if best_cpu.cpu_peak > _cap(budgets.cpu_memory) and best_cpu.cpu_peak_phase == "load":
         c = best_cpu.cpu_load
         layer = c["one layer's experts (host, as read)"]
