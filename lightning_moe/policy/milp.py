@@ -661,15 +661,18 @@ class _Model:
         hrm.cpu_attended positions (the window, if the class has one); the GPU rows over the whole context."""
         C = self.C
         cc = c + C.cpu_off  # context of the CPU-attention rows (the longest micro-batches)
-        terms = []
+        terms, moe, dense = [], {}, {}  # CPU-row context -> its stage maximum: classes that the window does not
+        #   shorten at this step (cc <= window) share one
         for k, (window, _) in enumerate(self.moe_cls):
             ccw = cc if window is None else min(cc, window)
-            Ct = self._decode_stage(f"{t}{_tag(k)}", c, ccw, C.mb_moe, self.GPU)
-            terms.append(self._layer_sum(f"{t}{_tag(k)}", self.A, Ct, ccw * C.kv_rate * self.N_cpu, k=k))
+            if ccw not in moe:
+                moe[ccw] = self._decode_stage(f"{t}{_tag(k)}", c, ccw, C.mb_moe, self.GPU)
+            terms.append(self._layer_sum(f"{t}{_tag(k)}", self.A, moe[ccw], ccw * C.kv_rate * self.N_cpu, k=k))
         for k, (window, count) in enumerate(self.dense_cls):
             ccw = cc if window is None else min(cc, window)
-            Cd = self._decode_stage(f"d{t}{_tag(k)}", c, ccw, C.mb_dense, self.GPU_d, dense=True)
-            terms.append(self._dense_sum(f"{t}{_tag(k)}", self.A, Cd, ccw * C.kv_rate * self.N_cpu, count))
+            if ccw not in dense:
+                dense[ccw] = self._decode_stage(f"d{t}{_tag(k)}", c, ccw, C.mb_dense, self.GPU_d, dense=True)
+            terms.append(self._dense_sum(f"{t}{_tag(k)}", self.A, dense[ccw], ccw * C.kv_rate * self.N_cpu, count))
         # (H7) step time = layers + head
         self.T_decode += pulp.lpSum(terms) + self.HEAD
 
