@@ -12,7 +12,7 @@ import pytest
 from lightning_moe.policy import hrm, milp
 from lightning_moe.policy.hardware import get_preset
 from lightning_moe.policy.jobplan import _spread_resident
-from lightning_moe.policy.policy import Policy, Workload
+from lightning_moe.policy.policy import Budgets, Policy, Workload
 from lightning_moe.policy.registry import resolve_spec
 from tests.test_dram_sharing import shared
 from tests.test_milp import _milp_matches_brute_force, pinned_time, random_case, random_decisions, tiny_spec
@@ -160,3 +160,60 @@ def test_milp_time_equals_hrm_for_fixed_decisions_with_windowed_layers():
             seen["sharing"] += hrm.dram_sharing(hw) is not None and pol.n_cpu_attn > 0
     assert seen["checked"] >= 80 and seen["two classes"] >= 30 and seen["sharing"] >= 15, seen
     assert seen["offset only"] >= 3, seen
+
+
+def test_prefill_attends_within_the_window():
+    """hrm.prefill_attended counts the query-key pairs a causal prompt attends, each token over at most the window;
+    a windowed layer's prefill GPU stage is the full layer's less the pairs outside the window."""
+    for s in (1, 5, 12, 13, 40):
+        for W in (None, 1, 12, 64):
+            want = sum(i if W is None else min(i, W) for i in range(1, s + 1))
+            assert hrm.prefill_attended(s, W) == want, (s, W)
+    spec = windowed(resolve_spec("gpt-oss-120b").with_layers(2), 128, (1,))
+    hw, pol = get_preset("h200"), Policy(mu=64, n=2, prefill_mu=16, resident_experts=0)
+    win, full = (hrm.prefill_layer_times(spec, hw, pol, layer, spec.num_experts, 4000.0) for layer in (0, 1))
+    attn = hrm.gpu_prefill_attention_time  # per prefill micro-batch of 16 rows, 8 of them
+    assert full.gpu - win.gpu == pytest.approx(8 * (attn(spec, hw, 16, 4000.0) - attn(spec, hw, 16, 4000.0, window=128)),
+                                               rel=1e-9)
+    assert win.gpu < 0.9 * full.gpu and win.h2d == full.h2d  # long prompts: attention FLOPs bind
+    short = [hrm.prefill_layer_times(spec, hw, pol, layer, spec.num_experts, 100.0).gpu for layer in (0, 1)]
+    assert short[0] == short[1]  # prompts within the window: no difference
+
+
+def test_milp_equals_hrm_for_one_new_token_past_the_window():
+    """A generation of one new token (no decode step) over prompts longer than the window: the prefill alone makes
+    windowed and full layers differ, and the MILP's pinned time and optimum equal hrm.evaluate's."""
+    rng = random.Random(5)
+    checked = 0
+    for seed in range(8):
+        spec, hw, _, budgets = window_case(seed)
+        wl = Workload(prompt_len=24, gen_len=1)
+        spec = dataclasses.replace(spec, sliding_window=rng.randint(3, 20))
+        assert milp.window_binds(spec, [], 0.0, wl.prompt_len)
+        _milp_matches_brute_force(spec, hw, wl, budgets, [2, 4, 8], 3, seed)
+        hw = dataclasses.replace(hw, gpu_hbm_bandwidth=hw.pcie_h2d * rng.uniform(1, 10))
+        pinned_budgets = dataclasses.replace(budgets, gpu_memory=1 << 40, cpu_memory=1 << 40)
+        C = milp._coefficients(spec, hw, wl, pinned_budgets, [2, 4, 8], 4, wl.kv_positions(1))
+        for mu, n, R, g in random_decisions(spec, rng, [2, 4, 8]):
+            pol = milp.policy_from_decisions(spec, wl, pinned_budgets, mu, n, R, g)
+            want = hrm.evaluate(pol, spec, hw, wl).total_time
+            assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(want, rel=1e-6), (seed, mu, n, R, g)
+            checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.parametrize("gen", [1, 3])
+def test_milp_prices_a_windowed_prefill_at_real_width(gen):
+    """gpt-oss-120b's width, a windowed and a full layer, prompts of 4,000 tokens (prefill attention FLOP-bound): the
+    MILP's pinned time equals hrm.evaluate's, whose prefill is cheaper than with the window ignored."""
+    spec = windowed(resolve_spec("gpt-oss-120b").with_layers(2), 128, (1,))
+    hw = get_preset("h200")
+    wl = Workload(prompt_len=4000, gen_len=gen)
+    budgets = Budgets(gpu_memory=1 << 40, cpu_memory=1 << 40, gpu_reserve=0, cpu_reserve=0, weight_quant="mxfp4")
+    C = milp._coefficients(spec, hw, wl, budgets, [16, 64], 4, wl.kv_positions(1))
+    for mu, n, R, g in ((16, 2, 0, 0), (64, 1, 3, 1), (16, 3, 129, 1)):
+        pol = milp.policy_from_decisions(spec, wl, budgets, mu, n, R, g)
+        est = hrm.evaluate(pol, spec, hw, wl)
+        full = hrm.evaluate(pol, dataclasses.replace(spec, sliding_window=None, full_attention_layers=()), hw, wl)
+        assert est.prefill_time < full.prefill_time * (1 - 1e-3)
+        assert pinned_time(spec, wl, C, mu, n, R, g) == pytest.approx(est.total_time, rel=1e-6), (mu, n, R, g)

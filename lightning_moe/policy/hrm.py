@@ -242,15 +242,27 @@ def gpu_decode_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, c
                     seqs * (context * per_pos + (spec.attn_query_elems + spec.attn_output_elems + kv) * b), P, B)
 
 
-def gpu_prefill_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, prompt_len: float, dtype: str = "bf16") -> float:
-    """Causal prefill attention (fused kernel) of ``seqs`` prompts of ``prompt_len`` tokens (one layer).
+def prefill_attended(prompt_len: float, window: "int | None" = None) -> float:
+    """Query-key pairs of causal attention over a prompt of ``prompt_len`` tokens: s (s + 1) / 2, or with a sliding
+    window W < s (each token sees at most the last W): W (W + 1) / 2 + (s - W) W (the fused kernels skip the key
+    blocks before a query block's window)."""
+    s = prompt_len
+    if window is None or s <= window:
+        return s * (s + 1) / 2
+    return window * (window + 1) / 2 + (s - window) * window
 
-    FLOPs S * s (s + 1) / 2 * prefill_attn_flops_per_position; bytes S s (q_size + kv + Hq v_hd) b.
+
+def gpu_prefill_attention_time(spec: MoESpec, hw: HardwareProfile, seqs: float, prompt_len: float, dtype: str = "bf16",
+                               window: "int | None" = None) -> float:
+    """Causal prefill attention (fused kernel) of ``seqs`` prompts of ``prompt_len`` tokens (one layer; ``window``:
+    the layer's sliding window, None for full attention).
+
+    FLOPs S * :func:`prefill_attended` * prefill_attn_flops_per_position; bytes S s (q_size + kv + Hq v_hd) b.
     """
     b = dtype_bytes(dtype)
     P, B = _gpu(hw, dtype)
     s = prompt_len
-    flops = seqs * s * (s + 1) / 2 * spec.prefill_attn_flops_per_position
+    flops = seqs * prefill_attended(s, window) * spec.prefill_attn_flops_per_position
     nbytes = seqs * s * (spec.q_size + spec.kv_elems_per_token + spec.num_heads * spec.value_head_dim) * b
     return roofline(flops, nbytes, P, B)
 
@@ -482,7 +494,8 @@ def prefill_layer_times(spec: MoESpec, hw: HardwareProfile, policy: Policy, laye
     mbs = pass_prefill_chunks(policy, rows)
     for count, size in mbs:
         tokens = size * prompt_len
-        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g, prefill=True) + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt)
+        gpu += count * (gpu_layer_time(spec, hw, tokens, dense, dt, q, g, prefill=True)
+                        + gpu_prefill_attention_time(spec, hw, size, prompt_len, dt, spec.layer_sliding_window(layer))
                         + (0.0 if dense else gpu_prefill_elementwise_time(spec, hw, tokens, dt)))
     if not dense and mbs and q in QUANT_FORMATS:  # all E experts (this GPU's share: H10) dequantized once per layer visit
         gpu += gpu_dequant_time(spec, hw, paged_per_gpu(spec.num_experts, g), q, dt)

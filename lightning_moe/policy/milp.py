@@ -246,6 +246,8 @@ class _Coeffs:
     head: dict  # m -> decode head seconds of one micro-batch
     pre_moe: dict  # m -> prefill GPU seconds per MoE layer per decode micro-batch (m / pmu prefill micro-batches)
     pre_dense: dict  # m -> same for a dense layer
+    pre_moe_w: dict  # m -> pre_moe of a sliding-window layer (its prefill attention over the window: hrm.prefill_attended)
+    pre_dense_w: dict  # m -> same for a dense sliding-window layer
     pre_head: dict  # m -> prefill head seconds per decode micro-batch
     attn_g: dict  # c -> GPU decode attention seconds per sequence at context c
     cpu_rate: float  # CPU decode attention seconds per sequence per attended position
@@ -295,7 +297,7 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     contexts = [s + t for t in range(1, G)]
     kv_seq = kv_len * hrm.kv_bytes_per_position(spec, dt)
     host = hrm.host_issue_times(hw, spec, q)  # (h_c, h_g) of the job's host probe (its family and expert format)
-    C = _Coeffs(cands=list(cands), calls={m: hrm.cpu_attention_calls(m) for m in cands}, pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_head={},
+    C = _Coeffs(cands=list(cands), calls={m: hrm.cpu_attention_calls(m) for m in cands}, pmu={}, nmax={}, mb_moe={}, mb_dense={}, head={}, pre_moe={}, pre_dense={}, pre_moe_w={}, pre_dense_w={}, pre_head={},
                 attn_g={c: hrm.gpu_decode_attention_time(spec, hw, 1, c + offsets[1], dt) for c in contexts},
                 cpu_off=offsets[0],
                 cpu_rate=hrm.cpu_decode_attention_time(spec, hw, 1, 1, dt) * g, cpu_call=hw.cpu_attention_overhead * g,
@@ -324,10 +326,10 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q, g)
         C.head[m] = hrm.gpu_head_time(spec, hw, m, m, dt)
         chunks = hrm.prefill_micro_batches(m, p)  # prefill micro-batches per decode micro-batch: (count, rows)
-        C.pre_moe[m] = sum(k * (hrm.gpu_layer_time(spec, hw, r * s, False, dt, q, g, prefill=True)
-                                + hrm.gpu_prefill_attention_time(spec, hw, r, s, dt)) for k, r in chunks)
-        C.pre_dense[m] = sum(k * (hrm.gpu_layer_time(spec, hw, r * s, True, dt, q, g, prefill=True)
-                                  + hrm.gpu_prefill_attention_time(spec, hw, r, s, dt)) for k, r in chunks)
+        for pre, dense in ((C.pre_moe, False), (C.pre_dense, True), (C.pre_moe_w, False), (C.pre_dense_w, True)):
+            window = spec.sliding_window if pre is C.pre_moe_w or pre is C.pre_dense_w else None
+            pre[m] = sum(k * (hrm.gpu_layer_time(spec, hw, r * s, dense, dt, q, g, prefill=True)
+                              + hrm.gpu_prefill_attention_time(spec, hw, r, s, dt, window)) for k, r in chunks)
         C.pre_head[m] = sum(k * hrm.gpu_head_time(spec, hw, r, r * s, dt) for k, r in chunks)
         slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
         C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q), workload.sampling)
@@ -348,10 +350,13 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
     return C
 
 
-def window_binds(spec: MoESpec, contexts: Sequence[float], cpu_off: float) -> bool:
+def window_binds(spec: MoESpec, contexts: Sequence[float], cpu_off: float, prompt_len: float = 0.0) -> bool:
     """Whether a sliding window shortens some CPU row's attention (hrm.cpu_attended) at the decode contexts
-    ``contexts`` shifted by ``cpu_off``: only then do windowed and full layers cost differently."""
-    return spec.sliding_window is not None and any(c + cpu_off > spec.sliding_window for c in contexts)
+    ``contexts`` shifted by ``cpu_off``, or the prefill attention of a ``prompt_len``-token prompt
+    (hrm.prefill_attended; a job of one new token has no decode step): only then do windowed and full layers cost
+    differently."""
+    W = spec.sliding_window
+    return W is not None and (prompt_len > W or any(c + cpu_off > W for c in contexts))
 
 
 def window_classes(spec: MoESpec, layers: Sequence[int], binds: bool) -> list:
@@ -396,7 +401,7 @@ class _Model:
         self.L_moe, self.L_d, self.E = spec.num_moe_layers, spec.num_dense_layers, spec.num_experts
         # (window or None, layers) of the MoE / dense layers: two classes where a sliding window covers some layers
         # and binds at some decode context (hrm.cpu_attended), windowed first (jobplan._spread_resident's order)
-        binds = window_binds(spec, C.contexts, C.cpu_off)
+        binds = window_binds(spec, C.contexts, C.cpu_off, workload.prompt_len)
         self.moe_cls = window_classes(spec, spec.moe_layers, binds)
         self.dense_cls = window_classes(spec, [i for i in range(spec.num_layers) if spec.is_dense_layer(i)], binds)
         self.prob = pulp.LpProblem("moe_lightning_policy", pulp.LpMaximize)
@@ -643,15 +648,19 @@ class _Model:
     def _prefill_time(self) -> None:
         C, cands = self.C, self.C.cands
         d2h = C.pre_d2h_seq * self.N_cpu  # prompt KV of CPU-KV sequences, per layer
-        # (H8) C_p >= gpu = sum_m w_m pre_moe(m) (+ dequantization);  C_p >= d2h  (no CPU stage in prefill)
-        Cp = self._stage_max("prefill", pulp.lpSum(C.pre_moe[m] * self.w[m] for m in cands), [d2h])
-        terms = [self._layer_sum("prefill" + _tag(k), pulp.LpAffineExpression(), Cp, k=k)
-                 for k in range(len(self.moe_cls))]
-        if self.L_d:
-            Cdp = self._var("Cd_prefill", lowBound=0)
-            self.prob += Cdp >= pulp.lpSum(C.pre_dense[m] * self.w[m] for m in cands), "Cdp_gpu"
-            self.prob += Cdp >= d2h, "Cdp_d2h"
-            terms.append(self._dense_sum("prefill", pulp.LpAffineExpression(), Cdp))
+        # (H8) per window class: C_p >= gpu = sum_m w_m pre_moe(m) (+ dequantization; a windowed class's attention
+        #   over its window: pre_moe_w);  C_p >= d2h  (no CPU stage in prefill)
+        terms = []
+        for k, (window, _) in enumerate(self.moe_cls):
+            pre = C.pre_moe if window is None else C.pre_moe_w
+            Cp = self._stage_max("prefill" + _tag(k), pulp.lpSum(pre[m] * self.w[m] for m in cands), [d2h])
+            terms.append(self._layer_sum("prefill" + _tag(k), pulp.LpAffineExpression(), Cp, k=k))
+        for k, (window, count) in enumerate(self.dense_cls):
+            pre = C.pre_dense if window is None else C.pre_dense_w
+            Cdp = self._var("Cd_prefill" + _tag(k), lowBound=0)
+            self.prob += Cdp >= pulp.lpSum(pre[m] * self.w[m] for m in cands), "Cdp_gpu" + _tag(k)
+            self.prob += Cdp >= d2h, "Cdp_d2h" + _tag(k)
+            terms.append(self._dense_sum("prefill" + _tag(k), pulp.LpAffineExpression(), Cdp, None, count))
         # T_prefill = sum over layers + head (not overlapped)
         self.T_prefill = pulp.lpSum(terms) + pulp.lpSum(C.pre_head[m] * self.w[m] for m in cands)
 
