@@ -390,8 +390,9 @@ def cpu_attention_calls(mu: int) -> int:
 def cpu_attended(spec: MoESpec, layer: int, context: float) -> float:
     """Positions one CPU decode attention row of decoder layer ``layer`` reads at ``context`` cached positions: the
     native kernel reads only the last ``sliding_window`` of them in a windowed layer (``MoESpec.layer_sliding_window``),
-    all of them elsewhere. At a mean context this is min(mean, window), never below the mean of the rows' own
-    min(length, window) (min is concave), so a windowed layer is not priced faster than it runs."""
+    all of them elsewhere. At a mean context this is min(mean, window), which is at least the mean of the rows' own
+    min(length, window) (min is concave): where the rows' lengths straddle the window the term charges more than they
+    read, so it is not a strict bound there (the whole context, charged before, was further from one)."""
     window = spec.layer_sliding_window(layer)
     return context if window is None else min(context, float(window))
 
