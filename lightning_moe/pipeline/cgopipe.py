@@ -56,7 +56,7 @@ from .expert_ffn import expert_ffn, expert_ffn_for
 from .prefill import CGOPipePrefill, PrefillChunk
 from .refill import SlotTable, commit_live, reset_slots
 from .sampling import DecodeRows
-from .stage_stats import StageTimer
+from .stage_stats import StageTimer, add_counts
 from .weight_stream import WeightStream, packed_layout
 
 # re-exported where callers have always found them (the engine's refusals, the FFN choice, the batch pieces)
@@ -144,7 +144,7 @@ class CGOPipeExecutor(CGOPipePrefill, Executor):
         t0 = time.perf_counter()
         mbs = self._micro_batches([range(c) for c in table.caps], 0, True, self.policy.mu)
         # outside the phases (the report's other, run): the caches of every slot, allocated once per call
-        self.stats.extra["kv_cache_alloc"] = self.stats.extra.get("kv_cache_alloc", 0.0) + time.perf_counter() - t0
+        add_counts(self.stats.extra, {"kv_cache_alloc": time.perf_counter() - t0})
         table.place([mb.rows for mb in mbs])
         tokens = []  # per micro-batch, the token each row feeds the next decode step
         for mb in mbs:

@@ -326,10 +326,10 @@ def _coefficients(spec: MoESpec, hw: HardwareProfile, workload: Workload, budget
         C.mb_dense[m] = hrm.gpu_layer_time(spec, hw, m, True, dt, q, g)
         C.head[m] = hrm.gpu_head_time(spec, hw, m, m, dt)
         chunks = hrm.prefill_micro_batches(m, p)  # prefill micro-batches per decode micro-batch: (count, rows)
-        for pre, dense in ((C.pre_moe, False), (C.pre_dense, True), (C.pre_moe_w, False), (C.pre_dense_w, True)):
-            window = spec.sliding_window if pre is C.pre_moe_w or pre is C.pre_dense_w else None
-            pre[m] = sum(k * (hrm.gpu_layer_time(spec, hw, r * s, dense, dt, q, g, prefill=True)
-                              + hrm.gpu_prefill_attention_time(spec, hw, r, s, dt, window)) for k, r in chunks)
+        for dense, full, windowed in ((False, C.pre_moe, C.pre_moe_w), (True, C.pre_dense, C.pre_dense_w)):
+            layer = sum(k * hrm.gpu_layer_time(spec, hw, r * s, dense, dt, q, g, prefill=True) for k, r in chunks)
+            full[m], windowed[m] = (layer + sum(k * hrm.gpu_prefill_attention_time(spec, hw, r, s, dt, w) for k, r in chunks)
+                                    for w in (None, spec.sliding_window))
         C.pre_head[m] = sum(k * hrm.gpu_head_time(spec, hw, r, r * s, dt) for k, r in chunks)
         slack = 1 + hrm.FRAGMENTATION  # transient workspaces are budgeted with their fragmentation allowance
         C.mem_ws_dec[m] = slack * 2 * hrm.micro_batch_workspace(spec, m, m, dt, hrm.expert_groups(q), workload.sampling)
@@ -362,9 +362,9 @@ def window_binds(spec: MoESpec, contexts: Sequence[float], cpu_off: float, promp
 def window_classes(spec: MoESpec, layers: Sequence[int], binds: bool) -> list:
     """[(window, count)] of ``layers``: [(window, n)] for windowed layers first, [(None, n)] for the others; one
     class (window None) where ``binds`` is False or the layers do not mix; [] for no layers."""
-    windowed = sum(1 for i in layers if spec.layer_sliding_window(i) is not None)
     if not layers:
         return []
+    windowed = sum(1 for i in layers if spec.layer_sliding_window(i) is not None)
     if not binds or windowed == 0:
         return [(None, len(layers))]
     if windowed == len(layers):
